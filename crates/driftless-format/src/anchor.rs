@@ -1,0 +1,186 @@
+//! Anchors: full checkpoints, stored either as plain safetensors files or in the compressed
+//! byte-plane form defined here, which decodes to the identical safetensors bytes.
+//!
+//! ```text
+//! shard := "DLA1" u8 version(=1) u8 0 u8 0 u8 0
+//!          u64le decoded_size  u64le header_len  u64le header_stored_len  u32le chunk_count
+//!          chunk_count x ( u64le offset  u64le len  u8 width  w x u64le plane_stored_len )
+//!          zstd(header bytes)  then for each chunk its w zstd-compressed byte planes
+//! ```
+//! The header is the file's first `header_len` bytes (length prefix + JSON). Chunks cover the
+//! data section exactly, in order; a chunk never spans two tensors, so its width is the
+//! tensor's element size. Splitting bytes into planes separates the well-compressible sign and
+//! exponent bytes of floats from the noisy mantissa bytes.
+
+use rayon::prelude::*;
+
+use crate::checkpoint::parse_safetensors_header;
+use crate::delta::{from_planes, to_planes};
+use crate::{Error, Result};
+
+const MAGIC: &[u8; 4] = b"DLA1";
+const CHUNK: usize = 16 << 20;
+/// Largest decoded shard accepted.
+pub const MAX_SHARD: u64 = 1 << 40;
+
+fn bad(d: impl Into<String>) -> Error {
+    Error::corrupt("anchor shard", d)
+}
+
+/// Compresses a safetensors file's bytes into the byte-plane form.
+pub fn encode_shard(file: &[u8], level: i32) -> Result<Vec<u8>> {
+    let (data_start, tensors, _) = parse_safetensors_header(file)?;
+    // Chunks: (offset, len, width), covering data_start..file.len() exactly.
+    let mut chunks: Vec<(usize, usize, usize)> = vec![];
+    let mut at = data_start;
+    for (t, r) in &tensors {
+        let (s, e) = (data_start + r.start, data_start + r.end);
+        if s > at {
+            chunks.push((at, s - at, 1));
+        }
+        if s < at {
+            return Err(Error::invalid("overlapping tensors"));
+        }
+        let w = t.dtype.size();
+        let per = (CHUNK / w) * w;
+        let mut c = s;
+        while c < e {
+            let l = per.min(e - c);
+            chunks.push((c, l, w));
+            c += l;
+        }
+        at = e;
+    }
+    if at < file.len() {
+        chunks.push((at, file.len() - at, 1));
+    }
+    let header_z = zstd::bulk::compress(&file[..data_start], level).map_err(|e| Error::invalid(format!("zstd: {e}")))?;
+    let planes: Vec<Vec<Vec<u8>>> = chunks
+        .par_iter()
+        .map(|&(o, l, w)| {
+            let mut p = Vec::with_capacity(l);
+            to_planes(&file[o..o + l], w, &mut p);
+            let n = l / w;
+            (0..w)
+                .map(|i| zstd::bulk::compress(&p[i * n..(i + 1) * n], level).map_err(|e| Error::invalid(format!("zstd: {e}"))))
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<_>>()?;
+    let mut out = Vec::new();
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&[1, 0, 0, 0]);
+    out.extend_from_slice(&(file.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(data_start as u64).to_le_bytes());
+    out.extend_from_slice(&(header_z.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
+    for ((o, l, w), p) in chunks.iter().zip(&planes) {
+        out.extend_from_slice(&(*o as u64).to_le_bytes());
+        out.extend_from_slice(&(*l as u64).to_le_bytes());
+        out.push(*w as u8);
+        for plane in p {
+            out.extend_from_slice(&(plane.len() as u64).to_le_bytes());
+        }
+    }
+    out.extend_from_slice(&header_z);
+    for p in &planes {
+        for plane in p {
+            out.extend_from_slice(plane);
+        }
+    }
+    Ok(out)
+}
+
+struct Cur<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+impl<'a> Cur<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let e = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or_else(|| bad("truncated"))?;
+        let s = &self.b[self.at..e];
+        self.at = e;
+        Ok(s)
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+}
+
+/// Decodes a byte-plane shard into `out`, which must be exactly the declared decoded size
+/// (the manifest's `decoded_size`; the caller allocates or maps it). Chunks decode in parallel.
+pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
+    let mut c = Cur { b: stored, at: 0 };
+    if c.take(4)? != MAGIC {
+        return Err(bad("bad magic"));
+    }
+    if c.take(4)?[0] != 1 {
+        return Err(bad("unsupported version"));
+    }
+    let size = c.u64()?;
+    if size != out.len() as u64 || size > MAX_SHARD {
+        return Err(bad(format!("decoded size {size} does not match the expected {}", out.len())));
+    }
+    let header_len = c.u64()?;
+    let header_stored = c.u64()?;
+    let n = u32::from_le_bytes(c.take(4)?.try_into().expect("4")) as usize;
+    if header_len > size || n > (stored.len() / 17) {
+        return Err(bad("bad header length or chunk count"));
+    }
+    let mut table = Vec::with_capacity(n);
+    let mut expect = header_len;
+    for _ in 0..n {
+        let o = c.u64()?;
+        let l = c.u64()?;
+        let w = c.take(1)?[0] as u64;
+        if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l % w != 0 || l > size - o {
+            return Err(bad("chunk table is not contiguous or has a bad width"));
+        }
+        expect = o + l;
+        let mut lens = Vec::with_capacity(w as usize);
+        for _ in 0..w {
+            lens.push(c.u64()?);
+        }
+        table.push((o as usize, l as usize, w as usize, lens));
+    }
+    if expect != size {
+        return Err(bad("chunks do not cover the file"));
+    }
+    let hz = c.take(usize::try_from(header_stored).map_err(|_| bad("size"))?)?;
+    let (head, mut rest) = out.split_at_mut(header_len as usize);
+    let got = zstd::bulk::Decompressor::new()
+        .and_then(|mut d| d.decompress_to_buffer(hz, head))
+        .map_err(|e| bad(format!("header: {e}")))?;
+    if got != head.len() {
+        return Err(bad("header size mismatch"));
+    }
+    let mut jobs = Vec::with_capacity(n);
+    for (_, l, w, lens) in &table {
+        let (dst, r) = rest.split_at_mut(*l);
+        rest = r;
+        let mut planes = Vec::with_capacity(*w);
+        for &pl in lens {
+            planes.push(c.take(usize::try_from(pl).map_err(|_| bad("size"))?)?);
+        }
+        jobs.push((dst, *w, planes));
+    }
+    if c.at != stored.len() {
+        return Err(bad("trailing bytes"));
+    }
+    jobs.into_par_iter().try_for_each(|(dst, w, planes)| {
+        let n = dst.len() / w;
+        let mut d = zstd::bulk::Decompressor::new().map_err(|e| bad(e.to_string()))?;
+        if w == 1 {
+            let got = d.decompress_to_buffer(planes[0], dst).map_err(|e| bad(format!("zstd: {e}")))?;
+            return if got == n { Ok(()) } else { Err(bad("plane size mismatch")) };
+        }
+        let mut scratch = vec![0u8; dst.len()];
+        for (i, p) in planes.iter().enumerate() {
+            let got = d.decompress_to_buffer(p, &mut scratch[i * n..(i + 1) * n]).map_err(|e| bad(format!("zstd: {e}")))?;
+            if got != n {
+                return Err(bad("plane size mismatch"));
+            }
+        }
+        from_planes(&scratch, w, dst);
+        Ok(())
+    })
+}

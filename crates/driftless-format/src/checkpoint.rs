@@ -1,0 +1,567 @@
+//! Safetensors files and sharded Hugging Face checkpoint directories, memory-mapped.
+//!
+//! A [`Checkpoint`] is read-only (publisher snapshots, `driftless diff`, hashing). A
+//! [`CheckpointMut`] maps the same files writable so deltas are applied in place, or creates a
+//! fresh checkpoint of a given [`Layout`] (anchor decode, layout-changing deltas).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File, OpenOptions};
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use memmap2::{Mmap, MmapMut};
+use serde::{Deserialize, Serialize};
+
+use crate::tensor::validate_file_name;
+use crate::{DType, Error, Result, TensorMeta, TensorView};
+
+/// Name of the shard index file of a sharded Hugging Face checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Largest safetensors header accepted (bytes), as in the safetensors crate.
+const MAX_HEADER: usize = 100_000_000;
+
+/// One shard file and its tensors in data order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardLayout {
+    /// File name inside the checkpoint directory (`model-00001-of-00004.safetensors`).
+    pub file: String,
+    /// Tensors in the order of their data in the file.
+    pub tensors: Vec<TensorMeta>,
+    /// The safetensors `__metadata__` map of the file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<BTreeMap<String, String>>,
+}
+
+/// How tensors are split into shard files. Two checkpoints with equal layouts have identical
+/// safetensors headers, so a delta between them is applied in place.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Layout {
+    /// Shards in file-name order.
+    pub shards: Vec<ShardLayout>,
+}
+
+impl Layout {
+    /// A layout for a flat list of tensors: one file `model.safetensors` when the total is
+    /// under `max_shard_bytes`, else `model-0000k-of-0000n.safetensors` files of at most that
+    /// size (a tensor larger than the limit gets a shard of its own), as Hugging Face does.
+    pub fn for_tensors(tensors: &[TensorMeta], max_shard_bytes: u64) -> Result<Self> {
+        let mut groups: Vec<Vec<TensorMeta>> = vec![];
+        let mut cur = 0u64;
+        for t in tensors {
+            let n = t.nbytes()?;
+            if groups.is_empty() || (cur > 0 && cur + n > max_shard_bytes) {
+                groups.push(vec![]);
+                cur = 0;
+            }
+            groups.last_mut().expect("pushed").push(t.clone());
+            cur += n;
+        }
+        if groups.is_empty() {
+            groups.push(vec![]);
+        }
+        let n = groups.len();
+        let meta = Some(BTreeMap::from([("format".to_string(), "pt".to_string())]));
+        let shards = groups
+            .into_iter()
+            .enumerate()
+            .map(|(i, tensors)| ShardLayout {
+                file: if n == 1 {
+                    "model.safetensors".into()
+                } else {
+                    format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+                },
+                tensors,
+                metadata: meta.clone(),
+            })
+            .collect();
+        Ok(Layout { shards })
+    }
+
+    /// All tensors, shard by shard.
+    pub fn tensors(&self) -> impl Iterator<Item = &TensorMeta> {
+        self.shards.iter().flat_map(|s| s.tensors.iter())
+    }
+
+    /// Checks names, shapes and uniqueness (used on layouts read from manifests).
+    pub fn validate(&self) -> Result<()> {
+        let mut seen_files = std::collections::HashSet::new();
+        let mut seen = std::collections::HashSet::new();
+        for s in &self.shards {
+            validate_file_name(&s.file)?;
+            if !s.file.ends_with(".safetensors") || s.file == INDEX_FILE {
+                return Err(Error::invalid(format!("shard file {:?} is not a .safetensors", s.file)));
+            }
+            if !seen_files.insert(s.file.as_str()) {
+                return Err(Error::invalid(format!("shard file {:?} listed twice", s.file)));
+            }
+            for t in &s.tensors {
+                t.validate()?;
+                if !seen.insert(t.name.as_str()) {
+                    return Err(Error::invalid(format!("tensor {:?} listed twice", t.name)));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Safetensors header bytes (8-byte length prefix + JSON padded to 8 bytes) of one shard,
+    /// plus the data offsets of its tensors.
+    pub fn shard_header(shard: &ShardLayout) -> Result<(Vec<u8>, Vec<Range<u64>>)> {
+        let mut json = String::from("{");
+        let mut first = true;
+        if let Some(m) = &shard.metadata {
+            json.push_str("\"__metadata__\":");
+            json.push_str(&serde_json::to_string(m).expect("string map serializes"));
+            first = false;
+        }
+        let mut off = 0u64;
+        let mut ranges = Vec::with_capacity(shard.tensors.len());
+        for t in &shard.tensors {
+            let n = t.nbytes()?;
+            if !first {
+                json.push(',');
+            }
+            first = false;
+            json.push_str(&serde_json::to_string(&t.name).expect("string serializes"));
+            json.push_str(&format!(
+                ":{{\"dtype\":\"{}\",\"shape\":{},\"data_offsets\":[{},{}]}}",
+                t.dtype.as_str(),
+                serde_json::to_string(&t.shape).expect("vec serializes"),
+                off,
+                off + n
+            ));
+            ranges.push(off..off + n);
+            off += n;
+        }
+        json.push('}');
+        while json.len() % 8 != 0 {
+            json.push(' ');
+        }
+        let mut out = Vec::with_capacity(8 + json.len());
+        out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+        out.extend_from_slice(json.as_bytes());
+        Ok((out, ranges))
+    }
+
+    /// Total size in bytes of each shard file.
+    pub fn shard_sizes(&self) -> Result<Vec<u64>> {
+        self.shards
+            .iter()
+            .map(|s| {
+                let (h, r) = Layout::shard_header(s)?;
+                Ok(h.len() as u64 + r.last().map(|r| r.end).unwrap_or(0))
+            })
+            .collect()
+    }
+}
+
+/// Parses a safetensors header from the start of `buf`: returns the data start offset, the
+/// tensors in data order with their byte ranges relative to the data start, and the metadata.
+/// Every offset is checked against the buffer, so a hostile file cannot point outside it.
+pub fn parse_safetensors_header(
+    buf: &[u8],
+) -> Result<(usize, Vec<(TensorMeta, Range<usize>)>, Option<BTreeMap<String, String>>)> {
+    let bad = |d: String| Error::corrupt("safetensors file", d);
+    if buf.len() < 8 {
+        return Err(bad("shorter than 8 bytes".into()));
+    }
+    let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
+    if n > MAX_HEADER as u64 || 8 + n as usize > buf.len() {
+        return Err(bad(format!("header length {n} out of range")));
+    }
+    let (_, meta) = safetensors::SafeTensors::read_metadata(buf).map_err(|e| bad(e.to_string()))?;
+    let start = 8 + n as usize;
+    let data_len = buf.len() - start;
+    let mut v = Vec::new();
+    for (name, info) in meta.tensors() {
+        let dtype = DType::from_safetensors(info.dtype)?;
+        let shape: Vec<u64> = info.shape.iter().map(|&d| d as u64).collect();
+        let (a, b) = info.data_offsets;
+        if a > b || b > data_len {
+            return Err(bad(format!("tensor {name}: offsets {a}..{b} outside data of {data_len}")));
+        }
+        let t = TensorMeta { name: name.clone(), dtype, shape };
+        t.validate().map_err(|e| bad(e.to_string()))?;
+        if t.nbytes()? != (b - a) as u64 {
+            return Err(bad(format!("tensor {name}: size does not match dtype and shape")));
+        }
+        v.push((t, a..b));
+    }
+    v.sort_by(|x, y| (x.1.start, &x.0.name).cmp(&(y.1.start, &y.0.name)));
+    let md = meta.metadata().as_ref().map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
+    Ok((start, v, md))
+}
+
+struct Shard {
+    file: String,
+    map: Mmap,
+    data_start: usize,
+    tensors: Vec<(TensorMeta, Range<usize>)>,
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+/// A read-only, memory-mapped checkpoint: one safetensors file or a Hugging Face directory.
+pub struct Checkpoint {
+    root: PathBuf,
+    shards: Vec<Shard>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint").field("root", &self.root).field("shards", &self.shards.len()).finish()
+    }
+}
+
+/// The shard files of a checkpoint path: `[(dir, file)]`.
+pub fn shard_files(path: &Path) -> Result<Vec<(PathBuf, String)>> {
+    let md = fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if md.is_file() {
+        let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        let file = path
+            .file_name()
+            .and_then(|f| f.to_str())
+            .ok_or_else(|| Error::invalid(format!("bad file name {}", path.display())))?;
+        return Ok(vec![(dir, file.to_string())]);
+    }
+    let index = path.join(INDEX_FILE);
+    let mut files: Vec<String> = if index.exists() {
+        let bytes = fs::read(&index).map_err(|e| Error::io(&index, e))?;
+        #[derive(Deserialize)]
+        struct Index {
+            weight_map: BTreeMap<String, String>,
+        }
+        let idx: Index = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::corrupt("checkpoint index", format!("{}: {e}", index.display())))?;
+        let mut f: Vec<String> = idx.weight_map.into_values().collect();
+        f.sort();
+        f.dedup();
+        f
+    } else {
+        let mut f = vec![];
+        for e in fs::read_dir(path).map_err(|e| Error::io(path, e))? {
+            let e = e.map_err(|e| Error::io(path, e))?;
+            let name = e.file_name().to_string_lossy().to_string();
+            if name.ends_with(".safetensors") && !name.starts_with('.') {
+                f.push(name);
+            }
+        }
+        f.sort();
+        f
+    };
+    if files.is_empty() {
+        return Err(Error::invalid(format!("no .safetensors files in {}", path.display())));
+    }
+    for f in &files {
+        validate_file_name(f)?;
+    }
+    files.dedup();
+    Ok(files.into_iter().map(|f| (path.to_path_buf(), f)).collect())
+}
+
+impl Checkpoint {
+    /// Opens a safetensors file or a checkpoint directory (with or without
+    /// `model.safetensors.index.json`), mapping every shard read-only.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let mut shards = vec![];
+        let mut seen = std::collections::HashSet::new();
+        for (dir, file) in shard_files(path)? {
+            let p = dir.join(&file);
+            let f = File::open(&p).map_err(|e| Error::io(&p, e))?;
+            // SAFETY: the file is mapped read-only; driftless never truncates checkpoint files
+            // while a map is alive. Another process truncating it would fault, as with any mmap.
+            let map = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(&p, e))?;
+            let (data_start, tensors, metadata) = parse_safetensors_header(&map)
+                .map_err(|e| Error::corrupt("safetensors file", format!("{}: {e}", p.display())))?;
+            for (t, _) in &tensors {
+                if !seen.insert(t.name.clone()) {
+                    return Err(Error::invalid(format!("tensor {} appears in two shards", t.name)));
+                }
+            }
+            shards.push(Shard { file, map, data_start, tensors, metadata });
+        }
+        Ok(Checkpoint { root: path.to_path_buf(), shards })
+    }
+
+    /// The path it was opened from.
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    /// The shard layout.
+    pub fn layout(&self) -> Layout {
+        Layout {
+            shards: self
+                .shards
+                .iter()
+                .map(|s| ShardLayout {
+                    file: s.file.clone(),
+                    tensors: s.tensors.iter().map(|(t, _)| t.clone()).collect(),
+                    metadata: s.metadata.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Views of all tensors, shard by shard in data order.
+    pub fn views(&self) -> Vec<TensorView<'_>> {
+        self.shards
+            .iter()
+            .flat_map(|s| {
+                s.tensors.iter().map(move |(t, r)| TensorView {
+                    name: &t.name,
+                    dtype: t.dtype,
+                    shape: &t.shape,
+                    data: &s.map[s.data_start + r.start..s.data_start + r.end],
+                })
+            })
+            .collect()
+    }
+
+    /// Raw bytes of each shard file, with its file name.
+    pub fn shard_bytes(&self) -> Vec<(&str, &[u8])> {
+        self.shards.iter().map(|s| (s.file.as_str(), &s.map[..])).collect()
+    }
+
+    /// Total bytes of tensor data.
+    pub fn data_bytes(&self) -> u64 {
+        self.views().iter().map(|v| v.data.len() as u64).sum()
+    }
+}
+
+/// Writes `model.safetensors.index.json` for a multi-shard layout (no-op for one shard).
+pub fn write_index(dir: &Path, layout: &Layout) -> Result<()> {
+    if layout.shards.len() <= 1 {
+        return Ok(());
+    }
+    let mut total = 0u64;
+    let mut map = BTreeMap::new();
+    for s in &layout.shards {
+        for t in &s.tensors {
+            total += t.nbytes()?;
+            map.insert(t.name.clone(), s.file.clone());
+        }
+    }
+    let v = serde_json::json!({"metadata": {"total_size": total}, "weight_map": map});
+    let p = dir.join(INDEX_FILE);
+    fs::write(&p, serde_json::to_vec_pretty(&v).expect("json")).map_err(|e| Error::io(&p, e))
+}
+
+/// Writes a whole checkpoint of `layout` into `dir` from tensor views (by name), then fsyncs.
+/// Used by tests, the CLI and the publisher's anchor writer.
+pub fn write_checkpoint(dir: &Path, layout: &Layout, tensors: &[TensorView<'_>]) -> Result<()> {
+    let by_name: HashMap<&str, &TensorView<'_>> = tensors.iter().map(|t| (t.name, t)).collect();
+    let mut ck = CheckpointMut::create(dir, layout)?;
+    {
+        let tm = ck.tensors_mut();
+        for t in layout.tensors() {
+            let v = by_name
+                .get(t.name.as_str())
+                .ok_or_else(|| Error::invalid(format!("tensor {} missing", t.name)))?;
+            if v.dtype != t.dtype || v.shape != t.shape.as_slice() {
+                return Err(Error::invalid(format!("tensor {} does not match layout", t.name)));
+            }
+            tm.with_range_mut(&t.name, 0, v.data.len() as u64, |dst| dst.copy_from_slice(v.data))?;
+        }
+    }
+    ck.flush()
+}
+
+struct RawTensor {
+    dtype: DType,
+    ptr: *mut u8,
+    len: usize,
+}
+
+/// Writable tensor buffers addressed by name, shared across threads. Writers must claim the
+/// byte range they write ([`TensorsMut::with_range_mut`]); overlapping claims are refused, so
+/// a hostile delta that lists the same range twice is an error rather than a data race.
+pub struct TensorsMut<'a> {
+    map: HashMap<String, RawTensor>,
+    claims: Mutex<HashMap<String, BTreeMap<u64, u64>>>,
+    _life: PhantomData<&'a mut [u8]>,
+}
+
+// SAFETY: the raw pointers come from `&'a mut [u8]` borrows held for 'a; all writes go through
+// `with_range_mut`, which hands out disjoint ranges only (checked under the claims mutex).
+unsafe impl Send for TensorsMut<'_> {}
+unsafe impl Sync for TensorsMut<'_> {}
+
+impl<'a> TensorsMut<'a> {
+    /// An empty set.
+    pub fn new() -> Self {
+        TensorsMut { map: HashMap::new(), claims: Mutex::new(HashMap::new()), _life: PhantomData }
+    }
+
+    /// Adds a caller-owned buffer (used by the Python binding to patch arrays in place).
+    pub fn insert(&mut self, name: &str, dtype: DType, data: &'a mut [u8]) {
+        self.map.insert(name.to_string(), RawTensor { dtype, ptr: data.as_mut_ptr(), len: data.len() });
+    }
+
+    /// Dtype and byte length of a tensor.
+    pub fn info(&self, name: &str) -> Option<(DType, usize)> {
+        self.map.get(name).map(|t| (t.dtype, t.len))
+    }
+
+    /// Forgets all claims (between independent passes over the same buffers).
+    pub fn reset_claims(&self) {
+        self.claims.lock().expect("claims lock").clear();
+    }
+
+    /// Reads bytes `[start, start+len)` of a tensor. Only call for ranges this thread has
+    /// claimed or while no writer is active.
+    pub fn read_range(&self, name: &str, start: u64, len: u64) -> Result<&[u8]> {
+        let t = self.map.get(name).ok_or_else(|| Error::corrupt("delta", format!("unknown tensor {name}")))?;
+        let end = start.checked_add(len).filter(|&e| e <= t.len as u64).ok_or_else(|| {
+            Error::corrupt("delta", format!("range {start}+{len} outside tensor {name} of {} bytes", t.len))
+        })?;
+        // SAFETY: in bounds (checked above); the pointer is valid for 'a.
+        Ok(unsafe { std::slice::from_raw_parts(t.ptr.add(start as usize), (end - start) as usize) })
+    }
+
+    /// Claims bytes `[start, start+len)` of tensor `name` and runs `f` on them. Errors when the
+    /// tensor is unknown, the range is out of bounds, or it overlaps an earlier claim.
+    pub fn with_range_mut<R>(&self, name: &str, start: u64, len: u64, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        let t = self.map.get(name).ok_or_else(|| Error::corrupt("delta", format!("unknown tensor {name}")))?;
+        let end = start.checked_add(len).filter(|&e| e <= t.len as u64).ok_or_else(|| {
+            Error::corrupt("delta", format!("range {start}+{len} outside tensor {name} of {} bytes", t.len))
+        })?;
+        if len > 0 {
+            let mut claims = self.claims.lock().expect("claims lock");
+            let c = claims.entry(name.to_string()).or_default();
+            // Overlap if the claim starting at or before `start` reaches past it, or one starts
+            // inside [start, end).
+            if let Some((_, &e)) = c.range(..=start).next_back() {
+                if e > start {
+                    return Err(Error::corrupt("delta", format!("overlapping writes to {name} at {start}")));
+                }
+            }
+            if c.range(start..end).next().is_some() {
+                return Err(Error::corrupt("delta", format!("overlapping writes to {name} at {start}")));
+            }
+            c.insert(start, end);
+        }
+        // SAFETY: in bounds, and no other claim overlaps this range, so this is the only
+        // mutable access to these bytes while the closure runs.
+        let s = unsafe { std::slice::from_raw_parts_mut(t.ptr.add(start as usize), len as usize) };
+        Ok(f(s))
+    }
+}
+
+impl Default for TensorsMut<'_> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+struct ShardMut {
+    path: PathBuf,
+    map: MmapMut,
+    data_start: usize,
+    tensors: Vec<(TensorMeta, Range<usize>)>,
+}
+
+/// A checkpoint directory mapped writable.
+pub struct CheckpointMut {
+    dir: PathBuf,
+    shards: Vec<ShardMut>,
+}
+
+impl CheckpointMut {
+    /// Maps an existing checkpoint directory (or single file) writable, for in-place apply.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let mut shards = vec![];
+        for (dir, file) in shard_files(path)? {
+            let p = dir.join(&file);
+            let f = OpenOptions::new().read(true).write(true).open(&p).map_err(|e| Error::io(&p, e))?;
+            // SAFETY: the agent owns its directory; nobody else writes these files.
+            let map = unsafe { MmapMut::map_mut(&f) }.map_err(|e| Error::io(&p, e))?;
+            let (data_start, tensors, _) = parse_safetensors_header(&map)?;
+            shards.push(ShardMut { path: p, map, data_start, tensors });
+        }
+        Ok(CheckpointMut { dir: path.to_path_buf(), shards })
+    }
+
+    /// Creates `dir` (if needed) with one zero-filled, correctly sized safetensors file per
+    /// shard of `layout` (headers written, data zero) and the index file, mapped writable.
+    pub fn create(dir: impl AsRef<Path>, layout: &Layout) -> Result<Self> {
+        let dir = dir.as_ref();
+        layout.validate()?;
+        fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let mut shards = vec![];
+        for s in &layout.shards {
+            let (header, ranges) = Layout::shard_header(s)?;
+            let total = header.len() as u64 + ranges.last().map(|r| r.end).unwrap_or(0);
+            let p = dir.join(&s.file);
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&p)
+                .map_err(|e| Error::io(&p, e))?;
+            f.set_len(total).map_err(|e| Error::io(&p, e))?;
+            // SAFETY: freshly created file owned by us.
+            let mut map = unsafe { MmapMut::map_mut(&f) }.map_err(|e| Error::io(&p, e))?;
+            map[..header.len()].copy_from_slice(&header);
+            let tensors =
+                s.tensors.iter().cloned().zip(ranges.into_iter().map(|r| r.start as usize..r.end as usize)).collect();
+            shards.push(ShardMut { path: p, map, data_start: header.len(), tensors });
+        }
+        write_index(dir, layout)?;
+        Ok(CheckpointMut { dir: dir.to_path_buf(), shards })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Writable views of all tensors.
+    pub fn tensors_mut(&mut self) -> TensorsMut<'_> {
+        let mut tm = TensorsMut::new();
+        for s in &mut self.shards {
+            let base = s.data_start;
+            let ptr = s.map.as_mut_ptr();
+            for (t, r) in &s.tensors {
+                // SAFETY: each tensor range lies inside the map (checked by the header parser)
+                // and tensor ranges of one file do not overlap (checked by safetensors).
+                let sl = unsafe { std::slice::from_raw_parts_mut(ptr.add(base + r.start), r.len()) };
+                tm.insert(&t.name, t.dtype, sl);
+            }
+        }
+        tm
+    }
+
+    /// Read-only views of all tensors (for hashing after apply).
+    pub fn views(&self) -> Vec<TensorView<'_>> {
+        self.shards
+            .iter()
+            .flat_map(|s| {
+                s.tensors.iter().map(move |(t, r)| TensorView {
+                    name: &t.name,
+                    dtype: t.dtype,
+                    shape: &t.shape,
+                    data: &s.map[s.data_start + r.start..s.data_start + r.end],
+                })
+            })
+            .collect()
+    }
+
+    /// The layout of the mapped files.
+    pub fn layout_tensors(&self) -> Vec<Vec<TensorMeta>> {
+        self.shards.iter().map(|s| s.tensors.iter().map(|(t, _)| t.clone()).collect()).collect()
+    }
+
+    /// Flushes every map to disk (msync) so a crash after this point keeps the writes.
+    pub fn flush(&self) -> Result<()> {
+        for s in &self.shards {
+            s.map.flush().map_err(|e| Error::io(&s.path, e))?;
+        }
+        Ok(())
+    }
+}

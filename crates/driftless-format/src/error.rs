@@ -1,0 +1,100 @@
+//! One error type for the format crate.
+//!
+//! Callers (the agent above all) must tell "try again later" from "this object is bad" from
+//! "this object is forged" without parsing text, so every variant maps to an [`ErrorKind`].
+
+use std::path::PathBuf;
+
+/// What kind of failure an [`Error`] is, for callers that decide between retrying,
+/// discarding state and alarming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Local I/O failed (disk full, permission, ...). Retrying may help.
+    Io,
+    /// Bytes that claim to be driftless data are malformed, truncated or exceed a limit.
+    /// Retrying the same object will not help; fetching another copy might.
+    Corrupt,
+    /// A signature is missing, unknown or wrong. Never retry, never apply.
+    Untrusted,
+    /// A delta was offered to a base it was not made for.
+    WrongBase,
+    /// The caller passed something unusable (bad name, bad shape, unsupported option).
+    InvalidInput,
+}
+
+/// Errors of the format crate.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// I/O on a local path.
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        /// The file or directory involved.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Malformed, truncated or oversized input.
+    #[error("corrupt {what}: {detail}")]
+    Corrupt {
+        /// What was being decoded ("segment", "manifest", "anchor shard", ...).
+        what: &'static str,
+        /// What exactly is wrong.
+        detail: String,
+    },
+    /// Signature checks failed.
+    #[error("untrusted {what}: {detail}")]
+    Untrusted {
+        /// What was being verified.
+        what: &'static str,
+        /// Why it is refused.
+        detail: String,
+    },
+    /// The delta's declared base does not match the local state.
+    #[error("wrong base: delta expects base root {expected}, local state has {actual}")]
+    WrongBase {
+        /// Base root declared by the delta.
+        expected: String,
+        /// Root of the state it was offered.
+        actual: String,
+    },
+    /// The caller passed something unusable.
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+}
+
+impl Error {
+    /// The kind of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Io { .. } => ErrorKind::Io,
+            Error::Corrupt { .. } => ErrorKind::Corrupt,
+            Error::Untrusted { .. } => ErrorKind::Untrusted,
+            Error::WrongBase { .. } => ErrorKind::WrongBase,
+            Error::InvalidInput(_) => ErrorKind::InvalidInput,
+        }
+    }
+
+    /// Whether retrying the same operation may succeed. Only local I/O qualifies: a corrupt or
+    /// forged object stays corrupt or forged.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self.kind(), ErrorKind::Io)
+    }
+
+    pub(crate) fn corrupt(what: &'static str, detail: impl Into<String>) -> Self {
+        Error::Corrupt { what, detail: detail.into() }
+    }
+
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { path: path.into(), source }
+    }
+
+    pub(crate) fn invalid(detail: impl Into<String>) -> Self {
+        Error::InvalidInput(detail.into())
+    }
+}
+
+/// Result alias of the format crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,365 @@
+//! Manifests, markers and hints: the JSON documents of a stream. Their JSON Schemas live in
+//! `schemas/` at the top of the repository and are checked against these types by a test.
+//!
+//! Manifests travel inside a signed [`crate::sign::Envelope`]; everything here is parsed only
+//! after the signature checks out, and then validated again (names, sizes) because a trusted
+//! signer can still have a bug.
+
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{Layout, ShardLayout};
+use crate::delta::{Codec, DeltaStats, ValueMode};
+use crate::tensor::validate_file_name;
+use crate::{DType, Digest, Error, Result, TensorMeta};
+
+/// Version of the format written by this crate.
+pub const FORMAT_VERSION: u32 = 1;
+/// Largest manifest accepted (bytes).
+pub const MAX_MANIFEST_BYTES: usize = 64 << 20;
+
+/// A tensor of a result: metadata plus its digest (see [`crate::hash`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorRecord {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// SHA-256 tensor digest.
+    pub digest: Digest,
+}
+
+/// One shard file of a result: its name and tensors in data order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardRecord {
+    /// File name in the checkpoint directory.
+    pub file: String,
+    /// Tensors in data order.
+    pub tensors: Vec<TensorRecord>,
+    /// The safetensors `__metadata__` of the file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// Builds shard records from a layout and per-tensor digests in layout order.
+pub fn shard_records(layout: &Layout, digests: &[Digest]) -> Result<Vec<ShardRecord>> {
+    let n: usize = layout.tensors().count();
+    if n != digests.len() {
+        return Err(Error::invalid("digest count does not match layout"));
+    }
+    let mut it = digests.iter();
+    Ok(layout
+        .shards
+        .iter()
+        .map(|s| ShardRecord {
+            file: s.file.clone(),
+            metadata: s.metadata.clone(),
+            tensors: s
+                .tensors
+                .iter()
+                .map(|t| TensorRecord {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                    digest: *it.next().expect("counted"),
+                })
+                .collect(),
+        })
+        .collect())
+}
+
+/// The layout described by shard records.
+pub fn layout_of(shards: &[ShardRecord]) -> Layout {
+    Layout {
+        shards: shards
+            .iter()
+            .map(|s| ShardLayout {
+                file: s.file.clone(),
+                metadata: s.metadata.clone(),
+                tensors: s
+                    .tensors
+                    .iter()
+                    .map(|t| TensorMeta { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+/// An object of a step (segment, shard, extra file): name relative to the step directory,
+/// size and SHA-256 of its bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectRef {
+    /// Object name inside the step's directory (`[A-Za-z0-9._-]+`).
+    pub object: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// SHA-256 of the bytes.
+    pub sha256: Digest,
+}
+
+/// A delta segment object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentRef {
+    /// The object.
+    #[serde(flatten)]
+    pub object: ObjectRef,
+    /// Decoded size bound of the segment (sum of its raw blocks).
+    pub raw_size: u64,
+    /// Entries in the segment.
+    pub entries: u32,
+}
+
+/// The signed description of one delta.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeltaManifest {
+    /// Always `"delta"`.
+    pub kind: String,
+    /// Format version.
+    pub version: u32,
+    /// Stream this delta belongs to.
+    pub stream_id: String,
+    /// Step this delta produces.
+    pub step: u64,
+    /// Step it applies to.
+    pub base_step: u64,
+    /// Weights root of the base.
+    pub base_root: Digest,
+    /// Weights root of the result.
+    pub result_root: Digest,
+    /// Value mode of the segments.
+    pub value_mode: ValueMode,
+    /// Compression of the segments.
+    pub codec: Codec,
+    /// Result layout with per-tensor digests.
+    pub shards: Vec<ShardRecord>,
+    /// Segment objects, in order.
+    pub segments: Vec<SegmentRef>,
+    /// Encoding statistics.
+    pub stats: DeltaStats,
+    /// Milliseconds since the Unix epoch when the delta was encoded.
+    pub created_at_ms: u64,
+}
+
+/// How anchor shards are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AnchorEncoding {
+    /// Plain safetensors files, readable by any Hugging Face tool.
+    Safetensors,
+    /// Byte planes compressed with zstd ([`crate::anchor`]); decodes to the identical
+    /// safetensors bytes. The default (see the README's numbers).
+    #[default]
+    PlanesZstd,
+}
+
+/// An anchor shard object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AnchorShardRef {
+    /// Safetensors file name it decodes to.
+    pub file: String,
+    /// The stored object.
+    #[serde(flatten)]
+    pub object: ObjectRef,
+    /// Size of the decoded safetensors file.
+    pub decoded_size: u64,
+    /// SHA-256 of the decoded safetensors file.
+    pub decoded_sha256: Digest,
+}
+
+/// The signed description of a full checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AnchorManifest {
+    /// Always `"anchor"`.
+    pub kind: String,
+    /// Format version.
+    pub version: u32,
+    /// Stream id.
+    pub stream_id: String,
+    /// Step.
+    pub step: u64,
+    /// Weights root.
+    pub weights_root: Digest,
+    /// Storage form of the shards.
+    pub encoding: AnchorEncoding,
+    /// Layout with per-tensor digests.
+    pub shards: Vec<ShardRecord>,
+    /// Shard objects, one per layout shard, same order.
+    pub objects: Vec<AnchorShardRef>,
+    /// Extra files of the checkpoint (config.json, tokenizer, ...), stored verbatim.
+    #[serde(default)]
+    pub files: Vec<ObjectRef>,
+    /// Milliseconds since the Unix epoch.
+    pub created_at_ms: u64,
+}
+
+/// The stream descriptor at `stream.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamDescriptor {
+    /// Always `"stream"`.
+    pub kind: String,
+    /// Format version.
+    pub version: u32,
+    /// Random id chosen by the first publisher.
+    pub stream_id: String,
+    /// Key ids allowed to sign manifests of this stream.
+    pub trusted_keys: Vec<String>,
+    /// Milliseconds since the Unix epoch.
+    pub created_at_ms: u64,
+}
+
+/// Which kind of step a marker announces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum StepKind {
+    /// A delta.
+    Delta,
+    /// An anchor.
+    Anchor,
+}
+
+/// A ready marker: written after every object of the step. Its presence is the commit point.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadyMarker {
+    /// Always `"ready"`.
+    pub kind: String,
+    /// Stream id.
+    pub stream_id: String,
+    /// What is ready.
+    pub of: StepKind,
+    /// Step.
+    pub step: u64,
+    /// For a delta, its base step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_step: Option<u64>,
+    /// SHA-256 of the signed manifest envelope object.
+    pub manifest_sha256: Digest,
+    /// Total bytes of the step's payload objects (for the agent's byte planner).
+    pub payload_bytes: u64,
+}
+
+/// `latest.json`: a cheap hint of the newest ready steps. Markers stay the source of truth.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LatestHint {
+    /// Always `"latest"`.
+    pub kind: String,
+    /// Stream id.
+    pub stream_id: String,
+    /// Newest ready delta step.
+    pub delta: Option<u64>,
+    /// Newest ready anchor step.
+    pub anchor: Option<u64>,
+    /// Milliseconds since the Unix epoch.
+    pub updated_at_ms: u64,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T> {
+    if bytes.len() > MAX_MANIFEST_BYTES {
+        return Err(Error::corrupt(what, format!("{} bytes exceeds the limit", bytes.len())));
+    }
+    serde_json::from_slice(bytes).map_err(|e| Error::corrupt(what, e.to_string()))
+}
+
+fn check_kind(what: &'static str, kind: &str, want: &str, version: u32) -> Result<()> {
+    if kind != want {
+        return Err(Error::corrupt(what, format!("kind is {kind:?}, expected {want:?}")));
+    }
+    if version != FORMAT_VERSION {
+        return Err(Error::corrupt(what, format!("unsupported format version {version}")));
+    }
+    Ok(())
+}
+
+fn check_shards(what: &'static str, shards: &[ShardRecord]) -> Result<()> {
+    layout_of(shards).validate().map_err(|e| Error::corrupt(what, e.to_string()))
+}
+
+impl DeltaManifest {
+    /// Parses and validates a delta manifest.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self> {
+        let m: DeltaManifest = parse("delta manifest", bytes)?;
+        check_kind("delta manifest", &m.kind, "delta", m.version)?;
+        check_shards("delta manifest", &m.shards)?;
+        if m.base_step >= m.step {
+            return Err(Error::corrupt("delta manifest", "base step is not before step"));
+        }
+        for s in &m.segments {
+            validate_file_name(&s.object.object).map_err(|e| Error::corrupt("delta manifest", e.to_string()))?;
+            if s.raw_size > crate::delta::MAX_SEGMENT_RAW {
+                return Err(Error::corrupt("delta manifest", "segment raw size over the limit"));
+            }
+        }
+        Ok(m)
+    }
+    /// Total bytes of the segment objects.
+    pub fn payload_bytes(&self) -> u64 {
+        self.segments.iter().map(|s| s.object.size).sum()
+    }
+    /// The result layout.
+    pub fn layout(&self) -> Layout {
+        layout_of(&self.shards)
+    }
+}
+
+impl AnchorManifest {
+    /// Parses and validates an anchor manifest.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self> {
+        let m: AnchorManifest = parse("anchor manifest", bytes)?;
+        check_kind("anchor manifest", &m.kind, "anchor", m.version)?;
+        check_shards("anchor manifest", &m.shards)?;
+        if m.objects.len() != m.shards.len() {
+            return Err(Error::corrupt("anchor manifest", "one object per shard expected"));
+        }
+        for (o, s) in m.objects.iter().zip(&m.shards) {
+            validate_file_name(&o.object.object).map_err(|e| Error::corrupt("anchor manifest", e.to_string()))?;
+            if o.file != s.file {
+                return Err(Error::corrupt("anchor manifest", "shard objects out of order"));
+            }
+        }
+        for f in &m.files {
+            validate_file_name(&f.object).map_err(|e| Error::corrupt("anchor manifest", e.to_string()))?;
+        }
+        Ok(m)
+    }
+    /// Total bytes of the shard and file objects.
+    pub fn payload_bytes(&self) -> u64 {
+        self.objects.iter().map(|s| s.object.size).sum::<u64>() + self.files.iter().map(|f| f.size).sum::<u64>()
+    }
+    /// The layout.
+    pub fn layout(&self) -> Layout {
+        layout_of(&self.shards)
+    }
+}
+
+impl StreamDescriptor {
+    /// Parses and validates.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self> {
+        let m: StreamDescriptor = parse("stream descriptor", bytes)?;
+        check_kind("stream descriptor", &m.kind, "stream", m.version)?;
+        Ok(m)
+    }
+}
+
+impl ReadyMarker {
+    /// Parses.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self> {
+        let m: ReadyMarker = parse("ready marker", bytes)?;
+        check_kind("ready marker", &m.kind, "ready", FORMAT_VERSION)?;
+        Ok(m)
+    }
+}
+
+impl LatestHint {
+    /// Parses.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self> {
+        let m: LatestHint = parse("latest hint", bytes)?;
+        check_kind("latest hint", &m.kind, "latest", FORMAT_VERSION)?;
+        Ok(m)
+    }
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
