@@ -1,1 +1,17 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
+mod bucket;
+mod error;
+mod faulty;
+pub mod layout;
+mod open;
+mod options;
+mod redact;
+
+pub use bucket::{Bucket, ObjectInfo};
+pub use error::{Error, Result, StoreError};
+pub use faulty::{FaultKind, FaultOp, FaultyStore};
+pub use object_store::{self, ObjectStore};
+pub use open::HF_S3_ENDPOINT;
+pub use options::StoreOptions;

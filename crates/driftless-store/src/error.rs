@@ -1,0 +1,216 @@
+//! The crate's error type: callers match on the kind of failure, never on text.
+
+use crate::redact::redact_text;
+
+/// Everything that can go wrong talking to a bucket.
+#[derive(thiserror::Error, Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// The key does not exist.
+    #[error("object not found: {key}")]
+    NotFound {
+        /// Key relative to the bucket prefix.
+        key: String,
+    },
+    /// A write-once put found the key already present.
+    #[error("object already exists: {key}")]
+    AlreadyExists {
+        /// Key relative to the bucket prefix.
+        key: String,
+    },
+    /// The object is bigger than the caller allows (checked before reading the body).
+    #[error("object {key} is {size} bytes, more than the {max} allowed")]
+    TooLarge {
+        /// Key relative to the bucket prefix.
+        key: String,
+        /// Size reported by the store.
+        size: u64,
+        /// The caller's limit.
+        max: u64,
+    },
+    /// A failure that may go away when retried (network, 5xx, throttling, timeouts).
+    /// Returned once the bounded retries are spent.
+    #[error("transient storage error on {key}: {source}")]
+    Transient {
+        /// Key relative to the bucket prefix (or the listed prefix).
+        key: String,
+        /// The redacted cause.
+        #[source]
+        source: StoreError,
+    },
+    /// A failure retrying will not fix (permissions, bad request, unsupported operation).
+    #[error("storage error on {key}: {source}")]
+    Permanent {
+        /// Key relative to the bucket prefix (or the listed prefix).
+        key: String,
+        /// The redacted cause.
+        #[source]
+        source: StoreError,
+    },
+    /// The key is not a valid object key (empty segment, `.`/`..`, control characters...).
+    #[error("invalid object key {key:?}: {reason}")]
+    InvalidKey {
+        /// The rejected key.
+        key: String,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// The bucket URL or its configuration is wrong.
+    #[error("invalid bucket url: {0}")]
+    InvalidUrl(String),
+    /// The backend cannot do what was asked.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+impl Error {
+    /// Whether retrying the same call later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::Transient { .. })
+    }
+
+    /// Whether the object does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Error::NotFound { .. })
+    }
+
+    /// Whether a write-once put lost to an existing object.
+    pub fn is_already_exists(&self) -> bool {
+        matches!(self, Error::AlreadyExists { .. })
+    }
+
+    /// Classify an `object_store` error for `key`.
+    pub(crate) fn from_store(key: &str, err: object_store::Error) -> Error {
+        use object_store::Error as E;
+        let key = key.to_string();
+        match err {
+            E::NotFound { .. } => Error::NotFound { key },
+            E::AlreadyExists { .. } => Error::AlreadyExists { key },
+            E::InvalidPath { source } => Error::InvalidKey {
+                key,
+                reason: source.to_string(),
+            },
+            E::NotSupported { .. } | E::NotImplemented { .. } => {
+                Error::Unsupported(redact_text(&err.to_string()))
+            }
+            E::Generic { .. } | E::JoinError { .. } => {
+                let source = StoreError::new(&err);
+                if is_transient_generic(&err) {
+                    Error::Transient { key, source }
+                } else {
+                    Error::Permanent { key, source }
+                }
+            }
+            // Precondition/NotModified reaching here are unexpected for the caller's call;
+            // permissions and configuration are never fixed by retrying.
+            other => Error::Permanent {
+                key,
+                source: StoreError::new(&other),
+            },
+        }
+    }
+}
+
+/// `object_store` wraps HTTP failures in a private type; decide from the error chain and the
+/// status code in its message. Connection/timeout errors, 5xx, 408 and 429 are transient; other
+/// 4xx are permanent; anything else (local I/O, a torn response) is treated as transient and is
+/// bounded by the retry budget.
+fn is_transient_generic(err: &object_store::Error) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cur {
+        if e.downcast_ref::<object_store::client::HttpError>().is_some() {
+            return true;
+        }
+        cur = e.source();
+    }
+    let text = err.to_string();
+    if let Some(idx) = text.find("status code: ") {
+        let code: String = text[idx + 13..].chars().take(3).collect();
+        if let Ok(code) = code.parse::<u16>() {
+            return !(400..500).contains(&code) || code == 408 || code == 429;
+        }
+    }
+    true
+}
+
+/// The cause of a storage error, with credentials and query strings removed from any URL in it.
+#[derive(Debug, Clone)]
+pub struct StoreError {
+    message: String,
+}
+
+impl StoreError {
+    pub(crate) fn new(err: &dyn std::error::Error) -> StoreError {
+        // Flatten the chain: the original types hold unredacted URLs.
+        let mut message = err.to_string();
+        let mut cur = err.source();
+        while let Some(e) = cur {
+            let s = e.to_string();
+            if !message.contains(&s) {
+                message.push_str(": ");
+                message.push_str(&s);
+            }
+            cur = e.source();
+        }
+        StoreError {
+            message: redact_text(&message),
+        }
+    }
+
+    /// The redacted message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn generic(msg: &str) -> object_store::Error {
+        object_store::Error::Generic {
+            store: "S3",
+            source: msg.to_string().into(),
+        }
+    }
+
+    #[test]
+    fn classifies_status_codes() {
+        let e = Error::from_store("k", generic("Server returned non-2xx status code: 503 Service Unavailable"));
+        assert!(e.is_retryable());
+        let e = Error::from_store("k", generic("Server returned non-2xx status code: 400 Bad Request"));
+        assert!(!e.is_retryable());
+        let e = Error::from_store("k", generic("Server returned non-2xx status code: 429 Too Many"));
+        assert!(e.is_retryable());
+        let e = Error::from_store(
+            "k",
+            object_store::Error::NotFound {
+                path: "x".into(),
+                source: "gone".into(),
+            },
+        );
+        assert!(e.is_not_found());
+    }
+
+    #[test]
+    fn messages_are_redacted() {
+        let e = Error::from_store(
+            "k",
+            generic("Error performing GET https://acct.blob.core.windows.net/c/k?sig=SECRET&se=1 in 1s"),
+        );
+        let text = e.to_string();
+        assert!(!text.contains("SECRET"), "{text}");
+        assert!(text.contains("https://acct.blob.core.windows.net/c/k"), "{text}");
+    }
+}

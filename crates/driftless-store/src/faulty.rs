@@ -1,0 +1,325 @@
+//! A fault-injecting [`ObjectStore`] wrapper for tests of code built on [`Bucket`](crate::Bucket).
+//!
+//! ```
+//! # use std::sync::Arc;
+//! # use driftless_store::{Bucket, FaultyStore, StoreOptions};
+//! let inner = Arc::new(object_store::memory::InMemory::new());
+//! let faulty = Arc::new(FaultyStore::new(inner).fail_puts_matching("manifest.json", 2));
+//! let bucket = Bucket::from_store(faulty.clone(), "stream", &StoreOptions::default());
+//! // The first two puts of any key containing "manifest.json" fail with a retryable 503.
+//! ```
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use object_store::path::Path;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
+};
+
+/// Which calls a fault applies to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FaultOp {
+    /// `put_opts` and the start of multipart uploads.
+    Put,
+    /// `get_opts` (GET and HEAD) and `get_ranges`.
+    Get,
+    /// Deletes.
+    Delete,
+    /// Listings (the pattern matches the listed prefix).
+    List,
+}
+
+/// What an injected fault does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FaultKind {
+    /// Fail before the call reaches the inner store with a retryable error (like an HTTP 503).
+    Transient,
+    /// Fail before the call reaches the inner store with a permanent error (like an HTTP 403).
+    Permanent,
+    /// Let the call succeed on the inner store, then report a retryable error (a lost
+    /// response: the write happened but the caller cannot know). Only meaningful for puts.
+    LostResponse,
+}
+
+#[derive(Debug)]
+struct Rule {
+    op: FaultOp,
+    pattern: String,
+    remaining: usize,
+    kind: FaultKind,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    rules: Mutex<Vec<Rule>>,
+    delay_ms: AtomicU64,
+    injected: AtomicUsize,
+}
+
+impl State {
+    /// Consume one matching rule, if any.
+    fn take(&self, op: FaultOp, location: &str) -> Option<FaultKind> {
+        let mut rules = self.rules.lock().unwrap_or_else(|e| e.into_inner());
+        let rule = rules
+            .iter_mut()
+            .find(|r| r.op == op && r.remaining > 0 && location.contains(&r.pattern))?;
+        rule.remaining -= 1;
+        self.injected.fetch_add(1, Ordering::Relaxed);
+        Some(rule.kind)
+    }
+
+    async fn pause(&self) {
+        let ms = self.delay_ms.load(Ordering::Relaxed);
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+    }
+}
+
+fn injected_error(kind: FaultKind, op: FaultOp, location: &str) -> object_store::Error {
+    let status = match kind {
+        FaultKind::Permanent => "403 Forbidden",
+        FaultKind::Transient | FaultKind::LostResponse => "503 Service Unavailable",
+    };
+    object_store::Error::Generic {
+        store: "FaultyStore",
+        source: format!("injected {op:?} fault on {location}: Server returned non-2xx status code: {status}")
+            .into(),
+    }
+}
+
+/// Wraps a store and fails chosen calls. Rules match when the object path (or listed prefix)
+/// contains the pattern, and fire a fixed number of times; clones of an `Arc<FaultyStore>`
+/// share them, so faults can be added while a test runs.
+#[derive(Debug)]
+pub struct FaultyStore {
+    inner: Arc<dyn ObjectStore>,
+    state: Arc<State>,
+}
+
+impl FaultyStore {
+    /// Wrap `inner` with no faults.
+    pub fn new(inner: Arc<dyn ObjectStore>) -> FaultyStore {
+        FaultyStore {
+            inner,
+            state: Arc::default(),
+        }
+    }
+
+    /// Fail the next `times` puts whose path contains `pattern` (retryable error).
+    pub fn fail_puts_matching(self, pattern: &str, times: usize) -> Self {
+        self.inject(FaultOp::Put, pattern, times, FaultKind::Transient);
+        self
+    }
+
+    /// Fail the next `times` GETs/HEADs whose path contains `pattern` (retryable error).
+    pub fn fail_gets_matching(self, pattern: &str, times: usize) -> Self {
+        self.inject(FaultOp::Get, pattern, times, FaultKind::Transient);
+        self
+    }
+
+    /// Fail the next `times` deletes whose path contains `pattern` (retryable error).
+    pub fn fail_deletes_matching(self, pattern: &str, times: usize) -> Self {
+        self.inject(FaultOp::Delete, pattern, times, FaultKind::Transient);
+        self
+    }
+
+    /// Fail the next `times` listings whose prefix contains `pattern` (retryable error).
+    pub fn fail_lists_matching(self, pattern: &str, times: usize) -> Self {
+        self.inject(FaultOp::List, pattern, times, FaultKind::Transient);
+        self
+    }
+
+    /// Let the next `times` matching puts succeed but report a retryable error.
+    pub fn lose_put_responses_matching(self, pattern: &str, times: usize) -> Self {
+        self.inject(FaultOp::Put, pattern, times, FaultKind::LostResponse);
+        self
+    }
+
+    /// Delay every call (GET, HEAD, put, delete) by `delay`.
+    pub fn delay(self, delay: Duration) -> Self {
+        self.set_delay(delay);
+        self
+    }
+
+    /// Add a rule at any time (also through an `Arc`).
+    pub fn inject(&self, op: FaultOp, pattern: &str, times: usize, kind: FaultKind) {
+        self.state
+            .rules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Rule {
+                op,
+                pattern: pattern.to_string(),
+                remaining: times,
+                kind,
+            });
+    }
+
+    /// Change the delay at any time.
+    pub fn set_delay(&self, delay: Duration) {
+        self.state
+            .delay_ms
+            .store(delay.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    }
+
+    /// Remove all rules that have not fired yet and the delay.
+    pub fn clear(&self) {
+        self.state.rules.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.set_delay(Duration::ZERO);
+    }
+
+    /// How many faults have fired so far.
+    pub fn injected(&self) -> usize {
+        self.state.injected.load(Ordering::Relaxed)
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &Arc<dyn ObjectStore> {
+        &self.inner
+    }
+}
+
+impl fmt::Display for FaultyStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "FaultyStore({})", self.inner)
+    }
+}
+
+#[async_trait]
+impl ObjectStore for FaultyStore {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.state.pause().await;
+        match self.state.take(FaultOp::Put, location.as_ref()) {
+            None => self.inner.put_opts(location, payload, opts).await,
+            Some(FaultKind::LostResponse) => {
+                self.inner.put_opts(location, payload, opts).await?;
+                Err(injected_error(FaultKind::LostResponse, FaultOp::Put, location.as_ref()))
+            }
+            Some(kind) => Err(injected_error(kind, FaultOp::Put, location.as_ref())),
+        }
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.state.pause().await;
+        match self.state.take(FaultOp::Put, location.as_ref()) {
+            None | Some(FaultKind::LostResponse) => {
+                self.inner.put_multipart_opts(location, opts).await
+            }
+            Some(kind) => Err(injected_error(kind, FaultOp::Put, location.as_ref())),
+        }
+    }
+
+    async fn get_opts(&self, location: &Path, options: GetOptions) -> object_store::Result<GetResult> {
+        self.state.pause().await;
+        match self.state.take(FaultOp::Get, location.as_ref()) {
+            None => self.inner.get_opts(location, options).await,
+            Some(kind) => Err(injected_error(kind, FaultOp::Get, location.as_ref())),
+        }
+    }
+
+    async fn get_ranges(&self, location: &Path, ranges: &[Range<u64>]) -> object_store::Result<Vec<Bytes>> {
+        self.state.pause().await;
+        match self.state.take(FaultOp::Get, location.as_ref()) {
+            None => self.inner.get_ranges(location, ranges).await,
+            Some(kind) => Err(injected_error(kind, FaultOp::Get, location.as_ref())),
+        }
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<Path>>,
+    ) -> BoxStream<'static, object_store::Result<Path>> {
+        let state = Arc::clone(&self.state);
+        let inner = Arc::clone(&self.inner);
+        // Split off the faulted paths; pass the rest to the inner store one by one so the
+        // order of results stays that of the input.
+        locations
+            .then(move |loc| {
+                let state = Arc::clone(&state);
+                let inner = Arc::clone(&inner);
+                async move {
+                    let loc = loc?;
+                    state.pause().await;
+                    if let Some(kind) = state.take(FaultOp::Delete, loc.as_ref()) {
+                        return Err(injected_error(kind, FaultOp::Delete, loc.as_ref()));
+                    }
+                    let one = futures::stream::once(futures::future::ready(Ok(loc))).boxed();
+                    match inner.delete_stream(one).next().await {
+                        Some(r) => r,
+                        None => Err(object_store::Error::Generic {
+                            store: "FaultyStore",
+                            source: "inner delete_stream returned nothing".into(),
+                        }),
+                    }
+                }
+            })
+            .boxed()
+    }
+
+    fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        let p = prefix.map(|p| p.to_string()).unwrap_or_default();
+        match self.state.take(FaultOp::List, &p) {
+            None => self.inner.list(prefix),
+            Some(kind) => futures::stream::once(futures::future::ready(Err(injected_error(
+                kind,
+                FaultOp::List,
+                &p,
+            ))))
+            .boxed(),
+        }
+    }
+
+    fn list_with_offset(
+        &self,
+        prefix: Option<&Path>,
+        offset: &Path,
+    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        let p = prefix.map(|p| p.to_string()).unwrap_or_default();
+        match self.state.take(FaultOp::List, &p) {
+            None => self.inner.list_with_offset(prefix, offset),
+            Some(kind) => futures::stream::once(futures::future::ready(Err(injected_error(
+                kind,
+                FaultOp::List,
+                &p,
+            ))))
+            .boxed(),
+        }
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
+        let p = prefix.map(|p| p.to_string()).unwrap_or_default();
+        match self.state.take(FaultOp::List, &p) {
+            None => self.inner.list_with_delimiter(prefix).await,
+            Some(kind) => Err(injected_error(kind, FaultOp::List, &p)),
+        }
+    }
+
+    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+
+    async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> object_store::Result<()> {
+        self.inner.rename_opts(from, to, options).await
+    }
+}

@@ -1,0 +1,165 @@
+//! The stream layout under a bucket prefix.
+//!
+//! ```text
+//! stream.json                          stream descriptor (write-once)
+//! latest.json                          hint of the newest ready steps (overwritten)
+//! deltas/000000000012/manifest.json    signed manifest of delta step 12
+//! deltas/000000000012/<name>           payload objects of delta step 12
+//! anchors/000000000010/...             same for anchors
+//! ready/deltas/000000000012            ready marker: the commit point of delta step 12
+//! ready/anchors/000000000010
+//! ```
+//!
+//! Steps are zero-padded to 12 digits so that lexicographic listing order is step order.
+
+use driftless_format::StepKind;
+
+/// The stream descriptor, written once when the stream is created.
+pub const STREAM: &str = "stream.json";
+/// The latest-step hint, overwritten after every commit.
+pub const LATEST: &str = "latest.json";
+/// Name of a step's manifest object inside its directory.
+pub const MANIFEST_NAME: &str = "manifest.json";
+
+const DELTAS: &str = "deltas/";
+const ANCHORS: &str = "anchors/";
+const READY_DELTAS: &str = "ready/deltas/";
+const READY_ANCHORS: &str = "ready/anchors/";
+
+/// A step as it appears in keys: zero-padded to 12 digits.
+pub fn step_str(step: u64) -> String {
+    format!("{step:012}")
+}
+
+/// `deltas/000000000012/`
+pub fn delta_dir(step: u64) -> String {
+    format!("{DELTAS}{}/", step_str(step))
+}
+
+/// `anchors/000000000012/`
+pub fn anchor_dir(step: u64) -> String {
+    format!("{ANCHORS}{}/", step_str(step))
+}
+
+fn dir(kind: StepKind, step: u64) -> String {
+    match kind {
+        StepKind::Delta => delta_dir(step),
+        StepKind::Anchor => anchor_dir(step),
+    }
+}
+
+/// `<dir>manifest.json`
+pub fn manifest(kind: StepKind, step: u64) -> String {
+    object(kind, step, MANIFEST_NAME)
+}
+
+/// `<dir><name>`
+pub fn object(kind: StepKind, step: u64, name: &str) -> String {
+    format!("{}{name}", dir(kind, step))
+}
+
+/// `ready/deltas/000000000012` or `ready/anchors/000000000012`
+pub fn ready(kind: StepKind, step: u64) -> String {
+    format!("{}{}", ready_prefix(kind), step_str(step))
+}
+
+/// `ready/deltas/` or `ready/anchors/`
+pub fn ready_prefix(kind: StepKind) -> &'static str {
+    match kind {
+        StepKind::Delta => READY_DELTAS,
+        StepKind::Anchor => READY_ANCHORS,
+    }
+}
+
+/// Parse a canonical step string (at least 12 ASCII digits, zero-padded exactly as
+/// [`step_str`] writes it). Anything else is rejected: keys are hostile input.
+pub fn parse_step(s: &str) -> Option<u64> {
+    if s.len() < 12 || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let step: u64 = s.parse().ok()?;
+    (step_str(step) == s).then_some(step)
+}
+
+/// Classify a key of the layout.
+///
+/// Returns `(kind, step, Some(object name))` for objects in a step directory (the manifest
+/// included), `(kind, step, None)` for ready markers, and `None` for anything else
+/// (`stream.json`, `latest.json`, stray or malformed keys, nested names).
+pub fn parse_step_key(key: &str) -> Option<(StepKind, u64, Option<String>)> {
+    for kind in [StepKind::Delta, StepKind::Anchor] {
+        if let Some(rest) = key.strip_prefix(ready_prefix(kind)) {
+            return parse_step(rest).map(|step| (kind, step, None));
+        }
+        let dir = match kind {
+            StepKind::Delta => DELTAS,
+            StepKind::Anchor => ANCHORS,
+        };
+        if let Some(rest) = key.strip_prefix(dir) {
+            let (step, name) = rest.split_once('/')?;
+            let step = parse_step(step)?;
+            if name.is_empty() || name.contains('/') {
+                return None;
+            }
+            return Some((kind, step, Some(name.to_string())));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys() {
+        assert_eq!(delta_dir(12), "deltas/000000000012/");
+        assert_eq!(anchor_dir(12), "anchors/000000000012/");
+        assert_eq!(manifest(StepKind::Delta, 12), "deltas/000000000012/manifest.json");
+        assert_eq!(object(StepKind::Anchor, 3, "w.bin"), "anchors/000000000003/w.bin");
+        assert_eq!(ready(StepKind::Delta, 12), "ready/deltas/000000000012");
+        assert_eq!(ready(StepKind::Anchor, 7), "ready/anchors/000000000007");
+        assert_eq!(ready_prefix(StepKind::Delta), "ready/deltas/");
+        assert_eq!(step_str(u64::MAX), "18446744073709551615");
+    }
+
+    #[test]
+    fn parse_round_trips() {
+        for kind in [StepKind::Delta, StepKind::Anchor] {
+            for step in [0, 1, 12, 999_999_999_999, 1_000_000_000_000, u64::MAX] {
+                assert_eq!(parse_step_key(&ready(kind, step)), Some((kind, step, None)));
+                assert_eq!(
+                    parse_step_key(&manifest(kind, step)),
+                    Some((kind, step, Some(MANIFEST_NAME.to_string())))
+                );
+                assert_eq!(
+                    parse_step_key(&object(kind, step, "x.bin")),
+                    Some((kind, step, Some("x.bin".to_string())))
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_outside_keys() {
+        for key in [
+            STREAM,
+            LATEST,
+            "",
+            "deltas/",
+            "deltas/000000000012/",
+            "deltas/000000000012",
+            "deltas/12/manifest.json",
+            "deltas/0000000000012/manifest.json",
+            "deltas/00000000001x/manifest.json",
+            "deltas/000000000012/a/b",
+            "ready/deltas/12",
+            "ready/deltas/000000000012/",
+            "ready/deltas/+00000000012",
+            "ready/other/000000000012",
+            "deltas/99999999999999999999/m",
+        ] {
+            assert_eq!(parse_step_key(key), None, "{key}");
+        }
+    }
+}

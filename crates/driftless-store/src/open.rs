@@ -1,0 +1,357 @@
+//! Opening a [`Bucket`] from a URL: one function per backend.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use object_store::aws::AmazonS3Builder;
+use object_store::azure::MicrosoftAzureBuilder;
+use object_store::gcp::{GcpCredential, GoogleCloudStorageBuilder};
+use object_store::local::LocalFileSystem;
+use object_store::memory::InMemory;
+use object_store::{ClientOptions, ObjectStore, StaticCredentialProvider};
+
+use crate::bucket::Bucket;
+use crate::error::{Error, Result};
+use crate::options::StoreOptions;
+use crate::redact::redact_url;
+
+/// Default endpoint of the Hugging Face Storage Buckets S3 gateway; the namespace is appended
+/// as a path segment (`https://s3.hf.co/<namespace>`). Override with
+/// [`StoreOptions::endpoint`] or `DRIFTLESS_HF_S3_ENDPOINT`.
+pub const HF_S3_ENDPOINT: &str = "https://s3.hf.co";
+
+/// Azurite's well-known development account.
+const AZURITE_ACCOUNT: &str = "devstoreaccount1";
+const AZURITE_KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+
+impl Bucket {
+    /// Open a bucket from a URL.
+    ///
+    /// | URL | backend |
+    /// |---|---|
+    /// | `file:///abs/dir` | local directory (created if missing) |
+    /// | `memory://` | a fresh in-memory store |
+    /// | `memory://NAME/prefix` | an in-memory store shared by every `open` of `NAME` in this process |
+    /// | `s3://bucket/prefix` | S3 or an S3-compatible server |
+    /// | `gs://bucket/prefix` | Google Cloud Storage |
+    /// | `az://container/prefix` | Azure Blob Storage |
+    /// | `hf://buckets/NAMESPACE/BUCKET/prefix` | Hugging Face Storage Buckets (S3 gateway) |
+    ///
+    /// Explicit [`StoreOptions`] win over the environment variables each backend reads; the
+    /// crate README lists them.
+    pub fn open(url: &str, opts: &StoreOptions) -> Result<Bucket> {
+        let redacted = redact_url(url);
+        let (scheme, rest) = url
+            .split_once("://")
+            .ok_or_else(|| Error::InvalidUrl(format!("{redacted}: expected SCHEME://...")))?;
+        // Query strings and fragments are never meaningful here (and may hold secrets).
+        let rest = rest.split(['?', '#']).next().unwrap_or("");
+        let bucket = match scheme {
+            "file" => open_file(rest, opts)?,
+            "memory" => open_memory(rest, opts)?,
+            "s3" | "s3a" => open_s3(rest, opts)?,
+            "gs" | "gcs" => open_gcs(rest, opts)?,
+            "az" | "azure" => open_azure(rest, opts)?,
+            "hf" => open_hf(rest, opts)?,
+            other => {
+                return Err(Error::InvalidUrl(format!(
+                    "{redacted}: unsupported scheme {other:?} (file, memory, s3, gs, az, hf)"
+                )))
+            }
+        };
+        if !bucket.supports_conditional_create() {
+            tracing::warn!(
+                url = %bucket.url(),
+                "backend cannot create objects atomically; write-once puts check then write"
+            );
+        }
+        tracing::debug!(url = %bucket.url(), "opened bucket");
+        Ok(bucket)
+    }
+}
+
+/// `host/prefix...` -> (host, prefix)
+fn split_host(rest: &str) -> (&str, &str) {
+    match rest.split_once('/') {
+        Some((h, p)) => (h, p.trim_matches('/')),
+        None => (rest, ""),
+    }
+}
+
+fn check_prefix(prefix: &str, url: &str) -> Result<()> {
+    if prefix.is_empty() {
+        return Ok(());
+    }
+    object_store::path::Path::parse(prefix)
+        .map(|_| ())
+        .map_err(|e| Error::InvalidUrl(format!("{}: invalid prefix: {e}", redact_url(url))))
+}
+
+fn open_file(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
+    // file:///abs/dir -> rest = "/abs/dir"; file://localhost/abs/dir is accepted too.
+    let path = rest.strip_prefix("localhost").unwrap_or(rest);
+    if !path.starts_with('/') {
+        return Err(Error::InvalidUrl(format!(
+            "file://{rest}: expected an absolute path (file:///abs/dir)"
+        )));
+    }
+    std::fs::create_dir_all(path)
+        .map_err(|e| Error::InvalidUrl(format!("file://{path}: cannot create directory: {e}")))?;
+    let store = LocalFileSystem::new_with_prefix(path)
+        .map_err(|e| Error::InvalidUrl(format!("file://{path}: {e}")))?
+        .with_automatic_cleanup(true);
+    Ok(Bucket::assemble(
+        Arc::new(store),
+        String::new(),
+        format!("file://{path}"),
+        opts,
+        true,
+    ))
+}
+
+fn memory_registry() -> &'static Mutex<HashMap<String, Arc<InMemory>>> {
+    static REG: OnceLock<Mutex<HashMap<String, Arc<InMemory>>>> = OnceLock::new();
+    REG.get_or_init(Default::default)
+}
+
+fn open_memory(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
+    let (name, prefix) = split_host(rest);
+    check_prefix(prefix, rest)?;
+    let store: Arc<InMemory> = if name.is_empty() {
+        Arc::new(InMemory::new())
+    } else {
+        let mut reg = memory_registry().lock().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(reg.entry(name.to_string()).or_insert_with(|| Arc::new(InMemory::new())))
+    };
+    let url = if prefix.is_empty() {
+        format!("memory://{name}")
+    } else {
+        format!("memory://{name}/{prefix}")
+    };
+    Ok(Bucket::assemble(store, prefix.to_string(), url, opts, true))
+}
+
+fn client_options(opts: &StoreOptions) -> ClientOptions {
+    let mut c = ClientOptions::new();
+    if opts.allow_http || env_true("AWS_ALLOW_HTTP") || env_true("ALLOW_HTTP") {
+        c = c.with_allow_http(true);
+    }
+    c
+}
+
+fn env_true(key: &str) -> bool {
+    std::env::var(key)
+        .map(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
+        .unwrap_or(false)
+}
+
+fn s3_builder(bucket: &str, opts: &StoreOptions) -> AmazonS3Builder {
+    let mut b = AmazonS3Builder::from_env()
+        .with_bucket_name(bucket)
+        .with_retry(opts.retry_config());
+    if let Some(endpoint) = &opts.endpoint {
+        b = b.with_endpoint(endpoint);
+    }
+    if let Some(region) = &opts.region {
+        b = b.with_region(region);
+    }
+    if opts.allow_http {
+        b = b.with_allow_http(true);
+    }
+    if opts.path_style {
+        b = b.with_virtual_hosted_style_request(false);
+    }
+    b
+}
+
+fn build_err(url: &str, e: object_store::Error) -> Error {
+    Error::InvalidUrl(format!("{}: {}", redact_url(url), crate::redact::redact_text(&e.to_string())))
+}
+
+fn open_s3(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
+    let url = format!("s3://{rest}");
+    let (bucket, prefix) = split_host(rest);
+    if bucket.is_empty() {
+        return Err(Error::InvalidUrl(format!("{}: missing bucket", redact_url(&url))));
+    }
+    check_prefix(prefix, &url)?;
+    let store = s3_builder(bucket, opts).build().map_err(|e| build_err(&url, e))?;
+    Ok(Bucket::assemble(
+        Arc::new(store) as Arc<dyn ObjectStore>,
+        prefix.to_string(),
+        redact_url(&url),
+        opts,
+        true,
+    ))
+}
+
+fn open_hf(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
+    let url = format!("hf://{rest}");
+    let mut parts = rest.splitn(4, '/');
+    let (kind, namespace, bucket) = (parts.next(), parts.next(), parts.next());
+    let prefix = parts.next().unwrap_or("").trim_matches('/');
+    let (namespace, bucket) = match (kind, namespace, bucket) {
+        (Some("buckets"), Some(ns), Some(b)) if !ns.is_empty() && !b.is_empty() => (ns, b),
+        _ => {
+            return Err(Error::InvalidUrl(format!(
+                "{}: expected hf://buckets/NAMESPACE/BUCKET/prefix",
+                redact_url(&url)
+            )))
+        }
+    };
+    check_prefix(prefix, &url)?;
+    let endpoint = match &opts.endpoint {
+        Some(e) => e.clone(),
+        None => {
+            let base = std::env::var("DRIFTLESS_HF_S3_ENDPOINT").unwrap_or_else(|_| HF_S3_ENDPOINT.to_string());
+            format!("{}/{namespace}", base.trim_end_matches('/'))
+        }
+    };
+    let hf_opts = StoreOptions {
+        endpoint: Some(endpoint),
+        region: Some(opts.region.clone().unwrap_or_else(|| "us-east-1".to_string())),
+        path_style: true,
+        ..opts.clone()
+    };
+    let mut b = s3_builder(bucket, &hf_opts);
+    // HF-derived S3 keys (HFAK...) may live beside AWS credentials for another store.
+    if let (Ok(id), Ok(secret)) = (std::env::var("HF_S3_ACCESS_KEY_ID"), std::env::var("HF_S3_SECRET_ACCESS_KEY")) {
+        b = b.with_access_key_id(id).with_secret_access_key(secret);
+    }
+    let store = b.build().map_err(|e| build_err(&url, e))?;
+    // The gateway's handling of If-None-Match is not documented: do not rely on it.
+    Ok(Bucket::assemble(
+        Arc::new(store) as Arc<dyn ObjectStore>,
+        prefix.to_string(),
+        redact_url(&url),
+        opts,
+        false,
+    ))
+}
+
+fn is_loopback(endpoint: &str) -> bool {
+    url::Url::parse(endpoint)
+        .ok()
+        .and_then(|u| u.host_str().map(|h| h == "127.0.0.1" || h == "localhost" || h == "[::1]"))
+        .unwrap_or(false)
+}
+
+fn open_azure(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
+    let url = format!("az://{rest}");
+    let (container, prefix) = split_host(rest);
+    if container.is_empty() {
+        return Err(Error::InvalidUrl(format!("{}: missing container", redact_url(&url))));
+    }
+    check_prefix(prefix, &url)?;
+    let mut b = MicrosoftAzureBuilder::from_env()
+        .with_container_name(container)
+        .with_retry(opts.retry_config());
+    if opts.allow_http {
+        b = b.with_allow_http(true);
+    }
+    if let Some(endpoint) = &opts.endpoint {
+        b = b.with_endpoint(endpoint.clone());
+        // A loopback endpoint with no account configured is Azurite: use its well-known
+        // development account (the endpoint is then `http://127.0.0.1:PORT/devstoreaccount1`).
+        if is_loopback(endpoint) && std::env::var("AZURE_STORAGE_ACCOUNT_NAME").is_err() {
+            b = b
+                .with_account(AZURITE_ACCOUNT)
+                .with_access_key(AZURITE_KEY)
+                .with_allow_http(true);
+        }
+    }
+    let store = b.build().map_err(|e| build_err(&url, e))?;
+    Ok(Bucket::assemble(
+        Arc::new(store) as Arc<dyn ObjectStore>,
+        prefix.to_string(),
+        redact_url(&url),
+        opts,
+        true,
+    ))
+}
+
+fn open_gcs(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
+    let url = format!("gs://{rest}");
+    let (bucket, prefix) = split_host(rest);
+    if bucket.is_empty() {
+        return Err(Error::InvalidUrl(format!("{}: missing bucket", redact_url(&url))));
+    }
+    check_prefix(prefix, &url)?;
+    let mut b = GoogleCloudStorageBuilder::from_env()
+        .with_bucket_name(bucket)
+        .with_retry(opts.retry_config());
+    if let Some(endpoint) = &opts.endpoint {
+        b = b.with_base_url(endpoint.trim_end_matches('/'));
+        let has_creds = ["GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH", "GOOGLE_SERVICE_ACCOUNT_KEY", "GOOGLE_APPLICATION_CREDENTIALS"]
+            .iter()
+            .any(|k| std::env::var(k).is_ok());
+        if !has_creds {
+            // A custom endpoint without credentials (fake-gcs-server): anonymous requests.
+            b = b.with_credentials(Arc::new(StaticCredentialProvider::new(GcpCredential {
+                bearer: String::new(),
+            })));
+        }
+        if opts.allow_http || endpoint.starts_with("http://") {
+            b = b.with_client_options(client_options(&StoreOptions {
+                allow_http: true,
+                ..opts.clone()
+            }));
+        }
+    }
+    let store = b.build().map_err(|e| build_err(&url, e))?;
+    Ok(Bucket::assemble(
+        Arc::new(store) as Arc<dyn ObjectStore>,
+        prefix.to_string(),
+        redact_url(&url),
+        opts,
+        true,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_urls() {
+        let o = StoreOptions::default();
+        assert!(Bucket::open("nope", &o).is_err());
+        assert!(Bucket::open("ftp://x/y", &o).is_err());
+        assert!(Bucket::open("file://relative/dir", &o).is_err());
+        assert!(Bucket::open("hf://models/a/b", &o).is_err());
+        assert!(Bucket::open("hf://buckets/ns", &o).is_err());
+        let b = Bucket::open("memory://", &o).unwrap();
+        assert_eq!(b.url(), "memory://");
+        let b = Bucket::open("memory://shared/a/b?token=secret", &o).unwrap();
+        assert_eq!(b.url(), "memory://shared/a/b");
+        assert_eq!(b.prefix(), "a/b");
+        let b = Bucket::open(
+            "s3://bkt/pre/fix?X-Amz-Signature=zzz",
+            &StoreOptions::default().with_region("us-east-1"),
+        )
+        .unwrap();
+        assert_eq!(b.url(), "s3://bkt/pre/fix");
+        assert_eq!(b.prefix(), "pre/fix");
+        assert!(b.supports_conditional_create());
+        let b = Bucket::open("hf://buckets/ns/bkt/p", &o).unwrap();
+        assert!(!b.supports_conditional_create());
+        assert_eq!(b.prefix(), "p");
+        let b = Bucket::open("gs://bkt/p", &StoreOptions::default().with_endpoint("http://127.0.0.1:1")).unwrap();
+        assert_eq!(b.prefix(), "p");
+        let b = Bucket::open("az://c/p", &StoreOptions::default().with_endpoint("http://127.0.0.1:1/devstoreaccount1"))
+            .unwrap();
+        assert_eq!(b.url(), "az://c/p");
+    }
+
+    #[tokio::test]
+    async fn named_memory_stores_are_shared() {
+        let o = StoreOptions::default();
+        let a = Bucket::open("memory://open-test-shared/p", &o).unwrap();
+        let b = Bucket::open("memory://open-test-shared/p", &o).unwrap();
+        a.put("k", bytes::Bytes::from_static(b"v")).await.unwrap();
+        assert_eq!(b.get("k").await.unwrap(), bytes::Bytes::from_static(b"v"));
+        let fresh = Bucket::open("memory://", &o).unwrap();
+        assert!(fresh.get("k").await.unwrap_err().is_not_found());
+    }
+}
