@@ -190,7 +190,9 @@ pub fn parse_safetensors_header(
         }
         v.push((t, a..b));
     }
-    v.sort_by(|x, y| (x.1.start, &x.0.name).cmp(&(y.1.start, &y.0.name)));
+    // Zero-size tensors share their offset with the next tensor; ordering by end as well puts
+    // them before it, as they were written (by start alone, "b" 0..8 would sort before "a" 0..0).
+    v.sort_by(|x, y| (x.1.start, x.1.end, &x.0.name).cmp(&(y.1.start, y.1.end, &y.0.name)));
     let md = meta.metadata().as_ref().map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
     Ok((start, v, md))
 }
