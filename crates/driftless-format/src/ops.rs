@@ -177,6 +177,11 @@ pub fn verify_views(views: &[TensorView<'_>], shards: &[manifest::ShardRecord], 
 /// Applies a whole delta in place on a checkpoint directory whose verified root is
 /// `local_root`, journaled at `journal` when given, then verifies the result. The layouts must
 /// be equal (see [`needs_rewrite`]).
+///
+/// The maps are not msync'ed here: after a process crash the page cache still holds every
+/// write, and after a machine crash the redo journal (fsync'ed before any write) replays the
+/// delta. Callers that delete the journal and need power-loss durability call
+/// [`CheckpointMut::flush`] first.
 pub fn apply_in_place(
     ck: &mut CheckpointMut,
     m: &DeltaManifest,
@@ -197,7 +202,6 @@ pub fn apply_in_place(
         let ap = Applier::new(&tm, m, j);
         segments.par_iter().enumerate().try_for_each(|(i, s)| ap.apply(i, s))?;
     }
-    ck.flush()?;
     let root = verify_result(&ck.views(), m)?;
     if let Some(p) = journal {
         Journal::remove(p)?;
