@@ -219,11 +219,16 @@ impl Bucket {
             parts.push(upload.put_part(PutPayload::from_bytes(bytes.slice(offset..end))));
             offset = end;
         }
-        let uploaded = futures::stream::iter(parts)
+        // Futures collected first: a closure inside the stream combinator would make the
+        // returned future not `Send` for every lifetime (tokio::spawn rejects it).
+        let parts: Vec<_> = parts
+            .into_iter()
             .map(|part| async move {
                 let _permit = self.permit().await;
                 part.await
             })
+            .collect();
+        let uploaded = futures::stream::iter(parts)
             .buffer_unordered(self.inner.opts.concurrency.max(1))
             .try_collect::<Vec<()>>()
             .await;
@@ -275,31 +280,11 @@ impl Bucket {
                 .step_by(part as usize)
                 .map(|start| start..(start + part).min(info.size))
                 .collect();
-            let etag = info.etag.clone();
-            let chunks: Vec<Bytes> = futures::stream::iter(ranges)
-                .map(|range| {
-                    let path = &path;
-                    let etag = etag.clone();
-                    self.retry("get_range", key, move || {
-                        let range = range.clone();
-                        let etag = etag.clone();
-                        async move {
-                            let _permit = self.permit().await;
-                            let opts = GetOptions {
-                                range: Some(GetRange::Bounded(range)),
-                                if_match: etag,
-                                ..Default::default()
-                            };
-                            let r = self
-                                .inner
-                                .store
-                                .get_opts(path, opts)
-                                .await
-                                .map_err(|e| map_get_range_error(key, e))?;
-                            r.bytes().await.map_err(|e| Error::from_store(key, e))
-                        }
-                    })
-                })
+            let reads: Vec<_> = ranges
+                .into_iter()
+                .map(|range| self.get_range(key, &path, range, info.etag.clone()))
+                .collect();
+            let chunks: Vec<Bytes> = futures::stream::iter(reads)
                 .buffered(self.inner.opts.concurrency.max(1))
                 .try_collect()
                 .await?;
@@ -319,6 +304,26 @@ impl Bucket {
             Ok(out.freeze())
         }
         .instrument(span)
+        .await
+    }
+
+    /// One part of a parallel read, retried on its own, pinned to `etag`.
+    async fn get_range(&self, key: &str, path: &Path, range: std::ops::Range<u64>, etag: Option<String>) -> Result<Bytes> {
+        self.retry("get_range", key, || async {
+            let _permit = self.permit().await;
+            let opts = GetOptions {
+                range: Some(GetRange::Bounded(range.clone())),
+                if_match: etag.clone(),
+                ..Default::default()
+            };
+            let r = self
+                .inner
+                .store
+                .get_opts(path, opts)
+                .await
+                .map_err(|e| map_get_range_error(key, e))?;
+            r.bytes().await.map_err(|e| Error::from_store(key, e))
+        })
         .await
     }
 

@@ -1,0 +1,181 @@
+//! Reading a stream: the verified view of a bucket that the agent, the CLI and a restarting
+//! publisher share. Everything here treats the bucket as hostile: sizes are capped before
+//! reading, signatures are checked before parsing, and a manifest must match the SHA-256 its
+//! ready marker records.
+
+use bytes::Bytes;
+use driftless_format::manifest::{AnchorManifest, DeltaManifest, LatestHint, ReadyMarker, StepKind, StreamDescriptor, MAX_MANIFEST_BYTES};
+use driftless_format::{Digest, TrustSet};
+
+use crate::{layout, Bucket};
+
+/// Largest ready marker accepted.
+pub const MAX_MARKER_BYTES: u64 = 64 << 10;
+
+/// Errors of stream reading: storage or format, kept apart so callers can tell retryable
+/// storage trouble from bad objects.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StreamError {
+    /// The bucket failed.
+    #[error(transparent)]
+    Store(#[from] crate::Error),
+    /// An object is corrupt, forged or does not fit.
+    #[error(transparent)]
+    Format(#[from] driftless_format::Error),
+    /// A marker exists but the objects it announces are not readable (yet): eventual
+    /// consistency, replication copying the marker first, or a GC deleting under us.
+    #[error("step {step} not ready yet: {detail}")]
+    NotReady {
+        /// The step.
+        step: u64,
+        /// What is missing.
+        detail: String,
+    },
+}
+
+impl StreamError {
+    /// Whether trying again later may help.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            StreamError::Store(e) => e.is_retryable() || e.is_not_found(),
+            StreamError::Format(e) => e.is_retryable(),
+            StreamError::NotReady { .. } => true,
+        }
+    }
+}
+
+/// Result alias.
+pub type StreamResult<T> = std::result::Result<T, StreamError>;
+
+/// A verified reader of one stream.
+#[derive(Debug, Clone)]
+pub struct StreamReader {
+    bucket: Bucket,
+    trust: TrustSet,
+}
+
+impl StreamReader {
+    /// A reader that accepts manifests signed by keys in `trust`.
+    pub fn new(bucket: Bucket, trust: TrustSet) -> Self {
+        StreamReader { bucket, trust }
+    }
+
+    /// The bucket.
+    pub fn bucket(&self) -> &Bucket {
+        &self.bucket
+    }
+
+    /// The trust set.
+    pub fn trust(&self) -> &TrustSet {
+        &self.trust
+    }
+
+    /// The verified stream descriptor, or `None` when the bucket has no stream.
+    pub async fn descriptor(&self) -> StreamResult<Option<StreamDescriptor>> {
+        match self.bucket.get_limited(layout::STREAM, MAX_MANIFEST_BYTES as u64).await {
+            Ok(b) => {
+                let (payload, _) = self.trust.open(&b)?;
+                Ok(Some(StreamDescriptor::from_slice(&payload)?))
+            }
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Ready steps of a kind, ascending, strictly after `after` when given.
+    pub async fn ready_steps(&self, kind: StepKind, after: Option<u64>) -> StreamResult<Vec<u64>> {
+        let prefix = layout::ready_prefix(kind);
+        let list = match after {
+            Some(s) => self.bucket.list_after(prefix, &layout::ready(kind, s)).await?,
+            None => self.bucket.list(prefix).await?,
+        };
+        let mut steps: Vec<u64> = list
+            .iter()
+            .filter_map(|o| layout::parse_step_key(&o.key))
+            .filter(|(k, _, name)| *k == kind && name.is_none())
+            .map(|(_, s, _)| s)
+            .filter(|s| after.is_none_or(|a| *s > a))
+            .collect();
+        steps.sort_unstable();
+        steps.dedup();
+        Ok(steps)
+    }
+
+    /// A ready marker.
+    pub async fn marker(&self, kind: StepKind, step: u64) -> StreamResult<ReadyMarker> {
+        let b = self.bucket.get_limited(&layout::ready(kind, step), MAX_MARKER_BYTES).await?;
+        let m = ReadyMarker::from_slice(&b)?;
+        if m.step != step || m.of != kind {
+            return Err(driftless_format::Error::Corrupt { what: "ready marker", detail: format!("marker at step {step} describes {:?} {}", m.of, m.step) }.into());
+        }
+        Ok(m)
+    }
+
+    async fn envelope(&self, kind: StepKind, step: u64, marker: &ReadyMarker) -> StreamResult<(Vec<u8>, Digest)> {
+        let key = layout::manifest(kind, step);
+        let b = match self.bucket.get_limited(&key, MAX_MANIFEST_BYTES as u64).await {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => return Err(StreamError::NotReady { step, detail: format!("{key} missing") }),
+            Err(e) => return Err(e.into()),
+        };
+        let sha = Digest::of(&b);
+        if sha != marker.manifest_sha256 {
+            // A replayed or swapped manifest; or a marker copied before its manifest by a
+            // replicator. Either way do not use it; a retry tells the two apart.
+            return Err(StreamError::NotReady { step, detail: format!("{key} does not match the SHA-256 in its ready marker") });
+        }
+        let (payload, _) = self.trust.open(&b)?;
+        Ok((payload, sha))
+    }
+
+    /// The verified manifest of a ready delta, with the SHA-256 of its envelope.
+    pub async fn delta(&self, step: u64) -> StreamResult<(DeltaManifest, Digest)> {
+        let marker = self.marker(StepKind::Delta, step).await?;
+        let (payload, sha) = self.envelope(StepKind::Delta, step, &marker).await?;
+        let m = DeltaManifest::from_slice(&payload)?;
+        if m.step != step || Some(m.base_step) != marker.base_step {
+            return Err(driftless_format::Error::Corrupt { what: "delta manifest", detail: format!("manifest of step {} found at step {step}", m.step) }.into());
+        }
+        Ok((m, sha))
+    }
+
+    /// The verified manifest of a ready anchor.
+    pub async fn anchor(&self, step: u64) -> StreamResult<(AnchorManifest, Digest)> {
+        let marker = self.marker(StepKind::Anchor, step).await?;
+        let (payload, sha) = self.envelope(StepKind::Anchor, step, &marker).await?;
+        let m = AnchorManifest::from_slice(&payload)?;
+        if m.step != step {
+            return Err(driftless_format::Error::Corrupt { what: "anchor manifest", detail: format!("manifest of step {} found at step {step}", m.step) }.into());
+        }
+        Ok((m, sha))
+    }
+
+    /// Fetches one object of a step and checks its size and SHA-256. A missing object under a
+    /// ready marker is [`StreamError::NotReady`].
+    pub async fn object(&self, kind: StepKind, step: u64, name: &str, size: u64, sha: Digest) -> StreamResult<Bytes> {
+        let key = layout::object(kind, step, name);
+        let b = match self.bucket.get_limited(&key, size).await {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => return Err(StreamError::NotReady { step, detail: format!("{key} missing") }),
+            Err(e) => return Err(e.into()),
+        };
+        if b.len() as u64 != size || Digest::of(&b) != sha {
+            return Err(driftless_format::Error::Corrupt { what: "object", detail: format!("{key} does not match its manifest (size or SHA-256)") }.into());
+        }
+        Ok(b)
+    }
+
+    /// `latest.json` if it changed since `etag`: `Ok(None)` when not modified or absent.
+    pub async fn latest(&self, etag: Option<&str>) -> StreamResult<Option<(LatestHint, Option<String>)>> {
+        match self.bucket.get_if_changed(layout::LATEST, etag).await {
+            Ok(Some((b, tag))) => {
+                let (payload, _) = self.trust.open(&b)?;
+                Ok(Some((LatestHint::from_slice(&payload)?, tag)))
+            }
+            Ok(None) => Ok(None),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+}

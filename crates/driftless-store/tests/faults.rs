@@ -1,0 +1,133 @@
+//! Retry behaviour, driven by FaultyStore over an in-memory store.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use driftless_store::{Bucket, Error, FaultKind, FaultOp, FaultyStore, StoreOptions};
+use object_store::memory::InMemory;
+
+fn opts() -> StoreOptions {
+    StoreOptions::default()
+        .with_max_retries(4)
+        .with_retry_timeout(Duration::from_secs(10))
+}
+
+fn faulty() -> (Arc<FaultyStore>, Bucket) {
+    let store = Arc::new(FaultyStore::new(Arc::new(InMemory::new())));
+    let bucket = Bucket::from_store(store.clone(), "p", &opts());
+    (store, bucket)
+}
+
+#[tokio::test]
+async fn transient_put_faults_are_retried() {
+    let (store, b) = faulty();
+    store.inject(FaultOp::Put, "manifest", 2, FaultKind::Transient);
+    b.put_create("deltas/000000000001/manifest.json", Bytes::from_static(b"m"))
+        .await
+        .unwrap();
+    assert_eq!(store.injected(), 2);
+    assert_eq!(b.get("deltas/000000000001/manifest.json").await.unwrap(), Bytes::from_static(b"m"));
+}
+
+#[tokio::test]
+async fn retries_are_bounded_by_count() {
+    let (store, b) = faulty();
+    store.inject(FaultOp::Get, "x", 100, FaultKind::Transient);
+    b.put("x", Bytes::from_static(b"1")).await.unwrap();
+    let err = b.get_limited("x", 10).await.unwrap_err();
+    assert!(err.is_retryable(), "{err:?}");
+    assert_eq!(store.injected(), 5, "1 attempt + 4 retries");
+}
+
+#[tokio::test]
+async fn retries_are_bounded_by_time() {
+    let store = Arc::new(FaultyStore::new(Arc::new(InMemory::new())));
+    let o = opts().with_max_retries(1000).with_retry_timeout(Duration::from_millis(700));
+    let b = Bucket::from_store(store.clone(), "", &o);
+    store.inject(FaultOp::Put, "", 1000, FaultKind::Transient);
+    let t = Instant::now();
+    assert!(b.put("k", Bytes::from_static(b"v")).await.unwrap_err().is_retryable());
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    assert!(store.injected() >= 2);
+}
+
+#[tokio::test]
+async fn permanent_faults_are_not_retried() {
+    let (store, b) = faulty();
+    store.inject(FaultOp::Put, "k", 5, FaultKind::Permanent);
+    let err = b.put("k", Bytes::from_static(b"v")).await.unwrap_err();
+    assert!(matches!(err, Error::Permanent { .. }), "{err:?}");
+    assert!(!err.is_retryable());
+    assert_eq!(store.injected(), 1);
+}
+
+/// A put_create whose response was lost must not report AlreadyExists on its own retry.
+#[tokio::test]
+async fn lost_put_create_response_is_success() {
+    let (store, b) = faulty();
+    store.inject(FaultOp::Put, "ready/", 1, FaultKind::LostResponse);
+    b.put_create("ready/deltas/000000000001", Bytes::from_static(b"r")).await.unwrap();
+    assert_eq!(store.injected(), 1);
+    // A real competitor with other bytes still loses.
+    let err = b
+        .put_create("ready/deltas/000000000001", Bytes::from_static(b"other"))
+        .await
+        .unwrap_err();
+    assert!(err.is_already_exists());
+}
+
+#[tokio::test]
+async fn list_and_delete_faults_are_retried() {
+    let (store, b) = faulty();
+    b.put("a/1", Bytes::from_static(b"1")).await.unwrap();
+    store.inject(FaultOp::List, "p", 2, FaultKind::Transient);
+    store.inject(FaultOp::Delete, "a/1", 2, FaultKind::Transient);
+    assert_eq!(b.list("a/").await.unwrap().len(), 1);
+    b.delete("a/1").await.unwrap();
+    assert!(b.list("a/").await.unwrap().is_empty());
+    assert_eq!(store.injected(), 4);
+}
+
+#[tokio::test]
+async fn ranged_get_part_faults_are_retried() {
+    let store = Arc::new(FaultyStore::new(Arc::new(InMemory::new())));
+    let o = opts().with_part_size(1000).with_multipart_threshold(4000);
+    let b = Bucket::from_store(store.clone(), "", &o);
+    let data = Bytes::from((0..10_000u32).map(|i| (i % 251) as u8).collect::<Vec<_>>());
+    b.put("big", data.clone()).await.unwrap();
+    store.inject(FaultOp::Get, "big", 3, FaultKind::Transient);
+    assert_eq!(b.get("big").await.unwrap(), data);
+    assert_eq!(store.injected(), 3);
+}
+
+#[tokio::test]
+async fn builder_style_and_delay() {
+    let inner = Arc::new(InMemory::new());
+    let store = Arc::new(
+        FaultyStore::new(inner)
+            .fail_puts_matching("a", 1)
+            .fail_gets_matching("a", 1)
+            .delay(Duration::from_millis(20)),
+    );
+    let b = Bucket::from_store(store.clone(), "", &opts());
+    let t = Instant::now();
+    b.put("a", Bytes::from_static(b"1")).await.unwrap();
+    assert_eq!(b.get("a").await.unwrap(), Bytes::from_static(b"1"));
+    assert!(t.elapsed() >= Duration::from_millis(60));
+    assert_eq!(store.injected(), 2);
+    store.clear();
+}
+
+#[tokio::test]
+async fn concurrency_is_bounded() {
+    // 40 parallel GETs of 50 ms each through a bucket limited to 4 in flight: >= 10 rounds.
+    let store = Arc::new(FaultyStore::new(Arc::new(InMemory::new())));
+    let b = Bucket::from_store(store.clone(), "", &opts().with_concurrency(4));
+    b.put("k", Bytes::from_static(b"v")).await.unwrap();
+    store.set_delay(Duration::from_millis(50));
+    let t = Instant::now();
+    let reads = (0..40).map(|_| b.get_limited("k", 10));
+    futures::future::try_join_all(reads).await.unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(450), "{:?}", t.elapsed());
+}
