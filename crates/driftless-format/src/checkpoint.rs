@@ -121,6 +121,13 @@ impl Layout {
         let mut ranges = Vec::with_capacity(shard.tensors.len());
         for t in &shard.tensors {
             let n = t.nbytes()?;
+            // Checked: each tensor is validated to at most 2^46 bytes, but a layout from a
+            // manifest can list enough of them to wrap the offsets, which would map a file
+            // smaller than the tensor ranges handed out for writing.
+            let end = off
+                .checked_add(n)
+                .filter(|&e| e <= u64::MAX - (1 << 32))
+                .ok_or_else(|| Error::invalid(format!("shard {} is too large", shard.file)))?;
             if !first {
                 json.push(',');
             }
@@ -131,10 +138,10 @@ impl Layout {
                 t.dtype.as_str(),
                 serde_json::to_string(&t.shape).expect("vec serializes"),
                 off,
-                off + n
+                end
             ));
-            ranges.push(off..off + n);
-            off += n;
+            ranges.push(off..end);
+            off = end;
         }
         json.push('}');
         while json.len() % 8 != 0 {

@@ -294,7 +294,8 @@ impl DeltaManifest {
     }
     /// Total bytes of the segment objects.
     pub fn payload_bytes(&self) -> u64 {
-        self.segments.iter().map(|s| s.object.size).sum()
+        // Saturating: sizes come from the manifest, and a sum overflow must not panic.
+        self.segments.iter().fold(0u64, |a, s| a.saturating_add(s.object.size))
     }
     /// The result layout.
     pub fn layout(&self) -> Layout {
@@ -324,7 +325,8 @@ impl AnchorManifest {
     }
     /// Total bytes of the shard and file objects.
     pub fn payload_bytes(&self) -> u64 {
-        self.objects.iter().map(|s| s.object.size).sum::<u64>() + self.files.iter().map(|f| f.size).sum::<u64>()
+        // Saturating: sizes come from the manifest, and a sum overflow must not panic.
+        self.objects.iter().map(|s| s.object.size).chain(self.files.iter().map(|f| f.size)).fold(0u64, u64::saturating_add)
     }
     /// The layout.
     pub fn layout(&self) -> Layout {

@@ -218,3 +218,187 @@ pub fn write(dir: &Path, ts: &[T], shard: u64) -> Layout {
     checkpoint::write_checkpoint(dir, &l, &views(ts)).unwrap();
     l
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hostile input helpers.
+
+/// Mutates bytes: bit flips, random bytes, truncation, insertion, deletion, interesting u64s.
+pub fn mutate_bytes(seed: &[u8], r: &mut Rng64) -> Vec<u8> {
+    let mut b = seed.to_vec();
+    for _ in 0..r.gen_range(1..=4) {
+        match r.gen_range(0..7) {
+            0 if !b.is_empty() => {
+                let i = r.gen_range(0..b.len());
+                b[i] ^= 1 << r.gen_range(0..8);
+            }
+            1 if !b.is_empty() => {
+                let i = r.gen_range(0..b.len());
+                b[i] = r.gen();
+            }
+            2 => {
+                let l = r.gen_range(0..=b.len());
+                b.truncate(l);
+            }
+            3 => {
+                let i = r.gen_range(0..=b.len());
+                b.insert(i, r.gen());
+            }
+            4 if !b.is_empty() => {
+                let i = r.gen_range(0..b.len());
+                b.remove(i);
+            }
+            5 if b.len() >= 8 => {
+                let i = r.gen_range(0..=b.len() - 8);
+                let v: u64 = [0, 1, 0x7f, 0xff, u64::MAX, 1 << 31, 1 << 63, r.gen()][r.gen_range(0..8)];
+                b[i..i + 8].copy_from_slice(&v.to_le_bytes());
+            }
+            _ if !b.is_empty() => {
+                // Small varint-ish values are what the headers are made of.
+                let i = r.gen_range(0..b.len());
+                b[i] = r.gen_range(0..4);
+            }
+            _ => {}
+        }
+    }
+    b
+}
+
+/// Mutates one random node of a JSON document into something hostile.
+pub fn mutate_json(v: &serde_json::Value, r: &mut Rng64) -> serde_json::Value {
+    use serde_json::{json, Value};
+    let mut v = v.clone();
+    fn nodes(v: &Value, path: Vec<String>, out: &mut Vec<Vec<String>>) {
+        out.push(path.clone());
+        match v {
+            Value::Object(m) => m.iter().for_each(|(k, c)| {
+                let mut p = path.clone();
+                p.push(k.clone());
+                nodes(c, p, out)
+            }),
+            Value::Array(a) => a.iter().enumerate().for_each(|(i, c)| {
+                let mut p = path.clone();
+                p.push(i.to_string());
+                nodes(c, p, out)
+            }),
+            _ => {}
+        }
+    }
+    let mut all = vec![];
+    nodes(&v, vec![], &mut all);
+    let path = all[r.gen_range(0..all.len())].clone();
+    let hostile = [
+        json!(null),
+        json!(-1),
+        json!(u64::MAX),
+        json!(1u64 << 46),
+        json!(1.5),
+        json!(""),
+        json!("../../etc/passwd"),
+        json!(".hidden"),
+        json!("a/b"),
+        json!("ABCDEF0123456789ABCDEF0123456789ABCDEF0123456789ABCDEF0123456789"),
+        json!("x\u{0}y"),
+        json!([]),
+        json!({}),
+        json!("zstd"),
+        json!({"name": "zstd", "level": 1}),
+        json!("BF16"),
+        json!([u64::MAX, u64::MAX]),
+    ];
+    let mut cur = &mut v;
+    for (i, k) in path.iter().enumerate() {
+        let last = i + 1 == path.len();
+        match cur {
+            Value::Object(m) if last && r.gen_bool(0.2) => {
+                m.remove(k);
+                return v;
+            }
+            Value::Array(a) if last && r.gen_bool(0.3) => {
+                let idx: usize = k.parse().unwrap();
+                let dup = a[idx].clone();
+                a.push(dup);
+                return v;
+            }
+            Value::Object(m) => cur = m.get_mut(k).unwrap(),
+            Value::Array(a) => cur = &mut a[k.parse::<usize>().unwrap()],
+            _ => unreachable!(),
+        }
+    }
+    *cur = hostile[r.gen_range(0..hostile.len())].clone();
+    v
+}
+
+/// One hand-made segment entry (see the format in `delta.rs`).
+pub struct E<'a> {
+    pub name: &'a str,
+    pub dense: bool,
+    pub dtype: DType,
+    pub start: u64,
+    pub len: u64,
+    pub count: u64,
+    pub pos: Vec<u8>,
+    pub vals: Vec<u8>,
+}
+
+/// Writes a raw-codec segment from hand-made entries; `mode` 0 overwrite, 1 ulp.
+pub fn raw_segment(mode: u8, entries: &[E<'_>]) -> Vec<u8> {
+    use driftless_format::varint::put;
+    let (mut h, mut p, mut vals) = (vec![], vec![], vec![]);
+    for e in entries {
+        put(&mut h, e.name.len() as u64);
+        h.extend_from_slice(e.name.as_bytes());
+        h.push(e.dense as u8);
+        h.push(DType::ALL.iter().position(|d| *d == e.dtype).unwrap() as u8);
+        for x in [e.start, e.len, e.count, e.pos.len() as u64, e.vals.len() as u64] {
+            put(&mut h, x);
+        }
+        p.extend_from_slice(&e.pos);
+        vals.extend_from_slice(&e.vals);
+    }
+    let mut out = b"DLS1".to_vec();
+    out.extend_from_slice(&[1, 0, mode, 0]);
+    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    for b in [&h, &p, &vals] {
+        out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+    }
+    for b in [h, p, vals] {
+        out.extend_from_slice(&b);
+    }
+    out
+}
+
+/// A safetensors file of mixed dtypes written by the `safetensors` crate itself (not by us).
+pub fn safetensors_file(seed: u64) -> (Vec<u8>, Vec<T>) {
+    let mut r = rng(seed);
+    let ts = vec![
+        T::random("model.embed.weight", DType::BF16, &[64, 48], &mut r),
+        T::random("model.norm.weight", DType::F32, &[48], &mut r),
+        T::random("model.f16", DType::F16, &[3, 5, 7], &mut r),
+        T::random("model.f64", DType::F64, &[9], &mut r),
+        T::random("model.fp8a", DType::F8_E4M3, &[33], &mut r),
+        T::random("model.fp8b", DType::F8_E5M2, &[31], &mut r),
+        T::random("model.mask", DType::BOOL, &[13], &mut r),
+        T::random("model.i8", DType::I8, &[5], &mut r),
+        T::random("model.u8", DType::U8, &[5], &mut r),
+        T::random("model.i16", DType::I16, &[5], &mut r),
+        T::random("model.u16", DType::U16, &[5], &mut r),
+        T::random("model.i32", DType::I32, &[5], &mut r),
+        T::random("model.u32", DType::U32, &[5], &mut r),
+        T::random("model.i64", DType::I64, &[2, 2], &mut r),
+        T::random("model.u64", DType::U64, &[3], &mut r),
+        T::random("model.scalar", DType::F32, &[], &mut r),
+        T::random("model.empty", DType::BF16, &[0, 4], &mut r),
+    ];
+    let st: Vec<(String, safetensors::tensor::TensorView<'_>)> = ts
+        .iter()
+        .map(|t| {
+            let d: safetensors::Dtype = serde_json::from_value(serde_json::json!(t.dtype.as_str())).unwrap();
+            let shape: Vec<usize> = t.shape.iter().map(|&x| x as usize).collect();
+            (t.name.clone(), safetensors::tensor::TensorView::new(d, shape, &t.data).unwrap())
+        })
+        .collect();
+    let md = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = safetensors::serialize(st, Some(md)).unwrap();
+    (bytes, ts)
+}

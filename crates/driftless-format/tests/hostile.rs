@@ -1,0 +1,294 @@
+//! Hostile input: hand-made malicious segments, manifests, delta files and layouts. Errors must
+//! be `Corrupt` (or `Untrusted` for signatures), never panics, never writes out of bounds.
+
+mod common;
+
+use common::*;
+use driftless_format::{
+    checkpoint::ShardLayout, container, delta, sign, AnchorManifest, CheckpointMut, DType, DeltaManifest, DeltaOptions,
+    ErrorKind, Keypair, Layout, TensorMeta, TensorsMut, TrustSet,
+};
+use proptest::prelude::*;
+
+fn dense(name: &str, dtype: DType, start: u64, len: u64, byte: u8) -> E<'_> {
+    E { name, dense: true, dtype, start, len, count: len, pos: vec![], vals: vec![byte; (len as usize) * dtype.size()] }
+}
+
+/// Applies `segs` in one pass onto a guarded buffer of `n` F32 elements named "t".
+fn apply_guarded(segs: &[Vec<u8>], n: usize) -> (driftless_format::Result<()>, Vec<u8>) {
+    let mut buf = vec![0x5Au8; 16 + n * 4 + 16];
+    let res = {
+        let mut tm = TensorsMut::new();
+        tm.insert("t", DType::F32, &mut buf[16..16 + n * 4]);
+        let refs: Vec<(&[u8], u64)> = segs.iter().map(|s| (&s[..], 1 << 20)).collect();
+        delta::apply_all(&refs, &tm)
+    };
+    assert!(buf[..16].iter().chain(&buf[16 + n * 4..]).all(|&b| b == 0x5A), "write outside the tensor");
+    (res, buf[16..16 + n * 4].to_vec())
+}
+
+fn corrupt(r: driftless_format::Result<()>, what: &str) {
+    match r {
+        Err(e) => assert_eq!(e.kind(), ErrorKind::Corrupt, "{what}: {e}"),
+        Ok(()) => panic!("{what}: accepted"),
+    }
+}
+
+#[test]
+fn overlapping_entries_are_refused() {
+    // Sanity: adjacent, non-overlapping entries apply.
+    let ok = raw_segment(0, &[dense("t", DType::F32, 0, 4, 1), dense("t", DType::F32, 4, 4, 2)]);
+    let (r, out) = apply_guarded(&[ok], 8);
+    r.unwrap();
+    assert_eq!(out, [vec![1u8; 16], vec![2u8; 16]].concat());
+
+    let same = raw_segment(0, &[dense("t", DType::F32, 0, 4, 1), dense("t", DType::F32, 0, 4, 2)]);
+    corrupt(apply_guarded(&[same], 8).0, "same range twice in a segment");
+    let partial = raw_segment(0, &[dense("t", DType::F32, 0, 4, 1), dense("t", DType::F32, 3, 4, 2)]);
+    corrupt(apply_guarded(&[partial], 8).0, "partial overlap");
+    let inside = raw_segment(0, &[dense("t", DType::F32, 0, 8, 1), dense("t", DType::F32, 2, 1, 2)]);
+    corrupt(apply_guarded(&[inside], 8).0, "range inside another");
+    let before = raw_segment(0, &[dense("t", DType::F32, 2, 1, 1), dense("t", DType::F32, 0, 8, 2)]);
+    corrupt(apply_guarded(&[before], 8).0, "range around an earlier one");
+    // Across segments of the same pass.
+    let s1 = raw_segment(0, &[dense("t", DType::F32, 0, 4, 1)]);
+    let s2 = raw_segment(0, &[dense("t", DType::F32, 2, 4, 2)]);
+    corrupt(apply_guarded(&[s1, s2], 8).0, "overlap across segments");
+    // Sparse entries overlapping a dense one.
+    let sp = E { name: "t", dense: false, dtype: DType::F32, start: 1, len: 2, count: 1, pos: vec![0], vals: vec![9; 4] };
+    let s = raw_segment(0, &[dense("t", DType::F32, 0, 2, 1), sp]);
+    corrupt(apply_guarded(&[s], 8).0, "sparse over dense");
+}
+
+#[test]
+fn malformed_entries_are_corrupt() {
+    let sp = |start, len, count, pos: Vec<u8>, vals: Vec<u8>| E { name: "t", dense: false, dtype: DType::F32, start, len, count, pos, vals };
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("unknown tensor", raw_segment(0, &[dense("nope", DType::F32, 0, 1, 1)])),
+        ("dtype mismatch", raw_segment(0, &[dense("t", DType::BF16, 0, 2, 1)])),
+        ("range past the end", raw_segment(0, &[dense("t", DType::F32, 6, 4, 1)])),
+        ("start overflow", raw_segment(0, &[dense("t", DType::F32, u64::MAX - 1, 1, 1)])),
+        ("position past len", raw_segment(0, &[sp(0, 2, 1, vec![2], vec![1; 4])])),
+        ("second position past len", raw_segment(0, &[sp(0, 2, 2, vec![0, 1], vec![1; 8])])),
+        ("count over len", raw_segment(0, &[sp(0, 1, 2, vec![0, 0], vec![1; 8])])),
+        ("zero count", raw_segment(0, &[sp(0, 1, 0, vec![], vec![])])),
+        ("values short", raw_segment(0, &[sp(0, 4, 2, vec![0, 0], vec![1; 5])])),
+        ("trailing positions", raw_segment(0, &[sp(0, 4, 1, vec![0, 0], vec![1; 4])])),
+        ("ulp too wide", raw_segment(1, &[sp(0, 4, 1, vec![0], vec![0xff, 0xff, 0xff, 0xff, 0x7f])])),
+        ("ulp truncated", raw_segment(1, &[sp(0, 4, 1, vec![0], vec![0xff])])),
+        ("dense with positions", raw_segment(0, &[E { pos: vec![0], ..dense("t", DType::F32, 0, 1, 1) }])),
+        ("dense count != len", raw_segment(0, &[E { count: 1, ..dense("t", DType::F32, 0, 2, 1) }])),
+        ("empty name", raw_segment(0, &[dense("", DType::F32, 0, 1, 1)])),
+    ];
+    for (what, seg) in cases {
+        let r = delta::decode_segment(&seg, 1 << 20).and_then(|s| {
+            let mut buf = vec![0u8; 32];
+            let mut tm = TensorsMut::new();
+            tm.insert("t", DType::F32, &mut buf);
+            delta::to_redo(&s, &tm).map(|_| ()).and_then(|_| delta::apply_segment(&s, &tm))
+        });
+        corrupt(r, what);
+    }
+    // Header-level damage.
+    let good = raw_segment(0, &[dense("t", DType::F32, 0, 1, 1)]);
+    let mut v = good.clone();
+    v[4] = 2;
+    corrupt(delta::decode_segment(&v, 1 << 20).map(|_| ()), "version");
+    let mut v = good.clone();
+    v[5] = 7;
+    corrupt(delta::decode_segment(&v, 1 << 20).map(|_| ()), "codec");
+    let mut v = good.clone();
+    v[6] = 9;
+    corrupt(delta::decode_segment(&v, 1 << 20).map(|_| ()), "mode");
+    let mut v = good.clone();
+    v[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+    corrupt(delta::decode_segment(&v, 1 << 20).map(|_| ()), "entry count");
+    // Raw size bound: a block that claims more than the manifest's raw_size is refused before
+    // anything is allocated.
+    corrupt(delta::decode_segment(&good, 4).map(|_| ()), "raw size over bound");
+    let mut v = good.clone();
+    v[12..20].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    v[5] = 1;
+    corrupt(delta::decode_segment(&v, u64::MAX).map(|_| ()), "huge zstd block");
+    for l in 0..good.len() {
+        corrupt(delta::decode_segment(&good[..l], 1 << 20).map(|_| ()), "truncated");
+    }
+}
+
+/// A layout listing enough maximal tensors to wrap a 64-bit offset is refused, not wrapped
+/// into a small file with huge tensor ranges (regression: `shard_header` added unchecked).
+#[test]
+fn regression_layout_offsets_overflow() {
+    let tensors: Vec<TensorMeta> =
+        (0..(1u64 << 18)).map(|i| TensorMeta { name: format!("t{i}"), dtype: DType::U8, shape: vec![1 << 46] }).collect();
+    let shard = ShardLayout { file: "model.safetensors".into(), tensors, metadata: None };
+    let e = Layout::shard_header(&shard).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    let layout = Layout { shards: vec![shard] };
+    layout.validate().unwrap();
+    assert!(layout.shard_sizes().is_err());
+    let dir = tempfile::tempdir().unwrap();
+    assert!(CheckpointMut::create(dir.path(), &layout).is_err());
+}
+
+fn signed_delta_file(key: &Keypair) -> (Vec<u8>, DeltaManifest, Vec<Vec<u8>>) {
+    let mut r = rng(21);
+    let base = vec![T::random("w", DType::BF16, &[256], &mut r), T::random("v", DType::F32, &[16], &mut r)];
+    let target: Vec<T> = base.iter().map(|t| mutate(t, 0.1, &mut r)).collect();
+    let layout = Layout::for_tensors(&metas(&target), u64::MAX).unwrap();
+    let (m, enc) = make(&base, &target, &layout, &DeltaOptions { segment_target: 64, chunk_bytes: 64, ..Default::default() });
+    let env = key.seal(&serde_json::to_vec(&m).unwrap()).unwrap();
+    let segs: Vec<Vec<u8>> = enc.segments.into_iter().map(|s| s.bytes).collect();
+    let refs: Vec<&[u8]> = segs.iter().map(|s| &s[..]).collect();
+    let mut file = vec![];
+    container::write_delta_file(&mut file, &env, &refs).unwrap();
+    (file, m, segs)
+}
+
+#[test]
+fn delta_file_hostile() {
+    let key = Keypair::from_seed([1; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let (file, m, segs) = signed_delta_file(&key);
+    assert!(segs.len() > 2);
+    let f = container::read_delta_file(&file, &trust).unwrap();
+    assert_eq!(f.manifest, m);
+    assert_eq!(f.signer.as_deref(), Some(key.id()));
+    assert_eq!(f.segments.len(), segs.len());
+    for (a, b) in f.segments.iter().zip(&segs) {
+        assert_eq!(*a, &b[..]);
+    }
+    // Another key: untrusted.
+    let other = TrustSet::new().with_key(Keypair::from_seed([2; 32]).public());
+    assert_eq!(container::read_delta_file(&file, &other).unwrap_err().kind(), ErrorKind::Untrusted);
+    // Every truncation fails.
+    for l in (0..file.len()).step_by(7).chain([file.len() - 1]) {
+        let e = container::read_delta_file(&file[..l], &trust).unwrap_err();
+        assert!(matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::Untrusted), "truncation at {l}: {e}");
+    }
+    // Trailing bytes fail.
+    let mut longer = file.clone();
+    longer.push(0);
+    assert_eq!(container::read_delta_file(&longer, &trust).unwrap_err().kind(), ErrorKind::Corrupt);
+    // Random mutations: an error of the right kind, or (a mutation the checks cannot see, such
+    // as none at all) exactly the original content.
+    let mut r = rng(22);
+    let mut accepted = 0;
+    for _ in 0..3000 {
+        let b = mutate_bytes(&file, &mut r);
+        match container::read_delta_file(&b, &trust) {
+            Ok(f) => {
+                assert_eq!(f.manifest, m);
+                assert!(f.segments.iter().zip(&segs).all(|(a, b)| *a == &b[..]));
+                accepted += 1;
+            }
+            Err(e) => assert!(matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::Untrusted), "{e}"),
+        }
+    }
+    assert!(accepted < 3000);
+}
+
+#[test]
+fn manifest_hostile_values() {
+    let key = Keypair::from_seed([1; 32]);
+    let (_, m, _) = signed_delta_file(&key);
+    let good = serde_json::to_value(&m).unwrap();
+    DeltaManifest::from_slice(&serde_json::to_vec(&good).unwrap()).unwrap();
+    let bad = |f: &dyn Fn(&mut serde_json::Value), what: &str| {
+        let mut v = good.clone();
+        f(&mut v);
+        let e = DeltaManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{what}: {e}");
+    };
+    bad(&|v| v["kind"] = "anchor".into(), "kind");
+    bad(&|v| v["version"] = 2.into(), "version");
+    bad(&|v| v["base_step"] = v["step"].clone(), "base_step == step");
+    bad(&|v| v["segments"][0]["object"] = "../../etc/passwd".into(), "path traversal in segment name");
+    bad(&|v| v["segments"][0]["object"] = ".hidden".into(), "dot file");
+    bad(&|v| v["segments"][0]["raw_size"] = (1u64 << 40).into(), "raw size over limit");
+    bad(&|v| v["shards"][0]["file"] = "../model.safetensors".into(), "shard path traversal");
+    bad(&|v| v["shards"][0]["file"] = "model.safetensors.index.json".into(), "index file as shard");
+    bad(&|v| v["shards"][0]["file"] = "model.bin".into(), "not safetensors");
+    bad(&|v| v["shards"][0]["tensors"][0]["name"] = "".into(), "empty tensor name");
+    bad(&|v| v["shards"][0]["tensors"][0]["name"] = "a\nb".into(), "control char in name");
+    bad(&|v| v["shards"][0]["tensors"][0]["shape"] = serde_json::json!([1u64 << 40, 1u64 << 40]), "shape overflow");
+    bad(&|v| v["shards"][0]["tensors"][0]["shape"] = serde_json::json!(vec![1; 17]), "too many dims");
+    bad(&|v| v["shards"][0]["tensors"][0]["dtype"] = "F4".into(), "unknown dtype");
+    bad(&|v| v["shards"][0]["tensors"][0]["digest"] = "00".into(), "short digest");
+    bad(&|v| v["codec"] = serde_json::json!({"name": "lz4"}), "unknown codec");
+    bad(&|v| v["value_mode"] = "xor".into(), "unknown value mode");
+    bad(&|v| {
+        let t = v["shards"][0]["tensors"][0].clone();
+        v["shards"][0]["tensors"].as_array_mut().unwrap().push(t);
+    }, "duplicate tensor");
+    bad(&|v| {
+        let s = v["shards"][0].clone();
+        v["shards"].as_array_mut().unwrap().push(s);
+    }, "duplicate shard");
+    let big = vec![b' '; driftless_format::manifest::MAX_MANIFEST_BYTES + 1];
+    assert_eq!(DeltaManifest::from_slice(&big).unwrap_err().kind(), ErrorKind::Corrupt);
+    assert_eq!(TrustSet::new().open(&big).unwrap_err().kind(), ErrorKind::Corrupt);
+    // Sizes that overflow a sum.
+    let mut v = good.clone();
+    for s in v["segments"].as_array_mut().unwrap() {
+        s["size"] = u64::MAX.into();
+    }
+    let mm = DeltaManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap();
+    assert_eq!(mm.payload_bytes(), u64::MAX, "regression: payload_bytes overflowed");
+    // Anchor manifest: objects must line up with shards and have safe names.
+    let docs = anchor_doc(&m);
+    AnchorManifest::from_slice(&serde_json::to_vec(&docs).unwrap()).unwrap();
+    for (what, f) in [
+        ("object name", Box::new(|v: &mut serde_json::Value| v["objects"][0]["object"] = "a/b".into()) as Box<dyn Fn(&mut serde_json::Value)>),
+        ("file name", Box::new(|v: &mut serde_json::Value| v["files"][0]["object"] = "../config.json".into())),
+        ("object order", Box::new(|v: &mut serde_json::Value| v["objects"][0]["file"] = "other.safetensors".into())),
+        ("object count", Box::new(|v: &mut serde_json::Value| { v["objects"].as_array_mut().unwrap().pop(); })),
+    ] {
+        let mut v = docs.clone();
+        f(&mut v);
+        assert_eq!(AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap_err().kind(), ErrorKind::Corrupt, "{what}");
+    }
+    let mut v = docs.clone();
+    v["objects"][0]["size"] = u64::MAX.into();
+    v["files"][0]["size"] = u64::MAX.into();
+    assert_eq!(AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap().payload_bytes(), u64::MAX);
+}
+
+fn anchor_doc(m: &DeltaManifest) -> serde_json::Value {
+    let objects: Vec<_> = m.shards.iter().map(|s| serde_json::json!({"file": s.file, "object": "a.dla", "size": 1, "sha256": m.base_root, "decoded_size": 2, "decoded_sha256": m.base_root})).collect();
+    serde_json::json!({"kind": "anchor", "version": 1, "stream_id": "s", "step": 1, "weights_root": m.base_root, "encoding": "safetensors",
+        "shards": m.shards, "objects": objects, "files": [{"object": "config.json", "size": 1, "sha256": m.base_root}], "created_at_ms": 0})
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// Structured JSON mutations of a real manifest, parsed directly and inside envelopes.
+    #[test]
+    fn prop_manifest_mutations(seed in any::<u64>()) {
+        let key = Keypair::from_seed([1; 32]);
+        let (_, m, _) = signed_delta_file(&key);
+        let mut r = rng(seed);
+        let v = mutate_json(&serde_json::to_value(&m).unwrap(), &mut r);
+        let bytes = serde_json::to_vec(&v).unwrap();
+        if let Err(e) = DeltaManifest::from_slice(&bytes) {
+            prop_assert_eq!(e.kind(), ErrorKind::Corrupt);
+        }
+        let a = mutate_json(&anchor_doc(&m), &mut r);
+        if let Err(e) = AnchorManifest::from_slice(&serde_json::to_vec(&a).unwrap()) {
+            prop_assert_eq!(e.kind(), ErrorKind::Corrupt);
+        }
+        // Envelope-level mutations.
+        let env = key.seal(&serde_json::to_vec(&m).unwrap()).unwrap();
+        let ev = mutate_json(&serde_json::from_slice(&env).unwrap(), &mut r);
+        let trust = TrustSet::new().with_key(key.public());
+        match trust.open(&serde_json::to_vec(&ev).unwrap()) {
+            Ok((p, signer)) => {
+                prop_assert_eq!(signer.as_deref(), Some(key.id()));
+                prop_assert_eq!(DeltaManifest::from_slice(&p).unwrap(), m.clone());
+            }
+            Err(e) => prop_assert!(matches!(e.kind(), ErrorKind::Corrupt | ErrorKind::Untrusted), "{}", e),
+        }
+        let _ = sign::seal_unsigned(&bytes);
+    }
+}
