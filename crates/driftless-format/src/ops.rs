@@ -140,11 +140,12 @@ impl<'t, 'a> Applier<'t, 'a> {
             if seg.mode != ValueMode::Overwrite {
                 return Err(Error::corrupt("journal", "redo record is not in overwrite form"));
             }
-            delta::apply_segment(&seg, self.tensors)?;
-            // Journal again so a second crash before the end still knows this segment.
+            // Journal again so a second crash before the end still knows this segment; before
+            // the writes, as in `apply_decoded`: records must precede the cells they cover.
             if let Some(j) = &self.journal {
                 j.lock().expect("journal lock").append(*i, rec)?;
             }
+            delta::apply_segment(&seg, self.tensors)?;
             done.push(*i);
         }
         Ok(done)
