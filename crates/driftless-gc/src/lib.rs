@@ -1,1 +1,40 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs, unreachable_pub, rustdoc::broken_intra_doc_links)]
 
+mod error;
+mod execute;
+mod inventory;
+mod plan;
+mod policy;
+
+use std::time::SystemTime;
+
+use driftless_store::Bucket;
+
+pub use error::{Error, Result};
+pub use execute::{execute, GcReport};
+pub use inventory::{Inventory, MarkerState, StepEntry, StepId};
+pub use plan::{plan_inventory, DeletedStep, GcPlan, KeepReason, KeptStep};
+pub use policy::{parse_duration, GcPolicy, DEFAULT_GRACE, DEFAULT_KEEP_ANCHORS, DEFAULT_KEEP_DELTAS};
+
+/// List the bucket and plan a collection as of `now` (nothing is deleted).
+///
+/// `now` is a parameter so that tests and dry runs can ask "what would happen later".
+pub async fn plan(bucket: &Bucket, policy: &GcPolicy, now: SystemTime) -> Result<GcPlan> {
+    let inv = Inventory::load(bucket).await?;
+    Ok(plan_inventory(&inv, policy, now))
+}
+
+/// Plan at the current time and, unless `dry_run`, carry the plan out.
+///
+/// This is the entry point for `driftless gc` and for a publisher that runs retention
+/// itself on a schedule. It is safe to run while publishers and agents are active and
+/// concurrently with other collections; an error or an interruption leaves the stream
+/// valid, and the next run finishes the job.
+pub async fn run(bucket: &Bucket, policy: &GcPolicy, dry_run: bool) -> Result<GcReport> {
+    let plan = plan(bucket, policy, SystemTime::now()).await?;
+    if dry_run {
+        return Ok(GcReport::dry_run(plan));
+    }
+    execute(bucket, &plan).await
+}

@@ -1,0 +1,162 @@
+//! Carrying out a [`GcPlan`]: markers first, newest first; then manifests; then payloads.
+
+use std::time::{Duration, SystemTime};
+
+use driftless_store::{layout, Bucket};
+use futures::{StreamExt, TryStreamExt};
+use serde::Serialize;
+
+use crate::error::Result;
+use crate::inventory::StepId;
+use crate::plan::{DeletedStep, GcPlan};
+
+/// Steps whose objects are deleted at once.
+const STEPS_IN_FLIGHT: usize = 8;
+
+/// What a collection did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GcReport {
+    /// Whether this was a dry run (nothing deleted).
+    pub dry_run: bool,
+    /// The plan that was carried out (or would have been).
+    pub plan: GcPlan,
+    /// Ready steps removed.
+    pub deleted_steps: usize,
+    /// Incomplete steps removed.
+    pub deleted_incomplete: usize,
+    /// Delete requests sent (markers, manifests, payloads; deleting a missing key counts).
+    pub deleted_objects: usize,
+    /// Bytes freed (as listed when planning).
+    pub bytes_freed: u64,
+    /// Incomplete steps left alone because they changed since planning (a marker appeared or
+    /// an object was rewritten): a publisher is at work there.
+    pub skipped: Vec<StepId>,
+}
+
+impl GcReport {
+    fn new(plan: &GcPlan, dry_run: bool) -> GcReport {
+        GcReport {
+            dry_run,
+            plan: plan.clone(),
+            deleted_steps: 0,
+            deleted_incomplete: 0,
+            deleted_objects: 0,
+            bytes_freed: 0,
+            skipped: Vec::new(),
+        }
+    }
+
+    /// The report of a dry run: the plan and nothing done.
+    pub fn dry_run(plan: GcPlan) -> GcReport {
+        GcReport::new(&plan, true)
+    }
+}
+
+impl std::fmt::Display for GcReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "{}", self.plan)?;
+        if self.dry_run {
+            return write!(f, "dry run: nothing deleted");
+        }
+        for s in &self.skipped {
+            writeln!(f, "skipped {s}: changed since planning")?;
+        }
+        write!(
+            f,
+            "deleted {} steps and {} incomplete ({} objects, {} bytes)",
+            self.deleted_steps, self.deleted_incomplete, self.deleted_objects, self.bytes_freed
+        )
+    }
+}
+
+/// Carry out `plan`.
+///
+/// 1. The ready markers of every deleted step, newest step first, one at a time: at every
+///    moment each remaining marker's chain is intact (a chain only points to older steps,
+///    and kept steps never depend on deleted ones), so an interrupted run leaves a valid
+///    stream.
+/// 2. Then, per step, the manifest, then the payload objects. A step whose marker is gone
+///    is invisible to readers; if interrupted here its leftovers are an incomplete step that
+///    the next run removes.
+/// 3. Incomplete steps, each re-checked first (marker still absent, nothing written since the
+///    grace cutoff); otherwise skipped.
+///
+/// Deleting a missing key succeeds, so re-running a plan, or two collections at once, is
+/// harmless.
+pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
+    let mut report = GcReport::new(plan, false);
+
+    let mut by_step: Vec<&DeletedStep> = plan.deleted.iter().collect();
+    by_step.sort_by_key(|d| std::cmp::Reverse(d.id()));
+    for d in &by_step {
+        if let Some(marker) = &d.marker {
+            bucket.delete(marker).await?;
+            report.deleted_objects += 1;
+            tracing::debug!(step = %d.id(), "deleted marker");
+        }
+    }
+    let counts: Vec<usize> = futures::stream::iter(by_step)
+        .map(|d| delete_objects(bucket, d))
+        .buffer_unordered(STEPS_IN_FLIGHT)
+        .try_collect()
+        .await?;
+    for (d, n) in plan.deleted.iter().zip(&counts) {
+        report.deleted_steps += 1;
+        report.deleted_objects += n;
+        report.bytes_freed += d.bytes;
+    }
+
+    let cutoff = SystemTime::UNIX_EPOCH + Duration::from_millis(plan.now_ms);
+    let cutoff = cutoff.checked_sub(plan.policy.grace);
+    for d in &plan.incomplete {
+        if !still_incomplete(bucket, d, cutoff).await? {
+            tracing::info!(step = %d.id(), "incomplete step changed since planning; left alone");
+            report.skipped.push(d.id());
+            continue;
+        }
+        report.deleted_objects += delete_objects(bucket, d).await?;
+        report.deleted_incomplete += 1;
+        report.bytes_freed += d.bytes;
+    }
+    tracing::info!(
+        steps = report.deleted_steps,
+        incomplete = report.deleted_incomplete,
+        bytes = report.bytes_freed,
+        "collection done"
+    );
+    Ok(report)
+}
+
+/// Manifest first, then the payload objects in parallel.
+async fn delete_objects(bucket: &Bucket, d: &DeletedStep) -> Result<usize> {
+    let mut n = 0;
+    if let Some(m) = &d.manifest {
+        bucket.delete(m).await?;
+        n += 1;
+    }
+    futures::stream::iter(&d.objects)
+        .map(|k| bucket.delete(k))
+        .buffer_unordered(STEPS_IN_FLIGHT)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(n + d.objects.len())
+}
+
+/// No marker now, and nothing in the step directory newer than the grace cutoff.
+async fn still_incomplete(bucket: &Bucket, d: &DeletedStep, cutoff: Option<SystemTime>) -> Result<bool> {
+    match bucket.head(&layout::ready(d.kind, d.step)).await {
+        Ok(_) => return Ok(false),
+        Err(e) if e.is_not_found() => {}
+        Err(e) => return Err(e.into()),
+    }
+    let Some(cutoff) = cutoff else { return Ok(false) };
+    let dir = match d.kind {
+        driftless_format::StepKind::Delta => layout::delta_dir(d.step),
+        driftless_format::StepKind::Anchor => layout::anchor_dir(d.step),
+    };
+    let now = bucket.list(&dir).await?;
+    Ok(now
+        .iter()
+        .filter(|o| layout::parse_step_key(&o.key).is_some())
+        .all(|o| o.last_modified <= cutoff))
+}

@@ -1,0 +1,261 @@
+//! [`Inventory`]: what the stream layout of a bucket holds, step by step.
+//!
+//! Built from three listings (`ready/`, then `anchors/` and `deltas/`) plus one small read per
+//! ready marker. Markers are listed first: a step whose marker appears between the listings
+//! then looks incomplete, and the grace period (plus a re-check before deleting) protects it.
+
+use std::collections::BTreeMap;
+use std::time::SystemTime;
+
+use driftless_format::{ReadyMarker, StepKind};
+use driftless_store::{layout, Bucket, ObjectInfo};
+use futures::{StreamExt, TryStreamExt};
+use serde::Serialize;
+
+use crate::error::Result;
+
+/// Largest ready marker read (they are a few hundred bytes).
+const MAX_MARKER_BYTES: u64 = 64 << 10;
+/// Marker reads in flight during [`Inventory::load`].
+const MARKER_READS: usize = 16;
+
+/// One step of one kind: `anchors/000000000050/` or `deltas/000000000050/`.
+///
+/// Ordered by step, then deltas before anchors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub struct StepId {
+    /// Delta or anchor.
+    pub kind: StepKind,
+    /// Step number.
+    pub step: u64,
+}
+
+impl StepId {
+    /// A delta step.
+    pub fn delta(step: u64) -> StepId {
+        StepId { kind: StepKind::Delta, step }
+    }
+
+    /// An anchor step.
+    pub fn anchor(step: u64) -> StepId {
+        StepId { kind: StepKind::Anchor, step }
+    }
+
+    fn rank(&self) -> (u64, u8) {
+        (self.step, matches!(self.kind, StepKind::Anchor) as u8)
+    }
+}
+
+impl Ord for StepId {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.rank().cmp(&other.rank())
+    }
+}
+
+impl PartialOrd for StepId {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl std::fmt::Display for StepId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.kind {
+            StepKind::Delta => write!(f, "delta {}", self.step),
+            StepKind::Anchor => write!(f, "anchor {}", self.step),
+        }
+    }
+}
+
+/// What the ready marker of a step says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MarkerState {
+    /// A well-formed marker for this very step.
+    Ready(ReadyMarker),
+    /// A marker that is not valid `ReadyMarker` JSON, or names another step. Such a step is
+    /// never deleted and never used to reach anything: a human should look at it.
+    Unreadable(String),
+}
+
+/// One step as listed: its marker (if any) and the objects of its directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepEntry {
+    /// Which step.
+    pub id: StepId,
+    /// The ready marker object and what it says; `None` for an incomplete step.
+    pub marker: Option<(ObjectInfo, MarkerState)>,
+    /// Objects of the step directory (manifest and payload), sorted by key.
+    pub objects: Vec<ObjectInfo>,
+}
+
+impl StepEntry {
+    fn new(id: StepId) -> StepEntry {
+        StepEntry {
+            id,
+            marker: None,
+            objects: Vec::new(),
+        }
+    }
+
+    /// The parsed marker of a ready step.
+    pub fn ready(&self) -> Option<&ReadyMarker> {
+        match &self.marker {
+            Some((_, MarkerState::Ready(m))) => Some(m),
+            _ => None,
+        }
+    }
+
+    /// Bytes of the marker and every object of the step.
+    pub fn bytes(&self) -> u64 {
+        let marker = self.marker.as_ref().map_or(0, |(info, _)| info.size);
+        self.objects.iter().fold(marker, |acc, o| acc.saturating_add(o.size))
+    }
+
+    /// The newest `last_modified` of the marker and the objects.
+    pub fn last_modified(&self) -> SystemTime {
+        self.marker
+            .iter()
+            .map(|(info, _)| info.last_modified)
+            .chain(self.objects.iter().map(|o| o.last_modified))
+            .max()
+            .unwrap_or(SystemTime::UNIX_EPOCH)
+    }
+
+    /// The manifest key, when the listing holds one.
+    pub fn manifest_key(&self) -> Option<&str> {
+        let manifest = layout::manifest(self.id.kind, self.id.step);
+        self.objects.iter().map(|o| o.key.as_str()).find(|k| *k == manifest)
+    }
+}
+
+/// Every step of a stream layout, as seen by one set of listings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Inventory {
+    /// Steps by id, oldest first.
+    pub steps: BTreeMap<StepId, StepEntry>,
+    /// Keys under `ready/`, `anchors/` and `deltas/` that are not part of the layout
+    /// (never touched; reported for the operator).
+    pub foreign: Vec<String>,
+}
+
+impl Inventory {
+    /// List the bucket and read every ready marker.
+    pub async fn load(bucket: &Bucket) -> Result<Inventory> {
+        // Markers first (see the module docs).
+        let markers = bucket.list("ready/").await?;
+        let mut objects = bucket.list("anchors/").await?;
+        objects.extend(bucket.list("deltas/").await?);
+
+        let mut inv = Inventory::default();
+        for info in objects {
+            inv.add_object(info);
+        }
+        let mut to_read = Vec::new();
+        for info in markers {
+            match layout::parse_step_key(&info.key) {
+                Some((_, _, None)) => to_read.push(info),
+                _ => inv.foreign.push(info.key),
+            }
+        }
+        let read: Vec<Option<(ObjectInfo, MarkerState)>> = futures::stream::iter(to_read)
+            .map(|info| async move {
+                match bucket.get_limited(&info.key, MAX_MARKER_BYTES).await {
+                    Ok(bytes) => {
+                        let state = parse_marker(&info.key, &bytes);
+                        Ok(Some((info, state)))
+                    }
+                    // Deleted since the listing (another collection): the step is going away.
+                    Err(e) if e.is_not_found() => Ok(None),
+                    Err(driftless_store::Error::TooLarge { size, .. }) => {
+                        Ok(Some((info, MarkerState::Unreadable(format!("marker is {size} bytes")))))
+                    }
+                    Err(e) => Err(e),
+                }
+            })
+            .buffered(MARKER_READS)
+            .try_collect()
+            .await?;
+        for (info, state) in read.into_iter().flatten() {
+            inv.add_marker(info, state);
+        }
+        Ok(inv)
+    }
+
+    /// Add a listed object of a step directory; keys outside the layout go to
+    /// [`Inventory::foreign`].
+    pub fn add_object(&mut self, info: ObjectInfo) {
+        match layout::parse_step_key(&info.key) {
+            Some((kind, step, Some(_))) => {
+                let id = StepId { kind, step };
+                let entry = self.steps.entry(id).or_insert_with(|| StepEntry::new(id));
+                entry.objects.push(info);
+                entry.objects.sort_by(|a, b| a.key.cmp(&b.key));
+            }
+            _ => self.foreign.push(info.key),
+        }
+    }
+
+    /// Add a ready marker (its key must be a marker key of the layout, or it goes to
+    /// [`Inventory::foreign`]).
+    pub fn add_marker(&mut self, info: ObjectInfo, state: MarkerState) {
+        match layout::parse_step_key(&info.key) {
+            Some((kind, step, None)) => {
+                let id = StepId { kind, step };
+                let entry = self.steps.entry(id).or_insert_with(|| StepEntry::new(id));
+                entry.marker = Some((info, state));
+            }
+            _ => self.foreign.push(info.key),
+        }
+    }
+}
+
+/// Parse a marker and check it names the step its key names.
+pub(crate) fn parse_marker(key: &str, bytes: &[u8]) -> MarkerState {
+    let marker: ReadyMarker = match serde_json::from_slice(bytes) {
+        Ok(m) => m,
+        Err(e) => return MarkerState::Unreadable(format!("not a ready marker: {e}")),
+    };
+    match layout::parse_step_key(key) {
+        Some((kind, step, None)) if kind == marker.of && step == marker.step && marker.kind == "ready" => {
+            MarkerState::Ready(marker)
+        }
+        _ => MarkerState::Unreadable(format!(
+            "marker says {:?} {:?} step {}, key says otherwise",
+            marker.kind, marker.of, marker.step
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use driftless_format::Digest;
+
+    fn marker(of: StepKind, step: u64, base: Option<u64>) -> Vec<u8> {
+        serde_json::to_vec(&ReadyMarker {
+            kind: "ready".into(),
+            stream_id: "s".into(),
+            of,
+            step,
+            base_step: base,
+            manifest_sha256: Digest([0; 32]),
+            payload_bytes: 1,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn markers_must_match_their_key() {
+        let k = layout::ready(StepKind::Delta, 5);
+        assert!(matches!(parse_marker(&k, &marker(StepKind::Delta, 5, Some(4))), MarkerState::Ready(_)));
+        assert!(matches!(parse_marker(&k, &marker(StepKind::Delta, 6, Some(4))), MarkerState::Unreadable(_)));
+        assert!(matches!(parse_marker(&k, &marker(StepKind::Anchor, 5, None)), MarkerState::Unreadable(_)));
+        assert!(matches!(parse_marker(&k, b"{"), MarkerState::Unreadable(_)));
+    }
+
+    #[test]
+    fn step_order() {
+        assert!(StepId::delta(5) < StepId::anchor(5));
+        assert!(StepId::anchor(4) < StepId::delta(5));
+    }
+}

@@ -1,0 +1,371 @@
+//! The planner: from an [`Inventory`] and a [`GcPolicy`] to a [`GcPlan`]. Pure: no I/O, the
+//! clock is a parameter.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use driftless_format::StepKind;
+use serde::Serialize;
+
+use crate::inventory::{Inventory, MarkerState, StepEntry, StepId};
+use crate::policy::GcPolicy;
+
+/// Why a step is kept. A step may have several reasons.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeepReason {
+    /// One of the newest [`GcPolicy::keep_deltas`] ready deltas.
+    NewestDelta,
+    /// One of the newest [`GcPolicy::keep_anchors`] ready anchors.
+    NewestAnchor,
+    /// On the chain (base links down to an anchor) of a step kept for another reason.
+    NeededForReachability,
+    /// Some object of the step (marker included) is younger than [`GcPolicy::grace`].
+    WithinGrace,
+    /// The newest anchor, or on the chain that reaches the newest reachable step: never deleted.
+    NewestAnchorChain,
+    /// The marker could not be parsed or names another step: left for a human.
+    UnreadableMarker,
+}
+
+impl KeepReason {
+    fn as_str(self) -> &'static str {
+        match self {
+            KeepReason::NewestDelta => "newest-delta",
+            KeepReason::NewestAnchor => "newest-anchor",
+            KeepReason::NeededForReachability => "needed-for-reachability",
+            KeepReason::WithinGrace => "within-grace",
+            KeepReason::NewestAnchorChain => "newest-anchor-chain",
+            KeepReason::UnreadableMarker => "unreadable-marker",
+        }
+    }
+}
+
+/// A step the plan keeps.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KeptStep {
+    /// Delta or anchor.
+    pub kind: StepKind,
+    /// Step number.
+    pub step: u64,
+    /// Whether it has a ready marker (false: an incomplete step still within grace).
+    pub ready: bool,
+    /// Bytes of its marker and objects.
+    pub bytes: u64,
+    /// Why it is kept, sorted.
+    pub reasons: Vec<KeepReason>,
+}
+
+/// A step the plan deletes, with the keys to delete in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeletedStep {
+    /// Delta or anchor.
+    pub kind: StepKind,
+    /// Step number.
+    pub step: u64,
+    /// The ready marker, deleted first (`None` for an incomplete step).
+    pub marker: Option<String>,
+    /// The manifest, deleted second (when listed).
+    pub manifest: Option<String>,
+    /// Payload objects, deleted last.
+    pub objects: Vec<String>,
+    /// Bytes freed.
+    pub bytes: u64,
+}
+
+impl DeletedStep {
+    fn of(entry: &StepEntry) -> DeletedStep {
+        let manifest = entry.manifest_key().map(str::to_string);
+        DeletedStep {
+            kind: entry.id.kind,
+            step: entry.id.step,
+            marker: entry.marker.as_ref().map(|(info, _)| info.key.clone()),
+            objects: entry
+                .objects
+                .iter()
+                .map(|o| o.key.clone())
+                .filter(|k| Some(k) != manifest.as_ref())
+                .collect(),
+            manifest,
+            bytes: entry.bytes(),
+        }
+    }
+
+    /// The step's id.
+    pub fn id(&self) -> StepId {
+        StepId {
+            kind: self.kind,
+            step: self.step,
+        }
+    }
+}
+
+/// What a collection will do. Serializes to the `--json` output.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GcPlan {
+    /// The policy it was made with.
+    pub policy: GcPolicy,
+    /// The clock it was made at (milliseconds since the Unix epoch).
+    pub now_ms: u64,
+    /// Newest step reachable from a ready anchor before collection (kept reachable).
+    pub newest_step: Option<u64>,
+    /// Newest ready anchor (always kept).
+    pub newest_anchor: Option<u64>,
+    /// Steps kept, oldest first.
+    pub kept: Vec<KeptStep>,
+    /// Ready steps removed, oldest first.
+    pub deleted: Vec<DeletedStep>,
+    /// Incomplete steps (objects but no marker) older than the grace period, removed.
+    pub incomplete: Vec<DeletedStep>,
+    /// Keys under the layout's directories that are not part of it (never touched).
+    pub foreign: Vec<String>,
+    /// Bytes of everything kept.
+    pub bytes_kept: u64,
+    /// Bytes of everything deleted.
+    pub bytes_freed: u64,
+    /// `max_bytes` is set and could not be met without breaking grace or reachability.
+    pub over_budget: bool,
+}
+
+/// Make a plan from a listing. See the crate docs for the rules.
+pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> GcPlan {
+    let cutoff = now.checked_sub(policy.grace);
+    let young = |e: &StepEntry| cutoff.is_none_or(|c| e.last_modified() > c);
+    let graph = Graph::new(inv);
+
+    // Roots that max_bytes may not trim, and roots it may (oldest first).
+    let mut fixed: BTreeMap<StepId, BTreeSet<KeepReason>> = BTreeMap::new();
+    let add = |map: &mut BTreeMap<StepId, BTreeSet<KeepReason>>, id: StepId, r: KeepReason| {
+        map.entry(id).or_default().insert(r);
+    };
+    for e in inv.steps.values() {
+        if matches!(e.marker, Some((_, MarkerState::Unreadable(_)))) {
+            add(&mut fixed, e.id, KeepReason::UnreadableMarker);
+        } else if young(e) {
+            add(&mut fixed, e.id, KeepReason::WithinGrace);
+        }
+    }
+    let newest_anchor = graph.anchors.iter().next_back().copied();
+    if let Some(a) = newest_anchor {
+        add(&mut fixed, StepId::anchor(a), KeepReason::NewestAnchorChain);
+    }
+    let newest_state = graph.newest_state();
+    if let Some(id) = newest_state {
+        add(&mut fixed, id, KeepReason::NewestAnchorChain);
+    }
+    let mut trimmable: BTreeMap<StepId, BTreeSet<KeepReason>> = BTreeMap::new();
+    for &d in graph.deltas.keys().rev().take(policy.keep_deltas) {
+        add(&mut trimmable, StepId::delta(d), KeepReason::NewestDelta);
+    }
+    for &a in graph.anchors.iter().rev().take(policy.keep_anchors) {
+        add(&mut trimmable, StepId::anchor(a), KeepReason::NewestAnchor);
+    }
+    let trimmable: Vec<(StepId, BTreeSet<KeepReason>)> = trimmable.into_iter().collect();
+
+    let mut skip = 0;
+    let mut kept = graph.closure(&fixed, &trimmable);
+    let mut over_budget = false;
+    if let Some(max) = policy.max_bytes {
+        while kept_bytes(inv, &kept) > max {
+            if skip == trimmable.len() {
+                over_budget = true;
+                break;
+            }
+            skip += 1;
+            kept = graph.closure(&fixed, &trimmable[skip..]);
+        }
+    }
+
+    let mut plan = GcPlan {
+        policy: policy.clone(),
+        now_ms: now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or(Duration::ZERO)
+            .as_millis()
+            .try_into()
+            .unwrap_or(u64::MAX),
+        newest_step: newest_state.map(|id| id.step),
+        newest_anchor,
+        kept: Vec::new(),
+        deleted: Vec::new(),
+        incomplete: Vec::new(),
+        foreign: inv.foreign.clone(),
+        bytes_kept: 0,
+        bytes_freed: 0,
+        over_budget,
+    };
+    for e in inv.steps.values() {
+        let bytes = e.bytes();
+        if let Some(reasons) = kept.get(&e.id) {
+            plan.bytes_kept = plan.bytes_kept.saturating_add(bytes);
+            plan.kept.push(KeptStep {
+                kind: e.id.kind,
+                step: e.id.step,
+                ready: e.marker.is_some(),
+                bytes,
+                reasons: reasons.iter().copied().collect(),
+            });
+        } else {
+            plan.bytes_freed = plan.bytes_freed.saturating_add(bytes);
+            if e.marker.is_some() {
+                plan.deleted.push(DeletedStep::of(e));
+            } else {
+                plan.incomplete.push(DeletedStep::of(e));
+            }
+        }
+    }
+    plan
+}
+
+fn kept_bytes(inv: &Inventory, kept: &BTreeMap<StepId, BTreeSet<KeepReason>>) -> u64 {
+    kept.keys()
+        .filter_map(|id| inv.steps.get(id))
+        .fold(0u64, |acc, e| acc.saturating_add(e.bytes()))
+}
+
+/// The ready steps and their base links.
+struct Graph {
+    /// Ready anchors.
+    anchors: BTreeSet<u64>,
+    /// Ready deltas and their base step (`None`: no usable base, never reachable).
+    deltas: BTreeMap<u64, Option<u64>>,
+    /// Ready deltas reachable from a ready anchor.
+    reachable: BTreeSet<u64>,
+}
+
+impl Graph {
+    fn new(inv: &Inventory) -> Graph {
+        let mut anchors = BTreeSet::new();
+        let mut deltas = BTreeMap::new();
+        for e in inv.steps.values() {
+            if let Some(m) = e.ready() {
+                match e.id.kind {
+                    StepKind::Anchor => {
+                        anchors.insert(e.id.step);
+                    }
+                    StepKind::Delta => {
+                        deltas.insert(e.id.step, m.base_step.filter(|&b| b < e.id.step));
+                    }
+                }
+            }
+        }
+        // Bases are strictly older, so one pass in step order settles reachability.
+        let mut reachable = BTreeSet::new();
+        for (&s, &base) in &deltas {
+            if let Some(b) = base {
+                if anchors.contains(&b) || reachable.contains(&b) {
+                    reachable.insert(s);
+                }
+            }
+        }
+        Graph {
+            anchors,
+            deltas,
+            reachable,
+        }
+    }
+
+    /// The newest step a reader can reach (an anchor wins a tie: its chain is itself).
+    fn newest_state(&self) -> Option<StepId> {
+        let a = self.anchors.iter().next_back().map(|&s| StepId::anchor(s));
+        let d = self.reachable.iter().next_back().map(|&s| StepId::delta(s));
+        match (a, d) {
+            (Some(a), Some(d)) => Some(if d.step > a.step { d } else { a }),
+            (a, d) => a.or(d),
+        }
+    }
+
+    /// The steps a reader needs below reachable delta `s`: the deltas down its base links to
+    /// the first step that has a ready anchor, and that anchor. Empty when `s` is unreachable.
+    fn chain(&self, s: u64) -> Vec<StepId> {
+        let mut out = Vec::new();
+        if !self.reachable.contains(&s) {
+            return out;
+        }
+        let mut cur = s;
+        loop {
+            let Some(Some(base)) = self.deltas.get(&cur) else { break };
+            if self.anchors.contains(base) {
+                out.push(StepId::anchor(*base));
+                break;
+            }
+            out.push(StepId::delta(*base));
+            cur = *base;
+        }
+        out
+    }
+
+    /// Roots plus everything their chains need.
+    fn closure(
+        &self,
+        fixed: &BTreeMap<StepId, BTreeSet<KeepReason>>,
+        trimmable: &[(StepId, BTreeSet<KeepReason>)],
+    ) -> BTreeMap<StepId, BTreeSet<KeepReason>> {
+        let mut kept = fixed.clone();
+        for (id, reasons) in trimmable {
+            kept.entry(*id).or_default().extend(reasons.iter().copied());
+        }
+        let roots: Vec<(StepId, bool)> = kept
+            .iter()
+            .filter(|(id, _)| id.kind == StepKind::Delta)
+            .map(|(id, r)| (*id, r.contains(&KeepReason::NewestAnchorChain)))
+            .collect();
+        for (id, newest) in roots {
+            let reason = if newest {
+                KeepReason::NewestAnchorChain
+            } else {
+                KeepReason::NeededForReachability
+            };
+            for dep in self.chain(id.step) {
+                kept.entry(dep).or_default().insert(reason);
+            }
+        }
+        kept
+    }
+}
+
+impl fmt::Display for GcPlan {
+    /// The human-readable plan printed by `driftless gc` (and `--dry-run`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &self.policy;
+        writeln!(
+            f,
+            "policy: keep {} deltas, {} anchors, grace {}{}",
+            p.keep_deltas,
+            p.keep_anchors,
+            humantime::format_duration(p.grace),
+            p.max_bytes.map(|m| format!(", max {m} bytes")).unwrap_or_default()
+        )?;
+        let opt = |v: Option<u64>| v.map_or("none".to_string(), |s| s.to_string());
+        writeln!(f, "newest step: {}, newest anchor: {}", opt(self.newest_step), opt(self.newest_anchor))?;
+        for k in &self.kept {
+            let reasons: Vec<&str> = k.reasons.iter().map(|r| r.as_str()).collect();
+            let id = StepId { kind: k.kind, step: k.step };
+            let incomplete = if k.ready { "" } else { " (incomplete)" };
+            writeln!(f, "keep   {id}{incomplete}: {} bytes [{}]", k.bytes, reasons.join(", "))?;
+        }
+        for d in &self.deleted {
+            writeln!(f, "delete {}: {} bytes", d.id(), d.bytes)?;
+        }
+        for d in &self.incomplete {
+            writeln!(f, "delete {} (incomplete): {} bytes", d.id(), d.bytes)?;
+        }
+        for k in &self.foreign {
+            writeln!(f, "ignore {k} (not part of the layout)")?;
+        }
+        write!(
+            f,
+            "kept {} steps ({} bytes), deleting {} steps and {} incomplete ({} bytes)",
+            self.kept.len(),
+            self.bytes_kept,
+            self.deleted.len(),
+            self.incomplete.len(),
+            self.bytes_freed
+        )?;
+        if self.over_budget {
+            write!(f, "\nwarning: over max_bytes; grace and reachability of the newest step keep more")?;
+        }
+        Ok(())
+    }
+}
