@@ -36,6 +36,8 @@ pub struct Recovered {
     pub base_root: Digest,
     /// Complete redo records: (segment index, overwrite-form raw segment).
     pub records: Vec<(u32, Vec<u8>)>,
+    /// Length of the valid prefix of the file (header + complete records).
+    pub valid_len: u64,
 }
 
 impl Journal {
@@ -50,6 +52,18 @@ impl Journal {
             }
         }
         Ok(Journal { file, path: path.to_path_buf() })
+    }
+
+    /// Reopens a recovered journal for appending after its valid prefix (a torn last record
+    /// is cut off first, so records appended now are readable by the next recovery).
+    pub fn reopen(path: &Path, valid_len: u64) -> Result<Self> {
+        let file = OpenOptions::new().write(true).open(path).map_err(|e| Error::io(path, e))?;
+        file.set_len(valid_len).map_err(|e| Error::io(path, e))?;
+        file.sync_all().map_err(|e| Error::io(path, e))?;
+        let mut j = Journal { file, path: path.to_path_buf() };
+        use std::io::Seek;
+        j.file.seek(std::io::SeekFrom::End(0)).map_err(|e| Error::io(path, e))?;
+        Ok(j)
     }
 
     /// Appends a redo record and fsyncs it. Only after this returns may the segment's cells
@@ -96,7 +110,7 @@ impl Journal {
             records.push((seg, payload.to_vec()));
             at = end as usize;
         }
-        Ok(Some(Recovered { delta_id, base_root, records }))
+        Ok(Some(Recovered { delta_id, base_root, records, valid_len: at as u64 }))
     }
 
     /// Removes a journal once its delta is fully applied and verified.

@@ -132,7 +132,9 @@ impl<'t, 'a> Applier<'t, 'a> {
     }
 
     /// Replays redo records from a recovered journal (idempotent overwrites). Returns the
-    /// indices of the segments they cover; the caller applies the others.
+    /// indices of the segments they cover; the caller applies the others. The records stay in
+    /// the journal file (reopen it with [`Journal::reopen`]), so a crash during replay replays
+    /// again.
     pub fn replay(&self, records: &[(u32, Vec<u8>)]) -> Result<Vec<u32>> {
         let mut done = vec![];
         for (i, rec) in records {

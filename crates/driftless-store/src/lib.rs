@@ -5,10 +5,10 @@ mod bucket;
 mod error;
 mod faulty;
 pub mod layout;
-pub mod stream;
 mod open;
 mod options;
 mod redact;
+pub mod stream;
 
 pub use bucket::{Bucket, ObjectInfo};
 pub use error::{Error, Result, StoreError};

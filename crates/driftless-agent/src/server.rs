@@ -1,0 +1,74 @@
+//! A minimal HTTP/1.1 endpoint for operations: `/healthz`, `/readyz`, `/metrics`,
+//! `/v1/status`, and `POST /v1/poll` (trigger an immediate poll). Hand-rolled on tokio to keep
+//! the sidecar small; it reads at most 8 KiB of request head and ignores bodies.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::metrics::Metrics;
+
+/// Serves until the listener fails. `poll` is notified on `POST /v1/poll`.
+pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, poll: Arc<tokio::sync::Notify>) {
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else { continue };
+        let metrics = metrics.clone();
+        let poll = poll.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 8192];
+            let mut n = 0;
+            // Read until the end of the head or the buffer is full.
+            while n < buf.len() {
+                match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf[n..])).await {
+                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
+                    Ok(Ok(k)) => n += k,
+                }
+                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            let head = String::from_utf8_lossy(&buf[..n]);
+            let mut parts = head.split_whitespace();
+            let method = parts.next().unwrap_or("");
+            let path = parts.next().unwrap_or("");
+            let (code, ctype, body) = route(method, path, &metrics, &poll);
+            let resp = format!("HTTP/1.1 {code}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
+            let _ = sock.write_all(resp.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        });
+    }
+}
+
+fn route(method: &str, path: &str, m: &Metrics, poll: &tokio::sync::Notify) -> (&'static str, &'static str, String) {
+    match (method, path) {
+        ("GET", "/healthz") => ("200 OK", "text/plain", "ok\n".into()),
+        ("GET", "/readyz") => {
+            if m.ready.load(Relaxed) == 1 {
+                ("200 OK", "text/plain", "ready\n".into())
+            } else {
+                ("503 Service Unavailable", "text/plain", "no verified step loaded yet\n".into())
+            }
+        }
+        ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", m.render()),
+        ("GET", "/v1/status") => {
+            let g = |a: &std::sync::atomic::AtomicU64| {
+                let v = a.load(Relaxed);
+                if v == u64::MAX { serde_json::Value::Null } else { v.into() }
+            };
+            let v = serde_json::json!({
+                "step": g(&m.step), "newest_ready": g(&m.newest), "ready": m.ready.load(Relaxed) == 1,
+                "bytes": {"fast": g(&m.bytes_fast), "catchup": g(&m.bytes_catchup), "anchor": g(&m.bytes_anchor)},
+                "verify_failures": g(&m.verify_failures), "notify_failures": g(&m.notify_failures),
+                "anchor_downloads": g(&m.anchor_downloads), "journal_recoveries": g(&m.journal_recoveries),
+            });
+            ("200 OK", "application/json", v.to_string())
+        }
+        ("POST", "/v1/poll") => {
+            poll.notify_one();
+            ("202 Accepted", "text/plain", "polling\n".into())
+        }
+        _ => ("404 Not Found", "text/plain", "not found\n".into()),
+    }
+}

@@ -1,0 +1,58 @@
+//! Errors of the publisher.
+
+/// Publisher errors.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Bucket trouble.
+    #[error(transparent)]
+    Store(#[from] driftless_store::Error),
+    /// Reading the existing stream failed.
+    #[error(transparent)]
+    Stream(#[from] driftless_store::stream::StreamError),
+    /// Encoding or input problem.
+    #[error(transparent)]
+    Format(#[from] driftless_format::Error),
+    /// The bucket holds a stream this publisher may not continue (another key), or objects
+    /// that are not a stream.
+    #[error("refusing to publish: {0}")]
+    Refused(String),
+    /// Steps must increase.
+    #[error("step {step} is not after the last published step {last}")]
+    StepOrder {
+        /// Offered step.
+        step: u64,
+        /// Last step published.
+        last: u64,
+    },
+    /// The publisher was closed.
+    #[error("publisher is closed")]
+    Closed,
+    /// A background upload failed; the chain recovers with an anchor at the next publish.
+    #[error("upload of step {step} failed: {detail}")]
+    Upload {
+        /// Step.
+        step: u64,
+        /// Cause.
+        detail: String,
+    },
+    /// Local I/O (spool files).
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl Error {
+    /// Whether retrying may help.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Store(e) => e.is_retryable(),
+            Error::Stream(e) => e.is_retryable(),
+            Error::Format(e) => e.is_retryable(),
+            Error::Upload { .. } | Error::Io(_) => true,
+            Error::Refused(_) | Error::StepOrder { .. } | Error::Closed => false,
+        }
+    }
+}
+
+/// Result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,642 @@
+//! The trainer-facing API.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use driftless_format::manifest::{self, AnchorManifest, AnchorShardRef, ObjectRef, StepKind, StreamDescriptor};
+use driftless_format::{anchor, ops, AnchorEncoding, DeltaOptions, Digest, Keypair, Layout, TensorView, TrustSet};
+use driftless_store::stream::StreamReader;
+use driftless_store::{layout, Bucket, StoreOptions};
+use tracing::{info, info_span, warn};
+
+use crate::snapshot::Snapshot;
+use crate::upload::{self, AnchorJob, Ctx, DeltaJob, Job, Shared};
+use crate::{Error, Result};
+
+/// Configuration of a [`Publisher`].
+#[derive(Debug, Clone)]
+pub struct PublisherBuilder {
+    url: String,
+    store: StoreOptions,
+    bucket: Option<Bucket>,
+    key: Option<Keypair>,
+    anchor_every: u64,
+    anchor_chain_fraction: f64,
+    delta: DeltaOptions,
+    anchor_encoding: AnchorEncoding,
+    anchor_zstd_level: i32,
+    queue_depth: usize,
+    new_stream: bool,
+    takeover: bool,
+    max_shard_bytes: u64,
+    spool_dir: Option<PathBuf>,
+    extra_files: Vec<(String, Vec<u8>)>,
+}
+
+impl PublisherBuilder {
+    /// A publisher for the stream at `url` (see `driftless-store` for URL forms).
+    pub fn new(url: impl Into<String>) -> Self {
+        PublisherBuilder {
+            url: url.into(),
+            store: StoreOptions::default(),
+            bucket: None,
+            key: None,
+            anchor_every: 50,
+            anchor_chain_fraction: 0.5,
+            delta: DeltaOptions::default(),
+            anchor_encoding: AnchorEncoding::PlanesZstd,
+            anchor_zstd_level: 1,
+            queue_depth: 4,
+            new_stream: false,
+            takeover: false,
+            max_shard_bytes: 2 << 30,
+            spool_dir: None,
+            extra_files: vec![],
+        }
+    }
+    /// Uses an already opened bucket (tests, fault injection) instead of the URL.
+    pub fn with_bucket(mut self, b: Bucket) -> Self {
+        self.bucket = Some(b);
+        self
+    }
+    /// Store options (endpoint, retries, concurrency).
+    pub fn with_store_options(mut self, o: StoreOptions) -> Self {
+        self.store = o;
+        self
+    }
+    /// Signing key. Without one the stream is unsigned and readers need `--allow-unsigned`.
+    pub fn with_key(mut self, k: Keypair) -> Self {
+        self.key = Some(k);
+        self
+    }
+    /// Anchor every k steps (default 50).
+    pub fn with_anchor_every(mut self, k: u64) -> Self {
+        self.anchor_every = k.max(1);
+        self
+    }
+    /// Anchor early once the deltas since the last anchor exceed this fraction of the model's
+    /// dense size (default 0.5).
+    pub fn with_anchor_chain_fraction(mut self, f: f64) -> Self {
+        self.anchor_chain_fraction = f;
+        self
+    }
+    /// Delta encoding options.
+    pub fn with_delta_options(mut self, d: DeltaOptions) -> Self {
+        self.delta = d;
+        self
+    }
+    /// Anchor storage form (default byte planes + zstd).
+    pub fn with_anchor_encoding(mut self, e: AnchorEncoding) -> Self {
+        self.anchor_encoding = e;
+        self
+    }
+    /// Upload queue depth before steps are coalesced (default 4).
+    pub fn with_queue_depth(mut self, n: usize) -> Self {
+        self.queue_depth = n.max(1);
+        self
+    }
+    /// Create the stream even if the prefix holds other objects.
+    pub fn with_new_stream(mut self, yes: bool) -> Self {
+        self.new_stream = yes;
+        self
+    }
+    /// Continue a stream whose descriptor does not list this key, re-signing the descriptor
+    /// with it (an operator's explicit decision).
+    pub fn with_takeover(mut self, yes: bool) -> Self {
+        self.takeover = yes;
+        self
+    }
+    /// Largest shard file of the layout chosen for plain tensor lists (default 2 GiB).
+    pub fn with_max_shard_bytes(mut self, n: u64) -> Self {
+        self.max_shard_bytes = n;
+        self
+    }
+    /// Directory for anchor spool files (default: the system temp dir).
+    pub fn with_spool_dir(mut self, d: impl Into<PathBuf>) -> Self {
+        self.spool_dir = Some(d.into());
+        self
+    }
+    /// Small files shipped with every anchor (config.json, tokenizer files).
+    pub fn with_extra_files(mut self, files: Vec<(String, Vec<u8>)>) -> Self {
+        self.extra_files = files;
+        self
+    }
+
+    /// Opens the bucket, reads or creates the stream descriptor and starts the uploader.
+    pub fn build(self) -> Result<Publisher> {
+        for (n, _) in &self.extra_files {
+            driftless_format::validate_file_name(n)?;
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("driftless-upload")
+            .enable_all()
+            .build()?;
+        let bucket = match self.bucket.clone() {
+            Some(b) => b,
+            None => Bucket::open(&self.url, &self.store)?,
+        };
+        if !bucket.supports_conditional_create() {
+            warn!(url = bucket.url(), "backend has no conditional create: two publishers on this stream would not be detected");
+        }
+        let (stream_id, last_step) = rt.block_on(self.open_stream(&bucket))?;
+        info!(stream_id, last_step, url = bucket.url(), "publisher ready");
+        let shared = Arc::new(Shared::default());
+        let ctx = Arc::new(Ctx {
+            bucket: bucket.clone(),
+            stream_id: stream_id.clone(),
+            key: self.key.clone(),
+            shared: shared.clone(),
+            latest: tokio::sync::Mutex::new((None, None)),
+        });
+        let (tx, rx) = tokio::sync::mpsc::channel(self.queue_depth);
+        rt.spawn(upload::delta_loop(ctx.clone(), rx));
+        Ok(Publisher {
+            cfg: self,
+            rt: Some(rt),
+            tx: Some(tx),
+            ctx,
+            shared,
+            snapshot: None,
+            stream_id,
+            last_step,
+            last_anchor_step: None,
+            chain_bytes: 0,
+            published: 0,
+            coalesced: 0,
+            last_ratio: 0.0,
+        })
+    }
+
+    async fn open_stream(&self, bucket: &Bucket) -> Result<(String, Option<u64>)> {
+        let mut trust = TrustSet::new().allow_unsigned(self.key.is_none());
+        if let Some(k) = &self.key {
+            trust = trust.with_key(k.public());
+        }
+        let reader = StreamReader::new(bucket.clone(), trust);
+        let my_id = self.key.as_ref().map(|k| k.id().to_string());
+        let desc = match reader.descriptor().await {
+            Ok(d) => d,
+            Err(driftless_store::stream::StreamError::Format(e)) if e.kind() == driftless_format::ErrorKind::Untrusted => {
+                if !self.takeover {
+                    return Err(Error::Refused(format!("the stream at {} is signed by another key ({e}); pass takeover to continue it", bucket.url())));
+                }
+                None
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let existing = bucket.list("").await?;
+        // Resume numbering after every step that has any object, complete or not: a crashed
+        // publisher may have left payload objects without a marker, and write-once creates
+        // would collide with them.
+        let last_step = existing.iter().filter_map(|o| layout::parse_step_key(&o.key)).map(|(_, s, _)| s).max();
+        if let Some(d) = desc {
+            let mine = match &my_id {
+                Some(id) => d.trusted_keys.iter().any(|k| k == id),
+                None => d.trusted_keys.is_empty(),
+            };
+            if mine || !self.takeover {
+                if !mine {
+                    return Err(Error::Refused(format!("stream {} does not list this publisher's key; pass takeover to continue it", d.stream_id)));
+                }
+                return Ok((d.stream_id, last_step));
+            }
+        } else if !existing.is_empty() && !self.new_stream && !self.takeover {
+            return Err(Error::Refused(format!(
+                "{} holds {} objects but no stream.json; pass new_stream to create a stream there",
+                bucket.url(),
+                existing.len()
+            )));
+        }
+        let stream_id = format!("{:016x}", rand::random::<u64>());
+        let desc = StreamDescriptor {
+            kind: "stream".into(),
+            version: manifest::FORMAT_VERSION,
+            stream_id: stream_id.clone(),
+            trusted_keys: my_id.into_iter().collect(),
+            created_at_ms: manifest::now_ms(),
+        };
+        let env = self.seal(&serde_json::to_vec(&desc).expect("serializes"))?;
+        let r = if self.takeover { bucket.put(layout::STREAM, env.into()).await } else { bucket.put_create(layout::STREAM, env.into()).await };
+        match r {
+            Ok(()) => Ok((stream_id, last_step)),
+            Err(e) if e.is_already_exists() => Err(Error::Refused("another publisher created this stream at the same time".into())),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn seal(&self, payload: &[u8]) -> Result<Vec<u8>> {
+        Ok(match &self.key {
+            Some(k) => k.seal(payload)?,
+            None => driftless_format::sign::seal_unsigned(payload)?,
+        })
+    }
+}
+
+/// What happened to a published step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// A delta was queued.
+    Delta,
+    /// A delta was queued and an anchor of the same step is being prepared in the background.
+    DeltaAndAnchor,
+    /// Only an anchor (first publish, restart, or recovery after a failed upload).
+    Anchor,
+    /// Uploads are behind: this step was skipped; the next delta covers it.
+    Coalesced,
+}
+
+/// Returned by [`Publisher::publish`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PublishReceipt {
+    /// Step.
+    pub step: u64,
+    /// What was done.
+    pub outcome: Outcome,
+    /// Delta payload bytes (0 without a delta).
+    pub delta_bytes: u64,
+    /// Dense BF16 bytes / delta bytes.
+    pub ratio: f64,
+    /// Changed elements / elements.
+    pub density: f64,
+    /// Time spent in `publish` (diff, encode, snapshot update).
+    pub encode_secs: f64,
+}
+
+/// Counters for logs and metrics.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Status {
+    /// Stream id.
+    pub stream_id: String,
+    /// Last step accepted by `publish` (delta or anchor).
+    pub last_published: Option<u64>,
+    /// Newest delta with a ready marker.
+    pub last_delta_ready: Option<u64>,
+    /// Newest anchor with a ready marker.
+    pub last_anchor_ready: Option<u64>,
+    /// Jobs waiting for upload.
+    pub queue_depth: usize,
+    /// Anchors encoding or uploading.
+    pub anchors_in_flight: usize,
+    /// Bytes written to the bucket.
+    pub bytes_uploaded: u64,
+    /// Steps skipped because uploads were behind.
+    pub coalesced: u64,
+    /// Failed uploads.
+    pub failures: u64,
+    /// Last failure.
+    pub last_error: Option<String>,
+    /// Ratio of the last delta.
+    pub last_ratio: f64,
+}
+
+/// The publisher. See the crate docs.
+pub struct Publisher {
+    cfg: PublisherBuilder,
+    rt: Option<tokio::runtime::Runtime>,
+    tx: Option<tokio::sync::mpsc::Sender<Job>>,
+    ctx: Arc<Ctx>,
+    shared: Arc<Shared>,
+    snapshot: Option<Arc<Snapshot>>,
+    stream_id: String,
+    last_step: Option<u64>,
+    last_anchor_step: Option<u64>,
+    chain_bytes: u64,
+    published: u64,
+    coalesced: u64,
+    last_ratio: f64,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher").field("stream_id", &self.stream_id).field("last_step", &self.last_step).finish()
+    }
+}
+
+impl Publisher {
+    /// The stream id.
+    pub fn stream_id(&self) -> &str {
+        &self.stream_id
+    }
+
+    /// The smallest step `publish` accepts next.
+    pub fn next_step(&self) -> u64 {
+        self.last_step.map_or(0, |s| s + 1)
+    }
+
+    /// Publishes the weights of `step` with a layout derived from the tensor order.
+    pub fn publish(&mut self, step: u64, tensors: &[TensorView<'_>]) -> Result<PublishReceipt> {
+        let metas: Vec<_> = tensors.iter().map(|t| t.meta()).collect();
+        let layout = match &self.snapshot {
+            // Keep the file layout stable while the tensor set is, so agents patch in place.
+            Some(s) if s.layout.tensors().eq(metas.iter()) => s.layout.clone(),
+            _ => Layout::for_tensors(&metas, self.cfg.max_shard_bytes)?,
+        };
+        self.publish_with_layout(step, tensors, &layout)
+    }
+
+    /// Publishes the weights of `step` with an explicit shard layout (a checkpoint's own).
+    pub fn publish_with_layout(&mut self, step: u64, tensors: &[TensorView<'_>], layout: &Layout) -> Result<PublishReceipt> {
+        if self.tx.is_none() {
+            return Err(Error::Closed);
+        }
+        if let Some(last) = self.last_step {
+            if step <= last {
+                return Err(Error::StepOrder { step, last });
+            }
+        }
+        layout.validate()?;
+        let _span = info_span!("publish", step).entered();
+        let t0 = Instant::now();
+        let (need_anchor, queued) = {
+            let s = self.shared.state.lock().expect("state lock");
+            (s.need_anchor, s.queued)
+        };
+        let Some(snap) = self.snapshot.clone() else {
+            return self.anchor_only(step, tensors, layout, t0);
+        };
+        if need_anchor {
+            drop(snap);
+            return self.anchor_only(step, tensors, layout, t0);
+        }
+        if queued >= self.cfg.queue_depth {
+            self.coalesced += 1;
+            warn!(step, queued, "uploads are behind; coalescing this step into the next");
+            self.last_step = Some(step);
+            return Ok(PublishReceipt { step, outcome: Outcome::Coalesced, delta_bytes: 0, ratio: 0.0, density: 0.0, encode_secs: t0.elapsed().as_secs_f64() });
+        }
+        let spec = ops::DeltaSpec { stream_id: &self.stream_id, step, base_step: snap.step, base_root: Some(snap.root), layout };
+        let (m, enc) = {
+            let _s = info_span!("diff_encode").entered();
+            ops::make_delta(spec, &snap.views(), tensors, &self.cfg.delta)?
+        };
+        drop(snap);
+        let envelope = self.cfg.seal(&serde_json::to_vec(&m).expect("manifest serializes"))?;
+        let segments: Vec<(String, Bytes)> =
+            m.segments.iter().zip(enc.segments).map(|(r, s)| (r.object.object.clone(), Bytes::from(s.bytes))).collect();
+        let delta_bytes = m.payload_bytes();
+        // Update the snapshot before queueing so the job order matches the snapshot order.
+        let same_layout = !ops::needs_rewrite(&self.snapshot.as_ref().expect("present").layout, &m);
+        {
+            let snap = self.snapshot_mut();
+            if same_layout {
+                let tm = snap.tensors_mut();
+                let segs: Vec<(&[u8], u64)> = segments.iter().zip(&m.segments).map(|((_, b), r)| (&b[..], r.raw_size)).collect();
+                driftless_format::delta::apply_all(&segs, &tm)?;
+                drop(tm);
+                snap.step = step;
+                snap.root = m.result_root;
+                snap.digests = m.shards.iter().flat_map(|s| s.tensors.iter().map(|t| t.digest)).collect();
+            } else {
+                *snap = Snapshot::copy_from(step, layout.clone(), &order(tensors, layout)?);
+            }
+        }
+        self.shared.update(|s| s.queued += 1);
+        let job = Job::Delta(DeltaJob { step, base_step: m.base_step, envelope: envelope.into(), segments });
+        self.send(job)?;
+        self.chain_bytes += delta_bytes;
+        self.last_step = Some(step);
+        self.published += 1;
+        let dense = m.stats.dense_bytes;
+        self.last_ratio = dense as f64 / delta_bytes.max(1) as f64;
+        let anchor_due = self.last_anchor_step.is_none_or(|a| step >= a + self.cfg.anchor_every)
+            || self.chain_bytes as f64 > self.cfg.anchor_chain_fraction * dense as f64;
+        let in_flight = self.shared.state.lock().expect("state lock").anchors_in_flight;
+        let outcome = if anchor_due && in_flight == 0 {
+            self.start_anchor()?;
+            Outcome::DeltaAndAnchor
+        } else {
+            Outcome::Delta
+        };
+        let r = PublishReceipt {
+            step,
+            outcome,
+            delta_bytes,
+            ratio: self.last_ratio,
+            density: m.stats.changed as f64 / m.stats.elements.max(1) as f64,
+            encode_secs: t0.elapsed().as_secs_f64(),
+        };
+        info!(step, bytes = delta_bytes, ratio = r.ratio, secs = r.encode_secs, "delta encoded");
+        Ok(r)
+    }
+
+    fn anchor_only(&mut self, step: u64, tensors: &[TensorView<'_>], layout: &Layout, t0: Instant) -> Result<PublishReceipt> {
+        let ordered = order(tensors, layout)?;
+        match &mut self.snapshot {
+            Some(_) => *self.snapshot_mut() = Snapshot::copy_from(step, layout.clone(), &ordered),
+            None => self.snapshot = Some(Arc::new(Snapshot::copy_from(step, layout.clone(), &ordered))),
+        }
+        self.shared.update(|s| {
+            s.need_anchor = false;
+            s.queued += 1;
+        });
+        self.send(Job::AnchorScheduled(step))?;
+        self.last_step = Some(step);
+        self.published += 1;
+        self.start_anchor()?;
+        Ok(PublishReceipt { step, outcome: Outcome::Anchor, delta_bytes: 0, ratio: 0.0, density: 0.0, encode_secs: t0.elapsed().as_secs_f64() })
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        let tx = self.tx.as_ref().ok_or(Error::Closed)?;
+        tx.blocking_send(job).map_err(|_| Error::Closed)
+    }
+
+    /// Exclusive access to the snapshot: waits while an anchor is still being encoded from it.
+    fn snapshot_mut(&mut self) -> &mut Snapshot {
+        let shared = self.shared.clone();
+        let mut guard = shared.state.lock().expect("state lock");
+        loop {
+            let arc = self.snapshot.as_mut().expect("snapshot present");
+            if Arc::strong_count(arc) == 1 {
+                break;
+            }
+            guard = shared.changed.wait_timeout(guard, Duration::from_millis(50)).expect("state lock").0;
+        }
+        drop(guard);
+        Arc::get_mut(self.snapshot.as_mut().expect("present")).expect("unique")
+    }
+
+    /// Encodes an anchor of the current snapshot on a background thread into spool files,
+    /// then uploads it on the runtime.
+    fn start_anchor(&mut self) -> Result<()> {
+        let snap = self.snapshot.clone().expect("snapshot present");
+        let step = snap.step;
+        self.last_anchor_step = Some(step);
+        self.chain_bytes = 0;
+        self.shared.update(|s| s.anchors_in_flight += 1);
+        let cfg = self.cfg.clone();
+        let ctx = self.ctx.clone();
+        let handle = self.rt.as_ref().expect("runtime").handle().clone();
+        let stream_id = self.stream_id.clone();
+        std::thread::Builder::new().name("driftless-anchor".into()).spawn(move || {
+            let _s = info_span!("encode_anchor", step).entered();
+            let r = spool_anchor(&cfg, &stream_id, &snap);
+            drop(snap);
+            ctx.shared.changed.notify_all();
+            match r {
+                Ok(job) => {
+                    handle.spawn(upload::anchor_upload(ctx, job));
+                }
+                Err(e) => {
+                    warn!(step, error = %e, "anchor encoding failed");
+                    ctx.shared.update(|s| {
+                        s.anchors_in_flight -= 1;
+                        s.need_anchor = true;
+                        s.failures += 1;
+                        s.last_error = Some(format!("anchor {step}: {e}"));
+                    });
+                }
+            }
+        })?;
+        Ok(())
+    }
+
+    /// Waits until every queued step and anchor is in the bucket. Errors with the last failure
+    /// when one happened since the previous flush.
+    pub fn flush(&self) -> Result<()> {
+        let mut s = self.shared.state.lock().expect("state lock");
+        while s.queued > 0 || s.anchors_in_flight > 0 {
+            s = self.shared.changed.wait_timeout(s, Duration::from_millis(50)).expect("state lock").0;
+        }
+        match s.last_error.take() {
+            Some(e) => Err(Error::Upload { step: self.last_step.unwrap_or(0), detail: e }),
+            None => Ok(()),
+        }
+    }
+
+    /// Flushes and stops the uploader.
+    pub fn close(mut self) -> Result<()> {
+        let r = self.flush();
+        self.shutdown();
+        r
+    }
+
+    fn shutdown(&mut self) {
+        self.tx = None;
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_timeout(Duration::from_secs(5));
+        }
+    }
+
+    /// Counters.
+    pub fn status(&self) -> Status {
+        let s = self.shared.state.lock().expect("state lock");
+        Status {
+            stream_id: self.stream_id.clone(),
+            last_published: self.last_step,
+            last_delta_ready: s.last_delta,
+            last_anchor_ready: s.last_anchor,
+            queue_depth: s.queued,
+            anchors_in_flight: s.anchors_in_flight,
+            bytes_uploaded: s.bytes_uploaded,
+            coalesced: self.coalesced,
+            failures: s.failures,
+            last_error: s.last_error.clone(),
+            last_ratio: self.last_ratio,
+        }
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Views in layout order, checked against it.
+fn order<'a>(tensors: &[TensorView<'a>], layout: &Layout) -> Result<Vec<TensorView<'a>>> {
+    let by: BTreeMap<&str, &TensorView<'a>> = tensors.iter().map(|t| (t.name, t)).collect();
+    if by.len() != tensors.len() || by.len() != layout.tensors().count() {
+        return Err(driftless_format::Error::InvalidInput("tensor set does not match the layout".into()).into());
+    }
+    layout
+        .tensors()
+        .map(|m| {
+            by.get(m.name.as_str())
+                .filter(|t| t.dtype == m.dtype && t.shape == m.shape.as_slice())
+                .map(|t| **t)
+                .ok_or_else(|| driftless_format::Error::InvalidInput(format!("tensor {} missing or differs from the layout", m.name)).into())
+        })
+        .collect()
+}
+
+/// Writes the anchor's shards to spool files and maps them for upload.
+fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, snap: &Snapshot) -> Result<AnchorJob> {
+    let dir = match &cfg.spool_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d)?;
+            tempfile::Builder::new().prefix("driftless-anchor-").tempdir_in(d)?
+        }
+        None => tempfile::Builder::new().prefix("driftless-anchor-").tempdir()?,
+    };
+    let by: BTreeMap<&str, &[u8]> = snap.tensors.iter().map(|(m, d)| (m.name.as_str(), d.as_slice())).collect();
+    let mut objects = vec![];
+    let mut refs = vec![];
+    for shard in &snap.layout.shards {
+        let plain = dir.path().join(&shard.file);
+        {
+            let (header, _) = Layout::shard_header(shard)?;
+            let mut f = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&plain)?);
+            f.write_all(&header)?;
+            for t in &shard.tensors {
+                f.write_all(by.get(t.name.as_str()).expect("snapshot has every layout tensor"))?;
+            }
+            f.flush()?;
+        }
+        let map = map_file(&plain)?;
+        let decoded_size = map.len() as u64;
+        let decoded_sha256 = Digest::of(&map);
+        let (name, bytes) = match cfg.anchor_encoding {
+            AnchorEncoding::Safetensors => (shard.file.clone(), Bytes::from_owner(map)),
+            AnchorEncoding::PlanesZstd => {
+                let enc = anchor::encode_shard(&map, cfg.anchor_zstd_level)?;
+                drop(map);
+                std::fs::remove_file(&plain)?;
+                let p = dir.path().join(format!("{}.dla", shard.file));
+                std::fs::write(&p, &enc)?;
+                drop(enc);
+                (format!("{}.dla", shard.file), Bytes::from_owner(map_file(&p)?))
+            }
+        };
+        refs.push(AnchorShardRef {
+            file: shard.file.clone(),
+            object: ObjectRef { object: name.clone(), size: bytes.len() as u64, sha256: Digest::of(&bytes) },
+            decoded_size,
+            decoded_sha256,
+        });
+        objects.push((name, bytes));
+    }
+    let mut files = vec![];
+    for (n, b) in &cfg.extra_files {
+        let name = format!("extra-{n}");
+        files.push(ObjectRef { object: name.clone(), size: b.len() as u64, sha256: Digest::of(b) });
+        objects.push((name, Bytes::from(b.clone())));
+    }
+    let m = AnchorManifest {
+        kind: "anchor".into(),
+        version: manifest::FORMAT_VERSION,
+        stream_id: stream_id.to_string(),
+        step: snap.step,
+        weights_root: snap.root,
+        encoding: cfg.anchor_encoding,
+        shards: manifest::shard_records(&snap.layout, &snap.digests)?,
+        objects: refs,
+        files,
+        created_at_ms: manifest::now_ms(),
+    };
+    let envelope = cfg.seal(&serde_json::to_vec(&m).expect("serializes"))?;
+    let _ = StepKind::Anchor;
+    Ok(AnchorJob { step: snap.step, envelope: envelope.into(), objects, _spool: Some(dir) })
+}
+
+fn map_file(p: &std::path::Path) -> Result<memmap2::Mmap> {
+    let f = std::fs::File::open(p)?;
+    // SAFETY: spool files are private to this process and never modified after writing.
+    Ok(unsafe { memmap2::Mmap::map(&f)? })
+}

@@ -1,0 +1,38 @@
+//! The publisher's copy of the last published state: owned buffers, in layout order.
+
+use driftless_format::{Digest, Layout, TensorMeta, TensorView, TensorsMut};
+
+/// Owned tensors + their layout and root.
+#[derive(Debug)]
+pub(crate) struct Snapshot {
+    pub(crate) step: u64,
+    pub(crate) layout: Layout,
+    pub(crate) tensors: Vec<(TensorMeta, Vec<u8>)>,
+    pub(crate) root: Digest,
+    pub(crate) digests: Vec<Digest>,
+}
+
+impl Snapshot {
+    /// Copies views (in layout order) into a snapshot and hashes it.
+    pub(crate) fn copy_from(step: u64, layout: Layout, views: &[TensorView<'_>]) -> Snapshot {
+        use rayon::prelude::*;
+        let tensors: Vec<(TensorMeta, Vec<u8>)> = views.par_iter().map(|v| (v.meta(), v.data.to_vec())).collect();
+        let mut s = Snapshot { step, layout, tensors, root: Digest::default(), digests: vec![] };
+        let (d, r) = driftless_format::weights_root(&s.views());
+        s.digests = d;
+        s.root = r;
+        s
+    }
+
+    pub(crate) fn views(&self) -> Vec<TensorView<'_>> {
+        self.tensors.iter().map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d }).collect()
+    }
+
+    pub(crate) fn tensors_mut(&mut self) -> TensorsMut<'_> {
+        let mut tm = TensorsMut::new();
+        for (m, d) in self.tensors.iter_mut() {
+            tm.insert(&m.name, m.dtype, d);
+        }
+        tm
+    }
+}
