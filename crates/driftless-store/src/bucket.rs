@@ -8,7 +8,9 @@ use std::time::SystemTime;
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
-use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use object_store::{
+    GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+};
 use rand::Rng;
 use tokio::sync::Semaphore;
 use tracing::Instrument;
@@ -130,19 +132,28 @@ impl Bucket {
     /// A retry after a lost response that finds the key present compares the stored bytes
     /// with `bytes`: the same content counts as success.
     pub async fn put_create(&self, key: &str, bytes: Bytes) -> Result<()> {
-        let span = tracing::debug_span!("put_create", bucket = %self.url(), key, size = bytes.len());
+        let span =
+            tracing::debug_span!("put_create", bucket = %self.url(), key, size = bytes.len());
         async {
             let path = self.path(key)?;
-            if bytes.len() >= self.inner.opts.multipart_threshold || !self.inner.conditional_create {
+            if bytes.len() >= self.inner.opts.multipart_threshold || !self.inner.conditional_create
+            {
                 match self.head(key).await {
-                    Ok(_) => return Err(Error::AlreadyExists { key: key.to_string() }),
+                    Ok(_) => {
+                        return Err(Error::AlreadyExists {
+                            key: key.to_string(),
+                        })
+                    }
                     Err(e) if e.is_not_found() => {}
                     Err(e) => return Err(e),
                 }
                 if bytes.len() >= self.inner.opts.multipart_threshold {
                     return self.put_multipart(key, &path, bytes).await;
                 }
-                return self.put_single(key, &path, bytes, PutMode::Overwrite).await.map(|_| ());
+                return self
+                    .put_single(key, &path, bytes, PutMode::Overwrite)
+                    .await
+                    .map(|_| ());
             }
             let mut attempts = 0usize;
             let res = self
@@ -156,7 +167,9 @@ impl Bucket {
                     // An earlier attempt may have landed with its response lost.
                     match self.get(key).await {
                         Ok(stored) if stored == bytes => Ok(()),
-                        Ok(_) => Err(Error::AlreadyExists { key: key.to_string() }),
+                        Ok(_) => Err(Error::AlreadyExists {
+                            key: key.to_string(),
+                        }),
                         Err(e) => Err(e),
                     }
                 }
@@ -175,8 +188,10 @@ impl Bucket {
             if bytes.len() >= self.inner.opts.multipart_threshold {
                 return self.put_multipart(key, &path, bytes).await;
             }
-            self.retry("put", key, || self.put_single(key, &path, bytes.clone(), PutMode::Overwrite))
-                .await
+            self.retry("put", key, || {
+                self.put_single(key, &path, bytes.clone(), PutMode::Overwrite)
+            })
+            .await
         }
         .instrument(span)
         .await
@@ -197,8 +212,10 @@ impl Bucket {
     }
 
     async fn put_multipart(&self, key: &str, path: &Path, bytes: Bytes) -> Result<()> {
-        self.retry("put_multipart", key, || self.put_multipart_once(key, path, bytes.clone()))
-            .await
+        self.retry("put_multipart", key, || {
+            self.put_multipart_once(key, path, bytes.clone())
+        })
+        .await
     }
 
     /// One attempt: start, upload all parts in parallel, complete; abort on failure.
@@ -308,7 +325,13 @@ impl Bucket {
     }
 
     /// One part of a parallel read, retried on its own, pinned to `etag`.
-    async fn get_range(&self, key: &str, path: &Path, range: std::ops::Range<u64>, etag: Option<String>) -> Result<Bytes> {
+    async fn get_range(
+        &self,
+        key: &str,
+        path: &Path,
+        range: std::ops::Range<u64>,
+        etag: Option<String>,
+    ) -> Result<Bytes> {
         self.retry("get_range", key, || async {
             let _permit = self.permit().await;
             let opts = GetOptions {
@@ -352,7 +375,11 @@ impl Bucket {
 
     /// Conditional GET: `Ok(None)` when the object still has ETag `etag`; otherwise the bytes
     /// and the new ETag. Backends that ignore `If-None-Match` simply always return the object.
-    pub async fn get_if_changed(&self, key: &str, etag: Option<&str>) -> Result<Option<(Bytes, Option<String>)>> {
+    pub async fn get_if_changed(
+        &self,
+        key: &str,
+        etag: Option<&str>,
+    ) -> Result<Option<(Bytes, Option<String>)>> {
         let span = tracing::debug_span!("get_if_changed", bucket = %self.url(), key, etag);
         async {
             let path = self.path(key)?;
@@ -446,7 +473,8 @@ impl Bucket {
             .into_iter()
             .filter_map(|meta| {
                 let info = self.info(meta);
-                let keep = info.key.starts_with(prefix) && offset.is_none_or(|o| info.key.as_str() > o);
+                let keep =
+                    info.key.starts_with(prefix) && offset.is_none_or(|o| info.key.as_str() > o);
                 keep.then_some(info)
             })
             .collect::<Vec<_>>();
@@ -542,7 +570,12 @@ impl Bucket {
     }
 }
 
-pub(crate) async fn retry_with<T, F, Fut>(opts: &StoreOptions, op: &'static str, key: &str, mut f: F) -> Result<T>
+pub(crate) async fn retry_with<T, F, Fut>(
+    opts: &StoreOptions,
+    op: &'static str,
+    key: &str,
+    mut f: F,
+) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
@@ -554,7 +587,9 @@ where
             Ok(v) => return Ok(v),
             Err(e) if e.is_retryable() && attempt < opts.max_retries => {
                 let cap_ms = 100u64.saturating_mul(1u64 << attempt.min(16)).min(5_000);
-                let delay = std::time::Duration::from_millis(rand::thread_rng().gen_range(cap_ms / 2..=cap_ms));
+                let delay = std::time::Duration::from_millis(
+                    rand::thread_rng().gen_range(cap_ms / 2..=cap_ms),
+                );
                 if start.elapsed() + delay > opts.retry_timeout {
                     tracing::warn!(op, key, attempt, error = %e, "retry budget spent");
                     return Err(e);
@@ -572,7 +607,9 @@ fn map_put_error(key: &str, e: object_store::Error) -> Error {
     match e {
         // S3 answers a lost If-None-Match race with 412 (Precondition), Azure with 409.
         object_store::Error::Precondition { .. } | object_store::Error::AlreadyExists { .. } => {
-            Error::AlreadyExists { key: key.to_string() }
+            Error::AlreadyExists {
+                key: key.to_string(),
+            }
         }
         other => Error::from_store(key, other),
     }

@@ -118,7 +118,9 @@ impl Error {
 fn is_transient_generic(err: &object_store::Error) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = cur {
-        if e.downcast_ref::<object_store::client::HttpError>().is_some() {
+        if e.downcast_ref::<object_store::client::HttpError>()
+            .is_some()
+        {
             return true;
         }
         cur = e.source();
@@ -187,11 +189,20 @@ mod tests {
 
     #[test]
     fn classifies_status_codes() {
-        let e = Error::from_store("k", generic("Server returned non-2xx status code: 503 Service Unavailable"));
+        let e = Error::from_store(
+            "k",
+            generic("Server returned non-2xx status code: 503 Service Unavailable"),
+        );
         assert!(e.is_retryable());
-        let e = Error::from_store("k", generic("Server returned non-2xx status code: 400 Bad Request"));
+        let e = Error::from_store(
+            "k",
+            generic("Server returned non-2xx status code: 400 Bad Request"),
+        );
         assert!(!e.is_retryable());
-        let e = Error::from_store("k", generic("Server returned non-2xx status code: 429 Too Many"));
+        let e = Error::from_store(
+            "k",
+            generic("Server returned non-2xx status code: 429 Too Many"),
+        );
         assert!(e.is_retryable());
         let e = Error::from_store(
             "k",
@@ -207,10 +218,15 @@ mod tests {
     fn messages_are_redacted() {
         let e = Error::from_store(
             "k",
-            generic("Error performing GET https://acct.blob.core.windows.net/c/k?sig=SECRET&se=1 in 1s"),
+            generic(
+                "Error performing GET https://acct.blob.core.windows.net/c/k?sig=SECRET&se=1 in 1s",
+            ),
         );
         let text = e.to_string();
         assert!(!text.contains("SECRET"), "{text}");
-        assert!(text.contains("https://acct.blob.core.windows.net/c/k"), "{text}");
+        assert!(
+            text.contains("https://acct.blob.core.windows.net/c/k"),
+            "{text}"
+        );
     }
 }

@@ -94,8 +94,10 @@ fn injected_error(kind: FaultKind, op: FaultOp, location: &str) -> object_store:
     };
     object_store::Error::Generic {
         store: "FaultyStore",
-        source: format!("injected {op:?} fault on {location}: Server returned non-2xx status code: {status}")
-            .into(),
+        source: format!(
+            "injected {op:?} fault on {location}: Server returned non-2xx status code: {status}"
+        )
+        .into(),
     }
 }
 
@@ -169,14 +171,19 @@ impl FaultyStore {
 
     /// Change the delay at any time.
     pub fn set_delay(&self, delay: Duration) {
-        self.state
-            .delay_ms
-            .store(delay.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+        self.state.delay_ms.store(
+            delay.as_millis().min(u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
     }
 
     /// Remove all rules that have not fired yet and the delay.
     pub fn clear(&self) {
-        self.state.rules.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.state
+            .rules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         self.set_delay(Duration::ZERO);
     }
 
@@ -210,7 +217,11 @@ impl ObjectStore for FaultyStore {
             None => self.inner.put_opts(location, payload, opts).await,
             Some(FaultKind::LostResponse) => {
                 self.inner.put_opts(location, payload, opts).await?;
-                Err(injected_error(FaultKind::LostResponse, FaultOp::Put, location.as_ref()))
+                Err(injected_error(
+                    FaultKind::LostResponse,
+                    FaultOp::Put,
+                    location.as_ref(),
+                ))
             }
             Some(kind) => Err(injected_error(kind, FaultOp::Put, location.as_ref())),
         }
@@ -230,7 +241,11 @@ impl ObjectStore for FaultyStore {
         }
     }
 
-    async fn get_opts(&self, location: &Path, options: GetOptions) -> object_store::Result<GetResult> {
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
         self.state.pause().await;
         match self.state.take(FaultOp::Get, location.as_ref()) {
             None => self.inner.get_opts(location, options).await,
@@ -238,7 +253,11 @@ impl ObjectStore for FaultyStore {
         }
     }
 
-    async fn get_ranges(&self, location: &Path, ranges: &[Range<u64>]) -> object_store::Result<Vec<Bytes>> {
+    async fn get_ranges(
+        &self,
+        location: &Path,
+        ranges: &[Range<u64>],
+    ) -> object_store::Result<Vec<Bytes>> {
         self.state.pause().await;
         match self.state.take(FaultOp::Get, location.as_ref()) {
             None => self.inner.get_ranges(location, ranges).await,
@@ -315,11 +334,21 @@ impl ObjectStore for FaultyStore {
         }
     }
 
-    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> object_store::Result<()> {
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
         self.inner.copy_opts(from, to, options).await
     }
 
-    async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> object_store::Result<()> {
+    async fn rename_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: RenameOptions,
+    ) -> object_store::Result<()> {
         self.inner.rename_opts(from, to, options).await
     }
 }

@@ -115,8 +115,14 @@ mod tests {
     fn keys() {
         assert_eq!(delta_dir(12), "deltas/000000000012/");
         assert_eq!(anchor_dir(12), "anchors/000000000012/");
-        assert_eq!(manifest(StepKind::Delta, 12), "deltas/000000000012/manifest.json");
-        assert_eq!(object(StepKind::Anchor, 3, "w.bin"), "anchors/000000000003/w.bin");
+        assert_eq!(
+            manifest(StepKind::Delta, 12),
+            "deltas/000000000012/manifest.json"
+        );
+        assert_eq!(
+            object(StepKind::Anchor, 3, "w.bin"),
+            "anchors/000000000003/w.bin"
+        );
         assert_eq!(ready(StepKind::Delta, 12), "ready/deltas/000000000012");
         assert_eq!(ready(StepKind::Anchor, 7), "ready/anchors/000000000007");
         assert_eq!(ready_prefix(StepKind::Delta), "ready/deltas/");

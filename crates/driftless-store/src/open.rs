@@ -122,7 +122,10 @@ fn open_memory(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
         Arc::new(InMemory::new())
     } else {
         let mut reg = memory_registry().lock().unwrap_or_else(|e| e.into_inner());
-        Arc::clone(reg.entry(name.to_string()).or_insert_with(|| Arc::new(InMemory::new())))
+        Arc::clone(
+            reg.entry(name.to_string())
+                .or_insert_with(|| Arc::new(InMemory::new())),
+        )
     };
     let url = if prefix.is_empty() {
         format!("memory://{name}")
@@ -166,17 +169,26 @@ fn s3_builder(bucket: &str, opts: &StoreOptions) -> AmazonS3Builder {
 }
 
 fn build_err(url: &str, e: object_store::Error) -> Error {
-    Error::InvalidUrl(format!("{}: {}", redact_url(url), crate::redact::redact_text(&e.to_string())))
+    Error::InvalidUrl(format!(
+        "{}: {}",
+        redact_url(url),
+        crate::redact::redact_text(&e.to_string())
+    ))
 }
 
 fn open_s3(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     let url = format!("s3://{rest}");
     let (bucket, prefix) = split_host(rest);
     if bucket.is_empty() {
-        return Err(Error::InvalidUrl(format!("{}: missing bucket", redact_url(&url))));
+        return Err(Error::InvalidUrl(format!(
+            "{}: missing bucket",
+            redact_url(&url)
+        )));
     }
     check_prefix(prefix, &url)?;
-    let store = s3_builder(bucket, opts).build().map_err(|e| build_err(&url, e))?;
+    let store = s3_builder(bucket, opts)
+        .build()
+        .map_err(|e| build_err(&url, e))?;
     Ok(Bucket::assemble(
         Arc::new(store) as Arc<dyn ObjectStore>,
         prefix.to_string(),
@@ -204,19 +216,27 @@ fn open_hf(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     let endpoint = match &opts.endpoint {
         Some(e) => e.clone(),
         None => {
-            let base = std::env::var("DRIFTLESS_HF_S3_ENDPOINT").unwrap_or_else(|_| HF_S3_ENDPOINT.to_string());
+            let base = std::env::var("DRIFTLESS_HF_S3_ENDPOINT")
+                .unwrap_or_else(|_| HF_S3_ENDPOINT.to_string());
             format!("{}/{namespace}", base.trim_end_matches('/'))
         }
     };
     let hf_opts = StoreOptions {
         endpoint: Some(endpoint),
-        region: Some(opts.region.clone().unwrap_or_else(|| "us-east-1".to_string())),
+        region: Some(
+            opts.region
+                .clone()
+                .unwrap_or_else(|| "us-east-1".to_string()),
+        ),
         path_style: true,
         ..opts.clone()
     };
     let mut b = s3_builder(bucket, &hf_opts);
     // HF-derived S3 keys (HFAK...) may live beside AWS credentials for another store.
-    if let (Ok(id), Ok(secret)) = (std::env::var("HF_S3_ACCESS_KEY_ID"), std::env::var("HF_S3_SECRET_ACCESS_KEY")) {
+    if let (Ok(id), Ok(secret)) = (
+        std::env::var("HF_S3_ACCESS_KEY_ID"),
+        std::env::var("HF_S3_SECRET_ACCESS_KEY"),
+    ) {
         b = b.with_access_key_id(id).with_secret_access_key(secret);
     }
     let store = b.build().map_err(|e| build_err(&url, e))?;
@@ -233,7 +253,10 @@ fn open_hf(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
 fn is_loopback(endpoint: &str) -> bool {
     url::Url::parse(endpoint)
         .ok()
-        .and_then(|u| u.host_str().map(|h| h == "127.0.0.1" || h == "localhost" || h == "[::1]"))
+        .and_then(|u| {
+            u.host_str()
+                .map(|h| h == "127.0.0.1" || h == "localhost" || h == "[::1]")
+        })
         .unwrap_or(false)
 }
 
@@ -241,7 +264,10 @@ fn open_azure(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     let url = format!("az://{rest}");
     let (container, prefix) = split_host(rest);
     if container.is_empty() {
-        return Err(Error::InvalidUrl(format!("{}: missing container", redact_url(&url))));
+        return Err(Error::InvalidUrl(format!(
+            "{}: missing container",
+            redact_url(&url)
+        )));
     }
     check_prefix(prefix, &url)?;
     let mut b = MicrosoftAzureBuilder::from_env()
@@ -275,7 +301,10 @@ fn open_gcs(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     let url = format!("gs://{rest}");
     let (bucket, prefix) = split_host(rest);
     if bucket.is_empty() {
-        return Err(Error::InvalidUrl(format!("{}: missing bucket", redact_url(&url))));
+        return Err(Error::InvalidUrl(format!(
+            "{}: missing bucket",
+            redact_url(&url)
+        )));
     }
     check_prefix(prefix, &url)?;
     let mut b = GoogleCloudStorageBuilder::from_env()
@@ -283,9 +312,14 @@ fn open_gcs(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
         .with_retry(opts.retry_config());
     if let Some(endpoint) = &opts.endpoint {
         b = b.with_base_url(endpoint.trim_end_matches('/'));
-        let has_creds = ["GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH", "GOOGLE_SERVICE_ACCOUNT_KEY", "GOOGLE_APPLICATION_CREDENTIALS"]
-            .iter()
-            .any(|k| std::env::var(k).is_ok());
+        let has_creds = [
+            "GOOGLE_SERVICE_ACCOUNT",
+            "GOOGLE_SERVICE_ACCOUNT_PATH",
+            "GOOGLE_SERVICE_ACCOUNT_KEY",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+        ]
+        .iter()
+        .any(|k| std::env::var(k).is_ok());
         if !has_creds {
             // A custom endpoint without credentials (fake-gcs-server): anonymous requests.
             b = b.with_credentials(Arc::new(StaticCredentialProvider::new(GcpCredential {
@@ -337,10 +371,17 @@ mod tests {
         let b = Bucket::open("hf://buckets/ns/bkt/p", &o).unwrap();
         assert!(!b.supports_conditional_create());
         assert_eq!(b.prefix(), "p");
-        let b = Bucket::open("gs://bkt/p", &StoreOptions::default().with_endpoint("http://127.0.0.1:1")).unwrap();
+        let b = Bucket::open(
+            "gs://bkt/p",
+            &StoreOptions::default().with_endpoint("http://127.0.0.1:1"),
+        )
+        .unwrap();
         assert_eq!(b.prefix(), "p");
-        let b = Bucket::open("az://c/p", &StoreOptions::default().with_endpoint("http://127.0.0.1:1/devstoreaccount1"))
-            .unwrap();
+        let b = Bucket::open(
+            "az://c/p",
+            &StoreOptions::default().with_endpoint("http://127.0.0.1:1/devstoreaccount1"),
+        )
+        .unwrap();
         assert_eq!(b.url(), "az://c/p");
     }
 

@@ -42,7 +42,9 @@ pub(crate) fn redact_text(text: &str) -> String {
                 out.push_str(&rest[..start]);
                 let tail = &rest[start..];
                 let end = tail
-                    .find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | ')' | ','))
+                    .find(|c: char| {
+                        c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | ')' | ',')
+                    })
                     .unwrap_or(tail.len());
                 out.push_str(&redact_url(&tail[..end]));
                 rest = &tail[end..];
@@ -61,7 +63,10 @@ mod tests {
             redact_url("https://user:pw@host.example/b/k?X-Amz-Signature=abc"),
             "https://host.example/b/k"
         );
-        assert_eq!(redact_url("s3://bucket/prefix?secret=1"), "s3://bucket/prefix");
+        assert_eq!(
+            redact_url("s3://bucket/prefix?secret=1"),
+            "s3://bucket/prefix"
+        );
         assert_eq!(
             redact_text("GET https://h/k?sig=1 failed, see http://a:b@h2/x"),
             "GET https://h/k failed, see http://h2/x"

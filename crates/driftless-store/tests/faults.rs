@@ -23,11 +23,17 @@ fn faulty() -> (Arc<FaultyStore>, Bucket) {
 async fn transient_put_faults_are_retried() {
     let (store, b) = faulty();
     store.inject(FaultOp::Put, "manifest", 2, FaultKind::Transient);
-    b.put_create("deltas/000000000001/manifest.json", Bytes::from_static(b"m"))
-        .await
-        .unwrap();
+    b.put_create(
+        "deltas/000000000001/manifest.json",
+        Bytes::from_static(b"m"),
+    )
+    .await
+    .unwrap();
     assert_eq!(store.injected(), 2);
-    assert_eq!(b.get("deltas/000000000001/manifest.json").await.unwrap(), Bytes::from_static(b"m"));
+    assert_eq!(
+        b.get("deltas/000000000001/manifest.json").await.unwrap(),
+        Bytes::from_static(b"m")
+    );
 }
 
 #[tokio::test]
@@ -43,11 +49,17 @@ async fn retries_are_bounded_by_count() {
 #[tokio::test]
 async fn retries_are_bounded_by_time() {
     let store = Arc::new(FaultyStore::new(Arc::new(InMemory::new())));
-    let o = opts().with_max_retries(1000).with_retry_timeout(Duration::from_millis(700));
+    let o = opts()
+        .with_max_retries(1000)
+        .with_retry_timeout(Duration::from_millis(700));
     let b = Bucket::from_store(store.clone(), "", &o);
     store.inject(FaultOp::Put, "", 1000, FaultKind::Transient);
     let t = Instant::now();
-    assert!(b.put("k", Bytes::from_static(b"v")).await.unwrap_err().is_retryable());
+    assert!(b
+        .put("k", Bytes::from_static(b"v"))
+        .await
+        .unwrap_err()
+        .is_retryable());
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     assert!(store.injected() >= 2);
 }
@@ -67,7 +79,9 @@ async fn permanent_faults_are_not_retried() {
 async fn lost_put_create_response_is_success() {
     let (store, b) = faulty();
     store.inject(FaultOp::Put, "ready/", 1, FaultKind::LostResponse);
-    b.put_create("ready/deltas/000000000001", Bytes::from_static(b"r")).await.unwrap();
+    b.put_create("ready/deltas/000000000001", Bytes::from_static(b"r"))
+        .await
+        .unwrap();
     assert_eq!(store.injected(), 1);
     // A real competitor with other bytes still loses.
     let err = b
@@ -129,5 +143,25 @@ async fn concurrency_is_bounded() {
     let t = Instant::now();
     let reads = (0..40).map(|_| b.get_limited("k", 10));
     futures::future::try_join_all(reads).await.unwrap();
-    assert!(t.elapsed() >= Duration::from_millis(450), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_millis(450),
+        "{:?}",
+        t.elapsed()
+    );
+}
+
+/// Compile-time check: every call's future can be handed to `tokio::spawn`.
+#[allow(dead_code)]
+fn futures_are_spawnable(b: Bucket) {
+    tokio::spawn(async move {
+        b.put_create("k", Bytes::new()).await.ok();
+        b.put("k", Bytes::new()).await.ok();
+        b.get("k").await.ok();
+        b.get_limited("k", 1).await.ok();
+        b.get_if_changed("k", Some("e")).await.ok();
+        b.head("k").await.ok();
+        b.list("").await.ok();
+        b.list_after("", "k").await.ok();
+        b.delete("k").await.ok();
+    });
 }
