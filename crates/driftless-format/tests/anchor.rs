@@ -1,0 +1,93 @@
+//! Anchor shards: byte-exact round trips of real safetensors files, and damage detection.
+
+mod common;
+
+use common::*;
+use driftless_format::{anchor, Checkpoint, DType, ErrorKind};
+use proptest::prelude::*;
+
+#[test]
+fn roundtrip_file_written_by_safetensors_crate() {
+    let (file, ts) = safetensors_file(1);
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("model.safetensors");
+    std::fs::write(&p, &file).unwrap();
+    // We read what the reference writer wrote...
+    let ck = Checkpoint::open(&p).unwrap();
+    assert_same_tensors(&ck.views(), &ts, "safetensors crate file");
+    for level in [1, 3, 19] {
+        let enc = anchor::encode_shard(&file, level).unwrap();
+        let mut out = vec![0u8; file.len()];
+        anchor::decode_shard(&enc, &mut out).unwrap();
+        assert!(out == file, "level {level}: decoded bytes differ");
+        println!("level {level}: {} -> {} bytes", file.len(), enc.len());
+    }
+}
+
+#[test]
+fn roundtrip_our_files_with_odd_tensors() {
+    // Zero-size tensor first, scalar, every dtype, and a data section larger than one chunk
+    // would be with a small tensor in between.
+    let mut r = rng(2);
+    let mut ts = vec![T::random("z.first_empty", DType::BF16, &[0, 5], &mut r)];
+    for (i, &d) in DType::ALL.iter().enumerate() {
+        ts.push(T::random(&format!("t{i:02}"), d, &[3, (i as u64) + 1], &mut r));
+    }
+    ts.push(T::random("scalar", DType::F64, &[], &mut r));
+    ts.push(T::random("zz.empty_last", DType::U8, &[0], &mut r));
+    let dir = tempfile::tempdir().unwrap();
+    let layout = write(dir.path(), &ts, 200);
+    assert!(layout.shards.len() > 2);
+    for s in &layout.shards {
+        let file = std::fs::read(dir.path().join(&s.file)).unwrap();
+        let enc = anchor::encode_shard(&file, 1).unwrap_or_else(|e| panic!("{}: {e}", s.file));
+        let mut out = vec![0u8; file.len()];
+        anchor::decode_shard(&enc, &mut out).unwrap();
+        assert!(out == file, "{}", s.file);
+    }
+}
+
+#[test]
+fn damage_is_an_error() {
+    let (file, _) = safetensors_file(3);
+    let enc = anchor::encode_shard(&file, 1).unwrap();
+    let mut out = vec![0u8; file.len()];
+    // Wrong expected size.
+    for n in [0, file.len() - 1, file.len() + 1] {
+        let mut o = vec![0u8; n];
+        assert_eq!(anchor::decode_shard(&enc, &mut o).unwrap_err().kind(), ErrorKind::Corrupt);
+    }
+    // Every truncation, and trailing bytes.
+    for l in 0..enc.len() {
+        assert_eq!(anchor::decode_shard(&enc[..l], &mut out).unwrap_err().kind(), ErrorKind::Corrupt, "cut {l}");
+    }
+    let mut longer = enc.clone();
+    longer.push(0);
+    assert_eq!(anchor::decode_shard(&longer, &mut out).unwrap_err().kind(), ErrorKind::Corrupt);
+    // Targeted header damage: magic, version, sizes, chunk count, widths.
+    for (at, v) in [(0usize, b'X'), (4, 2), (8, 0xff), (16, 0xff), (24, 0xff), (32, 0xff), (36 + 16, 3)] {
+        let mut b = enc.clone();
+        b[at] = v;
+        assert_eq!(anchor::decode_shard(&b, &mut out).unwrap_err().kind(), ErrorKind::Corrupt, "byte {at}");
+    }
+    // Not a safetensors file: encode refuses.
+    assert!(anchor::encode_shard(b"not a safetensors file", 1).is_err());
+    assert!(anchor::encode_shard(&file[..file.len() - 1], 1).is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+    /// Random damage never panics; an error is Corrupt; the output buffer keeps its size.
+    #[test]
+    fn prop_damage_never_panics(seed in any::<u64>()) {
+        let (file, _) = safetensors_file(4);
+        let enc = anchor::encode_shard(&file, 1).unwrap();
+        let mut r = rng(seed);
+        let bad = mutate_bytes(&enc, &mut r);
+        let mut out = vec![0u8; file.len()];
+        if let Err(e) = anchor::decode_shard(&bad, &mut out) {
+            prop_assert_eq!(e.kind(), ErrorKind::Corrupt);
+        }
+        prop_assert_eq!(out.len(), file.len());
+    }
+}
