@@ -95,8 +95,12 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
             tracing::debug!(step = %d.id(), "deleted marker");
         }
     }
-    let counts: Vec<usize> = futures::stream::iter(by_step)
-        .map(|d| delete_objects(bucket, d))
+    let owned: Vec<DeletedStep> = by_step.into_iter().cloned().collect();
+    let counts: Vec<usize> = futures::stream::iter(owned)
+        .map(|d| {
+            let bucket = bucket.clone();
+            async move { delete_objects(&bucket, &d).await }
+        })
         .buffer_unordered(STEPS_IN_FLIGHT)
         .try_collect()
         .await?;
@@ -134,8 +138,11 @@ async fn delete_objects(bucket: &Bucket, d: &DeletedStep) -> Result<usize> {
         bucket.delete(m).await?;
         n += 1;
     }
-    futures::stream::iter(&d.objects)
-        .map(|k| bucket.delete(k))
+    futures::stream::iter(d.objects.clone())
+        .map(|k| {
+            let bucket = bucket.clone();
+            async move { bucket.delete(&k).await }
+        })
         .buffer_unordered(STEPS_IN_FLIGHT)
         .try_collect::<Vec<()>>()
         .await?;

@@ -158,7 +158,9 @@ impl Inventory {
             }
         }
         let read: Vec<Option<(ObjectInfo, MarkerState)>> = futures::stream::iter(to_read)
-            .map(|info| async move {
+            .map(|info| {
+                let bucket = bucket.clone();
+                async move {
                 match bucket.get_limited(&info.key, MAX_MARKER_BYTES).await {
                     Ok(bytes) => {
                         let state = parse_marker(&info.key, &bytes);
@@ -170,6 +172,7 @@ impl Inventory {
                         Ok(Some((info, MarkerState::Unreadable(format!("marker is {size} bytes")))))
                     }
                     Err(e) => Err(e),
+                }
                 }
             })
             .buffered(MARKER_READS)

@@ -38,3 +38,15 @@ pub async fn run(bucket: &Bucket, policy: &GcPolicy, dry_run: bool) -> Result<Gc
     }
     execute(bucket, &plan).await
 }
+
+#[cfg(test)]
+mod tests {
+    /// The publisher spawns collections on its runtime: the futures must be `Send`.
+    #[allow(dead_code)]
+    fn futures_are_send(b: &driftless_store::Bucket, p: &super::GcPolicy, plan: &super::GcPlan) {
+        fn send<T: Send>(_: T) {}
+        send(super::run(b, p, false));
+        send(super::plan(b, p, std::time::SystemTime::now()));
+        send(super::execute(b, plan));
+    }
+}
