@@ -150,13 +150,19 @@ async fn delete_objects(bucket: &Bucket, d: &DeletedStep) -> Result<usize> {
 }
 
 /// No marker now, and nothing in the step directory newer than the grace cutoff.
-async fn still_incomplete(bucket: &Bucket, d: &DeletedStep, cutoff: Option<SystemTime>) -> Result<bool> {
+async fn still_incomplete(
+    bucket: &Bucket,
+    d: &DeletedStep,
+    cutoff: Option<SystemTime>,
+) -> Result<bool> {
     match bucket.head(&layout::ready(d.kind, d.step)).await {
         Ok(_) => return Ok(false),
         Err(e) if e.is_not_found() => {}
         Err(e) => return Err(e.into()),
     }
-    let Some(cutoff) = cutoff else { return Ok(false) };
+    let Some(cutoff) = cutoff else {
+        return Ok(false);
+    };
     let dir = match d.kind {
         driftless_format::StepKind::Delta => layout::delta_dir(d.step),
         driftless_format::StepKind::Anchor => layout::anchor_dir(d.step),

@@ -284,8 +284,7 @@ impl Graph {
             return out;
         }
         let mut cur = s;
-        loop {
-            let Some(Some(base)) = self.deltas.get(&cur) else { break };
+        while let Some(Some(base)) = self.deltas.get(&cur) {
             if self.anchors.contains(base) {
                 out.push(StepId::anchor(*base));
                 break;
@@ -335,15 +334,30 @@ impl fmt::Display for GcPlan {
             p.keep_deltas,
             p.keep_anchors,
             humantime::format_duration(p.grace),
-            p.max_bytes.map(|m| format!(", max {m} bytes")).unwrap_or_default()
+            p.max_bytes
+                .map(|m| format!(", max {m} bytes"))
+                .unwrap_or_default()
         )?;
         let opt = |v: Option<u64>| v.map_or("none".to_string(), |s| s.to_string());
-        writeln!(f, "newest step: {}, newest anchor: {}", opt(self.newest_step), opt(self.newest_anchor))?;
+        writeln!(
+            f,
+            "newest step: {}, newest anchor: {}",
+            opt(self.newest_step),
+            opt(self.newest_anchor)
+        )?;
         for k in &self.kept {
             let reasons: Vec<&str> = k.reasons.iter().map(|r| r.as_str()).collect();
-            let id = StepId { kind: k.kind, step: k.step };
+            let id = StepId {
+                kind: k.kind,
+                step: k.step,
+            };
             let incomplete = if k.ready { "" } else { " (incomplete)" };
-            writeln!(f, "keep   {id}{incomplete}: {} bytes [{}]", k.bytes, reasons.join(", "))?;
+            writeln!(
+                f,
+                "keep   {id}{incomplete}: {} bytes [{}]",
+                k.bytes,
+                reasons.join(", ")
+            )?;
         }
         for d in &self.deleted {
             writeln!(f, "delete {}: {} bytes", d.id(), d.bytes)?;
@@ -364,7 +378,10 @@ impl fmt::Display for GcPlan {
             self.bytes_freed
         )?;
         if self.over_budget {
-            write!(f, "\nwarning: over max_bytes; grace and reachability of the newest step keep more")?;
+            write!(
+                f,
+                "\nwarning: over max_bytes; grace and reachability of the newest step keep more"
+            )?;
         }
         Ok(())
     }

@@ -99,13 +99,19 @@ mod tests {
     #[test]
     fn defaults_and_setters() {
         let p = GcPolicy::default();
-        assert_eq!((p.keep_deltas, p.keep_anchors, p.grace, p.max_bytes), (100, 10, Duration::from_secs(600), None));
+        assert_eq!(
+            (p.keep_deltas, p.keep_anchors, p.grace, p.max_bytes),
+            (100, 10, Duration::from_secs(600), None)
+        );
         let p = GcPolicy::new()
             .with_keep_deltas(3)
             .with_keep_anchors(1)
             .with_grace(Duration::ZERO)
             .with_max_bytes(Some(5));
-        assert_eq!((p.keep_deltas, p.keep_anchors, p.grace, p.max_bytes), (3, 1, Duration::ZERO, Some(5)));
+        assert_eq!(
+            (p.keep_deltas, p.keep_anchors, p.grace, p.max_bytes),
+            (3, 1, Duration::ZERO, Some(5))
+        );
         let json = serde_json::to_value(&p).unwrap();
         assert_eq!(json["grace"], "0s");
     }
@@ -113,9 +119,15 @@ mod tests {
     #[test]
     fn durations() {
         assert_eq!(parse_duration("10m").unwrap(), Duration::from_secs(600));
-        assert_eq!(parse_duration(" 1h 30m ").unwrap(), Duration::from_secs(5400));
+        assert_eq!(
+            parse_duration(" 1h 30m ").unwrap(),
+            Duration::from_secs(5400)
+        );
         assert_eq!(parse_duration("0s").unwrap(), Duration::ZERO);
-        assert!(matches!(parse_duration("ten minutes"), Err(Error::InvalidDuration { .. })));
+        assert!(matches!(
+            parse_duration("ten minutes"),
+            Err(Error::InvalidDuration { .. })
+        ));
         assert!(parse_duration("").is_err());
     }
 }
