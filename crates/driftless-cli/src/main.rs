@@ -25,6 +25,14 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Run a simulated trainer and an agent on a local bucket and show what moves.
+    Demo(cmd::demo::Args),
+    /// Publish a checkpoint (or follow a directory of checkpoints) into a stream.
+    Publish(cmd::publish::Args),
+    /// Keep a local checkpoint on the newest verified step of a stream.
+    Agent(cmd::agent::Args),
+    /// Apply the retention policy to a stream.
+    Gc(cmd::gc::Args),
     /// Generate an Ed25519 signing key: writes KEY (PKCS#8 PEM) and KEY.pub (SPKI PEM).
     Keygen(cmd::keygen::Args),
     /// Encode the delta from BASE to TARGET into one self-contained, signed delta file.
@@ -43,6 +51,10 @@ fn main() {
     let cli = Cli::parse();
     init_logging(&cli.log, cli.log_json);
     let r = match cli.cmd {
+        Cmd::Demo(a) => cmd::demo::run(a),
+        Cmd::Publish(a) => cmd::publish::run(a),
+        Cmd::Agent(a) => cmd::agent::run(a),
+        Cmd::Gc(a) => cmd::gc::run(a),
         Cmd::Keygen(a) => cmd::keygen::run(a),
         Cmd::Diff(a) => cmd::diff::run(a),
         Cmd::Patch(a) => cmd::patch::run(a),

@@ -144,6 +144,10 @@ impl PublisherBuilder {
             warn!(url = bucket.url(), "backend has no conditional create: two publishers on this stream would not be detected");
         }
         let (stream_id, last_step) = rt.block_on(self.open_stream(&bucket))?;
+        let last_anchor = rt.block_on(async {
+            let r = StreamReader::new(bucket.clone(), TrustSet::new().allow_unsigned(true));
+            r.ready_steps(StepKind::Anchor, None).await.map(|v| v.last().copied())
+        })?;
         info!(stream_id, last_step, url = bucket.url(), "publisher ready");
         let shared = Arc::new(Shared::default());
         let ctx = Arc::new(Ctx {
@@ -164,7 +168,7 @@ impl PublisherBuilder {
             snapshot: None,
             stream_id,
             last_step,
-            last_anchor_step: None,
+            last_anchor_step: last_anchor,
             chain_bytes: 0,
             published: 0,
             coalesced: 0,
@@ -327,6 +331,18 @@ impl Publisher {
     /// The smallest step `publish` accepts next.
     pub fn next_step(&self) -> u64 {
         self.last_step.map_or(0, |s| s + 1)
+    }
+
+    /// Restores the snapshot after a process restart from a copy of the weights of `step`,
+    /// which must be what this stream already holds at `step` (its delta or anchor is ready):
+    /// the next publish is then a delta again instead of a forced anchor. The CLI keeps that
+    /// copy in its state directory.
+    pub fn seed(&mut self, step: u64, tensors: &[TensorView<'_>], layout: &Layout) -> Result<()> {
+        let ordered = order(tensors, layout)?;
+        self.snapshot = Some(Arc::new(Snapshot::copy_from(step, layout.clone(), &ordered)));
+        self.shared.update(|s| s.tip = Some(step));
+        self.last_step = Some(self.last_step.map_or(step, |l| l.max(step)));
+        Ok(())
     }
 
     /// Publishes the weights of `step` with a layout derived from the tensor order.

@@ -1,6 +1,11 @@
 //! Subcommands, one file each.
 
+pub mod agent;
 pub mod bench;
+pub mod bucket;
+pub mod demo;
+pub mod gc;
+pub mod publish;
 pub mod diff;
 pub mod hash;
 pub mod inspect;

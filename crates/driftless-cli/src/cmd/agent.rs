@@ -1,0 +1,87 @@
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use driftless_agent::notify::Notifier;
+use driftless_agent::{Agent, AgentConfig};
+use driftless_format::TrustSet;
+
+/// `driftless agent --bucket URL --trust KEY.pub --dir DIR [--once] [--notify KIND=TARGET]... [--listen ADDR]`
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    bucket: super::bucket::BucketArgs,
+    /// Trusted public key (SPKI PEM); repeatable. Also DRIFTLESS_TRUST (comma-separated).
+    #[arg(long, env = "DRIFTLESS_TRUST", value_delimiter = ',')]
+    trust: Vec<PathBuf>,
+    /// Accept unsigned streams (private buckets only).
+    #[arg(long)]
+    allow_unsigned: bool,
+    /// Local directory; the checkpoint is DIR/current.
+    #[arg(long, env = "DRIFTLESS_DIR")]
+    dir: PathBuf,
+    /// Sync to the newest step, notify, and exit 0.
+    #[arg(long)]
+    once: bool,
+    /// Inference server to notify: sglang=URL, vllm=URL, http=URL, exec=COMMAND; repeatable.
+    #[arg(long, env = "DRIFTLESS_NOTIFY", value_delimiter = ';')]
+    notify: Vec<Notifier>,
+    /// Address of the ops endpoint (/healthz, /readyz, /metrics, /v1/status, POST /v1/poll).
+    #[arg(long, env = "DRIFTLESS_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Fastest poll interval.
+    #[arg(long, default_value = "500ms")]
+    poll_min: humantime::Duration,
+    /// Slowest poll interval.
+    #[arg(long, default_value = "10s")]
+    poll_max: humantime::Duration,
+    /// JSON output (with --once).
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let mut trust = TrustSet::new().allow_unsigned(a.allow_unsigned);
+    for t in &a.trust {
+        trust = trust.with_file(t)?;
+    }
+    if trust.is_empty() && !a.allow_unsigned {
+        bail!("give --trust KEY.pub (or --allow-unsigned for an unsigned stream)");
+    }
+    let mut cfg = AgentConfig::new(&a.dir, trust);
+    cfg.notify = a.notify.clone();
+    cfg.poll_min = a.poll_min.into();
+    cfg.poll_max = a.poll_max.into();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let bucket = a.bucket.open()?;
+        let mut agent = Agent::new(bucket, cfg)?;
+        if a.once {
+            let o = agent.sync_once().await?;
+            if a.json {
+                println!("{}", serde_json::json!({"type": "synced", "data": o}));
+            } else {
+                println!("step {} root {} via {:?} ({} bytes, {:.3} s)", o.step, o.root, o.path, o.bytes, o.secs);
+            }
+            return Ok(());
+        }
+        let poke = Arc::new(tokio::sync::Notify::new());
+        if let Some(addr) = a.listen {
+            let l = tokio::net::TcpListener::bind(addr).await?;
+            eprintln!("driftless agent: ops endpoint on http://{}", l.local_addr()?);
+            tokio::spawn(driftless_agent::server::serve(l, agent.metrics(), poke.clone()));
+        }
+        let shutdown = async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        };
+        agent.run(poke, shutdown).await?;
+        let _ = Duration::ZERO;
+        Ok(())
+    })
+}

@@ -1,0 +1,34 @@
+//! Flags shared by the commands that open a bucket.
+
+use driftless_store::StoreOptions;
+
+/// Bucket connection flags (S3-compatible endpoints; other backends take the usual env vars).
+#[derive(clap::Args, Debug, Clone)]
+pub struct BucketArgs {
+    /// Stream URL: file:///dir, memory://, s3://bucket/prefix, gs://..., az://..., hf://buckets/NS/BUCKET/prefix.
+    #[arg(long, env = "DRIFTLESS_BUCKET")]
+    pub bucket: String,
+    /// S3 endpoint (S3-compatible servers); also AWS_ENDPOINT_URL.
+    #[arg(long, env = "AWS_ENDPOINT_URL")]
+    pub endpoint: Option<String>,
+    /// Region; also AWS_REGION.
+    #[arg(long, env = "AWS_REGION")]
+    pub region: Option<String>,
+    /// Allow plain HTTP endpoints.
+    #[arg(long)]
+    pub allow_http: bool,
+}
+
+impl BucketArgs {
+    pub fn open(&self) -> anyhow::Result<driftless_store::Bucket> {
+        let mut o = StoreOptions::default();
+        if let Some(e) = &self.endpoint {
+            o = o.with_endpoint(e.clone()).with_path_style(true);
+        }
+        if let Some(r) = &self.region {
+            o = o.with_region(r.clone());
+        }
+        o = o.with_allow_http(self.allow_http || self.endpoint.as_deref().is_some_and(|e| e.starts_with("http://")));
+        Ok(driftless_store::Bucket::open(&self.bucket, &o)?)
+    }
+}

@@ -1,0 +1,44 @@
+use anyhow::Result;
+use driftless_gc::GcPolicy;
+
+/// `driftless gc --bucket URL [--keep-deltas N] [--keep-anchors M] [--grace DURATION] [--dry-run] [--json]`
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    bucket: super::bucket::BucketArgs,
+    /// Newest ready deltas to keep.
+    #[arg(long, default_value_t = driftless_gc::DEFAULT_KEEP_DELTAS)]
+    keep_deltas: usize,
+    /// Newest ready anchors to keep.
+    #[arg(long, default_value_t = driftless_gc::DEFAULT_KEEP_ANCHORS)]
+    keep_anchors: usize,
+    /// Never delete anything younger than this (e.g. 10m, 1h).
+    #[arg(long, default_value = "10m")]
+    grace: String,
+    /// Bound on total bytes (trims oldest first, honouring reachability).
+    #[arg(long)]
+    max_bytes: Option<u64>,
+    /// Print the plan without deleting.
+    #[arg(long)]
+    dry_run: bool,
+    /// JSON output.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let policy = GcPolicy::new()
+        .with_keep_deltas(a.keep_deltas)
+        .with_keep_anchors(a.keep_anchors)
+        .with_grace(driftless_gc::parse_duration(&a.grace)?)
+        .with_max_bytes(a.max_bytes);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let bucket = a.bucket.open()?;
+    let report = rt.block_on(driftless_gc::run(&bucket, &policy, a.dry_run))?;
+    if a.json {
+        println!("{}", serde_json::json!({"type": "gc", "data": report}));
+    } else {
+        println!("{report:#?}");
+    }
+    Ok(())
+}

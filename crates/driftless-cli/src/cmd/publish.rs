@@ -1,0 +1,165 @@
+//! `driftless publish`: one checkpoint per call (`--step N CKPT`) or follow a directory
+//! (`--watch DIR`). The snapshot of the last published state is the checkpoint itself, copied
+//! into `--state DIR` between calls so a later call diffs against it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use driftless_format::{Checkpoint, Keypair};
+use driftless_publisher::PublisherBuilder;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    bucket: super::bucket::BucketArgs,
+    /// Signing key (PKCS#8 PEM).
+    #[arg(long)]
+    key: Option<PathBuf>,
+    /// State directory (keeps the last published checkpoint between calls).
+    #[arg(long)]
+    state: PathBuf,
+    /// Step number of CKPT.
+    #[arg(long, requires = "ckpt")]
+    step: Option<u64>,
+    /// Anchor every K steps.
+    #[arg(long, default_value_t = 50)]
+    anchor_every: u64,
+    /// Follow DIR: publish each `step_N` (file or directory) in order once complete.
+    #[arg(long, conflicts_with = "ckpt")]
+    watch: Option<PathBuf>,
+    /// Prefix of the step entries in --watch (followed by the step number).
+    #[arg(long, default_value = "step_")]
+    pattern: String,
+    /// Exit after publishing what is in --watch now.
+    #[arg(long)]
+    once: bool,
+    /// Create the stream even if the prefix holds other objects.
+    #[arg(long)]
+    new_stream: bool,
+    /// Run retention every N published steps (0 = never), with the gc defaults.
+    #[arg(long, default_value_t = 0)]
+    gc_every: u64,
+    /// JSON lines on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Checkpoint to publish (file or directory).
+    ckpt: Option<PathBuf>,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    std::fs::create_dir_all(&a.state)?;
+    let key = a.key.as_deref().map(Keypair::read).transpose()?;
+    if key.is_none() {
+        eprintln!("driftless: warning: no --key: the stream is unsigned; agents need --allow-unsigned");
+    }
+    let mut b = PublisherBuilder::new(a.bucket.bucket.clone())
+        .with_bucket(a.bucket.open()?)
+        .with_anchor_every(a.anchor_every)
+        .with_new_stream(a.new_stream)
+        .with_spool_dir(a.state.join("spool"));
+    if let Some(k) = key {
+        b = b.with_key(k);
+    }
+    if let Some(c) = a.ckpt.as_deref() {
+        b = b.with_extra_files(extra_files(c));
+    }
+    let mut p = b.build()?;
+    let mut published = 0u64;
+    let mut seeded = false;
+    let mut one = |p: &mut driftless_publisher::Publisher, step: u64, ckpt: &Path| -> Result<()> {
+        let prev = a.state.join("last");
+        let ck = Checkpoint::open(ckpt)?;
+        // The publisher restarts with no snapshot in a new process: seed it from the state dir.
+        if let (Ok(prev_ck), true) = (Checkpoint::open(&prev), !seeded) {
+            seeded = true;
+            if let Ok(s) = std::fs::read_to_string(a.state.join("last.step")) {
+                let ps: u64 = s.trim().parse()?;
+                if ps < step {
+                    p.seed(ps, &prev_ck.views(), &prev_ck.layout())?;
+                }
+            }
+        }
+        let r = p.publish_with_layout(step, &ck.views(), &ck.layout())?;
+        p.flush()?;
+        copy_checkpoint(ckpt, &prev)?;
+        std::fs::write(a.state.join("last.step"), step.to_string())?;
+        if a.json {
+            println!("{}", serde_json::json!({"type": "published", "data": r}));
+        } else {
+            eprintln!("step {step}: {:?}, {} bytes, {:.1}x, {:.3}% changed", r.outcome, r.delta_bytes, r.ratio, 100.0 * r.density);
+        }
+        published += 1;
+        if a.gc_every > 0 && published % a.gc_every == 0 {
+            let bucket = a.bucket.open()?;
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(driftless_gc::run(&bucket, &driftless_gc::GcPolicy::new(), false))?;
+        }
+        Ok(())
+    };
+    if let (Some(step), Some(ckpt)) = (a.step, a.ckpt.as_deref()) {
+        one(&mut p, step, ckpt)?;
+        return Ok(p.close()?);
+    }
+    let Some(dir) = a.watch.clone() else { bail!("give --step N CKPT or --watch DIR") };
+    loop {
+        let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
+            .with_context(|| format!("reading {}", dir.display()))?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let n = e.file_name().to_string_lossy().to_string();
+                let rest = n.strip_prefix(&a.pattern)?;
+                let num: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+                Some((num.parse().ok()?, e.path()))
+            })
+            .collect();
+        steps.sort();
+        for (s, path) in steps {
+            if p.status().last_published.is_some_and(|l| s <= l) || std::fs::read_to_string(a.state.join("last.step")).ok().and_then(|x| x.trim().parse::<u64>().ok()).is_some_and(|l| s <= l) {
+                continue;
+            }
+            // Complete when it opens as a valid checkpoint (the trainer writes, then renames).
+            if Checkpoint::open(&path).is_err() {
+                break;
+            }
+            one(&mut p, s, &path)?;
+        }
+        if a.once {
+            return Ok(p.close()?);
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+fn extra_files(ckpt: &Path) -> Vec<(String, Vec<u8>)> {
+    let Ok(rd) = std::fs::read_dir(ckpt) else { return vec![] };
+    rd.filter_map(|e| e.ok())
+        .filter(|e| {
+            let n = e.file_name().to_string_lossy().to_string();
+            !n.ends_with(".safetensors") && n != driftless_format::checkpoint::INDEX_FILE && e.metadata().map(|m| m.is_file() && m.len() < (64 << 20)).unwrap_or(false)
+        })
+        .filter_map(|e| Some((e.file_name().to_string_lossy().to_string(), std::fs::read(e.path()).ok()?)))
+        .collect()
+}
+
+fn copy_checkpoint(src: &Path, dst: &Path) -> Result<()> {
+    if dst.exists() {
+        if dst.is_dir() {
+            std::fs::remove_dir_all(dst)?;
+        } else {
+            std::fs::remove_file(dst)?;
+        }
+    }
+    if src.is_file() {
+        std::fs::copy(src, dst)?;
+        return Ok(());
+    }
+    std::fs::create_dir_all(dst)?;
+    for e in std::fs::read_dir(src)? {
+        let e = e?;
+        if e.metadata()?.is_file() {
+            std::fs::copy(e.path(), dst.join(e.file_name()))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! The real binary, end to end, in scratch directories.
+
+use std::path::Path;
+use std::process::Command;
+
+use driftless_format::gen::{ModelSpec, RlChain};
+use driftless_format::{checkpoint, Checkpoint, Layout};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_driftless"))
+}
+
+fn write(chain: &RlChain, dir: &Path, shard: u64) {
+    let layout = Layout::for_tensors(chain.metas(), shard).unwrap();
+    checkpoint::write_checkpoint(dir, &layout, &chain.views()).unwrap();
+}
+
+fn files_equal(a: &Path, b: &Path) {
+    let mut n = 0;
+    for e in std::fs::read_dir(a).unwrap() {
+        let e = e.unwrap();
+        let other = std::fs::read(b.join(e.file_name())).unwrap();
+        assert!(std::fs::read(e.path()).unwrap() == other, "{:?} differs", e.file_name());
+        n += 1;
+    }
+    assert!(n > 0);
+}
+
+#[test]
+fn diff_patch_hash_round_trip() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(2 << 20), 1e-6, 9);
+    write(&chain, &p("base"), 1 << 20);
+    chain.step();
+    write(&chain, &p("target"), 1 << 20);
+    let st = bin().args(["diff"]).arg(p("base")).arg(p("target")).arg("-o").arg(p("d.delta")).arg("--key").arg(p("key")).status().unwrap();
+    assert!(st.success());
+    // Signed by a trusted key: patch reproduces the target byte for byte.
+    let st = bin().arg("patch").arg(p("base")).arg(p("d.delta")).arg("-o").arg(p("out")).arg("--trust").arg(p("key.pub")).status().unwrap();
+    assert!(st.success());
+    files_equal(&p("target"), &p("out"));
+    // No trusted key: refused with exit code 1, nothing written.
+    let st = bin().arg("patch").arg(p("base")).arg(p("d.delta")).arg("-o").arg(p("out2")).status().unwrap();
+    assert_eq!(st.code(), Some(1));
+    assert!(!p("out2").exists());
+    // Wrong base: refused with exit code 1.
+    let st = bin().arg("patch").arg(p("target")).arg(p("d.delta")).arg("-o").arg(p("out3")).arg("--trust").arg(p("key.pub")).status().unwrap();
+    assert_eq!(st.code(), Some(1));
+    // hash prints the root and nothing else.
+    let o = bin().arg("hash").arg(p("target")).output().unwrap();
+    let (_, root) = driftless_format::weights_root(&Checkpoint::open(p("target")).unwrap().views());
+    assert_eq!(String::from_utf8(o.stdout).unwrap(), format!("{root}\n"));
+    // inspect --json describes it.
+    let o = bin().arg("inspect").arg(p("d.delta")).arg("--json").arg("--trust").arg(p("key.pub")).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["data"]["result_root"], root.to_hex());
+    assert!(v["data"]["signature"].as_str().unwrap().starts_with("verified"));
+}
+
+/// SIGKILL `driftless agent --once` at random points of syncing; the state file must never
+/// describe bytes it does not hold, and the final sync must recover without an anchor.
+#[test]
+fn agent_survives_sigkill_loop() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let url = format!("file://{}", p("bucket").display());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(8 << 20), 1e-6, 4);
+    let publish = |chain: &RlChain, step: u64| {
+        let d = p(&format!("ckpt{step}"));
+        write(chain, &d, 4 << 20);
+        let st = bin().args(["publish", "--bucket", &url, "--anchor-every", "1000", "--step", &step.to_string(), "--state"]).arg(p("pstate")).arg("--key").arg(p("key")).arg(&d).status().unwrap();
+        assert!(st.success());
+    };
+    let agent = || {
+        let mut c = bin();
+        c.args(["agent", "--once", "--json", "--bucket", &url, "--trust"]).arg(p("key.pub")).arg("--dir").arg(p("agent"));
+        c
+    };
+    publish(&chain, 0);
+    assert!(agent().status().unwrap().success());
+    let iterations: u64 = std::env::var("DRIFTLESS_KILL_ITERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
+    let mut seed = 0x1234_5678u64;
+    let mut step = 0;
+    for i in 0..iterations {
+        if i % 10 == 0 {
+            chain.step();
+            step += 1;
+            publish(&chain, step);
+        }
+        let mut child = agent().stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        std::thread::sleep(std::time::Duration::from_micros((seed >> 33) % 60_000));
+        let _ = child.kill();
+        let _ = child.wait();
+        // Zero unverified serves: whenever the state says "step s, root r" and no apply is in
+        // flight, the directory hashes to r.
+        let s: serde_json::Value = serde_json::from_slice(&std::fs::read(p("agent/state.json")).unwrap()).unwrap();
+        if s["applying"].is_null() {
+            let (_, root) = driftless_format::weights_root(&Checkpoint::open(p("agent/current")).unwrap().views());
+            assert_eq!(s["root"].as_str().unwrap(), root.to_hex(), "iteration {i}: state names bytes the directory does not hold");
+        }
+    }
+    let o = agent().output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["data"]["step"], step);
+    assert_ne!(v["data"]["path"], "anchor", "recovery from local state must not download an anchor");
+    let got = Checkpoint::open(p("agent/current")).unwrap();
+    for w in chain.views() {
+        assert!(got.views().iter().any(|g| g.name == w.name && g.data == w.data), "{} differs", w.name);
+    }
+}
