@@ -1,0 +1,119 @@
+//! The notify adapters against small HTTP servers that implement the documented contracts
+//! (SGLang, vLLM dev-mode weight transfer, a webhook) and record every call. The real engines
+//! need GPUs and cannot run here.
+
+use std::sync::{Arc, Mutex};
+
+use driftless_agent::notify::Notifier;
+use driftless_format::Digest;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+type Calls = Arc<Mutex<Vec<(String, String)>>>;
+
+/// Serves HTTP/1.1, records (path, body), answers 200 — or `fail_status` for `fail_path`.
+async fn server(fail_path: Option<&'static str>, fail_status: u16) -> (String, Calls) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let calls: Calls = Arc::default();
+    let c2 = calls.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = l.accept().await.unwrap();
+            let calls = c2.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut tmp = [0u8; 4096];
+                loop {
+                    let n = s.read(&mut tmp).await.unwrap_or(0);
+                    if n == 0 {
+                        break;
+                    }
+                    buf.extend_from_slice(&tmp[..n]);
+                    let text = String::from_utf8_lossy(&buf).to_string();
+                    if let Some(h) = text.find("\r\n\r\n") {
+                        let len = text[..h]
+                            .lines()
+                            .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap()))
+                            .unwrap_or(0);
+                        if buf.len() >= h + 4 + len {
+                            break;
+                        }
+                    }
+                }
+                let text = String::from_utf8_lossy(&buf).to_string();
+                let path = text.split_whitespace().nth(1).unwrap_or("").to_string();
+                let body = text.split_once("\r\n\r\n").map(|x| x.1.to_string()).unwrap_or_default();
+                let status = if Some(path.as_str()) == fail_path { fail_status } else { 200 };
+                calls.lock().unwrap().push((path, body));
+                let resp = format!("HTTP/1.1 {status} X\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}");
+                let _ = s.write_all(resp.as_bytes()).await;
+            });
+        }
+    });
+    (url, calls)
+}
+
+fn paths(c: &Calls) -> Vec<String> {
+    c.lock().unwrap().iter().map(|x| x.0.clone()).collect()
+}
+
+#[tokio::test]
+async fn sglang_contract() {
+    let (url, calls) = server(None, 200).await;
+    let n: Notifier = format!("sglang={url}").parse().unwrap();
+    n.notify(&reqwest::Client::new(), 7, Digest::default(), std::path::Path::new("/w/current")).await.unwrap();
+    assert_eq!(paths(&calls), ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]);
+    let body: serde_json::Value = serde_json::from_str(&calls.lock().unwrap()[1].1).unwrap();
+    assert_eq!(body["model_path"], "/w/current");
+    assert_eq!(body["weight_version"], "7");
+}
+
+#[tokio::test]
+async fn sglang_failed_load_still_continues_generation() {
+    let (url, calls) = server(Some("/update_weights_from_disk"), 400).await;
+    let n: Notifier = format!("sglang={url}").parse().unwrap();
+    let r = n.notify(&reqwest::Client::new(), 1, Digest::default(), std::path::Path::new("/w")).await;
+    assert!(r.is_err());
+    assert_eq!(paths(&calls).last().unwrap(), "/continue_generation", "the server must never stay paused");
+}
+
+#[tokio::test]
+async fn vllm_contract() {
+    let (url, calls) = server(None, 200).await;
+    let n: Notifier = format!("vllm={url}").parse().unwrap();
+    n.notify(&reqwest::Client::new(), 3, Digest::default(), std::path::Path::new("/w/current")).await.unwrap();
+    assert_eq!(paths(&calls), ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]);
+    let c = calls.lock().unwrap();
+    let upd: serde_json::Value = serde_json::from_str(&c[2].1).unwrap();
+    assert_eq!(upd["backend"], "disk");
+    assert_eq!(upd["model_path"], "/w/current");
+    let fin: serde_json::Value = serde_json::from_str(&c[3].1).unwrap();
+    assert_eq!(fin["weight_version"], "3");
+}
+
+#[tokio::test]
+async fn http_and_exec_and_server_errors() {
+    let (url, calls) = server(None, 200).await;
+    let root = Digest::of(b"x");
+    let n: Notifier = format!("http={url}/hook").parse().unwrap();
+    n.notify(&reqwest::Client::new(), 9, root, std::path::Path::new("/w")).await.unwrap();
+    let body: serde_json::Value = serde_json::from_str(&calls.lock().unwrap()[0].1).unwrap();
+    assert_eq!(body["step"], 9);
+    assert_eq!(body["weights_root"], root.to_hex());
+    // A 5xx is retried (3 attempts) and then reported.
+    let (url, calls) = server(Some("/hook"), 503).await;
+    let n: Notifier = format!("http={url}/hook").parse().unwrap();
+    assert!(n.notify(&reqwest::Client::new(), 1, root, std::path::Path::new("/w")).await.is_err());
+    assert_eq!(calls.lock().unwrap().len(), 3);
+    // exec gets the facts in its environment.
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("o");
+    let n: Notifier = format!("exec=echo $DRIFTLESS_STEP $DRIFTLESS_WEIGHTS_ROOT $DRIFTLESS_DIR > {}", out.display()).parse().unwrap();
+    n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w")).await.unwrap();
+    assert_eq!(std::fs::read_to_string(&out).unwrap().trim(), format!("5 {} /w", root.to_hex()));
+    let n: Notifier = "exec=exit 3".parse().unwrap();
+    assert!(n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w")).await.is_err());
+    // A target that is down.
+    let n: Notifier = "http=http://127.0.0.1:9/".parse().unwrap();
+    assert!(n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w")).await.is_err());
+}
