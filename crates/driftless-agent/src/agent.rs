@@ -9,10 +9,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use driftless_format::checkpoint::write_index;
 use driftless_format::manifest::{now_ms, ReadyMarker, StepKind};
-use driftless_format::{anchor, ops, AnchorEncoding, Checkpoint, CheckpointMut, Digest, Journal, TrustSet};
+use driftless_format::delta::{self, DecodedSegment};
+use driftless_format::{anchor, ops, AnchorEncoding, ValueMode, Checkpoint, CheckpointMut, Digest, Journal, TrustSet};
 use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
+use rayon::prelude::*;
 use tracing::{info, info_span, warn, Instrument};
 
 use crate::metrics::Metrics;
@@ -85,6 +87,9 @@ pub struct Agent {
     client: reqwest::Client,
     state: Option<LocalState>,
     loaded: Option<u64>,
+    /// Steps whose marker or manifest failed verification (forged, replayed, swapped), keyed
+    /// by the manifest SHA-256 their marker names: left out of plans until the marker changes.
+    refused: std::collections::HashSet<(StepKind, u64, Digest)>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -95,6 +100,22 @@ impl std::fmt::Debug for Agent {
 
 type Plan = (u64, Option<u64>, Vec<u64>, u64); // (target, anchor, deltas, bytes)
 
+/// A delta being downloaded in the background (see `Agent::start_fetch`).
+struct Fetch {
+    manifest: tokio::sync::oneshot::Receiver<Result<(driftless_format::DeltaManifest, Digest)>>,
+    segments: tokio::sync::mpsc::UnboundedReceiver<Result<(usize, DecodedSegment, u64)>>,
+    _abort: AbortOnDrop,
+}
+
+/// Stops a background download when its consumer goes away (a failed apply, a dropped sync).
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl Agent {
     /// An agent on `bucket`. Creates the directory and loads its state.
     pub fn new(bucket: Bucket, cfg: AgentConfig) -> Result<Self> {
@@ -104,7 +125,7 @@ impl Agent {
         if let Some(s) = &state {
             metrics.step.store(s.step, Relaxed);
         }
-        Ok(Agent { reader: StreamReader::new(bucket, cfg.trust.clone()), cfg, metrics, client: reqwest::Client::new(), state, loaded: None })
+        Ok(Agent { reader: StreamReader::new(bucket, cfg.trust.clone()), cfg, metrics, client: reqwest::Client::new(), state, loaded: None, refused: Default::default() })
     }
 
     /// Metrics shared with the HTTP endpoint.
@@ -126,18 +147,39 @@ impl Agent {
         self.cfg.dir.join("journal")
     }
 
-    /// Reaches the newest reachable step, verifies it, and notifies the servers. On an
-    /// integrity failure (bad object, signature, root) local state is discarded and the sync
-    /// is retried once from an anchor.
+    /// Reaches the newest reachable step, verifies it, and notifies the servers.
+    ///
+    /// - A verified step the servers have not loaded yet (a failed or interrupted notify) is
+    ///   notified first; nothing under `current/` changes until that succeeds, so a server
+    ///   still loading step t never sees t+1 being written.
+    /// - A step whose marker or manifest fails verification (forged, replayed) is refused: left
+    ///   out of planning, local state kept, and the next best step planned.
+    /// - On any other integrity failure (bad object, wrong base, result root) local state is
+    ///   discarded and the sync is retried once from an anchor.
     pub async fn sync_once(&mut self) -> Result<SyncOutcome> {
-        let r = match self.sync_inner().await {
-            Err(e) if e.is_integrity() => {
-                self.metrics.verify_failures.fetch_add(1, Relaxed);
-                warn!(error = %e, "verification failed; discarding local state and recovering from an anchor");
-                self.discard()?;
-                self.sync_inner().await
+        if !self.cfg.notify.is_empty() && self.state.as_ref().is_some_and(|s| s.applying.is_none()) {
+            self.notify_if_needed().await?;
+        }
+        let mut refusal = None;
+        let mut discarded = false;
+        let mut attempts = 0;
+        let r = loop {
+            attempts += 1;
+            match self.sync_inner().await {
+                Err(e @ Error::Refused { .. }) if attempts < 8 => {
+                    self.metrics.verify_failures.fetch_add(1, Relaxed);
+                    warn!(error = %e, "refusing step; planning without it");
+                    refusal = Some(e);
+                }
+                Err(e) if e.is_integrity() && !discarded => {
+                    self.metrics.verify_failures.fetch_add(1, Relaxed);
+                    warn!(error = %e, "verification failed; discarding local state and recovering from an anchor");
+                    self.discard()?;
+                    discarded = true;
+                }
+                Err(Error::NothingReady) if refusal.is_some() => break Err(refusal.take().expect("refusal")),
+                r => break r,
             }
-            r => r,
         };
         if let Err(e) = &r {
             if e.is_integrity() {
@@ -206,8 +248,13 @@ impl Agent {
             (None, None) => None,
         };
         let deltas = self.reader.ready_steps(StepKind::Delta, from).await?;
-        let markers = self.delta_markers(&deltas).await?;
-        let anchor_bytes = self.anchor_markers(&anchors).await?;
+        let mut markers = self.delta_markers(&deltas).await?;
+        markers.retain(|&s, m| !self.refused.contains(&(StepKind::Delta, s, m.manifest_sha256)));
+        let anchor_markers = self.anchor_markers(&anchors).await?;
+        let anchor_shas: BTreeMap<u64, Digest> = anchor_markers.iter().map(|(&s, m)| (s, m.manifest_sha256)).collect();
+        let anchor_bytes: BTreeMap<u64, u64> =
+            anchor_markers.iter().filter(|(&s, m)| !self.refused.contains(&(StepKind::Anchor, s, m.manifest_sha256))).map(|(&s, m)| (s, m.payload_bytes)).collect();
+        let anchors: Vec<u64> = anchors.into_iter().filter(|a| !anchor_shas.contains_key(a) || anchor_bytes.contains_key(a)).collect();
         let Some((target, anchor, chain, bytes)) = plan(local, &anchors, &anchor_bytes, &markers) else {
             if let Some(s) = &self.state {
                 return Ok(SyncOutcome { step: s.step, root: s.root, path: SyncPath::UpToDate, bytes: 0, deltas: 0, recovered, secs: t0.elapsed().as_secs_f64() });
@@ -230,12 +277,23 @@ impl Agent {
         };
         let mut got = 0;
         if let Some(a) = anchor {
-            got += self.load_anchor(a).await?;
-            self.metrics.bytes_anchor.fetch_add(got, Relaxed);
+            let b = match self.load_anchor(a).await {
+                Err(e @ Error::Refused { .. }) => return Err(self.refuse(StepKind::Anchor, a, anchor_shas.get(&a).copied(), e)),
+                r => r?,
+            };
+            got += b;
+            self.metrics.bytes_anchor.fetch_add(b, Relaxed);
             self.metrics.anchor_downloads.fetch_add(1, Relaxed);
         }
-        for &d in &chain {
-            let b = self.apply_delta(d).await?;
+        // Pipelined: delta k+1 downloads (and decodes) while delta k is applied.
+        let mut next = chain.first().map(|&d| self.start_fetch(d));
+        for (k, &d) in chain.iter().enumerate() {
+            let fetch = next.take().expect("a fetch per delta");
+            next = chain.get(k + 1).map(|&d| self.start_fetch(d));
+            let b = match self.apply_delta(d, fetch).await {
+                Err(e @ Error::Refused { .. }) => return Err(self.refuse(StepKind::Delta, d, markers.get(&d).map(|m| m.manifest_sha256), e)),
+                r => r?,
+            };
             got += b;
             let ctr = match path {
                 SyncPath::Fast => &self.metrics.bytes_fast,
@@ -257,6 +315,12 @@ impl Agent {
                     Ok(m) => Ok(Some((s, m))),
                     // Deleted by GC between list and get: skip it.
                     Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
+                    // A marker that does not parse or names another step (copied, forged):
+                    // never a reason to touch local state; the step is simply not ready.
+                    Err(StreamError::Format(e)) => {
+                        warn!(step = s, error = %e, "ignoring an unreadable delta marker");
+                        Ok(None)
+                    }
                     Err(e) => Err(e),
                 }
             })
@@ -266,38 +330,50 @@ impl Agent {
         Ok(v.into_iter().flatten().collect())
     }
 
-    async fn anchor_markers(&self, steps: &[u64]) -> Result<BTreeMap<u64, u64>> {
+    async fn anchor_markers(&self, steps: &[u64]) -> Result<BTreeMap<u64, ReadyMarker>> {
         let mut out = BTreeMap::new();
         // Only the newest few matter for planning.
         for &s in steps.iter().rev().take(3) {
             match self.reader.marker(StepKind::Anchor, s).await {
                 Ok(m) => {
-                    out.insert(s, m.payload_bytes);
+                    out.insert(s, m);
                 }
                 Err(StreamError::Store(e)) if e.is_not_found() => {}
+                Err(StreamError::Format(e)) => warn!(step = s, error = %e, "ignoring an unreadable anchor marker"),
                 Err(e) => return Err(e.into()),
             }
         }
         Ok(out)
     }
 
+    /// Records a refused step so that plans leave it out until its marker changes.
+    fn refuse(&mut self, kind: StepKind, step: u64, sha: Option<Digest>, e: Error) -> Error {
+        if let Some(sha) = sha {
+            self.refused.insert((kind, step, sha));
+        }
+        e
+    }
+
     /// Downloads, decodes and verifies an anchor into `staging/`, then swaps it in.
     async fn load_anchor(&mut self, step: u64) -> Result<u64> {
-        let (m, _) = self.reader.anchor(step).await?;
+        let (m, _) = self.reader.anchor(step).await.map_err(|e| Error::manifest(StepKind::Anchor, step, e))?;
         let staging = self.cfg.dir.join("staging");
         if staging.exists() {
             std::fs::remove_dir_all(&staging)?;
         }
         std::fs::create_dir_all(&staging)?;
         let r = &self.reader;
-        let objs: Vec<Bytes> = futures::stream::iter(m.objects.iter())
-            .map(|o| r.object(StepKind::Anchor, step, &o.object.object, o.object.size, o.object.sha256))
+        // Owned keys: closures over borrowed items make the future not provably `Send`.
+        let keys: Vec<(String, u64, Digest)> = m.objects.iter().map(|o| (o.object.object.clone(), o.object.size, o.object.sha256)).collect();
+        let objs: Vec<Bytes> = futures::stream::iter(keys)
+            .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
             .buffered(self.cfg.download_concurrency.max(1))
             .try_collect()
             .instrument(info_span!("download_anchor", step))
             .await?;
-        let files: Vec<Bytes> = futures::stream::iter(m.files.iter())
-            .map(|o| r.object(StepKind::Anchor, step, &o.object, o.size, o.sha256))
+        let keys: Vec<(String, u64, Digest)> = m.files.iter().map(|o| (o.object.clone(), o.size, o.sha256)).collect();
+        let files: Vec<Bytes> = futures::stream::iter(keys)
+            .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
             .buffered(4)
             .try_collect()
             .await?;
@@ -352,31 +428,95 @@ impl Agent {
     async fn fetch_segments(&self, m: &driftless_format::DeltaManifest, skip: &[u32]) -> Result<Vec<Option<Bytes>>> {
         let r = &self.reader;
         let step = m.step;
-        Ok(futures::stream::iter(m.segments.iter().enumerate())
-            .map(|(i, s)| async move {
+        let keys: Vec<(usize, String, u64, Digest)> = m.segments.iter().enumerate().map(|(i, s)| (i, s.object.object.clone(), s.object.size, s.object.sha256)).collect();
+        Ok(futures::stream::iter(keys)
+            .map(|(i, k, n, sha)| async move {
                 if skip.contains(&(i as u32)) {
                     return Ok(None);
                 }
-                r.object(StepKind::Delta, step, &s.object.object, s.object.size, s.object.sha256).await.map(Some)
+                r.object(StepKind::Delta, step, &k, n, sha).await.map(Some)
             })
             .buffered(self.cfg.download_concurrency.max(1))
             .try_collect()
             .await?)
     }
 
-    /// Downloads one delta, checks it, applies it in place (journaled) or by rewrite, verifies.
-    async fn apply_delta(&mut self, step: u64) -> Result<u64> {
-        let (m, env_sha) = self.reader.delta(step).await?;
+    /// Starts downloading delta `step` in the background: its manifest, then its segments,
+    /// each checked against the manifest and decoded as soon as it arrives (decoding segment i
+    /// overlaps downloading segment i+1). Nothing local is touched; dropping the handle stops it.
+    fn start_fetch(&self, step: u64) -> Fetch {
+        let reader = self.reader.clone();
+        let conc = self.cfg.download_concurrency.max(1);
+        let (mtx, manifest) = tokio::sync::oneshot::channel();
+        let (stx, segments) = tokio::sync::mpsc::unbounded_channel();
+        let task = tokio::spawn(
+            async move {
+                let (m, sha) = match reader.delta(step).await {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = mtx.send(Err(Error::manifest(StepKind::Delta, step, e)));
+                        return;
+                    }
+                };
+                let _ = mtx.send(Ok((m.clone(), sha)));
+                let mode = m.value_mode;
+                let mut s = futures::stream::iter(m.segments.clone().into_iter().enumerate())
+                    .map(move |(i, s)| {
+                        let r = reader.clone();
+                        async move {
+                            let b = r.object(StepKind::Delta, step, &s.object.object, s.object.size, s.object.sha256).await?;
+                            let raw = s.raw_size;
+                            let seg = tokio::task::spawn_blocking(move || -> Result<DecodedSegment> {
+                                let seg = delta::decode_segment(&b, raw)?;
+                                if seg.mode != mode {
+                                    return Err(driftless_format::Error::Corrupt { what: "segment", detail: "value mode differs from the manifest".into() }.into());
+                                }
+                                Ok(seg)
+                            })
+                            .await
+                            .expect("decode task")?;
+                            Ok::<_, Error>((i, seg, s.object.size))
+                        }
+                    })
+                    .buffered(conc);
+                while let Some(r) = s.next().await {
+                    let stop = r.is_err();
+                    if stx.send(r).is_err() || stop {
+                        return;
+                    }
+                }
+            }
+            .instrument(info_span!("download_delta", step)),
+        );
+        Fetch { manifest, segments, _abort: AbortOnDrop(task.abort_handle()) }
+    }
+
+    /// Applies one delta being fetched: checks its base, waits for all its segments (each
+    /// already checked and decoded), then applies them in place (journaled) or by rewrite, and
+    /// verifies. Local files are written only once every segment is in, so a download failure
+    /// (GC, bucket outage) leaves the verified state untouched.
+    async fn apply_delta(&mut self, step: u64, fetch: Fetch) -> Result<u64> {
+        let Fetch { manifest, mut segments, _abort } = fetch;
+        let (m, env_sha) = manifest.await.map_err(|_| Error::Io(std::io::Error::other("delta download stopped")))??;
         let st = self.state.clone().expect("a base state");
         if m.base_root != st.root {
             return Err(driftless_format::Error::WrongBase { expected: m.base_root.to_hex(), actual: st.root.to_hex() }.into());
         }
-        let segs = self.fetch_segments(&m, &[]).instrument(info_span!("download_delta", step)).await?;
-        let bytes: u64 = segs.iter().flatten().map(|b| b.len() as u64).sum();
+        let mut segs: Vec<Option<DecodedSegment>> = (0..m.segments.len()).map(|_| None).collect();
+        let mut bytes = 0u64;
+        while let Some(r) = segments.recv().await {
+            let (i, seg, n) = r?;
+            bytes += n;
+            segs[i] = Some(seg);
+        }
+        let segs: Vec<DecodedSegment> = segs.into_iter().collect::<Option<_>>().ok_or_else(|| Error::Io(std::io::Error::other("delta download stopped")))?;
         let cur = self.current_dir();
         let local_layout = Checkpoint::open(&cur)?.layout();
         let t = Instant::now();
         if ops::needs_rewrite(&local_layout, &m) {
+            // Rare (layout changes): re-fetch the raw segments for the rewrite.
+            let raw = self.fetch_segments(&m, &[]).await?;
+            drop(segs);
             let staging = self.cfg.dir.join("staging");
             if staging.exists() {
                 std::fs::remove_dir_all(&staging)?;
@@ -384,7 +524,7 @@ impl Agent {
             let (m2, cur2, st2) = (m.clone(), cur.clone(), staging.clone());
             tokio::task::spawn_blocking(move || -> Result<()> {
                 let base = Checkpoint::open(&cur2)?;
-                let segs: Vec<&[u8]> = segs.iter().flatten().map(|b| &b[..]).collect();
+                let segs: Vec<&[u8]> = raw.iter().flatten().map(|b| &b[..]).collect();
                 ops::apply_rewrite(&base.views(), &m2, &segs, &st2)?;
                 Ok(())
             })
@@ -396,14 +536,33 @@ impl Agent {
         } else {
             self.set_state(LocalState { applying: Some((step, m.base_step)), ..st.clone() })?;
             let (m2, jp) = (m.clone(), self.journal_path());
-            tokio::task::spawn_blocking(move || -> Result<()> {
+            let verify_ms = tokio::task::spawn_blocking(move || -> Result<u64> {
                 let mut ck = CheckpointMut::open(&cur)?;
-                let segs: Vec<&[u8]> = segs.iter().flatten().map(|b| &b[..]).collect();
-                ops::apply_in_place(&mut ck, &m2, env_sha, st.root, &segs, Some(&jp))?;
-                Ok(())
+                {
+                    let tm = ck.tensors_mut();
+                    let j = Journal::create(&jp, env_sha, st.root)?;
+                    let ap = ops::Applier::new(&tm, &m2, Some(j));
+                    // Same protocol as `Applier::apply`: a `ulp` segment's redo record is
+                    // journaled (fsync) before its cells are written; `overwrite` is idempotent.
+                    segs.par_iter().enumerate().try_for_each(|(i, seg)| -> Result<()> {
+                        match seg.mode {
+                            ValueMode::Ulp => {
+                                let redo = delta::to_redo(seg, &tm)?;
+                                ap.replay(&[(i as u32, redo)])?;
+                            }
+                            _ => delta::apply_segment(seg, &tm)?,
+                        }
+                        Ok(())
+                    })?;
+                }
+                let tv = Instant::now();
+                ops::verify_result(&ck.views(), &m2)?;
+                Journal::remove(&jp)?;
+                Ok(tv.elapsed().as_millis() as u64)
             })
             .await
             .expect("apply task")?;
+            self.metrics.verify_ms.store(verify_ms, Relaxed);
         }
         self.metrics.apply_ms.store(t.elapsed().as_millis() as u64, Relaxed);
         self.set_state(LocalState { stream_id: m.stream_id.clone(), step, root: m.result_root, applying: None })?;

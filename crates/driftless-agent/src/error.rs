@@ -24,6 +24,18 @@ pub enum Error {
         /// Cause.
         detail: String,
     },
+    /// A step's ready marker or signed manifest failed verification (forged, replayed from
+    /// another step, swapped): the step is left out of planning until its marker changes; the
+    /// local state is kept.
+    #[error("{kind:?} step {step} refused: {detail}")]
+    Refused {
+        /// Delta or anchor.
+        kind: driftless_format::StepKind,
+        /// The step.
+        step: u64,
+        /// Why.
+        detail: String,
+    },
     /// Local I/O.
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
@@ -37,6 +49,22 @@ impl Error {
             Error::Store(e) => e.is_retryable() || e.is_not_found(),
             Error::Format(e) => e.is_retryable(),
             Error::NothingReady | Error::Notify { .. } | Error::Io(_) => true,
+            Error::Refused { .. } => false,
+        }
+    }
+
+    /// Whether a step of the stream was refused as forged or replayed (see [`Error::Refused`]).
+    pub fn is_refused(&self) -> bool {
+        matches!(self, Error::Refused { .. })
+    }
+
+    /// A manifest read failed: integrity failures refuse the step, the rest pass through.
+    pub(crate) fn manifest(kind: driftless_format::StepKind, step: u64, e: driftless_store::stream::StreamError) -> Error {
+        let e = Error::from(e);
+        if e.is_integrity() {
+            Error::Refused { kind, step, detail: e.to_string() }
+        } else {
+            e
         }
     }
     /// Whether local state may be bad or an object was bad: the agent discards local state

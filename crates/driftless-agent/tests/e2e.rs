@@ -153,7 +153,8 @@ async fn corrupt_and_forged_objects_never_reach_the_checkpoint() {
     let other = TrustSet::new().with_key(Keypair::from_seed([2; 32]).public());
     let mut x = Agent::new(bucket.clone(), AgentConfig::new(d.path().join("x"), other)).unwrap();
     let e = x.sync_once().await.unwrap_err();
-    assert!(e.is_integrity(), "{e}");
+    // Forged, not corrupt: the step is refused (no local state to discard anyway).
+    assert!(e.is_refused() && !e.is_retryable(), "{e}");
     assert!(x.state().is_none());
     // Repair the object (as a re-upload would): the agent recovers by itself.
     b[n / 2] ^= 0x40;

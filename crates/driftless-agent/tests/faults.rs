@@ -1,0 +1,444 @@
+//! Bad input and faults (issue 4): the bucket unreachable for a while, a marker before its
+//! objects, a replayed older manifest presented as newer, a delta whose base root does not
+//! match, truncated objects, and the notify target down or slow. In every case the agent never
+//! claims unverified weights, and recovers by itself once the cause is gone.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use driftless_agent::notify::Notifier;
+use driftless_agent::{Agent, AgentConfig, Error, LocalState, SyncPath};
+use driftless_format::gen::{ModelSpec, RlChain};
+use driftless_format::{Checkpoint, Keypair, StepKind, TrustSet};
+use driftless_publisher::{Publisher, PublisherBuilder};
+use driftless_store::stream::StreamError;
+use driftless_store::{layout, Bucket, FaultKind, FaultOp};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A trainer: a chain and a publisher (anchor every `anchor_every`).
+struct Trainer {
+    chain: RlChain,
+    p: Option<Publisher>,
+    step: Option<u64>,
+}
+
+impl Trainer {
+    fn new(b: &Bucket, key: &Keypair, anchor_every: u64) -> Trainer {
+        let (b, k) = (b.clone(), key.clone());
+        let p = tokio::task::block_in_place(|| PublisherBuilder::new("unused").with_bucket(b).with_key(k).with_anchor_every(anchor_every).build().unwrap());
+        Trainer { chain: RlChain::new(&ModelSpec::with_bf16_bytes(256 << 10), 2e-6, 21), p: Some(p), step: None }
+    }
+
+    /// Publishes the next step and returns its tensors.
+    fn publish(&mut self) -> Vec<(String, Vec<u8>)> {
+        let step = self.step.map_or(0, |s| s + 1);
+        if step > 0 {
+            self.chain.step();
+        }
+        let p = self.p.as_mut().unwrap();
+        tokio::task::block_in_place(|| {
+            p.publish(step, &self.chain.views()).unwrap();
+            p.flush().unwrap();
+        });
+        self.step = Some(step);
+        snapshot(&self.chain)
+    }
+}
+
+impl Drop for Trainer {
+    fn drop(&mut self) {
+        if let Some(p) = self.p.take() {
+            tokio::task::block_in_place(|| p.close().unwrap());
+        }
+    }
+}
+
+fn keys() -> (Keypair, TrustSet) {
+    let key = Keypair::from_seed([5; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    (key, trust)
+}
+
+fn agent(tb: &TestBucket, name: &str, trust: &TrustSet) -> Agent {
+    Agent::new(tb.bucket.clone(), AgentConfig::new(tb.dir.path().join(name), trust.clone())).unwrap()
+}
+
+fn counter(a: &Agent, f: impl Fn(&driftless_agent::metrics::Metrics) -> &AtomicU64) -> u64 {
+    f(&a.metrics()).load(SeqCst)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bucket_unreachable_for_a_while() {
+    for tb in buckets("unreachable") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 100);
+        t.publish();
+        t.publish();
+        let mut a = agent(&tb, "a", &trust);
+        assert_eq!(a.sync_once().await.unwrap().step, 1);
+        let want = t.publish();
+        // The bucket goes away: every GET and listing fails.
+        tb.faults.inject(FaultOp::Get, "", usize::MAX, FaultKind::Transient);
+        tb.faults.inject(FaultOp::List, "", usize::MAX, FaultKind::Transient);
+        let before = a.state().cloned();
+        for _ in 0..3 {
+            let e = a.sync_once().await.unwrap_err();
+            assert!(e.is_retryable() && !e.is_integrity(), "{}: {e}", tb.name);
+            assert_eq!(a.state().cloned(), before, "{}: no state change while the bucket is down", tb.name);
+            assert_verified(&a, &tb.name);
+        }
+        // A cold agent cannot start either, and has nothing.
+        let mut cold = agent(&tb, "cold", &trust);
+        assert!(cold.sync_once().await.unwrap_err().is_retryable());
+        assert!(cold.state().is_none());
+        assert_eq!(counter(&a, |m| &m.verify_failures), 0);
+        // Back: both recover by themselves, a on the fast path.
+        tb.faults.clear();
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.path), (2, SyncPath::Fast), "{}", tb.name);
+        assert_bits(&a, &want);
+        assert_eq!(cold.sync_once().await.unwrap().step, 2);
+        assert_bits(&cold, &want);
+        assert_eq!(counter(&a, |m| &m.anchor_downloads), 1, "{}: one anchor at the first sync, none after the outage", tb.name);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bucket_failing_mid_download_leaves_state_untouched() {
+    // A GET of a segment fails after the manifest was read: nothing local may have changed.
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 100);
+    t.publish();
+    let mut a = agent(&tb, "a", &trust);
+    a.sync_once().await.unwrap();
+    t.publish();
+    let want = t.publish();
+    tb.faults.inject(FaultOp::Get, "deltas/000000000002/seg-", usize::MAX, FaultKind::Permanent);
+    let before = a.state().cloned();
+    let e = a.sync_once().await.unwrap_err();
+    assert!(!e.is_integrity(), "{e}");
+    // Delta 1 may have been applied (it was complete); delta 2 never half-applied.
+    let s = a.state().unwrap();
+    assert!(s.applying.is_none() && (Some(s) == before.as_ref() || s.step == 1), "{s:?}");
+    assert_verified(&a, "mid-download");
+    tb.faults.clear();
+    assert_eq!(a.sync_once().await.unwrap().step, 2);
+    assert_bits(&a, &want);
+    assert_eq!(counter(&a, |m| &m.anchor_downloads), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marker_before_its_objects_is_not_ready() {
+    for tb in buckets("marker-first") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 100);
+        t.publish();
+        t.publish();
+        let mut a = agent(&tb, "a", &trust);
+        assert_eq!(a.sync_once().await.unwrap().step, 1);
+        let want = t.publish();
+        let b = &tb.bucket;
+        // As a replicator copying the marker first: take the manifest away, then a segment.
+        let mkey = layout::manifest(StepKind::Delta, 2);
+        let skey = layout::object(StepKind::Delta, 2, &driftless_format::ops::segment_object_name(0));
+        let manifest = b.get(&mkey).await.unwrap();
+        let seg = b.get(&skey).await.unwrap();
+        b.delete(&mkey).await.unwrap();
+        b.delete(&skey).await.unwrap();
+        let before = a.state().cloned();
+        for round in 0..2 {
+            let e = a.sync_once().await.unwrap_err();
+            assert!(matches!(e, Error::Stream(StreamError::NotReady { step: 2, .. })), "{}: round {round}: {e}", tb.name);
+            assert!(e.is_retryable() && !e.is_integrity());
+            assert_eq!(a.state().cloned(), before);
+            assert_verified(&a, &tb.name);
+            if round == 0 {
+                b.put(&mkey, manifest.clone()).await.unwrap(); // manifest arrives, segment not yet
+            }
+        }
+        assert_eq!(counter(&a, |m| &m.verify_failures), 0, "{}: not ready is not an integrity failure", tb.name);
+        b.put(&skey, seg).await.unwrap();
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.path), (2, SyncPath::Fast));
+        assert_bits(&a, &want);
+        assert_eq!(counter(&a, |m| &m.anchor_downloads), 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_older_manifest_presented_as_newer_is_refused() {
+    for tb in buckets("replay") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 100);
+        for _ in 0..4 {
+            t.publish();
+        }
+        let want3 = snapshot(&t.chain);
+        let mut a = agent(&tb, "a", &trust);
+        assert_eq!(a.sync_once().await.unwrap().step, 3);
+        let b = &tb.bucket;
+        // Replay delta 1 (a genuine, signed manifest) as step 10 on top of 3: its objects, its
+        // manifest, and a marker rewritten to announce step 10.
+        for o in b.list(&layout::delta_dir(1)).await.unwrap() {
+            let name = o.key.rsplit('/').next().unwrap().to_string();
+            b.put(&layout::object(StepKind::Delta, 10, &name), b.get(&o.key).await.unwrap()).await.unwrap();
+        }
+        let mut marker: serde_json::Value = serde_json::from_slice(&b.get(&layout::ready(StepKind::Delta, 1)).await.unwrap()).unwrap();
+        marker["step"] = 10.into();
+        marker["base_step"] = 3.into();
+        b.put(&layout::ready(StepKind::Delta, 10), Bytes::from(serde_json::to_vec(&marker).unwrap())).await.unwrap();
+        // And a verbatim copy of the marker of step 2 at step 11 (names another step).
+        b.put(&layout::ready(StepKind::Delta, 11), b.get(&layout::ready(StepKind::Delta, 2)).await.unwrap()).await.unwrap();
+        let before = a.state().cloned();
+        for _ in 0..2 {
+            let o = a.sync_once().await.unwrap();
+            assert_eq!((o.step, o.path), (3, SyncPath::UpToDate), "{}", tb.name);
+            assert_eq!(a.state().cloned(), before, "{}: local state kept", tb.name);
+            assert_verified(&a, &tb.name);
+        }
+        assert_bits(&a, &want3);
+        assert!(counter(&a, |m| &m.verify_failures) >= 1, "{}: the refusal is reported", tb.name);
+        assert_eq!(counter(&a, |m| &m.anchor_downloads), 1, "{}: a forged step never costs an anchor", tb.name);
+        // A cold agent refuses it too and lands on 3.
+        let mut c = agent(&tb, "cold", &trust);
+        assert_eq!(c.sync_once().await.unwrap().step, 3);
+        assert_bits(&c, &want3);
+        // Genuine steps keep flowing.
+        let want4 = t.publish();
+        assert_eq!(a.sync_once().await.unwrap().step, 4);
+        assert_bits(&a, &want4);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delta_on_a_wrong_base_is_never_applied() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 100);
+    t.publish();
+    t.publish();
+    let dir = tb.dir.path().join("a");
+    {
+        let mut a = Agent::new(tb.bucket.clone(), AgentConfig::new(&dir, trust.clone())).unwrap();
+        assert_eq!(a.sync_once().await.unwrap().step, 1);
+    }
+    // The local checkpoint diverged (a bit flipped by someone else) and its state file was
+    // rewritten to match: consistent, verified-looking, but not the stream's step 1.
+    let cur = dir.join("current");
+    let shard = std::fs::read_dir(&cur).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == "safetensors")).unwrap();
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = bytes.len();
+    bytes[n - 2] ^= 0x01;
+    std::fs::write(&shard, &bytes).unwrap();
+    let mut st = LocalState::load(&dir).unwrap();
+    st.root = driftless_format::weights_root(&Checkpoint::open(&cur).unwrap().views()).1;
+    st.store(&dir).unwrap();
+    let want = t.publish();
+    let mut a = Agent::new(tb.bucket.clone(), AgentConfig::new(&dir, trust.clone())).unwrap();
+    // WrongBase -> discard -> anchor + delta, in the same sync.
+    let o = a.sync_once().await.unwrap();
+    assert_eq!((o.step, o.path), (2, SyncPath::Anchor));
+    assert_bits(&a, &want);
+    assert_eq!(counter(&a, |m| &m.verify_failures), 1);
+    assert_eq!(counter(&a, |m| &m.anchor_downloads), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_objects() {
+    for tb in buckets("truncated") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 100);
+        t.publish();
+        let mut a = agent(&tb, "a", &trust);
+        a.sync_once().await.unwrap();
+        let want = t.publish();
+        let b = &tb.bucket;
+        // A truncated manifest: its SHA-256 no longer matches the marker: not ready, state kept.
+        let mkey = layout::manifest(StepKind::Delta, 1);
+        let manifest = b.get(&mkey).await.unwrap();
+        b.put(&mkey, manifest.slice(..manifest.len() / 2)).await.unwrap();
+        let before = a.state().cloned();
+        let e = a.sync_once().await.unwrap_err();
+        assert!(e.is_retryable() && !e.is_integrity(), "{}: {e}", tb.name);
+        assert_eq!(a.state().cloned(), before);
+        b.put(&mkey, manifest).await.unwrap();
+        // A truncated segment: an integrity failure; never applied.
+        let skey = layout::object(StepKind::Delta, 1, &driftless_format::ops::segment_object_name(0));
+        let seg = b.get(&skey).await.unwrap();
+        b.put(&skey, seg.slice(..seg.len() - 7)).await.unwrap();
+        let e = a.sync_once().await.unwrap_err();
+        assert!(e.is_integrity(), "{}: {e}", tb.name);
+        assert_verified(&a, &tb.name);
+        assert!(a.state().is_none_or(|s| s.step == 0));
+        // A truncated anchor shard: a cold agent gets nothing.
+        let anchor = b.list(&layout::anchor_dir(0)).await.unwrap();
+        let akey = anchor.iter().map(|o| o.key.clone()).find(|k| !k.ends_with("manifest.json") && !k.contains("extra-")).unwrap();
+        let shard = b.get(&akey).await.unwrap();
+        b.put(&akey, shard.slice(..shard.len() / 3)).await.unwrap();
+        let mut c = agent(&tb, "cold", &trust);
+        assert!(c.sync_once().await.is_err());
+        assert!(c.state().is_none());
+        assert!(!c.current_dir().exists() || c.state().is_none());
+        // Repaired: both land on step 1 bit for bit.
+        b.put(&akey, shard).await.unwrap();
+        b.put(&skey, seg).await.unwrap();
+        assert_eq!(a.sync_once().await.unwrap().step, 1);
+        assert_bits(&a, &want);
+        assert_eq!(c.sync_once().await.unwrap().step, 1);
+        assert_bits(&c, &want);
+    }
+}
+
+/// What the recording inference server saw of one load.
+#[derive(Debug, Clone)]
+struct Load {
+    step: u64,
+    /// Files under `dir` hashed to the announced root when the load began and when it ended.
+    stable: bool,
+    ok: bool,
+}
+
+#[derive(Default)]
+struct Server {
+    down: AtomicBool,
+    delay_ms: AtomicU64,
+    loads: Mutex<Vec<Load>>,
+}
+
+/// An `http` notify target that "loads" the checkpoint: hashes the directory at the start and
+/// at the end of a (configurable) delay, and records whether it stayed equal to the root.
+async fn inference_server() -> (String, Arc<Server>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/load", l.local_addr().unwrap());
+    let srv = Arc::new(Server::default());
+    let s2 = srv.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = l.accept().await.unwrap();
+            let srv = s2.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut tmp = [0u8; 4096];
+                let body = loop {
+                    let n = s.read(&mut tmp).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&tmp[..n]);
+                    let text = String::from_utf8_lossy(&buf).to_string();
+                    if let Some(h) = text.find("\r\n\r\n") {
+                        let len = text[..h].lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap())).unwrap_or(0);
+                        if buf.len() >= h + 4 + len {
+                            break text[h + 4..].to_string();
+                        }
+                    }
+                };
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+                let step = v["step"].as_u64().unwrap();
+                let (root, dir) = (v["weights_root"].as_str().unwrap().to_string(), v["dir"].as_str().unwrap().to_string());
+                let down = srv.down.load(SeqCst);
+                let status = if down {
+                    srv.loads.lock().unwrap().push(Load { step, stable: true, ok: false });
+                    503
+                } else {
+                    let hash = |d: String| tokio::task::spawn_blocking(move || driftless_format::weights_root(&Checkpoint::open(&d).unwrap().views()).1.to_hex());
+                    let a = hash(dir.clone()).await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(srv.delay_ms.load(SeqCst))).await;
+                    let b = hash(dir).await.unwrap();
+                    srv.loads.lock().unwrap().push(Load { step, stable: a == root && b == root, ok: true });
+                    200
+                };
+                let resp = format!("HTTP/1.1 {status} X\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}");
+                let _ = s.write_all(resp.as_bytes()).await;
+            });
+        }
+    });
+    (url, srv)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_target_down_then_back() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let (url, srv) = inference_server().await;
+    let mut cfg = AgentConfig::new(tb.dir.path().join("a"), trust.clone());
+    cfg.notify = vec![format!("http={url}").parse::<Notifier>().unwrap()];
+    let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+    let mut t = Trainer::new(&tb.bucket, &key, 100);
+    let want0 = t.publish();
+    srv.down.store(true, SeqCst);
+    let e = a.sync_once().await.unwrap_err();
+    assert!(matches!(e, Error::Notify { .. }) && e.is_retryable(), "{e}");
+    assert_eq!(a.state().unwrap().step, 0, "the verified step is kept");
+    assert_eq!(a.metrics().ready.load(SeqCst), 0, "not ready: the server has not loaded it");
+    assert!(a.metrics().notify_failures.load(SeqCst) >= 1);
+    // A new step arrives while the server is still down: the agent does not touch the files the
+    // server has not loaded yet.
+    let want1 = t.publish();
+    let e = a.sync_once().await.unwrap_err();
+    assert!(matches!(e, Error::Notify { .. }), "{e}");
+    assert_eq!(a.state().unwrap().step, 0);
+    assert_bits(&a, &want0);
+    // Back: step 0 is loaded first, then 1.
+    srv.down.store(false, SeqCst);
+    let o = a.sync_once().await.unwrap();
+    assert_eq!(o.step, 1);
+    assert_bits(&a, &want1);
+    let ok: Vec<u64> = srv.loads.lock().unwrap().iter().filter(|l| l.ok).map(|l| l.step).collect();
+    assert_eq!(ok, [0, 1]);
+    assert!(srv.loads.lock().unwrap().iter().all(|l| l.stable));
+    assert_eq!(a.metrics().ready.load(SeqCst), 1);
+    // Nothing new: no second load of 1.
+    assert_eq!(a.sync_once().await.unwrap().path, SyncPath::UpToDate);
+    assert_eq!(srv.loads.lock().unwrap().iter().filter(|l| l.ok).count(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_notify_target_never_sees_files_change_under_it() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let (url, srv) = inference_server().await;
+    srv.delay_ms.store(300, SeqCst);
+    let mut cfg = AgentConfig::new(tb.dir.path().join("a"), trust.clone());
+    cfg.notify = vec![format!("http={url}").parse::<Notifier>().unwrap()];
+    cfg.poll_min = Duration::from_millis(10);
+    cfg.poll_max = Duration::from_millis(20);
+    let a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+    let metrics = a.metrics();
+    // The trainer publishes faster than the server loads while the agent follows with `run`.
+    let mut t = Trainer::new(&tb.bucket, &key, 4);
+    t.publish();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let poke = Arc::new(tokio::sync::Notify::new());
+    let run = {
+        let stop = stop.clone();
+        tokio::spawn(a.run(poke, async move { stop.notified().await }))
+    };
+    let mut want = vec![];
+    for _ in 0..8 {
+        want = t.publish();
+        tokio::time::sleep(Duration::from_millis(120)).await;
+    }
+    let last = t.step.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while metrics.step.load(SeqCst) != last || srv.loads.lock().unwrap().last().map(|l| l.step) != Some(last) {
+        assert!(std::time::Instant::now() < deadline, "agent did not reach step {last}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.notify_one();
+    run.await.unwrap().unwrap();
+    let loads = srv.loads.lock().unwrap().clone();
+    assert!(loads.len() >= 2, "{loads:?}");
+    assert!(loads.iter().all(|l| l.ok && l.stable), "files changed under a loading server: {loads:?}");
+    assert!(loads.windows(2).all(|w| w[0].step < w[1].step), "loads in step order: {loads:?}");
+    let ck = Checkpoint::open(tb.dir.path().join("a/current")).unwrap();
+    for (name, data) in &want {
+        assert!(ck.views().iter().any(|v| v.name == name && v.data == &data[..]), "{name}");
+    }
+}
