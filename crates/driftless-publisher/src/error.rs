@@ -17,6 +17,16 @@ pub enum Error {
     /// that are not a stream.
     #[error("refusing to publish: {0}")]
     Refused(String),
+    /// A write-once object of the stream already exists: another publisher is writing this
+    /// stream (or wrote this step before). The publisher stops: every later `publish` and
+    /// `flush` returns this error, so two trainers never interleave one chain.
+    #[error("write-once conflict at step {step}: {detail}; another publisher is writing this stream")]
+    Conflict {
+        /// Step whose object existed.
+        step: u64,
+        /// The key and cause.
+        detail: String,
+    },
     /// Steps must increase.
     #[error("step {step} is not after the last published step {last}")]
     StepOrder {
@@ -49,7 +59,7 @@ impl Error {
             Error::Stream(e) => e.is_retryable(),
             Error::Format(e) => e.is_retryable(),
             Error::Upload { .. } | Error::Io(_) => true,
-            Error::Refused(_) | Error::StepOrder { .. } | Error::Closed => false,
+            Error::Refused(_) | Error::Conflict { .. } | Error::StepOrder { .. } | Error::Closed => false,
         }
     }
 }

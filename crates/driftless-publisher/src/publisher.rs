@@ -144,18 +144,26 @@ impl PublisherBuilder {
             warn!(url = bucket.url(), "backend has no conditional create: two publishers on this stream would not be detected");
         }
         let (stream_id, last_step) = rt.block_on(self.open_stream(&bucket))?;
-        let last_anchor = rt.block_on(async {
+        let (last_delta, last_anchor) = rt.block_on(async {
             let r = StreamReader::new(bucket.clone(), TrustSet::new().allow_unsigned(true));
-            r.ready_steps(StepKind::Anchor, None).await.map(|v| v.last().copied())
+            let d = r.ready_steps(StepKind::Delta, None).await?.last().copied();
+            let a = r.ready_steps(StepKind::Anchor, None).await?.last().copied();
+            Ok::<_, driftless_store::stream::StreamError>((d, a))
         })?;
         info!(stream_id, last_step, url = bucket.url(), "publisher ready");
         let shared = Arc::new(Shared::default());
+        shared.update(|s| {
+            s.last_delta = last_delta;
+            s.last_anchor = last_anchor;
+        });
         let ctx = Arc::new(Ctx {
             bucket: bucket.clone(),
             stream_id: stream_id.clone(),
             key: self.key.clone(),
             shared: shared.clone(),
-            latest: tokio::sync::Mutex::new((None, None)),
+            // Start the hint from what the bucket holds, so the first hint after a restart
+            // does not forget the ready steps of the previous run.
+            latest: tokio::sync::Mutex::new((last_delta, last_anchor)),
         });
         let (tx, rx) = tokio::sync::mpsc::channel(self.queue_depth);
         rt.spawn(upload::delta_loop(ctx.clone(), rx));
@@ -183,12 +191,15 @@ impl PublisherBuilder {
         }
         let reader = StreamReader::new(bucket.clone(), trust);
         let my_id = self.key.as_ref().map(|k| k.id().to_string());
+        // Stream id of a descriptor taken over: kept, so the chain stays one stream.
+        let mut taken_id = None;
         let desc = match reader.descriptor().await {
             Ok(d) => d,
             Err(driftless_store::stream::StreamError::Format(e)) if e.kind() == driftless_format::ErrorKind::Untrusted => {
                 if !self.takeover {
                     return Err(Error::Refused(format!("the stream at {} is signed by another key ({e}); pass takeover to continue it", bucket.url())));
                 }
+                taken_id = unverified_stream_id(bucket).await;
                 None
             }
             Err(e) => return Err(e.into()),
@@ -209,6 +220,7 @@ impl PublisherBuilder {
                 }
                 return Ok((d.stream_id, last_step));
             }
+            taken_id = Some(d.stream_id);
         } else if !existing.is_empty() && !self.new_stream && !self.takeover {
             return Err(Error::Refused(format!(
                 "{} holds {} objects but no stream.json; pass new_stream to create a stream there",
@@ -216,7 +228,7 @@ impl PublisherBuilder {
                 existing.len()
             )));
         }
-        let stream_id = format!("{:016x}", rand::random::<u64>());
+        let stream_id = taken_id.unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()));
         let desc = StreamDescriptor {
             kind: "stream".into(),
             version: manifest::FORMAT_VERSION,
@@ -361,6 +373,7 @@ impl Publisher {
         if self.tx.is_none() {
             return Err(Error::Closed);
         }
+        self.check_conflict()?;
         if let Some(last) = self.last_step {
             if step <= last {
                 return Err(Error::StepOrder { step, last });
@@ -398,19 +411,20 @@ impl Publisher {
         let delta_bytes = m.payload_bytes();
         // Update the snapshot before queueing so the job order matches the snapshot order.
         let same_layout = !ops::needs_rewrite(&self.snapshot.as_ref().expect("present").layout, &m);
-        {
+        if same_layout {
             let snap = self.snapshot_mut();
-            if same_layout {
+            {
                 let tm = snap.tensors_mut();
                 let segs: Vec<(&[u8], u64)> = segments.iter().zip(&m.segments).map(|((_, b), r)| (&b[..], r.raw_size)).collect();
                 driftless_format::delta::apply_all(&segs, &tm)?;
                 drop(tm);
-                snap.step = step;
-                snap.root = m.result_root;
-                snap.digests = m.shards.iter().flat_map(|s| s.tensors.iter().map(|t| t.digest)).collect();
-            } else {
-                *snap = Snapshot::copy_from(step, layout.clone(), &order(tensors, layout)?);
             }
+            snap.step = step;
+            snap.root = m.result_root;
+            snap.digests = m.shards.iter().flat_map(|s| s.tensors.iter().map(|t| t.digest)).collect();
+        } else {
+            let ordered = order(tensors, layout)?;
+            self.replace_snapshot(step, layout, &ordered);
         }
         self.shared.update(|s| s.queued += 1);
         let job = Job::Delta(DeltaJob { step, base_step: m.base_step, envelope: envelope.into(), segments });
@@ -424,7 +438,7 @@ impl Publisher {
             || self.chain_bytes as f64 > self.cfg.anchor_chain_fraction * dense as f64;
         let in_flight = self.shared.state.lock().expect("state lock").anchors_in_flight;
         let outcome = if anchor_due && in_flight == 0 {
-            self.start_anchor()?;
+            self.start_anchor(None)?;
             Outcome::DeltaAndAnchor
         } else {
             Outcome::Delta
@@ -443,24 +457,32 @@ impl Publisher {
 
     fn anchor_only(&mut self, step: u64, tensors: &[TensorView<'_>], layout: &Layout, t0: Instant) -> Result<PublishReceipt> {
         let ordered = order(tensors, layout)?;
-        match &mut self.snapshot {
-            Some(_) => *self.snapshot_mut() = Snapshot::copy_from(step, layout.clone(), &ordered),
-            None => self.snapshot = Some(Arc::new(Snapshot::copy_from(step, layout.clone(), &ordered))),
-        }
+        self.replace_snapshot(step, layout, &ordered);
         self.shared.update(|s| {
             s.need_anchor = false;
             s.queued += 1;
         });
-        self.send(Job::AnchorScheduled(step))?;
+        let (done, ready) = tokio::sync::oneshot::channel();
+        self.send(Job::AnchorScheduled(step, ready))?;
         self.last_step = Some(step);
         self.published += 1;
-        self.start_anchor()?;
+        self.start_anchor(Some(done))?;
         Ok(PublishReceipt { step, outcome: Outcome::Anchor, delta_bytes: 0, ratio: 0.0, density: 0.0, encode_secs: t0.elapsed().as_secs_f64() })
     }
 
     fn send(&self, job: Job) -> Result<()> {
         let tx = self.tx.as_ref().ok_or(Error::Closed)?;
         tx.blocking_send(job).map_err(|_| Error::Closed)
+    }
+
+    /// Replaces the snapshot with a copy of `ordered`, freeing the old one first so memory
+    /// never holds two snapshots (after waiting for an anchor still encoding from it).
+    fn replace_snapshot(&mut self, step: u64, layout: &Layout, ordered: &[TensorView<'_>]) {
+        if self.snapshot.is_some() {
+            let _ = self.snapshot_mut();
+            self.snapshot = None;
+        }
+        self.snapshot = Some(Arc::new(Snapshot::copy_from(step, layout.clone(), ordered)));
     }
 
     /// Exclusive access to the snapshot: waits while an anchor is still being encoded from it.
@@ -480,7 +502,7 @@ impl Publisher {
 
     /// Encodes an anchor of the current snapshot on a background thread into spool files,
     /// then uploads it on the runtime.
-    fn start_anchor(&mut self) -> Result<()> {
+    fn start_anchor(&mut self, done: Option<tokio::sync::oneshot::Sender<bool>>) -> Result<()> {
         let snap = self.snapshot.clone().expect("snapshot present");
         let step = snap.step;
         self.last_anchor_step = Some(step);
@@ -496,7 +518,8 @@ impl Publisher {
             drop(snap);
             ctx.shared.changed.notify_all();
             match r {
-                Ok(job) => {
+                Ok(mut job) => {
+                    job.done = done;
                     handle.spawn(upload::anchor_upload(ctx, job));
                 }
                 Err(e) => {
@@ -520,8 +543,19 @@ impl Publisher {
         while s.queued > 0 || s.anchors_in_flight > 0 {
             s = self.shared.changed.wait_timeout(s, Duration::from_millis(50)).expect("state lock").0;
         }
+        if let Some((step, detail)) = s.conflict.clone() {
+            return Err(Error::Conflict { step, detail });
+        }
         match s.last_error.take() {
             Some(e) => Err(Error::Upload { step: self.last_step.unwrap_or(0), detail: e }),
+            None => Ok(()),
+        }
+    }
+
+    /// Fails once a write-once conflict showed that another publisher writes this stream.
+    fn check_conflict(&self) -> Result<()> {
+        match self.shared.state.lock().expect("state lock").conflict.clone() {
+            Some((step, detail)) => Err(Error::Conflict { step, detail }),
             None => Ok(()),
         }
     }
@@ -648,11 +682,18 @@ fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, snap: &Snapshot) -> Res
     };
     let envelope = cfg.seal(&serde_json::to_vec(&m).expect("serializes"))?;
     let _ = StepKind::Anchor;
-    Ok(AnchorJob { step: snap.step, envelope: envelope.into(), objects, _spool: Some(dir) })
+    Ok(AnchorJob { step: snap.step, envelope: envelope.into(), objects, _spool: Some(dir), done: None })
 }
 
 fn map_file(p: &std::path::Path) -> Result<memmap2::Mmap> {
     let f = std::fs::File::open(p)?;
     // SAFETY: spool files are private to this process and never modified after writing.
     Ok(unsafe { memmap2::Mmap::map(&f)? })
+}
+
+/// The stream id of `stream.json` read without checking its signature (for takeover only).
+async fn unverified_stream_id(bucket: &Bucket) -> Option<String> {
+    let b = bucket.get_limited(layout::STREAM, manifest::MAX_MANIFEST_BYTES as u64).await.ok()?;
+    let env: driftless_format::sign::Envelope = serde_json::from_slice(&b).ok()?;
+    StreamDescriptor::from_slice(env.payload.as_bytes()).ok().map(|d| d.stream_id)
 }

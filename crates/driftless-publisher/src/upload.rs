@@ -15,8 +15,11 @@ use tracing::{info, info_span, warn, Instrument};
 pub(crate) enum Job {
     /// Upload a delta.
     Delta(DeltaJob),
-    /// The state of `step` will be in the bucket as an anchor: deltas based on it may follow.
-    AnchorScheduled(u64),
+    /// The state of `step` reaches the bucket only as an anchor (first publish, restart,
+    /// recovery): deltas based on it wait until the anchor is ready, and are dropped if it
+    /// fails, so no ready delta ever hangs off a state readers cannot get. The receiver says
+    /// whether the anchor became ready.
+    AnchorScheduled(u64, tokio::sync::oneshot::Receiver<bool>),
 }
 
 pub(crate) struct DeltaJob {
@@ -33,6 +36,8 @@ pub(crate) struct AnchorJob {
     /// (object name, bytes) — bytes are usually a map of a spool file.
     pub(crate) objects: Vec<(String, Bytes)>,
     pub(crate) _spool: Option<tempfile::TempDir>,
+    /// Told whether the anchor became ready (anchor-only steps: the delta queue waits on it).
+    pub(crate) done: Option<tokio::sync::oneshot::Sender<bool>>,
 }
 
 /// State shared by the trainer-side API and the uploaders.
@@ -50,12 +55,26 @@ pub(crate) struct State {
     pub(crate) failures: u64,
     pub(crate) dropped: u64,
     pub(crate) last_error: Option<String>,
+    /// Set on a write-once conflict: another writer owns the stream; the publisher stops.
+    pub(crate) conflict: Option<(u64, String)>,
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct Shared {
     pub(crate) state: Mutex<State>,
     pub(crate) changed: Condvar,
+}
+
+impl State {
+    /// Records a failed commit: counts it, and fences the publisher on a write-once conflict.
+    fn record_failure(&mut self, what: &str, step: u64, e: &driftless_store::Error) {
+        self.need_anchor = true;
+        self.failures += 1;
+        self.last_error = Some(format!("{what} {step}: {e}"));
+        if e.is_already_exists() && self.conflict.is_none() {
+            self.conflict = Some((step, e.to_string()));
+        }
+    }
 }
 
 impl Shared {
@@ -75,16 +94,14 @@ async fn commit_step(
     stream_id: &str,
     envelope: Bytes,
     objects: &[(String, Bytes)],
-) -> Result<u64, String> {
+) -> driftless_store::Result<u64> {
     let conc = bucket.options().concurrency.max(1);
     let payload: u64 = objects.iter().map(|(_, b)| b.len() as u64).sum();
-    stream::iter(objects.iter().map(Ok::<_, String>))
-        .try_for_each_concurrent(conc, |(name, bytes)| async move {
-            bucket.put_create(&layout::object(kind, step, name), bytes.clone()).await.map_err(|e| e.to_string())
-        })
+    stream::iter(objects.iter().map(Ok::<_, driftless_store::Error>))
+        .try_for_each_concurrent(conc, |(name, bytes)| async move { bucket.put_create(&layout::object(kind, step, name), bytes.clone()).await })
         .await?;
     let env_sha = Digest::of(&envelope);
-    bucket.put_create(&layout::manifest(kind, step), envelope.clone()).await.map_err(|e| e.to_string())?;
+    bucket.put_create(&layout::manifest(kind, step), envelope.clone()).await?;
     let marker = ReadyMarker {
         kind: "ready".into(),
         stream_id: stream_id.to_string(),
@@ -95,7 +112,7 @@ async fn commit_step(
         payload_bytes: payload,
     };
     let mb = Bytes::from(serde_json::to_vec(&marker).expect("marker serializes"));
-    bucket.put_create(&layout::ready(kind, step), mb).await.map_err(|e| e.to_string())?;
+    bucket.put_create(&layout::ready(kind, step), mb).await?;
     Ok(payload + envelope.len() as u64)
 }
 
@@ -133,12 +150,23 @@ impl Ctx {
 pub(crate) async fn delta_loop(ctx: Arc<Ctx>, mut rx: tokio::sync::mpsc::Receiver<Job>) {
     while let Some(job) = rx.recv().await {
         match job {
-            Job::AnchorScheduled(step) => ctx.shared.update(|s| {
-                s.tip = Some(step);
-                s.queued -= 1;
-            }),
+            Job::AnchorScheduled(step, ready) => {
+                let ok = ready.await.unwrap_or(false);
+                ctx.shared.update(|s| {
+                    // Deltas queued on this state are dropped if its anchor failed.
+                    s.tip = if ok { Some(step) } else { None };
+                    s.queued -= 1;
+                });
+            }
             Job::Delta(d) => {
-                let reachable = ctx.shared.state.lock().expect("state lock").tip == Some(d.base_step);
+                let (reachable, fenced) = {
+                    let s = ctx.shared.state.lock().expect("state lock");
+                    (s.tip == Some(d.base_step), s.conflict.is_some())
+                };
+                if fenced {
+                    ctx.shared.update(|s| s.queued -= 1);
+                    continue;
+                }
                 if !reachable {
                     // Its base never reached the bucket: readers could not use it.
                     warn!(step = d.step, base = d.base_step, "dropping delta whose base is not in the bucket");
@@ -169,9 +197,7 @@ pub(crate) async fn delta_loop(ctx: Arc<Ctx>, mut rx: tokio::sync::mpsc::Receive
                         warn!(step = d.step, error = %e, "delta upload failed; next publish will anchor");
                         ctx.shared.update(|s| {
                             s.tip = None;
-                            s.need_anchor = true;
-                            s.failures += 1;
-                            s.last_error = Some(format!("delta {}: {e}", d.step));
+                            s.record_failure("delta", d.step, &e);
                             s.queued -= 1;
                         });
                     }
@@ -181,11 +207,29 @@ pub(crate) async fn delta_loop(ctx: Arc<Ctx>, mut rx: tokio::sync::mpsc::Receive
     }
 }
 
+/// An anchor-only step (first publish, restart, recovery) has no delta, so nothing else
+/// would collide with a second publisher's delta of the same step: the anchor and that delta
+/// would both become ready with different weights. Creating the step's delta manifest key
+/// first (a small claim, never covered by a ready marker) makes the two writers collide on
+/// one write-once key, so one of them stops with a conflict.
+async fn claim_delta_slot(ctx: &Ctx, step: u64) -> driftless_store::Result<()> {
+    let claim = serde_json::json!({"kind": "claim", "stream_id": ctx.stream_id, "step": step, "by": "anchor"});
+    ctx.bucket.put_create(&layout::manifest(StepKind::Delta, step), Bytes::from(claim.to_string())).await
+}
+
 /// Uploads one spooled anchor.
-pub(crate) async fn anchor_upload(ctx: Arc<Ctx>, job: AnchorJob) {
+pub(crate) async fn anchor_upload(ctx: Arc<Ctx>, mut job: AnchorJob) {
     let t = Instant::now();
+    let done = job.done.take();
     let span = info_span!("upload_anchor", step = job.step);
-    let r = commit_step(&ctx.bucket, StepKind::Anchor, job.step, None, &ctx.stream_id, job.envelope, &job.objects).instrument(span).await;
+    let r = async {
+        if done.is_some() {
+            claim_delta_slot(&ctx, job.step).await?;
+        }
+        commit_step(&ctx.bucket, StepKind::Anchor, job.step, None, &ctx.stream_id, job.envelope, &job.objects).await
+    }
+    .instrument(span)
+    .await;
     match r {
         Ok(bytes) => {
             info!(step = job.step, bytes, secs = t.elapsed().as_secs_f64(), "anchor ready");
@@ -194,14 +238,16 @@ pub(crate) async fn anchor_upload(ctx: Arc<Ctx>, job: AnchorJob) {
                 s.bytes_uploaded += bytes;
             });
             ctx.write_latest(None, Some(job.step)).await;
+            if let Some(d) = done {
+                let _ = d.send(true);
+            }
         }
         Err(e) => {
             warn!(step = job.step, error = %e, "anchor upload failed; next publish will anchor");
-            ctx.shared.update(|s| {
-                s.need_anchor = true;
-                s.failures += 1;
-                s.last_error = Some(format!("anchor {}: {e}", job.step));
-            });
+            ctx.shared.update(|s| s.record_failure("anchor", job.step, &e));
+            if let Some(d) = done {
+                let _ = d.send(false);
+            }
         }
     }
     ctx.shared.update(|s| s.anchors_in_flight -= 1);

@@ -1,0 +1,708 @@
+//! Fault injection: the publisher over a `FaultyStore` wrapping a real store (memory,
+//! `file://`, and SeaweedFS / moto over S3 when `.ci/services.sh` exported them).
+//!
+//! Every scenario ends in either a correct chain or a clear error, and then the bucket is
+//! scanned independently of the publisher ([`scan`]): every ready marker pins a manifest whose
+//! signature verifies and whose objects exist with the recorded size and SHA-256 and decode;
+//! the chain replays from its anchors with `ops::apply_rewrite` to the weights roots the
+//! trainer published; no ready delta hangs off a state readers cannot reach; an anchor and a
+//! delta of the same step agree.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use driftless_format::gen::{ModelSpec, RlChain};
+use driftless_format::manifest::{AnchorEncoding, StepKind};
+use driftless_format::{anchor, checkpoint, delta, ops, Checkpoint, DType, Digest, Keypair, TensorMeta, TensorView, TrustSet};
+use driftless_publisher::{Error, Outcome, PublisherBuilder};
+use driftless_store::object_store::{self, ObjectStore};
+use driftless_store::stream::StreamReader;
+use driftless_store::{layout, Bucket, FaultKind, FaultOp, FaultyStore, StoreOptions};
+
+// ---------------------------------------------------------------------------------------------
+// Backends
+
+fn opts() -> StoreOptions {
+    StoreOptions::default().with_max_retries(2).with_retry_timeout(Duration::from_secs(3))
+}
+
+/// One real store; `bucket()` wraps it in a fresh `FaultyStore` (a "process" with its own
+/// faults) over the same data, so a restarted publisher sees what the first one wrote.
+struct Backend {
+    name: String,
+    store: Arc<dyn ObjectStore>,
+    prefix: String,
+    opts: StoreOptions,
+    conditional: bool,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl Backend {
+    fn bucket(&self) -> (Arc<FaultyStore>, Bucket) {
+        let f = Arc::new(FaultyStore::new(self.store.clone()));
+        let b = Bucket::from_store(f.clone(), &self.prefix, &self.opts).with_conditional_create(self.conditional);
+        (f, b)
+    }
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+    h.finish()
+}
+
+fn s3(var: &str, test: &str) -> Option<Backend> {
+    let spec = match std::env::var(var) {
+        Ok(s) => s,
+        Err(_) if std::env::var("DRIFTLESS_REQUIRE_SERVERS").as_deref() == Ok("1") => panic!("{var} not set and DRIFTLESS_REQUIRE_SERVERS=1"),
+        Err(_) => return None,
+    };
+    let mut it = spec.split_whitespace();
+    let (endpoint, bucket) = (it.next().unwrap().to_string(), it.next().unwrap().to_string());
+    let o = opts().with_endpoint(endpoint).with_allow_http(true).with_region("us-east-1").with_path_style(true);
+    let url = format!("s3://{bucket}/publisher-faults-{test}-{:016x}", rand_u64());
+    let b = Bucket::open(&url, &o).unwrap();
+    Some(Backend {
+        name: format!("{var}:{url}"),
+        store: b.store().clone(),
+        prefix: b.prefix().to_string(),
+        opts: o,
+        conditional: b.supports_conditional_create(),
+        _dir: None,
+    })
+}
+
+/// memory, file://, SeaweedFS (when set up). `moto` adds moto's S3 server (exact
+/// conditional-write semantics) for the races.
+fn backends(test: &str, moto: bool) -> Vec<Backend> {
+    let mut v = vec![Backend {
+        name: "memory".into(),
+        store: Arc::new(object_store::memory::InMemory::new()),
+        prefix: "stream".into(),
+        opts: opts(),
+        conditional: true,
+        _dir: None,
+    }];
+    let d = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", d.path().join("bucket").display());
+    let b = Bucket::open(&url, &opts()).unwrap();
+    v.push(Backend { name: url, store: b.store().clone(), prefix: b.prefix().to_string(), opts: opts(), conditional: b.supports_conditional_create(), _dir: Some(d) });
+    v.extend(s3("DRIFTLESS_TEST_S3_SEAWEED", test));
+    if moto {
+        v.extend(s3("DRIFTLESS_TEST_S3_MOTO", test));
+    }
+    v
+}
+
+/// A runtime for direct bucket calls. Multi-threaded on purpose: pooled HTTP connections
+/// belong to the runtime that opened them, and a current-thread runtime left idle would stall
+/// the publisher's later requests on those connections until they time out.
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
+}
+
+fn key() -> Keypair {
+    Keypair::from_seed([42; 32])
+}
+
+fn trust() -> TrustSet {
+    TrustSet::new().with_key(key().public())
+}
+
+fn chain() -> RlChain {
+    RlChain::new(&ModelSpec::with_bf16_bytes(192 << 10), 2e-5, 11)
+}
+
+fn root_of(views: &[TensorView<'_>]) -> Digest {
+    driftless_format::weights_root(views).1
+}
+
+// ---------------------------------------------------------------------------------------------
+// The independent scan
+
+type Tensors = Vec<(TensorMeta, Vec<u8>)>;
+
+fn views(t: &Tensors) -> Vec<TensorView<'_>> {
+    t.iter().map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d }).collect()
+}
+
+/// What the scan found.
+#[derive(Debug, Default)]
+struct Scan {
+    ready_deltas: BTreeMap<u64, u64>,
+    ready_anchors: BTreeSet<u64>,
+    /// Steps with objects but no ready marker.
+    incomplete: BTreeSet<(String, u64)>,
+    /// Delta slots claimed by anchor-only steps (a claim manifest, never ready).
+    claims: BTreeSet<u64>,
+    /// Weights root of every state the chain reaches, by step.
+    roots: BTreeMap<u64, Digest>,
+    /// The newest reachable state.
+    last: Option<(u64, Tensors)>,
+}
+
+impl Scan {
+    fn last_step(&self) -> Option<u64> {
+        self.last.as_ref().map(|l| l.0)
+    }
+}
+
+fn decode_anchor_tensors(shards: &[(String, Vec<u8>)]) -> Tensors {
+    let mut out = vec![];
+    for (_, file) in shards {
+        let (start, ts, _) = checkpoint::parse_safetensors_header(file).unwrap();
+        for (m, r) in ts {
+            out.push((m, file[start + r.start..start + r.end].to_vec()));
+        }
+    }
+    out
+}
+
+/// Scans the bucket as a reader would, panicking on any violation of the invariants.
+fn scan(bucket: &Bucket, trust: &TrustSet) -> Scan {
+    let rt = rt();
+    rt.block_on(scan_async(bucket, trust))
+}
+
+async fn scan_async(bucket: &Bucket, trust: &TrustSet) -> Scan {
+    let r = StreamReader::new(bucket.clone(), trust.clone());
+    let desc = r.descriptor().await.unwrap().expect("stream.json present and signed by a trusted key");
+    let keys = bucket.list("").await.unwrap();
+    // StepKind is not Ord: key the maps by (is_anchor, step).
+    let kind = |a: bool| if a { StepKind::Anchor } else { StepKind::Delta };
+    let mut dirs: BTreeMap<(bool, u64), BTreeSet<String>> = BTreeMap::new();
+    let mut markers: BTreeSet<(bool, u64)> = BTreeSet::new();
+    for o in &keys {
+        match layout::parse_step_key(&o.key) {
+            Some((k, s, Some(name))) => {
+                dirs.entry((k == StepKind::Anchor, s)).or_default().insert(name);
+            }
+            Some((k, s, None)) => {
+                markers.insert((k == StepKind::Anchor, s));
+            }
+            None => assert!(o.key == layout::STREAM || o.key == layout::LATEST, "stray key {}", o.key),
+        }
+    }
+    let mut scan = Scan::default();
+    for ((a, s), names) in &dirs {
+        if markers.contains(&(*a, *s)) {
+            continue;
+        }
+        let k = &kind(*a);
+        if *k == StepKind::Delta && names.len() == 1 && names.contains(layout::MANIFEST_NAME) {
+            let b = bucket.get(&layout::manifest(*k, *s)).await.unwrap();
+            if serde_json::from_slice::<serde_json::Value>(&b).ok().is_some_and(|v| v["kind"] == "claim") {
+                scan.claims.insert(*s);
+                continue;
+            }
+        }
+        scan.incomplete.insert((format!("{k:?}"), *s));
+    }
+    // Every marker: manifest pinned and signed; every object present, matching, decodable.
+    let mut deltas = BTreeMap::new();
+    let mut anchors = BTreeMap::new();
+    for (a, s) in &markers {
+        let k = &kind(*a);
+        let marker = r.marker(*k, *s).await.unwrap();
+        assert_eq!(marker.stream_id, desc.stream_id, "marker {k:?} {s} of another stream");
+        match k {
+            StepKind::Delta => {
+                let (m, _) = r.delta(*s).await.unwrap_or_else(|e| panic!("ready delta {s}: {e}"));
+                assert_eq!(m.stream_id, desc.stream_id);
+                let mut segs = vec![];
+                for seg in &m.segments {
+                    let b = r.object(StepKind::Delta, *s, &seg.object.object, seg.object.size, seg.object.sha256).await.unwrap_or_else(|e| panic!("delta {s} {}: {e}", seg.object.object));
+                    delta::decode_segment(&b, seg.raw_size).unwrap();
+                    segs.push(b.to_vec());
+                }
+                assert_eq!(marker.payload_bytes, m.payload_bytes(), "delta {s}: marker payload size");
+                scan.ready_deltas.insert(*s, m.base_step);
+                deltas.insert(*s, (m, segs));
+            }
+            StepKind::Anchor => {
+                let (m, _) = r.anchor(*s).await.unwrap_or_else(|e| panic!("ready anchor {s}: {e}"));
+                let mut shards = vec![];
+                for o in &m.objects {
+                    let b = r.object(StepKind::Anchor, *s, &o.object.object, o.object.size, o.object.sha256).await.unwrap_or_else(|e| panic!("anchor {s} {}: {e}", o.object.object));
+                    let file = match m.encoding {
+                        AnchorEncoding::Safetensors => b.to_vec(),
+                        AnchorEncoding::PlanesZstd => {
+                            let mut out = vec![0u8; o.decoded_size as usize];
+                            anchor::decode_shard(&b, &mut out).unwrap();
+                            out
+                        }
+                    };
+                    assert_eq!(Digest::of(&file), o.decoded_sha256, "anchor {s} {}: decoded SHA-256", o.file);
+                    shards.push((o.file.clone(), file));
+                }
+                for f in &m.files {
+                    r.object(StepKind::Anchor, *s, &f.object, f.size, f.sha256).await.unwrap();
+                }
+                let t = decode_anchor_tensors(&shards);
+                assert_eq!(root_of(&views(&t)), m.weights_root, "anchor {s}: weights root");
+                scan.ready_anchors.insert(*s);
+                anchors.insert(*s, t);
+            }
+        }
+    }
+    // Replay: every ready delta applies onto a reachable state with its base root and yields
+    // its result root; an anchor and a delta of one step agree.
+    let steps: BTreeSet<u64> = deltas.keys().chain(anchors.keys()).copied().collect();
+    let mut states: BTreeMap<u64, Tensors> = BTreeMap::new();
+    for s in steps {
+        let mut here: Option<Tensors> = None;
+        if let Some((m, segs)) = deltas.get(&s) {
+            let base = states.get(&m.base_step).unwrap_or_else(|| panic!("ready delta {s} hangs off step {} that no reader can reach", m.base_step));
+            let bv = views(base);
+            assert_eq!(root_of(&bv), m.base_root, "delta {s}: base root");
+            let dir = tempfile::tempdir().unwrap();
+            let refs: Vec<&[u8]> = segs.iter().map(|v| v.as_slice()).collect();
+            let got = ops::apply_rewrite(&bv, m, &refs, &dir.path().join("out")).unwrap_or_else(|e| panic!("delta {s}: apply: {e}"));
+            assert_eq!(got, m.result_root);
+            let ck = Checkpoint::open(dir.path().join("out")).unwrap();
+            here = Some(ck.views().iter().map(|v| (v.meta(), v.data.to_vec())).collect());
+        }
+        if let Some(t) = anchors.get(&s) {
+            if let Some(h) = &here {
+                assert_eq!(root_of(&views(h)), root_of(&views(t)), "step {s}: anchor and delta disagree");
+            } else {
+                here = Some(t.clone());
+            }
+        }
+        let t = here.expect("step has a delta or an anchor");
+        scan.roots.insert(s, root_of(&views(&t)));
+        states.insert(s, t);
+    }
+    // latest.json, when present, verifies and names ready steps only.
+    if let Some((hint, _)) = r.latest(None).await.unwrap() {
+        if let Some(d) = hint.delta {
+            assert!(scan.ready_deltas.contains_key(&d), "latest.json names delta {d} that is not ready");
+        }
+        if let Some(a) = hint.anchor {
+            assert!(scan.ready_anchors.contains(&a), "latest.json names anchor {a} that is not ready");
+        }
+    }
+    scan.last = states.into_iter().next_back();
+    scan
+}
+
+/// The trainer's side: weights root of every step it handed to `publish`.
+#[derive(Default)]
+struct Trainer {
+    published: BTreeMap<u64, Digest>,
+}
+
+impl Trainer {
+    /// Each reachable state in the bucket is exactly what was published at that step.
+    fn check(&self, s: &Scan, ctx: &str) {
+        for (step, root) in &s.roots {
+            assert_eq!(self.published.get(step), Some(root), "{ctx}: bucket state at step {step} is not what the trainer published");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Upload failures and timeouts at each write
+
+/// Fault targets: (what, pattern). Step 3 is a plain delta, step 5 a delta + anchor (anchor
+/// every 5), step 0 the anchor-only first publish.
+const TARGETS: &[(&str, &str)] = &[
+    ("delta segment", "deltas/000000000003/seg-"),
+    ("delta manifest", "deltas/000000000003/manifest.json"),
+    ("delta marker", "ready/deltas/000000000003"),
+    ("latest.json", "latest.json"),
+    ("anchor shard (delta+anchor step)", "anchors/000000000005/model"),
+    ("anchor manifest", "anchors/000000000005/manifest.json"),
+    ("anchor marker", "ready/anchors/000000000005"),
+    ("first anchor shard (anchor-only step)", "anchors/000000000000/model"),
+    ("first anchor marker", "ready/anchors/000000000000"),
+];
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// One retryable failure: retried inside the bucket layer, invisible to the chain.
+    Blip,
+    /// The write keeps failing until the retry budget (count and time) runs out: a timeout.
+    Timeout,
+    /// A permanent refusal (403).
+    Permanent,
+    /// The write lands but its response is lost.
+    LostResponse,
+}
+
+fn run_fault(be: &Backend, target: &str, what: &str, fault: Fault) {
+    let ctx = format!("{} / {what} / {fault:?}", be.name);
+    let (faulty, bucket) = be.bucket();
+    match fault {
+        Fault::Blip => faulty.inject(FaultOp::Put, target, 1, FaultKind::Transient),
+        Fault::Timeout => faulty.inject(FaultOp::Put, target, 1000, FaultKind::Transient),
+        Fault::Permanent => faulty.inject(FaultOp::Put, target, 1, FaultKind::Permanent),
+        Fault::LostResponse => faulty.inject(FaultOp::Put, target, 1, FaultKind::LostResponse),
+    }
+    let spool = tempfile::tempdir().unwrap();
+    let mut p = PublisherBuilder::new("unused")
+        .with_bucket(bucket.clone())
+        .with_key(key())
+        .with_anchor_every(5)
+        .with_anchor_chain_fraction(1e9)
+        .with_spool_dir(spool.path())
+        .build()
+        .unwrap();
+    let mut c = chain();
+    let mut t = Trainer::default();
+    let mut errors = 0;
+    for step in 0..9u64 {
+        if step > 0 {
+            c.step();
+        }
+        let r = p.publish(step, &c.views()).unwrap_or_else(|e| panic!("{ctx}: publish {step}: {e}"));
+        assert_ne!(r.outcome, Outcome::Coalesced, "{ctx}: flushed every step, nothing to coalesce");
+        t.published.insert(step, root_of(&c.views()));
+        if let Err(e) = p.flush() {
+            assert!(matches!(e, Error::Upload { .. }), "{ctx}: step {step}: {e}");
+            errors += 1;
+        }
+    }
+    // The trainer's final weights reach the bucket.
+    p.close().unwrap_or_else(|e| panic!("{ctx}: close: {e}"));
+    let s = scan(&bucket, &trust());
+    t.check(&s, &ctx);
+    assert_eq!(s.last_step(), Some(8), "{ctx}: final state reaches the bucket ({s:?})");
+    let fails = matches!(fault, Fault::Timeout | Fault::Permanent) && target != "latest.json";
+    if fails {
+        assert!(errors >= 1, "{ctx}: the failure is reported by flush");
+        assert!(faulty.injected() >= 1);
+        // The failed step has no ready marker of the failed kind.
+        let (kind, step) = match target {
+            t if t.contains("deltas/000000000003") => ("delta", 3),
+            t if t.contains("000000000005") => ("anchor", 5),
+            _ => ("anchor", 0),
+        };
+        match kind {
+            "delta" => assert!(!s.ready_deltas.contains_key(&step), "{ctx}: {s:?}"),
+            _ => assert!(!s.ready_anchors.contains(&step), "{ctx}: {s:?}"),
+        }
+        // Recovery: the next publish after the failure was an anchor.
+        assert!(s.ready_anchors.range(step + 1..).next().is_some(), "{ctx}: recovered through an anchor: {s:?}");
+    } else {
+        assert_eq!(errors, 0, "{ctx}");
+        assert_eq!(s.ready_deltas.keys().copied().collect::<Vec<_>>(), (1..9).collect::<Vec<_>>(), "{ctx}");
+        assert!(s.ready_anchors.contains(&0) && s.ready_anchors.contains(&5), "{ctx}: {s:?}");
+        assert!(s.incomplete.is_empty(), "{ctx}: {s:?}");
+    }
+}
+
+#[test]
+fn upload_failures_and_timeouts_at_each_write() {
+    for be in backends("each-write", false) {
+        for (i, (what, target)) in TARGETS.iter().enumerate() {
+            for fault in [Fault::Blip, Fault::Timeout, Fault::Permanent, Fault::LostResponse] {
+                // Each scenario on its own stream under the backend.
+                let sub = Backend { name: be.name.clone(), store: be.store.clone(), prefix: format!("{}/t{i}-{fault:?}", be.prefix), opts: be.opts.clone(), conditional: be.conditional, _dir: None };
+                run_fault(&sub, target, what, fault);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Killed between manifest and marker
+
+#[test]
+fn trainer_killed_between_manifest_and_marker_resumes_past_the_step_with_an_anchor() {
+    for be in backends("killed", false) {
+        let ctx = be.name.clone();
+        let mut c = chain();
+        let mut t = Trainer::default();
+        {
+            let (faulty, bucket) = be.bucket();
+            let mut p = PublisherBuilder::new("x").with_bucket(bucket.clone()).with_key(key()).with_anchor_every(100).with_anchor_chain_fraction(1e9).build().unwrap();
+            for step in 0..5u64 {
+                if step > 0 {
+                    c.step();
+                }
+                p.publish(step, &c.views()).unwrap();
+                t.published.insert(step, root_of(&c.views()));
+                p.flush().unwrap();
+            }
+            // The marker of step 5 can never be written; the process dies after the manifest.
+            faulty.inject(FaultOp::Put, "ready/deltas/000000000005", usize::MAX, FaultKind::Permanent);
+            c.step();
+            p.publish(5, &c.views()).unwrap();
+            let rt = rt();
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while rt.block_on(bucket.head(&layout::manifest(StepKind::Delta, 5))).is_err() {
+                assert!(std::time::Instant::now() < deadline, "{ctx}: manifest of step 5 never written");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            drop(p); // killed
+        }
+        let (_, bucket) = be.bucket();
+        let s = scan(&bucket, &trust());
+        assert!(s.incomplete.contains(&("Delta".into(), 5)), "{ctx}: {s:?}");
+        assert!(!s.ready_deltas.contains_key(&5));
+        assert_eq!(s.last_step(), Some(4));
+        // Restart: a new process with no snapshot.
+        let mut p = PublisherBuilder::new("x").with_bucket(bucket.clone()).with_key(key()).with_anchor_every(100).with_anchor_chain_fraction(1e9).build().unwrap();
+        assert_eq!(p.next_step(), 6, "{ctx}: numbering resumes past the incomplete step");
+        let e = p.publish(5, &c.views()).unwrap_err();
+        assert!(matches!(e, Error::StepOrder { step: 5, last: 5 }), "{e}");
+        c.step();
+        let r = p.publish(6, &c.views()).unwrap();
+        assert_eq!(r.outcome, Outcome::Anchor, "{ctx}: first publish after a restart is an anchor");
+        t.published.insert(6, root_of(&c.views()));
+        for step in 7..10u64 {
+            c.step();
+            let r = p.publish(step, &c.views()).unwrap();
+            assert_eq!(r.outcome, Outcome::Delta);
+            t.published.insert(step, root_of(&c.views()));
+        }
+        p.close().unwrap();
+        let s = scan(&bucket, &trust());
+        t.check(&s, &ctx);
+        assert_eq!(s.last_step(), Some(9));
+        assert!(s.ready_anchors.contains(&6));
+        assert_eq!(s.ready_deltas.get(&7), Some(&6), "{ctx}: the new chain hangs off the restart anchor");
+        assert!(!s.ready_deltas.contains_key(&5) && !s.ready_deltas.contains_key(&6));
+    }
+}
+
+#[test]
+fn killed_during_an_anchor_upload_leaves_no_ready_anchor() {
+    for be in backends("killed-anchor", false) {
+        let (faulty, bucket) = be.bucket();
+        // Shard uploads of the first anchor hang (slow store) while the process dies.
+        let mut p = PublisherBuilder::new("x").with_bucket(bucket.clone()).with_key(key()).build().unwrap();
+        faulty.set_delay(Duration::from_millis(300));
+        let c = chain();
+        p.publish(0, &c.views()).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        drop(p);
+        let (_, bucket) = be.bucket();
+        let s = scan(&bucket, &trust());
+        assert!(s.ready_anchors.is_empty() && s.ready_deltas.is_empty(), "{}: {s:?}", be.name);
+        let mut p = PublisherBuilder::new("x").with_bucket(bucket.clone()).with_key(key()).build().unwrap();
+        let n = p.next_step();
+        assert_eq!(p.publish(n, &c.views()).unwrap().outcome, Outcome::Anchor);
+        p.close().unwrap();
+        let s = scan(&bucket, &trust());
+        assert_eq!(s.last_step(), Some(n));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two publishers, other keys, foreign buckets
+
+#[test]
+fn second_publisher_on_the_same_stream_fails_loudly() {
+    for be in backends("second", true) {
+        let ctx = be.name.clone();
+        let (_, b1) = be.bucket();
+        let (_, b2) = be.bucket();
+        let mut c1 = chain();
+        let mut p1 = PublisherBuilder::new("x").with_bucket(b1.clone()).with_key(key()).with_anchor_every(100).with_anchor_chain_fraction(1e9).build().unwrap();
+        let mut t = Trainer::default();
+        for step in 0..3u64 {
+            if step > 0 {
+                c1.step();
+            }
+            p1.publish(step, &c1.views()).unwrap();
+            t.published.insert(step, root_of(&c1.views()));
+            p1.flush().unwrap();
+        }
+        // A second trainer (same key, other weights) starts on the same stream, and both go
+        // on publishing the same step numbers.
+        let mut c2 = RlChain::new(&ModelSpec::with_bf16_bytes(192 << 10), 2e-5, 99);
+        let mut p2 = PublisherBuilder::new("x").with_bucket(b2.clone()).with_key(key()).with_anchor_every(100).with_anchor_chain_fraction(1e9).build().unwrap();
+        assert_eq!(p2.next_step(), 3);
+        let mut t2 = Trainer::default();
+        let mut failed = [None, None];
+        for step in 3..8u64 {
+            c1.step();
+            c2.step();
+            for (i, (p, c, tt)) in [(&mut p1, &c1, &mut t), (&mut p2, &c2, &mut t2)].into_iter().enumerate() {
+                if failed[i].is_some() {
+                    continue;
+                }
+                match p.publish(step, &c.views()).and_then(|_| {
+                    tt.published.insert(step, root_of(&c.views()));
+                    p.flush()
+                }) {
+                    Ok(()) => {}
+                    Err(e) => failed[i] = Some(e),
+                }
+            }
+        }
+        let loser = failed.iter().position(|e| e.is_some()).unwrap_or_else(|| panic!("{ctx}: two publishers on one stream went unnoticed"));
+        let e = failed[loser].as_ref().unwrap();
+        assert!(matches!(e, Error::Conflict { .. }), "{ctx}: {e}");
+        assert!(!e.is_retryable());
+        assert!(failed[1 - loser].is_none(), "{ctx}: only one of them stops: {failed:?}");
+        // The loser stays stopped.
+        let (pl, cl) = if loser == 0 { (&mut p1, &c1) } else { (&mut p2, &c2) };
+        assert!(matches!(pl.publish(100, &cl.views()), Err(Error::Conflict { .. })));
+        assert!(matches!(pl.flush(), Err(Error::Conflict { .. })));
+        let winner_trainer = if loser == 0 { &t2 } else { &t };
+        let (pw, _) = if loser == 0 { (&mut p1, &c1) } else { (&mut p2, &c2) };
+        let _ = pw; // dropped below
+        drop(p1);
+        drop(p2);
+        // What is ready is one consistent chain; past the fork it is the winner's.
+        let s = scan(&b1, &trust());
+        let fork = 3;
+        for (step, root) in s.roots.range(fork..) {
+            assert_eq!(winner_trainer.published.get(step), Some(root), "{ctx}: step {step} in the bucket is not the winner's");
+        }
+    }
+}
+
+#[test]
+fn stream_of_another_key_is_refused_unless_takeover() {
+    for be in backends("other-key", false) {
+        let (_, b) = be.bucket();
+        let c = chain();
+        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().unwrap();
+        p.publish(0, &c.views()).unwrap();
+        p.close().unwrap();
+        let other = Keypair::from_seed([9; 32]);
+        let e = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(other.clone()).build().unwrap_err();
+        assert!(matches!(e, Error::Refused(_)), "{}: {e}", be.name);
+        assert!(e.to_string().contains("takeover"), "{e}");
+        // Unsigned publishers are refused too.
+        assert!(matches!(PublisherBuilder::new("x").with_bucket(b.clone()).build().unwrap_err(), Error::Refused(_)));
+        // Takeover: same stream id, the new key signs, numbering continues with an anchor.
+        let before = scan(&b, &trust());
+        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(other.clone()).with_takeover(true).build().unwrap();
+        assert_eq!(p.next_step(), 1);
+        let rt = rt();
+        let old_id = rt.block_on(StreamReader::new(b.clone(), trust().with_key(other.public())).descriptor()).ok().flatten();
+        assert_eq!(old_id.map(|d| d.stream_id).as_deref(), Some(p.stream_id()), "takeover keeps the stream id");
+        assert_eq!(p.publish(1, &c.views()).unwrap().outcome, Outcome::Anchor);
+        p.close().unwrap();
+        let after = scan(&b, &TrustSet::new().with_key(other.public()).with_key(key().public()));
+        assert_eq!(after.last_step(), Some(1));
+        assert!(before.ready_anchors.is_subset(&after.ready_anchors));
+    }
+}
+
+#[test]
+fn bucket_that_is_not_a_stream_is_refused_unless_new_stream() {
+    for be in backends("not-a-stream", false) {
+        let (_, b) = be.bucket();
+        let rt = rt();
+        rt.block_on(b.put("checkpoints/model.safetensors", bytes::Bytes::from_static(b"someone else's data"))).unwrap();
+        let e = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().unwrap_err();
+        assert!(matches!(e, Error::Refused(_)), "{}: {e}", be.name);
+        assert!(e.to_string().contains("new_stream"), "{e}");
+        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).with_new_stream(true).build().unwrap();
+        let c = chain();
+        p.publish(0, &c.views()).unwrap();
+        p.close().unwrap();
+        // The foreign object is untouched.
+        assert_eq!(&rt.block_on(b.get("checkpoints/model.safetensors")).unwrap()[..], b"someone else's data");
+        let keys = rt.block_on(b.list("")).unwrap();
+        assert!(keys.iter().any(|o| o.key == layout::STREAM));
+        // A second start finds a stream it owns.
+        assert!(PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().is_ok());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor set and shapes change between steps
+
+#[test]
+fn tensors_that_change_shape_or_set_are_carried_densely() {
+    for be in backends("reshape", false) {
+        let ctx = be.name.clone();
+        let (_, b) = be.bucket();
+        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).with_anchor_every(100).with_anchor_chain_fraction(1e9).build().unwrap();
+        let mut t = Trainer::default();
+        let mk = |n: usize, seed: u8| -> Vec<u8> { (0..n * 2).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect() };
+        let (a, bb, cc) = (mk(4096, 1), mk(1024, 2), mk(2048, 3));
+        let steps: Vec<Vec<(&str, Vec<u64>, Vec<u8>)>> = vec![
+            vec![("a", vec![64, 64], a.clone()), ("b", vec![1024], bb.clone())],
+            // a unchanged; b reshaped (same bytes); c added
+            vec![("a", vec![64, 64], a.clone()), ("b", vec![32, 32], bb.clone()), ("c", vec![2048], cc.clone())],
+            // b removed; a grows; c changes a little
+            vec![("a", vec![128, 64], mk(8192, 1)), ("c", vec![2048], { let mut x = cc.clone(); x[10] ^= 1; x })],
+            // same set again: a steady-state sparse delta
+            vec![("a", vec![128, 64], { let mut x = mk(8192, 1); x[100] ^= 1; x }), ("c", vec![2048], cc.clone())],
+        ];
+        for (step, ts) in steps.iter().enumerate() {
+            let views: Vec<TensorView<'_>> = ts.iter().map(|(n, s, d)| TensorView::new(n, DType::BF16, s, d).unwrap()).collect();
+            let r = p.publish(step as u64, &views).unwrap_or_else(|e| panic!("{ctx}: step {step}: {e}"));
+            if step > 0 {
+                assert_eq!(r.outcome, Outcome::Delta, "{ctx}: step {step}");
+            }
+            p.flush().unwrap();
+            t.published.insert(step as u64, root_of(&views));
+        }
+        p.close().unwrap();
+        let s = scan(&b, &trust());
+        t.check(&s, &ctx);
+        assert_eq!(s.last_step(), Some(3));
+        assert_eq!(s.ready_deltas.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3]);
+        // The final state is the last tensor set, bit for bit.
+        let (_, last) = s.last.as_ref().unwrap();
+        let names: Vec<&str> = last.iter().map(|(m, _)| m.name.as_str()).collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        let rt = rt();
+        let (m2, _) = rt.block_on(StreamReader::new(b.clone(), trust()).delta(2)).unwrap();
+        assert!(ops::needs_rewrite(&m2.layout(), &rt.block_on(StreamReader::new(b.clone(), trust()).delta(1)).unwrap().0), "step 2 changes the layout");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backpressure
+
+/// Peak anonymous memory of this process so far is not measurable per publisher in a test
+/// binary that runs tests in parallel; instead the queue bound is checked directly.
+#[test]
+fn slow_store_coalesces_steps_and_the_final_state_arrives() {
+    for be in backends("backpressure", false) {
+        let ctx = be.name.clone();
+        let (faulty, b) = be.bucket();
+        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).with_queue_depth(2).with_anchor_every(1000).build().unwrap();
+        faulty.set_delay(Duration::from_millis(60));
+        let mut c = chain();
+        let mut t = Trainer::default();
+        let mut outcomes = vec![];
+        let mut max_queue = 0;
+        for step in 0..40u64 {
+            if step > 0 {
+                c.step();
+            }
+            let r = p.publish(step, &c.views()).unwrap();
+            if r.outcome != Outcome::Coalesced {
+                t.published.insert(step, root_of(&c.views()));
+            }
+            outcomes.push(r.outcome);
+            max_queue = max_queue.max(p.status().queue_depth);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let coalesced = outcomes.iter().filter(|o| **o == Outcome::Coalesced).count();
+        assert!(coalesced > 0, "{ctx}: a slow store coalesces: {outcomes:?}");
+        assert!(max_queue <= 2, "{ctx}: queue bounded at its depth, saw {max_queue}");
+        assert_eq!(p.status().coalesced, coalesced as u64);
+        faulty.set_delay(Duration::ZERO);
+        p.flush().unwrap();
+        // The trainer's newest weights may have been coalesced: one more publish after flush.
+        c.step();
+        let r = p.publish(40, &c.views()).unwrap();
+        assert_ne!(r.outcome, Outcome::Coalesced);
+        t.published.insert(40, root_of(&c.views()));
+        p.close().unwrap();
+        let s = scan(&b, &trust());
+        t.check(&s, &ctx);
+        assert_eq!(s.last_step(), Some(40), "{ctx}");
+        // Deltas skip the coalesced steps: each ready delta's base is the previous ready state.
+        let ready: Vec<u64> = s.roots.keys().copied().collect();
+        for (step, base) in &s.ready_deltas {
+            let prev = ready.iter().copied().filter(|x| x < step).max().unwrap();
+            assert_eq!(*base, prev, "{ctx}: delta {step}");
+        }
+        assert!(s.incomplete.is_empty(), "{ctx}: {s:?}");
+    }
+}
