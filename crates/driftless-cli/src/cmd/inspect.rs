@@ -4,11 +4,14 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use driftless_format::{container, delta, TrustSet};
 
-/// `driftless inspect DELTA [--json]`
+/// `driftless inspect DELTA [--json]` or `driftless inspect --bucket URL [--json]`
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// A delta file.
-    delta: PathBuf,
+    /// A delta file (omit with --bucket to describe a whole stream).
+    #[arg(required_unless_present = "bucket")]
+    delta: Option<PathBuf>,
+    #[command(flatten)]
+    bucket: Option<super::bucket::BucketArgs>,
     /// Trusted public key to verify the signature with; without one the signature is shown
     /// but not checked.
     #[arg(long)]
@@ -19,7 +22,10 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let bytes = std::fs::read(&a.delta).with_context(|| format!("reading {}", a.delta.display()))?;
+    let Some(path) = a.delta.as_deref() else {
+        return stream(&a);
+    };
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let verify = !a.trust.is_empty();
     let mut trust = TrustSet::new().allow_unsigned(!verify);
     for t in &a.trust {
@@ -107,4 +113,207 @@ fn report(a: &Args, segs: &[&[u8]], m: driftless_format::DeltaManifest, signer: 
         );
     }
     Ok(())
+}
+
+/// One step of the stream as `inspect --bucket` shows it.
+#[derive(serde::Serialize, Debug)]
+struct StepRow {
+    kind: &'static str,
+    step: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    base_step: Option<u64>,
+    /// Payload bytes in the bucket (segments, or anchor shards and files).
+    bytes: u64,
+    /// Dense BF16 size / delta bytes (deltas), dense size / stored size (anchors).
+    ratio: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    density: Option<f64>,
+    /// `verified` (signature by a --trust key), `unchecked` (no --trust), or the error.
+    manifest: String,
+}
+
+/// `inspect --bucket`: the chain at a glance.
+fn stream(a: &Args) -> Result<()> {
+    use driftless_format::StepKind;
+    use driftless_store::{layout, stream::StreamReader};
+    let b = a.bucket.as_ref().context("--bucket is required without a DELTA file")?;
+    let bucket = b.open()?;
+    let verify = !a.trust.is_empty();
+    let mut trust = TrustSet::new().allow_unsigned(true);
+    for t in &a.trust {
+        trust = trust.with_file(t)?;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async {
+        // Without keys, read signed documents without checking who signed them: a viewer.
+        let open = |bytes: &[u8]| -> Result<(Vec<u8>, Vec<String>)> {
+            let env: driftless_format::sign::Envelope = serde_json::from_slice(bytes).context("not an envelope")?;
+            let signers = env.signatures.iter().map(|s| s.key_id.clone()).collect();
+            if verify {
+                trust.open(bytes)?;
+            }
+            Ok((env.payload.into_bytes(), signers))
+        };
+        let desc = match bucket.get_limited(layout::STREAM, 1 << 20).await {
+            Ok(b) => {
+                let (p, signers) = open(&b)?;
+                Some((driftless_format::StreamDescriptor::from_slice(&p)?, signers))
+            }
+            Err(e) if e.is_not_found() => None,
+            Err(e) => return Err(e.into()),
+        };
+        let keys = bucket.list("").await?;
+        let mut dirs: BTreeMap<(u8, u64), (u64, usize)> = BTreeMap::new();
+        let mut ready: BTreeMap<(u8, u64), ()> = BTreeMap::new();
+        let mut other = 0usize;
+        let kid = |k: StepKind| if k == StepKind::Anchor { 1u8 } else { 0u8 };
+        for o in &keys {
+            match layout::parse_step_key(&o.key) {
+                Some((k, s, Some(_))) => {
+                    let e = dirs.entry((kid(k), s)).or_default();
+                    e.0 += o.size;
+                    e.1 += 1;
+                }
+                Some((k, s, None)) => {
+                    ready.insert((kid(k), s), ());
+                }
+                None if o.key == layout::STREAM || o.key == layout::LATEST => {}
+                None => other += 1,
+            }
+        }
+        let reader = StreamReader::new(bucket.clone(), if verify { trust.clone() } else { TrustSet::new().allow_unsigned(true) });
+        let mut rows = vec![];
+        for &(k, s) in ready.keys() {
+            let row = if k == 0 {
+                match read_delta(&reader, &bucket, verify, s).await {
+                    Ok((m, state)) => StepRow {
+                        kind: "delta",
+                        step: s,
+                        base_step: Some(m.base_step),
+                        bytes: m.payload_bytes(),
+                        ratio: m.stats.dense_bytes as f64 / m.payload_bytes().max(1) as f64,
+                        density: Some(m.stats.changed as f64 / m.stats.elements.max(1) as f64),
+                        manifest: state,
+                    },
+                    Err(e) => StepRow { kind: "delta", step: s, base_step: None, bytes: 0, ratio: 0.0, density: None, manifest: format!("{e:#}") },
+                }
+            } else {
+                match read_anchor(&reader, &bucket, verify, s).await {
+                    Ok((m, state)) => {
+                        let stored: u64 = m.objects.iter().map(|o| o.object.size).sum::<u64>() + m.files.iter().map(|f| f.size).sum::<u64>();
+                        let decoded: u64 = m.objects.iter().map(|o| o.decoded_size).sum();
+                        StepRow { kind: "anchor", step: s, base_step: None, bytes: stored, ratio: decoded as f64 / stored.max(1) as f64, density: None, manifest: state }
+                    }
+                    Err(e) => StepRow { kind: "anchor", step: s, base_step: None, bytes: 0, ratio: 0.0, density: None, manifest: format!("{e:#}") },
+                }
+            };
+            rows.push(row);
+        }
+        rows.sort_by_key(|r| (r.step, r.kind == "anchor"));
+        // Step directories without a ready marker: in flight, failed, or a crashed writer's
+        // leftovers (a lone delta manifest under an anchor-only step is the anchor's claim).
+        let mut incomplete = vec![];
+        for (&(k, s), &(bytes, objects)) in &dirs {
+            if ready.contains_key(&(k, s)) {
+                continue;
+            }
+            let kind = if k == 1 { "anchor" } else { "delta" };
+            let claim = k == 0 && objects == 1 && ready.contains_key(&(1, s));
+            incomplete.push(serde_json::json!({"kind": kind, "step": s, "objects": objects, "bytes": bytes, "claim": claim}));
+        }
+        let latest = match bucket.get_limited(layout::LATEST, 1 << 20).await {
+            Ok(b) => open(&b).ok().and_then(|(p, _)| driftless_format::LatestHint::from_slice(&p).ok()),
+            Err(_) => None,
+        };
+        let deltas = rows.iter().filter(|r| r.kind == "delta").count();
+        let anchors = rows.iter().filter(|r| r.kind == "anchor").count();
+        let delta_bytes: u64 = rows.iter().filter(|r| r.kind == "delta").map(|r| r.bytes).sum();
+        let signature = if verify { "verified against --trust keys" } else { "not checked (pass --trust KEY.pub)" };
+        if a.json {
+            let (id, keys_, created) = match &desc {
+                Some((d, _)) => (Some(d.stream_id.clone()), d.trusted_keys.clone(), Some(d.created_at_ms)),
+                None => (None, vec![], None),
+            };
+            println!("{}", serde_json::json!({"type": "stream", "data": {
+                "url": bucket.url(), "stream_id": id, "keys": keys_, "created_at_ms": created,
+                "signer": desc.as_ref().map(|d| d.1.clone()), "signature": signature,
+                "ready_deltas": deltas, "ready_anchors": anchors, "delta_bytes": delta_bytes,
+                "incomplete": incomplete.len(), "other_objects": other,
+                "latest": latest.as_ref().map(|l| serde_json::json!({"delta": l.delta, "anchor": l.anchor}))}}));
+            for r in &rows {
+                println!("{}", serde_json::json!({"type": "step", "data": r}));
+            }
+            for i in &incomplete {
+                println!("{}", serde_json::json!({"type": "incomplete", "data": i}));
+            }
+            return Ok(());
+        }
+        match &desc {
+            Some((d, signers)) => {
+                println!("stream {} at {}", d.stream_id, bucket.url());
+                println!("keys: {} (descriptor signed by {}; signatures {signature})", if d.trusted_keys.is_empty() { "none (unsigned stream)".into() } else { d.trusted_keys.join(", ") }, if signers.is_empty() { "nobody".into() } else { signers.join(", ") });
+            }
+            None => println!("no stream.json at {} ({} objects)", bucket.url(), keys.len()),
+        }
+        println!(
+            "{deltas} ready deltas ({:.2} MiB), {anchors} ready anchors, {} incomplete step directories{}",
+            delta_bytes as f64 / (1 << 20) as f64,
+            incomplete.len(),
+            if other > 0 { format!(", {other} objects outside the layout") } else { String::new() }
+        );
+        if let Some(l) = &latest {
+            println!("latest.json: delta {:?}, anchor {:?}", l.delta, l.anchor);
+        }
+        println!("{:<7} {:>12} {:>8} {:>14} {:>9} {:>9}  manifest", "kind", "step", "base", "bytes", "ratio", "density");
+        for r in &rows {
+            println!(
+                "{:<7} {:>12} {:>8} {:>14} {:>8.1}x {:>9}  {}",
+                r.kind,
+                r.step,
+                r.base_step.map(|b| b.to_string()).unwrap_or_else(|| "-".into()),
+                r.bytes,
+                r.ratio,
+                r.density.map(|d| format!("{:.3}%", 100.0 * d)).unwrap_or_else(|| "-".into()),
+                r.manifest
+            );
+        }
+        for i in &incomplete {
+            println!(
+                "incomplete {:<7} {:>12} {:>3} objects {:>12} bytes{}",
+                i["kind"].as_str().unwrap_or(""),
+                i["step"],
+                i["objects"],
+                i["bytes"],
+                if i["claim"].as_bool() == Some(true) { " (claim of an anchor-only step)" } else { "" }
+            );
+        }
+        Ok(())
+    })
+}
+
+/// Payload of a ready step's manifest. With keys: the verified reader. Without: the marker's
+/// SHA-256 pin is still checked, the signature is not.
+async fn manifest_payload(r: &driftless_store::stream::StreamReader, b: &driftless_store::Bucket, kind: driftless_format::StepKind, step: u64) -> Result<Vec<u8>> {
+    use driftless_store::layout;
+    let marker = r.marker(kind, step).await?;
+    let bytes = b.get_limited(&layout::manifest(kind, step), driftless_format::manifest::MAX_MANIFEST_BYTES as u64).await?;
+    anyhow::ensure!(driftless_format::Digest::of(&bytes) == marker.manifest_sha256, "manifest does not match the SHA-256 in its ready marker");
+    let env: driftless_format::sign::Envelope = serde_json::from_slice(&bytes).context("manifest is not an envelope")?;
+    Ok(env.payload.into_bytes())
+}
+
+async fn read_delta(r: &driftless_store::stream::StreamReader, b: &driftless_store::Bucket, verify: bool, step: u64) -> Result<(driftless_format::DeltaManifest, String)> {
+    if verify {
+        return Ok((r.delta(step).await?.0, "verified".into()));
+    }
+    let p = manifest_payload(r, b, driftless_format::StepKind::Delta, step).await?;
+    Ok((driftless_format::DeltaManifest::from_slice(&p)?, "unchecked".into()))
+}
+
+async fn read_anchor(r: &driftless_store::stream::StreamReader, b: &driftless_store::Bucket, verify: bool, step: u64) -> Result<(driftless_format::AnchorManifest, String)> {
+    if verify {
+        return Ok((r.anchor(step).await?.0, "verified".into()));
+    }
+    let p = manifest_payload(r, b, driftless_format::StepKind::Anchor, step).await?;
+    Ok((driftless_format::AnchorManifest::from_slice(&p)?, "unchecked".into()))
 }

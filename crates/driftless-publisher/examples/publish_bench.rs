@@ -1,0 +1,165 @@
+//! Publisher latency and memory on a large model, next to a plain full upload.
+//!
+//! ```text
+//! cargo run --release -p driftless-publisher --example publish_bench -- [--mb 1024] [--lr 4e-7] [--steps 5]
+//! ```
+//!
+//! For each bucket (`file://` in a temp dir, and SeaweedFS when `DRIFTLESS_TEST_S3_SEAWEED` is
+//! set, as `.ci/services.sh` exports it) it prints, on one generated RL chain (Adam, BF16 view):
+//! - the time to upload the full BF16 checkpoint as one object (the baseline),
+//! - the first publish (anchor only) and the time until its anchor is ready,
+//! - per delta step: the time `publish()` takes to return, and to delta-ready (`flush()`),
+//!   with the delta's size and density,
+//! - the publisher's memory: peak anonymous RSS above the trainer's own (sampled every 2 ms),
+//!   and peak file-backed RSS (the anchor's spool maps), both relative to the model size.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use driftless_format::gen::{ModelSpec, RlChain};
+use driftless_format::{Keypair, Layout};
+use driftless_publisher::PublisherBuilder;
+use driftless_store::{Bucket, StoreOptions};
+
+fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let a: Vec<String> = std::env::args().collect();
+    a.iter().position(|x| x == name).and_then(|i| a.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// (RssAnon, RssFile) in bytes from /proc/self/status.
+fn rss() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |k: &str| {
+        s.lines().find(|l| l.starts_with(k)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 1024
+    };
+    (field("RssAnon:"), field("RssFile:"))
+}
+
+struct Sampler {
+    stop: Arc<AtomicBool>,
+    anon: Arc<AtomicU64>,
+    file: Arc<AtomicU64>,
+    h: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Sampler {
+    fn start() -> Sampler {
+        let (stop, anon, file) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (s, a, f) = (stop.clone(), anon.clone(), file.clone());
+        let h = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let (x, y) = rss();
+                a.fetch_max(x, Ordering::Relaxed);
+                f.fetch_max(y, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+        Sampler { stop, anon, file, h: Some(h) }
+    }
+    fn finish(mut self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.h.take().unwrap().join().unwrap();
+        (self.anon.load(Ordering::Relaxed), self.file.load(Ordering::Relaxed))
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mb: u64 = arg("--mb", 1024);
+    let lr: f32 = arg("--lr", 4e-7);
+    let steps: u64 = arg("--steps", 5);
+    let t = Instant::now();
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(mb << 20), lr, 1);
+    let model = chain.bytes();
+    eprintln!("model: {:.1} MiB of BF16 in {} tensors (generated in {:.1}s)", model as f64 / (1 << 20) as f64, chain.metas().len(), t.elapsed().as_secs_f64());
+    let tmp = tempfile::tempdir()?;
+    let mut targets: Vec<(String, Bucket)> = vec![];
+    let url = format!("file://{}", tmp.path().join("bucket").display());
+    targets.push(("file://".into(), Bucket::open(&url, &StoreOptions::default())?));
+    if let Ok(spec) = std::env::var("DRIFTLESS_TEST_S3_SEAWEED") {
+        let mut it = spec.split_whitespace();
+        let (endpoint, bucket) = (it.next().unwrap_or_default().to_string(), it.next().unwrap_or_default().to_string());
+        let o = StoreOptions::default().with_endpoint(endpoint).with_allow_http(true).with_region("us-east-1").with_path_style(true);
+        let url = format!("s3://{bucket}/publish-bench-{}", std::process::id());
+        targets.push(("S3 (SeaweedFS, loopback)".into(), Bucket::open(&url, &o)?));
+    }
+    let key = Keypair::generate();
+    println!("| bucket | full upload (baseline) | first publish -> return | anchor ready | delta publish() -> return | publish -> delta-ready | delta size | density | ratio vs full upload |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut mem_report = None;
+    for (name, bucket) in targets {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        // Baseline: the full checkpoint (safetensors bytes) as one object in the same bucket.
+        let layout = Layout::for_tensors(chain.metas(), u64::MAX)?;
+        let (header, _) = Layout::shard_header(&layout.shards[0])?;
+        let mut full = Vec::with_capacity(header.len() + model as usize);
+        full.extend_from_slice(&header);
+        for v in chain.views() {
+            full.extend_from_slice(v.data);
+        }
+        let full = bytes::Bytes::from(full);
+        let t = Instant::now();
+        rt.block_on(bucket.put("baseline/model.safetensors", full.clone()))?;
+        let full_secs = t.elapsed().as_secs_f64();
+        drop(full);
+        rt.block_on(bucket.delete("baseline/model.safetensors"))?;
+        drop(rt);
+
+        let spool = tempfile::tempdir()?;
+        let (anon0, file0) = rss();
+        let sampler = Sampler::start();
+        let mut p = PublisherBuilder::new("unused")
+            .with_bucket(bucket.clone())
+            .with_key(key.clone())
+            .with_new_stream(true)
+            .with_anchor_every(1000)
+            .with_anchor_chain_fraction(1e9)
+            .with_spool_dir(spool.path())
+            .build()?;
+        let first = p.next_step();
+        let t = Instant::now();
+        p.publish(first, &chain.views())?;
+        let anchor_ret = t.elapsed().as_secs_f64();
+        p.flush()?;
+        let anchor_ready = t.elapsed().as_secs_f64();
+        let (mut ret, mut ready, mut sizes, mut dens) = (vec![], vec![], vec![], vec![]);
+        for s in 1..=steps {
+            chain.step();
+            let t = Instant::now();
+            let r = p.publish(first + s, &chain.views())?;
+            ret.push(t.elapsed().as_secs_f64());
+            p.flush()?;
+            ready.push(t.elapsed().as_secs_f64());
+            sizes.push(r.delta_bytes as f64);
+            dens.push(r.density);
+        }
+        p.close()?;
+        let (anon1, file1) = sampler.finish();
+        if mem_report.is_none() {
+            mem_report = Some((anon1.saturating_sub(anon0), file1.saturating_sub(file0)));
+        }
+        let (r, d) = (median(ret), median(ready));
+        println!(
+            "| {name} | {full_secs:.2} s | {anchor_ret:.2} s | {anchor_ready:.2} s | {r:.3} s (median of {steps}) | {d:.3} s | {:.2} MiB | {:.2}% | {:.1}x faster to ready |",
+            median(sizes) / (1 << 20) as f64,
+            100.0 * median(dens),
+            full_secs / d
+        );
+    }
+    if let Some((anon, file)) = mem_report {
+        println!();
+        println!(
+            "publisher memory over the trainer's (file:// run, anchor + {steps} deltas): peak anonymous RSS +{:.0} MiB = {:.3}x the model; peak file-backed RSS (spool maps) +{:.0} MiB = {:.3}x",
+            anon as f64 / (1 << 20) as f64,
+            anon as f64 / model as f64,
+            file as f64 / (1 << 20) as f64,
+            file as f64 / model as f64
+        );
+    }
+    Ok(())
+}
