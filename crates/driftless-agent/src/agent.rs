@@ -598,9 +598,11 @@ impl Agent {
             let mut ck = CheckpointMut::open(&cur)?;
             {
                 let tm = ck.tensors_mut();
+                // The records are already in the journal file: replay them without journaling
+                // again, then journal only the segments applied now.
+                ops::Applier::new(&tm, &m2, None).replay(&rec.records)?;
                 let j = Journal::reopen(&jp, rec.valid_len)?;
                 let ap = ops::Applier::new(&tm, &m2, Some(j));
-                ap.replay(&rec.records)?;
                 for (i, s) in segs.iter().enumerate() {
                     if let Some(b) = s {
                         ap.apply(i, b)?;

@@ -90,19 +90,31 @@ fn agent_survives_sigkill_loop() {
             step += 1;
             publish(&chain, step);
         }
-        let mut child = agent().stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+        let log = std::fs::File::create(p(&format!("agent-{i}.log"))).unwrap();
+        let mut child = agent().env("DRIFTLESS_LOG", "info").stdout(std::process::Stdio::null()).stderr(log).spawn().unwrap();
         seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         std::thread::sleep(std::time::Duration::from_micros((seed >> 33) % 60_000));
         let _ = child.kill();
         let _ = child.wait();
         // Zero unverified serves: whenever the state says "step s, root r" and no apply is in
         // flight, the directory hashes to r.
-        let s: serde_json::Value = serde_json::from_slice(&std::fs::read(p("agent/state.json")).unwrap()).unwrap();
+        let Ok(state) = std::fs::read(p("agent/state.json")) else {
+            let logs: Vec<String> = (i.saturating_sub(2)..=i).map(|k| std::fs::read_to_string(p(&format!("agent-{k}.log"))).unwrap_or_default()).collect();
+            panic!("iteration {i}: state.json vanished; last agent logs:\n{}", logs.join("\n----\n"));
+        };
+        let s: serde_json::Value = serde_json::from_slice(&state).unwrap();
         if s["applying"].is_null() {
             let (_, root) = driftless_format::weights_root(&Checkpoint::open(p("agent/current")).unwrap().views());
             assert_eq!(s["root"].as_str().unwrap(), root.to_hex(), "iteration {i}: state names bytes the directory does not hold");
         }
     }
+    // The loop must actually have interrupted applies, or it proves nothing.
+    let logs: String = (0..iterations).map(|k| std::fs::read_to_string(p(&format!("agent-{k}.log"))).unwrap_or_default()).collect();
+    let recoveries = logs.matches("finished interrupted apply").count();
+    let anchors = logs.matches("anchor loaded").count();
+    eprintln!("{iterations} kills: {recoveries} interrupted applies finished on restart, {anchors} anchor downloads");
+    assert!(recoveries > 0, "no kill landed inside an apply");
+    assert_eq!(anchors, 0, "recovery from local state must not download an anchor");
     let o = agent().output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();

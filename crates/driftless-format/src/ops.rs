@@ -136,8 +136,13 @@ impl<'t, 'a> Applier<'t, 'a> {
     /// the journal file (reopen it with [`Journal::reopen`]), so a crash during replay replays
     /// again.
     pub fn replay(&self, records: &[(u32, Vec<u8>)]) -> Result<Vec<u32>> {
-        let mut done = vec![];
+        let mut done: Vec<u32> = vec![];
         for (i, rec) in records {
+            // A journal reopened after an earlier recovery can hold a segment's record twice;
+            // the first complete one is enough (they are identical overwrites).
+            if done.contains(i) {
+                continue;
+            }
             let seg = delta::decode_segment(rec, rec.len() as u64)?;
             if seg.mode != ValueMode::Overwrite {
                 return Err(Error::corrupt("journal", "redo record is not in overwrite form"));
