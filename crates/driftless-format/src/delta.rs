@@ -256,9 +256,9 @@ pub(crate) fn from_planes(planes: &[u8], w: usize, dst: &mut [u8]) {
 /// Scans one chunk for changed elements. Returns `None` when the sparse form would be larger
 /// than the dense one (the caller then stores the chunk dense).
 ///
-/// The scan works on blocks of 32 elements: a branch-free compare builds a 32-bit mask of
-/// changed lanes (LLVM turns it into vector compares and a movemask), and only set bits are
-/// visited. Unchanged blocks cost one compare per element and nothing else.
+/// The scan works on blocks of 32 elements: the block is XORed as u64 words (vectorized),
+/// unchanged blocks are skipped after that one pass, and in changed blocks only the lanes of
+/// nonzero words are visited.
 fn diff_chunk<T: Word>(old: &[u8], new: &[u8], mode: ValueMode) -> Option<(u64, Vec<u8>, Vec<u8>)> {
     let w = T::W;
     let dense = new.len();
@@ -283,20 +283,31 @@ fn diff_chunk<T: Word>(old: &[u8], new: &[u8], mode: ValueMode) -> Option<(u64, 
         }
     };
     let full = n_elems / LANES;
+    let lane_bits = w * 8;
+    let lane_mask: u64 = if w == 8 { u64::MAX } else { (1u64 << lane_bits) - 1 };
     for blk in 0..full {
         let o = &old[blk * block..(blk + 1) * block];
         let nw = &new[blk * block..(blk + 1) * block];
-        let mut mask: u32 = 0;
-        for i in 0..LANES {
-            mask |= ((T::load(&o[i * w..]) != T::load(&nw[i * w..])) as u32) << i;
+        // XOR the block as u64 words and OR them together: one vectorizable pass decides that
+        // most blocks are unchanged. Only words with a nonzero XOR are looked at lane by lane.
+        let mut any = 0u64;
+        for (a, b) in o.chunks_exact(8).zip(nw.chunks_exact(8)) {
+            any |= u64::from_le_bytes(a.try_into().expect("8")) ^ u64::from_le_bytes(b.try_into().expect("8"));
         }
-        if mask == 0 {
+        if any == 0 {
             continue;
         }
-        while mask != 0 {
-            let i = mask.trailing_zeros() as usize;
-            mask &= mask - 1;
-            emit(blk * LANES + i, T::load(&o[i * w..]), T::load(&nw[i * w..]), &mut pos, &mut vals);
+        for (k, (a, b)) in o.chunks_exact(8).zip(nw.chunks_exact(8)).enumerate() {
+            let x = u64::from_le_bytes(a.try_into().expect("8")) ^ u64::from_le_bytes(b.try_into().expect("8"));
+            if x == 0 {
+                continue;
+            }
+            for l in 0..8 / w {
+                if (x >> (l * lane_bits)) & lane_mask != 0 {
+                    let at = k * 8 + l * w;
+                    emit(blk * LANES + at / w, T::load(&o[at..]), T::load(&nw[at..]), &mut pos, &mut vals);
+                }
+            }
         }
         if pos.len() + vals.len() >= dense {
             return None;
@@ -499,6 +510,31 @@ pub struct DecodedSegment {
     pub entries: Vec<EntryInfo>,
     positions: Vec<u8>,
     values: Vec<u8>,
+}
+
+impl DecodedSegment {
+    /// Element indices (counted from the tensor's first element) that entry `i` writes: the
+    /// whole range of a dense entry, the changed elements of a sparse one. For callers that
+    /// scatter new values into tensors of their own (the Python binding's `iter_patches`).
+    pub fn entry_indices(&self, i: usize) -> Result<Vec<u64>> {
+        let e = self.entries.get(i).ok_or_else(|| bad("entry index out of range"))?;
+        if e.dense {
+            return Ok((e.start..e.start + e.len).collect());
+        }
+        let pos = &self.positions[e.pos.clone()];
+        let mut out = Vec::with_capacity(e.count as usize);
+        let (mut pp, mut next) = (0usize, 0u64);
+        for _ in 0..e.count {
+            let gap = varint::get(pos, &mut pp)?;
+            let idx = next.checked_add(gap).filter(|&x| x < e.len).ok_or_else(|| bad("position out of range"))?;
+            next = idx + 1;
+            out.push(e.start + idx);
+        }
+        if pp != pos.len() {
+            return Err(bad("entry has trailing position bytes"));
+        }
+        Ok(out)
+    }
 }
 
 fn bad(d: impl Into<String>) -> Error {

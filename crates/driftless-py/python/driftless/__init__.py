@@ -1,0 +1,237 @@
+"""driftless: ship RL policy weights from a trainer to inference workers as signed,
+bit-exact sparse deltas through object storage.
+
+Trainer side::
+
+    with driftless.Publisher("s3://bucket/run-7", signing_key="key.pem") as pub:
+        for step in range(steps):
+            train_step()
+            pub.publish(step, {"model.embed_tokens.weight": bf16_array, ...})
+
+Inference side::
+
+    f = driftless.Follower("s3://bucket/run-7", trusted_keys=["key.pub.pem"])
+    f.apply_to(my_arrays)      # in place, weights root verified
+
+The heavy work runs in Rust with the GIL released. Tensors are borrowed, not copied: anything
+exposing the buffer protocol (NumPy, including ``ml_dtypes.bfloat16``) or ``__dlpack__``
+(PyTorch CPU tensors, JAX, NumPy) that is C-contiguous and in CPU memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+
+from . import _native
+from .errors import (
+    ClosedError,
+    CorruptError,
+    DriftlessError,
+    InvalidInputError,
+    LayoutChangedError,
+    NothingReadyError,
+    RetryableError,
+    UntrustedError,
+    WrongBaseError,
+)
+
+__version__ = _native.__version__
+
+generate_key = _native.generate_key
+public_key = _native.public_key
+
+
+class Publisher(_native.Publisher):
+    """Publishes the weights of successive training steps to a stream in a bucket.
+
+    Args:
+        bucket_url: ``s3://bucket/prefix``, ``gs://...``, ``az://...``, ``hf://buckets/...``,
+            ``file:///abs/dir`` or ``memory://name``.
+        signing_key: Ed25519 private key, PKCS#8 PEM text or a path to a PEM file
+            (``driftless keygen`` or :func:`generate_key` makes one). ``None`` publishes an
+            unsigned stream that followers only read with ``allow_unsigned=True``.
+        anchor_every: a full checkpoint (anchor) every this many steps (default 50); anchors
+            are also written early when the deltas since the last one grow large.
+        queue_depth: steps waiting for upload before further steps are coalesced (skipped:
+            the next delta then covers them) instead of blocking the trainer (default 4).
+        new_stream: create the stream even when the prefix holds other objects.
+        endpoint, allow_http, region: S3-compatible server settings (else the usual
+            ``AWS_*`` environment variables apply).
+        takeover: continue a stream signed by another key, re-signing its descriptor.
+        max_retries, retry_timeout: per-request retry budget (defaults 5 and 60 s).
+        spool_dir: directory for anchor spool files (default: the system temp dir).
+        value_mode: ``"ulp"`` (default, smallest) or ``"overwrite"``.
+        max_shard_bytes: largest shard file of the checkpoint layout (default 2 GiB).
+
+    ``publish`` returns once the step is diffed and encoded; uploads run on background
+    threads. Use as a context manager, or call :meth:`close`, so the last steps are uploaded.
+    """
+
+    def publish(self, step: int, tensors: Mapping[str, Any]) -> Dict[str, Any]:
+        """Publishes the weights of ``step`` (strictly increasing).
+
+        ``tensors`` maps checkpoint names to C-contiguous CPU arrays (buffer protocol or
+        ``__dlpack__``). They are read in place, without a copy, with the GIL released; do not
+        modify them until the call returns. The tensor set may change between steps (new or
+        reshaped tensors travel dense). The order of the mapping is the checkpoint's order.
+
+        Returns a receipt: ``step``, ``outcome`` (``"delta"``, ``"delta_and_anchor"``,
+        ``"anchor"``, or ``"coalesced"`` when uploads are behind), ``delta_bytes``,
+        ``ratio`` (dense/delta bytes), ``density`` (changed fraction), ``encode_secs``.
+
+        Raises TypeError (not an array, unsupported dtype), ValueError (non-contiguous, not on
+        the CPU), InvalidInputError (step not after the last one, bad names), ClosedError.
+        """
+        return super().publish(step, tensors)
+
+    def flush(self) -> None:
+        """Blocks until every queued step and anchor is in the bucket. Raises
+        :class:`RetryableError` when a background upload failed since the last flush (the
+        stream recovers with an anchor at the next publish)."""
+        return super().flush()
+
+    def close(self) -> None:
+        """Flushes, then stops the uploader. Idempotent; ``publish`` afterwards raises
+        :class:`ClosedError`."""
+        return super().close()
+
+    def status(self) -> Dict[str, Any]:
+        """Counters: ``stream_id``, ``last_published``, ``next_step``, ``last_delta_ready``,
+        ``last_anchor_ready``, ``queue_depth``, ``anchors_in_flight``, ``bytes_uploaded``,
+        ``coalesced``, ``failures``, ``last_error``, ``last_ratio``."""
+        return super().status()
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Do not mask the body's exception with an upload error.
+            try:
+                self.close()
+            except DriftlessError:
+                pass
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<driftless.Publisher closed>"
+        s = self.status()
+        return f"<driftless.Publisher stream={s['stream_id']} last_published={s['last_published']}>"
+
+
+class Follower(_native.Follower):
+    """Follows a stream from the inference side.
+
+    Args:
+        bucket_url: the stream's URL, as given to the :class:`Publisher`.
+        trusted_keys: public keys (SPKI PEM text or paths) whose signatures are accepted.
+        allow_unsigned: accept an unsigned stream (no ``trusted_keys`` needed).
+        endpoint, allow_http, region, max_retries, retry_timeout: as for :class:`Publisher`.
+
+    Three ways to consume the stream:
+
+    - :meth:`sync_dir`: a Hugging Face checkpoint directory kept on the newest step (what
+      ``driftless agent --once`` does), for engines that reload from disk.
+    - :meth:`apply_to`: CPU arrays you own, patched in place.
+    - :meth:`iter_patches`: (name, positions, values) per tensor, for engines that scatter the
+      changed elements into GPU memory themselves.
+    """
+
+    def poll(self) -> Optional[int]:
+        """The newest step with a ready marker, or None when the stream is empty."""
+        return super().poll()
+
+    def sync_dir(self, path: str) -> Dict[str, Any]:
+        """Brings the checkpoint directory under ``path`` (``path/current``) to the newest
+        step, verified. Returns ``step``, ``root`` (hex), ``route`` (``"up_to_date"``,
+        ``"fast"``, ``"catchup"``, ``"anchor"``), ``bytes``, ``deltas`` and ``path`` (the
+        checkpoint directory to load)."""
+        return super().sync_dir(str(path))
+
+    def apply_to(self, tensors: Mapping[str, Any], step: Optional[int] = None) -> Dict[str, Any]:
+        """Brings caller-owned CPU arrays to ``step`` (default: the newest reachable) in place.
+
+        The Follower remembers the step and weights root of the arrays it last verified. The
+        first call (or after :meth:`reset`, or with arrays of another shape) loads the newest
+        anchor into them and applies the deltas after it; later calls apply only the deltas
+        since. The weights root of the result is checked before returning, so a call that
+        returns has produced exactly the publisher's bits.
+
+        On failure the arrays may be partially modified: the exception says so by existing
+        (a download or signature failure before the first write leaves them untouched and
+        still tracked; any failure after the first write forgets their step, so the next call
+        reloads an anchor). You never get a silently wrong result.
+
+        Returns ``step``, ``root``, ``route`` (``"up_to_date"``, ``"fast"``, ``"catchup"``,
+        ``"anchor"``), ``bytes`` downloaded, ``deltas`` applied.
+
+        Raises :class:`NothingReadyError` when nothing is reachable yet,
+        :class:`InvalidInputError` when the arrays are not the stream's tensors (names, dtypes,
+        shapes), :class:`LayoutChangedError` when the stream's tensor set changed,
+        :class:`CorruptError` / :class:`UntrustedError` / :class:`WrongBaseError` on bad data,
+        :class:`RetryableError` on storage trouble.
+        """
+        return super().apply_to(tensors, step)
+
+    def iter_patches(self, step: Optional[int] = None) -> Iterator[Tuple[str, Optional[Any], Any]]:
+        """Advances the Follower's host mirror to ``step`` (default newest) and yields
+        ``(name, positions, values)`` per changed tensor.
+
+        ``positions`` is an ``int64`` array of flat element indices, ``values`` the new raw bit
+        patterns at those indices (``uint16`` for BF16/F16, ``uint8``/``uint32``/``uint64`` by
+        width): ``flat_view_as_uint16[positions] = values``. On the first call (and when the
+        route needs an anchor) every tensor is yielded whole with ``positions=None`` and
+        ``values`` shaped like the tensor.
+
+        Everything is applied to the mirror and its weights root verified *before* the first
+        patch is yielded, so a consumer never scatters unverified data. The mirror costs one
+        host copy of the model. Nothing is yielded when already up to date. After the
+        iterator ends, :attr:`patch_step` is the step the patches lead to.
+        """
+        import numpy as np
+
+        r = self._patches(step)
+        if r is None:
+            return
+        _step, _root, patches = r
+        for name, dtype, shape, pos, vals in patches:
+            width = _WIDTH[dtype]
+            v = np.frombuffer(vals, dtype=_UINT[width])
+            if pos is None:
+                yield name, None, v.reshape(tuple(shape))
+            else:
+                yield name, np.frombuffer(pos, dtype="<i8"), v
+
+    def reset(self) -> None:
+        """Forgets the step of the arrays given to :meth:`apply_to` and the patch mirror."""
+        return super().reset()
+
+    def __repr__(self) -> str:
+        return f"<driftless.Follower applied_step={self.applied_step} patch_step={self.patch_step}>"
+
+
+_WIDTH = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "F64": 8, "I64": 8, "U64": 8,
+}
+_UINT = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+__all__ = [
+    "Publisher",
+    "Follower",
+    "generate_key",
+    "public_key",
+    "DriftlessError",
+    "RetryableError",
+    "NothingReadyError",
+    "CorruptError",
+    "UntrustedError",
+    "WrongBaseError",
+    "InvalidInputError",
+    "ClosedError",
+    "LayoutChangedError",
+]

@@ -1,0 +1,147 @@
+//! Rust errors to Python exceptions. The exception classes live in `driftless/errors.py` (so
+//! they can inherit from both `DriftlessError` and a builtin such as `ValueError`); this module
+//! picks the class from the error's kind, never from its text.
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+/// Every failure of the binding, kept typed until it crosses into Python.
+#[derive(Debug)]
+pub(crate) enum BindError {
+    Format(driftless_format::Error),
+    Store(driftless_store::Error),
+    Stream(driftless_store::stream::StreamError),
+    Publisher(driftless_publisher::Error),
+    Agent(driftless_agent::Error),
+    /// The stream changed its tensor set: caller-owned arrays cannot follow in place.
+    LayoutChanged { step: u64, detail: String },
+    /// Nothing reachable yet.
+    NothingReady(String),
+    /// Bad arguments.
+    Input(String),
+}
+
+impl From<driftless_format::Error> for BindError {
+    fn from(e: driftless_format::Error) -> Self {
+        BindError::Format(e)
+    }
+}
+impl From<driftless_store::Error> for BindError {
+    fn from(e: driftless_store::Error) -> Self {
+        BindError::Store(e)
+    }
+}
+impl From<driftless_store::stream::StreamError> for BindError {
+    fn from(e: driftless_store::stream::StreamError) -> Self {
+        BindError::Stream(e)
+    }
+}
+impl From<driftless_publisher::Error> for BindError {
+    fn from(e: driftless_publisher::Error) -> Self {
+        BindError::Publisher(e)
+    }
+}
+impl From<driftless_agent::Error> for BindError {
+    fn from(e: driftless_agent::Error) -> Self {
+        BindError::Agent(e)
+    }
+}
+
+pub(crate) type BindResult<T> = Result<T, BindError>;
+
+fn format_class(e: &driftless_format::Error) -> &'static str {
+    use driftless_format::ErrorKind as K;
+    match e.kind() {
+        K::Io => "RetryableError",
+        K::Corrupt => "CorruptError",
+        K::Untrusted => "UntrustedError",
+        K::WrongBase => "WrongBaseError",
+        K::InvalidInput => "InvalidInputError",
+        _ => "DriftlessError",
+    }
+}
+
+fn store_class(e: &driftless_store::Error) -> &'static str {
+    use driftless_store::Error as E;
+    if e.is_retryable() {
+        return "RetryableError";
+    }
+    match e {
+        E::InvalidUrl(_) | E::InvalidKey { .. } => "InvalidInputError",
+        _ => "DriftlessError",
+    }
+}
+
+fn stream_class(e: &driftless_store::stream::StreamError) -> &'static str {
+    use driftless_store::stream::StreamError as S;
+    match e {
+        S::Format(f) => format_class(f),
+        // A missing object under a listing is eventual consistency or a GC race.
+        S::Store(s) if s.is_not_found() => "RetryableError",
+        S::Store(s) => store_class(s),
+        _ if e.is_retryable() => "RetryableError",
+        _ => "DriftlessError",
+    }
+}
+
+impl BindError {
+    fn class_and_message(&self) -> (&'static str, String) {
+        use driftless_agent::Error as A;
+        use driftless_publisher::Error as P;
+        match self {
+            BindError::Format(e) => (format_class(e), e.to_string()),
+            BindError::Store(e) => (store_class(e), e.to_string()),
+            BindError::Stream(e) => (stream_class(e), e.to_string()),
+            BindError::Publisher(e) => {
+                let class = match e {
+                    P::Format(f) => format_class(f),
+                    P::Store(s) => store_class(s),
+                    P::Stream(s) => stream_class(s),
+                    P::Closed => "ClosedError",
+                    P::StepOrder { .. } => "InvalidInputError",
+                    _ if e.is_retryable() => "RetryableError",
+                    _ => "DriftlessError",
+                };
+                (class, e.to_string())
+            }
+            BindError::Agent(e) => {
+                let class = match e {
+                    A::Format(f) => format_class(f),
+                    A::Store(s) => store_class(s),
+                    A::Stream(s) => stream_class(s),
+                    A::NothingReady => "NothingReadyError",
+                    _ if e.is_retryable() => "RetryableError",
+                    _ => "DriftlessError",
+                };
+                (class, e.to_string())
+            }
+            BindError::LayoutChanged { step, detail } => {
+                ("LayoutChangedError", format!("the tensor set changed at step {step}: {detail}"))
+            }
+            BindError::NothingReady(m) => ("NothingReadyError", m.clone()),
+            BindError::Input(m) => ("InvalidInputError", m.clone()),
+        }
+    }
+}
+
+/// The exception class `name` of `driftless.errors`.
+fn class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
+    let m = py.import("driftless.errors")?;
+    Ok(m.getattr(name)?.downcast_into::<PyType>()?)
+}
+
+impl From<BindError> for PyErr {
+    fn from(e: BindError) -> PyErr {
+        let (name, msg) = e.class_and_message();
+        Python::with_gil(|py| match class(py, name) {
+            Ok(c) => PyErr::from_type(c, msg),
+            Err(_) => PyRuntimeError::new_err(format!("{name}: {msg}")),
+        })
+    }
+}
+
+/// `InvalidInputError(msg)` (a `ValueError`).
+pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
+    BindError::Input(msg.into()).into()
+}

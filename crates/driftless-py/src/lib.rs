@@ -1,0 +1,63 @@
+//! Python bindings of driftless (`driftless._native`). The Python package `driftless` wraps
+//! these classes; see `python/driftless/__init__.py` for the documented API.
+//!
+//! Every call that touches tensor memory or the network releases the GIL. Tensor memory is
+//! borrowed (buffer protocol or DLPack), never copied by the binding.
+
+mod errors;
+mod follower;
+mod publisher;
+mod tensors;
+
+use driftless_store::StoreOptions;
+use pyo3::prelude::*;
+
+/// Store options from the keyword arguments both classes take.
+pub(crate) fn store_options(
+    endpoint: Option<String>,
+    allow_http: bool,
+    region: Option<String>,
+    max_retries: Option<usize>,
+    retry_timeout: Option<f64>,
+) -> PyResult<StoreOptions> {
+    let mut o = StoreOptions::new().with_allow_http(allow_http);
+    if let Some(e) = endpoint {
+        o = o.with_endpoint(e);
+    }
+    if let Some(r) = region {
+        o = o.with_region(r);
+    }
+    if let Some(n) = max_retries {
+        o = o.with_max_retries(n);
+    }
+    if let Some(t) = retry_timeout {
+        o = o.with_retry_timeout(publisher::secs(t)?);
+    }
+    Ok(o)
+}
+
+/// Generates a signing key: returns `(private_pkcs8_pem, public_spki_pem, key_id)`.
+#[pyfunction]
+fn generate_key() -> PyResult<(String, String, String)> {
+    let k = driftless_format::Keypair::generate();
+    let private = k.to_pem().map_err(errors::BindError::from)?;
+    let public = k.public_pem().map_err(errors::BindError::from)?;
+    Ok((private, public, k.id().to_string()))
+}
+
+/// Public key (SPKI PEM) of a private key given as PEM text or a path.
+#[pyfunction]
+fn public_key(signing_key: &str) -> PyResult<String> {
+    let k = publisher::read_key(signing_key)?;
+    Ok(k.public_pem().map_err(errors::BindError::from)?)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<publisher::PyPublisher>()?;
+    m.add_class::<follower::PyFollower>()?;
+    m.add_function(wrap_pyfunction!(generate_key, m)?)?;
+    m.add_function(wrap_pyfunction!(public_key, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

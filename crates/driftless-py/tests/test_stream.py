@@ -1,0 +1,136 @@
+"""A NumPy trainer publishes 20 steps; followers reproduce every step bit for bit, through
+apply_to (caller-owned arrays), iter_patches (scatter themselves) and sync_dir (a checkpoint
+directory read back with the safetensors package)."""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+import safetensors
+
+import driftless
+from conftest import BF16, SimTrainer, bits
+
+
+def load_dir_raw(path):
+    """{name: (dtype, shape, bytes)} of every safetensors file under path (safetensors'
+    NumPy loader has no BF16; deserialize gives raw bytes)."""
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with open(f, "rb") as fh:
+            for name, t in safetensors.deserialize(fh.read()):
+                out[name] = (t["dtype"], tuple(t["shape"]), bytes(t["data"]))
+    return out
+
+
+def test_twenty_steps_bit_exact(bucket, keys, tmp_path):
+    url, kw = bucket
+    private, public = keys
+    tr = SimTrainer(seed=1)
+    mine = {n: np.zeros_like(a) for n, a in tr.bf16().items()}
+    engine = {n: np.zeros(a.size, np.uint16) for n, a in tr.bf16().items()}  # a "GPU" copy
+    follower = driftless.Follower(url, trusted_keys=[public], **kw)
+    patcher = driftless.Follower(url, trusted_keys=[public], **kw)
+    assert follower.poll() is None
+    routes = []
+    with driftless.Publisher(url, signing_key=private, anchor_every=8, **kw) as pub:
+        for step in range(20):
+            if step:
+                tr.step()
+            r = pub.publish(step, tr.bf16())
+            assert r["step"] == step
+            if step:
+                assert r["outcome"] in ("delta", "delta_and_anchor")
+                assert 0 < r["density"] < 0.5, r
+            pub.flush()
+            assert follower.poll() == step
+            o = follower.apply_to(mine)
+            assert o["step"] == step and follower.applied_step == step
+            routes.append(o["route"])
+            for n, a in tr.bf16().items():
+                assert np.array_equal(bits(mine[n]), bits(a)), (step, n)
+            for name, pos, vals in patcher.iter_patches():
+                if pos is None:
+                    engine[name][:] = vals.reshape(-1)
+                else:
+                    assert pos.dtype == np.int64 and vals.dtype == np.uint16
+                    engine[name][pos] = vals
+            assert patcher.patch_step == step
+            for n, a in tr.bf16().items():
+                assert np.array_equal(engine[n], bits(a).reshape(-1)), (step, n)
+        st = pub.status()
+        assert st["last_published"] == 19 and st["failures"] == 0
+    assert routes[0] == "anchor" and set(routes[1:]) == {"fast"}, routes
+    # Up to date: nothing to do.
+    assert follower.apply_to(mine)["route"] == "up_to_date"
+    assert list(patcher.iter_patches()) == []
+
+    # A directory sync (agent --once) from nothing, read back with the safetensors package.
+    out = follower.sync_dir(str(tmp_path / "agent"))
+    assert out["step"] == 19 and out["route"] == "anchor"
+    got = load_dir_raw(out["path"])
+    assert set(got) == set(tr.bf16())
+    for n, a in tr.bf16().items():
+        dtype, shape, data = got[n]
+        assert dtype == "bf16" or dtype == "BF16"
+        assert shape == a.shape
+        assert data == a.tobytes(), n
+
+
+def test_follower_catches_up_and_starts_late(file_bucket, keys):
+    url, kw = file_bucket
+    private, public = keys
+    tr = SimTrainer(seed=2)
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {n: np.zeros_like(a) for n, a in tr.bf16().items()}
+    with driftless.Publisher(url, signing_key=private, anchor_every=5) as pub:
+        for step in range(12):
+            if step:
+                tr.step()
+            pub.publish(step, tr.bf16())
+            if step == 3:
+                pub.flush()
+                assert f.apply_to(arrays)["step"] == 3
+        pub.flush()
+    o = f.apply_to(arrays)  # several deltas at once
+    assert o["step"] == 11 and o["route"] in ("catchup", "anchor")
+    for n, a in tr.bf16().items():
+        assert np.array_equal(bits(arrays[n]), bits(a))
+    # A new follower starts from the newest anchor plus the deltas after it.
+    late = {n: np.zeros_like(a) for n, a in tr.bf16().items()}
+    o = driftless.Follower(url, trusted_keys=[public]).apply_to(late)
+    assert o["route"] == "anchor" and o["step"] == 11
+    for n, a in tr.bf16().items():
+        assert np.array_equal(bits(late[n]), bits(a))
+    # An explicit older step (anchor route backwards).
+    o = f.apply_to(arrays, step=5)
+    assert o["step"] == 5
+
+
+def test_dtypes_roundtrip(file_bucket):
+    """Every supported NumPy dtype travels bit for bit (NaN payloads and -0.0 included)."""
+    url, _ = file_bucket
+    rng = np.random.default_rng(3)
+    t = {
+        "f32": rng.standard_normal((64, 3)).astype(np.float32),
+        "f16": rng.standard_normal(100).astype(np.float16),
+        "f64": rng.standard_normal(10),
+        "i64": rng.integers(-5, 5, 33).astype(np.int64),
+        "u8": rng.integers(0, 255, 17).astype(np.uint8),
+        "b": rng.integers(0, 2, 9).astype(bool),
+        "bf16": rng.standard_normal(50).astype(BF16),
+        "scalar": np.array(3.5, np.float32),
+    }
+    t["f32"].view(np.uint32)[0, 0] = 0x7FC01234  # NaN with payload
+    t["f32"][1, 1] = -0.0
+    with driftless.Publisher(url) as pub:
+        pub.publish(0, t)
+        t["f32"][2, 2] += 1
+        t["bf16"][7] = BF16(9.0)
+        pub.publish(1, t)
+    f = driftless.Follower(url, allow_unsigned=True)
+    got = {n: np.zeros_like(a) for n, a in t.items()}
+    assert f.apply_to(got)["step"] == 1
+    for n in t:
+        assert got[n].tobytes() == t[n].tobytes(), n
