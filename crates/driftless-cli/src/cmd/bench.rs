@@ -85,6 +85,10 @@ pub fn run(a: Args) -> Result<()> {
         let opts = DeltaOptions::default();
         let (_, enc1) = one.install(|| time(|| driftless_format::encode_delta(&bv, &tv, &opts)));
         let (_, encn) = time(|| driftless_format::encode_delta(&bv, &tv, &opts));
+        let (_, scan1) = one.install(|| time(|| driftless_format::encode_delta(&bv, &bv, &opts)));
+        let raw = DeltaOptions { codec: Codec::Raw, ..opts };
+        let (_, raw1) = one.install(|| time(|| driftless_format::encode_delta(&bv, &tv, &raw)));
+        eprintln!("  1 thread: scan of identical buffers {:.2} GB/s, encode without zstd {:.2} GB/s, full encode {:.2} GB/s", gbps(2 * dense, scan1), gbps(2 * dense, raw1), gbps(2 * dense, enc1));
         let (_, read1) = one.install(|| time(|| plain_read(&bv, &tv)));
         let (_, readn) = time(|| plain_read(&bv, &tv));
         eprintln!(
