@@ -15,7 +15,10 @@ pub(crate) enum BindError {
     Publisher(driftless_publisher::Error),
     Agent(driftless_agent::Error),
     /// The stream changed its tensor set: caller-owned arrays cannot follow in place.
-    LayoutChanged { step: u64, detail: String },
+    LayoutChanged {
+        step: u64,
+        detail: String,
+    },
     /// Nothing reachable yet.
     NothingReady(String),
     /// Bad arguments.
@@ -116,9 +119,10 @@ impl BindError {
                 };
                 (class, e.to_string())
             }
-            BindError::LayoutChanged { step, detail } => {
-                ("LayoutChangedError", format!("the tensor set changed at step {step}: {detail}"))
-            }
+            BindError::LayoutChanged { step, detail } => (
+                "LayoutChangedError",
+                format!("the tensor set changed at step {step}: {detail}"),
+            ),
             BindError::NothingReady(m) => ("NothingReadyError", m.clone()),
             BindError::Input(m) => ("InvalidInputError", m.clone()),
         }

@@ -10,7 +10,10 @@ use std::sync::Mutex;
 use bytes::Bytes;
 use driftless_agent::{Agent, AgentConfig, SyncPath};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, ReadyMarker, StepKind};
-use driftless_format::{anchor, delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet};
+use driftless_format::{
+    anchor, delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut,
+    TrustSet,
+};
 use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
@@ -56,7 +59,14 @@ pub(crate) struct PyFollower {
     state: Mutex<State>,
 }
 
-fn outcome_dict<'py>(py: Python<'py>, step: u64, root: Digest, route: &str, bytes: u64, deltas: usize) -> PyResult<Bound<'py, PyDict>> {
+fn outcome_dict<'py>(
+    py: Python<'py>,
+    step: u64,
+    root: Digest,
+    route: &str,
+    bytes: u64,
+    deltas: usize,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("step", step)?;
     d.set_item("root", root.to_hex())?;
@@ -84,10 +94,19 @@ impl PyFollower {
     ) -> PyResult<Self> {
         let mut trust = TrustSet::new().allow_unsigned(allow_unsigned);
         for k in trusted_keys.unwrap_or_default() {
-            trust = if k.contains("-----BEGIN") { trust.with_pem(&k) } else { trust.with_file(std::path::Path::new(&k)) }.map_err(|e| BindError::Input(format!("trusted key: {e}")))?;
+            trust = if k.contains("-----BEGIN") {
+                trust.with_pem(&k)
+            } else {
+                trust.with_file(std::path::Path::new(&k))
+            }
+            .map_err(|e| BindError::Input(format!("trusted key: {e}")))?;
         }
         if trust.is_empty() && !allow_unsigned {
-            return Err(BindError::Input("no trusted_keys given; pass the publisher's public key(s) or allow_unsigned=True".into()).into());
+            return Err(BindError::Input(
+                "no trusted_keys given; pass the publisher's public key(s) or allow_unsigned=True"
+                    .into(),
+            )
+            .into());
         }
         let opts = store_options(endpoint, allow_http, region, max_retries, retry_timeout)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -101,7 +120,13 @@ impl PyFollower {
             Bucket::open(&bucket_url, &opts).map_err(BindError::from)?
         };
         let reader = StreamReader::new(bucket.clone(), trust.clone());
-        Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(State::default()) })
+        Ok(PyFollower {
+            rt,
+            bucket,
+            trust,
+            reader,
+            state: Mutex::new(State::default()),
+        })
     }
 
     /// Newest step with a ready marker (delta or anchor), or None.
@@ -109,7 +134,10 @@ impl PyFollower {
         let r: BindResult<Option<u64>> = py.allow_threads(|| {
             self.rt.block_on(async {
                 let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
-                let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
+                let d = self
+                    .reader
+                    .ready_steps(StepKind::Delta, a.last().copied())
+                    .await?;
                 Ok::<_, BindError>(a.last().copied().max(d.last().copied()))
             })
         });
@@ -120,7 +148,10 @@ impl PyFollower {
     fn sync_dir<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
         let r: BindResult<(driftless_agent::SyncOutcome, PathBuf)> = py.allow_threads(|| {
             let _g = self.rt.enter();
-            let mut agent = Agent::new(self.bucket.clone(), AgentConfig::new(&path, self.trust.clone()))?;
+            let mut agent = Agent::new(
+                self.bucket.clone(),
+                AgentConfig::new(&path, self.trust.clone()),
+            )?;
             let o = self.rt.block_on(agent.sync_once())?;
             Ok((o, agent.current_dir()))
         });
@@ -138,35 +169,53 @@ impl PyFollower {
 
     /// Brings caller-owned arrays to `step` (default: the newest reachable) in place.
     #[pyo3(signature = (tensors, step=None))]
-    fn apply_to<'py>(&self, py: Python<'py>, tensors: &Bound<'py, PyAny>, step: Option<u64>) -> PyResult<Bound<'py, PyDict>> {
+    fn apply_to<'py>(
+        &self,
+        py: Python<'py>,
+        tensors: &Bound<'py, PyAny>,
+        step: Option<u64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let borrowed = borrow_mapping(tensors, true)?;
-        let parts: Vec<(TensorMeta, Raw)> = borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
+        let parts: Vec<(TensorMeta, Raw)> =
+            borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
         let r = py.allow_threads(|| {
             let mut st = self.state.lock().expect("state lock");
             let local = st.applied.clone();
             // Arrays of another shape than what we tracked: start over from an anchor.
             let local = local.filter(|t| same_set(&t.layout, &parts));
             let mut touched = false;
-            let r = self.rt.block_on(self.apply(local.as_ref(), step, &parts, &mut touched));
+            let r = self
+                .rt
+                .block_on(self.apply(local.as_ref(), step, &parts, &mut touched));
             match &r {
                 Ok(Some((t, _, _, _))) => st.applied = Some(t.clone()),
                 Ok(None) => {}
                 Err(_) if touched => st.applied = None,
                 Err(_) => {}
             }
-            r.map(|o| o.map(|(t, route, bytes, n)| (t.step, t.root, route, bytes, n)).or_else(|| local.map(|t| (t.step, t.root, "up_to_date", 0, 0))))
+            r.map(|o| {
+                o.map(|(t, route, bytes, n)| (t.step, t.root, route, bytes, n))
+                    .or_else(|| local.map(|t| (t.step, t.root, "up_to_date", 0, 0)))
+            })
         });
         drop(borrowed);
         match r? {
             Some((s, root, route, bytes, n)) => Ok(outcome_dict(py, s, root, route, bytes, n)?),
-            None => Err(BindError::NothingReady("no reachable state in the stream yet".into()).into()),
+            None => {
+                Err(BindError::NothingReady("no reachable state in the stream yet".into()).into())
+            }
         }
     }
 
     /// Step and root of the arrays `apply_to` last verified, or None.
     #[getter]
     fn applied_step(&self) -> Option<u64> {
-        self.state.lock().expect("state lock").applied.as_ref().map(|t| t.step)
+        self.state
+            .lock()
+            .expect("state lock")
+            .applied
+            .as_ref()
+            .map(|t| t.step)
     }
 
     /// Forgets what `apply_to` tracked (the next call loads an anchor into the arrays).
@@ -179,7 +228,11 @@ impl PyFollower {
     /// Advances the host mirror to `step` (default newest) and returns
     /// `(step, root, [(name, dtype, shape, positions_le_i64 | None, values)])`.
     #[pyo3(signature = (step=None))]
-    fn _patches<'py>(&self, py: Python<'py>, step: Option<u64>) -> PyResult<Option<(u64, String, Bound<'py, PyList>)>> {
+    fn _patches<'py>(
+        &self,
+        py: Python<'py>,
+        step: Option<u64>,
+    ) -> PyResult<Option<(u64, String, Bound<'py, PyList>)>> {
         type Patch = (String, DType, Vec<u64>, Option<Vec<u8>>, Vec<u8>);
         let r: BindResult<Option<(Tracked, Vec<Patch>)>> = py.allow_threads(|| {
             let mut st = self.state.lock().expect("state lock");
@@ -188,7 +241,13 @@ impl PyFollower {
             let mut touched = false;
             let mut indices: BTreeMap<String, Vec<u64>> = BTreeMap::new();
             // The mirror buffers are re-laid out on an anchor load; keep them in a vec we own.
-            let r = self.rt.block_on(self.apply_mirror(local.as_ref(), step, &mut mirror, &mut touched, &mut indices));
+            let r = self.rt.block_on(self.apply_mirror(
+                local.as_ref(),
+                step,
+                &mut mirror,
+                &mut touched,
+                &mut indices,
+            ));
             let out = match r {
                 Ok(Some((t, full))) => {
                     let m = mirror.as_mut().expect("mirror loaded");
@@ -197,7 +256,13 @@ impl PyFollower {
                     for (meta, data) in &m.tensors {
                         let w = meta.dtype.size();
                         if full {
-                            patches.push((meta.name.clone(), meta.dtype, meta.shape.clone(), None, data.clone()));
+                            patches.push((
+                                meta.name.clone(),
+                                meta.dtype,
+                                meta.shape.clone(),
+                                None,
+                                data.clone(),
+                            ));
                         } else if let Some(idx) = indices.get_mut(&meta.name) {
                             idx.sort_unstable();
                             idx.dedup();
@@ -208,7 +273,13 @@ impl PyFollower {
                                 let at = i as usize * w;
                                 vals.extend_from_slice(&data[at..at + w]);
                             }
-                            patches.push((meta.name.clone(), meta.dtype, meta.shape.clone(), Some(pos), vals));
+                            patches.push((
+                                meta.name.clone(),
+                                meta.dtype,
+                                meta.shape.clone(),
+                                Some(pos),
+                                vals,
+                            ));
                         }
                     }
                     Ok(Some((t, patches)))
@@ -224,7 +295,9 @@ impl PyFollower {
             st.mirror = mirror;
             out
         });
-        let Some((t, patches)) = r? else { return Ok(None) };
+        let Some((t, patches)) = r? else {
+            return Ok(None);
+        };
         let list = PyList::empty(py);
         for (name, dtype, shape, pos, vals) in patches {
             let pos = pos.map(|p| PyBytes::new(py, &p));
@@ -236,61 +309,93 @@ impl PyFollower {
     /// Step of the `iter_patches` mirror, or None before the first call.
     #[getter]
     fn patch_step(&self) -> Option<u64> {
-        self.state.lock().expect("state lock").mirror.as_ref().map(|m| m.at.step)
+        self.state
+            .lock()
+            .expect("state lock")
+            .mirror
+            .as_ref()
+            .map(|m| m.at.step)
     }
 }
 
 /// Whether caller arrays are exactly the tensors of `layout` (names, dtypes, shapes).
 fn same_set(layout: &Layout, parts: &[(TensorMeta, Raw)]) -> bool {
     let by: HashMap<&str, &TensorMeta> = parts.iter().map(|(m, _)| (m.name.as_str(), m)).collect();
-    by.len() == parts.len() && layout.tensors().count() == parts.len() && layout.tensors().all(|t| by.get(t.name.as_str()) == Some(&t))
+    by.len() == parts.len()
+        && layout.tensors().count() == parts.len()
+        && layout
+            .tensors()
+            .all(|t| by.get(t.name.as_str()) == Some(&t))
 }
 
 fn check_set(layout: &Layout, parts: &[(TensorMeta, Raw)], step: u64) -> BindResult<()> {
     if same_set(layout, parts) {
         return Ok(());
     }
-    let want: Vec<String> = layout.tensors().map(|t| format!("{} {} {:?}", t.name, t.dtype, t.shape)).collect();
+    let want: Vec<String> = layout
+        .tensors()
+        .map(|t| format!("{} {} {:?}", t.name, t.dtype, t.shape))
+        .collect();
     let by: HashMap<&str, &TensorMeta> = parts.iter().map(|(m, _)| (m.name.as_str(), m)).collect();
     let first = layout
         .tensors()
         .find(|t| by.get(t.name.as_str()) != Some(t))
         .map(|t| match by.get(t.name.as_str()) {
-            Some(g) => format!("{}: stream has {} {:?}, array is {} {:?}", t.name, t.dtype, t.shape, g.dtype, g.shape),
+            Some(g) => format!(
+                "{}: stream has {} {:?}, array is {} {:?}",
+                t.name, t.dtype, t.shape, g.dtype, g.shape
+            ),
             None => format!("{} is missing", t.name),
         })
         .unwrap_or_else(|| "arrays include tensors the stream does not have".into());
-    Err(BindError::Input(format!("the arrays do not match the tensors of step {step} ({} tensors: {}); {first}", want.len(), want.join(", "))))
+    Err(BindError::Input(format!(
+        "the arrays do not match the tensors of step {step} ({} tensors: {}); {first}",
+        want.len(),
+        want.join(", ")
+    )))
 }
 
 impl PyFollower {
     /// Plans from `local` to `want` (or the newest reachable step). `Ok(None)`: up to date.
     async fn plan(&self, local: Option<u64>, want: Option<u64>) -> BindResult<Option<Route>> {
-        let anchors: Vec<u64> = self.reader.ready_steps(StepKind::Anchor, None).await?.into_iter().filter(|a| want.is_none_or(|w| *a <= w)).collect();
+        let anchors: Vec<u64> = self
+            .reader
+            .ready_steps(StepKind::Anchor, None)
+            .await?
+            .into_iter()
+            .filter(|a| want.is_none_or(|w| *a <= w))
+            .collect();
         let newest_anchor = anchors.last().copied();
         let from = match (local, newest_anchor) {
             (Some(l), Some(a)) => Some(l.min(a)),
             (l, a) => l.or(a),
         };
         let Some(from) = from else {
-            return Err(BindError::NothingReady("no anchor is ready in the stream yet".into()));
+            return Err(BindError::NothingReady(
+                "no anchor is ready in the stream yet".into(),
+            ));
         };
         let deltas = self.reader.ready_steps(StepKind::Delta, Some(from)).await?;
         let r = &self.reader;
-        let markers: BTreeMap<u64, ReadyMarker> = futures::stream::iter(deltas.iter().copied().filter(|d| want.is_none_or(|w| *d <= w)))
-            .map(|s| async move {
-                match r.marker(StepKind::Delta, s).await {
-                    Ok(m) => Ok(Some((s, m))),
-                    Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
-                    Err(e) => Err(e),
-                }
-            })
-            .buffered(16)
-            .try_collect::<Vec<_>>()
-            .await?
-            .into_iter()
-            .flatten()
-            .collect();
+        let markers: BTreeMap<u64, ReadyMarker> = futures::stream::iter(
+            deltas
+                .iter()
+                .copied()
+                .filter(|d| want.is_none_or(|w| *d <= w)),
+        )
+        .map(|s| async move {
+            match r.marker(StepKind::Delta, s).await {
+                Ok(m) => Ok(Some((s, m))),
+                Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
+                Err(e) => Err(e),
+            }
+        })
+        .buffered(16)
+        .try_collect::<Vec<_>>()
+        .await?
+        .into_iter()
+        .flatten()
+        .collect();
         let chain = |start: u64, target: u64| -> Option<Vec<u64>> {
             let mut v = vec![];
             let mut s = target;
@@ -305,7 +410,11 @@ impl PyFollower {
             v.reverse();
             Some(v)
         };
-        let mut candidates: Vec<u64> = markers.keys().copied().chain(anchors.iter().copied()).collect();
+        let mut candidates: Vec<u64> = markers
+            .keys()
+            .copied()
+            .chain(anchors.iter().copied())
+            .collect();
         candidates.sort_unstable();
         candidates.dedup();
         if let Some(w) = want {
@@ -340,7 +449,15 @@ impl PyFollower {
         let (m, _) = self.reader.anchor(step).await?;
         let r = &self.reader;
         let objs: Vec<Bytes> = futures::stream::iter(m.objects.iter())
-            .map(|o| r.object(StepKind::Anchor, step, &o.object.object, o.object.size, o.object.sha256))
+            .map(|o| {
+                r.object(
+                    StepKind::Anchor,
+                    step,
+                    &o.object.object,
+                    o.object.size,
+                    o.object.sha256,
+                )
+            })
             .buffered(4)
             .try_collect()
             .await?;
@@ -355,7 +472,11 @@ impl PyFollower {
                         AnchorEncoding::Safetensors => b.to_vec(),
                         AnchorEncoding::PlanesZstd => {
                             if o.decoded_size > anchor::MAX_SHARD {
-                                return Err(driftless_format::Error::Corrupt { what: "anchor manifest", detail: "shard too large".into() }.into());
+                                return Err(driftless_format::Error::Corrupt {
+                                    what: "anchor manifest",
+                                    detail: "shard too large".into(),
+                                }
+                                .into());
                             }
                             let mut out = vec![0u8; o.decoded_size as usize];
                             anchor::decode_shard(b, &mut out)?;
@@ -363,7 +484,11 @@ impl PyFollower {
                         }
                     };
                     if Digest::of(&file) != o.decoded_sha256 {
-                        return Err(driftless_format::Error::Corrupt { what: "anchor shard", detail: format!("{} does not match its decoded SHA-256", o.file) }.into());
+                        return Err(driftless_format::Error::Corrupt {
+                            what: "anchor shard",
+                            detail: format!("{} does not match its decoded SHA-256", o.file),
+                        }
+                        .into());
                     }
                     Ok(file)
                 })
@@ -378,7 +503,15 @@ impl PyFollower {
         let (m, _) = self.reader.delta(step).await?;
         let r = &self.reader;
         let segs: Vec<Bytes> = futures::stream::iter(m.segments.iter())
-            .map(|s| r.object(StepKind::Delta, step, &s.object.object, s.object.size, s.object.sha256))
+            .map(|s| {
+                r.object(
+                    StepKind::Delta,
+                    step,
+                    &s.object.object,
+                    s.object.size,
+                    s.object.sha256,
+                )
+            })
             .buffered(8)
             .try_collect()
             .await?;
@@ -395,7 +528,10 @@ impl PyFollower {
         parts: &[(TensorMeta, Raw)],
         touched: &mut bool,
     ) -> BindResult<Option<(Tracked, &'static str, u64, usize)>> {
-        let Some((target, anchor_step, chain)) = self.plan(local.map(|t| t.step), want).await? else { return Ok(None) };
+        let Some((target, anchor_step, chain)) = self.plan(local.map(|t| t.step), want).await?
+        else {
+            return Ok(None);
+        };
         let mut bytes = 0;
         let mut cur: Tracked;
         let mut shards_for_verify = None;
@@ -407,10 +543,16 @@ impl PyFollower {
             check_set(&layout, parts, a)?;
             *touched = true;
             copy_anchor(&layout, &files, &by)?;
-            cur = Tracked { step: a, root: m.weights_root, layout };
+            cur = Tracked {
+                step: a,
+                root: m.weights_root,
+                layout,
+            };
             shards_for_verify = Some((m.shards.clone(), m.weights_root));
         } else {
-            cur = local.expect("a delta route starts from a local state").clone();
+            cur = local
+                .expect("a delta route starts from a local state")
+                .clone();
             check_set(&cur.layout, parts, cur.step)?;
         }
         let mut last: Option<DeltaManifest> = None;
@@ -418,7 +560,11 @@ impl PyFollower {
             let (m, segs, b) = self.fetch_delta(d).await?;
             bytes += b;
             if m.base_root != cur.root {
-                return Err(driftless_format::Error::WrongBase { expected: m.base_root.to_hex(), actual: cur.root.to_hex() }.into());
+                return Err(driftless_format::Error::WrongBase {
+                    expected: m.base_root.to_hex(),
+                    actual: cur.root.to_hex(),
+                }
+                .into());
             }
             if ops::needs_rewrite(&cur.layout, &m) {
                 return Err(BindError::LayoutChanged {
@@ -435,10 +581,16 @@ impl PyFollower {
                     tm.insert(&t.name, t.dtype, unsafe { by[t.name.as_str()].slice_mut() });
                 }
                 let ap = ops::Applier::new(&tm, &m, None);
-                segs.par_iter().enumerate().try_for_each(|(i, s)| ap.apply(i, s))?;
+                segs.par_iter()
+                    .enumerate()
+                    .try_for_each(|(i, s)| ap.apply(i, s))?;
                 Ok(())
             })()?;
-            cur = Tracked { step: d, root: m.result_root, layout: cur.layout };
+            cur = Tracked {
+                step: d,
+                root: m.result_root,
+                layout: cur.layout,
+            };
             last = Some(m);
         }
         (|| -> BindResult<()> {
@@ -446,7 +598,12 @@ impl PyFollower {
             let views: Vec<TensorView<'_>> = cur
                 .layout
                 .tensors()
-                .map(|t| TensorView { name: &t.name, dtype: t.dtype, shape: &t.shape, data: unsafe { by[t.name.as_str()].slice() } })
+                .map(|t| TensorView {
+                    name: &t.name,
+                    dtype: t.dtype,
+                    shape: &t.shape,
+                    data: unsafe { by[t.name.as_str()].slice() },
+                })
                 .collect();
             match &last {
                 Some(m) => ops::verify_result(&views, m)?,
@@ -476,18 +633,51 @@ impl PyFollower {
         touched: &mut bool,
         indices: &mut BTreeMap<String, Vec<u64>>,
     ) -> BindResult<Option<(Tracked, bool)>> {
-        let Some((_, anchor_step, chain)) = self.plan(local.map(|t| t.step), want).await? else { return Ok(None) };
+        let Some((_, anchor_step, chain)) = self.plan(local.map(|t| t.step), want).await? else {
+            return Ok(None);
+        };
         let full = anchor_step.is_some();
         if let Some(a) = anchor_step {
             let (m, files, _) = self.fetch_anchor(a).await?;
             let layout = m.layout();
             *touched = true;
-            let tensors: Vec<(TensorMeta, Vec<u8>)> = layout.tensors().map(|t| Ok((t.clone(), vec![0u8; t.nbytes()? as usize]))).collect::<BindResult<_>>()?;
-            *mirror = Some(Mirror { at: Tracked { step: a, root: m.weights_root, layout: layout.clone() }, tensors });
+            let tensors: Vec<(TensorMeta, Vec<u8>)> = layout
+                .tensors()
+                .map(|t| Ok((t.clone(), vec![0u8; t.nbytes()? as usize])))
+                .collect::<BindResult<_>>()?;
+            *mirror = Some(Mirror {
+                at: Tracked {
+                    step: a,
+                    root: m.weights_root,
+                    layout: layout.clone(),
+                },
+                tensors,
+            });
             let mm = mirror.as_mut().expect("set");
-            let by: HashMap<&str, Raw> = mm.tensors.iter_mut().map(|(t, d)| (t.name.as_str(), Raw { addr: d.as_mut_ptr() as usize, len: d.len() })).collect();
+            let by: HashMap<&str, Raw> = mm
+                .tensors
+                .iter_mut()
+                .map(|(t, d)| {
+                    (
+                        t.name.as_str(),
+                        Raw {
+                            addr: d.as_mut_ptr() as usize,
+                            len: d.len(),
+                        },
+                    )
+                })
+                .collect();
             copy_anchor(&layout, &files, &by)?;
-            let views: Vec<TensorView<'_>> = mm.tensors.iter().map(|(t, d)| TensorView { name: &t.name, dtype: t.dtype, shape: &t.shape, data: d }).collect();
+            let views: Vec<TensorView<'_>> = mm
+                .tensors
+                .iter()
+                .map(|(t, d)| TensorView {
+                    name: &t.name,
+                    dtype: t.dtype,
+                    shape: &t.shape,
+                    data: d,
+                })
+                .collect();
             ops::verify_views(&views, &m.shards, m.weights_root)?;
         }
         let mm = mirror.as_mut().expect("a mirror to apply onto");
@@ -495,10 +685,19 @@ impl PyFollower {
         for &d in &chain {
             let (m, segs, _) = self.fetch_delta(d).await?;
             if m.base_root != cur.root {
-                return Err(driftless_format::Error::WrongBase { expected: m.base_root.to_hex(), actual: cur.root.to_hex() }.into());
+                return Err(driftless_format::Error::WrongBase {
+                    expected: m.base_root.to_hex(),
+                    actual: cur.root.to_hex(),
+                }
+                .into());
             }
             if ops::needs_rewrite(&cur.layout, &m) {
-                return Err(BindError::LayoutChanged { step: d, detail: "patches cannot express it; reload the model (sync_dir) and call reset()".into() });
+                return Err(BindError::LayoutChanged {
+                    step: d,
+                    detail:
+                        "patches cannot express it; reload the model (sync_dir) and call reset()"
+                            .into(),
+                });
             }
             *touched = true;
             let found = (|| -> BindResult<Vec<(String, Vec<u64>)>> {
@@ -512,10 +711,16 @@ impl PyFollower {
                     .map(|(b, r)| -> BindResult<Vec<(String, Vec<u64>)>> {
                         let seg = delta::decode_segment(b, r.raw_size)?;
                         if seg.mode != m.value_mode {
-                            return Err(driftless_format::Error::Corrupt { what: "segment", detail: "value mode differs from the manifest".into() }.into());
+                            return Err(driftless_format::Error::Corrupt {
+                                what: "segment",
+                                detail: "value mode differs from the manifest".into(),
+                            }
+                            .into());
                         }
                         delta::apply_segment(&seg, &tm)?;
-                        (0..seg.entries.len()).map(|i| Ok((seg.entries[i].name.clone(), seg.entry_indices(i)?))).collect()
+                        (0..seg.entries.len())
+                            .map(|i| Ok((seg.entries[i].name.clone(), seg.entry_indices(i)?)))
+                            .collect()
                     })
                     .collect::<BindResult<_>>()?;
                 Ok(found.into_iter().flatten().collect())
@@ -523,8 +728,21 @@ impl PyFollower {
             for (n, v) in found {
                 indices.entry(n).or_default().extend(v);
             }
-            cur = Tracked { step: d, root: m.result_root, layout: cur.layout };
-            let views: Vec<TensorView<'_>> = mm.tensors.iter().map(|(t, d)| TensorView { name: &t.name, dtype: t.dtype, shape: &t.shape, data: d }).collect();
+            cur = Tracked {
+                step: d,
+                root: m.result_root,
+                layout: cur.layout,
+            };
+            let views: Vec<TensorView<'_>> = mm
+                .tensors
+                .iter()
+                .map(|(t, d)| TensorView {
+                    name: &t.name,
+                    dtype: t.dtype,
+                    shape: &t.shape,
+                    data: d,
+                })
+                .collect();
             ops::verify_result(&views, &m)?;
         }
         Ok(Some((cur, full)))
@@ -535,21 +753,40 @@ impl PyFollower {
 /// be exactly the layout's tensors).
 fn copy_anchor(layout: &Layout, files: &[Vec<u8>], by: &HashMap<&str, Raw>) -> BindResult<()> {
     if files.len() != layout.shards.len() {
-        return Err(driftless_format::Error::Corrupt { what: "anchor", detail: "shard count differs from the manifest".into() }.into());
+        return Err(driftless_format::Error::Corrupt {
+            what: "anchor",
+            detail: "shard count differs from the manifest".into(),
+        }
+        .into());
     }
     for (shard, file) in layout.shards.iter().zip(files) {
         let (start, tensors, _) = driftless_format::checkpoint::parse_safetensors_header(file)?;
         if tensors.len() != shard.tensors.len() {
-            return Err(driftless_format::Error::Corrupt { what: "anchor", detail: format!("{} has other tensors than its manifest", shard.file) }.into());
+            return Err(driftless_format::Error::Corrupt {
+                what: "anchor",
+                detail: format!("{} has other tensors than its manifest", shard.file),
+            }
+            .into());
         }
         for (meta, range) in tensors {
             if !shard.tensors.contains(&meta) {
-                return Err(driftless_format::Error::Corrupt { what: "anchor", detail: format!("{}: tensor {} not in its manifest", shard.file, meta.name) }.into());
+                return Err(driftless_format::Error::Corrupt {
+                    what: "anchor",
+                    detail: format!("{}: tensor {} not in its manifest", shard.file, meta.name),
+                }
+                .into());
             }
-            let dst = by.get(meta.name.as_str()).ok_or_else(|| BindError::Input(format!("no array for tensor {}", meta.name)))?;
+            let dst = by
+                .get(meta.name.as_str())
+                .ok_or_else(|| BindError::Input(format!("no array for tensor {}", meta.name)))?;
             let src = &file[start + range.start..start + range.end];
             if src.len() != dst.len {
-                return Err(BindError::Input(format!("array {} has {} bytes, the stream has {}", meta.name, dst.len, src.len())));
+                return Err(BindError::Input(format!(
+                    "array {} has {} bytes, the stream has {}",
+                    meta.name,
+                    dst.len,
+                    src.len()
+                )));
             }
             // SAFETY: the destination is a borrowed writable buffer of exactly this length.
             unsafe { dst.slice_mut() }.copy_from_slice(src);
