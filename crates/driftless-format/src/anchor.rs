@@ -2,15 +2,19 @@
 //! byte-plane form defined here, which decodes to the identical safetensors bytes.
 //!
 //! ```text
-//! shard := "DLA1" u8 version(=1) u8 0 u8 0 u8 0
-//!          u64le decoded_size  u64le header_len  u64le header_stored_len  u32le chunk_count
-//!          chunk_count x ( u64le offset  u64le len  u8 width  w x u64le plane_stored_len )
-//!          zstd(header bytes)  then for each chunk its w zstd-compressed byte planes
+//! shard  := "DLA1" u8 version(=1) u8 0 u8 0 u8 0
+//!           u64le decoded_size  u64le header_len  u64le header_stored_len
+//!           zstd(header bytes)
+//!           for each chunk, its w zstd-compressed byte planes
+//!           table: chunk_count x ( u64le offset  u64le len  u8 width  w x u64le plane_stored_len )
+//!           footer: u64le table_offset  u32le chunk_count  "DLAE"
 //! ```
 //! The header is the file's first `header_len` bytes (length prefix + JSON). Chunks cover the
 //! data section exactly, in order; a chunk never spans two tensors, so its width is the
 //! tensor's element size. Splitting bytes into planes separates the well-compressible sign and
-//! exponent bytes of floats from the noisy mantissa bytes.
+//! exponent bytes of floats from the noisy mantissa bytes. The table sits at the end so the
+//! encoder streams: it compresses a few chunks at a time in parallel and writes them out, so
+//! an anchor of any size is encoded in bounded memory (a few chunks per thread).
 
 use rayon::prelude::*;
 
@@ -19,6 +23,7 @@ use crate::delta::{from_planes, to_planes};
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 4] = b"DLA1";
+const FOOTER: &[u8; 4] = b"DLAE";
 const CHUNK: usize = 16 << 20;
 /// Largest decoded shard accepted.
 pub const MAX_SHARD: u64 = 1 << 40;
@@ -27,19 +32,30 @@ fn bad(d: impl Into<String>) -> Error {
     Error::corrupt("anchor shard", d)
 }
 
-/// Compresses a safetensors file's bytes into the byte-plane form.
+/// Compresses a safetensors file's bytes into the byte-plane form, in memory.
 pub fn encode_shard(file: &[u8], level: i32) -> Result<Vec<u8>> {
-    let (data_start, tensors, _) = parse_safetensors_header(file)?;
+    let mut out = Vec::new();
+    encode_shard_to(file, level, &mut out).map_err(|e| Error::invalid(format!("write: {e}")))??;
+    Ok(out)
+}
+
+/// Streams the byte-plane form of a safetensors file into `out`; returns the bytes written.
+/// The outer error is the writer's, the inner one a bad input file.
+pub fn encode_shard_to(file: &[u8], level: i32, out: &mut impl std::io::Write) -> std::io::Result<Result<u64>> {
+    let (data_start, tensors, _) = match parse_safetensors_header(file) {
+        Ok(x) => x,
+        Err(e) => return Ok(Err(e)),
+    };
     // Chunks: (offset, len, width), covering data_start..file.len() exactly.
     let mut chunks: Vec<(usize, usize, usize)> = vec![];
     let mut at = data_start;
     for (t, r) in &tensors {
         let (s, e) = (data_start + r.start, data_start + r.end);
+        if s < at {
+            return Ok(Err(Error::invalid("overlapping tensors")));
+        }
         if s > at {
             chunks.push((at, s - at, 1));
-        }
-        if s < at {
-            return Err(Error::invalid("overlapping tensors"));
         }
         let w = t.dtype.size();
         let per = (CHUNK / w) * w;
@@ -49,45 +65,63 @@ pub fn encode_shard(file: &[u8], level: i32) -> Result<Vec<u8>> {
             chunks.push((c, l, w));
             c += l;
         }
-        at = e;
+        at = at.max(e);
     }
     if at < file.len() {
         chunks.push((at, file.len() - at, 1));
     }
-    let header_z = zstd::bulk::compress(&file[..data_start], level).map_err(|e| Error::invalid(format!("zstd: {e}")))?;
-    let planes: Vec<Vec<Vec<u8>>> = chunks
-        .par_iter()
-        .map(|&(o, l, w)| {
-            let mut p = Vec::with_capacity(l);
-            to_planes(&file[o..o + l], w, &mut p);
-            let n = l / w;
-            (0..w)
-                .map(|i| zstd::bulk::compress(&p[i * n..(i + 1) * n], level).map_err(|e| Error::invalid(format!("zstd: {e}"))))
-                .collect::<Result<Vec<_>>>()
-        })
-        .collect::<Result<_>>()?;
-    let mut out = Vec::new();
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&[1, 0, 0, 0]);
-    out.extend_from_slice(&(file.len() as u64).to_le_bytes());
-    out.extend_from_slice(&(data_start as u64).to_le_bytes());
-    out.extend_from_slice(&(header_z.len() as u64).to_le_bytes());
-    out.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
-    for ((o, l, w), p) in chunks.iter().zip(&planes) {
-        out.extend_from_slice(&(*o as u64).to_le_bytes());
-        out.extend_from_slice(&(*l as u64).to_le_bytes());
-        out.push(*w as u8);
-        for plane in p {
-            out.extend_from_slice(&(plane.len() as u64).to_le_bytes());
+    let z = |b: &[u8]| zstd::bulk::compress(b, level).map_err(|e| Error::invalid(format!("zstd: {e}")));
+    let header_z = match z(&file[..data_start]) {
+        Ok(h) => h,
+        Err(e) => return Ok(Err(e)),
+    };
+    let written = std::cell::Cell::new(0u64);
+    let put = |out: &mut dyn std::io::Write, b: &[u8]| -> std::io::Result<()> {
+        written.set(written.get() + b.len() as u64);
+        out.write_all(b)
+    };
+    let mut head = Vec::with_capacity(32);
+    head.extend_from_slice(MAGIC);
+    head.extend_from_slice(&[1, 0, 0, 0]);
+    head.extend_from_slice(&(file.len() as u64).to_le_bytes());
+    head.extend_from_slice(&(data_start as u64).to_le_bytes());
+    head.extend_from_slice(&(header_z.len() as u64).to_le_bytes());
+    put(out, &head)?;
+    put(out, &header_z)?;
+    let mut table = Vec::new();
+    let batch = rayon::current_num_threads().max(1) * 2;
+    for group in chunks.chunks(batch) {
+        let planes: Vec<Vec<Vec<u8>>> = match group
+            .par_iter()
+            .map(|&(o, l, w)| {
+                let mut p = Vec::with_capacity(l);
+                to_planes(&file[o..o + l], w, &mut p);
+                let n = l / w;
+                (0..w).map(|i| z(&p[i * n..(i + 1) * n])).collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<_>>()
+        {
+            Ok(p) => p,
+            Err(e) => return Ok(Err(e)),
+        };
+        for ((o, l, w), p) in group.iter().zip(&planes) {
+            table.extend_from_slice(&(*o as u64).to_le_bytes());
+            table.extend_from_slice(&(*l as u64).to_le_bytes());
+            table.push(*w as u8);
+            for plane in p {
+                table.extend_from_slice(&(plane.len() as u64).to_le_bytes());
+                put(out, plane)?;
+            }
         }
     }
-    out.extend_from_slice(&header_z);
-    for p in &planes {
-        for plane in p {
-            out.extend_from_slice(plane);
-        }
-    }
-    Ok(out)
+    let table_offset = written.get();
+    put(out, &table)?;
+    let mut foot = Vec::with_capacity(16);
+    foot.extend_from_slice(&table_offset.to_le_bytes());
+    foot.extend_from_slice(&(chunks.len() as u32).to_le_bytes());
+    foot.extend_from_slice(FOOTER);
+    put(out, &foot)?;
+    Ok(Ok(written.get()))
 }
 
 struct Cur<'a> {
@@ -109,7 +143,17 @@ impl<'a> Cur<'a> {
 /// Decodes a byte-plane shard into `out`, which must be exactly the declared decoded size
 /// (the manifest's `decoded_size`; the caller allocates or maps it). Chunks decode in parallel.
 pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
-    let mut c = Cur { b: stored, at: 0 };
+    if stored.len() < 48 {
+        return Err(bad("truncated"));
+    }
+    let foot = &stored[stored.len() - 16..];
+    if &foot[12..] != FOOTER {
+        return Err(bad("bad footer"));
+    }
+    let table_offset = u64::from_le_bytes(foot[..8].try_into().expect("8"));
+    let n = u32::from_le_bytes(foot[8..12].try_into().expect("4")) as usize;
+    let body_end = stored.len() - 16;
+    let mut c = Cur { b: &stored[..body_end], at: 0 };
     if c.take(4)? != MAGIC {
         return Err(bad("bad magic"));
     }
@@ -122,30 +166,32 @@ pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
     }
     let header_len = c.u64()?;
     let header_stored = c.u64()?;
-    let n = u32::from_le_bytes(c.take(4)?.try_into().expect("4")) as usize;
-    if header_len > size || n > (stored.len() / 17) {
-        return Err(bad("bad header length or chunk count"));
+    if header_len > size || table_offset > body_end as u64 || n > body_end / 17 {
+        return Err(bad("bad header length, table offset or chunk count"));
     }
+    let hz = c.take(usize::try_from(header_stored).map_err(|_| bad("size"))?)?;
+    let planes_start = c.at;
+    // The chunk table.
+    let mut t = Cur { b: &stored[..body_end], at: table_offset as usize };
     let mut table = Vec::with_capacity(n);
     let mut expect = header_len;
     for _ in 0..n {
-        let o = c.u64()?;
-        let l = c.u64()?;
-        let w = c.take(1)?[0] as u64;
+        let o = t.u64()?;
+        let l = t.u64()?;
+        let w = t.take(1)?[0] as u64;
         if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l % w != 0 || l > size - o {
             return Err(bad("chunk table is not contiguous or has a bad width"));
         }
         expect = o + l;
         let mut lens = Vec::with_capacity(w as usize);
         for _ in 0..w {
-            lens.push(c.u64()?);
+            lens.push(t.u64()?);
         }
         table.push((o as usize, l as usize, w as usize, lens));
     }
-    if expect != size {
-        return Err(bad("chunks do not cover the file"));
+    if expect != size || t.at != body_end {
+        return Err(bad("chunks do not cover the file or the table has trailing bytes"));
     }
-    let hz = c.take(usize::try_from(header_stored).map_err(|_| bad("size"))?)?;
     let (head, mut rest) = out.split_at_mut(header_len as usize);
     let got = zstd::bulk::Decompressor::new()
         .and_then(|mut d| d.decompress_to_buffer(hz, head))
@@ -153,18 +199,19 @@ pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
     if got != head.len() {
         return Err(bad("header size mismatch"));
     }
+    let mut p = Cur { b: &stored[..table_offset as usize], at: planes_start };
     let mut jobs = Vec::with_capacity(n);
     for (_, l, w, lens) in &table {
         let (dst, r) = rest.split_at_mut(*l);
         rest = r;
         let mut planes = Vec::with_capacity(*w);
         for &pl in lens {
-            planes.push(c.take(usize::try_from(pl).map_err(|_| bad("size"))?)?);
+            planes.push(p.take(usize::try_from(pl).map_err(|_| bad("size"))?)?);
         }
         jobs.push((dst, *w, planes));
     }
-    if c.at != stored.len() {
-        return Err(bad("trailing bytes"));
+    if p.at != table_offset as usize {
+        return Err(bad("plane sizes do not add up to the table offset"));
     }
     jobs.into_par_iter().try_for_each(|(dst, w, planes)| {
         let n = dst.len() / w;

@@ -645,12 +645,15 @@ fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, snap: &Snapshot) -> Res
         let (name, bytes) = match cfg.anchor_encoding {
             AnchorEncoding::Safetensors => (shard.file.clone(), Bytes::from_owner(map)),
             AnchorEncoding::PlanesZstd => {
-                let enc = anchor::encode_shard(&map, cfg.anchor_zstd_level)?;
+                // Streamed to the spool file: bounded memory whatever the shard size.
+                let p = dir.path().join(format!("{}.dla", shard.file));
+                {
+                    let mut w = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&p)?);
+                    anchor::encode_shard_to(&map, cfg.anchor_zstd_level, &mut w)??;
+                    w.flush()?;
+                }
                 drop(map);
                 std::fs::remove_file(&plain)?;
-                let p = dir.path().join(format!("{}.dla", shard.file));
-                std::fs::write(&p, &enc)?;
-                drop(enc);
                 (format!("{}.dla", shard.file), Bytes::from_owner(map_file(&p)?))
             }
         };
