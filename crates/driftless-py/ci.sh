@@ -14,9 +14,16 @@ venv=$(cd "$venv" && pwd)
 # same features are reused (the crate is its own workspace, but the artifacts are the same).
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
 cd "$root"
-echo "== pip install ./crates/driftless-py (release build)"
+echo "== pip install ./crates/driftless-py (${DRIFTLESS_PY_PROFILE:-release} build)"
 start=$(date +%s)
 "$venv/bin/pip" install --disable-pip-version-check -q pytest "numpy>=1.22" ml_dtypes safetensors
+# DRIFTLESS_PY_PROFILE=dev (what .ci/run sets) builds the extension with the dev profile, which
+# mirrors the workspace's (dependencies at opt-level 2): CI then reuses most of the artifacts
+# of its debug build instead of compiling every dependency again in release. A plain
+# `pip install ./crates/driftless-py` builds release.
+if [ -n "${DRIFTLESS_PY_PROFILE:-}" ]; then
+  export MATURIN_PEP517_ARGS="--profile ${DRIFTLESS_PY_PROFILE}"
+fi
 "$venv/bin/pip" install --disable-pip-version-check -q --force-reinstall --no-deps ./crates/driftless-py
 echo "   built and installed in $(( $(date +%s) - start )) s"
 echo "== pytest crates/driftless-py/tests"
