@@ -7,6 +7,7 @@
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod config;
 
 /// Ship RL policy weights from a trainer to inference servers through object storage, bit
 /// for bit, as small sparse deltas.
@@ -19,6 +20,11 @@ struct Cli {
     /// Print logs as JSON lines.
     #[arg(long, global = true)]
     log_json: bool,
+    /// JSON config file (also DRIFTLESS_CONFIG): keys are the long flag names
+    /// (`{"bucket": "s3://b/p", "trust": ["k.pub"], "dir": "/w", "notify": ["sglang=http://..."]}`).
+    /// Precedence: flag > environment variable > config file > default.
+    #[arg(long, global = true, env = "DRIFTLESS_CONFIG")]
+    config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -48,6 +54,10 @@ enum Cmd {
 }
 
 fn main() {
+    if let Err(e) = config::load_into_env(std::env::args_os()) {
+        eprintln!("driftless: error: {e:#}");
+        std::process::exit(2);
+    }
     let cli = Cli::parse();
     init_logging(&cli.log, cli.log_json);
     let r = match cli.cmd {

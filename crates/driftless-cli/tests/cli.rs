@@ -125,3 +125,29 @@ fn agent_survives_sigkill_loop() {
         assert!(got.views().iter().any(|g| g.name == w.name && g.data == w.data), "{} differs", w.name);
     }
 }
+
+/// `--config FILE` fills flags; a flag on the command line wins over the file.
+#[test]
+fn agent_config_file_and_precedence() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let url = format!("file://{}", p("bucket").display());
+    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-6, 2);
+    write(&chain, &p("ckpt"), 1 << 30);
+    let st = bin().args(["publish", "--bucket", &url, "--step", "0", "--state"]).arg(p("pstate")).arg("--key").arg(p("key")).arg(p("ckpt")).status().unwrap();
+    assert!(st.success());
+    let cfg = serde_json::json!({"bucket": url, "trust": [p("key.pub")], "dir": p("from-file"), "poll-min": "100ms"});
+    std::fs::write(p("agent.json"), cfg.to_string()).unwrap();
+    let st = bin().args(["agent", "--once", "--config"]).arg(p("agent.json")).env_remove("DRIFTLESS_DIR").status().unwrap();
+    assert!(st.success());
+    assert!(p("from-file/state.json").exists());
+    let st = bin().args(["agent", "--once", "--config"]).arg(p("agent.json")).arg("--dir").arg(p("from-flag")).status().unwrap();
+    assert!(st.success());
+    assert!(p("from-flag/state.json").exists());
+    // An unknown key is an error, not silently ignored.
+    std::fs::write(p("bad.json"), r#"{"buckett": "x"}"#).unwrap();
+    let o = bin().args(["agent", "--once", "--config"]).arg(p("bad.json")).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown key"));
+}

@@ -17,7 +17,7 @@ pub struct Args {
     #[arg(long, env = "DRIFTLESS_TRUST", value_delimiter = ',')]
     trust: Vec<PathBuf>,
     /// Accept unsigned streams (private buckets only).
-    #[arg(long)]
+    #[arg(long, env = "DRIFTLESS_ALLOW_UNSIGNED")]
     allow_unsigned: bool,
     /// Local directory; the checkpoint is DIR/current.
     #[arg(long, env = "DRIFTLESS_DIR")]
@@ -32,10 +32,10 @@ pub struct Args {
     #[arg(long, env = "DRIFTLESS_LISTEN")]
     listen: Option<SocketAddr>,
     /// Fastest poll interval.
-    #[arg(long, default_value = "500ms")]
+    #[arg(long, env = "DRIFTLESS_POLL_MIN", default_value = "500ms")]
     poll_min: humantime::Duration,
     /// Slowest poll interval.
-    #[arg(long, default_value = "10s")]
+    #[arg(long, env = "DRIFTLESS_POLL_MAX", default_value = "10s")]
     poll_max: humantime::Duration,
     /// JSON output (with --once).
     #[arg(long)]

@@ -1,0 +1,60 @@
+//! The config file: a JSON object whose keys are long flag names. It is applied by setting the
+//! flags' environment variables when they are not already set, so clap's own order gives
+//! flag > environment > file > default.
+
+use std::ffi::OsString;
+
+use anyhow::{bail, Context, Result};
+
+/// (config key, environment variable, list separator).
+const KEYS: &[(&str, &str, &str)] = &[
+    ("bucket", "DRIFTLESS_BUCKET", ""),
+    ("endpoint", "AWS_ENDPOINT_URL", ""),
+    ("region", "AWS_REGION", ""),
+    ("trust", "DRIFTLESS_TRUST", ","),
+    ("allow_unsigned", "DRIFTLESS_ALLOW_UNSIGNED", ""),
+    ("dir", "DRIFTLESS_DIR", ""),
+    ("notify", "DRIFTLESS_NOTIFY", ";"),
+    ("listen", "DRIFTLESS_LISTEN", ""),
+    ("poll_min", "DRIFTLESS_POLL_MIN", ""),
+    ("poll_max", "DRIFTLESS_POLL_MAX", ""),
+    ("log", "DRIFTLESS_LOG", ""),
+];
+
+/// Finds `--config PATH` (or `--config=PATH`, or DRIFTLESS_CONFIG) and exports its values.
+pub fn load_into_env(args: impl Iterator<Item = OsString>) -> Result<()> {
+    let args: Vec<String> = args.map(|a| a.to_string_lossy().into_owned()).collect();
+    let mut path = std::env::var("DRIFTLESS_CONFIG").ok();
+    for (i, a) in args.iter().enumerate() {
+        if a == "--config" {
+            path = args.get(i + 1).cloned();
+        } else if let Some(p) = a.strip_prefix("--config=") {
+            path = Some(p.to_string());
+        }
+    }
+    let Some(path) = path else { return Ok(()) };
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading config file {path}"))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing config file {path}"))?;
+    let obj = v.as_object().with_context(|| format!("config file {path} is not a JSON object"))?;
+    for (k, val) in obj {
+        let key = k.replace('-', "_");
+        let Some((_, env, sep)) = KEYS.iter().find(|(n, _, _)| *n == key) else {
+            bail!("config file {path}: unknown key {k:?} (known: {})", KEYS.iter().map(|k| k.0).collect::<Vec<_>>().join(", "));
+        };
+        if std::env::var_os(env).is_some() {
+            continue;
+        }
+        let s = match val {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Bool(b) => b.to_string(),
+            serde_json::Value::Number(n) => n.to_string(),
+            serde_json::Value::Array(a) if !sep.is_empty() => {
+                a.iter().map(|x| x.as_str().map(str::to_string).with_context(|| format!("{k}: list of strings expected"))).collect::<Result<Vec<_>>>()?.join(sep)
+            }
+            _ => bail!("config file {path}: bad value for {k}"),
+        };
+        // SAFETY: single-threaded at this point (before any runtime or thread starts).
+        unsafe { std::env::set_var(env, s) };
+    }
+    Ok(())
+}
