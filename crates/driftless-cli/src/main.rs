@@ -54,6 +54,13 @@ enum Cmd {
 }
 
 fn main() {
+    // Die quietly on a closed pipe (`driftless inspect ... | head`), like other Unix tools,
+    // instead of panicking inside println!.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     if let Err(e) = config::load_into_env(std::env::args_os()) {
         eprintln!("driftless: error: {e:#}");
         std::process::exit(2);

@@ -10,8 +10,15 @@ pub struct Args {
     /// A delta file (omit with --bucket to describe a whole stream).
     #[arg(required_unless_present = "bucket")]
     delta: Option<PathBuf>,
-    #[command(flatten)]
-    bucket: Option<super::bucket::BucketArgs>,
+    /// Describe the stream at this URL instead of a delta file.
+    #[arg(long, conflicts_with = "delta")]
+    bucket: Option<String>,
+    /// S3 endpoint (S3-compatible servers); also AWS_ENDPOINT_URL.
+    #[arg(long, requires = "bucket")]
+    endpoint: Option<String>,
+    /// Allow plain HTTP endpoints.
+    #[arg(long, requires = "bucket")]
+    allow_http: bool,
     /// Trusted public key to verify the signature with; without one the signature is shown
     /// but not checked.
     #[arg(long)]
@@ -136,7 +143,15 @@ struct StepRow {
 fn stream(a: &Args) -> Result<()> {
     use driftless_format::StepKind;
     use driftless_store::{layout, stream::StreamReader};
-    let b = a.bucket.as_ref().context("--bucket is required without a DELTA file")?;
+    let url = a.bucket.clone().context("--bucket is required without a DELTA file")?;
+    // Not a flattened BucketArgs: its environment fallbacks would make `inspect DELTA` demand
+    // --bucket whenever AWS_ENDPOINT_URL is set.
+    let b = &super::bucket::BucketArgs {
+        bucket: url,
+        endpoint: a.endpoint.clone().or_else(|| std::env::var("AWS_ENDPOINT_URL").ok()),
+        region: std::env::var("AWS_REGION").ok(),
+        allow_http: a.allow_http,
+    };
     let bucket = b.open()?;
     let verify = !a.trust.is_empty();
     let mut trust = TrustSet::new().allow_unsigned(true);
