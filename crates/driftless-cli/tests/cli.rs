@@ -152,3 +152,38 @@ fn agent_config_file_and_precedence() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown key"));
 }
+
+/// `publish --watch DIR --once` publishes every complete `step_N` in order; an agent then lands
+/// on the last one bit for bit. An incomplete entry (not a valid checkpoint yet) stops the scan.
+#[test]
+fn publish_watch_follows_a_directory() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let url = format!("file://{}", p("bucket").display());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-6, 6);
+    std::fs::create_dir_all(p("ckpts")).unwrap();
+    for step in 0..4u64 {
+        if step > 0 {
+            chain.step();
+        }
+        write(&chain, &p(&format!("ckpts/step_{step}")), 1 << 30);
+    }
+    // A checkpoint still being written: a truncated file.
+    std::fs::create_dir_all(p("ckpts/step_4")).unwrap();
+    std::fs::write(p("ckpts/step_4/model.safetensors"), b"\x10\x00\x00").unwrap();
+    let o = bin().args(["publish", "--json", "--once", "--bucket", &url, "--watch"]).arg(p("ckpts")).arg("--state").arg(p("pstate")).arg("--key").arg(p("key")).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let steps: Vec<u64> = String::from_utf8_lossy(&o.stdout).lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [0, 1, 2, 3]);
+    let o = bin().args(["agent", "--once", "--json", "--bucket", &url, "--trust"]).arg(p("key.pub")).arg("--dir").arg(p("agent")).output().unwrap();
+    assert!(o.status.success());
+    let got = Checkpoint::open(p("agent/current")).unwrap();
+    for w in chain.views() {
+        assert!(got.views().iter().any(|g| g.name == w.name && g.data == w.data), "{} differs", w.name);
+    }
+    // Running again publishes nothing new (state remembers step 3).
+    let o = bin().args(["publish", "--json", "--once", "--bucket", &url, "--watch"]).arg(p("ckpts")).arg("--state").arg(p("pstate")).arg("--key").arg(p("key")).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(o.stdout.is_empty());
+}

@@ -81,7 +81,7 @@ pub fn run(a: Args) -> Result<()> {
             }
         }
         let r = p.publish_with_layout(step, &ck.views(), &ck.layout())?;
-        p.flush()?;
+        flush_with_progress(p, a.json)?;
         copy_checkpoint(ckpt, &prev)?;
         std::fs::write(a.state.join("last.step"), step.to_string())?;
         if a.json {
@@ -161,5 +161,37 @@ fn copy_checkpoint(src: &Path, dst: &Path) -> Result<()> {
             std::fs::copy(e.path(), dst.join(e.file_name()))?;
         }
     }
+    Ok(())
+}
+
+/// Waits for the uploads; on a terminal (and without --json) shows a progress line on stderr.
+fn flush_with_progress(p: &driftless_publisher::Publisher, json: bool) -> Result<()> {
+    use std::io::{IsTerminal, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    if json || !std::io::stderr().is_terminal() {
+        return Ok(p.flush()?);
+    }
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let t = std::time::Instant::now();
+            while !done.load(Ordering::Relaxed) {
+                let st = p.status();
+                eprint!(
+                    "\r  uploading: {} queued, {} anchor(s) in flight, {:.1} MiB sent, {:.1} s   ",
+                    st.queue_depth,
+                    st.anchors_in_flight,
+                    st.bytes_uploaded as f64 / 1048576.0,
+                    t.elapsed().as_secs_f64()
+                );
+                let _ = std::io::stderr().flush();
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            eprint!("\r{:80}\r", "");
+        });
+        let r = p.flush();
+        done.store(true, Ordering::Relaxed);
+        r
+    })?;
     Ok(())
 }
