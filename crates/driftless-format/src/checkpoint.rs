@@ -165,12 +165,13 @@ impl Layout {
     }
 }
 
-/// Parses a safetensors header from the start of `buf`: returns the data start offset, the
-/// tensors in data order with their byte ranges relative to the data start, and the metadata.
-/// Every offset is checked against the buffer, so a hostile file cannot point outside it.
-pub fn parse_safetensors_header(
-    buf: &[u8],
-) -> Result<(usize, Vec<(TensorMeta, Range<usize>)>, Option<BTreeMap<String, String>>)> {
+/// What [`parse_safetensors_header`] returns: the data start offset, the tensors in data order
+/// with their byte ranges relative to the data start, and the `__metadata__` map.
+pub type ParsedHeader = (usize, Vec<(TensorMeta, Range<usize>)>, Option<BTreeMap<String, String>>);
+
+/// Parses a safetensors header from the start of `buf` (see [`ParsedHeader`]). Every offset is
+/// checked against the buffer, so a hostile file cannot point outside it.
+pub fn parse_safetensors_header(buf: &[u8]) -> Result<ParsedHeader> {
     let bad = |d: String| Error::corrupt("safetensors file", d);
     if buf.len() < 8 {
         return Err(bad("shorter than 8 bytes".into()));

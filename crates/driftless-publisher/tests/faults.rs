@@ -621,7 +621,8 @@ fn tensors_that_change_shape_or_set_are_carried_densely() {
         let mut t = Trainer::default();
         let mk = |n: usize, seed: u8| -> Vec<u8> { (0..n * 2).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect() };
         let (a, bb, cc) = (mk(4096, 1), mk(1024, 2), mk(2048, 3));
-        let steps: Vec<Vec<(&str, Vec<u64>, Vec<u8>)>> = vec![
+        type Step<'a> = Vec<(&'a str, Vec<u64>, Vec<u8>)>;
+        let steps: Vec<Step<'_>> = vec![
             vec![("a", vec![64, 64], a.clone()), ("b", vec![1024], bb.clone())],
             // a unchanged; b reshaped (same bytes); c added
             vec![("a", vec![64, 64], a.clone()), ("b", vec![32, 32], bb.clone()), ("c", vec![2048], cc.clone())],
