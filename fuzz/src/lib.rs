@@ -5,7 +5,10 @@
 //! The same functions run on stable in `crates/driftless-format/tests/fuzz_bodies.rs`, which
 //! includes this file by path, so keep it free of anything but `driftless_format` and `std`.
 
-use driftless_format::{anchor, delta, sign, AnchorManifest, DType, DeltaManifest, ErrorKind, Keypair, LatestHint, ReadyMarker, StreamDescriptor, TensorsMut, TrustSet};
+use driftless_format::{
+    anchor, delta, sign, AnchorManifest, DType, DeltaManifest, ErrorKind, Keypair, LatestHint, ReadyMarker,
+    StreamDescriptor, TensorsMut, TrustSet,
+};
 
 /// The tensors `decode_segment` applies onto: (name, dtype, elements). Short names so a fuzzer
 /// finds them.

@@ -67,7 +67,14 @@ fn main() {
     let trust = TrustSet::new().with_key(key.public());
     let mut pubs: Vec<_> = targets
         .iter()
-        .map(|(_, b)| PublisherBuilder::new("unused").with_bucket(b.clone()).with_key(key.clone()).with_anchor_every(1_000_000).build().unwrap())
+        .map(|(_, b)| {
+            PublisherBuilder::new("unused")
+                .with_bucket(b.clone())
+                .with_key(key.clone())
+                .with_anchor_every(1_000_000)
+                .build()
+                .unwrap()
+        })
         .collect();
     let publish = |pubs: &mut Vec<driftless_publisher::Publisher>, step: u64, chain: &RlChain| {
         for p in pubs.iter_mut() {
@@ -79,7 +86,9 @@ fn main() {
     // Step 0 (anchor) plus the full checkpoint as plain safetensors, for the baseline.
     publish(&mut pubs, 0, &chain);
     let full = tmp.path().join("full");
-    let layout = driftless_format::Layout::for_tensors(&chain.views().iter().map(|v| v.meta()).collect::<Vec<_>>(), 5 << 30).unwrap();
+    let layout =
+        driftless_format::Layout::for_tensors(&chain.views().iter().map(|v| v.meta()).collect::<Vec<_>>(), 5 << 30)
+            .unwrap();
     driftless_format::checkpoint::write_checkpoint(&full, &layout, &chain.views()).unwrap();
     let full_files: Vec<(String, Bytes)> = std::fs::read_dir(&full)
         .unwrap()
@@ -99,7 +108,8 @@ fn main() {
     let mut tables = vec![];
     let mut agents_b = vec![];
     for (i, (name, b)) in targets.iter().enumerate() {
-        let mut ag = Agent::new(b.clone(), AgentConfig::new(tmp.path().join(format!("agent-b-{i}")), trust.clone())).unwrap();
+        let mut ag =
+            Agent::new(b.clone(), AgentConfig::new(tmp.path().join(format!("agent-b-{i}")), trust.clone())).unwrap();
         let o = rt.block_on(ag.sync_once()).unwrap();
         tables.push((name.clone(), vec![Row { what: "cold start: anchor only".into(), bytes: o.bytes, secs: o.secs }]));
         agents_b.push(ag);
@@ -108,12 +118,17 @@ fn main() {
         chain.step();
         publish(&mut pubs, s, &chain);
     }
-    let row = |what: String, o: &SyncOutcome| Row { what: format!("{what} ({:?}, {} deltas)", o.path, o.deltas), bytes: o.bytes, secs: o.secs };
+    let row = |what: String, o: &SyncOutcome| Row {
+        what: format!("{what} ({:?}, {} deltas)", o.path, o.deltas),
+        bytes: o.bytes,
+        secs: o.secs,
+    };
     for (i, (_, b)) in targets.iter().enumerate() {
         let o = rt.block_on(agents_b[i].sync_once()).unwrap();
         assert_eq!(o.step, n);
         tables[i].1.push(row(format!("catch-up: {n} deltas"), &o));
-        let mut a = Agent::new(b.clone(), AgentConfig::new(tmp.path().join(format!("agent-a-{i}")), trust.clone())).unwrap();
+        let mut a =
+            Agent::new(b.clone(), AgentConfig::new(tmp.path().join(format!("agent-a-{i}")), trust.clone())).unwrap();
         let o = rt.block_on(a.sync_once()).unwrap();
         assert_eq!(o.step, n);
         tables[i].1.push(row(format!("cold start: anchor + {n} deltas"), &o));
@@ -143,7 +158,11 @@ fn main() {
                 .await
                 .unwrap()
         });
-        tables[i].1.push(Row { what: "baseline: GET the full safetensors checkpoint".into(), bytes: got, secs: t.elapsed().as_secs_f64() });
+        tables[i].1.push(Row {
+            what: "baseline: GET the full safetensors checkpoint".into(),
+            bytes: got,
+            secs: t.elapsed().as_secs_f64(),
+        });
     }
     // Network excluded: the delta n+1 in memory, applied to a copy of step n.
     let reader = StreamReader::new(targets[0].1.clone(), trust.clone());
@@ -169,19 +188,34 @@ fn main() {
     let model = Checkpoint::open(&scratch).unwrap().data_bytes();
     let seg_bytes: u64 = segs.iter().map(|s| s.len() as u64).sum();
 
-    println!("\nmodel: {:.0} MiB BF16, {n}-delta catch-up, lr {lr:e}, {} cores", mb(model), std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    println!(
+        "\nmodel: {:.0} MiB BF16, {n}-delta catch-up, lr {lr:e}, {} cores",
+        mb(model),
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    );
     for (name, rows) in &tables {
         println!("\n{name}\n| {:<52} | {:>10} | {:>8} | {:>9} |", "operation", "MiB moved", "seconds", "MiB/s");
         println!("|{:-<54}|{:-<12}|{:-<10}|{:-<11}|", "", "", "", "");
         for r in rows {
-            println!("| {:<52} | {:>10.2} | {:>8.2} | {:>9.1} |", r.what, mb(r.bytes), r.secs, mb(r.bytes) / r.secs.max(1e-9));
+            println!(
+                "| {:<52} | {:>10.2} | {:>8.2} | {:>9.1} |",
+                r.what,
+                mb(r.bytes),
+                r.secs,
+                mb(r.bytes) / r.secs.max(1e-9)
+            );
         }
     }
     println!("\nnetwork excluded (delta {} in memory: {:.2} MiB, {} segments)", n + 1, mb(seg_bytes), m.segments.len());
     println!("| {:<52} | {:>8} | {:>9} |", "operation", "seconds", "ratio");
     println!("|{:-<54}|{:-<10}|{:-<11}|", "", "", "");
     println!("| {:<52} | {:>8.3} | {:>9.2} |", "hash the model alone (weights root)", hash_secs, 1.0);
-    println!("| {:<52} | {:>8.3} | {:>9.2} |", "fast path: decode + apply (journaled) + verify", apply_secs, apply_secs / hash_secs);
+    println!(
+        "| {:<52} | {:>8.3} | {:>9.2} |",
+        "fast path: decode + apply (journaled) + verify",
+        apply_secs,
+        apply_secs / hash_secs
+    );
     for p in pubs {
         p.close().unwrap();
     }

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use driftless_format::checkpoint::write_index;
-use driftless_format::manifest::{now_ms, ReadyMarker, StepKind};
 use driftless_format::delta::{self, DecodedSegment};
-use driftless_format::{anchor, ops, AnchorEncoding, ValueMode, Checkpoint, CheckpointMut, Digest, Journal, TrustSet};
+use driftless_format::manifest::{now_ms, ReadyMarker, StepKind};
+use driftless_format::{anchor, ops, AnchorEncoding, Checkpoint, CheckpointMut, Digest, Journal, TrustSet, ValueMode};
 use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
@@ -42,7 +42,14 @@ pub struct AgentConfig {
 impl AgentConfig {
     /// Defaults for a directory and trust set.
     pub fn new(dir: impl Into<PathBuf>, trust: TrustSet) -> Self {
-        AgentConfig { dir: dir.into(), trust, notify: vec![], poll_min: Duration::from_millis(500), poll_max: Duration::from_secs(10), download_concurrency: 8 }
+        AgentConfig {
+            dir: dir.into(),
+            trust,
+            notify: vec![],
+            poll_min: Duration::from_millis(500),
+            poll_max: Duration::from_secs(10),
+            download_concurrency: 8,
+        }
     }
 }
 
@@ -125,7 +132,15 @@ impl Agent {
         if let Some(s) = &state {
             metrics.step.store(s.step, Relaxed);
         }
-        Ok(Agent { reader: StreamReader::new(bucket, cfg.trust.clone()), cfg, metrics, client: reqwest::Client::new(), state, loaded: None, refused: Default::default() })
+        Ok(Agent {
+            reader: StreamReader::new(bucket, cfg.trust.clone()),
+            cfg,
+            metrics,
+            client: reqwest::Client::new(),
+            state,
+            loaded: None,
+            refused: Default::default(),
+        })
     }
 
     /// Metrics shared with the HTTP endpoint.
@@ -252,12 +267,24 @@ impl Agent {
         markers.retain(|&s, m| !self.refused.contains(&(StepKind::Delta, s, m.manifest_sha256)));
         let anchor_markers = self.anchor_markers(&anchors).await?;
         let anchor_shas: BTreeMap<u64, Digest> = anchor_markers.iter().map(|(&s, m)| (s, m.manifest_sha256)).collect();
-        let anchor_bytes: BTreeMap<u64, u64> =
-            anchor_markers.iter().filter(|(&s, m)| !self.refused.contains(&(StepKind::Anchor, s, m.manifest_sha256))).map(|(&s, m)| (s, m.payload_bytes)).collect();
-        let anchors: Vec<u64> = anchors.into_iter().filter(|a| !anchor_shas.contains_key(a) || anchor_bytes.contains_key(a)).collect();
+        let anchor_bytes: BTreeMap<u64, u64> = anchor_markers
+            .iter()
+            .filter(|(&s, m)| !self.refused.contains(&(StepKind::Anchor, s, m.manifest_sha256)))
+            .map(|(&s, m)| (s, m.payload_bytes))
+            .collect();
+        let anchors: Vec<u64> =
+            anchors.into_iter().filter(|a| !anchor_shas.contains_key(a) || anchor_bytes.contains_key(a)).collect();
         let Some((target, anchor, chain, bytes)) = plan(local, &anchors, &anchor_bytes, &markers) else {
             if let Some(s) = &self.state {
-                return Ok(SyncOutcome { step: s.step, root: s.root, path: SyncPath::UpToDate, bytes: 0, deltas: 0, recovered, secs: t0.elapsed().as_secs_f64() });
+                return Ok(SyncOutcome {
+                    step: s.step,
+                    root: s.root,
+                    path: SyncPath::UpToDate,
+                    bytes: 0,
+                    deltas: 0,
+                    recovered,
+                    secs: t0.elapsed().as_secs_f64(),
+                });
             }
             return Err(Error::NothingReady);
         };
@@ -267,7 +294,15 @@ impl Agent {
         }
         if local == Some(target) {
             let s = self.state.as_ref().expect("local");
-            return Ok(SyncOutcome { step: s.step, root: s.root, path: SyncPath::UpToDate, bytes: 0, deltas: 0, recovered, secs: t0.elapsed().as_secs_f64() });
+            return Ok(SyncOutcome {
+                step: s.step,
+                root: s.root,
+                path: SyncPath::UpToDate,
+                bytes: 0,
+                deltas: 0,
+                recovered,
+                secs: t0.elapsed().as_secs_f64(),
+            });
         }
         info!(target, ?anchor, deltas = chain.len(), bytes, "sync plan");
         let path = match (anchor, chain.len()) {
@@ -278,7 +313,9 @@ impl Agent {
         let mut got = 0;
         if let Some(a) = anchor {
             let b = match self.load_anchor(a).await {
-                Err(e @ Error::Refused { .. }) => return Err(self.refuse(StepKind::Anchor, a, anchor_shas.get(&a).copied(), e)),
+                Err(e @ Error::Refused { .. }) => {
+                    return Err(self.refuse(StepKind::Anchor, a, anchor_shas.get(&a).copied(), e))
+                }
                 r => r?,
             };
             got += b;
@@ -291,7 +328,9 @@ impl Agent {
             let fetch = next.take().expect("a fetch per delta");
             next = chain.get(k + 1).map(|&d| self.start_fetch(d));
             let b = match self.apply_delta(d, fetch).await {
-                Err(e @ Error::Refused { .. }) => return Err(self.refuse(StepKind::Delta, d, markers.get(&d).map(|m| m.manifest_sha256), e)),
+                Err(e @ Error::Refused { .. }) => {
+                    return Err(self.refuse(StepKind::Delta, d, markers.get(&d).map(|m| m.manifest_sha256), e))
+                }
                 r => r?,
             };
             got += b;
@@ -304,7 +343,15 @@ impl Agent {
         }
         self.metrics.syncs.fetch_add(1, Relaxed);
         let s = self.state.as_ref().expect("synced");
-        Ok(SyncOutcome { step: s.step, root: s.root, path, bytes: got, deltas: chain.len() as u32, recovered, secs: t0.elapsed().as_secs_f64() })
+        Ok(SyncOutcome {
+            step: s.step,
+            root: s.root,
+            path,
+            bytes: got,
+            deltas: chain.len() as u32,
+            recovered,
+            secs: t0.elapsed().as_secs_f64(),
+        })
     }
 
     async fn delta_markers(&self, steps: &[u64]) -> Result<BTreeMap<u64, ReadyMarker>> {
@@ -364,7 +411,8 @@ impl Agent {
         std::fs::create_dir_all(&staging)?;
         let r = &self.reader;
         // Owned keys: closures over borrowed items make the future not provably `Send`.
-        let keys: Vec<(String, u64, Digest)> = m.objects.iter().map(|o| (o.object.object.clone(), o.object.size, o.object.sha256)).collect();
+        let keys: Vec<(String, u64, Digest)> =
+            m.objects.iter().map(|o| (o.object.object.clone(), o.object.size, o.object.sha256)).collect();
         let objs: Vec<Bytes> = futures::stream::iter(keys)
             .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
             .buffered(self.cfg.download_concurrency.max(1))
@@ -387,9 +435,14 @@ impl Agent {
                     AnchorEncoding::Safetensors => std::fs::write(&p, b)?,
                     AnchorEncoding::PlanesZstd => {
                         if o.decoded_size > anchor::MAX_SHARD {
-                            return Err(driftless_format::Error::Corrupt { what: "anchor manifest", detail: "shard too large".into() }.into());
+                            return Err(driftless_format::Error::Corrupt {
+                                what: "anchor manifest",
+                                detail: "shard too large".into(),
+                            }
+                            .into());
                         }
-                        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&p)?;
+                        let f =
+                            std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&p)?;
                         f.set_len(o.decoded_size)?;
                         // SAFETY: a file we just created in our private staging directory.
                         let mut map = unsafe { memmap2::MmapMut::map_mut(&f)? };
@@ -406,7 +459,11 @@ impl Agent {
             write_index(&dir, &m2.layout())?;
             let ck = Checkpoint::open(&dir)?;
             if ck.layout() != m2.layout() {
-                return Err(driftless_format::Error::Corrupt { what: "anchor", detail: "decoded files do not match the manifest layout".into() }.into());
+                return Err(driftless_format::Error::Corrupt {
+                    what: "anchor",
+                    detail: "decoded files do not match the manifest layout".into(),
+                }
+                .into());
             }
             ops::verify_views(&ck.views(), &m2.shards, m2.weights_root)?;
             Ok(())
@@ -428,7 +485,12 @@ impl Agent {
     async fn fetch_segments(&self, m: &driftless_format::DeltaManifest, skip: &[u32]) -> Result<Vec<Option<Bytes>>> {
         let r = &self.reader;
         let step = m.step;
-        let keys: Vec<(usize, String, u64, Digest)> = m.segments.iter().enumerate().map(|(i, s)| (i, s.object.object.clone(), s.object.size, s.object.sha256)).collect();
+        let keys: Vec<(usize, String, u64, Digest)> = m
+            .segments
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (i, s.object.object.clone(), s.object.size, s.object.sha256))
+            .collect();
         Ok(futures::stream::iter(keys)
             .map(|(i, k, n, sha)| async move {
                 if skip.contains(&(i as u32)) {
@@ -464,12 +526,18 @@ impl Agent {
                     .map(move |(i, s)| {
                         let r = reader.clone();
                         async move {
-                            let b = r.object(StepKind::Delta, step, &s.object.object, s.object.size, s.object.sha256).await?;
+                            let b = r
+                                .object(StepKind::Delta, step, &s.object.object, s.object.size, s.object.sha256)
+                                .await?;
                             let raw = s.raw_size;
                             let seg = tokio::task::spawn_blocking(move || -> Result<DecodedSegment> {
                                 let seg = delta::decode_segment(&b, raw)?;
                                 if seg.mode != mode {
-                                    return Err(driftless_format::Error::Corrupt { what: "segment", detail: "value mode differs from the manifest".into() }.into());
+                                    return Err(driftless_format::Error::Corrupt {
+                                        what: "segment",
+                                        detail: "value mode differs from the manifest".into(),
+                                    }
+                                    .into());
                                 }
                                 Ok(seg)
                             })
@@ -500,7 +568,11 @@ impl Agent {
         let (m, env_sha) = manifest.await.map_err(|_| Error::Io(std::io::Error::other("delta download stopped")))??;
         let st = self.state.clone().expect("a base state");
         if m.base_root != st.root {
-            return Err(driftless_format::Error::WrongBase { expected: m.base_root.to_hex(), actual: st.root.to_hex() }.into());
+            return Err(driftless_format::Error::WrongBase {
+                expected: m.base_root.to_hex(),
+                actual: st.root.to_hex(),
+            }
+            .into());
         }
         let mut segs: Vec<Option<DecodedSegment>> = (0..m.segments.len()).map(|_| None).collect();
         let mut bytes = 0u64;
@@ -509,7 +581,10 @@ impl Agent {
             bytes += n;
             segs[i] = Some(seg);
         }
-        let segs: Vec<DecodedSegment> = segs.into_iter().collect::<Option<_>>().ok_or_else(|| Error::Io(std::io::Error::other("delta download stopped")))?;
+        let segs: Vec<DecodedSegment> = segs
+            .into_iter()
+            .collect::<Option<_>>()
+            .ok_or_else(|| Error::Io(std::io::Error::other("delta download stopped")))?;
         let cur = self.current_dir();
         let local_layout = Checkpoint::open(&cur)?.layout();
         let t = Instant::now();
@@ -623,9 +698,11 @@ impl Agent {
     async fn recover_by_hash(&mut self, m: Option<&driftless_format::DeltaManifest>) -> Result<()> {
         let st = self.state.clone().expect("state");
         let cur = self.current_dir();
-        let root = tokio::task::spawn_blocking(move || -> Result<Digest> { Ok(driftless_format::weights_root(&Checkpoint::open(&cur)?.views()).1) })
-            .await
-            .expect("hash task")?;
+        let root = tokio::task::spawn_blocking(move || -> Result<Digest> {
+            Ok(driftless_format::weights_root(&Checkpoint::open(&cur)?.views()).1)
+        })
+        .await
+        .expect("hash task")?;
         Journal::remove(&self.journal_path())?;
         if root == st.root {
             // The apply never wrote anything.
@@ -634,12 +711,20 @@ impl Agent {
         if let Some(m) = m.filter(|m| m.result_root == root) {
             return self.set_state(LocalState { stream_id: st.stream_id, step: m.step, root, applying: None });
         }
-        Err(driftless_format::Error::Corrupt { what: "local checkpoint", detail: "interrupted apply cannot be recovered".into() }.into())
+        Err(driftless_format::Error::Corrupt {
+            what: "local checkpoint",
+            detail: "interrupted apply cannot be recovered".into(),
+        }
+        .into())
     }
 
     /// Follows the stream until `shutdown` resolves: adaptive, jittered polling; an immediate
     /// poll when `poke` is notified; exponential backoff after failures.
-    pub async fn run(mut self, poke: Arc<tokio::sync::Notify>, shutdown: impl std::future::Future<Output = ()>) -> Result<()> {
+    pub async fn run(
+        mut self,
+        poke: Arc<tokio::sync::Notify>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<()> {
         tokio::pin!(shutdown);
         let mut interval = self.cfg.poll_min;
         let mut failures = 0u32;
@@ -649,7 +734,10 @@ impl Agent {
             polls += 1;
             // Cheap check first: when latest.json did not change and we are on a step, skip the
             // listing (markers stay the source of truth: list anyway every 10th poll).
-            let unchanged = self.state.is_some() && self.loaded.is_some() && polls % 10 != 0 && matches!(self.reader.latest(etag.as_deref()).await, Ok(None));
+            let unchanged = self.state.is_some()
+                && self.loaded.is_some()
+                && polls % 10 != 0
+                && matches!(self.reader.latest(etag.as_deref()).await, Ok(None));
             if !unchanged {
                 if let Ok(Some((_, tag))) = self.reader.latest(None).await {
                     etag = tag;
@@ -657,14 +745,19 @@ impl Agent {
                 match self.sync_once().await {
                     Ok(o) => {
                         failures = 0;
-                        interval = if o.path == SyncPath::UpToDate { (interval * 2).min(self.cfg.poll_max) } else { self.cfg.poll_min };
+                        interval = if o.path == SyncPath::UpToDate {
+                            (interval * 2).min(self.cfg.poll_max)
+                        } else {
+                            self.cfg.poll_min
+                        };
                         if o.path != SyncPath::UpToDate {
                             info!(step = o.step, path = ?o.path, bytes = o.bytes, secs = o.secs, "synced");
                         }
                     }
                     Err(e) => {
                         failures += 1;
-                        interval = (self.cfg.poll_min * 2u32.saturating_pow(failures.min(6))).min(self.cfg.poll_max * 3);
+                        interval =
+                            (self.cfg.poll_min * 2u32.saturating_pow(failures.min(6))).min(self.cfg.poll_max * 3);
                         warn!(error = %e, failures, retry_in = ?interval, "sync failed");
                     }
                 }
@@ -683,7 +776,12 @@ impl Agent {
 
 /// Picks the cheapest route to the newest reachable step. Returns (target, anchor to load,
 /// deltas to apply, bytes), or `None` when nothing is reachable or needed.
-fn plan(local: Option<u64>, anchors: &[u64], anchor_bytes: &BTreeMap<u64, u64>, markers: &BTreeMap<u64, ReadyMarker>) -> Option<Plan> {
+fn plan(
+    local: Option<u64>,
+    anchors: &[u64],
+    anchor_bytes: &BTreeMap<u64, u64>,
+    markers: &BTreeMap<u64, ReadyMarker>,
+) -> Option<Plan> {
     // Walks base links back from `target` to `start`.
     let chain = |start: u64, target: u64| -> Option<(Vec<u64>, u64)> {
         let mut v = vec![];
@@ -737,7 +835,15 @@ mod tests {
     use super::*;
 
     fn marker(step: u64, base: u64, bytes: u64) -> ReadyMarker {
-        ReadyMarker { kind: "ready".into(), stream_id: "s".into(), of: StepKind::Delta, step, base_step: Some(base), manifest_sha256: Digest::default(), payload_bytes: bytes }
+        ReadyMarker {
+            kind: "ready".into(),
+            stream_id: "s".into(),
+            of: StepKind::Delta,
+            step,
+            base_step: Some(base),
+            manifest_sha256: Digest::default(),
+            payload_bytes: bytes,
+        }
     }
 
     #[test]

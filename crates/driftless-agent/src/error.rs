@@ -59,7 +59,11 @@ impl Error {
     }
 
     /// A manifest read failed: integrity failures refuse the step, the rest pass through.
-    pub(crate) fn manifest(kind: driftless_format::StepKind, step: u64, e: driftless_store::stream::StreamError) -> Error {
+    pub(crate) fn manifest(
+        kind: driftless_format::StepKind,
+        step: u64,
+        e: driftless_store::stream::StreamError,
+    ) -> Error {
         let e = Error::from(e);
         if e.is_integrity() {
             Error::Refused { kind, step, detail: e.to_string() }

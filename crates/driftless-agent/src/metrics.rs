@@ -50,14 +50,28 @@ impl Metrics {
         let step = g(&self.step);
         let newest = g(&self.newest);
         let lag = if step == u64::MAX || newest == u64::MAX { 0 } else { newest.saturating_sub(step) };
-        let lag_s = if lag == 0 { 0.0 } else { (driftless_format::manifest::now_ms().saturating_sub(g(&self.newest_seen_ms))) as f64 / 1000.0 };
+        let lag_s = if lag == 0 {
+            0.0
+        } else {
+            (driftless_format::manifest::now_ms().saturating_sub(g(&self.newest_seen_ms))) as f64 / 1000.0
+        };
         let mut o = String::new();
         let mut m = |name: &str, kind: &str, help: &str, v: String| {
             o.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
         };
-        m("driftless_step", "gauge", "Verified local step (-1 when none).", if step == u64::MAX { "-1".into() } else { step.to_string() });
+        m(
+            "driftless_step",
+            "gauge",
+            "Verified local step (-1 when none).",
+            if step == u64::MAX { "-1".into() } else { step.to_string() },
+        );
         m("driftless_lag_steps", "gauge", "Newest ready step minus local step.", lag.to_string());
-        m("driftless_lag_seconds", "gauge", "Seconds since a newer step than the local one became visible.", format!("{lag_s:.3}"));
+        m(
+            "driftless_lag_seconds",
+            "gauge",
+            "Seconds since a newer step than the local one became visible.",
+            format!("{lag_s:.3}"),
+        );
         o.push_str("# HELP driftless_bytes_downloaded_total Bytes downloaded by path.\n# TYPE driftless_bytes_downloaded_total counter\n");
         for (p, a) in [("fast", &self.bytes_fast), ("catchup", &self.bytes_catchup), ("anchor", &self.bytes_anchor)] {
             o.push_str(&format!("driftless_bytes_downloaded_total{{path=\"{p}\"}} {}\n", g(a)));
@@ -65,12 +79,37 @@ impl Metrics {
         let mut m = |name: &str, kind: &str, help: &str, v: String| {
             o.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
         };
-        m("driftless_apply_seconds", "gauge", "Duration of the last apply.", format!("{:.3}", g(&self.apply_ms) as f64 / 1000.0));
-        m("driftless_verify_seconds", "gauge", "Duration of the last verification.", format!("{:.3}", g(&self.verify_ms) as f64 / 1000.0));
-        m("driftless_verify_failures_total", "counter", "Signature, object hash or weights root failures.", g(&self.verify_failures).to_string());
-        m("driftless_notify_failures_total", "counter", "Failed inference server notifications.", g(&self.notify_failures).to_string());
+        m(
+            "driftless_apply_seconds",
+            "gauge",
+            "Duration of the last apply.",
+            format!("{:.3}", g(&self.apply_ms) as f64 / 1000.0),
+        );
+        m(
+            "driftless_verify_seconds",
+            "gauge",
+            "Duration of the last verification.",
+            format!("{:.3}", g(&self.verify_ms) as f64 / 1000.0),
+        );
+        m(
+            "driftless_verify_failures_total",
+            "counter",
+            "Signature, object hash or weights root failures.",
+            g(&self.verify_failures).to_string(),
+        );
+        m(
+            "driftless_notify_failures_total",
+            "counter",
+            "Failed inference server notifications.",
+            g(&self.notify_failures).to_string(),
+        );
         m("driftless_syncs_total", "counter", "Completed syncs.", g(&self.syncs).to_string());
-        m("driftless_journal_recoveries_total", "counter", "Interrupted applies finished from the journal.", g(&self.journal_recoveries).to_string());
+        m(
+            "driftless_journal_recoveries_total",
+            "counter",
+            "Interrupted applies finished from the journal.",
+            g(&self.journal_recoveries).to_string(),
+        );
         m("driftless_anchor_downloads_total", "counter", "Anchors downloaded.", g(&self.anchor_downloads).to_string());
         o
     }

@@ -61,7 +61,12 @@ impl std::fmt::Display for Notifier {
     }
 }
 
-async fn post(client: &reqwest::Client, url: &str, body: serde_json::Value, timeout: Duration) -> std::result::Result<(), String> {
+async fn post(
+    client: &reqwest::Client,
+    url: &str,
+    body: serde_json::Value,
+    timeout: Duration,
+) -> std::result::Result<(), String> {
     let mut last = String::new();
     for attempt in 0..3u32 {
         if attempt > 0 {
@@ -88,7 +93,13 @@ impl Notifier {
         match self {
             Notifier::Sglang(u) => {
                 post(client, &format!("{u}/pause_generation"), json!({}), short).await.map_err(fail)?;
-                let load = post(client, &format!("{u}/update_weights_from_disk"), json!({"model_path": d, "weight_version": step.to_string()}), long).await;
+                let load = post(
+                    client,
+                    &format!("{u}/update_weights_from_disk"),
+                    json!({"model_path": d, "weight_version": step.to_string()}),
+                    long,
+                )
+                .await;
                 let cont = post(client, &format!("{u}/continue_generation"), json!({}), short).await;
                 load.map_err(fail)?;
                 cont.map_err(fail)
@@ -97,15 +108,24 @@ impl Notifier {
                 post(client, &format!("{u}/pause"), json!({}), short).await.map_err(fail)?;
                 let r = async {
                     post(client, &format!("{u}/start_weight_update"), json!({}), short).await?;
-                    post(client, &format!("{u}/update_weights"), json!({"backend": "disk", "model_path": d}), long).await?;
-                    post(client, &format!("{u}/finish_weight_update"), json!({"weight_version": step.to_string()}), short).await
+                    post(client, &format!("{u}/update_weights"), json!({"backend": "disk", "model_path": d}), long)
+                        .await?;
+                    post(
+                        client,
+                        &format!("{u}/finish_weight_update"),
+                        json!({"weight_version": step.to_string()}),
+                        short,
+                    )
+                    .await
                 }
                 .await;
                 let resume = post(client, &format!("{u}/resume"), json!({}), short).await;
                 r.map_err(fail)?;
                 resume.map_err(fail)
             }
-            Notifier::Http(u) => post(client, u, json!({"step": step, "weights_root": root, "dir": d}), long).await.map_err(fail),
+            Notifier::Http(u) => {
+                post(client, u, json!({"step": step, "weights_root": root, "dir": d}), long).await.map_err(fail)
+            }
             Notifier::Exec(c) => {
                 let st = tokio::process::Command::new("sh")
                     .arg("-c")

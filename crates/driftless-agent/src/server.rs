@@ -34,7 +34,10 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, poll: Arc<tokio
             let method = parts.next().unwrap_or("");
             let path = parts.next().unwrap_or("");
             let (code, ctype, body) = route(method, path, &metrics, &poll);
-            let resp = format!("HTTP/1.1 {code}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
+            let resp = format!(
+                "HTTP/1.1 {code}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
             let _ = sock.write_all(resp.as_bytes()).await;
             let _ = sock.shutdown().await;
         });
@@ -55,7 +58,11 @@ fn route(method: &str, path: &str, m: &Metrics, poll: &tokio::sync::Notify) -> (
         ("GET", "/v1/status") => {
             let g = |a: &std::sync::atomic::AtomicU64| {
                 let v = a.load(Relaxed);
-                if v == u64::MAX { serde_json::Value::Null } else { v.into() }
+                if v == u64::MAX {
+                    serde_json::Value::Null
+                } else {
+                    v.into()
+                }
             };
             let v = serde_json::json!({
                 "step": g(&m.step), "newest_ready": g(&m.newest), "ready": m.ready.load(Relaxed) == 1,

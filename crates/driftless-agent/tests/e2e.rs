@@ -19,10 +19,16 @@ fn buckets() -> Vec<(String, Bucket, tempfile::TempDir)> {
             let mut it = spec.split_whitespace();
             let (endpoint, bucket) = (it.next().unwrap().to_string(), it.next().unwrap().to_string());
             let url = format!("s3://{bucket}/e2e-{:016x}", rand_u64());
-            let opts = StoreOptions::default().with_endpoint(endpoint).with_allow_http(true).with_region("us-east-1").with_max_retries(2);
+            let opts = StoreOptions::default()
+                .with_endpoint(endpoint)
+                .with_allow_http(true)
+                .with_region("us-east-1")
+                .with_max_retries(2);
             v.push((url.clone(), Bucket::open(&url, &opts).unwrap(), tempfile::tempdir().unwrap()));
         }
-        Err(_) if std::env::var("DRIFTLESS_REQUIRE_SERVERS").as_deref() == Ok("1") => panic!("DRIFTLESS_TEST_S3_SEAWEED not set"),
+        Err(_) if std::env::var("DRIFTLESS_REQUIRE_SERVERS").as_deref() == Ok("1") => {
+            panic!("DRIFTLESS_TEST_S3_SEAWEED not set")
+        }
         Err(_) => {}
     }
     v
@@ -62,7 +68,13 @@ async fn three_agents_follow_fifty_steps() {
         let (ack_tx, ack_rx) = std::sync::mpsc::channel::<()>();
         let publisher = std::thread::spawn(move || {
             let mut chain = RlChain::new(&chain_model, 1e-6, 3);
-            let mut p = PublisherBuilder::new("unused").with_bucket(b2).with_key(k2).with_anchor_every(10).with_queue_depth(64).build().unwrap();
+            let mut p = PublisherBuilder::new("unused")
+                .with_bucket(b2)
+                .with_key(k2)
+                .with_anchor_every(10)
+                .with_queue_depth(64)
+                .build()
+                .unwrap();
             for step in 0..50u64 {
                 if step > 0 {
                     chain.step();
@@ -75,7 +87,8 @@ async fn three_agents_follow_fifty_steps() {
             p.close().unwrap();
             chain
         });
-        let mk = |name: &str| Agent::new(bucket.clone(), AgentConfig::new(dir.path().join(name), trust.clone())).unwrap();
+        let mk =
+            |name: &str| Agent::new(bucket.clone(), AgentConfig::new(dir.path().join(name), trust.clone())).unwrap();
         let mut a = mk("a");
         let mut b = mk("b");
         let mut c = mk("c");
@@ -94,7 +107,10 @@ async fn three_agents_follow_fifty_steps() {
             ack_tx.send(()).unwrap();
         }
         let chain = publisher.join().unwrap();
-        assert!(paths.iter().filter(|p| **p == SyncPath::Fast).count() >= 45, "{url}: steady state is the fast path: {paths:?}");
+        assert!(
+            paths.iter().filter(|p| **p == SyncPath::Fast).count() >= 45,
+            "{url}: steady state is the fast path: {paths:?}"
+        );
         assert_same(&a, &chain);
         let ob = b.sync_once().await.unwrap();
         assert_eq!(ob.step, 49);
@@ -117,7 +133,11 @@ async fn corrupt_and_forged_objects_never_reach_the_checkpoint() {
     let key = Keypair::from_seed([1; 32]);
     let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 2e-6, 5);
     let (b2, k2) = (bucket.clone(), key.clone());
-    let mut p = tokio::task::spawn_blocking(move || PublisherBuilder::new("x").with_bucket(b2).with_key(k2).with_anchor_every(100).build().unwrap()).await.unwrap();
+    let mut p = tokio::task::spawn_blocking(move || {
+        PublisherBuilder::new("x").with_bucket(b2).with_key(k2).with_anchor_every(100).build().unwrap()
+    })
+    .await
+    .unwrap();
     let views = chain.views().iter().map(|v| (v.meta(), v.data.to_vec())).collect::<Vec<_>>();
     let _ = views;
     p = tokio::task::block_in_place(|| {

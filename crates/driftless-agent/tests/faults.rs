@@ -30,7 +30,9 @@ struct Trainer {
 impl Trainer {
     fn new(b: &Bucket, key: &Keypair, anchor_every: u64) -> Trainer {
         let (b, k) = (b.clone(), key.clone());
-        let p = tokio::task::block_in_place(|| PublisherBuilder::new("unused").with_bucket(b).with_key(k).with_anchor_every(anchor_every).build().unwrap());
+        let p = tokio::task::block_in_place(|| {
+            PublisherBuilder::new("unused").with_bucket(b).with_key(k).with_anchor_every(anchor_every).build().unwrap()
+        });
         Trainer { chain: RlChain::new(&ModelSpec::with_bf16_bytes(256 << 10), 2e-6, 21), p: Some(p), step: None }
     }
 
@@ -104,7 +106,12 @@ async fn bucket_unreachable_for_a_while() {
         assert_bits(&a, &want);
         assert_eq!(cold.sync_once().await.unwrap().step, 2);
         assert_bits(&cold, &want);
-        assert_eq!(counter(&a, |m| &m.anchor_downloads), 1, "{}: one anchor at the first sync, none after the outage", tb.name);
+        assert_eq!(
+            counter(&a, |m| &m.anchor_downloads),
+            1,
+            "{}: one anchor at the first sync, none after the outage",
+            tb.name
+        );
     }
 }
 
@@ -154,7 +161,11 @@ async fn marker_before_its_objects_is_not_ready() {
         let before = a.state().cloned();
         for round in 0..2 {
             let e = a.sync_once().await.unwrap_err();
-            assert!(matches!(e, Error::Stream(StreamError::NotReady { step: 2, .. })), "{}: round {round}: {e}", tb.name);
+            assert!(
+                matches!(e, Error::Stream(StreamError::NotReady { step: 2, .. })),
+                "{}: round {round}: {e}",
+                tb.name
+            );
             assert!(e.is_retryable() && !e.is_integrity());
             assert_eq!(a.state().cloned(), before);
             assert_verified(&a, &tb.name);
@@ -189,12 +200,15 @@ async fn replayed_older_manifest_presented_as_newer_is_refused() {
             let name = o.key.rsplit('/').next().unwrap().to_string();
             b.put(&layout::object(StepKind::Delta, 10, &name), b.get(&o.key).await.unwrap()).await.unwrap();
         }
-        let mut marker: serde_json::Value = serde_json::from_slice(&b.get(&layout::ready(StepKind::Delta, 1)).await.unwrap()).unwrap();
+        let mut marker: serde_json::Value =
+            serde_json::from_slice(&b.get(&layout::ready(StepKind::Delta, 1)).await.unwrap()).unwrap();
         marker["step"] = 10.into();
         marker["base_step"] = 3.into();
         b.put(&layout::ready(StepKind::Delta, 10), Bytes::from(serde_json::to_vec(&marker).unwrap())).await.unwrap();
         // And a verbatim copy of the marker of step 2 at step 11 (names another step).
-        b.put(&layout::ready(StepKind::Delta, 11), b.get(&layout::ready(StepKind::Delta, 2)).await.unwrap()).await.unwrap();
+        b.put(&layout::ready(StepKind::Delta, 11), b.get(&layout::ready(StepKind::Delta, 2)).await.unwrap())
+            .await
+            .unwrap();
         let before = a.state().cloned();
         for _ in 0..2 {
             let o = a.sync_once().await.unwrap();
@@ -231,7 +245,11 @@ async fn delta_on_a_wrong_base_is_never_applied() {
     // The local checkpoint diverged (a bit flipped by someone else) and its state file was
     // rewritten to match: consistent, verified-looking, but not the stream's step 1.
     let cur = dir.join("current");
-    let shard = std::fs::read_dir(&cur).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == "safetensors")).unwrap();
+    let shard = std::fs::read_dir(&cur)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .unwrap();
     let mut bytes = std::fs::read(&shard).unwrap();
     let n = bytes.len();
     bytes[n - 2] ^= 0x01;
@@ -278,7 +296,11 @@ async fn truncated_objects() {
         assert!(a.state().is_none_or(|s| s.step == 0));
         // A truncated anchor shard: a cold agent gets nothing.
         let anchor = b.list(&layout::anchor_dir(0)).await.unwrap();
-        let akey = anchor.iter().map(|o| o.key.clone()).find(|k| !k.ends_with("manifest.json") && !k.contains("extra-")).unwrap();
+        let akey = anchor
+            .iter()
+            .map(|o| o.key.clone())
+            .find(|k| !k.ends_with("manifest.json") && !k.contains("extra-"))
+            .unwrap();
         let shard = b.get(&akey).await.unwrap();
         b.put(&akey, shard.slice(..shard.len() / 3)).await.unwrap();
         let mut c = agent(&tb, "cold", &trust);
@@ -333,7 +355,14 @@ async fn inference_server() -> (String, Arc<Server>) {
                     buf.extend_from_slice(&tmp[..n]);
                     let text = String::from_utf8_lossy(&buf).to_string();
                     if let Some(h) = text.find("\r\n\r\n") {
-                        let len = text[..h].lines().find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap())).unwrap_or(0);
+                        let len = text[..h]
+                            .lines()
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length:")
+                                    .map(|v| v.trim().parse::<usize>().unwrap())
+                            })
+                            .unwrap_or(0);
                         if buf.len() >= h + 4 + len {
                             break text[h + 4..].to_string();
                         }
@@ -341,13 +370,18 @@ async fn inference_server() -> (String, Arc<Server>) {
                 };
                 let v: serde_json::Value = serde_json::from_str(&body).unwrap();
                 let step = v["step"].as_u64().unwrap();
-                let (root, dir) = (v["weights_root"].as_str().unwrap().to_string(), v["dir"].as_str().unwrap().to_string());
+                let (root, dir) =
+                    (v["weights_root"].as_str().unwrap().to_string(), v["dir"].as_str().unwrap().to_string());
                 let down = srv.down.load(SeqCst);
                 let status = if down {
                     srv.loads.lock().unwrap().push(Load { step, stable: true, ok: false });
                     503
                 } else {
-                    let hash = |d: String| tokio::task::spawn_blocking(move || driftless_format::weights_root(&Checkpoint::open(&d).unwrap().views()).1.to_hex());
+                    let hash = |d: String| {
+                        tokio::task::spawn_blocking(move || {
+                            driftless_format::weights_root(&Checkpoint::open(&d).unwrap().views()).1.to_hex()
+                        })
+                    };
                     let a = hash(dir.clone()).await.unwrap();
                     tokio::time::sleep(Duration::from_millis(srv.delay_ms.load(SeqCst))).await;
                     let b = hash(dir).await.unwrap();

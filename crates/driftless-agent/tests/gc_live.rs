@@ -34,11 +34,19 @@ async fn follow(mut agent: Agent, name: String, done: Arc<AtomicBool>) -> (Agent
             Ok(o) => {
                 t.ok += 1;
                 // Never backwards.
-                assert!(t.steps_seen.last().is_none_or(|&l| o.step >= l), "{name}: went back from {:?} to {}", t.steps_seen.last(), o.step);
+                assert!(
+                    t.steps_seen.last().is_none_or(|&l| o.step >= l),
+                    "{name}: went back from {:?} to {}",
+                    t.steps_seen.last(),
+                    o.step
+                );
                 t.steps_seen.push(o.step);
             }
             Err(e) => {
-                assert!(e.is_retryable() && !e.is_integrity() && !e.is_refused(), "{name}: GC must only cause retryable errors, got {e}");
+                assert!(
+                    e.is_retryable() && !e.is_integrity() && !e.is_refused(),
+                    "{name}: GC must only cause retryable errors, got {e}"
+                );
                 t.retryable += 1;
             }
         }
@@ -63,7 +71,10 @@ async fn gc_under_live_agents() {
                 break;
             }
         }
-        assert!(raced > 0, "backend {i}: the GC never deleted anything an agent was reading in 4 runs; the test proves nothing");
+        assert!(
+            raced > 0,
+            "backend {i}: the GC never deleted anything an agent was reading in 4 runs; the test proves nothing"
+        );
     }
 }
 
@@ -78,7 +89,8 @@ async fn scenario(tb: TestBucket, attempt: u64) -> u64 {
             let (b, key, published) = (tb.bucket.clone(), key.clone(), published.clone());
             std::thread::spawn(move || {
                 let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(256 << 10), 2e-6, 4);
-                let mut p = PublisherBuilder::new("unused").with_bucket(b).with_key(key).with_anchor_every(5).build().unwrap();
+                let mut p =
+                    PublisherBuilder::new("unused").with_bucket(b).with_key(key).with_anchor_every(5).build().unwrap();
                 for step in 0..STEPS {
                     if step > 0 {
                         chain.step();
@@ -113,9 +125,14 @@ async fn scenario(tb: TestBucket, attempt: u64) -> u64 {
         };
         // The agents read through a slow link (every call delayed), so that the GC deletes what
         // they are reading: an agent that falls 3 deltas or 1 anchor behind loses its route.
-        let slow = Arc::new(driftless_store::FaultyStore::new(tb.faults.inner().clone()).delay(Duration::from_millis(15 * (attempt + 1))));
-        let agent_bucket = driftless_store::Bucket::from_store(slow, tb.bucket.prefix(), tb.bucket.options()).with_conditional_create(tb.bucket.supports_conditional_create());
-        let mk = |n: &str| Agent::new(agent_bucket.clone(), AgentConfig::new(tb.dir.path().join(n), trust.clone())).unwrap();
+        let slow = Arc::new(
+            driftless_store::FaultyStore::new(tb.faults.inner().clone())
+                .delay(Duration::from_millis(15 * (attempt + 1))),
+        );
+        let agent_bucket = driftless_store::Bucket::from_store(slow, tb.bucket.prefix(), tb.bucket.options())
+            .with_conditional_create(tb.bucket.supports_conditional_create());
+        let mk =
+            |n: &str| Agent::new(agent_bucket.clone(), AgentConfig::new(tb.dir.path().join(n), trust.clone())).unwrap();
         let mut tasks = vec![];
         for n in ["a", "b"] {
             tasks.push(tokio::spawn(follow(mk(n), format!("{}/{n}", tb.name), done.clone())));
@@ -130,7 +147,11 @@ async fn scenario(tb: TestBucket, attempt: u64) -> u64 {
         tokio::time::sleep(Duration::from_millis(500)).await;
         done.store(true, SeqCst);
         let (runs, deleted) = gc.await.unwrap();
-        assert!(runs >= 3 && deleted > 0, "{}: the GC must actually have run and deleted ({runs} runs, {deleted} steps)", tb.name);
+        assert!(
+            runs >= 3 && deleted > 0,
+            "{}: the GC must actually have run and deleted ({runs} runs, {deleted} steps)",
+            tb.name
+        );
         let mut raced = 0;
         for t in tasks {
             let (mut agent, tally) = t.await.unwrap();

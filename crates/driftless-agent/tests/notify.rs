@@ -33,7 +33,11 @@ async fn server(fail_path: Option<&'static str>, fail_status: u16) -> (String, C
                     if let Some(h) = text.find("\r\n\r\n") {
                         let len = text[..h]
                             .lines()
-                            .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap()))
+                            .find_map(|l| {
+                                l.to_ascii_lowercase()
+                                    .strip_prefix("content-length:")
+                                    .map(|v| v.trim().parse::<usize>().unwrap())
+                            })
                             .unwrap_or(0);
                         if buf.len() >= h + 4 + len {
                             break;
@@ -82,7 +86,10 @@ async fn vllm_contract() {
     let (url, calls) = server(None, 200).await;
     let n: Notifier = format!("vllm={url}").parse().unwrap();
     n.notify(&reqwest::Client::new(), 3, Digest::default(), std::path::Path::new("/w/current")).await.unwrap();
-    assert_eq!(paths(&calls), ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]);
+    assert_eq!(
+        paths(&calls),
+        ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+    );
     let c = calls.lock().unwrap();
     let upd: serde_json::Value = serde_json::from_str(&c[2].1).unwrap();
     assert_eq!(upd["backend"], "disk");
@@ -108,7 +115,9 @@ async fn http_and_exec_and_server_errors() {
     // exec gets the facts in its environment.
     let d = tempfile::tempdir().unwrap();
     let out = d.path().join("o");
-    let n: Notifier = format!("exec=echo $DRIFTLESS_STEP $DRIFTLESS_WEIGHTS_ROOT $DRIFTLESS_DIR > {}", out.display()).parse().unwrap();
+    let n: Notifier = format!("exec=echo $DRIFTLESS_STEP $DRIFTLESS_WEIGHTS_ROOT $DRIFTLESS_DIR > {}", out.display())
+        .parse()
+        .unwrap();
     n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w")).await.unwrap();
     assert_eq!(std::fs::read_to_string(&out).unwrap().trim(), format!("5 {} /w", root.to_hex()));
     let n: Notifier = "exec=exit 3".parse().unwrap();

@@ -45,7 +45,9 @@ async fn ops_endpoints() {
     // Publish two steps (anchor + delta), sync once.
     let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(128 << 10), 2e-6, 1);
     let (b, k) = (tb.bucket.clone(), key.clone());
-    let mut p = tokio::task::block_in_place(|| PublisherBuilder::new("x").with_bucket(b).with_key(k).with_anchor_every(100).build().unwrap());
+    let mut p = tokio::task::block_in_place(|| {
+        PublisherBuilder::new("x").with_bucket(b).with_key(k).with_anchor_every(100).build().unwrap()
+    });
     for step in 0..2 {
         if step > 0 {
             chain.step();
@@ -64,12 +66,23 @@ async fn ops_endpoints() {
     assert_eq!(code, 200);
     assert!(ctype.starts_with("text/plain"), "{ctype}");
     // Prometheus text: every sample has HELP and TYPE, and the values are the agent's.
-    for (name, value) in [("driftless_step", "1"), ("driftless_lag_steps", "0"), ("driftless_anchor_downloads_total", "1"), ("driftless_syncs_total", "1"), ("driftless_verify_failures_total", "0")] {
+    for (name, value) in [
+        ("driftless_step", "1"),
+        ("driftless_lag_steps", "0"),
+        ("driftless_anchor_downloads_total", "1"),
+        ("driftless_syncs_total", "1"),
+        ("driftless_verify_failures_total", "0"),
+    ] {
         assert!(m.contains(&format!("# TYPE {name} ")), "{name} TYPE missing:\n{m}");
         assert!(m.contains(&format!("# HELP {name} ")), "{name} HELP missing");
         assert!(m.lines().any(|l| l == format!("{name} {value}")), "{name} != {value}:\n{m}");
     }
-    let anchor_bytes: u64 = m.lines().find_map(|l| l.strip_prefix("driftless_bytes_downloaded_total{path=\"anchor\"} ")).unwrap().parse().unwrap();
+    let anchor_bytes: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("driftless_bytes_downloaded_total{path=\"anchor\"} "))
+        .unwrap()
+        .parse()
+        .unwrap();
     assert_eq!(anchor_bytes, o.bytes);
     for l in m.lines().filter(|l| !l.starts_with('#')) {
         let (_, v) = l.rsplit_once(' ').unwrap();

@@ -39,7 +39,10 @@ pub fn load_into_env(args: impl Iterator<Item = OsString>) -> Result<()> {
     for (k, val) in obj {
         let key = k.replace('-', "_");
         let Some((_, env, sep)) = KEYS.iter().find(|(n, _, _)| *n == key) else {
-            bail!("config file {path}: unknown key {k:?} (known: {})", KEYS.iter().map(|k| k.0).collect::<Vec<_>>().join(", "));
+            bail!(
+                "config file {path}: unknown key {k:?} (known: {})",
+                KEYS.iter().map(|k| k.0).collect::<Vec<_>>().join(", ")
+            );
         };
         if std::env::var_os(env).is_some() {
             continue;
@@ -48,9 +51,11 @@ pub fn load_into_env(args: impl Iterator<Item = OsString>) -> Result<()> {
             serde_json::Value::String(s) => s.clone(),
             serde_json::Value::Bool(b) => b.to_string(),
             serde_json::Value::Number(n) => n.to_string(),
-            serde_json::Value::Array(a) if !sep.is_empty() => {
-                a.iter().map(|x| x.as_str().map(str::to_string).with_context(|| format!("{k}: list of strings expected"))).collect::<Result<Vec<_>>>()?.join(sep)
-            }
+            serde_json::Value::Array(a) if !sep.is_empty() => a
+                .iter()
+                .map(|x| x.as_str().map(str::to_string).with_context(|| format!("{k}: list of strings expected")))
+                .collect::<Result<Vec<_>>>()?
+                .join(sep),
             _ => bail!("config file {path}: bad value for {k}"),
         };
         // SAFETY: single-threaded at this point (before any runtime or thread starts).

@@ -93,7 +93,8 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 }
 
 fn init_logging(filter: &str, json: bool) {
-    let f = tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let f =
+        tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let b = tracing_subscriber::fmt().with_env_filter(f).with_writer(std::io::stderr);
     if json {
         b.json().init();

@@ -15,7 +15,8 @@ fn benches(c: &mut Criterion) {
     chain.step();
     let base = owned(&chain.views());
     chain.step();
-    let bv: Vec<TensorView<'_>> = base.iter().map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d }).collect();
+    let bv: Vec<TensorView<'_>> =
+        base.iter().map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d }).collect();
     let tv = chain.views();
     let bytes = chain.bytes();
     let layout = Layout::for_tensors(chain.metas(), u64::MAX).unwrap();
@@ -23,9 +24,16 @@ fn benches(c: &mut Criterion) {
     g.sample_size(10);
     g.throughput(Throughput::Bytes(bytes));
     g.bench_function("baseline_read_both", |b| {
-        b.iter(|| bv.iter().zip(&tv).map(|(x, y)| x.data.iter().zip(y.data).fold(0u64, |a, (p, q)| a.wrapping_add((*p ^ *q) as u64))).sum::<u64>())
+        b.iter(|| {
+            bv.iter()
+                .zip(&tv)
+                .map(|(x, y)| x.data.iter().zip(y.data).fold(0u64, |a, (p, q)| a.wrapping_add((*p ^ *q) as u64)))
+                .sum::<u64>()
+        })
     });
-    g.bench_function("encode_delta", |b| b.iter(|| driftless_format::encode_delta(&bv, &tv, &DeltaOptions::default()).unwrap()));
+    g.bench_function("encode_delta", |b| {
+        b.iter(|| driftless_format::encode_delta(&bv, &tv, &DeltaOptions::default()).unwrap())
+    });
     let spec = ops::DeltaSpec { stream_id: "b", step: 2, base_step: 1, base_root: None, layout: &layout };
     let (m, enc) = ops::make_delta(spec, &bv, &tv, &DeltaOptions::default()).unwrap();
     g.bench_function("baseline_sha256_weights_root", |b| b.iter(|| driftless_format::weights_root(&tv)));
@@ -41,7 +49,10 @@ fn benches(c: &mut Criterion) {
                 ap.apply(i, &s.bytes).unwrap();
             }
             drop(tm);
-            let v: Vec<TensorView<'_>> = mem.iter().map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d }).collect();
+            let v: Vec<TensorView<'_>> = mem
+                .iter()
+                .map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d })
+                .collect();
             ops::verify_result(&v, &m).unwrap()
         })
     });

@@ -18,7 +18,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let ck = Checkpoint::open(&m)?;
             RlChain::from_checkpoint(&ck.views(), lr, 0)?
         }
-        None => RlChain::new(&ModelSpec::with_bf16_bytes(get("--mb").map(|s| s.parse()).transpose()?.unwrap_or(16) << 20), lr, 0),
+        None => RlChain::new(
+            &ModelSpec::with_bf16_bytes(get("--mb").map(|s| s.parse()).transpose()?.unwrap_or(16) << 20),
+            lr,
+            0,
+        ),
     };
     let layout = Layout::for_tensors(chain.metas(), u64::MAX)?;
     let save = |c: &RlChain, step: u64| -> Result<(), Box<dyn std::error::Error>> {
@@ -32,9 +36,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for step in 1..=steps {
         let prev: Vec<_> = chain.views().iter().map(|v| (v.meta(), v.data.to_vec())).collect();
         chain.step();
-        let pv: Vec<_> = prev.iter().map(|(m, d)| driftless_format::TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d }).collect();
+        let pv: Vec<_> = prev
+            .iter()
+            .map(|(m, d)| driftless_format::TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d })
+            .collect();
         let (total, changed, one) = change_stats(&pv, &chain.views());
-        println!("{{\"step\": {step}, \"density\": {:.5}, \"one_ulp_share\": {:.4}}}", changed as f64 / total as f64, one as f64 / changed.max(1) as f64);
+        println!(
+            "{{\"step\": {step}, \"density\": {:.5}, \"one_ulp_share\": {:.4}}}",
+            changed as f64 / total as f64,
+            one as f64 / changed.max(1) as f64
+        );
         save(&chain, step)?;
     }
     Ok(())

@@ -222,7 +222,8 @@ pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
         }
         let mut scratch = vec![0u8; dst.len()];
         for (i, p) in planes.iter().enumerate() {
-            let got = d.decompress_to_buffer(p, &mut scratch[i * n..(i + 1) * n]).map_err(|e| bad(format!("zstd: {e}")))?;
+            let got =
+                d.decompress_to_buffer(p, &mut scratch[i * n..(i + 1) * n]).map_err(|e| bad(format!("zstd: {e}")))?;
             if got != n {
                 return Err(bad("plane size mismatch"));
             }

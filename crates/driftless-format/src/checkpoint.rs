@@ -368,9 +368,7 @@ pub fn write_checkpoint(dir: &Path, layout: &Layout, tensors: &[TensorView<'_>])
     {
         let tm = ck.tensors_mut();
         for t in layout.tensors() {
-            let v = by_name
-                .get(t.name.as_str())
-                .ok_or_else(|| Error::invalid(format!("tensor {} missing", t.name)))?;
+            let v = by_name.get(t.name.as_str()).ok_or_else(|| Error::invalid(format!("tensor {} missing", t.name)))?;
             if v.dtype != t.dtype || v.shape != t.shape.as_slice() {
                 return Err(Error::invalid(format!("tensor {} does not match layout", t.name)));
             }

@@ -62,7 +62,10 @@ pub fn read_delta_file<'a>(bytes: &'a [u8], trust: &TrustSet) -> Result<DeltaFil
     let mut at = 32 + elen as usize;
     let mut segments = Vec::with_capacity(manifest.segments.len());
     for s in &manifest.segments {
-        let end = (at as u64).checked_add(s.object.size).filter(|&e| e <= bytes.len() as u64).ok_or_else(|| bad("truncated"))?;
+        let end = (at as u64)
+            .checked_add(s.object.size)
+            .filter(|&e| e <= bytes.len() as u64)
+            .ok_or_else(|| bad("truncated"))?;
         let seg = &bytes[at..end as usize];
         if Digest::of(seg) != s.object.sha256 {
             return Err(bad(format!("segment {} does not match its SHA-256", s.object.object)));

@@ -395,7 +395,16 @@ pub fn encode_delta(base: &[TensorView<'_>], target: &[TensorView<'_>], opts: &D
                 None => {
                     let mut values = Vec::with_capacity(new.len());
                     to_planes(new, w, &mut values);
-                    Entry { name: t.name, kind: Kind::Dense, dtype: t.dtype, start: s, len: l, count: l, positions: vec![], values }
+                    Entry {
+                        name: t.name,
+                        kind: Kind::Dense,
+                        dtype: t.dtype,
+                        start: s,
+                        len: l,
+                        count: l,
+                        positions: vec![],
+                        values,
+                    }
                 }
             }
         })
@@ -650,8 +659,12 @@ pub fn decode_segment(bytes: &[u8], max_raw: u64) -> Result<DecodedSegment> {
                 return Err(bad(format!("entry {name}: {vb} value bytes, expected {v}")));
             }
         }
-        let pe = (pp as u64).checked_add(pb).filter(|&e| e <= positions.len() as u64).ok_or_else(|| bad("positions overrun"))?;
-        let ve = (vp as u64).checked_add(vb).filter(|&e| e <= values.len() as u64).ok_or_else(|| bad("values overrun"))?;
+        let pe = (pp as u64)
+            .checked_add(pb)
+            .filter(|&e| e <= positions.len() as u64)
+            .ok_or_else(|| bad("positions overrun"))?;
+        let ve =
+            (vp as u64).checked_add(vb).filter(|&e| e <= values.len() as u64).ok_or_else(|| bad("values overrun"))?;
         entries.push(EntryInfo {
             name: name.to_string(),
             dense,

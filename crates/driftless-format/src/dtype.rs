@@ -87,10 +87,7 @@ impl DType {
     }
 
     pub(crate) fn from_code(c: u8) -> Result<Self> {
-        DType::ALL
-            .get(c as usize)
-            .copied()
-            .ok_or_else(|| Error::corrupt("segment", format!("unknown dtype code {c}")))
+        DType::ALL.get(c as usize).copied().ok_or_else(|| Error::corrupt("segment", format!("unknown dtype code {c}")))
     }
 
     /// Convert from the `safetensors` crate's dtype. Dtypes driftless does not carry (sub-byte

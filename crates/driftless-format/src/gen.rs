@@ -62,7 +62,10 @@ impl ModelSpec {
 
     /// Metadata of the BF16 view.
     pub fn metas(&self) -> Vec<TensorMeta> {
-        self.tensors.iter().map(|(n, s, _)| TensorMeta { name: n.clone(), dtype: DType::BF16, shape: s.clone() }).collect()
+        self.tensors
+            .iter()
+            .map(|(n, s, _)| TensorMeta { name: n.clone(), dtype: DType::BF16, shape: s.clone() })
+            .collect()
     }
 }
 
@@ -153,7 +156,11 @@ impl RlChain {
         for t in views {
             let w: Vec<f32> = match t.dtype {
                 DType::F32 => t.data.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
-                DType::BF16 => t.data.chunks_exact(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)).collect(),
+                DType::BF16 => t
+                    .data
+                    .chunks_exact(2)
+                    .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
+                    .collect(),
                 _ => continue,
             };
             metas.push(t.meta());

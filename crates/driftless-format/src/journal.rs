@@ -43,8 +43,12 @@ pub struct Recovered {
 impl Journal {
     /// Creates (truncates) a journal for a delta and fsyncs its header.
     pub fn create(path: &Path, delta_id: Digest, base_root: Digest) -> Result<Self> {
-        let mut file = OpenOptions::new().create(true).write(true).truncate(true).open(path).map_err(|e| Error::io(path, e))?;
-        file.write_all(b"DLJ1").and_then(|_| file.write_all(&delta_id.0)).and_then(|_| file.write_all(&base_root.0)).map_err(|e| Error::io(path, e))?;
+        let mut file =
+            OpenOptions::new().create(true).write(true).truncate(true).open(path).map_err(|e| Error::io(path, e))?;
+        file.write_all(b"DLJ1")
+            .and_then(|_| file.write_all(&delta_id.0))
+            .and_then(|_| file.write_all(&base_root.0))
+            .map_err(|e| Error::io(path, e))?;
         file.sync_all().map_err(|e| Error::io(path, e))?;
         if let Some(dir) = path.parent() {
             if let Ok(d) = File::open(dir) {

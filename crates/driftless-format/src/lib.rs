@@ -51,6 +51,8 @@ pub use dtype::DType;
 pub use error::{Error, ErrorKind, Result};
 pub use hash::weights_root;
 pub use journal::Journal;
-pub use manifest::{AnchorEncoding, AnchorManifest, DeltaManifest, LatestHint, ReadyMarker, StepKind, StreamDescriptor};
+pub use manifest::{
+    AnchorEncoding, AnchorManifest, DeltaManifest, LatestHint, ReadyMarker, StepKind, StreamDescriptor,
+};
 pub use sign::{Keypair, TrustSet};
 pub use tensor::{numel, validate_file_name, validate_tensor_name, Digest, TensorMeta, TensorView};

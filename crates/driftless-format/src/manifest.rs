@@ -326,7 +326,11 @@ impl AnchorManifest {
     /// Total bytes of the shard and file objects.
     pub fn payload_bytes(&self) -> u64 {
         // Saturating: sizes come from the manifest, and a sum overflow must not panic.
-        self.objects.iter().map(|s| s.object.size).chain(self.files.iter().map(|f| f.size)).fold(0u64, u64::saturating_add)
+        self.objects
+            .iter()
+            .map(|s| s.object.size)
+            .chain(self.files.iter().map(|f| f.size))
+            .fold(0u64, u64::saturating_add)
     }
     /// The layout.
     pub fn layout(&self) -> Layout {

@@ -108,7 +108,8 @@ impl<'t, 'a> Applier<'t, 'a> {
     /// Decodes segment `index` (bytes already checked against the manifest's SHA-256 by the
     /// caller, size bounded by its `raw_size`) and applies it.
     pub fn apply(&self, index: usize, bytes: &[u8]) -> Result<()> {
-        let r = self.manifest.segments.get(index).ok_or_else(|| Error::corrupt("delta", "segment index out of range"))?;
+        let r =
+            self.manifest.segments.get(index).ok_or_else(|| Error::corrupt("delta", "segment index out of range"))?;
         if bytes.len() as u64 != r.object.size || Digest::of(bytes) != r.object.sha256 {
             return Err(Error::corrupt("segment", format!("{} does not match its manifest entry", r.object.object)));
         }
@@ -222,7 +223,11 @@ pub fn apply_in_place(
 pub fn needs_rewrite(local: &Layout, m: &DeltaManifest) -> bool {
     let r = m.layout();
     local.shards.len() != r.shards.len()
-        || local.shards.iter().zip(&r.shards).any(|(a, b)| a.file != b.file || a.tensors != b.tensors || a.metadata != b.metadata)
+        || local
+            .shards
+            .iter()
+            .zip(&r.shards)
+            .any(|(a, b)| a.file != b.file || a.tensors != b.tensors || a.metadata != b.metadata)
 }
 
 /// Builds the result of a delta into a fresh directory `out` from `base` views (used when the
@@ -234,7 +239,9 @@ pub fn apply_rewrite(base: &[TensorView<'_>], m: &DeltaManifest, segments: &[&[u
         let tm = ck.tensors_mut();
         let by_name: std::collections::HashMap<&str, &TensorView<'_>> = base.iter().map(|t| (t.name, t)).collect();
         for t in layout.tensors() {
-            if let Some(b) = by_name.get(t.name.as_str()).filter(|b| b.dtype == t.dtype && b.shape == t.shape.as_slice()) {
+            if let Some(b) =
+                by_name.get(t.name.as_str()).filter(|b| b.dtype == t.dtype && b.shape == t.shape.as_slice())
+            {
                 tm.with_range_mut(&t.name, 0, b.data.len() as u64, |d| d.copy_from_slice(b.data))?;
             }
         }

@@ -71,7 +71,8 @@ impl Keypair {
     }
     /// Parses a PKCS#8 PEM secret key.
     pub fn from_pem(pem: &str) -> Result<Self> {
-        let key = SigningKey::from_pkcs8_pem(pem).map_err(|e| Error::invalid(format!("not an Ed25519 PKCS#8 PEM key: {e}")))?;
+        let key = SigningKey::from_pkcs8_pem(pem)
+            .map_err(|e| Error::invalid(format!("not an Ed25519 PKCS#8 PEM key: {e}")))?;
         Ok(Self::from_signing_key(key))
     }
     /// Reads a PKCS#8 PEM secret key file.
@@ -152,7 +153,8 @@ impl TrustSet {
     }
     /// Adds a key from SPKI PEM.
     pub fn with_pem(self, pem: &str) -> Result<Self> {
-        let k = VerifyingKey::from_public_key_pem(pem).map_err(|e| Error::invalid(format!("not an Ed25519 public key PEM: {e}")))?;
+        let k = VerifyingKey::from_public_key_pem(pem)
+            .map_err(|e| Error::invalid(format!("not an Ed25519 public key PEM: {e}")))?;
         Ok(self.with_key(k))
     }
     /// Adds a key from an SPKI PEM file.
@@ -185,7 +187,10 @@ impl TrustSet {
             if self.allow_unsigned {
                 return Ok((env.payload.into_bytes(), None));
             }
-            return Err(Error::Untrusted { what: "manifest", detail: "unsigned (pass --allow-unsigned to accept)".into() });
+            return Err(Error::Untrusted {
+                what: "manifest",
+                detail: "unsigned (pass --allow-unsigned to accept)".into(),
+            });
         }
         let msg = [DOMAIN, env.payload.as_bytes()].concat();
         let mut seen = vec![];

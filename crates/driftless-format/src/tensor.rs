@@ -100,9 +100,7 @@ impl<'a> TensorView<'a> {
     /// Builds a view, checking that the data length matches dtype and shape.
     pub fn new(name: &'a str, dtype: DType, shape: &'a [u64], data: &'a [u8]) -> Result<Self> {
         validate_tensor_name(name)?;
-        let want = numel(shape)?
-            .checked_mul(dtype.size() as u64)
-            .ok_or_else(|| Error::invalid("tensor too large"))?;
+        let want = numel(shape)?.checked_mul(dtype.size() as u64).ok_or_else(|| Error::invalid("tensor too large"))?;
         if want != data.len() as u64 {
             return Err(Error::invalid(format!(
                 "tensor {name}: {dtype} {shape:?} needs {want} bytes, got {}",

@@ -69,7 +69,17 @@ fn damage_is_an_error() {
     // Magic, version, decoded size, header sizes; footer: table offset, chunk count, end magic;
     // the first chunk's width in the table.
     let first_width = u64::from_le_bytes(enc[n - 16..n - 8].try_into().unwrap()) as usize + 16;
-    for (at, v) in [(0usize, b'X'), (4, 2), (8, 0xff), (16, 0xff), (24, 0xff), (n - 16, 0xff), (n - 12, 0xff), (n - 1, b'X'), (first_width, 3)] {
+    for (at, v) in [
+        (0usize, b'X'),
+        (4, 2),
+        (8, 0xff),
+        (16, 0xff),
+        (24, 0xff),
+        (n - 16, 0xff),
+        (n - 12, 0xff),
+        (n - 1, b'X'),
+        (first_width, 3),
+    ] {
         let mut b = enc.clone();
         b[at] = v;
         assert_eq!(anchor::decode_shard(&b, &mut out).unwrap_err().kind(), ErrorKind::Corrupt, "byte {at}");

@@ -45,8 +45,11 @@ fn spec_root(ts: &[T]) -> [u8; 32] {
 
 fn mixed(seed: u64) -> Vec<T> {
     let mut r = rng(seed);
-    let mut v: Vec<T> =
-        DType::ALL.iter().enumerate().map(|(i, &d)| T::random(&format!("t.{i}.{d}"), d, &[(i as u64 % 4) + 1, 3], &mut r)).collect();
+    let mut v: Vec<T> = DType::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| T::random(&format!("t.{i}.{d}"), d, &[(i as u64 % 4) + 1, 3], &mut r))
+        .collect();
     v.push(T::random("scalar", DType::F32, &[], &mut r));
     v.push(T::random("empty", DType::BF16, &[0, 2], &mut r));
     v.push(T::random("é-ünïcode", DType::U8, &[2], &mut r));

@@ -55,14 +55,24 @@ fn overlapping_entries_are_refused() {
     let s2 = raw_segment(0, &[dense("t", DType::F32, 2, 4, 2)]);
     corrupt(apply_guarded(&[s1, s2], 8).0, "overlap across segments");
     // Sparse entries overlapping a dense one.
-    let sp = E { name: "t", dense: false, dtype: DType::F32, start: 1, len: 2, count: 1, pos: vec![0], vals: vec![9; 4] };
+    let sp =
+        E { name: "t", dense: false, dtype: DType::F32, start: 1, len: 2, count: 1, pos: vec![0], vals: vec![9; 4] };
     let s = raw_segment(0, &[dense("t", DType::F32, 0, 2, 1), sp]);
     corrupt(apply_guarded(&[s], 8).0, "sparse over dense");
 }
 
 #[test]
 fn malformed_entries_are_corrupt() {
-    let sp = |start, len, count, pos: Vec<u8>, vals: Vec<u8>| E { name: "t", dense: false, dtype: DType::F32, start, len, count, pos, vals };
+    let sp = |start, len, count, pos: Vec<u8>, vals: Vec<u8>| E {
+        name: "t",
+        dense: false,
+        dtype: DType::F32,
+        start,
+        len,
+        count,
+        pos,
+        vals,
+    };
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("unknown tensor", raw_segment(0, &[dense("nope", DType::F32, 0, 1, 1)])),
         ("dtype mismatch", raw_segment(0, &[dense("t", DType::BF16, 0, 2, 1)])),
@@ -119,8 +129,9 @@ fn malformed_entries_are_corrupt() {
 /// into a small file with huge tensor ranges (regression: `shard_header` added unchecked).
 #[test]
 fn regression_layout_offsets_overflow() {
-    let tensors: Vec<TensorMeta> =
-        (0..(1u64 << 18)).map(|i| TensorMeta { name: format!("t{i}"), dtype: DType::U8, shape: vec![1 << 46] }).collect();
+    let tensors: Vec<TensorMeta> = (0..(1u64 << 18))
+        .map(|i| TensorMeta { name: format!("t{i}"), dtype: DType::U8, shape: vec![1 << 46] })
+        .collect();
     let shard = ShardLayout { file: "model.safetensors".into(), tensors, metadata: None };
     let e = Layout::shard_header(&shard).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
@@ -136,7 +147,8 @@ fn signed_delta_file(key: &Keypair) -> (Vec<u8>, DeltaManifest, Vec<Vec<u8>>) {
     let base = vec![T::random("w", DType::BF16, &[256], &mut r), T::random("v", DType::F32, &[16], &mut r)];
     let target: Vec<T> = base.iter().map(|t| mutate(t, 0.1, &mut r)).collect();
     let layout = Layout::for_tensors(&metas(&target), u64::MAX).unwrap();
-    let (m, enc) = make(&base, &target, &layout, &DeltaOptions { segment_target: 64, chunk_bytes: 64, ..Default::default() });
+    let (m, enc) =
+        make(&base, &target, &layout, &DeltaOptions { segment_target: 64, chunk_bytes: 64, ..Default::default() });
     let env = key.seal(&serde_json::to_vec(&m).unwrap()).unwrap();
     let segs: Vec<Vec<u8>> = enc.segments.into_iter().map(|s| s.bytes).collect();
     let refs: Vec<&[u8]> = segs.iter().map(|s| &s[..]).collect();
@@ -217,14 +229,20 @@ fn manifest_hostile_values() {
     bad(&|v| v["shards"][0]["tensors"][0]["digest"] = "00".into(), "short digest");
     bad(&|v| v["codec"] = serde_json::json!({"name": "lz4"}), "unknown codec");
     bad(&|v| v["value_mode"] = "xor".into(), "unknown value mode");
-    bad(&|v| {
-        let t = v["shards"][0]["tensors"][0].clone();
-        v["shards"][0]["tensors"].as_array_mut().unwrap().push(t);
-    }, "duplicate tensor");
-    bad(&|v| {
-        let s = v["shards"][0].clone();
-        v["shards"].as_array_mut().unwrap().push(s);
-    }, "duplicate shard");
+    bad(
+        &|v| {
+            let t = v["shards"][0]["tensors"][0].clone();
+            v["shards"][0]["tensors"].as_array_mut().unwrap().push(t);
+        },
+        "duplicate tensor",
+    );
+    bad(
+        &|v| {
+            let s = v["shards"][0].clone();
+            v["shards"].as_array_mut().unwrap().push(s);
+        },
+        "duplicate shard",
+    );
     let big = vec![b' '; driftless_format::manifest::MAX_MANIFEST_BYTES + 1];
     assert_eq!(DeltaManifest::from_slice(&big).unwrap_err().kind(), ErrorKind::Corrupt);
     assert_eq!(TrustSet::new().open(&big).unwrap_err().kind(), ErrorKind::Corrupt);
@@ -239,14 +257,27 @@ fn manifest_hostile_values() {
     let docs = anchor_doc(&m);
     AnchorManifest::from_slice(&serde_json::to_vec(&docs).unwrap()).unwrap();
     for (what, f) in [
-        ("object name", Box::new(|v: &mut serde_json::Value| v["objects"][0]["object"] = "a/b".into()) as Box<dyn Fn(&mut serde_json::Value)>),
+        (
+            "object name",
+            Box::new(|v: &mut serde_json::Value| v["objects"][0]["object"] = "a/b".into())
+                as Box<dyn Fn(&mut serde_json::Value)>,
+        ),
         ("file name", Box::new(|v: &mut serde_json::Value| v["files"][0]["object"] = "../config.json".into())),
         ("object order", Box::new(|v: &mut serde_json::Value| v["objects"][0]["file"] = "other.safetensors".into())),
-        ("object count", Box::new(|v: &mut serde_json::Value| { v["objects"].as_array_mut().unwrap().pop(); })),
+        (
+            "object count",
+            Box::new(|v: &mut serde_json::Value| {
+                v["objects"].as_array_mut().unwrap().pop();
+            }),
+        ),
     ] {
         let mut v = docs.clone();
         f(&mut v);
-        assert_eq!(AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap_err().kind(), ErrorKind::Corrupt, "{what}");
+        assert_eq!(
+            AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap_err().kind(),
+            ErrorKind::Corrupt,
+            "{what}"
+        );
     }
     let mut v = docs.clone();
     v["objects"][0]["size"] = u64::MAX.into();

@@ -7,7 +7,7 @@ use std::io::Write;
 use common::*;
 use driftless_format::journal::Journal;
 use driftless_format::ops::{self, Applier};
-use driftless_format::{delta, Codec, CheckpointMut, DType, DeltaOptions, Digest, Layout, ValueMode};
+use driftless_format::{delta, CheckpointMut, Codec, DType, DeltaOptions, Digest, Layout, ValueMode};
 
 /// Bytes of one journal record as `Journal::append` writes it, made through the public API.
 fn record_bytes(dir: &std::path::Path, seg: u32, payload: &[u8]) -> Vec<u8> {

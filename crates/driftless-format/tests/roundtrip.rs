@@ -39,18 +39,33 @@ fn matrix(mode: ValueMode, codec: Codec) {
                 DeltaOptions { values: mode, codec, segment_target: 1000, chunk_bytes: 256 },
                 DeltaOptions { values: mode, codec, ..Default::default() },
             ] {
-                let ctx = format!("{dtype} density {density} {mode:?} {codec:?} seg {} chunk {}", opts.segment_target, opts.chunk_bytes);
+                let ctx = format!(
+                    "{dtype} density {density} {mode:?} {codec:?} seg {} chunk {}",
+                    opts.segment_target, opts.chunk_bytes
+                );
                 let (m, enc) = roundtrip(&base, &layout, &target, &layout, &opts, &ctx);
-                let changed: u64 = base.iter().zip(&target).map(|(a, b)| {
-                    a.data.chunks_exact(a.dtype.size()).zip(b.data.chunks_exact(a.dtype.size())).filter(|(x, y)| x != y).count() as u64
-                }).sum();
+                let changed: u64 = base
+                    .iter()
+                    .zip(&target)
+                    .map(|(a, b)| {
+                        a.data
+                            .chunks_exact(a.dtype.size())
+                            .zip(b.data.chunks_exact(a.dtype.size()))
+                            .filter(|(x, y)| x != y)
+                            .count() as u64
+                    })
+                    .sum();
                 assert!(enc.stats.changed >= changed, "{ctx}: stats.changed {} < {changed}", enc.stats.changed);
                 if density == 0.0 {
                     assert!(m.segments.is_empty(), "{ctx}: no change must mean no segment");
                     assert_eq!(m.base_root, m.result_root);
                 }
                 if opts.segment_target == 48 && density >= 1e-2 {
-                    assert!(m.segments.len() > 3, "{ctx}: small segment_target must give many segments, got {}", m.segments.len());
+                    assert!(
+                        m.segments.len() > 3,
+                        "{ctx}: small segment_target must give many segments, got {}",
+                        m.segments.len()
+                    );
                 }
                 combos += 1;
             }
@@ -98,7 +113,14 @@ fn special_pattern_transitions() {
             for codec in [Codec::Raw, Codec::Zstd { level: 1 }] {
                 for chunk_bytes in [dtype.size(), 1 << 20] {
                     let opts = DeltaOptions { values, codec, segment_target: 64, chunk_bytes };
-                    roundtrip(&base, &layout, &target, &layout, &opts, &format!("specials {dtype} {values:?} {codec:?} {chunk_bytes}"));
+                    roundtrip(
+                        &base,
+                        &layout,
+                        &target,
+                        &layout,
+                        &opts,
+                        &format!("specials {dtype} {values:?} {codec:?} {chunk_bytes}"),
+                    );
                 }
             }
         }
@@ -121,7 +143,14 @@ fn empty_checkpoints() {
     let (m, _) = roundtrip(&empties, &layout, &some, &ls, &DeltaOptions::default(), "empties -> some");
     assert_eq!(m.stats.removed_tensors, 2);
     assert_eq!(m.stats.new_tensors, 1);
-    roundtrip(&some, &ls, &none, &Layout::for_tensors(&[], u64::MAX).unwrap(), &DeltaOptions::default(), "some -> none");
+    roundtrip(
+        &some,
+        &ls,
+        &none,
+        &Layout::for_tensors(&[], u64::MAX).unwrap(),
+        &DeltaOptions::default(),
+        "some -> none",
+    );
 }
 
 /// Tensors added, removed, reshaped and retyped: needs_rewrite is true and the rewrite
@@ -138,9 +167,36 @@ fn layout_changes() {
     ];
     let bl = Layout::for_tensors(&metas(&base), u64::MAX).unwrap();
     let cases: Vec<(&str, Vec<T>)> = vec![
-        ("reshape", vec![T::new("a", DType::F32, &[2, 5], base[0].data.clone()), base[1].clone(), base[2].clone(), base[3].clone(), base[4].clone()]),
-        ("retype same bytes", vec![base[0].clone(), T::new("b", DType::F16, &[4, 4], base[1].data.clone()), base[2].clone(), base[3].clone(), base[4].clone()]),
-        ("retype other width", vec![base[0].clone(), base[1].clone(), T::random("c", DType::I32, &[7], &mut r), base[3].clone(), base[4].clone()]),
+        (
+            "reshape",
+            vec![
+                T::new("a", DType::F32, &[2, 5], base[0].data.clone()),
+                base[1].clone(),
+                base[2].clone(),
+                base[3].clone(),
+                base[4].clone(),
+            ],
+        ),
+        (
+            "retype same bytes",
+            vec![
+                base[0].clone(),
+                T::new("b", DType::F16, &[4, 4], base[1].data.clone()),
+                base[2].clone(),
+                base[3].clone(),
+                base[4].clone(),
+            ],
+        ),
+        (
+            "retype other width",
+            vec![
+                base[0].clone(),
+                base[1].clone(),
+                T::random("c", DType::I32, &[7], &mut r),
+                base[3].clone(),
+                base[4].clone(),
+            ],
+        ),
         ("remove", vec![base[0].clone(), base[1].clone(), base[3].clone()]),
         ("add", {
             let mut v = base.clone();
@@ -148,13 +204,16 @@ fn layout_changes() {
             v.push(T::random("new.empty", DType::BOOL, &[0], &mut r));
             v
         }),
-        ("everything at once", vec![
-            T::new("a", DType::F32, &[5, 2], mutate(&base[0], 0.3, &mut r).data),
-            T::random("b", DType::U16, &[2, 8], &mut r),
-            mutate(&base[3], 0.5, &mut r),
-            T::random("zz", DType::F64, &[3, 1], &mut r),
-            T::random("s", DType::F64, &[1], &mut r),
-        ]),
+        (
+            "everything at once",
+            vec![
+                T::new("a", DType::F32, &[5, 2], mutate(&base[0], 0.3, &mut r).data),
+                T::random("b", DType::U16, &[2, 8], &mut r),
+                mutate(&base[3], 0.5, &mut r),
+                T::random("zz", DType::F64, &[3, 1], &mut r),
+                T::random("s", DType::F64, &[1], &mut r),
+            ],
+        ),
         ("reorder only", vec![base[4].clone(), base[3].clone(), base[2].clone(), base[1].clone(), base[0].clone()]),
     ];
     for (name, target) in cases {
@@ -164,7 +223,14 @@ fn layout_changes() {
             for values in [ValueMode::Ulp, ValueMode::Overwrite] {
                 for codec in [Codec::Raw, Codec::Zstd { level: 1 }] {
                     let opts = DeltaOptions { values, codec, segment_target: 32, chunk_bytes: 16 };
-                    roundtrip(&base, &bl, &target, &tl, &opts, &format!("layout change {name} shard {shard} {values:?} {codec:?}"));
+                    roundtrip(
+                        &base,
+                        &bl,
+                        &target,
+                        &tl,
+                        &opts,
+                        &format!("layout change {name} shard {shard} {values:?} {codec:?}"),
+                    );
                 }
             }
         }
@@ -176,10 +242,8 @@ fn layout_changes() {
 #[test]
 fn dense_fallback() {
     let mut r = rng(11);
-    let base = vec![
-        T::random("lora.A", DType::BF16, &[64, 256], &mut r),
-        T::random("frozen", DType::BF16, &[64, 64], &mut r),
-    ];
+    let base =
+        vec![T::random("lora.A", DType::BF16, &[64, 256], &mut r), T::random("frozen", DType::BF16, &[64, 64], &mut r)];
     let mut target = base.clone();
     target[0] = mutate(&base[0], 1.0, &mut r);
     for (i, c) in target[0].data.iter_mut().enumerate() {

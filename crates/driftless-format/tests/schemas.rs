@@ -7,8 +7,8 @@ mod common;
 use common::*;
 use driftless_format::manifest::{AnchorShardRef, ObjectRef};
 use driftless_format::{
-    anchor, sign, AnchorEncoding, AnchorManifest, Codec, DType, DeltaManifest, DeltaOptions, Digest, Keypair, LatestHint,
-    Layout, ReadyMarker, StepKind, StreamDescriptor, ValueMode,
+    anchor, sign, AnchorEncoding, AnchorManifest, Codec, DType, DeltaManifest, DeltaOptions, Digest, Keypair,
+    LatestHint, Layout, ReadyMarker, StepKind, StreamDescriptor, ValueMode,
 };
 use serde_json::{json, Value};
 
@@ -38,10 +38,13 @@ fn deltas() -> Vec<DeltaManifest> {
     let mut target: Vec<T> = base.iter().map(|t| mutate(t, 0.1, &mut r)).collect();
     target.push(T::random("new.one", DType::F8_E5M2, &[0, 2], &mut r));
     let mut out = vec![];
-    for (values, codec, shard) in [(ValueMode::Ulp, Codec::Zstd { level: 3 }, 600), (ValueMode::Overwrite, Codec::Raw, u64::MAX)] {
+    for (values, codec, shard) in
+        [(ValueMode::Ulp, Codec::Zstd { level: 3 }, 600), (ValueMode::Overwrite, Codec::Raw, u64::MAX)]
+    {
         let mut layout = Layout::for_tensors(&metas(&target), shard).unwrap();
         layout.shards[0].metadata = None;
-        let (m, _) = make(&base, &target, &layout, &DeltaOptions { values, codec, segment_target: 100, chunk_bytes: 64 });
+        let (m, _) =
+            make(&base, &target, &layout, &DeltaOptions { values, codec, segment_target: 100, chunk_bytes: 64 });
         assert!(!m.segments.is_empty());
         out.push(m);
     }
@@ -73,7 +76,11 @@ fn anchors() -> Vec<AnchorManifest> {
                 shards: shards.clone(),
                 objects: vec![AnchorShardRef {
                     file: "model.safetensors".into(),
-                    object: ObjectRef { object: "shard-00000.dla".into(), size: stored.len() as u64, sha256: Digest::of(&stored) },
+                    object: ObjectRef {
+                        object: "shard-00000.dla".into(),
+                        size: stored.len() as u64,
+                        sha256: Digest::of(&stored),
+                    },
                     decoded_size: file.len() as u64,
                     decoded_sha256: Digest::of(&file),
                 }],
@@ -90,10 +97,30 @@ fn anchors() -> Vec<AnchorManifest> {
 
 fn others() -> (Vec<StreamDescriptor>, Vec<ReadyMarker>, Vec<LatestHint>) {
     let k = Keypair::from_seed([3; 32]);
-    let s = StreamDescriptor { kind: "stream".into(), version: 1, stream_id: "stream-1".into(), trusted_keys: vec![k.id().into()], created_at_ms: 1 };
-    let r1 = ReadyMarker { kind: "ready".into(), stream_id: "stream-1".into(), of: StepKind::Delta, step: 3, base_step: Some(2), manifest_sha256: Digest::of(b"m"), payload_bytes: 1234 };
+    let s = StreamDescriptor {
+        kind: "stream".into(),
+        version: 1,
+        stream_id: "stream-1".into(),
+        trusted_keys: vec![k.id().into()],
+        created_at_ms: 1,
+    };
+    let r1 = ReadyMarker {
+        kind: "ready".into(),
+        stream_id: "stream-1".into(),
+        of: StepKind::Delta,
+        step: 3,
+        base_step: Some(2),
+        manifest_sha256: Digest::of(b"m"),
+        payload_bytes: 1234,
+    };
     let r2 = ReadyMarker { of: StepKind::Anchor, base_step: None, ..r1.clone() };
-    let l1 = LatestHint { kind: "latest".into(), stream_id: "stream-1".into(), delta: Some(3), anchor: None, updated_at_ms: 5 };
+    let l1 = LatestHint {
+        kind: "latest".into(),
+        stream_id: "stream-1".into(),
+        delta: Some(3),
+        anchor: None,
+        updated_at_ms: 5,
+    };
     let l2 = LatestHint { delta: None, anchor: Some(0), ..l1.clone() };
     (vec![s], vec![r1, r2], vec![l1, l2])
 }
@@ -110,9 +137,15 @@ fn all_docs() -> Vec<(&'static str, Vec<Value>, Parser)> {
     ];
     vec![
         ("delta-manifest", d, |b| DeltaManifest::from_slice(b).is_ok()),
-        ("anchor-manifest", anchors().iter().map(|m| serde_json::to_value(m).unwrap()).collect(), |b| AnchorManifest::from_slice(b).is_ok()),
-        ("stream", s.iter().map(|m| serde_json::to_value(m).unwrap()).collect(), |b| StreamDescriptor::from_slice(b).is_ok()),
-        ("ready-marker", r.iter().map(|m| serde_json::to_value(m).unwrap()).collect(), |b| ReadyMarker::from_slice(b).is_ok()),
+        ("anchor-manifest", anchors().iter().map(|m| serde_json::to_value(m).unwrap()).collect(), |b| {
+            AnchorManifest::from_slice(b).is_ok()
+        }),
+        ("stream", s.iter().map(|m| serde_json::to_value(m).unwrap()).collect(), |b| {
+            StreamDescriptor::from_slice(b).is_ok()
+        }),
+        ("ready-marker", r.iter().map(|m| serde_json::to_value(m).unwrap()).collect(), |b| {
+            ReadyMarker::from_slice(b).is_ok()
+        }),
         ("latest", l.iter().map(|m| serde_json::to_value(m).unwrap()).collect(), |b| LatestHint::from_slice(b).is_ok()),
         ("envelope", envs, |b| serde_json::from_slice::<sign::Envelope>(b).is_ok()),
     ]
@@ -140,8 +173,18 @@ fn invalid_documents_are_rejected() {
     let s = schema("delta-manifest");
     let d = serde_json::to_value(&deltas()[0]).unwrap();
     let cases: Vec<(&str, Value)> = vec![
-        ("missing field", broken(&d, |v| { v.as_object_mut().unwrap().remove("result_root"); })),
-        ("missing stats field", broken(&d, |v| { v["stats"].as_object_mut().unwrap().remove("changed"); })),
+        (
+            "missing field",
+            broken(&d, |v| {
+                v.as_object_mut().unwrap().remove("result_root");
+            }),
+        ),
+        (
+            "missing stats field",
+            broken(&d, |v| {
+                v["stats"].as_object_mut().unwrap().remove("changed");
+            }),
+        ),
         ("extra field", broken(&d, |v| v["surprise"] = json!(1))),
         ("kind", broken(&d, |v| v["kind"] = json!("anchor"))),
         ("version", broken(&d, |v| v["version"] = json!(2))),

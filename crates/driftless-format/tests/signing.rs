@@ -58,8 +58,8 @@ fn refusals() {
     ev.signatures[0].key_id = other.id().to_string();
     assert_eq!(t.open(&serde_json::to_vec(&ev).unwrap()).unwrap_err().kind(), ErrorKind::Untrusted);
     // A signature without the domain prefix (same key, same payload) is not a manifest signature.
-    use ed25519_dalek::Signer;
     use base64::Engine;
+    use ed25519_dalek::Signer;
     let raw = ed25519_dalek::SigningKey::from_bytes(&[1; 32]).sign(PAYLOAD);
     let mut ev = envelope(&env);
     ev.signatures[0].sig = base64::engine::general_purpose::STANDARD.encode(raw.to_bytes());

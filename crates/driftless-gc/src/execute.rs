@@ -150,11 +150,7 @@ async fn delete_objects(bucket: &Bucket, d: &DeletedStep) -> Result<usize> {
 }
 
 /// No marker now, and nothing in the step directory newer than the grace cutoff.
-async fn still_incomplete(
-    bucket: &Bucket,
-    d: &DeletedStep,
-    cutoff: Option<SystemTime>,
-) -> Result<bool> {
+async fn still_incomplete(bucket: &Bucket, d: &DeletedStep, cutoff: Option<SystemTime>) -> Result<bool> {
     match bucket.head(&layout::ready(d.kind, d.step)).await {
         Ok(_) => return Ok(false),
         Err(e) if e.is_not_found() => {}
@@ -168,8 +164,5 @@ async fn still_incomplete(
         driftless_format::StepKind::Anchor => layout::anchor_dir(d.step),
     };
     let now = bucket.list(&dir).await?;
-    Ok(now
-        .iter()
-        .filter(|o| layout::parse_step_key(&o.key).is_some())
-        .all(|o| o.last_modified <= cutoff))
+    Ok(now.iter().filter(|o| layout::parse_step_key(&o.key).is_some()).all(|o| o.last_modified <= cutoff))
 }

@@ -33,18 +33,12 @@ pub struct StepId {
 impl StepId {
     /// A delta step.
     pub fn delta(step: u64) -> StepId {
-        StepId {
-            kind: StepKind::Delta,
-            step,
-        }
+        StepId { kind: StepKind::Delta, step }
     }
 
     /// An anchor step.
     pub fn anchor(step: u64) -> StepId {
-        StepId {
-            kind: StepKind::Anchor,
-            step,
-        }
+        StepId { kind: StepKind::Anchor, step }
     }
 
     fn rank(&self) -> (u64, u8) {
@@ -96,11 +90,7 @@ pub struct StepEntry {
 
 impl StepEntry {
     fn new(id: StepId) -> StepEntry {
-        StepEntry {
-            id,
-            marker: None,
-            objects: Vec::new(),
-        }
+        StepEntry { id, marker: None, objects: Vec::new() }
     }
 
     /// The parsed marker of a ready step.
@@ -114,9 +104,7 @@ impl StepEntry {
     /// Bytes of the marker and every object of the step.
     pub fn bytes(&self) -> u64 {
         let marker = self.marker.as_ref().map_or(0, |(info, _)| info.size);
-        self.objects
-            .iter()
-            .fold(marker, |acc, o| acc.saturating_add(o.size))
+        self.objects.iter().fold(marker, |acc, o| acc.saturating_add(o.size))
     }
 
     /// The newest `last_modified` of the marker and the objects.
@@ -132,10 +120,7 @@ impl StepEntry {
     /// The manifest key, when the listing holds one.
     pub fn manifest_key(&self) -> Option<&str> {
         let manifest = layout::manifest(self.id.kind, self.id.step);
-        self.objects
-            .iter()
-            .map(|o| o.key.as_str())
-            .find(|k| *k == manifest)
+        self.objects.iter().map(|o| o.key.as_str()).find(|k| *k == manifest)
     }
 }
 
@@ -179,10 +164,9 @@ impl Inventory {
                         }
                         // Deleted since the listing (another collection): the step is going away.
                         Err(e) if e.is_not_found() => Ok(None),
-                        Err(driftless_store::Error::TooLarge { size, .. }) => Ok(Some((
-                            info,
-                            MarkerState::Unreadable(format!("marker is {size} bytes")),
-                        ))),
+                        Err(driftless_store::Error::TooLarge { size, .. }) => {
+                            Ok(Some((info, MarkerState::Unreadable(format!("marker is {size} bytes")))))
+                        }
                         Err(e) => Err(e),
                     }
                 }
@@ -231,9 +215,7 @@ pub(crate) fn parse_marker(key: &str, bytes: &[u8]) -> MarkerState {
         Err(e) => return MarkerState::Unreadable(format!("not a ready marker: {e}")),
     };
     match layout::parse_step_key(key) {
-        Some((kind, step, None))
-            if kind == marker.of && step == marker.step && marker.kind == "ready" =>
-        {
+        Some((kind, step, None)) if kind == marker.of && step == marker.step && marker.kind == "ready" => {
             MarkerState::Ready(marker)
         }
         _ => MarkerState::Unreadable(format!(
@@ -264,18 +246,9 @@ mod tests {
     #[test]
     fn markers_must_match_their_key() {
         let k = layout::ready(StepKind::Delta, 5);
-        assert!(matches!(
-            parse_marker(&k, &marker(StepKind::Delta, 5, Some(4))),
-            MarkerState::Ready(_)
-        ));
-        assert!(matches!(
-            parse_marker(&k, &marker(StepKind::Delta, 6, Some(4))),
-            MarkerState::Unreadable(_)
-        ));
-        assert!(matches!(
-            parse_marker(&k, &marker(StepKind::Anchor, 5, None)),
-            MarkerState::Unreadable(_)
-        ));
+        assert!(matches!(parse_marker(&k, &marker(StepKind::Delta, 5, Some(4))), MarkerState::Ready(_)));
+        assert!(matches!(parse_marker(&k, &marker(StepKind::Delta, 6, Some(4))), MarkerState::Unreadable(_)));
+        assert!(matches!(parse_marker(&k, &marker(StepKind::Anchor, 5, None)), MarkerState::Unreadable(_)));
         assert!(matches!(parse_marker(&k, b"{"), MarkerState::Unreadable(_)));
     }
 

@@ -15,9 +15,7 @@ pub use error::{Error, Result};
 pub use execute::{execute, GcReport};
 pub use inventory::{Inventory, MarkerState, StepEntry, StepId};
 pub use plan::{plan_inventory, DeletedStep, GcPlan, KeepReason, KeptStep};
-pub use policy::{
-    parse_duration, GcPolicy, DEFAULT_GRACE, DEFAULT_KEEP_ANCHORS, DEFAULT_KEEP_DELTAS,
-};
+pub use policy::{parse_duration, GcPolicy, DEFAULT_GRACE, DEFAULT_KEEP_ANCHORS, DEFAULT_KEEP_DELTAS};
 
 /// List the bucket and plan a collection as of `now` (nothing is deleted).
 ///

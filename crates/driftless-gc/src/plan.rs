@@ -81,12 +81,7 @@ impl DeletedStep {
             kind: entry.id.kind,
             step: entry.id.step,
             marker: entry.marker.as_ref().map(|(info, _)| info.key.clone()),
-            objects: entry
-                .objects
-                .iter()
-                .map(|o| o.key.clone())
-                .filter(|k| Some(k) != manifest.as_ref())
-                .collect(),
+            objects: entry.objects.iter().map(|o| o.key.clone()).filter(|k| Some(k) != manifest.as_ref()).collect(),
             manifest,
             bytes: entry.bytes(),
         }
@@ -94,10 +89,7 @@ impl DeletedStep {
 
     /// The step's id.
     pub fn id(&self) -> StepId {
-        StepId {
-            kind: self.kind,
-            step: self.step,
-        }
+        StepId { kind: self.kind, step: self.step }
     }
 }
 
@@ -219,9 +211,7 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
 }
 
 fn kept_bytes(inv: &Inventory, kept: &BTreeMap<StepId, BTreeSet<KeepReason>>) -> u64 {
-    kept.keys()
-        .filter_map(|id| inv.steps.get(id))
-        .fold(0u64, |acc, e| acc.saturating_add(e.bytes()))
+    kept.keys().filter_map(|id| inv.steps.get(id)).fold(0u64, |acc, e| acc.saturating_add(e.bytes()))
 }
 
 /// The ready steps and their base links.
@@ -259,11 +249,7 @@ impl Graph {
                 }
             }
         }
-        Graph {
-            anchors,
-            deltas,
-            reachable,
-        }
+        Graph { anchors, deltas, reachable }
     }
 
     /// The newest step a reader can reach (an anchor wins a tie: its chain is itself).
@@ -311,11 +297,7 @@ impl Graph {
             .map(|(id, r)| (*id, r.contains(&KeepReason::NewestAnchorChain)))
             .collect();
         for (id, newest) in roots {
-            let reason = if newest {
-                KeepReason::NewestAnchorChain
-            } else {
-                KeepReason::NeededForReachability
-            };
+            let reason = if newest { KeepReason::NewestAnchorChain } else { KeepReason::NeededForReachability };
             for dep in self.chain(id.step) {
                 kept.entry(dep).or_default().insert(reason);
             }
@@ -334,30 +316,15 @@ impl fmt::Display for GcPlan {
             p.keep_deltas,
             p.keep_anchors,
             humantime::format_duration(p.grace),
-            p.max_bytes
-                .map(|m| format!(", max {m} bytes"))
-                .unwrap_or_default()
+            p.max_bytes.map(|m| format!(", max {m} bytes")).unwrap_or_default()
         )?;
         let opt = |v: Option<u64>| v.map_or("none".to_string(), |s| s.to_string());
-        writeln!(
-            f,
-            "newest step: {}, newest anchor: {}",
-            opt(self.newest_step),
-            opt(self.newest_anchor)
-        )?;
+        writeln!(f, "newest step: {}, newest anchor: {}", opt(self.newest_step), opt(self.newest_anchor))?;
         for k in &self.kept {
             let reasons: Vec<&str> = k.reasons.iter().map(|r| r.as_str()).collect();
-            let id = StepId {
-                kind: k.kind,
-                step: k.step,
-            };
+            let id = StepId { kind: k.kind, step: k.step };
             let incomplete = if k.ready { "" } else { " (incomplete)" };
-            writeln!(
-                f,
-                "keep   {id}{incomplete}: {} bytes [{}]",
-                k.bytes,
-                reasons.join(", ")
-            )?;
+            writeln!(f, "keep   {id}{incomplete}: {} bytes [{}]", k.bytes, reasons.join(", "))?;
         }
         for d in &self.deleted {
             writeln!(f, "delete {}: {} bytes", d.id(), d.bytes)?;
@@ -378,10 +345,7 @@ impl fmt::Display for GcPlan {
             self.bytes_freed
         )?;
         if self.over_budget {
-            write!(
-                f,
-                "\nwarning: over max_bytes; grace and reachability of the newest step keep more"
-            )?;
+            write!(f, "\nwarning: over max_bytes; grace and reachability of the newest step keep more")?;
         }
         Ok(())
     }

@@ -86,10 +86,8 @@ impl GcPolicy {
 
 /// Parse a human duration such as `10m`, `90s`, `1h 30m` or `0s` (the `--grace` flag).
 pub fn parse_duration(s: &str) -> Result<Duration> {
-    humantime::parse_duration(s.trim()).map_err(|e| Error::InvalidDuration {
-        input: s.to_string(),
-        reason: e.to_string(),
-    })
+    humantime::parse_duration(s.trim())
+        .map_err(|e| Error::InvalidDuration { input: s.to_string(), reason: e.to_string() })
 }
 
 #[cfg(test)]
@@ -99,19 +97,10 @@ mod tests {
     #[test]
     fn defaults_and_setters() {
         let p = GcPolicy::default();
-        assert_eq!(
-            (p.keep_deltas, p.keep_anchors, p.grace, p.max_bytes),
-            (100, 10, Duration::from_secs(600), None)
-        );
-        let p = GcPolicy::new()
-            .with_keep_deltas(3)
-            .with_keep_anchors(1)
-            .with_grace(Duration::ZERO)
-            .with_max_bytes(Some(5));
-        assert_eq!(
-            (p.keep_deltas, p.keep_anchors, p.grace, p.max_bytes),
-            (3, 1, Duration::ZERO, Some(5))
-        );
+        assert_eq!((p.keep_deltas, p.keep_anchors, p.grace, p.max_bytes), (100, 10, Duration::from_secs(600), None));
+        let p =
+            GcPolicy::new().with_keep_deltas(3).with_keep_anchors(1).with_grace(Duration::ZERO).with_max_bytes(Some(5));
+        assert_eq!((p.keep_deltas, p.keep_anchors, p.grace, p.max_bytes), (3, 1, Duration::ZERO, Some(5)));
         let json = serde_json::to_value(&p).unwrap();
         assert_eq!(json["grace"], "0s");
     }
@@ -119,15 +108,9 @@ mod tests {
     #[test]
     fn durations() {
         assert_eq!(parse_duration("10m").unwrap(), Duration::from_secs(600));
-        assert_eq!(
-            parse_duration(" 1h 30m ").unwrap(),
-            Duration::from_secs(5400)
-        );
+        assert_eq!(parse_duration(" 1h 30m ").unwrap(), Duration::from_secs(5400));
         assert_eq!(parse_duration("0s").unwrap(), Duration::ZERO);
-        assert!(matches!(
-            parse_duration("ten minutes"),
-            Err(Error::InvalidDuration { .. })
-        ));
+        assert!(matches!(parse_duration("ten minutes"), Err(Error::InvalidDuration { .. })));
         assert!(parse_duration("").is_err());
     }
 }

@@ -11,10 +11,7 @@ use driftless_format::StepKind;
 use driftless_gc::{plan_inventory, GcPolicy, KeepReason, StepId};
 
 fn count(plan: &driftless_gc::GcPlan, kind: StepKind) -> usize {
-    plan.kept
-        .iter()
-        .filter(|k| k.kind == kind && k.ready)
-        .count()
+    plan.kept.iter().filter(|k| k.kind == kind && k.ready).count()
 }
 
 #[test]
@@ -22,12 +19,7 @@ fn thousand_steps_default_policy() {
     let now = SystemTime::now();
     let policy = GcPolicy::default();
     // All older than grace.
-    let steps = regular(
-        1000,
-        50,
-        now - Duration::from_secs(3600),
-        Duration::from_secs(1),
-    );
+    let steps = regular(1000, 50, now - Duration::from_secs(3600), Duration::from_secs(1));
     let plan = plan_inventory(&inventory(&steps), &policy, now);
     assert_eq!(count(&plan, StepKind::Anchor), 10, "{plan}");
     assert_eq!(count(&plan, StepKind::Delta), 100, "{plan}");
@@ -35,12 +27,7 @@ fn thousand_steps_default_policy() {
         steps
             .iter()
             .filter(|s| s.id.kind == kind)
-            .map(|s| {
-                step_objects(s)
-                    .iter()
-                    .map(|(_, b)| b.len() as u64)
-                    .sum::<u64>()
-            })
+            .map(|s| step_objects(s).iter().map(|(_, b)| b.len() as u64).sum::<u64>())
             .max()
             .unwrap()
     };
@@ -51,15 +38,8 @@ fn thousand_steps_default_policy() {
     // The newest 600 s within grace (one step a second): those are held on top.
     let steps = regular(1000, 50, now, Duration::from_secs(1));
     let plan = plan_inventory(&inventory(&steps), &policy, now);
-    let young = steps
-        .iter()
-        .filter(|s| s.written > now - policy.grace)
-        .count();
-    let held = plan
-        .kept
-        .iter()
-        .filter(|k| k.reasons.contains(&KeepReason::WithinGrace))
-        .count();
+    let young = steps.iter().filter(|s| s.written > now - policy.grace).count();
+    let held = plan.kept.iter().filter(|k| k.reasons.contains(&KeepReason::WithinGrace)).count();
     assert_eq!(held, young);
     assert!(plan.kept.len() <= 10 + 100 + young, "{}", plan.kept.len());
 }
@@ -74,23 +54,13 @@ async fn thousand_steps_on_buckets() {
         let foreign = write_foreign(b).await;
         // An hour later, everything is past grace.
         let later = SystemTime::now() + Duration::from_secs(3600);
-        let plan = driftless_gc::plan(b, &GcPolicy::default(), later)
-            .await
-            .unwrap();
+        let plan = driftless_gc::plan(b, &GcPolicy::default(), later).await.unwrap();
         driftless_gc::execute(b, &plan).await.unwrap();
         let markers = assert_markers_complete(b).await;
-        let anchors = markers
-            .keys()
-            .filter(|id| id.kind == StepKind::Anchor)
-            .count();
-        let deltas = markers
-            .keys()
-            .filter(|id| id.kind == StepKind::Delta)
-            .count();
+        let anchors = markers.keys().filter(|id| id.kind == StepKind::Anchor).count();
+        let deltas = markers.keys().filter(|id| id.kind == StepKind::Delta).count();
         assert_eq!((anchors, deltas), (10, 100), "{}", tb.name);
-        assert!(
-            markers.contains_key(&StepId::anchor(550)) && markers.contains_key(&StepId::delta(901))
-        );
+        assert!(markers.contains_key(&StepId::anchor(550)) && markers.contains_key(&StepId::delta(901)));
         assert_foreign_intact(b, &foreign).await;
     }
 }
@@ -102,28 +72,13 @@ async fn worked_example() {
         let b = &tb.bucket;
         let mut steps = regular(23, 5, SystemTime::now(), Duration::ZERO);
         // Step 12's delta crashed half-way (no marker).
-        steps
-            .iter_mut()
-            .find(|s| s.id == StepId::delta(12))
-            .unwrap()
-            .ready = false;
+        steps.iter_mut().find(|s| s.id == StepId::delta(12)).unwrap().ready = false;
         write_steps(b, &steps).await;
         let later = SystemTime::now() + Duration::from_secs(3600);
         let policy = GcPolicy::new().with_keep_deltas(4).with_keep_anchors(1);
         let plan = driftless_gc::plan(b, &policy, later).await.unwrap();
-        let kept: Vec<String> = plan
-            .kept
-            .iter()
-            .map(|k| {
-                format!(
-                    "{}",
-                    StepId {
-                        kind: k.kind,
-                        step: k.step
-                    }
-                )
-            })
-            .collect();
+        let kept: Vec<String> =
+            plan.kept.iter().map(|k| format!("{}", StepId { kind: k.kind, step: k.step })).collect();
         // Deltas 20..23 by count; delta 20 applies to 19, so 16..19 and anchor 15 stay for it;
         // anchor 20 is the newest anchor.
         assert_eq!(
@@ -142,26 +97,15 @@ async fn worked_example() {
             ],
             "{plan}"
         );
-        assert_eq!(
-            plan.incomplete.iter().map(|d| d.id()).collect::<Vec<_>>(),
-            [StepId::delta(12)]
-        );
+        assert_eq!(plan.incomplete.iter().map(|d| d.id()).collect::<Vec<_>>(), [StepId::delta(12)]);
         let r = driftless_gc::execute(b, &plan).await.unwrap();
-        assert_eq!(
-            (r.deleted_steps, r.deleted_incomplete),
-            (plan.deleted.len(), 1)
-        );
+        assert_eq!((r.deleted_steps, r.deleted_incomplete), (plan.deleted.len(), 1));
         // A second run finds nothing to do.
         let again = driftless_gc::plan(b, &policy, later).await.unwrap();
-        assert!(
-            again.deleted.is_empty() && again.incomplete.is_empty(),
-            "{again}"
-        );
+        assert!(again.deleted.is_empty() && again.incomplete.is_empty(), "{again}");
         assert_markers_complete(b).await;
         // Dry run through the public entry point.
-        let dry = driftless_gc::run(b, &GcPolicy::new().with_keep_deltas(0), true)
-            .await
-            .unwrap();
+        let dry = driftless_gc::run(b, &GcPolicy::new().with_keep_deltas(0), true).await.unwrap();
         assert!(dry.dry_run && dry.deleted_objects == 0);
         serde_json::to_string(&dry).unwrap();
     }

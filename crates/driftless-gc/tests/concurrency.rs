@@ -42,12 +42,7 @@ async fn reader_check(b: &Bucket) -> Vec<String> {
 async fn two_collections_and_a_writer() {
     for tb in buckets("concurrency") {
         let b = tb.bucket.clone();
-        let old = regular(
-            60,
-            10,
-            SystemTime::now() - Duration::from_secs(60),
-            Duration::from_millis(100),
-        );
+        let old = regular(60, 10, SystemTime::now() - Duration::from_secs(60), Duration::from_millis(100));
         write_steps(&b, &old).await;
         let foreign = write_foreign(&b).await;
         if tb.root.is_some() {
@@ -57,10 +52,7 @@ async fn two_collections_and_a_writer() {
         }
 
         let done = Arc::new(AtomicBool::new(false));
-        let policy = GcPolicy::new()
-            .with_keep_deltas(3)
-            .with_keep_anchors(1)
-            .with_grace(GRACE);
+        let policy = GcPolicy::new().with_keep_deltas(3).with_keep_anchors(1).with_grace(GRACE);
         let mut gcs = Vec::new();
         for _ in 0..2 {
             let (b, done, policy) = (b.clone(), done.clone(), policy.clone());
@@ -90,24 +82,12 @@ async fn two_collections_and_a_writer() {
             if s % 10 == 0 {
                 write_step(
                     &b,
-                    &Step {
-                        id: StepId::anchor(s),
-                        base: None,
-                        ready: true,
-                        payload: vec![300, 300],
-                        written,
-                    },
+                    &Step { id: StepId::anchor(s), base: None, ready: true, payload: vec![300, 300], written },
                 )
                 .await;
             }
             let base = if s == 76 { 74 } else { s - 1 };
-            let step = Step {
-                id: StepId::delta(s),
-                base: Some(base),
-                ready: s != 75,
-                payload: vec![20],
-                written,
-            };
+            let step = Step { id: StepId::delta(s), base: Some(base), ready: s != 75, payload: vec![20], written };
             write_step(&b, &step).await;
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -128,11 +108,7 @@ async fn two_collections_and_a_writer() {
             assert!(reach.contains(id), "{}: {id} stranded", tb.name);
         }
         // Old steps are gone (only grace could hold them, and they are past it).
-        assert!(
-            !markers.contains_key(&StepId::delta(10)),
-            "{}: old steps kept",
-            tb.name
-        );
+        assert!(!markers.contains_key(&StepId::delta(10)), "{}: old steps kept", tb.name);
 
         // Once the grace period has passed, the policy alone decides.
         let later = SystemTime::now() + Duration::from_secs(3600);
@@ -142,33 +118,19 @@ async fn two_collections_and_a_writer() {
         let kept: Vec<StepId> = markers.keys().copied().collect();
         assert_eq!(
             kept,
-            [
-                StepId::delta(118),
-                StepId::delta(119),
-                StepId::delta(120),
-                StepId::anchor(120)
-            ]
-            .into_iter()
-            .chain(std::iter::once(StepId::anchor(110)))
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .chain((111..=117).map(StepId::delta))
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect::<Vec<_>>(),
+            [StepId::delta(118), StepId::delta(119), StepId::delta(120), StepId::anchor(120)]
+                .into_iter()
+                .chain(std::iter::once(StepId::anchor(110)))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .chain((111..=117).map(StepId::delta))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect::<Vec<_>>(),
             "{}",
             tb.name
         );
-        assert!(
-            b.list(&layout::delta_dir(75)).await.unwrap().is_empty(),
-            "incomplete 75 left"
-        );
-        assert_eq!(
-            markers
-                .keys()
-                .filter(|id| id.kind == StepKind::Anchor)
-                .count(),
-            2
-        );
+        assert!(b.list(&layout::delta_dir(75)).await.unwrap().is_empty(), "incomplete 75 left");
+        assert_eq!(markers.keys().filter(|id| id.kind == StepKind::Anchor).count(), 2);
     }
 }

@@ -39,59 +39,33 @@ fn case() -> impl Strategy<Value = Case> {
             0u64..400,
             proptest::option::of(0u64..6000),
         )
-            .prop_map(
-                move |(kinds, keep_deltas, keep_anchors, grace, late, max_bytes)| {
-                    let mut steps = Vec::new();
-                    for (s, &(dk, ak, skip, segs)) in (0..n).zip(&kinds) {
-                        let written = at(s);
-                        if s % every == 0 && ak != 8 {
-                            let payload = vec![300; 2];
-                            steps.push(Step {
-                                id: StepId::anchor(s),
-                                base: None,
-                                ready: ak != 9,
-                                payload,
-                                written,
-                            });
-                        }
-                        if s == 0 || dk == 7 {
-                            continue;
-                        }
-                        let base = if dk == 8 {
-                            s.saturating_sub(skip)
-                        } else {
-                            s - 1
-                        };
-                        let payload = vec![10 + s % 7; segs as usize];
-                        steps.push(Step {
-                            id: StepId::delta(s),
-                            base: Some(base),
-                            ready: dk != 9,
-                            payload,
-                            written,
-                        });
+            .prop_map(move |(kinds, keep_deltas, keep_anchors, grace, late, max_bytes)| {
+                let mut steps = Vec::new();
+                for (s, &(dk, ak, skip, segs)) in (0..n).zip(&kinds) {
+                    let written = at(s);
+                    if s % every == 0 && ak != 8 {
+                        let payload = vec![300; 2];
+                        steps.push(Step { id: StepId::anchor(s), base: None, ready: ak != 9, payload, written });
                     }
-                    let policy = GcPolicy::new()
-                        .with_keep_deltas(keep_deltas)
-                        .with_keep_anchors(keep_anchors)
-                        .with_grace(Duration::from_secs(grace))
-                        .with_max_bytes(max_bytes);
-                    Case {
-                        steps,
-                        policy,
-                        now: at(n) + Duration::from_secs(late),
+                    if s == 0 || dk == 7 {
+                        continue;
                     }
-                },
-            )
+                    let base = if dk == 8 { s.saturating_sub(skip) } else { s - 1 };
+                    let payload = vec![10 + s % 7; segs as usize];
+                    steps.push(Step { id: StepId::delta(s), base: Some(base), ready: dk != 9, payload, written });
+                }
+                let policy = GcPolicy::new()
+                    .with_keep_deltas(keep_deltas)
+                    .with_keep_anchors(keep_anchors)
+                    .with_grace(Duration::from_secs(grace))
+                    .with_max_bytes(max_bytes);
+                Case { steps, policy, now: at(n) + Duration::from_secs(late) }
+            })
     })
 }
 
 fn ready_map(steps: &[Step]) -> BTreeMap<StepId, Option<u64>> {
-    steps
-        .iter()
-        .filter(|s| s.ready)
-        .map(|s| (s.id, s.base))
-        .collect()
+    steps.iter().filter(|s| s.ready).map(|s| (s.id, s.base)).collect()
 }
 
 fn newest_state(reach: &BTreeSet<StepId>) -> Option<StepId> {
@@ -104,28 +78,15 @@ fn check_plan(case: &Case, plan: &GcPlan) -> BTreeMap<StepId, Option<u64>> {
     let before = ready_map(&case.steps);
     let reach_before = reachable(&before);
     let by_id: BTreeMap<StepId, &Step> = case.steps.iter().map(|s| (s.id, s)).collect();
-    let kept: BTreeMap<StepId, &Vec<KeepReason>> = plan
-        .kept
-        .iter()
-        .map(|k| {
-            (
-                StepId {
-                    kind: k.kind,
-                    step: k.step,
-                },
-                &k.reasons,
-            )
-        })
-        .collect();
+    let kept: BTreeMap<StepId, &Vec<KeepReason>> =
+        plan.kept.iter().map(|k| (StepId { kind: k.kind, step: k.step }, &k.reasons)).collect();
     let deleted: BTreeSet<StepId> = plan.deleted.iter().map(|d| d.id()).collect();
     let incomplete: BTreeSet<StepId> = plan.incomplete.iter().map(|d| d.id()).collect();
 
     // Every step is in exactly one list.
     assert_eq!(kept.len() + deleted.len() + incomplete.len(), by_id.len());
     for id in by_id.keys() {
-        let n = kept.contains_key(id) as u8
-            + deleted.contains(id) as u8
-            + incomplete.contains(id) as u8;
+        let n = kept.contains_key(id) as u8 + deleted.contains(id) as u8 + incomplete.contains(id) as u8;
         assert_eq!(n, 1, "{id}");
     }
     let grace_cutoff = case.now.checked_sub(case.policy.grace).unwrap();
@@ -135,68 +96,33 @@ fn check_plan(case: &Case, plan: &GcPlan) -> BTreeMap<StepId, Option<u64>> {
         assert_eq!(s.ready, deleted.contains(id), "{id} in the wrong list");
     }
     for s in case.steps.iter().filter(|s| !s.ready) {
-        assert_eq!(
-            s.written <= grace_cutoff,
-            incomplete.contains(&s.id),
-            "incomplete {}",
-            s.id
-        );
+        assert_eq!(s.written <= grace_cutoff, incomplete.contains(&s.id), "incomplete {}", s.id);
     }
 
-    let after: BTreeMap<StepId, Option<u64>> = before
-        .iter()
-        .filter(|(id, _)| !deleted.contains(id))
-        .map(|(k, v)| (*k, *v))
-        .collect();
+    let after: BTreeMap<StepId, Option<u64>> =
+        before.iter().filter(|(id, _)| !deleted.contains(id)).map(|(k, v)| (*k, *v)).collect();
     let reach_after = reachable(&after);
     for id in kept.keys() {
         if reach_before.contains(id) {
-            assert!(
-                reach_after.contains(id),
-                "{id} was reachable and kept, now stranded"
-            );
+            assert!(reach_after.contains(id), "{id} was reachable and kept, now stranded");
         }
     }
     if let Some(newest) = newest_state(&reach_before) {
-        assert!(
-            reach_after.contains(&newest),
-            "newest step {newest} stranded"
-        );
+        assert!(reach_after.contains(&newest), "newest step {newest} stranded");
         assert_eq!(plan.newest_step, Some(newest.step));
     }
-    let anchors: Vec<StepId> = before
-        .keys()
-        .filter(|id| id.kind == StepKind::Anchor)
-        .copied()
-        .collect();
+    let anchors: Vec<StepId> = before.keys().filter(|id| id.kind == StepKind::Anchor).copied().collect();
     if let Some(a) = anchors.last() {
         assert!(after.contains_key(a), "newest anchor deleted");
     }
 
     // The count rules (max_bytes may only trim them).
-    let deltas: Vec<StepId> = before
-        .keys()
-        .filter(|id| id.kind == StepKind::Delta)
-        .copied()
-        .collect();
-    let top_d: BTreeSet<StepId> = deltas
-        .iter()
-        .rev()
-        .take(case.policy.keep_deltas)
-        .copied()
-        .collect();
-    let top_a: BTreeSet<StepId> = anchors
-        .iter()
-        .rev()
-        .take(case.policy.keep_anchors)
-        .copied()
-        .collect();
+    let deltas: Vec<StepId> = before.keys().filter(|id| id.kind == StepKind::Delta).copied().collect();
+    let top_d: BTreeSet<StepId> = deltas.iter().rev().take(case.policy.keep_deltas).copied().collect();
+    let top_a: BTreeSet<StepId> = anchors.iter().rev().take(case.policy.keep_anchors).copied().collect();
     if case.policy.max_bytes.is_none() {
         for id in top_d.iter().chain(&top_a) {
-            assert!(
-                after.contains_key(id),
-                "{id} is within the newest N/M but was deleted"
-            );
+            assert!(after.contains_key(id), "{id} is within the newest N/M but was deleted");
         }
     }
     // Nothing kept without a reason: young, newest N/M, newest anchor/step, or on the chain
@@ -220,34 +146,19 @@ fn check_plan(case: &Case, plan: &GcPlan) -> BTreeMap<StepId, Option<u64>> {
         }
     }
     for id in kept.keys() {
-        assert!(
-            justified.contains(id),
-            "{id} kept without a reason ({:?})",
-            kept[id]
-        );
+        assert!(justified.contains(id), "{id} kept without a reason ({:?})", kept[id]);
     }
 
     // Bytes.
-    let total: u64 = case
-        .steps
-        .iter()
-        .map(|s| {
-            step_objects(s)
-                .iter()
-                .map(|(_, b)| b.len() as u64)
-                .sum::<u64>()
-        })
-        .sum();
+    let total: u64 = case.steps.iter().map(|s| step_objects(s).iter().map(|(_, b)| b.len() as u64).sum::<u64>()).sum();
     assert_eq!(plan.bytes_kept + plan.bytes_freed, total);
     if let Some(max) = case.policy.max_bytes {
         if !plan.over_budget {
             assert!(plan.bytes_kept <= max);
         } else {
-            assert!(plan
-                .kept
-                .iter()
-                .all(|k| !k.reasons.contains(&KeepReason::NewestDelta)
-                    && !k.reasons.contains(&KeepReason::NewestAnchor)));
+            assert!(plan.kept.iter().all(
+                |k| !k.reasons.contains(&KeepReason::NewestDelta) && !k.reasons.contains(&KeepReason::NewestAnchor)
+            ));
         }
     } else {
         assert!(!plan.over_budget);

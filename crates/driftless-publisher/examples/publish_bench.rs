@@ -31,7 +31,12 @@ fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
 fn rss() -> (u64, u64) {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |k: &str| {
-        s.lines().find(|l| l.starts_with(k)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 1024
+        s.lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
     };
     (field("RssAnon:"), field("RssFile:"))
 }
@@ -45,7 +50,8 @@ struct Sampler {
 
 impl Sampler {
     fn start() -> Sampler {
-        let (stop, anon, file) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (stop, anon, file) =
+            (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let (s, a, f) = (stop.clone(), anon.clone(), file.clone());
         let h = std::thread::spawn(move || {
             while !s.load(Ordering::Relaxed) {
@@ -76,7 +82,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t = Instant::now();
     let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(mb << 20), lr, 1);
     let model = chain.bytes();
-    eprintln!("model: {:.1} MiB of BF16 in {} tensors (generated in {:.1}s)", model as f64 / (1 << 20) as f64, chain.metas().len(), t.elapsed().as_secs_f64());
+    eprintln!(
+        "model: {:.1} MiB of BF16 in {} tensors (generated in {:.1}s)",
+        model as f64 / (1 << 20) as f64,
+        chain.metas().len(),
+        t.elapsed().as_secs_f64()
+    );
     let tmp = tempfile::tempdir()?;
     let mut targets: Vec<(String, Bucket)> = vec![];
     let url = format!("file://{}", tmp.path().join("bucket").display());
@@ -84,7 +95,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(spec) = std::env::var("DRIFTLESS_TEST_S3_SEAWEED") {
         let mut it = spec.split_whitespace();
         let (endpoint, bucket) = (it.next().unwrap_or_default().to_string(), it.next().unwrap_or_default().to_string());
-        let o = StoreOptions::default().with_endpoint(endpoint).with_allow_http(true).with_region("us-east-1").with_path_style(true);
+        let o = StoreOptions::default()
+            .with_endpoint(endpoint)
+            .with_allow_http(true)
+            .with_region("us-east-1")
+            .with_path_style(true);
         let url = format!("s3://{bucket}/publish-bench-{}", std::process::id());
         targets.push(("S3 (SeaweedFS, loopback)".into(), Bucket::open(&url, &o)?));
     }

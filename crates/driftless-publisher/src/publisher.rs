@@ -141,7 +141,10 @@ impl PublisherBuilder {
             None => Bucket::open(&self.url, &self.store)?,
         };
         if !bucket.supports_conditional_create() {
-            warn!(url = bucket.url(), "backend has no conditional create: two publishers on this stream would not be detected");
+            warn!(
+                url = bucket.url(),
+                "backend has no conditional create: two publishers on this stream would not be detected"
+            );
         }
         let (stream_id, last_step) = rt.block_on(self.open_stream(&bucket))?;
         let (last_delta, last_anchor) = rt.block_on(async {
@@ -195,9 +198,14 @@ impl PublisherBuilder {
         let mut taken_id = None;
         let desc = match reader.descriptor().await {
             Ok(d) => d,
-            Err(driftless_store::stream::StreamError::Format(e)) if e.kind() == driftless_format::ErrorKind::Untrusted => {
+            Err(driftless_store::stream::StreamError::Format(e))
+                if e.kind() == driftless_format::ErrorKind::Untrusted =>
+            {
                 if !self.takeover {
-                    return Err(Error::Refused(format!("the stream at {} is signed by another key ({e}); pass takeover to continue it", bucket.url())));
+                    return Err(Error::Refused(format!(
+                        "the stream at {} is signed by another key ({e}); pass takeover to continue it",
+                        bucket.url()
+                    )));
                 }
                 taken_id = unverified_stream_id(bucket).await;
                 None
@@ -216,7 +224,10 @@ impl PublisherBuilder {
             };
             if mine || !self.takeover {
                 if !mine {
-                    return Err(Error::Refused(format!("stream {} does not list this publisher's key; pass takeover to continue it", d.stream_id)));
+                    return Err(Error::Refused(format!(
+                        "stream {} does not list this publisher's key; pass takeover to continue it",
+                        d.stream_id
+                    )));
                 }
                 return Ok((d.stream_id, last_step));
             }
@@ -237,10 +248,16 @@ impl PublisherBuilder {
             created_at_ms: manifest::now_ms(),
         };
         let env = self.seal(&serde_json::to_vec(&desc).expect("serializes"))?;
-        let r = if self.takeover { bucket.put(layout::STREAM, env.into()).await } else { bucket.put_create(layout::STREAM, env.into()).await };
+        let r = if self.takeover {
+            bucket.put(layout::STREAM, env.into()).await
+        } else {
+            bucket.put_create(layout::STREAM, env.into()).await
+        };
         match r {
             Ok(()) => Ok((stream_id, last_step)),
-            Err(e) if e.is_already_exists() => Err(Error::Refused("another publisher created this stream at the same time".into())),
+            Err(e) if e.is_already_exists() => {
+                Err(Error::Refused("another publisher created this stream at the same time".into()))
+            }
             Err(e) => Err(e.into()),
         }
     }
@@ -369,7 +386,12 @@ impl Publisher {
     }
 
     /// Publishes the weights of `step` with an explicit shard layout (a checkpoint's own).
-    pub fn publish_with_layout(&mut self, step: u64, tensors: &[TensorView<'_>], layout: &Layout) -> Result<PublishReceipt> {
+    pub fn publish_with_layout(
+        &mut self,
+        step: u64,
+        tensors: &[TensorView<'_>],
+        layout: &Layout,
+    ) -> Result<PublishReceipt> {
         if self.tx.is_none() {
             return Err(Error::Closed);
         }
@@ -397,9 +419,22 @@ impl Publisher {
             self.coalesced += 1;
             warn!(step, queued, "uploads are behind; coalescing this step into the next");
             self.last_step = Some(step);
-            return Ok(PublishReceipt { step, outcome: Outcome::Coalesced, delta_bytes: 0, ratio: 0.0, density: 0.0, encode_secs: t0.elapsed().as_secs_f64() });
+            return Ok(PublishReceipt {
+                step,
+                outcome: Outcome::Coalesced,
+                delta_bytes: 0,
+                ratio: 0.0,
+                density: 0.0,
+                encode_secs: t0.elapsed().as_secs_f64(),
+            });
         }
-        let spec = ops::DeltaSpec { stream_id: &self.stream_id, step, base_step: snap.step, base_root: Some(snap.root), layout };
+        let spec = ops::DeltaSpec {
+            stream_id: &self.stream_id,
+            step,
+            base_step: snap.step,
+            base_root: Some(snap.root),
+            layout,
+        };
         let (m, enc) = {
             let _s = info_span!("diff_encode").entered();
             ops::make_delta(spec, &snap.views(), tensors, &self.cfg.delta)?
@@ -415,7 +450,8 @@ impl Publisher {
             let snap = self.snapshot_mut();
             {
                 let tm = snap.tensors_mut();
-                let segs: Vec<(&[u8], u64)> = segments.iter().zip(&m.segments).map(|((_, b), r)| (&b[..], r.raw_size)).collect();
+                let segs: Vec<(&[u8], u64)> =
+                    segments.iter().zip(&m.segments).map(|((_, b), r)| (&b[..], r.raw_size)).collect();
                 driftless_format::delta::apply_all(&segs, &tm)?;
                 drop(tm);
             }
@@ -455,7 +491,13 @@ impl Publisher {
         Ok(r)
     }
 
-    fn anchor_only(&mut self, step: u64, tensors: &[TensorView<'_>], layout: &Layout, t0: Instant) -> Result<PublishReceipt> {
+    fn anchor_only(
+        &mut self,
+        step: u64,
+        tensors: &[TensorView<'_>],
+        layout: &Layout,
+        t0: Instant,
+    ) -> Result<PublishReceipt> {
         let ordered = order(tensors, layout)?;
         self.replace_snapshot(step, layout, &ordered);
         self.shared.update(|s| {
@@ -467,7 +509,14 @@ impl Publisher {
         self.last_step = Some(step);
         self.published += 1;
         self.start_anchor(Some(done))?;
-        Ok(PublishReceipt { step, outcome: Outcome::Anchor, delta_bytes: 0, ratio: 0.0, density: 0.0, encode_secs: t0.elapsed().as_secs_f64() })
+        Ok(PublishReceipt {
+            step,
+            outcome: Outcome::Anchor,
+            delta_bytes: 0,
+            ratio: 0.0,
+            density: 0.0,
+            encode_secs: t0.elapsed().as_secs_f64(),
+        })
     }
 
     fn send(&self, job: Job) -> Result<()> {
@@ -611,7 +660,13 @@ fn order<'a>(tensors: &[TensorView<'a>], layout: &Layout) -> Result<Vec<TensorVi
             by.get(m.name.as_str())
                 .filter(|t| t.dtype == m.dtype && t.shape == m.shape.as_slice())
                 .map(|t| **t)
-                .ok_or_else(|| driftless_format::Error::InvalidInput(format!("tensor {} missing or differs from the layout", m.name)).into())
+                .ok_or_else(|| {
+                    driftless_format::Error::InvalidInput(format!(
+                        "tensor {} missing or differs from the layout",
+                        m.name
+                    ))
+                    .into()
+                })
         })
         .collect()
 }

@@ -25,7 +25,10 @@ impl Snapshot {
     }
 
     pub(crate) fn views(&self) -> Vec<TensorView<'_>> {
-        self.tensors.iter().map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d }).collect()
+        self.tensors
+            .iter()
+            .map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d })
+            .collect()
     }
 
     pub(crate) fn tensors_mut(&mut self) -> TensorsMut<'_> {

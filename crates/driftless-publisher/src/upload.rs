@@ -98,7 +98,9 @@ async fn commit_step(
     let conc = bucket.options().concurrency.max(1);
     let payload: u64 = objects.iter().map(|(_, b)| b.len() as u64).sum();
     stream::iter(objects.iter().map(Ok::<_, driftless_store::Error>))
-        .try_for_each_concurrent(conc, |(name, bytes)| async move { bucket.put_create(&layout::object(kind, step, name), bytes.clone()).await })
+        .try_for_each_concurrent(conc, |(name, bytes)| async move {
+            bucket.put_create(&layout::object(kind, step, name), bytes.clone()).await
+        })
         .await?;
     let env_sha = Digest::of(&envelope);
     bucket.put_create(&layout::manifest(kind, step), envelope.clone()).await?;
@@ -130,7 +132,13 @@ impl Ctx {
         let mut cur = self.latest.lock().await;
         cur.0 = cur.0.max(delta);
         cur.1 = cur.1.max(anchor);
-        let hint = LatestHint { kind: "latest".into(), stream_id: self.stream_id.clone(), delta: cur.0, anchor: cur.1, updated_at_ms: now_ms() };
+        let hint = LatestHint {
+            kind: "latest".into(),
+            stream_id: self.stream_id.clone(),
+            delta: cur.0,
+            anchor: cur.1,
+            updated_at_ms: now_ms(),
+        };
         let payload = serde_json::to_vec(&hint).expect("hint serializes");
         let env = match &self.key {
             Some(k) => k.seal(&payload),
@@ -179,9 +187,17 @@ pub(crate) async fn delta_loop(ctx: Arc<Ctx>, mut rx: tokio::sync::mpsc::Receive
                 }
                 let t = Instant::now();
                 let span = info_span!("upload_delta", step = d.step, base = d.base_step);
-                let r = commit_step(&ctx.bucket, StepKind::Delta, d.step, Some(d.base_step), &ctx.stream_id, d.envelope, &d.segments)
-                    .instrument(span)
-                    .await;
+                let r = commit_step(
+                    &ctx.bucket,
+                    StepKind::Delta,
+                    d.step,
+                    Some(d.base_step),
+                    &ctx.stream_id,
+                    d.envelope,
+                    &d.segments,
+                )
+                .instrument(span)
+                .await;
                 match r {
                     Ok(bytes) => {
                         info!(step = d.step, bytes, secs = t.elapsed().as_secs_f64(), "delta ready");

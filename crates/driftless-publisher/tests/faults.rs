@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use driftless_format::gen::{ModelSpec, RlChain};
 use driftless_format::manifest::{AnchorEncoding, StepKind};
-use driftless_format::{anchor, checkpoint, delta, ops, Checkpoint, DType, Digest, Keypair, TensorMeta, TensorView, TrustSet};
+use driftless_format::{
+    anchor, checkpoint, delta, ops, Checkpoint, DType, Digest, Keypair, TensorMeta, TensorView, TrustSet,
+};
 use driftless_publisher::{Error, Outcome, PublisherBuilder};
 use driftless_store::object_store::{self, ObjectStore};
 use driftless_store::stream::StreamReader;
@@ -56,7 +58,9 @@ fn rand_u64() -> u64 {
 fn s3(var: &str, test: &str) -> Option<Backend> {
     let spec = match std::env::var(var) {
         Ok(s) => s,
-        Err(_) if std::env::var("DRIFTLESS_REQUIRE_SERVERS").as_deref() == Ok("1") => panic!("{var} not set and DRIFTLESS_REQUIRE_SERVERS=1"),
+        Err(_) if std::env::var("DRIFTLESS_REQUIRE_SERVERS").as_deref() == Ok("1") => {
+            panic!("{var} not set and DRIFTLESS_REQUIRE_SERVERS=1")
+        }
         Err(_) => return None,
     };
     let mut it = spec.split_whitespace();
@@ -88,7 +92,14 @@ fn backends(test: &str, moto: bool) -> Vec<Backend> {
     let d = tempfile::tempdir().unwrap();
     let url = format!("file://{}", d.path().join("bucket").display());
     let b = Bucket::open(&url, &opts()).unwrap();
-    v.push(Backend { name: url, store: b.store().clone(), prefix: b.prefix().to_string(), opts: opts(), conditional: b.supports_conditional_create(), _dir: Some(d) });
+    v.push(Backend {
+        name: url,
+        store: b.store().clone(),
+        prefix: b.prefix().to_string(),
+        opts: opts(),
+        conditional: b.supports_conditional_create(),
+        _dir: Some(d),
+    });
     v.extend(s3("DRIFTLESS_TEST_S3_SEAWEED", test));
     if moto {
         v.extend(s3("DRIFTLESS_TEST_S3_MOTO", test));
@@ -213,7 +224,10 @@ async fn scan_async(bucket: &Bucket, trust: &TrustSet) -> Scan {
                 assert_eq!(m.stream_id, desc.stream_id);
                 let mut segs = vec![];
                 for seg in &m.segments {
-                    let b = r.object(StepKind::Delta, *s, &seg.object.object, seg.object.size, seg.object.sha256).await.unwrap_or_else(|e| panic!("delta {s} {}: {e}", seg.object.object));
+                    let b = r
+                        .object(StepKind::Delta, *s, &seg.object.object, seg.object.size, seg.object.sha256)
+                        .await
+                        .unwrap_or_else(|e| panic!("delta {s} {}: {e}", seg.object.object));
                     delta::decode_segment(&b, seg.raw_size).unwrap();
                     segs.push(b.to_vec());
                 }
@@ -225,7 +239,10 @@ async fn scan_async(bucket: &Bucket, trust: &TrustSet) -> Scan {
                 let (m, _) = r.anchor(*s).await.unwrap_or_else(|e| panic!("ready anchor {s}: {e}"));
                 let mut shards = vec![];
                 for o in &m.objects {
-                    let b = r.object(StepKind::Anchor, *s, &o.object.object, o.object.size, o.object.sha256).await.unwrap_or_else(|e| panic!("anchor {s} {}: {e}", o.object.object));
+                    let b = r
+                        .object(StepKind::Anchor, *s, &o.object.object, o.object.size, o.object.sha256)
+                        .await
+                        .unwrap_or_else(|e| panic!("anchor {s} {}: {e}", o.object.object));
                     let file = match m.encoding {
                         AnchorEncoding::Safetensors => b.to_vec(),
                         AnchorEncoding::PlanesZstd => {
@@ -254,12 +271,15 @@ async fn scan_async(bucket: &Bucket, trust: &TrustSet) -> Scan {
     for s in steps {
         let mut here: Option<Tensors> = None;
         if let Some((m, segs)) = deltas.get(&s) {
-            let base = states.get(&m.base_step).unwrap_or_else(|| panic!("ready delta {s} hangs off step {} that no reader can reach", m.base_step));
+            let base = states
+                .get(&m.base_step)
+                .unwrap_or_else(|| panic!("ready delta {s} hangs off step {} that no reader can reach", m.base_step));
             let bv = views(base);
             assert_eq!(root_of(&bv), m.base_root, "delta {s}: base root");
             let dir = tempfile::tempdir().unwrap();
             let refs: Vec<&[u8]> = segs.iter().map(|v| v.as_slice()).collect();
-            let got = ops::apply_rewrite(&bv, m, &refs, &dir.path().join("out")).unwrap_or_else(|e| panic!("delta {s}: apply: {e}"));
+            let got = ops::apply_rewrite(&bv, m, &refs, &dir.path().join("out"))
+                .unwrap_or_else(|e| panic!("delta {s}: apply: {e}"));
             assert_eq!(got, m.result_root);
             let ck = Checkpoint::open(dir.path().join("out")).unwrap();
             here = Some(ck.views().iter().map(|v| (v.meta(), v.data.to_vec())).collect());
@@ -298,7 +318,11 @@ impl Trainer {
     /// Each reachable state in the bucket is exactly what was published at that step.
     fn check(&self, s: &Scan, ctx: &str) {
         for (step, root) in &s.roots {
-            assert_eq!(self.published.get(step), Some(root), "{ctx}: bucket state at step {step} is not what the trainer published");
+            assert_eq!(
+                self.published.get(step),
+                Some(root),
+                "{ctx}: bucket state at step {step} is not what the trainer published"
+            );
         }
     }
 }
@@ -400,7 +424,14 @@ fn upload_failures_and_timeouts_at_each_write() {
         for (i, (what, target)) in TARGETS.iter().enumerate() {
             for fault in [Fault::Blip, Fault::Timeout, Fault::Permanent, Fault::LostResponse] {
                 // Each scenario on its own stream under the backend.
-                let sub = Backend { name: be.name.clone(), store: be.store.clone(), prefix: format!("{}/t{i}-{fault:?}", be.prefix), opts: be.opts.clone(), conditional: be.conditional, _dir: None };
+                let sub = Backend {
+                    name: be.name.clone(),
+                    store: be.store.clone(),
+                    prefix: format!("{}/t{i}-{fault:?}", be.prefix),
+                    opts: be.opts.clone(),
+                    conditional: be.conditional,
+                    _dir: None,
+                };
                 run_fault(&sub, target, what, fault);
             }
         }
@@ -418,7 +449,13 @@ fn trainer_killed_between_manifest_and_marker_resumes_past_the_step_with_an_anch
         let mut t = Trainer::default();
         {
             let (faulty, bucket) = be.bucket();
-            let mut p = PublisherBuilder::new("x").with_bucket(bucket.clone()).with_key(key()).with_anchor_every(100).with_anchor_chain_fraction(1e9).build().unwrap();
+            let mut p = PublisherBuilder::new("x")
+                .with_bucket(bucket.clone())
+                .with_key(key())
+                .with_anchor_every(100)
+                .with_anchor_chain_fraction(1e9)
+                .build()
+                .unwrap();
             for step in 0..5u64 {
                 if step > 0 {
                     c.step();
@@ -445,7 +482,13 @@ fn trainer_killed_between_manifest_and_marker_resumes_past_the_step_with_an_anch
         assert!(!s.ready_deltas.contains_key(&5));
         assert_eq!(s.last_step(), Some(4));
         // Restart: a new process with no snapshot.
-        let mut p = PublisherBuilder::new("x").with_bucket(bucket.clone()).with_key(key()).with_anchor_every(100).with_anchor_chain_fraction(1e9).build().unwrap();
+        let mut p = PublisherBuilder::new("x")
+            .with_bucket(bucket.clone())
+            .with_key(key())
+            .with_anchor_every(100)
+            .with_anchor_chain_fraction(1e9)
+            .build()
+            .unwrap();
         assert_eq!(p.next_step(), 6, "{ctx}: numbering resumes past the incomplete step");
         let e = p.publish(5, &c.views()).unwrap_err();
         assert!(matches!(e, Error::StepOrder { step: 5, last: 5 }), "{e}");
@@ -502,7 +545,13 @@ fn second_publisher_on_the_same_stream_fails_loudly() {
         let (_, b1) = be.bucket();
         let (_, b2) = be.bucket();
         let mut c1 = chain();
-        let mut p1 = PublisherBuilder::new("x").with_bucket(b1.clone()).with_key(key()).with_anchor_every(100).with_anchor_chain_fraction(1e9).build().unwrap();
+        let mut p1 = PublisherBuilder::new("x")
+            .with_bucket(b1.clone())
+            .with_key(key())
+            .with_anchor_every(100)
+            .with_anchor_chain_fraction(1e9)
+            .build()
+            .unwrap();
         let mut t = Trainer::default();
         for step in 0..3u64 {
             if step > 0 {
@@ -515,7 +564,13 @@ fn second_publisher_on_the_same_stream_fails_loudly() {
         // A second trainer (same key, other weights) starts on the same stream, and both go
         // on publishing the same step numbers.
         let mut c2 = RlChain::new(&ModelSpec::with_bf16_bytes(192 << 10), 2e-5, 99);
-        let mut p2 = PublisherBuilder::new("x").with_bucket(b2.clone()).with_key(key()).with_anchor_every(100).with_anchor_chain_fraction(1e9).build().unwrap();
+        let mut p2 = PublisherBuilder::new("x")
+            .with_bucket(b2.clone())
+            .with_key(key())
+            .with_anchor_every(100)
+            .with_anchor_chain_fraction(1e9)
+            .build()
+            .unwrap();
         assert_eq!(p2.next_step(), 3);
         let mut t2 = Trainer::default();
         let mut failed = [None, None];
@@ -535,7 +590,10 @@ fn second_publisher_on_the_same_stream_fails_loudly() {
                 }
             }
         }
-        let loser = failed.iter().position(|e| e.is_some()).unwrap_or_else(|| panic!("{ctx}: two publishers on one stream went unnoticed"));
+        let loser = failed
+            .iter()
+            .position(|e| e.is_some())
+            .unwrap_or_else(|| panic!("{ctx}: two publishers on one stream went unnoticed"));
         let e = failed[loser].as_ref().unwrap();
         assert!(matches!(e, Error::Conflict { .. }), "{ctx}: {e}");
         assert!(!e.is_retryable());
@@ -553,7 +611,11 @@ fn second_publisher_on_the_same_stream_fails_loudly() {
         let s = scan(&b1, &trust());
         let fork = 3;
         for (step, root) in s.roots.range(fork..) {
-            assert_eq!(winner_trainer.published.get(step), Some(root), "{ctx}: step {step} in the bucket is not the winner's");
+            assert_eq!(
+                winner_trainer.published.get(step),
+                Some(root),
+                "{ctx}: step {step} in the bucket is not the winner's"
+            );
         }
     }
 }
@@ -574,10 +636,16 @@ fn stream_of_another_key_is_refused_unless_takeover() {
         assert!(matches!(PublisherBuilder::new("x").with_bucket(b.clone()).build().unwrap_err(), Error::Refused(_)));
         // Takeover: same stream id, the new key signs, numbering continues with an anchor.
         let before = scan(&b, &trust());
-        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(other.clone()).with_takeover(true).build().unwrap();
+        let mut p = PublisherBuilder::new("x")
+            .with_bucket(b.clone())
+            .with_key(other.clone())
+            .with_takeover(true)
+            .build()
+            .unwrap();
         assert_eq!(p.next_step(), 1);
         let rt = rt();
-        let old_id = rt.block_on(StreamReader::new(b.clone(), trust().with_key(other.public())).descriptor()).ok().flatten();
+        let old_id =
+            rt.block_on(StreamReader::new(b.clone(), trust().with_key(other.public())).descriptor()).ok().flatten();
         assert_eq!(old_id.map(|d| d.stream_id).as_deref(), Some(p.stream_id()), "takeover keeps the stream id");
         assert_eq!(p.publish(1, &c.views()).unwrap().outcome, Outcome::Anchor);
         p.close().unwrap();
@@ -596,7 +664,8 @@ fn bucket_that_is_not_a_stream_is_refused_unless_new_stream() {
         let e = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().unwrap_err();
         assert!(matches!(e, Error::Refused(_)), "{}: {e}", be.name);
         assert!(e.to_string().contains("new_stream"), "{e}");
-        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).with_new_stream(true).build().unwrap();
+        let mut p =
+            PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).with_new_stream(true).build().unwrap();
         let c = chain();
         p.publish(0, &c.views()).unwrap();
         p.close().unwrap();
@@ -617,9 +686,17 @@ fn tensors_that_change_shape_or_set_are_carried_densely() {
     for be in backends("reshape", false) {
         let ctx = be.name.clone();
         let (_, b) = be.bucket();
-        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).with_anchor_every(100).with_anchor_chain_fraction(1e9).build().unwrap();
+        let mut p = PublisherBuilder::new("x")
+            .with_bucket(b.clone())
+            .with_key(key())
+            .with_anchor_every(100)
+            .with_anchor_chain_fraction(1e9)
+            .build()
+            .unwrap();
         let mut t = Trainer::default();
-        let mk = |n: usize, seed: u8| -> Vec<u8> { (0..n * 2).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect() };
+        let mk = |n: usize, seed: u8| -> Vec<u8> {
+            (0..n * 2).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+        };
         let (a, bb, cc) = (mk(4096, 1), mk(1024, 2), mk(2048, 3));
         type Step<'a> = Vec<(&'a str, Vec<u64>, Vec<u8>)>;
         let steps: Vec<Step<'_>> = vec![
@@ -627,12 +704,27 @@ fn tensors_that_change_shape_or_set_are_carried_densely() {
             // a unchanged; b reshaped (same bytes); c added
             vec![("a", vec![64, 64], a.clone()), ("b", vec![32, 32], bb.clone()), ("c", vec![2048], cc.clone())],
             // b removed; a grows; c changes a little
-            vec![("a", vec![128, 64], mk(8192, 1)), ("c", vec![2048], { let mut x = cc.clone(); x[10] ^= 1; x })],
+            vec![
+                ("a", vec![128, 64], mk(8192, 1)),
+                ("c", vec![2048], {
+                    let mut x = cc.clone();
+                    x[10] ^= 1;
+                    x
+                }),
+            ],
             // same set again: a steady-state sparse delta
-            vec![("a", vec![128, 64], { let mut x = mk(8192, 1); x[100] ^= 1; x }), ("c", vec![2048], cc.clone())],
+            vec![
+                ("a", vec![128, 64], {
+                    let mut x = mk(8192, 1);
+                    x[100] ^= 1;
+                    x
+                }),
+                ("c", vec![2048], cc.clone()),
+            ],
         ];
         for (step, ts) in steps.iter().enumerate() {
-            let views: Vec<TensorView<'_>> = ts.iter().map(|(n, s, d)| TensorView::new(n, DType::BF16, s, d).unwrap()).collect();
+            let views: Vec<TensorView<'_>> =
+                ts.iter().map(|(n, s, d)| TensorView::new(n, DType::BF16, s, d).unwrap()).collect();
             let r = p.publish(step as u64, &views).unwrap_or_else(|e| panic!("{ctx}: step {step}: {e}"));
             if step > 0 {
                 assert_eq!(r.outcome, Outcome::Delta, "{ctx}: step {step}");
@@ -651,7 +743,10 @@ fn tensors_that_change_shape_or_set_are_carried_densely() {
         assert_eq!(names.len(), 2, "{names:?}");
         let rt = rt();
         let (m2, _) = rt.block_on(StreamReader::new(b.clone(), trust()).delta(2)).unwrap();
-        assert!(ops::needs_rewrite(&m2.layout(), &rt.block_on(StreamReader::new(b.clone(), trust()).delta(1)).unwrap().0), "step 2 changes the layout");
+        assert!(
+            ops::needs_rewrite(&m2.layout(), &rt.block_on(StreamReader::new(b.clone(), trust()).delta(1)).unwrap().0),
+            "step 2 changes the layout"
+        );
     }
 }
 
@@ -665,7 +760,13 @@ fn slow_store_coalesces_steps_and_the_final_state_arrives() {
     for be in backends("backpressure", false) {
         let ctx = be.name.clone();
         let (faulty, b) = be.bucket();
-        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).with_queue_depth(2).with_anchor_every(1000).build().unwrap();
+        let mut p = PublisherBuilder::new("x")
+            .with_bucket(b.clone())
+            .with_key(key())
+            .with_queue_depth(2)
+            .with_anchor_every(1000)
+            .build()
+            .unwrap();
         faulty.set_delay(Duration::from_millis(60));
         let mut c = chain();
         let mut t = Trainer::default();

@@ -119,10 +119,9 @@ impl BindError {
                 };
                 (class, e.to_string())
             }
-            BindError::LayoutChanged { step, detail } => (
-                "LayoutChangedError",
-                format!("the tensor set changed at step {step}: {detail}"),
-            ),
+            BindError::LayoutChanged { step, detail } => {
+                ("LayoutChangedError", format!("the tensor set changed at step {step}: {detail}"))
+            }
             BindError::NothingReady(m) => ("NothingReadyError", m.clone()),
             BindError::Input(m) => ("InvalidInputError", m.clone()),
         }

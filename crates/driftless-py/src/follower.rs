@@ -11,8 +11,7 @@ use bytes::Bytes;
 use driftless_agent::{Agent, AgentConfig, SyncPath};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, ReadyMarker, StepKind};
 use driftless_format::{
-    anchor, delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut,
-    TrustSet,
+    anchor, delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
 };
 use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
@@ -94,17 +93,13 @@ impl PyFollower {
     ) -> PyResult<Self> {
         let mut trust = TrustSet::new().allow_unsigned(allow_unsigned);
         for k in trusted_keys.unwrap_or_default() {
-            trust = if k.contains("-----BEGIN") {
-                trust.with_pem(&k)
-            } else {
-                trust.with_file(std::path::Path::new(&k))
-            }
-            .map_err(|e| BindError::Input(format!("trusted key: {e}")))?;
+            trust =
+                if k.contains("-----BEGIN") { trust.with_pem(&k) } else { trust.with_file(std::path::Path::new(&k)) }
+                    .map_err(|e| BindError::Input(format!("trusted key: {e}")))?;
         }
         if trust.is_empty() && !allow_unsigned {
             return Err(BindError::Input(
-                "no trusted_keys given; pass the publisher's public key(s) or allow_unsigned=True"
-                    .into(),
+                "no trusted_keys given; pass the publisher's public key(s) or allow_unsigned=True".into(),
             )
             .into());
         }
@@ -120,13 +115,7 @@ impl PyFollower {
             Bucket::open(&bucket_url, &opts).map_err(BindError::from)?
         };
         let reader = StreamReader::new(bucket.clone(), trust.clone());
-        Ok(PyFollower {
-            rt,
-            bucket,
-            trust,
-            reader,
-            state: Mutex::new(State::default()),
-        })
+        Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(State::default()) })
     }
 
     /// Newest step with a ready marker (delta or anchor), or None.
@@ -134,10 +123,7 @@ impl PyFollower {
         let r: BindResult<Option<u64>> = py.allow_threads(|| {
             self.rt.block_on(async {
                 let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
-                let d = self
-                    .reader
-                    .ready_steps(StepKind::Delta, a.last().copied())
-                    .await?;
+                let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
                 Ok::<_, BindError>(a.last().copied().max(d.last().copied()))
             })
         });
@@ -148,10 +134,7 @@ impl PyFollower {
     fn sync_dir<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
         let r: BindResult<(driftless_agent::SyncOutcome, PathBuf)> = py.allow_threads(|| {
             let _g = self.rt.enter();
-            let mut agent = Agent::new(
-                self.bucket.clone(),
-                AgentConfig::new(&path, self.trust.clone()),
-            )?;
+            let mut agent = Agent::new(self.bucket.clone(), AgentConfig::new(&path, self.trust.clone()))?;
             let o = self.rt.block_on(agent.sync_once())?;
             Ok((o, agent.current_dir()))
         });
@@ -176,17 +159,14 @@ impl PyFollower {
         step: Option<u64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let borrowed = borrow_mapping(tensors, true)?;
-        let parts: Vec<(TensorMeta, Raw)> =
-            borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
+        let parts: Vec<(TensorMeta, Raw)> = borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
         let r = py.allow_threads(|| {
             let mut st = self.state.lock().expect("state lock");
             let local = st.applied.clone();
             // Arrays of another shape than what we tracked: start over from an anchor.
             let local = local.filter(|t| same_set(&t.layout, &parts));
             let mut touched = false;
-            let r = self
-                .rt
-                .block_on(self.apply(local.as_ref(), step, &parts, &mut touched));
+            let r = self.rt.block_on(self.apply(local.as_ref(), step, &parts, &mut touched));
             match &r {
                 Ok(Some((t, _, _, _))) => st.applied = Some(t.clone()),
                 Ok(None) => {}
@@ -201,21 +181,14 @@ impl PyFollower {
         drop(borrowed);
         match r? {
             Some((s, root, route, bytes, n)) => Ok(outcome_dict(py, s, root, route, bytes, n)?),
-            None => {
-                Err(BindError::NothingReady("no reachable state in the stream yet".into()).into())
-            }
+            None => Err(BindError::NothingReady("no reachable state in the stream yet".into()).into()),
         }
     }
 
     /// Step and root of the arrays `apply_to` last verified, or None.
     #[getter]
     fn applied_step(&self) -> Option<u64> {
-        self.state
-            .lock()
-            .expect("state lock")
-            .applied
-            .as_ref()
-            .map(|t| t.step)
+        self.state.lock().expect("state lock").applied.as_ref().map(|t| t.step)
     }
 
     /// Forgets what `apply_to` tracked (the next call loads an anchor into the arrays).
@@ -228,11 +201,7 @@ impl PyFollower {
     /// Advances the host mirror to `step` (default newest) and returns
     /// `(step, root, [(name, dtype, shape, positions_le_i64 | None, values)])`.
     #[pyo3(signature = (step=None))]
-    fn _patches<'py>(
-        &self,
-        py: Python<'py>,
-        step: Option<u64>,
-    ) -> PyResult<Option<(u64, String, Bound<'py, PyList>)>> {
+    fn _patches<'py>(&self, py: Python<'py>, step: Option<u64>) -> PyResult<Option<(u64, String, Bound<'py, PyList>)>> {
         type Patch = (String, DType, Vec<u64>, Option<Vec<u8>>, Vec<u8>);
         let r: BindResult<Option<(Tracked, Vec<Patch>)>> = py.allow_threads(|| {
             let mut st = self.state.lock().expect("state lock");
@@ -241,13 +210,7 @@ impl PyFollower {
             let mut touched = false;
             let mut indices: BTreeMap<String, Vec<u64>> = BTreeMap::new();
             // The mirror buffers are re-laid out on an anchor load; keep them in a vec we own.
-            let r = self.rt.block_on(self.apply_mirror(
-                local.as_ref(),
-                step,
-                &mut mirror,
-                &mut touched,
-                &mut indices,
-            ));
+            let r = self.rt.block_on(self.apply_mirror(local.as_ref(), step, &mut mirror, &mut touched, &mut indices));
             let out = match r {
                 Ok(Some((t, full))) => {
                     let m = mirror.as_mut().expect("mirror loaded");
@@ -256,13 +219,7 @@ impl PyFollower {
                     for (meta, data) in &m.tensors {
                         let w = meta.dtype.size();
                         if full {
-                            patches.push((
-                                meta.name.clone(),
-                                meta.dtype,
-                                meta.shape.clone(),
-                                None,
-                                data.clone(),
-                            ));
+                            patches.push((meta.name.clone(), meta.dtype, meta.shape.clone(), None, data.clone()));
                         } else if let Some(idx) = indices.get_mut(&meta.name) {
                             idx.sort_unstable();
                             idx.dedup();
@@ -273,13 +230,7 @@ impl PyFollower {
                                 let at = i as usize * w;
                                 vals.extend_from_slice(&data[at..at + w]);
                             }
-                            patches.push((
-                                meta.name.clone(),
-                                meta.dtype,
-                                meta.shape.clone(),
-                                Some(pos),
-                                vals,
-                            ));
+                            patches.push((meta.name.clone(), meta.dtype, meta.shape.clone(), Some(pos), vals));
                         }
                     }
                     Ok(Some((t, patches)))
@@ -309,12 +260,7 @@ impl PyFollower {
     /// Step of the `iter_patches` mirror, or None before the first call.
     #[getter]
     fn patch_step(&self) -> Option<u64> {
-        self.state
-            .lock()
-            .expect("state lock")
-            .mirror
-            .as_ref()
-            .map(|m| m.at.step)
+        self.state.lock().expect("state lock").mirror.as_ref().map(|m| m.at.step)
     }
 }
 
@@ -323,28 +269,20 @@ fn same_set(layout: &Layout, parts: &[(TensorMeta, Raw)]) -> bool {
     let by: HashMap<&str, &TensorMeta> = parts.iter().map(|(m, _)| (m.name.as_str(), m)).collect();
     by.len() == parts.len()
         && layout.tensors().count() == parts.len()
-        && layout
-            .tensors()
-            .all(|t| by.get(t.name.as_str()) == Some(&t))
+        && layout.tensors().all(|t| by.get(t.name.as_str()) == Some(&t))
 }
 
 fn check_set(layout: &Layout, parts: &[(TensorMeta, Raw)], step: u64) -> BindResult<()> {
     if same_set(layout, parts) {
         return Ok(());
     }
-    let want: Vec<String> = layout
-        .tensors()
-        .map(|t| format!("{} {} {:?}", t.name, t.dtype, t.shape))
-        .collect();
+    let want: Vec<String> = layout.tensors().map(|t| format!("{} {} {:?}", t.name, t.dtype, t.shape)).collect();
     let by: HashMap<&str, &TensorMeta> = parts.iter().map(|(m, _)| (m.name.as_str(), m)).collect();
     let first = layout
         .tensors()
         .find(|t| by.get(t.name.as_str()) != Some(t))
         .map(|t| match by.get(t.name.as_str()) {
-            Some(g) => format!(
-                "{}: stream has {} {:?}, array is {} {:?}",
-                t.name, t.dtype, t.shape, g.dtype, g.shape
-            ),
+            Some(g) => format!("{}: stream has {} {:?}, array is {} {:?}", t.name, t.dtype, t.shape, g.dtype, g.shape),
             None => format!("{} is missing", t.name),
         })
         .unwrap_or_else(|| "arrays include tensors the stream does not have".into());
@@ -371,31 +309,25 @@ impl PyFollower {
             (l, a) => l.or(a),
         };
         let Some(from) = from else {
-            return Err(BindError::NothingReady(
-                "no anchor is ready in the stream yet".into(),
-            ));
+            return Err(BindError::NothingReady("no anchor is ready in the stream yet".into()));
         };
         let deltas = self.reader.ready_steps(StepKind::Delta, Some(from)).await?;
         let r = &self.reader;
-        let markers: BTreeMap<u64, ReadyMarker> = futures::stream::iter(
-            deltas
-                .iter()
-                .copied()
-                .filter(|d| want.is_none_or(|w| *d <= w)),
-        )
-        .map(|s| async move {
-            match r.marker(StepKind::Delta, s).await {
-                Ok(m) => Ok(Some((s, m))),
-                Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
-                Err(e) => Err(e),
-            }
-        })
-        .buffered(16)
-        .try_collect::<Vec<_>>()
-        .await?
-        .into_iter()
-        .flatten()
-        .collect();
+        let markers: BTreeMap<u64, ReadyMarker> =
+            futures::stream::iter(deltas.iter().copied().filter(|d| want.is_none_or(|w| *d <= w)))
+                .map(|s| async move {
+                    match r.marker(StepKind::Delta, s).await {
+                        Ok(m) => Ok(Some((s, m))),
+                        Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
+                        Err(e) => Err(e),
+                    }
+                })
+                .buffered(16)
+                .try_collect::<Vec<_>>()
+                .await?
+                .into_iter()
+                .flatten()
+                .collect();
         let chain = |start: u64, target: u64| -> Option<Vec<u64>> {
             let mut v = vec![];
             let mut s = target;
@@ -410,11 +342,7 @@ impl PyFollower {
             v.reverse();
             Some(v)
         };
-        let mut candidates: Vec<u64> = markers
-            .keys()
-            .copied()
-            .chain(anchors.iter().copied())
-            .collect();
+        let mut candidates: Vec<u64> = markers.keys().copied().chain(anchors.iter().copied()).collect();
         candidates.sort_unstable();
         candidates.dedup();
         if let Some(w) = want {
@@ -437,7 +365,9 @@ impl PyFollower {
             }
         }
         match want {
-            Some(w) => Err(BindError::NothingReady(format!("step {w} is not reachable in the stream (no ready delta chain or anchor leads to it)"))),
+            Some(w) => Err(BindError::NothingReady(format!(
+                "step {w} is not reachable in the stream (no ready delta chain or anchor leads to it)"
+            ))),
             None if local.is_some() => Ok(None),
             None => Err(BindError::NothingReady("no reachable state in the stream yet".into())),
         }
@@ -449,15 +379,7 @@ impl PyFollower {
         let (m, _) = self.reader.anchor(step).await?;
         let r = &self.reader;
         let objs: Vec<Bytes> = futures::stream::iter(m.objects.iter())
-            .map(|o| {
-                r.object(
-                    StepKind::Anchor,
-                    step,
-                    &o.object.object,
-                    o.object.size,
-                    o.object.sha256,
-                )
-            })
+            .map(|o| r.object(StepKind::Anchor, step, &o.object.object, o.object.size, o.object.sha256))
             .buffered(4)
             .try_collect()
             .await?;
@@ -503,15 +425,7 @@ impl PyFollower {
         let (m, _) = self.reader.delta(step).await?;
         let r = &self.reader;
         let segs: Vec<Bytes> = futures::stream::iter(m.segments.iter())
-            .map(|s| {
-                r.object(
-                    StepKind::Delta,
-                    step,
-                    &s.object.object,
-                    s.object.size,
-                    s.object.sha256,
-                )
-            })
+            .map(|s| r.object(StepKind::Delta, step, &s.object.object, s.object.size, s.object.sha256))
             .buffered(8)
             .try_collect()
             .await?;
@@ -528,8 +442,7 @@ impl PyFollower {
         parts: &[(TensorMeta, Raw)],
         touched: &mut bool,
     ) -> BindResult<Option<(Tracked, &'static str, u64, usize)>> {
-        let Some((target, anchor_step, chain)) = self.plan(local.map(|t| t.step), want).await?
-        else {
+        let Some((target, anchor_step, chain)) = self.plan(local.map(|t| t.step), want).await? else {
             return Ok(None);
         };
         let mut bytes = 0;
@@ -543,16 +456,10 @@ impl PyFollower {
             check_set(&layout, parts, a)?;
             *touched = true;
             copy_anchor(&layout, &files, &by)?;
-            cur = Tracked {
-                step: a,
-                root: m.weights_root,
-                layout,
-            };
+            cur = Tracked { step: a, root: m.weights_root, layout };
             shards_for_verify = Some((m.shards.clone(), m.weights_root));
         } else {
-            cur = local
-                .expect("a delta route starts from a local state")
-                .clone();
+            cur = local.expect("a delta route starts from a local state").clone();
             check_set(&cur.layout, parts, cur.step)?;
         }
         let mut last: Option<DeltaManifest> = None;
@@ -581,16 +488,10 @@ impl PyFollower {
                     tm.insert(&t.name, t.dtype, unsafe { by[t.name.as_str()].slice_mut() });
                 }
                 let ap = ops::Applier::new(&tm, &m, None);
-                segs.par_iter()
-                    .enumerate()
-                    .try_for_each(|(i, s)| ap.apply(i, s))?;
+                segs.par_iter().enumerate().try_for_each(|(i, s)| ap.apply(i, s))?;
                 Ok(())
             })()?;
-            cur = Tracked {
-                step: d,
-                root: m.result_root,
-                layout: cur.layout,
-            };
+            cur = Tracked { step: d, root: m.result_root, layout: cur.layout };
             last = Some(m);
         }
         (|| -> BindResult<()> {
@@ -645,38 +546,18 @@ impl PyFollower {
                 .tensors()
                 .map(|t| Ok((t.clone(), vec![0u8; t.nbytes()? as usize])))
                 .collect::<BindResult<_>>()?;
-            *mirror = Some(Mirror {
-                at: Tracked {
-                    step: a,
-                    root: m.weights_root,
-                    layout: layout.clone(),
-                },
-                tensors,
-            });
+            *mirror = Some(Mirror { at: Tracked { step: a, root: m.weights_root, layout: layout.clone() }, tensors });
             let mm = mirror.as_mut().expect("set");
             let by: HashMap<&str, Raw> = mm
                 .tensors
                 .iter_mut()
-                .map(|(t, d)| {
-                    (
-                        t.name.as_str(),
-                        Raw {
-                            addr: d.as_mut_ptr() as usize,
-                            len: d.len(),
-                        },
-                    )
-                })
+                .map(|(t, d)| (t.name.as_str(), Raw { addr: d.as_mut_ptr() as usize, len: d.len() }))
                 .collect();
             copy_anchor(&layout, &files, &by)?;
             let views: Vec<TensorView<'_>> = mm
                 .tensors
                 .iter()
-                .map(|(t, d)| TensorView {
-                    name: &t.name,
-                    dtype: t.dtype,
-                    shape: &t.shape,
-                    data: d,
-                })
+                .map(|(t, d)| TensorView { name: &t.name, dtype: t.dtype, shape: &t.shape, data: d })
                 .collect();
             ops::verify_views(&views, &m.shards, m.weights_root)?;
         }
@@ -694,9 +575,7 @@ impl PyFollower {
             if ops::needs_rewrite(&cur.layout, &m) {
                 return Err(BindError::LayoutChanged {
                     step: d,
-                    detail:
-                        "patches cannot express it; reload the model (sync_dir) and call reset()"
-                            .into(),
+                    detail: "patches cannot express it; reload the model (sync_dir) and call reset()".into(),
                 });
             }
             *touched = true;
@@ -728,20 +607,11 @@ impl PyFollower {
             for (n, v) in found {
                 indices.entry(n).or_default().extend(v);
             }
-            cur = Tracked {
-                step: d,
-                root: m.result_root,
-                layout: cur.layout,
-            };
+            cur = Tracked { step: d, root: m.result_root, layout: cur.layout };
             let views: Vec<TensorView<'_>> = mm
                 .tensors
                 .iter()
-                .map(|(t, d)| TensorView {
-                    name: &t.name,
-                    dtype: t.dtype,
-                    shape: &t.shape,
-                    data: d,
-                })
+                .map(|(t, d)| TensorView { name: &t.name, dtype: t.dtype, shape: &t.shape, data: d })
                 .collect();
             ops::verify_result(&views, &m)?;
         }

@@ -16,11 +16,7 @@ use crate::tensors::{borrow_mapping, Raw};
 /// Reads a signing key given as PEM text or as a path to a PEM file.
 pub(crate) fn read_key(s: &str) -> Result<Keypair, BindError> {
     // A missing or malformed key is a configuration error, not a retryable I/O failure.
-    let r = if s.contains("-----BEGIN") {
-        Keypair::from_pem(s)
-    } else {
-        Keypair::read(Path::new(s))
-    };
+    let r = if s.contains("-----BEGIN") { Keypair::from_pem(s) } else { Keypair::read(Path::new(s)) };
     r.map_err(|e| BindError::Input(format!("signing key: {e}")))
 }
 
@@ -72,10 +68,7 @@ impl PyPublisher {
         }
         if let Some(v) = value_mode {
             let mode: ValueMode = v.parse().map_err(BindError::Format)?;
-            b = b.with_delta_options(driftless_format::DeltaOptions {
-                values: mode,
-                ..Default::default()
-            });
+            b = b.with_delta_options(driftless_format::DeltaOptions { values: mode, ..Default::default() });
         }
         if let Some(n) = max_shard_bytes {
             b = b.with_max_shard_bytes(n);
@@ -84,36 +77,20 @@ impl PyPublisher {
             b = b.with_anchor_chain_fraction(f);
         }
         let p = py.allow_threads(|| b.build()).map_err(BindError::from)?;
-        Ok(PyPublisher {
-            inner: Mutex::new(Some(p)),
-            last_addrs: Mutex::new(vec![]),
-        })
+        Ok(PyPublisher { inner: Mutex::new(Some(p)), last_addrs: Mutex::new(vec![]) })
     }
 
     /// Publishes the weights of `step`. Returns the receipt as a dict.
-    fn publish<'py>(
-        &self,
-        py: Python<'py>,
-        step: u64,
-        tensors: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    fn publish<'py>(&self, py: Python<'py>, step: u64, tensors: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
         let borrowed = borrow_mapping(tensors, false)?;
         let parts: Vec<(driftless_format::TensorMeta, Raw)> =
             borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
-        *self.last_addrs.lock().expect("lock") = parts
-            .iter()
-            .map(|(m, r)| (m.name.clone(), r.addr))
-            .collect();
+        *self.last_addrs.lock().expect("lock") = parts.iter().map(|(m, r)| (m.name.clone(), r.addr)).collect();
         let r = py.allow_threads(|| {
             // SAFETY: `borrowed` keeps every buffer alive until after this closure returns.
             let views: Vec<TensorView<'_>> = parts
                 .iter()
-                .map(|(m, r)| TensorView {
-                    name: &m.name,
-                    dtype: m.dtype,
-                    shape: &m.shape,
-                    data: unsafe { r.slice() },
-                })
+                .map(|(m, r)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: unsafe { r.slice() } })
                 .collect();
             let mut g = self.inner.lock().expect("publisher lock");
             let p = g.as_mut().ok_or(driftless_publisher::Error::Closed)?;
@@ -143,9 +120,7 @@ impl PyPublisher {
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         py.allow_threads(|| {
             let g = self.inner.lock().expect("publisher lock");
-            g.as_ref()
-                .ok_or(driftless_publisher::Error::Closed)?
-                .flush()
+            g.as_ref().ok_or(driftless_publisher::Error::Closed)?.flush()
         })
         .map_err(BindError::from)?;
         Ok(())
@@ -169,13 +144,8 @@ impl PyPublisher {
 
     /// Counters as a dict.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py.allow_threads(|| {
-            self.inner
-                .lock()
-                .expect("publisher lock")
-                .as_ref()
-                .map(|p| (p.status(), p.next_step()))
-        });
+        let s = py
+            .allow_threads(|| self.inner.lock().expect("publisher lock").as_ref().map(|p| (p.status(), p.next_step())));
         let Some((s, next)) = s else {
             return Err(BindError::Publisher(driftless_publisher::Error::Closed).into());
         };

@@ -181,8 +181,7 @@ fn c_contiguous(shape: &[u64], strides: &[i64]) -> bool {
 
 /// Borrows `obj` as tensor `name`. `writable` asks for memory that may be written in place.
 pub(crate) fn borrow(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Borrowed> {
-    driftless_format::validate_tensor_name(name)
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    driftless_format::validate_tensor_name(name).map_err(|e| PyValueError::new_err(e.to_string()))?;
     // SAFETY: plain CPython API call on a live object.
     let has_buffer = unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1;
     if has_buffer {
@@ -205,28 +204,17 @@ fn borrow_buffer(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyResult
         Ok(dt) => {
             if let Ok(bo) = dt.getattr("byteorder") {
                 if bo.extract::<String>().is_ok_and(|b| b == ">") {
-                    return Err(PyValueError::new_err(format!(
-                        "tensor {name}: big-endian arrays are not supported"
-                    )));
+                    return Err(PyValueError::new_err(format!("tensor {name}: big-endian arrays are not supported")));
                 }
             }
-            let n: String = dt
-                .getattr("name")
-                .and_then(|n| n.extract())
-                .unwrap_or_else(|_| dt.to_string());
-            dtype_from_name(&n).ok_or_else(|| {
-                PyTypeError::new_err(format!("tensor {name}: unsupported dtype {n}"))
-            })?
+            let n: String = dt.getattr("name").and_then(|n| n.extract()).unwrap_or_else(|_| dt.to_string());
+            dtype_from_name(&n).ok_or_else(|| PyTypeError::new_err(format!("tensor {name}: unsupported dtype {n}")))?
         }
         Err(_) => {
-            let mv = py
-                .import("builtins")?
-                .getattr("memoryview")?
-                .call1((obj,))?;
+            let mv = py.import("builtins")?.getattr("memoryview")?.call1((obj,))?;
             let f: String = mv.getattr("format")?.extract()?;
-            dtype_from_format(&f).ok_or_else(|| {
-                PyTypeError::new_err(format!("tensor {name}: unsupported buffer format {f:?}"))
-            })?
+            dtype_from_format(&f)
+                .ok_or_else(|| PyTypeError::new_err(format!("tensor {name}: unsupported buffer format {f:?}")))?
         }
     };
     // SAFETY: zeroed Py_buffer is the documented initial state; filled by GetBuffer below.
@@ -241,9 +229,7 @@ fn borrow_buffer(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyResult
         )));
     }
     let guard = Guard::Buffer(view);
-    let Guard::Buffer(v) = &guard else {
-        unreachable!()
-    };
+    let Guard::Buffer(v) = &guard else { unreachable!() };
     // SAFETY: filled by a successful GetBuffer.
     let contiguous = unsafe { ffi::PyBuffer_IsContiguous(&**v, b'C' as std::os::raw::c_char) } == 1;
     if !contiguous {
@@ -253,9 +239,7 @@ fn borrow_buffer(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyResult
     }
     let itemsize = v.itemsize as usize;
     if itemsize != dtype.size() {
-        return Err(PyTypeError::new_err(format!(
-            "tensor {name}: item size {itemsize} does not match dtype {dtype}"
-        )));
+        return Err(PyTypeError::new_err(format!("tensor {name}: item size {itemsize} does not match dtype {dtype}")));
     }
     let ndim = v.ndim as usize;
     let shape: Vec<u64> = if ndim == 0 || v.shape.is_null() {
@@ -266,42 +250,25 @@ fn borrow_buffer(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyResult
         }
     } else {
         // SAFETY: `shape` has `ndim` entries per the buffer protocol.
-        unsafe { std::slice::from_raw_parts(v.shape, ndim) }
-            .iter()
-            .map(|&d| d as u64)
-            .collect()
+        unsafe { std::slice::from_raw_parts(v.shape, ndim) }.iter().map(|&d| d as u64).collect()
     };
-    let raw = Raw {
-        addr: v.buf as usize,
-        len: v.len as usize,
-    };
-    let meta = TensorMeta {
-        name: name.to_string(),
-        dtype,
-        shape,
-    };
+    let raw = Raw { addr: v.buf as usize, len: v.len as usize };
+    let meta = TensorMeta { name: name.to_string(), dtype, shape };
     check_len(&meta, raw)?;
-    Ok(Borrowed {
-        meta,
-        raw,
-        _guard: guard,
-    })
+    Ok(Borrowed { meta, raw, _guard: guard })
 }
 
 fn borrow_dlpack(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Borrowed> {
     let cap = obj
         .call_method0("__dlpack__")
         .map_err(|e| PyValueError::new_err(format!("tensor {name}: __dlpack__ failed: {e}")))?;
-    let cap = cap.downcast_into::<PyCapsule>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "tensor {name}: __dlpack__ did not return a capsule"
-        ))
-    })?;
+    let cap = cap
+        .downcast_into::<PyCapsule>()
+        .map_err(|_| PyTypeError::new_err(format!("tensor {name}: __dlpack__ did not return a capsule")))?;
     const NAME: &CStr = c"dltensor";
     // SAFETY: capsule API on a live capsule; the pointer stays valid while the capsule lives
     // and has not been consumed (we never rename it, so its destructor frees it).
-    let ptr =
-        unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), NAME.as_ptr()) } as *const DLManagedTensor;
+    let ptr = unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), NAME.as_ptr()) } as *const DLManagedTensor;
     if ptr.is_null() {
         let _ = PyErr::take(obj.py());
         return Err(PyValueError::new_err(format!(
@@ -323,15 +290,9 @@ fn borrow_dlpack(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Borrowed> {
         ))
     })?;
     let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err("negative ndim"))?;
-    let shape_i: &[i64] = if ndim == 0 {
-        &[]
-    } else {
-        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
-    };
+    let shape_i: &[i64] = if ndim == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.shape, ndim) } };
     if shape_i.iter().any(|&d| d < 0) {
-        return Err(PyValueError::new_err(format!(
-            "tensor {name}: negative dimension"
-        )));
+        return Err(PyValueError::new_err(format!("tensor {name}: negative dimension")));
     }
     let shape: Vec<u64> = shape_i.iter().map(|&d| d as u64).collect();
     if !t.strides.is_null() && ndim > 0 {
@@ -344,34 +305,20 @@ fn borrow_dlpack(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Borrowed> {
         }
     }
     let n = driftless_format::numel(&shape).map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let len = n
-        .checked_mul(dtype.size() as u64)
-        .ok_or_else(|| PyValueError::new_err("tensor too large"))? as usize;
+    let len = n.checked_mul(dtype.size() as u64).ok_or_else(|| PyValueError::new_err("tensor too large"))? as usize;
     let addr = (t.data as usize)
         .checked_add(t.byte_offset as usize)
         .ok_or_else(|| PyValueError::new_err("bad DLPack offset"))?;
     if addr == 0 && len > 0 {
-        return Err(PyValueError::new_err(format!(
-            "tensor {name}: DLPack data pointer is NULL"
-        )));
+        return Err(PyValueError::new_err(format!("tensor {name}: DLPack data pointer is NULL")));
     }
     let raw = Raw { addr, len };
-    let meta = TensorMeta {
-        name: name.to_string(),
-        dtype,
-        shape,
-    };
-    Ok(Borrowed {
-        meta,
-        raw,
-        _guard: Guard::Capsule(cap.into_any().unbind()),
-    })
+    let meta = TensorMeta { name: name.to_string(), dtype, shape };
+    Ok(Borrowed { meta, raw, _guard: Guard::Capsule(cap.into_any().unbind()) })
 }
 
 fn check_len(meta: &TensorMeta, raw: Raw) -> PyResult<()> {
-    let want = meta
-        .nbytes()
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let want = meta.nbytes().map_err(|e| PyValueError::new_err(e.to_string()))?;
     if want != raw.len as u64 {
         return Err(PyValueError::new_err(format!(
             "tensor {}: {} {:?} needs {want} bytes, buffer has {}",
@@ -382,10 +329,7 @@ fn check_len(meta: &TensorMeta, raw: Raw) -> PyResult<()> {
 }
 
 /// Borrows every `name -> array` item of a mapping, in its iteration order.
-pub(crate) fn borrow_mapping(
-    tensors: &Bound<'_, PyAny>,
-    writable: bool,
-) -> PyResult<Vec<Borrowed>> {
+pub(crate) fn borrow_mapping(tensors: &Bound<'_, PyAny>, writable: bool) -> PyResult<Vec<Borrowed>> {
     let items = tensors
         .call_method0("items")
         .map_err(|_| PyTypeError::new_err("tensors must be a mapping of name -> array (a dict)"))?;
@@ -393,9 +337,7 @@ pub(crate) fn borrow_mapping(
     let mut seen = std::collections::HashSet::new();
     for item in items.try_iter()? {
         let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item?.extract()?;
-        let name: String = k
-            .extract()
-            .map_err(|_| PyTypeError::new_err("tensor names must be str"))?;
+        let name: String = k.extract().map_err(|_| PyTypeError::new_err("tensor names must be str"))?;
         if !seen.insert(name.clone()) {
             return Err(PyValueError::new_err(format!("tensor {name} given twice")));
         }

@@ -8,9 +8,7 @@ use std::time::SystemTime;
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
-use object_store::{
-    GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
-};
+use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 use rand::Rng;
 use tokio::sync::Semaphore;
 use tracing::Instrument;
@@ -132,28 +130,19 @@ impl Bucket {
     /// A retry after a lost response that finds the key present compares the stored bytes
     /// with `bytes`: the same content counts as success.
     pub async fn put_create(&self, key: &str, bytes: Bytes) -> Result<()> {
-        let span =
-            tracing::debug_span!("put_create", bucket = %self.url(), key, size = bytes.len());
+        let span = tracing::debug_span!("put_create", bucket = %self.url(), key, size = bytes.len());
         async {
             let path = self.path(key)?;
-            if bytes.len() >= self.inner.opts.multipart_threshold || !self.inner.conditional_create
-            {
+            if bytes.len() >= self.inner.opts.multipart_threshold || !self.inner.conditional_create {
                 match self.head(key).await {
-                    Ok(_) => {
-                        return Err(Error::AlreadyExists {
-                            key: key.to_string(),
-                        })
-                    }
+                    Ok(_) => return Err(Error::AlreadyExists { key: key.to_string() }),
                     Err(e) if e.is_not_found() => {}
                     Err(e) => return Err(e),
                 }
                 if bytes.len() >= self.inner.opts.multipart_threshold {
                     return self.put_multipart(key, &path, bytes).await;
                 }
-                return self
-                    .put_single(key, &path, bytes, PutMode::Overwrite)
-                    .await
-                    .map(|_| ());
+                return self.put_single(key, &path, bytes, PutMode::Overwrite).await.map(|_| ());
             }
             let mut attempts = 0usize;
             let res = self
@@ -167,9 +156,7 @@ impl Bucket {
                     // An earlier attempt may have landed with its response lost.
                     match self.get(key).await {
                         Ok(stored) if stored == bytes => Ok(()),
-                        Ok(_) => Err(Error::AlreadyExists {
-                            key: key.to_string(),
-                        }),
+                        Ok(_) => Err(Error::AlreadyExists { key: key.to_string() }),
                         Err(e) => Err(e),
                     }
                 }
@@ -188,10 +175,7 @@ impl Bucket {
             if bytes.len() >= self.inner.opts.multipart_threshold {
                 return self.put_multipart(key, &path, bytes).await;
             }
-            self.retry("put", key, || {
-                self.put_single(key, &path, bytes.clone(), PutMode::Overwrite)
-            })
-            .await
+            self.retry("put", key, || self.put_single(key, &path, bytes.clone(), PutMode::Overwrite)).await
         }
         .instrument(span)
         .await
@@ -199,10 +183,7 @@ impl Bucket {
 
     async fn put_single(&self, key: &str, path: &Path, bytes: Bytes, mode: PutMode) -> Result<()> {
         let _permit = self.permit().await;
-        let opts = PutOptions {
-            mode,
-            ..Default::default()
-        };
+        let opts = PutOptions { mode, ..Default::default() };
         self.inner
             .store
             .put_opts(path, PutPayload::from_bytes(bytes), opts)
@@ -212,10 +193,7 @@ impl Bucket {
     }
 
     async fn put_multipart(&self, key: &str, path: &Path, bytes: Bytes) -> Result<()> {
-        self.retry("put_multipart", key, || {
-            self.put_multipart_once(key, path, bytes.clone())
-        })
-        .await
+        self.retry("put_multipart", key, || self.put_multipart_once(key, path, bytes.clone())).await
     }
 
     /// One attempt: start, upload all parts in parallel, complete; abort on failure.
@@ -223,11 +201,7 @@ impl Bucket {
         let part_size = self.inner.opts.part_size.max(1);
         let mut upload = {
             let _permit = self.permit().await;
-            self.inner
-                .store
-                .put_multipart(path)
-                .await
-                .map_err(|e| Error::from_store(key, e))?
+            self.inner.store.put_multipart(path).await.map_err(|e| Error::from_store(key, e))?
         };
         let mut parts = Vec::new();
         let mut offset = 0;
@@ -293,18 +267,12 @@ impl Bucket {
                 size: info.size,
                 max: usize::MAX as u64,
             })?;
-            let ranges: Vec<std::ops::Range<u64>> = (0..info.size)
-                .step_by(part as usize)
-                .map(|start| start..(start + part).min(info.size))
-                .collect();
-            let reads: Vec<_> = ranges
-                .into_iter()
-                .map(|range| self.get_range(key, &path, range, info.etag.clone()))
-                .collect();
-            let chunks: Vec<Bytes> = futures::stream::iter(reads)
-                .buffered(self.inner.opts.concurrency.max(1))
-                .try_collect()
-                .await?;
+            let ranges: Vec<std::ops::Range<u64>> =
+                (0..info.size).step_by(part as usize).map(|start| start..(start + part).min(info.size)).collect();
+            let reads: Vec<_> =
+                ranges.into_iter().map(|range| self.get_range(key, &path, range, info.etag.clone())).collect();
+            let chunks: Vec<Bytes> =
+                futures::stream::iter(reads).buffered(self.inner.opts.concurrency.max(1)).try_collect().await?;
             let mut out = BytesMut::with_capacity(size);
             for c in chunks {
                 out.extend_from_slice(&c);
@@ -339,12 +307,7 @@ impl Bucket {
                 if_match: etag.clone(),
                 ..Default::default()
             };
-            let r = self
-                .inner
-                .store
-                .get_opts(path, opts)
-                .await
-                .map_err(|e| map_get_range_error(key, e))?;
+            let r = self.inner.store.get_opts(path, opts).await.map_err(|e| map_get_range_error(key, e))?;
             r.bytes().await.map_err(|e| Error::from_store(key, e))
         })
         .await
@@ -375,20 +338,13 @@ impl Bucket {
 
     /// Conditional GET: `Ok(None)` when the object still has ETag `etag`; otherwise the bytes
     /// and the new ETag. Backends that ignore `If-None-Match` simply always return the object.
-    pub async fn get_if_changed(
-        &self,
-        key: &str,
-        etag: Option<&str>,
-    ) -> Result<Option<(Bytes, Option<String>)>> {
+    pub async fn get_if_changed(&self, key: &str, etag: Option<&str>) -> Result<Option<(Bytes, Option<String>)>> {
         let span = tracing::debug_span!("get_if_changed", bucket = %self.url(), key, etag);
         async {
             let path = self.path(key)?;
             self.retry("get_if_changed", key, || async {
                 let _permit = self.permit().await;
-                let opts = GetOptions {
-                    if_none_match: etag.map(str::to_string),
-                    ..Default::default()
-                };
+                let opts = GetOptions { if_none_match: etag.map(str::to_string), ..Default::default() };
                 match self.inner.store.get_opts(&path, opts).await {
                     Ok(r) => {
                         let new_etag = r.meta.e_tag.clone();
@@ -410,12 +366,7 @@ impl Bucket {
         let path = self.path(key)?;
         self.retry("head", key, || async {
             let _permit = self.permit().await;
-            let meta = self
-                .inner
-                .store
-                .head(&path)
-                .await
-                .map_err(|e| Error::from_store(key, e))?;
+            let meta = self.inner.store.head(&path).await.map_err(|e| Error::from_store(key, e))?;
             Ok(self.info(meta))
         })
         .instrument(tracing::debug_span!("head", bucket = %self.url(), key))
@@ -425,9 +376,7 @@ impl Bucket {
     /// Every object whose key starts with `prefix` (a plain string prefix, not only whole
     /// path segments), recursively, sorted by key. Keys are relative to the bucket prefix.
     pub async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
-        self.list_inner(prefix, None)
-            .instrument(tracing::debug_span!("list", bucket = %self.url(), prefix))
-            .await
+        self.list_inner(prefix, None).instrument(tracing::debug_span!("list", bucket = %self.url(), prefix)).await
     }
 
     /// Like [`Bucket::list`], keeping only keys strictly greater than `offset` (a key relative
@@ -463,18 +412,14 @@ impl Bucket {
                     Some(off) => self.inner.store.list_with_offset(dir_path.as_ref(), off),
                     None => self.inner.store.list(dir_path.as_ref()),
                 };
-                let metas: Vec<ObjectMeta> = stream
-                    .try_collect()
-                    .await
-                    .map_err(|e| Error::from_store(prefix, e))?;
+                let metas: Vec<ObjectMeta> = stream.try_collect().await.map_err(|e| Error::from_store(prefix, e))?;
                 Ok(metas)
             })
             .await?
             .into_iter()
             .filter_map(|meta| {
                 let info = self.info(meta);
-                let keep =
-                    info.key.starts_with(prefix) && offset.is_none_or(|o| info.key.as_str() > o);
+                let keep = info.key.starts_with(prefix) && offset.is_none_or(|o| info.key.as_str() > o);
                 keep.then_some(info)
             })
             .collect::<Vec<_>>();
@@ -501,11 +446,7 @@ impl Bucket {
 
     async fn permit(&self) -> tokio::sync::SemaphorePermit<'_> {
         // The semaphore is never closed.
-        self.inner
-            .permits
-            .acquire()
-            .await
-            .expect("bucket semaphore is never closed")
+        self.inner.permits.acquire().await.expect("bucket semaphore is never closed")
     }
 
     /// Full store path of a key relative to the prefix, validated.
@@ -516,15 +457,8 @@ impl Bucket {
                 reason: "keys must be non-empty and must not start or end with '/'".into(),
             });
         }
-        let full = if self.inner.prefix.is_empty() {
-            key.to_string()
-        } else {
-            format!("{}/{key}", self.inner.prefix)
-        };
-        Path::parse(&full).map_err(|e| Error::InvalidKey {
-            key: key.to_string(),
-            reason: e.to_string(),
-        })
+        let full = if self.inner.prefix.is_empty() { key.to_string() } else { format!("{}/{key}", self.inner.prefix) };
+        Path::parse(&full).map_err(|e| Error::InvalidKey { key: key.to_string(), reason: e.to_string() })
     }
 
     fn dir_path(&self, dir: &str) -> Result<Option<Path>> {
@@ -535,10 +469,7 @@ impl Bucket {
             (false, true) => self.inner.prefix.clone(),
             (false, false) => format!("{}/{dir}", self.inner.prefix),
         };
-        Path::parse(&full).map(Some).map_err(|e| Error::InvalidKey {
-            key: dir.to_string(),
-            reason: e.to_string(),
-        })
+        Path::parse(&full).map(Some).map_err(|e| Error::InvalidKey { key: dir.to_string(), reason: e.to_string() })
     }
 
     fn info(&self, meta: ObjectMeta) -> ObjectInfo {
@@ -546,17 +477,9 @@ impl Bucket {
         let key = if self.inner.prefix.is_empty() {
             loc.to_string()
         } else {
-            loc.strip_prefix(self.inner.prefix.as_str())
-                .and_then(|k| k.strip_prefix('/'))
-                .unwrap_or(loc)
-                .to_string()
+            loc.strip_prefix(self.inner.prefix.as_str()).and_then(|k| k.strip_prefix('/')).unwrap_or(loc).to_string()
         };
-        ObjectInfo {
-            key,
-            size: meta.size,
-            last_modified: meta.last_modified.into(),
-            etag: meta.e_tag,
-        }
+        ObjectInfo { key, size: meta.size, last_modified: meta.last_modified.into(), etag: meta.e_tag }
     }
 
     /// Run `f` until it succeeds, fails permanently, or the retry budget (count and total
@@ -570,12 +493,7 @@ impl Bucket {
     }
 }
 
-pub(crate) async fn retry_with<T, F, Fut>(
-    opts: &StoreOptions,
-    op: &'static str,
-    key: &str,
-    mut f: F,
-) -> Result<T>
+pub(crate) async fn retry_with<T, F, Fut>(opts: &StoreOptions, op: &'static str, key: &str, mut f: F) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T>>,
@@ -587,9 +505,7 @@ where
             Ok(v) => return Ok(v),
             Err(e) if e.is_retryable() && attempt < opts.max_retries => {
                 let cap_ms = 100u64.saturating_mul(1u64 << attempt.min(16)).min(5_000);
-                let delay = std::time::Duration::from_millis(
-                    rand::thread_rng().gen_range(cap_ms / 2..=cap_ms),
-                );
+                let delay = std::time::Duration::from_millis(rand::thread_rng().gen_range(cap_ms / 2..=cap_ms));
                 if start.elapsed() + delay > opts.retry_timeout {
                     tracing::warn!(op, key, attempt, error = %e, "retry budget spent");
                     return Err(e);
@@ -607,9 +523,7 @@ fn map_put_error(key: &str, e: object_store::Error) -> Error {
     match e {
         // S3 answers a lost If-None-Match race with 412 (Precondition), Azure with 409.
         object_store::Error::Precondition { .. } | object_store::Error::AlreadyExists { .. } => {
-            Error::AlreadyExists {
-                key: key.to_string(),
-            }
+            Error::AlreadyExists { key: key.to_string() }
         }
         other => Error::from_store(key, other),
     }
@@ -618,10 +532,9 @@ fn map_put_error(key: &str, e: object_store::Error) -> Error {
 fn map_get_range_error(key: &str, e: object_store::Error) -> Error {
     match e {
         // The object changed between the HEAD and this part: retry the read.
-        object_store::Error::Precondition { .. } => Error::Transient {
-            key: key.to_string(),
-            source: crate::error::StoreError::new(&e),
-        },
+        object_store::Error::Precondition { .. } => {
+            Error::Transient { key: key.to_string(), source: crate::error::StoreError::new(&e) }
+        }
         other => Error::from_store(key, other),
     }
 }
@@ -629,22 +542,14 @@ fn map_get_range_error(key: &str, e: object_store::Error) -> Error {
 async fn read_limited(key: &str, r: object_store::GetResult, max: u64) -> Result<Bytes> {
     let size = r.meta.size;
     if size > max {
-        return Err(Error::TooLarge {
-            key: key.to_string(),
-            size,
-            max,
-        });
+        return Err(Error::TooLarge { key: key.to_string(), size, max });
     }
     let mut out = BytesMut::with_capacity(size as usize);
     let mut stream = r.into_stream();
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| Error::from_store(key, e))?;
         if out.len() as u64 + chunk.len() as u64 > max {
-            return Err(Error::TooLarge {
-                key: key.to_string(),
-                size: out.len() as u64 + chunk.len() as u64,
-                max,
-            });
+            return Err(Error::TooLarge { key: key.to_string(), size: out.len() as u64 + chunk.len() as u64, max });
         }
         out.extend_from_slice(&chunk);
     }

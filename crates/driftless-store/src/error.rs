@@ -86,13 +86,8 @@ impl Error {
         match err {
             E::NotFound { .. } => Error::NotFound { key },
             E::AlreadyExists { .. } => Error::AlreadyExists { key },
-            E::InvalidPath { source } => Error::InvalidKey {
-                key,
-                reason: source.to_string(),
-            },
-            E::NotSupported { .. } | E::NotImplemented { .. } => {
-                Error::Unsupported(redact_text(&err.to_string()))
-            }
+            E::InvalidPath { source } => Error::InvalidKey { key, reason: source.to_string() },
+            E::NotSupported { .. } | E::NotImplemented { .. } => Error::Unsupported(redact_text(&err.to_string())),
             E::Generic { .. } | E::JoinError { .. } => {
                 let source = StoreError::new(&err);
                 if is_transient_generic(&err) {
@@ -103,10 +98,7 @@ impl Error {
             }
             // Precondition/NotModified reaching here are unexpected for the caller's call;
             // permissions and configuration are never fixed by retrying.
-            other => Error::Permanent {
-                key,
-                source: StoreError::new(&other),
-            },
+            other => Error::Permanent { key, source: StoreError::new(&other) },
         }
     }
 }
@@ -118,9 +110,7 @@ impl Error {
 fn is_transient_generic(err: &object_store::Error) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = cur {
-        if e.downcast_ref::<object_store::client::HttpError>()
-            .is_some()
-        {
+        if e.downcast_ref::<object_store::client::HttpError>().is_some() {
             return true;
         }
         cur = e.source();
@@ -154,9 +144,7 @@ impl StoreError {
             }
             cur = e.source();
         }
-        StoreError {
-            message: redact_text(&message),
-        }
+        StoreError { message: redact_text(&message) }
     }
 
     /// The redacted message.
@@ -181,36 +169,18 @@ mod tests {
     use super::*;
 
     fn generic(msg: &str) -> object_store::Error {
-        object_store::Error::Generic {
-            store: "S3",
-            source: msg.to_string().into(),
-        }
+        object_store::Error::Generic { store: "S3", source: msg.to_string().into() }
     }
 
     #[test]
     fn classifies_status_codes() {
-        let e = Error::from_store(
-            "k",
-            generic("Server returned non-2xx status code: 503 Service Unavailable"),
-        );
+        let e = Error::from_store("k", generic("Server returned non-2xx status code: 503 Service Unavailable"));
         assert!(e.is_retryable());
-        let e = Error::from_store(
-            "k",
-            generic("Server returned non-2xx status code: 400 Bad Request"),
-        );
+        let e = Error::from_store("k", generic("Server returned non-2xx status code: 400 Bad Request"));
         assert!(!e.is_retryable());
-        let e = Error::from_store(
-            "k",
-            generic("Server returned non-2xx status code: 429 Too Many"),
-        );
+        let e = Error::from_store("k", generic("Server returned non-2xx status code: 429 Too Many"));
         assert!(e.is_retryable());
-        let e = Error::from_store(
-            "k",
-            object_store::Error::NotFound {
-                path: "x".into(),
-                source: "gone".into(),
-            },
-        );
+        let e = Error::from_store("k", object_store::Error::NotFound { path: "x".into(), source: "gone".into() });
         assert!(e.is_not_found());
     }
 
@@ -218,15 +188,10 @@ mod tests {
     fn messages_are_redacted() {
         let e = Error::from_store(
             "k",
-            generic(
-                "Error performing GET https://acct.blob.core.windows.net/c/k?sig=SECRET&se=1 in 1s",
-            ),
+            generic("Error performing GET https://acct.blob.core.windows.net/c/k?sig=SECRET&se=1 in 1s"),
         );
         let text = e.to_string();
         assert!(!text.contains("SECRET"), "{text}");
-        assert!(
-            text.contains("https://acct.blob.core.windows.net/c/k"),
-            "{text}"
-        );
+        assert!(text.contains("https://acct.blob.core.windows.net/c/k"), "{text}");
     }
 }

@@ -21,8 +21,8 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 use object_store::path::Path;
 use object_store::{
-    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
-    PutMultipartOptions, PutOptions, PutPayload, PutResult, RenameOptions,
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore, PutMultipartOptions,
+    PutOptions, PutPayload, PutResult, RenameOptions,
 };
 
 /// Which calls a fault applies to.
@@ -71,9 +71,7 @@ impl State {
     /// Consume one matching rule, if any.
     fn take(&self, op: FaultOp, location: &str) -> Option<FaultKind> {
         let mut rules = self.rules.lock().unwrap_or_else(|e| e.into_inner());
-        let rule = rules
-            .iter_mut()
-            .find(|r| r.op == op && r.remaining > 0 && location.contains(&r.pattern))?;
+        let rule = rules.iter_mut().find(|r| r.op == op && r.remaining > 0 && location.contains(&r.pattern))?;
         rule.remaining -= 1;
         self.injected.fetch_add(1, Ordering::Relaxed);
         Some(rule.kind)
@@ -94,10 +92,7 @@ fn injected_error(kind: FaultKind, op: FaultOp, location: &str) -> object_store:
     };
     object_store::Error::Generic {
         store: "FaultyStore",
-        source: format!(
-            "injected {op:?} fault on {location}: Server returned non-2xx status code: {status}"
-        )
-        .into(),
+        source: format!("injected {op:?} fault on {location}: Server returned non-2xx status code: {status}").into(),
     }
 }
 
@@ -113,10 +108,7 @@ pub struct FaultyStore {
 impl FaultyStore {
     /// Wrap `inner` with no faults.
     pub fn new(inner: Arc<dyn ObjectStore>) -> FaultyStore {
-        FaultyStore {
-            inner,
-            state: Arc::default(),
-        }
+        FaultyStore { inner, state: Arc::default() }
     }
 
     /// Fail the next `times` puts whose path contains `pattern` (retryable error).
@@ -157,33 +149,22 @@ impl FaultyStore {
 
     /// Add a rule at any time (also through an `Arc`).
     pub fn inject(&self, op: FaultOp, pattern: &str, times: usize, kind: FaultKind) {
-        self.state
-            .rules
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Rule {
-                op,
-                pattern: pattern.to_string(),
-                remaining: times,
-                kind,
-            });
+        self.state.rules.lock().unwrap_or_else(|e| e.into_inner()).push(Rule {
+            op,
+            pattern: pattern.to_string(),
+            remaining: times,
+            kind,
+        });
     }
 
     /// Change the delay at any time.
     pub fn set_delay(&self, delay: Duration) {
-        self.state.delay_ms.store(
-            delay.as_millis().min(u64::MAX as u128) as u64,
-            Ordering::Relaxed,
-        );
+        self.state.delay_ms.store(delay.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
 
     /// Remove all rules that have not fired yet and the delay.
     pub fn clear(&self) {
-        self.state
-            .rules
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.state.rules.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.set_delay(Duration::ZERO);
     }
 
@@ -217,11 +198,7 @@ impl ObjectStore for FaultyStore {
             None => self.inner.put_opts(location, payload, opts).await,
             Some(FaultKind::LostResponse) => {
                 self.inner.put_opts(location, payload, opts).await?;
-                Err(injected_error(
-                    FaultKind::LostResponse,
-                    FaultOp::Put,
-                    location.as_ref(),
-                ))
+                Err(injected_error(FaultKind::LostResponse, FaultOp::Put, location.as_ref()))
             }
             Some(kind) => Err(injected_error(kind, FaultOp::Put, location.as_ref())),
         }
@@ -234,18 +211,12 @@ impl ObjectStore for FaultyStore {
     ) -> object_store::Result<Box<dyn MultipartUpload>> {
         self.state.pause().await;
         match self.state.take(FaultOp::Put, location.as_ref()) {
-            None | Some(FaultKind::LostResponse) => {
-                self.inner.put_multipart_opts(location, opts).await
-            }
+            None | Some(FaultKind::LostResponse) => self.inner.put_multipart_opts(location, opts).await,
             Some(kind) => Err(injected_error(kind, FaultOp::Put, location.as_ref())),
         }
     }
 
-    async fn get_opts(
-        &self,
-        location: &Path,
-        options: GetOptions,
-    ) -> object_store::Result<GetResult> {
+    async fn get_opts(&self, location: &Path, options: GetOptions) -> object_store::Result<GetResult> {
         self.state.pause().await;
         match self.state.take(FaultOp::Get, location.as_ref()) {
             None => self.inner.get_opts(location, options).await,
@@ -253,11 +224,7 @@ impl ObjectStore for FaultyStore {
         }
     }
 
-    async fn get_ranges(
-        &self,
-        location: &Path,
-        ranges: &[Range<u64>],
-    ) -> object_store::Result<Vec<Bytes>> {
+    async fn get_ranges(&self, location: &Path, ranges: &[Range<u64>]) -> object_store::Result<Vec<Bytes>> {
         self.state.pause().await;
         match self.state.take(FaultOp::Get, location.as_ref()) {
             None => self.inner.get_ranges(location, ranges).await,
@@ -300,12 +267,9 @@ impl ObjectStore for FaultyStore {
         let p = prefix.map(|p| p.to_string()).unwrap_or_default();
         match self.state.take(FaultOp::List, &p) {
             None => self.inner.list(prefix),
-            Some(kind) => futures::stream::once(futures::future::ready(Err(injected_error(
-                kind,
-                FaultOp::List,
-                &p,
-            ))))
-            .boxed(),
+            Some(kind) => {
+                futures::stream::once(futures::future::ready(Err(injected_error(kind, FaultOp::List, &p)))).boxed()
+            }
         }
     }
 
@@ -317,12 +281,9 @@ impl ObjectStore for FaultyStore {
         let p = prefix.map(|p| p.to_string()).unwrap_or_default();
         match self.state.take(FaultOp::List, &p) {
             None => self.inner.list_with_offset(prefix, offset),
-            Some(kind) => futures::stream::once(futures::future::ready(Err(injected_error(
-                kind,
-                FaultOp::List,
-                &p,
-            ))))
-            .boxed(),
+            Some(kind) => {
+                futures::stream::once(futures::future::ready(Err(injected_error(kind, FaultOp::List, &p)))).boxed()
+            }
         }
     }
 
@@ -334,21 +295,11 @@ impl ObjectStore for FaultyStore {
         }
     }
 
-    async fn copy_opts(
-        &self,
-        from: &Path,
-        to: &Path,
-        options: CopyOptions,
-    ) -> object_store::Result<()> {
+    async fn copy_opts(&self, from: &Path, to: &Path, options: CopyOptions) -> object_store::Result<()> {
         self.inner.copy_opts(from, to, options).await
     }
 
-    async fn rename_opts(
-        &self,
-        from: &Path,
-        to: &Path,
-        options: RenameOptions,
-    ) -> object_store::Result<()> {
+    async fn rename_opts(&self, from: &Path, to: &Path, options: RenameOptions) -> object_store::Result<()> {
         self.inner.rename_opts(from, to, options).await
     }
 }

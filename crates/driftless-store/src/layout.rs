@@ -115,14 +115,8 @@ mod tests {
     fn keys() {
         assert_eq!(delta_dir(12), "deltas/000000000012/");
         assert_eq!(anchor_dir(12), "anchors/000000000012/");
-        assert_eq!(
-            manifest(StepKind::Delta, 12),
-            "deltas/000000000012/manifest.json"
-        );
-        assert_eq!(
-            object(StepKind::Anchor, 3, "w.bin"),
-            "anchors/000000000003/w.bin"
-        );
+        assert_eq!(manifest(StepKind::Delta, 12), "deltas/000000000012/manifest.json");
+        assert_eq!(object(StepKind::Anchor, 3, "w.bin"), "anchors/000000000003/w.bin");
         assert_eq!(ready(StepKind::Delta, 12), "ready/deltas/000000000012");
         assert_eq!(ready(StepKind::Anchor, 7), "ready/anchors/000000000007");
         assert_eq!(ready_prefix(StepKind::Delta), "ready/deltas/");
@@ -134,14 +128,8 @@ mod tests {
         for kind in [StepKind::Delta, StepKind::Anchor] {
             for step in [0, 1, 12, 999_999_999_999, 1_000_000_000_000, u64::MAX] {
                 assert_eq!(parse_step_key(&ready(kind, step)), Some((kind, step, None)));
-                assert_eq!(
-                    parse_step_key(&manifest(kind, step)),
-                    Some((kind, step, Some(MANIFEST_NAME.to_string())))
-                );
-                assert_eq!(
-                    parse_step_key(&object(kind, step, "x.bin")),
-                    Some((kind, step, Some("x.bin".to_string())))
-                );
+                assert_eq!(parse_step_key(&manifest(kind, step)), Some((kind, step, Some(MANIFEST_NAME.to_string()))));
+                assert_eq!(parse_step_key(&object(kind, step, "x.bin")), Some((kind, step, Some("x.bin".to_string()))));
             }
         }
     }

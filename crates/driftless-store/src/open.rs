@@ -22,8 +22,7 @@ pub const HF_S3_ENDPOINT: &str = "https://s3.hf.co";
 
 /// Azurite's well-known development account.
 const AZURITE_ACCOUNT: &str = "devstoreaccount1";
-const AZURITE_KEY: &str =
-    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+const AZURITE_KEY: &str = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
 
 impl Bucket {
     /// Open a bucket from a URL.
@@ -42,9 +41,8 @@ impl Bucket {
     /// crate README lists them.
     pub fn open(url: &str, opts: &StoreOptions) -> Result<Bucket> {
         let redacted = redact_url(url);
-        let (scheme, rest) = url
-            .split_once("://")
-            .ok_or_else(|| Error::InvalidUrl(format!("{redacted}: expected SCHEME://...")))?;
+        let (scheme, rest) =
+            url.split_once("://").ok_or_else(|| Error::InvalidUrl(format!("{redacted}: expected SCHEME://...")))?;
         // Query strings and fragments are never meaningful here (and may hold secrets).
         let rest = rest.split(['?', '#']).next().unwrap_or("");
         let bucket = match scheme {
@@ -92,22 +90,14 @@ fn open_file(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     // file:///abs/dir -> rest = "/abs/dir"; file://localhost/abs/dir is accepted too.
     let path = rest.strip_prefix("localhost").unwrap_or(rest);
     if !path.starts_with('/') {
-        return Err(Error::InvalidUrl(format!(
-            "file://{rest}: expected an absolute path (file:///abs/dir)"
-        )));
+        return Err(Error::InvalidUrl(format!("file://{rest}: expected an absolute path (file:///abs/dir)")));
     }
     std::fs::create_dir_all(path)
         .map_err(|e| Error::InvalidUrl(format!("file://{path}: cannot create directory: {e}")))?;
     let store = LocalFileSystem::new_with_prefix(path)
         .map_err(|e| Error::InvalidUrl(format!("file://{path}: {e}")))?
         .with_automatic_cleanup(true);
-    Ok(Bucket::assemble(
-        Arc::new(store),
-        String::new(),
-        format!("file://{path}"),
-        opts,
-        true,
-    ))
+    Ok(Bucket::assemble(Arc::new(store), String::new(), format!("file://{path}"), opts, true))
 }
 
 fn memory_registry() -> &'static Mutex<HashMap<String, Arc<InMemory>>> {
@@ -122,16 +112,9 @@ fn open_memory(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
         Arc::new(InMemory::new())
     } else {
         let mut reg = memory_registry().lock().unwrap_or_else(|e| e.into_inner());
-        Arc::clone(
-            reg.entry(name.to_string())
-                .or_insert_with(|| Arc::new(InMemory::new())),
-        )
+        Arc::clone(reg.entry(name.to_string()).or_insert_with(|| Arc::new(InMemory::new())))
     };
-    let url = if prefix.is_empty() {
-        format!("memory://{name}")
-    } else {
-        format!("memory://{name}/{prefix}")
-    };
+    let url = if prefix.is_empty() { format!("memory://{name}") } else { format!("memory://{name}/{prefix}") };
     Ok(Bucket::assemble(store, prefix.to_string(), url, opts, true))
 }
 
@@ -144,15 +127,11 @@ fn client_options(opts: &StoreOptions) -> ClientOptions {
 }
 
 fn env_true(key: &str) -> bool {
-    std::env::var(key)
-        .map(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
-        .unwrap_or(false)
+    std::env::var(key).map(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on")).unwrap_or(false)
 }
 
 fn s3_builder(bucket: &str, opts: &StoreOptions) -> AmazonS3Builder {
-    let mut b = AmazonS3Builder::from_env()
-        .with_bucket_name(bucket)
-        .with_retry(opts.retry_config());
+    let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket).with_retry(opts.retry_config());
     if let Some(endpoint) = &opts.endpoint {
         b = b.with_endpoint(endpoint);
     }
@@ -169,33 +148,18 @@ fn s3_builder(bucket: &str, opts: &StoreOptions) -> AmazonS3Builder {
 }
 
 fn build_err(url: &str, e: object_store::Error) -> Error {
-    Error::InvalidUrl(format!(
-        "{}: {}",
-        redact_url(url),
-        crate::redact::redact_text(&e.to_string())
-    ))
+    Error::InvalidUrl(format!("{}: {}", redact_url(url), crate::redact::redact_text(&e.to_string())))
 }
 
 fn open_s3(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     let url = format!("s3://{rest}");
     let (bucket, prefix) = split_host(rest);
     if bucket.is_empty() {
-        return Err(Error::InvalidUrl(format!(
-            "{}: missing bucket",
-            redact_url(&url)
-        )));
+        return Err(Error::InvalidUrl(format!("{}: missing bucket", redact_url(&url))));
     }
     check_prefix(prefix, &url)?;
-    let store = s3_builder(bucket, opts)
-        .build()
-        .map_err(|e| build_err(&url, e))?;
-    Ok(Bucket::assemble(
-        Arc::new(store) as Arc<dyn ObjectStore>,
-        prefix.to_string(),
-        redact_url(&url),
-        opts,
-        true,
-    ))
+    let store = s3_builder(bucket, opts).build().map_err(|e| build_err(&url, e))?;
+    Ok(Bucket::assemble(Arc::new(store) as Arc<dyn ObjectStore>, prefix.to_string(), redact_url(&url), opts, true))
 }
 
 fn open_hf(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
@@ -216,47 +180,30 @@ fn open_hf(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     let endpoint = match &opts.endpoint {
         Some(e) => e.clone(),
         None => {
-            let base = std::env::var("DRIFTLESS_HF_S3_ENDPOINT")
-                .unwrap_or_else(|_| HF_S3_ENDPOINT.to_string());
+            let base = std::env::var("DRIFTLESS_HF_S3_ENDPOINT").unwrap_or_else(|_| HF_S3_ENDPOINT.to_string());
             format!("{}/{namespace}", base.trim_end_matches('/'))
         }
     };
     let hf_opts = StoreOptions {
         endpoint: Some(endpoint),
-        region: Some(
-            opts.region
-                .clone()
-                .unwrap_or_else(|| "us-east-1".to_string()),
-        ),
+        region: Some(opts.region.clone().unwrap_or_else(|| "us-east-1".to_string())),
         path_style: true,
         ..opts.clone()
     };
     let mut b = s3_builder(bucket, &hf_opts);
     // HF-derived S3 keys (HFAK...) may live beside AWS credentials for another store.
-    if let (Ok(id), Ok(secret)) = (
-        std::env::var("HF_S3_ACCESS_KEY_ID"),
-        std::env::var("HF_S3_SECRET_ACCESS_KEY"),
-    ) {
+    if let (Ok(id), Ok(secret)) = (std::env::var("HF_S3_ACCESS_KEY_ID"), std::env::var("HF_S3_SECRET_ACCESS_KEY")) {
         b = b.with_access_key_id(id).with_secret_access_key(secret);
     }
     let store = b.build().map_err(|e| build_err(&url, e))?;
     // The gateway's handling of If-None-Match is not documented: do not rely on it.
-    Ok(Bucket::assemble(
-        Arc::new(store) as Arc<dyn ObjectStore>,
-        prefix.to_string(),
-        redact_url(&url),
-        opts,
-        false,
-    ))
+    Ok(Bucket::assemble(Arc::new(store) as Arc<dyn ObjectStore>, prefix.to_string(), redact_url(&url), opts, false))
 }
 
 fn is_loopback(endpoint: &str) -> bool {
     url::Url::parse(endpoint)
         .ok()
-        .and_then(|u| {
-            u.host_str()
-                .map(|h| h == "127.0.0.1" || h == "localhost" || h == "[::1]")
-        })
+        .and_then(|u| u.host_str().map(|h| h == "127.0.0.1" || h == "localhost" || h == "[::1]"))
         .unwrap_or(false)
 }
 
@@ -264,15 +211,10 @@ fn open_azure(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     let url = format!("az://{rest}");
     let (container, prefix) = split_host(rest);
     if container.is_empty() {
-        return Err(Error::InvalidUrl(format!(
-            "{}: missing container",
-            redact_url(&url)
-        )));
+        return Err(Error::InvalidUrl(format!("{}: missing container", redact_url(&url))));
     }
     check_prefix(prefix, &url)?;
-    let mut b = MicrosoftAzureBuilder::from_env()
-        .with_container_name(container)
-        .with_retry(opts.retry_config());
+    let mut b = MicrosoftAzureBuilder::from_env().with_container_name(container).with_retry(opts.retry_config());
     if opts.allow_http {
         b = b.with_allow_http(true);
     }
@@ -281,35 +223,21 @@ fn open_azure(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
         // A loopback endpoint with no account configured is Azurite: use its well-known
         // development account (the endpoint is then `http://127.0.0.1:PORT/devstoreaccount1`).
         if is_loopback(endpoint) && std::env::var("AZURE_STORAGE_ACCOUNT_NAME").is_err() {
-            b = b
-                .with_account(AZURITE_ACCOUNT)
-                .with_access_key(AZURITE_KEY)
-                .with_allow_http(true);
+            b = b.with_account(AZURITE_ACCOUNT).with_access_key(AZURITE_KEY).with_allow_http(true);
         }
     }
     let store = b.build().map_err(|e| build_err(&url, e))?;
-    Ok(Bucket::assemble(
-        Arc::new(store) as Arc<dyn ObjectStore>,
-        prefix.to_string(),
-        redact_url(&url),
-        opts,
-        true,
-    ))
+    Ok(Bucket::assemble(Arc::new(store) as Arc<dyn ObjectStore>, prefix.to_string(), redact_url(&url), opts, true))
 }
 
 fn open_gcs(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     let url = format!("gs://{rest}");
     let (bucket, prefix) = split_host(rest);
     if bucket.is_empty() {
-        return Err(Error::InvalidUrl(format!(
-            "{}: missing bucket",
-            redact_url(&url)
-        )));
+        return Err(Error::InvalidUrl(format!("{}: missing bucket", redact_url(&url))));
     }
     check_prefix(prefix, &url)?;
-    let mut b = GoogleCloudStorageBuilder::from_env()
-        .with_bucket_name(bucket)
-        .with_retry(opts.retry_config());
+    let mut b = GoogleCloudStorageBuilder::from_env().with_bucket_name(bucket).with_retry(opts.retry_config());
     if let Some(endpoint) = &opts.endpoint {
         b = b.with_base_url(endpoint.trim_end_matches('/'));
         let has_creds = [
@@ -322,25 +250,14 @@ fn open_gcs(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
         .any(|k| std::env::var(k).is_ok());
         if !has_creds {
             // A custom endpoint without credentials (fake-gcs-server): anonymous requests.
-            b = b.with_credentials(Arc::new(StaticCredentialProvider::new(GcpCredential {
-                bearer: String::new(),
-            })));
+            b = b.with_credentials(Arc::new(StaticCredentialProvider::new(GcpCredential { bearer: String::new() })));
         }
         if opts.allow_http || endpoint.starts_with("http://") {
-            b = b.with_client_options(client_options(&StoreOptions {
-                allow_http: true,
-                ..opts.clone()
-            }));
+            b = b.with_client_options(client_options(&StoreOptions { allow_http: true, ..opts.clone() }));
         }
     }
     let store = b.build().map_err(|e| build_err(&url, e))?;
-    Ok(Bucket::assemble(
-        Arc::new(store) as Arc<dyn ObjectStore>,
-        prefix.to_string(),
-        redact_url(&url),
-        opts,
-        true,
-    ))
+    Ok(Bucket::assemble(Arc::new(store) as Arc<dyn ObjectStore>, prefix.to_string(), redact_url(&url), opts, true))
 }
 
 #[cfg(test)]
@@ -360,28 +277,18 @@ mod tests {
         let b = Bucket::open("memory://shared/a/b?token=secret", &o).unwrap();
         assert_eq!(b.url(), "memory://shared/a/b");
         assert_eq!(b.prefix(), "a/b");
-        let b = Bucket::open(
-            "s3://bkt/pre/fix?X-Amz-Signature=zzz",
-            &StoreOptions::default().with_region("us-east-1"),
-        )
-        .unwrap();
+        let b = Bucket::open("s3://bkt/pre/fix?X-Amz-Signature=zzz", &StoreOptions::default().with_region("us-east-1"))
+            .unwrap();
         assert_eq!(b.url(), "s3://bkt/pre/fix");
         assert_eq!(b.prefix(), "pre/fix");
         assert!(b.supports_conditional_create());
         let b = Bucket::open("hf://buckets/ns/bkt/p", &o).unwrap();
         assert!(!b.supports_conditional_create());
         assert_eq!(b.prefix(), "p");
-        let b = Bucket::open(
-            "gs://bkt/p",
-            &StoreOptions::default().with_endpoint("http://127.0.0.1:1"),
-        )
-        .unwrap();
+        let b = Bucket::open("gs://bkt/p", &StoreOptions::default().with_endpoint("http://127.0.0.1:1")).unwrap();
         assert_eq!(b.prefix(), "p");
-        let b = Bucket::open(
-            "az://c/p",
-            &StoreOptions::default().with_endpoint("http://127.0.0.1:1/devstoreaccount1"),
-        )
-        .unwrap();
+        let b = Bucket::open("az://c/p", &StoreOptions::default().with_endpoint("http://127.0.0.1:1/devstoreaccount1"))
+            .unwrap();
         assert_eq!(b.url(), "az://c/p");
     }
 

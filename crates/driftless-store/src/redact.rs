@@ -29,10 +29,7 @@ pub(crate) fn redact_text(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     loop {
-        let next = [rest.find("http://"), rest.find("https://")]
-            .into_iter()
-            .flatten()
-            .min();
+        let next = [rest.find("http://"), rest.find("https://")].into_iter().flatten().min();
         match next {
             None => {
                 out.push_str(rest);
@@ -42,9 +39,7 @@ pub(crate) fn redact_text(text: &str) -> String {
                 out.push_str(&rest[..start]);
                 let tail = &rest[start..];
                 let end = tail
-                    .find(|c: char| {
-                        c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | ')' | ',')
-                    })
+                    .find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | ')' | ','))
                     .unwrap_or(tail.len());
                 out.push_str(&redact_url(&tail[..end]));
                 rest = &tail[end..];
@@ -59,14 +54,8 @@ mod tests {
 
     #[test]
     fn strips_userinfo_and_query() {
-        assert_eq!(
-            redact_url("https://user:pw@host.example/b/k?X-Amz-Signature=abc"),
-            "https://host.example/b/k"
-        );
-        assert_eq!(
-            redact_url("s3://bucket/prefix?secret=1"),
-            "s3://bucket/prefix"
-        );
+        assert_eq!(redact_url("https://user:pw@host.example/b/k?X-Amz-Signature=abc"), "https://host.example/b/k");
+        assert_eq!(redact_url("s3://bucket/prefix?secret=1"), "s3://bucket/prefix");
         assert_eq!(
             redact_text("GET https://h/k?sig=1 failed, see http://a:b@h2/x"),
             "GET https://h/k failed, see http://h2/x"

@@ -4,7 +4,9 @@
 //! ready marker records.
 
 use bytes::Bytes;
-use driftless_format::manifest::{AnchorManifest, DeltaManifest, LatestHint, ReadyMarker, StepKind, StreamDescriptor, MAX_MANIFEST_BYTES};
+use driftless_format::manifest::{
+    AnchorManifest, DeltaManifest, LatestHint, ReadyMarker, StepKind, StreamDescriptor, MAX_MANIFEST_BYTES,
+};
 use driftless_format::{Digest, TrustSet};
 
 use crate::{layout, Bucket};
@@ -107,7 +109,11 @@ impl StreamReader {
         let b = self.bucket.get_limited(&layout::ready(kind, step), MAX_MARKER_BYTES).await?;
         let m = ReadyMarker::from_slice(&b)?;
         if m.step != step || m.of != kind {
-            return Err(driftless_format::Error::Corrupt { what: "ready marker", detail: format!("marker at step {step} describes {:?} {}", m.of, m.step) }.into());
+            return Err(driftless_format::Error::Corrupt {
+                what: "ready marker",
+                detail: format!("marker at step {step} describes {:?} {}", m.of, m.step),
+            }
+            .into());
         }
         Ok(m)
     }
@@ -123,7 +129,10 @@ impl StreamReader {
         if sha != marker.manifest_sha256 {
             // A replayed or swapped manifest; or a marker copied before its manifest by a
             // replicator. Either way do not use it; a retry tells the two apart.
-            return Err(StreamError::NotReady { step, detail: format!("{key} does not match the SHA-256 in its ready marker") });
+            return Err(StreamError::NotReady {
+                step,
+                detail: format!("{key} does not match the SHA-256 in its ready marker"),
+            });
         }
         let (payload, _) = self.trust.open(&b)?;
         Ok((payload, sha))
@@ -135,7 +144,11 @@ impl StreamReader {
         let (payload, sha) = self.envelope(StepKind::Delta, step, &marker).await?;
         let m = DeltaManifest::from_slice(&payload)?;
         if m.step != step || Some(m.base_step) != marker.base_step {
-            return Err(driftless_format::Error::Corrupt { what: "delta manifest", detail: format!("manifest of step {} found at step {step}", m.step) }.into());
+            return Err(driftless_format::Error::Corrupt {
+                what: "delta manifest",
+                detail: format!("manifest of step {} found at step {step}", m.step),
+            }
+            .into());
         }
         Ok((m, sha))
     }
@@ -146,7 +159,11 @@ impl StreamReader {
         let (payload, sha) = self.envelope(StepKind::Anchor, step, &marker).await?;
         let m = AnchorManifest::from_slice(&payload)?;
         if m.step != step {
-            return Err(driftless_format::Error::Corrupt { what: "anchor manifest", detail: format!("manifest of step {} found at step {step}", m.step) }.into());
+            return Err(driftless_format::Error::Corrupt {
+                what: "anchor manifest",
+                detail: format!("manifest of step {} found at step {step}", m.step),
+            }
+            .into());
         }
         Ok((m, sha))
     }
@@ -161,7 +178,11 @@ impl StreamReader {
             Err(e) => return Err(e.into()),
         };
         if b.len() as u64 != size || Digest::of(&b) != sha {
-            return Err(driftless_format::Error::Corrupt { what: "object", detail: format!("{key} does not match its manifest (size or SHA-256)") }.into());
+            return Err(driftless_format::Error::Corrupt {
+                what: "object",
+                detail: format!("{key} does not match its manifest (size or SHA-256)"),
+            }
+            .into());
         }
         Ok(b)
     }

@@ -27,14 +27,8 @@ fn server(var: &str) -> Option<(String, String)> {
     match std::env::var(var) {
         Ok(v) => {
             let mut it = v.split_whitespace();
-            let endpoint = it
-                .next()
-                .unwrap_or_else(|| panic!("{var} is empty"))
-                .to_string();
-            let bucket = it
-                .next()
-                .unwrap_or_else(|| panic!("{var}: expected \"ENDPOINT BUCKET\""))
-                .to_string();
+            let endpoint = it.next().unwrap_or_else(|| panic!("{var} is empty")).to_string();
+            let bucket = it.next().unwrap_or_else(|| panic!("{var}: expected \"ENDPOINT BUCKET\"")).to_string();
             Some((endpoint, bucket))
         }
         Err(_) => {
@@ -69,44 +63,21 @@ struct Caps {
 async fn conformance(b: &Bucket, caps: Caps) {
     // --- put_create: write-once ---
     let stream = Bytes::from_static(b"{\"kind\":\"stream\"}");
-    b.put_create(layout::STREAM, stream.clone())
-        .await
-        .expect("first put_create");
-    let err = b
-        .put_create(layout::STREAM, Bytes::from_static(b"other"))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::AlreadyExists { ref key } if key == layout::STREAM),
-        "{err:?}"
-    );
+    b.put_create(layout::STREAM, stream.clone()).await.expect("first put_create");
+    let err = b.put_create(layout::STREAM, Bytes::from_static(b"other")).await.unwrap_err();
+    assert!(matches!(err, Error::AlreadyExists { ref key } if key == layout::STREAM), "{err:?}");
     assert_eq!(b.get(layout::STREAM).await.unwrap(), stream);
 
     // --- put overwrites ---
-    b.put(layout::LATEST, Bytes::from_static(b"one"))
-        .await
-        .unwrap();
-    b.put(layout::LATEST, Bytes::from_static(b"two"))
-        .await
-        .unwrap();
-    assert_eq!(
-        b.get(layout::LATEST).await.unwrap(),
-        Bytes::from_static(b"two")
-    );
+    b.put(layout::LATEST, Bytes::from_static(b"one")).await.unwrap();
+    b.put(layout::LATEST, Bytes::from_static(b"two")).await.unwrap();
+    assert_eq!(b.get(layout::LATEST).await.unwrap(), Bytes::from_static(b"two"));
 
     // --- missing keys ---
     assert!(b.get("missing/key").await.unwrap_err().is_not_found());
     assert!(b.head("missing/key").await.unwrap_err().is_not_found());
-    assert!(b
-        .get_limited("missing/key", 10)
-        .await
-        .unwrap_err()
-        .is_not_found());
-    assert!(b
-        .get_if_changed("missing/key", None)
-        .await
-        .unwrap_err()
-        .is_not_found());
+    assert!(b.get_limited("missing/key", 10).await.unwrap_err().is_not_found());
+    assert!(b.get_if_changed("missing/key", None).await.unwrap_err().is_not_found());
 
     // --- head ---
     let info = b.head(layout::STREAM).await.unwrap();
@@ -128,42 +99,23 @@ async fn conformance(b: &Bucket, caps: Caps) {
     // --- 40 MiB: multipart upload, parallel ranged get ---
     let big_key = layout::object(StepKind::Anchor, 10, "weights.bin");
     let big = pattern(40 << 20, 42);
-    b.put_create(&big_key, big.clone())
-        .await
-        .expect("multipart put_create");
+    b.put_create(&big_key, big.clone()).await.expect("multipart put_create");
     assert_eq!(b.head(&big_key).await.unwrap().size, big.len() as u64);
     let got = b.get(&big_key).await.unwrap();
     assert!(got == big, "40 MiB round trip differs");
-    assert!(b
-        .put_create(&big_key, big.clone())
-        .await
-        .unwrap_err()
-        .is_already_exists());
+    assert!(b.put_create(&big_key, big.clone()).await.unwrap_err().is_already_exists());
     // Overwrite through multipart too.
     let big2 = pattern((40 << 20) + 123, 43);
     b.put(&big_key, big2.clone()).await.unwrap();
     assert!(b.get(&big_key).await.unwrap() == big2);
 
     // --- get_if_changed ---
-    let (bytes, etag) = b
-        .get_if_changed(layout::LATEST, None)
-        .await
-        .unwrap()
-        .expect("unconditional");
+    let (bytes, etag) = b.get_if_changed(layout::LATEST, None).await.unwrap().expect("unconditional");
     assert_eq!(bytes, Bytes::from_static(b"two"));
     let etag = etag.expect("backend reports an ETag");
-    assert_eq!(
-        b.get_if_changed(layout::LATEST, Some(&etag)).await.unwrap(),
-        None
-    );
-    b.put(layout::LATEST, Bytes::from_static(b"three"))
-        .await
-        .unwrap();
-    let (bytes, etag2) = b
-        .get_if_changed(layout::LATEST, Some(&etag))
-        .await
-        .unwrap()
-        .expect("changed after overwrite");
+    assert_eq!(b.get_if_changed(layout::LATEST, Some(&etag)).await.unwrap(), None);
+    b.put(layout::LATEST, Bytes::from_static(b"three")).await.unwrap();
+    let (bytes, etag2) = b.get_if_changed(layout::LATEST, Some(&etag)).await.unwrap().expect("changed after overwrite");
     assert_eq!(bytes, Bytes::from_static(b"three"));
     assert_ne!(etag2.as_deref(), Some(etag.as_str()));
 
@@ -171,19 +123,9 @@ async fn conformance(b: &Bucket, caps: Caps) {
     // Lexicographic order is step order for steps below 10^12 (12 digits).
     let steps = [1000u64, 2, 100, 1, 10, 999_999_999_999];
     for s in steps {
-        b.put_create(
-            &layout::ready(StepKind::Delta, s),
-            Bytes::from(format!("{s}")),
-        )
-        .await
-        .unwrap();
+        b.put_create(&layout::ready(StepKind::Delta, s), Bytes::from(format!("{s}"))).await.unwrap();
     }
-    b.put_create(
-        &layout::ready(StepKind::Anchor, 10),
-        Bytes::from_static(b"a"),
-    )
-    .await
-    .unwrap();
+    b.put_create(&layout::ready(StepKind::Anchor, 10), Bytes::from_static(b"a")).await.unwrap();
     let mut sorted = steps.to_vec();
     sorted.sort();
     let listed = b.list(layout::ready_prefix(StepKind::Delta)).await.unwrap();
@@ -196,29 +138,13 @@ async fn conformance(b: &Bucket, caps: Caps) {
         .collect();
     assert_eq!(listed_steps, sorted);
     assert!(listed.iter().all(|o| o.size > 0));
-    let after = b
-        .list_after(
-            layout::ready_prefix(StepKind::Delta),
-            &layout::ready(StepKind::Delta, 10),
-        )
-        .await
-        .unwrap();
+    let after = b.list_after(layout::ready_prefix(StepKind::Delta), &layout::ready(StepKind::Delta, 10)).await.unwrap();
     let after: Vec<String> = after.into_iter().map(|o| o.key).collect();
-    let expect: Vec<String> = sorted
-        .iter()
-        .filter(|s| **s > 10)
-        .map(|s| layout::ready(StepKind::Delta, *s))
-        .collect();
+    let expect: Vec<String> = sorted.iter().filter(|s| **s > 10).map(|s| layout::ready(StepKind::Delta, *s)).collect();
     assert_eq!(after, expect);
     // Offset need not exist; string prefixes need not end at a '/'.
-    let after = b
-        .list_after("ready/", "ready/deltas/000000000050")
-        .await
-        .unwrap();
-    assert_eq!(
-        after.first().map(|o| o.key.as_str()),
-        Some("ready/deltas/000000000100")
-    );
+    let after = b.list_after("ready/", "ready/deltas/000000000050").await.unwrap();
+    assert_eq!(after.first().map(|o| o.key.as_str()), Some("ready/deltas/000000000100"));
     assert_eq!(after.len(), 3);
     let partial = b.list("ready/deltas/00000000001").await.unwrap();
     assert_eq!(partial.len(), 1, "{partial:?}");
@@ -233,12 +159,8 @@ async fn conformance(b: &Bucket, caps: Caps) {
     // --- delete ---
     b.delete(layout::LATEST).await.unwrap();
     assert!(b.get(layout::LATEST).await.unwrap_err().is_not_found());
-    b.delete(layout::LATEST)
-        .await
-        .expect("deleting a missing key is ok");
-    b.delete("never/existed")
-        .await
-        .expect("deleting a missing key is ok");
+    b.delete(layout::LATEST).await.expect("deleting a missing key is ok");
+    b.delete("never/existed").await.expect("deleting a missing key is ok");
 
     // --- invalid keys ---
     assert!(matches!(b.get("a//b").await, Err(Error::InvalidKey { .. })));
@@ -275,13 +197,7 @@ async fn conformance(b: &Bucket, caps: Caps) {
 async fn memory() {
     let b = Bucket::open(&format!("memory:///{}", unique_prefix("mem")), &test_opts()).unwrap();
     assert!(b.supports_conditional_create());
-    conformance(
-        &b,
-        Caps {
-            exact_create_race: true,
-        },
-    )
-    .await;
+    conformance(&b, Caps { exact_create_race: true }).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -290,21 +206,12 @@ async fn file() {
     let root = dir.path().join("does/not/exist/yet");
     let b = Bucket::open(&format!("file://{}", root.display()), &test_opts()).unwrap();
     assert!(root.is_dir());
-    conformance(
-        &b,
-        Caps {
-            exact_create_race: true,
-        },
-    )
-    .await;
+    conformance(&b, Caps { exact_create_race: true }).await;
 }
 
 fn s3_bucket(var: &str, test: &str) -> Option<Bucket> {
     let (endpoint, bucket) = server(var)?;
-    let opts = test_opts()
-        .with_endpoint(endpoint)
-        .with_allow_http(true)
-        .with_region("us-east-1");
+    let opts = test_opts().with_endpoint(endpoint).with_allow_http(true).with_region("us-east-1");
     Some(Bucket::open(&format!("s3://{bucket}/{}", unique_prefix(test)), &opts).unwrap())
 }
 
@@ -314,13 +221,7 @@ async fn s3_seaweedfs() {
         return;
     };
     // Conditional create works, but races take seconds there: skip the race.
-    conformance(
-        &b,
-        Caps {
-            exact_create_race: false,
-        },
-    )
-    .await;
+    conformance(&b, Caps { exact_create_race: false }).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -328,13 +229,7 @@ async fn s3_moto() {
     let Some(b) = s3_bucket("DRIFTLESS_TEST_S3_MOTO", "moto") else {
         return;
     };
-    conformance(
-        &b,
-        Caps {
-            exact_create_race: true,
-        },
-    )
-    .await;
+    conformance(&b, Caps { exact_create_race: true }).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -343,18 +238,8 @@ async fn azurite() {
         return;
     };
     let opts = test_opts().with_endpoint(endpoint).with_allow_http(true);
-    let b = Bucket::open(
-        &format!("az://{container}/{}", unique_prefix("azurite")),
-        &opts,
-    )
-    .unwrap();
-    conformance(
-        &b,
-        Caps {
-            exact_create_race: true,
-        },
-    )
-    .await;
+    let b = Bucket::open(&format!("az://{container}/{}", unique_prefix("azurite")), &opts).unwrap();
+    conformance(&b, Caps { exact_create_race: true }).await;
 }
 
 /// fake-gcs-server rejects object_store's uploads, so objects are seeded through its JSON API
@@ -377,44 +262,23 @@ async fn gcs_read_path() {
                 .send()
                 .await
                 .unwrap();
-            assert!(
-                resp.status().is_success(),
-                "seeding {key}: {}",
-                resp.status()
-            );
+            assert!(resp.status().is_success(), "seeding {key}: {}", resp.status());
         }
     };
     let big = pattern((12 << 20) + 5, 9);
     let manifest = pattern(500, 3);
-    seed(
-        format!("{prefix}/{}", layout::manifest(StepKind::Delta, 3)),
-        manifest.clone(),
-    )
-    .await;
-    seed(
-        format!("{prefix}/{}", layout::object(StepKind::Delta, 3, "w.bin")),
-        big.clone(),
-    )
-    .await;
+    seed(format!("{prefix}/{}", layout::manifest(StepKind::Delta, 3)), manifest.clone()).await;
+    seed(format!("{prefix}/{}", layout::object(StepKind::Delta, 3, "w.bin")), big.clone()).await;
     for s in [3u64, 20, 100] {
-        seed(
-            format!("{prefix}/{}", layout::ready(StepKind::Delta, s)),
-            Bytes::from_static(b"r"),
-        )
-        .await;
+        seed(format!("{prefix}/{}", layout::ready(StepKind::Delta, s)), Bytes::from_static(b"r")).await;
     }
 
-    let opts = test_opts()
-        .with_endpoint(endpoint.clone())
-        .with_allow_http(true);
+    let opts = test_opts().with_endpoint(endpoint.clone()).with_allow_http(true);
     let b = Bucket::open(&format!("gs://{bucket}/{prefix}"), &opts).unwrap();
     let m = layout::manifest(StepKind::Delta, 3);
     assert_eq!(b.get(&m).await.unwrap(), manifest);
     assert_eq!(b.get_limited(&m, 500).await.unwrap(), manifest);
-    assert!(matches!(
-        b.get_limited(&m, 499).await,
-        Err(Error::TooLarge { size: 500, .. })
-    ));
+    assert!(matches!(b.get_limited(&m, 499).await, Err(Error::TooLarge { size: 500, .. })));
     let w = layout::object(StepKind::Delta, 3, "w.bin");
     assert_eq!(b.head(&w).await.unwrap().size, big.len() as u64);
     assert!(b.get(&w).await.unwrap() == big, "ranged read differs");
@@ -423,20 +287,9 @@ async fn gcs_read_path() {
     assert_eq!(bytes, manifest);
     let ready = b.list(layout::ready_prefix(StepKind::Delta)).await.unwrap();
     let keys: Vec<String> = ready.iter().map(|o| o.key.clone()).collect();
-    assert_eq!(
-        keys,
-        [3u64, 20, 100]
-            .map(|s| layout::ready(StepKind::Delta, s))
-            .to_vec()
-    );
+    assert_eq!(keys, [3u64, 20, 100].map(|s| layout::ready(StepKind::Delta, s)).to_vec());
     // start-after is ignored by fake-gcs-server; the client-side filter keeps this right.
-    let after = b
-        .list_after(
-            layout::ready_prefix(StepKind::Delta),
-            &layout::ready(StepKind::Delta, 3),
-        )
-        .await
-        .unwrap();
+    let after = b.list_after(layout::ready_prefix(StepKind::Delta), &layout::ready(StepKind::Delta, 3)).await.unwrap();
     assert_eq!(after.len(), 2);
     for o in b.list("").await.unwrap() {
         b.delete(&o.key).await.unwrap();
@@ -448,8 +301,7 @@ async fn gcs_read_path() {
 /// Two buckets on one store with different prefixes do not see each other's keys.
 #[tokio::test]
 async fn prefixes_isolate() {
-    let store: Arc<dyn driftless_store::ObjectStore> =
-        Arc::new(object_store::memory::InMemory::new());
+    let store: Arc<dyn driftless_store::ObjectStore> = Arc::new(object_store::memory::InMemory::new());
     let a = Bucket::from_store(store.clone(), "streams/a", &test_opts());
     let b2 = Bucket::from_store(store.clone(), "streams/ab", &test_opts());
     a.put("k", Bytes::from_static(b"a")).await.unwrap();

@@ -8,9 +8,7 @@ use driftless_store::{Bucket, Error, FaultKind, FaultOp, FaultyStore, StoreOptio
 use object_store::memory::InMemory;
 
 fn opts() -> StoreOptions {
-    StoreOptions::default()
-        .with_max_retries(4)
-        .with_retry_timeout(Duration::from_secs(10))
+    StoreOptions::default().with_max_retries(4).with_retry_timeout(Duration::from_secs(10))
 }
 
 fn faulty() -> (Arc<FaultyStore>, Bucket) {
@@ -23,17 +21,9 @@ fn faulty() -> (Arc<FaultyStore>, Bucket) {
 async fn transient_put_faults_are_retried() {
     let (store, b) = faulty();
     store.inject(FaultOp::Put, "manifest", 2, FaultKind::Transient);
-    b.put_create(
-        "deltas/000000000001/manifest.json",
-        Bytes::from_static(b"m"),
-    )
-    .await
-    .unwrap();
+    b.put_create("deltas/000000000001/manifest.json", Bytes::from_static(b"m")).await.unwrap();
     assert_eq!(store.injected(), 2);
-    assert_eq!(
-        b.get("deltas/000000000001/manifest.json").await.unwrap(),
-        Bytes::from_static(b"m")
-    );
+    assert_eq!(b.get("deltas/000000000001/manifest.json").await.unwrap(), Bytes::from_static(b"m"));
 }
 
 #[tokio::test]
@@ -49,17 +39,11 @@ async fn retries_are_bounded_by_count() {
 #[tokio::test]
 async fn retries_are_bounded_by_time() {
     let store = Arc::new(FaultyStore::new(Arc::new(InMemory::new())));
-    let o = opts()
-        .with_max_retries(1000)
-        .with_retry_timeout(Duration::from_millis(700));
+    let o = opts().with_max_retries(1000).with_retry_timeout(Duration::from_millis(700));
     let b = Bucket::from_store(store.clone(), "", &o);
     store.inject(FaultOp::Put, "", 1000, FaultKind::Transient);
     let t = Instant::now();
-    assert!(b
-        .put("k", Bytes::from_static(b"v"))
-        .await
-        .unwrap_err()
-        .is_retryable());
+    assert!(b.put("k", Bytes::from_static(b"v")).await.unwrap_err().is_retryable());
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     assert!(store.injected() >= 2);
 }
@@ -79,15 +63,10 @@ async fn permanent_faults_are_not_retried() {
 async fn lost_put_create_response_is_success() {
     let (store, b) = faulty();
     store.inject(FaultOp::Put, "ready/", 1, FaultKind::LostResponse);
-    b.put_create("ready/deltas/000000000001", Bytes::from_static(b"r"))
-        .await
-        .unwrap();
+    b.put_create("ready/deltas/000000000001", Bytes::from_static(b"r")).await.unwrap();
     assert_eq!(store.injected(), 1);
     // A real competitor with other bytes still loses.
-    let err = b
-        .put_create("ready/deltas/000000000001", Bytes::from_static(b"other"))
-        .await
-        .unwrap_err();
+    let err = b.put_create("ready/deltas/000000000001", Bytes::from_static(b"other")).await.unwrap_err();
     assert!(err.is_already_exists());
 }
 
@@ -119,10 +98,7 @@ async fn ranged_get_part_faults_are_retried() {
 async fn builder_style_and_delay() {
     let inner = Arc::new(InMemory::new());
     let store = Arc::new(
-        FaultyStore::new(inner)
-            .fail_puts_matching("a", 1)
-            .fail_gets_matching("a", 1)
-            .delay(Duration::from_millis(20)),
+        FaultyStore::new(inner).fail_puts_matching("a", 1).fail_gets_matching("a", 1).delay(Duration::from_millis(20)),
     );
     let b = Bucket::from_store(store.clone(), "", &opts());
     let t = Instant::now();
@@ -143,11 +119,7 @@ async fn concurrency_is_bounded() {
     let t = Instant::now();
     let reads = (0..40).map(|_| b.get_limited("k", 10));
     futures::future::try_join_all(reads).await.unwrap();
-    assert!(
-        t.elapsed() >= Duration::from_millis(450),
-        "{:?}",
-        t.elapsed()
-    );
+    assert!(t.elapsed() >= Duration::from_millis(450), "{:?}", t.elapsed());
 }
 
 /// Compile-time check: every call's future can be handed to `tokio::spawn`.

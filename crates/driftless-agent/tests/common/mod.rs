@@ -46,13 +46,20 @@ pub fn seaweed_bucket(test: &str) -> Option<TestBucket> {
             let mut it = spec.split_whitespace();
             let (endpoint, bucket) = (it.next().unwrap().to_string(), it.next().unwrap().to_string());
             let url = format!("s3://{bucket}/agent-{test}-{:016x}", rand_u64());
-            let opts = StoreOptions::default().with_endpoint(endpoint).with_allow_http(true).with_region("us-east-1").with_max_retries(2);
+            let opts = StoreOptions::default()
+                .with_endpoint(endpoint)
+                .with_allow_http(true)
+                .with_region("us-east-1")
+                .with_max_retries(2);
             let plain = Bucket::open(&url, &opts).unwrap();
             let faults = Arc::new(FaultyStore::new(plain.store().clone()));
-            let bucket = Bucket::from_store(faults.clone(), plain.prefix(), &opts).with_conditional_create(plain.supports_conditional_create());
+            let bucket = Bucket::from_store(faults.clone(), plain.prefix(), &opts)
+                .with_conditional_create(plain.supports_conditional_create());
             Some(TestBucket { name: "seaweedfs".into(), bucket, dir: tempfile::tempdir().unwrap(), root: None, faults })
         }
-        Err(_) if std::env::var("DRIFTLESS_REQUIRE_SERVERS").as_deref() == Ok("1") => panic!("DRIFTLESS_TEST_S3_SEAWEED not set"),
+        Err(_) if std::env::var("DRIFTLESS_REQUIRE_SERVERS").as_deref() == Ok("1") => {
+            panic!("DRIFTLESS_TEST_S3_SEAWEED not set")
+        }
         Err(_) => None,
     }
 }
@@ -87,7 +94,8 @@ pub fn assert_bits(agent: &Agent, want: &[(String, Vec<u8>)]) {
 pub fn assert_verified(agent: &Agent, ctx: &str) {
     if let Some(s) = agent.state() {
         if s.applying.is_none() {
-            let ck = Checkpoint::open(agent.current_dir()).unwrap_or_else(|e| panic!("{ctx}: state {} but no checkpoint: {e}", s.step));
+            let ck = Checkpoint::open(agent.current_dir())
+                .unwrap_or_else(|e| panic!("{ctx}: state {} but no checkpoint: {e}", s.step));
             let views: Vec<TensorView<'_>> = ck.views();
             let (_, root) = driftless_format::weights_root(&views);
             assert_eq!(root, s.root, "{ctx}: agent claims step {} but its files hash differently", s.step);

@@ -74,7 +74,8 @@ pub fn run(a: Args) -> Result<()> {
             tokio::spawn(driftless_agent::server::serve(l, agent.metrics(), poke.clone()));
         }
         let shutdown = async {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}

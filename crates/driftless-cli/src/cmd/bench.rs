@@ -40,7 +40,9 @@ fn plain_read(a: &[TensorView<'_>], b: &[TensorView<'_>]) -> u64 {
     a.par_iter()
         .zip(b.par_iter())
         .map(|(x, y)| {
-            let s = |d: &[u8]| d.chunks_exact(8).fold(0u64, |acc, c| acc.wrapping_add(u64::from_le_bytes(c.try_into().unwrap())));
+            let s = |d: &[u8]| {
+                d.chunks_exact(8).fold(0u64, |acc, c| acc.wrapping_add(u64::from_le_bytes(c.try_into().unwrap())))
+            };
             s(x.data).wrapping_add(s(y.data))
         })
         .reduce(|| 0, u64::wrapping_add)
@@ -61,7 +63,13 @@ pub fn run(a: Args) -> Result<()> {
     chain.step();
     let dense = chain.bytes();
     let layout = Layout::for_tensors(chain.metas(), 5 << 30)?;
-    eprintln!("model: {} tensors, {:.1} MiB BF16, lr {}, {} threads", chain.metas().len(), dense as f64 / 1048576.0, a.lr, threads);
+    eprintln!(
+        "model: {} tensors, {:.1} MiB BF16, lr {}, {} threads",
+        chain.metas().len(),
+        dense as f64 / 1048576.0,
+        a.lr,
+        threads
+    );
 
     let mut rows = vec![];
     let one = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
@@ -74,7 +82,8 @@ pub fn run(a: Args) -> Result<()> {
         let (total, changed, one_ulp) = change_stats(&bv, &tv);
         let mk = |values, codec| {
             let opts = DeltaOptions { values, codec, ..Default::default() };
-            let spec = ops::DeltaSpec { stream_id: "bench", step, base_step: step - 1, base_root: None, layout: &layout };
+            let spec =
+                ops::DeltaSpec { stream_id: "bench", step, base_step: step - 1, base_root: None, layout: &layout };
             ops::make_delta(spec, &bv, &tv, &opts)
         };
         let (ulp, _) = mk(ValueMode::Ulp, Codec::Zstd { level: 1 })?;
@@ -88,7 +97,12 @@ pub fn run(a: Args) -> Result<()> {
         let (_, scan1) = one.install(|| time(|| driftless_format::encode_delta(&bv, &bv, &opts)));
         let raw = DeltaOptions { codec: Codec::Raw, ..opts };
         let (_, raw1) = one.install(|| time(|| driftless_format::encode_delta(&bv, &tv, &raw)));
-        eprintln!("  1 thread: scan of identical buffers {:.2} GB/s, encode without zstd {:.2} GB/s, full encode {:.2} GB/s", gbps(2 * dense, scan1), gbps(2 * dense, raw1), gbps(2 * dense, enc1));
+        eprintln!(
+            "  1 thread: scan of identical buffers {:.2} GB/s, encode without zstd {:.2} GB/s, full encode {:.2} GB/s",
+            gbps(2 * dense, scan1),
+            gbps(2 * dense, raw1),
+            gbps(2 * dense, enc1)
+        );
         let (_, read1) = one.install(|| time(|| plain_read(&bv, &tv)));
         let (_, readn) = time(|| plain_read(&bv, &tv));
         eprintln!(
@@ -118,7 +132,8 @@ pub fn run(a: Args) -> Result<()> {
     let segs: Vec<&[u8]> = enc.segments.iter().map(|s| s.bytes.as_slice()).collect();
     let mut ck = driftless_format::CheckpointMut::open(dir.path())?;
     let (_, hash_only) = time(|| driftless_format::weights_root(&ck.views()));
-    let (r, apply_verify) = time(|| ops::apply_in_place(&mut ck, &m, m.result_root, m.base_root, &segs, Some(&dir.path().join("journal"))));
+    let (r, apply_verify) =
+        time(|| ops::apply_in_place(&mut ck, &m, m.result_root, m.base_root, &segs, Some(&dir.path().join("journal"))));
     r?;
     // The same apply onto caller-owned memory (the Python apply_to path): no page faults of a
     // shared file mapping, no journal.
@@ -171,13 +186,53 @@ pub fn run(a: Args) -> Result<()> {
     println!("|---|---|---|---|");
     println!("| payload ratio, dense/delta ({:.2}% density, {:.0}% +-1 ulp) | {:.1}x | PULSESync layout {:.1}x, TRL layout {:.1}x | {:.2}x smaller than PULSESync |",
         100.0 * f("density"), 100.0 * f("one_ulp_share"), f("ratio_driftless"), f("ratio_pulse"), f("ratio_trl"), f("ratio_driftless") / f("ratio_pulse"));
-    println!("| payload ratio, overwrite values | {:.1}x | ulp values {:.1}x | ulp is {:.2}x smaller |", f("ratio_overwrite"), f("ratio_driftless"), f("ratio_driftless") / f("ratio_overwrite"));
-    println!("| encode (diff+encode+zstd), 1 thread | {:.2} GB/s scanned | plain read {:.2} GB/s | {:.0}% |", f("encode_1t_gbps"), f("read_1t_gbps"), 100.0 * f("encode_1t_gbps") / f("read_1t_gbps"));
-    println!("| encode, {} threads | {:.2} GB/s | plain read {:.2} GB/s | {:.0}% |", threads, f("encode_nt_gbps"), f("read_nt_gbps"), 100.0 * f("encode_nt_gbps") / f("read_nt_gbps"));
-    println!("| apply (journaled, in place) + verify | {:.3} s | SHA-256 weights root alone {:.3} s | {:.2}x |", f("apply_verify_s"), f("hash_s"), f("apply_verify_s") / f("hash_s"));
-    println!("| apply + verify into memory buffers (no journal) | {:.3} s | SHA-256 weights root alone {:.3} s | {:.2}x |", f("apply_verify_mem_s"), f("hash_mem_s"), f("apply_verify_mem_s") / f("hash_mem_s"));
-    println!("| weights root, {} threads vs 1 | {:.3} s | 1 thread {:.3} s | {:.2}x speed-up |", threads, f("hash_s"), f("hash_1t_s"), f("hash_1t_s") / f("hash_s"));
-    println!("| anchor size ratio, byte planes + zstd-1 | {:.3}x | plain zstd-1 {:.3}x; plain safetensors 1.000x | |", f("anchor_planes_ratio"), f("anchor_zstd1_ratio"));
-    println!("| anchor decode, byte planes | {:.2} GB/s | memcpy {:.2} GB/s | |", f("anchor_planes_decode_gbps"), f("anchor_plain_copy_gbps"));
+    println!(
+        "| payload ratio, overwrite values | {:.1}x | ulp values {:.1}x | ulp is {:.2}x smaller |",
+        f("ratio_overwrite"),
+        f("ratio_driftless"),
+        f("ratio_driftless") / f("ratio_overwrite")
+    );
+    println!(
+        "| encode (diff+encode+zstd), 1 thread | {:.2} GB/s scanned | plain read {:.2} GB/s | {:.0}% |",
+        f("encode_1t_gbps"),
+        f("read_1t_gbps"),
+        100.0 * f("encode_1t_gbps") / f("read_1t_gbps")
+    );
+    println!(
+        "| encode, {} threads | {:.2} GB/s | plain read {:.2} GB/s | {:.0}% |",
+        threads,
+        f("encode_nt_gbps"),
+        f("read_nt_gbps"),
+        100.0 * f("encode_nt_gbps") / f("read_nt_gbps")
+    );
+    println!(
+        "| apply (journaled, in place) + verify | {:.3} s | SHA-256 weights root alone {:.3} s | {:.2}x |",
+        f("apply_verify_s"),
+        f("hash_s"),
+        f("apply_verify_s") / f("hash_s")
+    );
+    println!(
+        "| apply + verify into memory buffers (no journal) | {:.3} s | SHA-256 weights root alone {:.3} s | {:.2}x |",
+        f("apply_verify_mem_s"),
+        f("hash_mem_s"),
+        f("apply_verify_mem_s") / f("hash_mem_s")
+    );
+    println!(
+        "| weights root, {} threads vs 1 | {:.3} s | 1 thread {:.3} s | {:.2}x speed-up |",
+        threads,
+        f("hash_s"),
+        f("hash_1t_s"),
+        f("hash_1t_s") / f("hash_s")
+    );
+    println!(
+        "| anchor size ratio, byte planes + zstd-1 | {:.3}x | plain zstd-1 {:.3}x; plain safetensors 1.000x | |",
+        f("anchor_planes_ratio"),
+        f("anchor_zstd1_ratio")
+    );
+    println!(
+        "| anchor decode, byte planes | {:.2} GB/s | memcpy {:.2} GB/s | |",
+        f("anchor_planes_decode_gbps"),
+        f("anchor_plain_copy_gbps")
+    );
     Ok(())
 }

@@ -34,11 +34,24 @@ pub fn run(a: Args) -> Result<()> {
     let key = Keypair::generate();
     let trust = TrustSet::new().with_key(key.public());
     let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(a.mb << 20), a.lr, 42);
-    println!("driftless demo: bucket {url}, model {:.1} MiB BF16 ({} tensors), lr {}, anchor every {}", chain.bytes() as f64 / 1048576.0, chain.metas().len(), a.lr, a.anchor_every);
-    let mut p = PublisherBuilder::new(&url).with_bucket(bucket.clone()).with_key(key).with_anchor_every(a.anchor_every).build()?;
+    println!(
+        "driftless demo: bucket {url}, model {:.1} MiB BF16 ({} tensors), lr {}, anchor every {}",
+        chain.bytes() as f64 / 1048576.0,
+        chain.metas().len(),
+        a.lr,
+        a.anchor_every
+    );
+    let mut p = PublisherBuilder::new(&url)
+        .with_bucket(bucket.clone())
+        .with_key(key)
+        .with_anchor_every(a.anchor_every)
+        .build()?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let mut agent = Agent::new(bucket, AgentConfig::new(tmp.path().join("agent"), trust))?;
-    println!("{:>5} {:>10} {:>12} {:>8} {:>9} {:>10} {:>9} {:>9}", "step", "publish", "delta bytes", "ratio", "changed", "agent path", "bytes", "agent s");
+    println!(
+        "{:>5} {:>10} {:>12} {:>8} {:>9} {:>10} {:>9} {:>9}",
+        "step", "publish", "delta bytes", "ratio", "changed", "agent path", "bytes", "agent s"
+    );
     for step in 0..a.steps {
         if step > 0 {
             chain.step();
@@ -69,7 +82,12 @@ pub fn run(a: Args) -> Result<()> {
         ensure!(g.data == w.data, "tensor {} differs", w.name);
     }
     let (_, root) = driftless_format::weights_root(&got);
-    println!("uploaded {} bytes in all for {} steps of a {:.1} MiB model", s.bytes_uploaded, a.steps, chain.bytes() as f64 / 1048576.0);
+    println!(
+        "uploaded {} bytes in all for {} steps of a {:.1} MiB model",
+        s.bytes_uploaded,
+        a.steps,
+        chain.bytes() as f64 / 1048576.0
+    );
     println!("OK: the agent's checkpoint is bit-identical to the trainer's weights (root {root})");
     Ok(())
 }

@@ -40,7 +40,8 @@ pub fn run(a: Args) -> Result<()> {
         codec: if a.zstd_level == 0 { Codec::Raw } else { Codec::Zstd { level: a.zstd_level } },
         ..Default::default()
     };
-    let spec = ops::DeltaSpec { stream_id: "offline", step: a.step, base_step: a.base_step, base_root: None, layout: &layout };
+    let spec =
+        ops::DeltaSpec { stream_id: "offline", step: a.step, base_step: a.base_step, base_root: None, layout: &layout };
     let (m, enc) = ops::make_delta(spec, &base.views(), &target.views(), &opts)?;
     let payload = serde_json::to_vec(&m)?;
     let env = match &key {
@@ -48,7 +49,9 @@ pub fn run(a: Args) -> Result<()> {
         None => sign::seal_unsigned(&payload)?,
     };
     let segs: Vec<&[u8]> = enc.segments.iter().map(|s| s.bytes.as_slice()).collect();
-    let mut f = std::io::BufWriter::new(std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?);
+    let mut f = std::io::BufWriter::new(
+        std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out.display()))?,
+    );
     container::write_delta_file(&mut f, &env, &segs)?;
     use std::io::Write;
     f.flush()?;

@@ -96,7 +96,10 @@ fn report(a: &Args, segs: &[&[u8]], m: driftless_format::DeltaManifest, signer: 
         return Ok(());
     }
     let s = &m.stats;
-    println!("step {} (base {}), value mode {:?}, codec {:?}, signature: {}", m.step, m.base_step, m.value_mode, m.codec, signature);
+    println!(
+        "step {} (base {}), value mode {:?}, codec {:?}, signature: {}",
+        m.step, m.base_step, m.value_mode, m.codec, signature
+    );
     println!("base root   {}\nresult root {}", m.base_root, m.result_root);
     println!(
         "{} segments, {} bytes; {} of {} elements changed ({:.4}%); ratio {:.1}x vs dense {} bytes",
@@ -196,7 +199,10 @@ fn stream(a: &Args) -> Result<()> {
                 None => other += 1,
             }
         }
-        let reader = StreamReader::new(bucket.clone(), if verify { trust.clone() } else { TrustSet::new().allow_unsigned(true) });
+        let reader = StreamReader::new(
+            bucket.clone(),
+            if verify { trust.clone() } else { TrustSet::new().allow_unsigned(true) },
+        );
         let mut rows = vec![];
         for &(k, s) in ready.keys() {
             let row = if k == 0 {
@@ -210,16 +216,41 @@ fn stream(a: &Args) -> Result<()> {
                         density: Some(m.stats.changed as f64 / m.stats.elements.max(1) as f64),
                         manifest: state,
                     },
-                    Err(e) => StepRow { kind: "delta", step: s, base_step: None, bytes: 0, ratio: 0.0, density: None, manifest: format!("{e:#}") },
+                    Err(e) => StepRow {
+                        kind: "delta",
+                        step: s,
+                        base_step: None,
+                        bytes: 0,
+                        ratio: 0.0,
+                        density: None,
+                        manifest: format!("{e:#}"),
+                    },
                 }
             } else {
                 match read_anchor(&reader, &bucket, verify, s).await {
                     Ok((m, state)) => {
-                        let stored: u64 = m.objects.iter().map(|o| o.object.size).sum::<u64>() + m.files.iter().map(|f| f.size).sum::<u64>();
+                        let stored: u64 = m.objects.iter().map(|o| o.object.size).sum::<u64>()
+                            + m.files.iter().map(|f| f.size).sum::<u64>();
                         let decoded: u64 = m.objects.iter().map(|o| o.decoded_size).sum();
-                        StepRow { kind: "anchor", step: s, base_step: None, bytes: stored, ratio: decoded as f64 / stored.max(1) as f64, density: None, manifest: state }
+                        StepRow {
+                            kind: "anchor",
+                            step: s,
+                            base_step: None,
+                            bytes: stored,
+                            ratio: decoded as f64 / stored.max(1) as f64,
+                            density: None,
+                            manifest: state,
+                        }
                     }
-                    Err(e) => StepRow { kind: "anchor", step: s, base_step: None, bytes: 0, ratio: 0.0, density: None, manifest: format!("{e:#}") },
+                    Err(e) => StepRow {
+                        kind: "anchor",
+                        step: s,
+                        base_step: None,
+                        bytes: 0,
+                        ratio: 0.0,
+                        density: None,
+                        manifest: format!("{e:#}"),
+                    },
                 }
             };
             rows.push(row);
@@ -234,7 +265,8 @@ fn stream(a: &Args) -> Result<()> {
             }
             let kind = if k == 1 { "anchor" } else { "delta" };
             let claim = k == 0 && objects == 1 && ready.contains_key(&(1, s));
-            incomplete.push(serde_json::json!({"kind": kind, "step": s, "objects": objects, "bytes": bytes, "claim": claim}));
+            incomplete
+                .push(serde_json::json!({"kind": kind, "step": s, "objects": objects, "bytes": bytes, "claim": claim}));
         }
         let latest = match bucket.get_limited(layout::LATEST, 1 << 20).await {
             Ok(b) => open(&b).ok().and_then(|(p, _)| driftless_format::LatestHint::from_slice(&p).ok()),
@@ -249,12 +281,15 @@ fn stream(a: &Args) -> Result<()> {
                 Some((d, _)) => (Some(d.stream_id.clone()), d.trusted_keys.clone(), Some(d.created_at_ms)),
                 None => (None, vec![], None),
             };
-            println!("{}", serde_json::json!({"type": "stream", "data": {
+            println!(
+                "{}",
+                serde_json::json!({"type": "stream", "data": {
                 "url": bucket.url(), "stream_id": id, "keys": keys_, "created_at_ms": created,
                 "signer": desc.as_ref().map(|d| d.1.clone()), "signature": signature,
                 "ready_deltas": deltas, "ready_anchors": anchors, "delta_bytes": delta_bytes,
                 "incomplete": incomplete.len(), "other_objects": other,
-                "latest": latest.as_ref().map(|l| serde_json::json!({"delta": l.delta, "anchor": l.anchor}))}}));
+                "latest": latest.as_ref().map(|l| serde_json::json!({"delta": l.delta, "anchor": l.anchor}))}})
+            );
             for r in &rows {
                 println!("{}", serde_json::json!({"type": "step", "data": r}));
             }
@@ -266,7 +301,11 @@ fn stream(a: &Args) -> Result<()> {
         match &desc {
             Some((d, signers)) => {
                 println!("stream {} at {}", d.stream_id, bucket.url());
-                println!("keys: {} (descriptor signed by {}; signatures {signature})", if d.trusted_keys.is_empty() { "none (unsigned stream)".into() } else { d.trusted_keys.join(", ") }, if signers.is_empty() { "nobody".into() } else { signers.join(", ") });
+                println!(
+                    "keys: {} (descriptor signed by {}; signatures {signature})",
+                    if d.trusted_keys.is_empty() { "none (unsigned stream)".into() } else { d.trusted_keys.join(", ") },
+                    if signers.is_empty() { "nobody".into() } else { signers.join(", ") }
+                );
             }
             None => println!("no stream.json at {} ({} objects)", bucket.url(), keys.len()),
         }
@@ -279,7 +318,10 @@ fn stream(a: &Args) -> Result<()> {
         if let Some(l) = &latest {
             println!("latest.json: delta {:?}, anchor {:?}", l.delta, l.anchor);
         }
-        println!("{:<7} {:>12} {:>8} {:>14} {:>9} {:>9}  manifest", "kind", "step", "base", "bytes", "ratio", "density");
+        println!(
+            "{:<7} {:>12} {:>8} {:>14} {:>9} {:>9}  manifest",
+            "kind", "step", "base", "bytes", "ratio", "density"
+        );
         for r in &rows {
             println!(
                 "{:<7} {:>12} {:>8} {:>14} {:>8.1}x {:>9}  {}",
@@ -308,16 +350,31 @@ fn stream(a: &Args) -> Result<()> {
 
 /// Payload of a ready step's manifest. With keys: the verified reader. Without: the marker's
 /// SHA-256 pin is still checked, the signature is not.
-async fn manifest_payload(r: &driftless_store::stream::StreamReader, b: &driftless_store::Bucket, kind: driftless_format::StepKind, step: u64) -> Result<Vec<u8>> {
+async fn manifest_payload(
+    r: &driftless_store::stream::StreamReader,
+    b: &driftless_store::Bucket,
+    kind: driftless_format::StepKind,
+    step: u64,
+) -> Result<Vec<u8>> {
     use driftless_store::layout;
     let marker = r.marker(kind, step).await?;
-    let bytes = b.get_limited(&layout::manifest(kind, step), driftless_format::manifest::MAX_MANIFEST_BYTES as u64).await?;
-    anyhow::ensure!(driftless_format::Digest::of(&bytes) == marker.manifest_sha256, "manifest does not match the SHA-256 in its ready marker");
-    let env: driftless_format::sign::Envelope = serde_json::from_slice(&bytes).context("manifest is not an envelope")?;
+    let bytes =
+        b.get_limited(&layout::manifest(kind, step), driftless_format::manifest::MAX_MANIFEST_BYTES as u64).await?;
+    anyhow::ensure!(
+        driftless_format::Digest::of(&bytes) == marker.manifest_sha256,
+        "manifest does not match the SHA-256 in its ready marker"
+    );
+    let env: driftless_format::sign::Envelope =
+        serde_json::from_slice(&bytes).context("manifest is not an envelope")?;
     Ok(env.payload.into_bytes())
 }
 
-async fn read_delta(r: &driftless_store::stream::StreamReader, b: &driftless_store::Bucket, verify: bool, step: u64) -> Result<(driftless_format::DeltaManifest, String)> {
+async fn read_delta(
+    r: &driftless_store::stream::StreamReader,
+    b: &driftless_store::Bucket,
+    verify: bool,
+    step: u64,
+) -> Result<(driftless_format::DeltaManifest, String)> {
     if verify {
         return Ok((r.delta(step).await?.0, "verified".into()));
     }
@@ -325,7 +382,12 @@ async fn read_delta(r: &driftless_store::stream::StreamReader, b: &driftless_sto
     Ok((driftless_format::DeltaManifest::from_slice(&p)?, "unchecked".into()))
 }
 
-async fn read_anchor(r: &driftless_store::stream::StreamReader, b: &driftless_store::Bucket, verify: bool, step: u64) -> Result<(driftless_format::AnchorManifest, String)> {
+async fn read_anchor(
+    r: &driftless_store::stream::StreamReader,
+    b: &driftless_store::Bucket,
+    verify: bool,
+    step: u64,
+) -> Result<(driftless_format::AnchorManifest, String)> {
     if verify {
         return Ok((r.anchor(step).await?.0, "verified".into()));
     }

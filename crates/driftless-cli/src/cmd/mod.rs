@@ -4,13 +4,13 @@ pub mod agent;
 pub mod bench;
 pub mod bucket;
 pub mod demo;
-pub mod gc;
-pub mod publish;
 pub mod diff;
+pub mod gc;
 pub mod hash;
 pub mod inspect;
 pub mod keygen;
 pub mod patch;
+pub mod publish;
 
 use driftless_format::ErrorKind;
 

@@ -31,7 +31,11 @@ pub fn run(a: Args) -> Result<()> {
     let base = super::open(&a.base)?;
     let (_, base_root) = driftless_format::weights_root(&base.views());
     if base_root != d.manifest.base_root {
-        return Err(driftless_format::Error::WrongBase { expected: d.manifest.base_root.to_hex(), actual: base_root.to_hex() }.into());
+        return Err(driftless_format::Error::WrongBase {
+            expected: d.manifest.base_root.to_hex(),
+            actual: base_root.to_hex(),
+        }
+        .into());
     }
     let as_file = a.out.extension().is_some_and(|e| e == "safetensors");
     if as_file && d.manifest.shards.len() != 1 {
@@ -50,9 +54,12 @@ pub fn run(a: Args) -> Result<()> {
             std::fs::rename(e.path(), a.out.join(e.file_name()))?;
         }
     }
-    eprintln!("verified weights root {root}{}", match &d.signer {
-        Some(k) => format!(", signed by {k}"),
-        None => ", UNSIGNED".into(),
-    });
+    eprintln!(
+        "verified weights root {root}{}",
+        match &d.signer {
+            Some(k) => format!(", signed by {k}"),
+            None => ", UNSIGNED".into(),
+        }
+    );
     Ok(())
 }

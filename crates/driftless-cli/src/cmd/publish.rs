@@ -87,7 +87,13 @@ pub fn run(a: Args) -> Result<()> {
         if a.json {
             println!("{}", serde_json::json!({"type": "published", "data": r}));
         } else {
-            eprintln!("step {step}: {:?}, {} bytes, {:.1}x, {:.3}% changed", r.outcome, r.delta_bytes, r.ratio, 100.0 * r.density);
+            eprintln!(
+                "step {step}: {:?}, {} bytes, {:.1}x, {:.3}% changed",
+                r.outcome,
+                r.delta_bytes,
+                r.ratio,
+                100.0 * r.density
+            );
         }
         published += 1;
         if a.gc_every > 0 && published % a.gc_every == 0 {
@@ -115,7 +121,12 @@ pub fn run(a: Args) -> Result<()> {
             .collect();
         steps.sort();
         for (s, path) in steps {
-            if p.status().last_published.is_some_and(|l| s <= l) || std::fs::read_to_string(a.state.join("last.step")).ok().and_then(|x| x.trim().parse::<u64>().ok()).is_some_and(|l| s <= l) {
+            if p.status().last_published.is_some_and(|l| s <= l)
+                || std::fs::read_to_string(a.state.join("last.step"))
+                    .ok()
+                    .and_then(|x| x.trim().parse::<u64>().ok())
+                    .is_some_and(|l| s <= l)
+            {
                 continue;
             }
             // Complete when it opens as a valid checkpoint (the trainer writes, then renames).
@@ -136,7 +147,9 @@ fn extra_files(ckpt: &Path) -> Vec<(String, Vec<u8>)> {
     rd.filter_map(|e| e.ok())
         .filter(|e| {
             let n = e.file_name().to_string_lossy().to_string();
-            !n.ends_with(".safetensors") && n != driftless_format::checkpoint::INDEX_FILE && e.metadata().map(|m| m.is_file() && m.len() < (64 << 20)).unwrap_or(false)
+            !n.ends_with(".safetensors")
+                && n != driftless_format::checkpoint::INDEX_FILE
+                && e.metadata().map(|m| m.is_file() && m.len() < (64 << 20)).unwrap_or(false)
         })
         .filter_map(|e| Some((e.file_name().to_string_lossy().to_string(), std::fs::read(e.path()).ok()?)))
         .collect()

@@ -78,14 +78,29 @@ pub fn special_patterns(dtype: DType) -> Vec<Vec<u8>> {
             0x7F80, 0xFF80, 0x007F, 0x8001, // BF16 +-inf, subnormals
         ],
         4 => vec![
-            0x0000_0000, 0xFFFF_FFFF, 0x8000_0000,
-            0x7FC0_0001, 0xFFC0_1234, 0x7F80_0001, 0xFF80_0001,
-            0x7F80_0000, 0xFF80_0000, 0x0000_0001, 0x807F_FFFF,
+            0x0000_0000,
+            0xFFFF_FFFF,
+            0x8000_0000,
+            0x7FC0_0001,
+            0xFFC0_1234,
+            0x7F80_0001,
+            0xFF80_0001,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x0000_0001,
+            0x807F_FFFF,
         ],
         _ => vec![
-            0, u64::MAX, 0x8000_0000_0000_0000,
-            0x7FF8_0000_0000_0001, 0xFFF8_0000_DEAD_BEEF, 0x7FF0_0000_0000_0001,
-            0x7FF0_0000_0000_0000, 0xFFF0_0000_0000_0000, 1, 0x800F_FFFF_FFFF_FFFF,
+            0,
+            u64::MAX,
+            0x8000_0000_0000_0000,
+            0x7FF8_0000_0000_0001,
+            0xFFF8_0000_DEAD_BEEF,
+            0x7FF0_0000_0000_0001,
+            0x7FF0_0000_0000_0000,
+            0xFFF0_0000_0000_0000,
+            1,
+            0x800F_FFFF_FFFF_FFFF,
         ],
     };
     v.into_iter().map(|x| x.to_le_bytes()[..dtype.size()].to_vec()).collect()
@@ -138,7 +153,11 @@ pub fn assert_same_tensors(got: &[TensorView<'_>], want: &[T], ctx: &str) {
         assert_eq!((gd, gs), (wd, ws), "{ctx}: {name} dtype/shape");
         if gb != wb {
             let first = gb.iter().zip(wb).position(|(a, b)| a != b);
-            panic!("{ctx}: {name}: bytes differ (lengths {} vs {}, first differing byte {first:?})", gb.len(), wb.len());
+            panic!(
+                "{ctx}: {name}: bytes differ (lengths {} vs {}, first differing byte {first:?})",
+                gb.len(),
+                wb.len()
+            );
         }
     }
 }
@@ -148,7 +167,12 @@ pub fn root(ts: &[T]) -> Digest {
 }
 
 /// Makes a delta from `base` to `target` (result layout `layout`).
-pub fn make(base: &[T], target: &[T], layout: &Layout, opts: &DeltaOptions) -> (DeltaManifest, driftless_format::delta::EncodedDelta) {
+pub fn make(
+    base: &[T],
+    target: &[T],
+    layout: &Layout,
+    opts: &DeltaOptions,
+) -> (DeltaManifest, driftless_format::delta::EncodedDelta) {
     let spec = ops::DeltaSpec { stream_id: "test-stream", step: 2, base_step: 1, base_root: None, layout };
     ops::make_delta(spec, &views(base), &views(target), opts).expect("make_delta")
 }
@@ -183,7 +207,8 @@ pub fn roundtrip(
     {
         let ck = Checkpoint::open(&bdir).unwrap();
         let out = dir.path().join("rewrite");
-        let r = ops::apply_rewrite(&ck.views(), &m, &segs, &out).unwrap_or_else(|e| panic!("{ctx}: apply_rewrite: {e}"));
+        let r =
+            ops::apply_rewrite(&ck.views(), &m, &segs, &out).unwrap_or_else(|e| panic!("{ctx}: apply_rewrite: {e}"));
         assert_eq!(r, m.result_root, "{ctx}: rewrite root");
         let res = Checkpoint::open(&out).unwrap();
         assert_same_tensors(&res.views(), target, &format!("{ctx} (rewrite)"));

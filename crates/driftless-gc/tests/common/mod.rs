@@ -63,10 +63,7 @@ pub fn marker_bytes(s: &Step) -> Bytes {
 
 /// The objects of a step: (key, bytes), marker last.
 pub fn step_objects(s: &Step) -> Vec<(String, Bytes)> {
-    let mut out = vec![(
-        layout::manifest(s.id.kind, s.id.step),
-        Bytes::from(vec![b'm'; MANIFEST_BYTES as usize]),
-    )];
+    let mut out = vec![(layout::manifest(s.id.kind, s.id.step), Bytes::from(vec![b'm'; MANIFEST_BYTES as usize]))];
     for (i, &size) in s.payload.iter().enumerate() {
         out.push((
             layout::object(s.id.kind, s.id.step, &payload_name(s.id.kind, i)),
@@ -84,12 +81,7 @@ pub fn inventory(steps: &[Step]) -> Inventory {
     let mut inv = Inventory::default();
     for s in steps {
         for (key, bytes) in step_objects(s) {
-            let info = ObjectInfo {
-                key: key.clone(),
-                size: bytes.len() as u64,
-                last_modified: s.written,
-                etag: None,
-            };
+            let info = ObjectInfo { key: key.clone(), size: bytes.len() as u64, last_modified: s.written, etag: None };
             if layout::parse_step_key(&key).is_some_and(|(_, _, name)| name.is_none()) {
                 let m: ReadyMarker = serde_json::from_slice(&bytes).unwrap();
                 inv.add_marker(info, MarkerState::Ready(m));
@@ -138,11 +130,7 @@ pub async fn write_foreign(b: &Bucket) -> BTreeMap<String, Bytes> {
 
 pub async fn assert_foreign_intact(b: &Bucket, foreign: &BTreeMap<String, Bytes>) {
     for (k, v) in foreign {
-        assert_eq!(
-            &b.get(k).await.unwrap_or_else(|e| panic!("{k}: {e}")),
-            v,
-            "{k} changed"
-        );
+        assert_eq!(&b.get(k).await.unwrap_or_else(|e| panic!("{k}: {e}")), v, "{k} changed");
     }
 }
 
@@ -159,29 +147,12 @@ pub async fn assert_markers_complete(b: &Bucket) -> BTreeMap<StepId, ReadyMarker
             StepKind::Delta => layout::delta_dir(step),
             StepKind::Anchor => layout::anchor_dir(step),
         };
-        let objs: Vec<ObjectInfo> = b
-            .list(&dir)
-            .await
-            .unwrap()
-            .into_iter()
-            .filter(|o| layout::parse_step_key(&o.key).is_some())
-            .collect();
+        let objs: Vec<ObjectInfo> =
+            b.list(&dir).await.unwrap().into_iter().filter(|o| layout::parse_step_key(&o.key).is_some()).collect();
         let manifest = layout::manifest(kind, step);
-        assert!(
-            objs.iter().any(|o| o.key == manifest),
-            "{} without manifest",
-            info.key
-        );
-        let payload: u64 = objs
-            .iter()
-            .filter(|o| o.key != manifest)
-            .map(|o| o.size)
-            .sum();
-        assert_eq!(
-            payload, m.payload_bytes,
-            "{}: payload objects missing",
-            info.key
-        );
+        assert!(objs.iter().any(|o| o.key == manifest), "{} without manifest", info.key);
+        let payload: u64 = objs.iter().filter(|o| o.key != manifest).map(|o| o.size).sum();
+        assert_eq!(payload, m.payload_bytes, "{}: payload objects missing", info.key);
         out.insert(StepId { kind, step }, m);
     }
     out
@@ -227,22 +198,10 @@ pub fn regular(n: u64, every: u64, end: SystemTime, spacing: Duration) -> Vec<St
     for s in 0..=n {
         let written = end - spacing * (n - s) as u32;
         if s % every == 0 {
-            out.push(Step {
-                id: StepId::anchor(s),
-                base: None,
-                ready: true,
-                payload: vec![300, 300],
-                written,
-            });
+            out.push(Step { id: StepId::anchor(s), base: None, ready: true, payload: vec![300, 300], written });
         }
         if s > 0 {
-            out.push(Step {
-                id: StepId::delta(s),
-                base: Some(s - 1),
-                ready: true,
-                payload: vec![20],
-                written,
-            });
+            out.push(Step { id: StepId::delta(s), base: Some(s - 1), ready: true, payload: vec![20], written });
         }
     }
     out
@@ -251,9 +210,7 @@ pub fn regular(n: u64, every: u64, end: SystemTime, spacing: Duration) -> Vec<St
 // ---- buckets ----
 
 pub fn test_opts() -> StoreOptions {
-    StoreOptions::default()
-        .with_max_retries(3)
-        .with_retry_timeout(Duration::from_secs(20))
+    StoreOptions::default().with_max_retries(3).with_retry_timeout(Duration::from_secs(20))
 }
 
 pub struct TestBucket {
@@ -271,10 +228,7 @@ impl TestBucket {
         let Some(root) = &self.root else { return };
         for s in steps {
             for (k, _) in step_objects(s) {
-                let f = std::fs::File::options()
-                    .write(true)
-                    .open(root.join(&k))
-                    .unwrap();
+                let f = std::fs::File::options().write(true).open(root.join(&k)).unwrap();
                 f.set_modified(s.written).unwrap();
             }
         }
@@ -285,12 +239,7 @@ pub fn file_bucket() -> TestBucket {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("stream");
     let bucket = Bucket::open(&format!("file://{}", root.display()), &test_opts()).unwrap();
-    TestBucket {
-        name: "file",
-        bucket,
-        root: Some(root),
-        _dir: Some(dir),
-    }
+    TestBucket { name: "file", bucket, root: Some(root), _dir: Some(dir) }
 }
 
 /// The SeaweedFS bucket from `DRIFTLESS_TEST_S3_SEAWEED` ("ENDPOINT BUCKET"), under a random
@@ -310,18 +259,10 @@ pub fn s3_bucket(test: &str) -> Option<TestBucket> {
     let mut it = v.split_whitespace();
     let endpoint = it.next().expect("endpoint").to_string();
     let bucket = it.next().expect("ENDPOINT BUCKET").to_string();
-    let opts = test_opts()
-        .with_endpoint(endpoint)
-        .with_allow_http(true)
-        .with_region("us-east-1");
+    let opts = test_opts().with_endpoint(endpoint).with_allow_http(true).with_region("us-east-1");
     let prefix = format!("gc-tests/{test}-{:016x}", rand::random::<u64>());
     let bucket = Bucket::open(&format!("s3://{bucket}/{prefix}"), &opts).unwrap();
-    Some(TestBucket {
-        name: "s3-seaweed",
-        bucket,
-        root: None,
-        _dir: None,
-    })
+    Some(TestBucket { name: "s3-seaweed", bucket, root: None, _dir: None })
 }
 
 /// file:// always, plus SeaweedFS when configured.
