@@ -247,6 +247,19 @@ impl Agent {
         Ok(())
     }
 
+    /// The outcome of a sync that found nothing newer than the local state, if there is one.
+    fn up_to_date(&self, recovered: bool, t0: Instant) -> Option<SyncOutcome> {
+        self.state.as_ref().map(|s| SyncOutcome {
+            step: s.step,
+            root: s.root,
+            path: SyncPath::UpToDate,
+            bytes: 0,
+            deltas: 0,
+            recovered,
+            secs: t0.elapsed().as_secs_f64(),
+        })
+    }
+
     async fn sync_inner(&mut self) -> Result<SyncOutcome> {
         let t0 = Instant::now();
         let mut recovered = false;
@@ -275,34 +288,14 @@ impl Agent {
         let anchors: Vec<u64> =
             anchors.into_iter().filter(|a| !anchor_shas.contains_key(a) || anchor_bytes.contains_key(a)).collect();
         let Some((target, anchor, chain, bytes)) = plan(local, &anchors, &anchor_bytes, &markers) else {
-            if let Some(s) = &self.state {
-                return Ok(SyncOutcome {
-                    step: s.step,
-                    root: s.root,
-                    path: SyncPath::UpToDate,
-                    bytes: 0,
-                    deltas: 0,
-                    recovered,
-                    secs: t0.elapsed().as_secs_f64(),
-                });
-            }
-            return Err(Error::NothingReady);
+            return self.up_to_date(recovered, t0).ok_or(Error::NothingReady);
         };
         self.metrics.newest.store(target, Relaxed);
         if self.metrics.newest_seen_ms.load(Relaxed) == 0 || local != Some(target) {
             self.metrics.newest_seen_ms.store(now_ms(), Relaxed);
         }
         if local == Some(target) {
-            let s = self.state.as_ref().expect("local");
-            return Ok(SyncOutcome {
-                step: s.step,
-                root: s.root,
-                path: SyncPath::UpToDate,
-                bytes: 0,
-                deltas: 0,
-                recovered,
-                secs: t0.elapsed().as_secs_f64(),
-            });
+            return Ok(self.up_to_date(recovered, t0).expect("local state"));
         }
         info!(target, ?anchor, deltas = chain.len(), bytes, "sync plan");
         let path = match (anchor, chain.len()) {
