@@ -119,7 +119,7 @@ fn main() {
         publish(&mut pubs, s, &chain);
     }
     let row = |what: String, o: &SyncOutcome| Row {
-        what: format!("{what} ({:?}, {} deltas)", o.path, o.deltas),
+        what: format!("{what} ({}, {} deltas)", o.route, o.deltas),
         bytes: o.bytes,
         secs: o.secs,
     };

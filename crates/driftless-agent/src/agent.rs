@@ -1,7 +1,12 @@
-//! Planning and executing syncs.
+//! The sync loop: plan (see [`crate::plan`]), build the next step in the inactive slot,
+//! verify it, make it durable, switch `current` to it, notify.
+//!
+//! The promise: `current` only ever names a complete step whose weights root was verified; a
+//! fault in the bucket (corrupt, missing, forged, replayed, foreign object) refuses that step
+//! and keeps the verified weights; nothing read from the bucket can make the agent hang or
+//! grow without bound. See `state.rs` for the directory layout and the durability order.
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,23 +14,24 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
-use driftless_format::manifest::{now_ms, ReadyMarker, StepKind};
-use driftless_format::{anchor, ops, AnchorEncoding, Checkpoint, CheckpointMut, Digest, Journal, TrustSet, ValueMode};
+use driftless_format::manifest::{now_ms, DeltaManifest, StepKind};
+use driftless_format::{anchor, ops, AnchorEncoding, Checkpoint, CheckpointMut, Digest, TrustSet};
 use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use rayon::prelude::*;
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{error, info, info_span, warn, Instrument};
 
 use crate::metrics::Metrics;
 use crate::notify::Notifier;
-use crate::state::LocalState;
+use crate::plan::{self, Candidates, MarkerCache, Refusals, Route};
+use crate::state::{sync_dir, sync_tree, AgentDir, Held, LocalState, Slot};
 use crate::{Error, Result};
 
 /// Agent settings.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
-    /// Local directory (holds `current/`, `state.json`, `journal`, `staging/`).
+    /// Local directory (see the crate docs for its layout).
     pub dir: PathBuf,
     /// Accepted signing keys.
     pub trust: TrustSet,
@@ -37,6 +43,9 @@ pub struct AgentConfig {
     pub poll_max: Duration,
     /// Concurrent object downloads. Default 8.
     pub download_concurrency: usize,
+    /// How long a refused step stays out of plans before it is tried again (doubling on each
+    /// repeated failure). Default 30 s.
+    pub refuse_for: Duration,
 }
 
 impl AgentConfig {
@@ -49,6 +58,7 @@ impl AgentConfig {
             poll_min: Duration::from_millis(500),
             poll_max: Duration::from_secs(10),
             download_concurrency: 8,
+            refuse_for: Duration::from_secs(30),
         }
     }
 }
@@ -57,7 +67,7 @@ impl AgentConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SyncPath {
-    /// Already on the newest step.
+    /// Already on the newest usable step.
     UpToDate,
     /// One delta onto the local step.
     Fast,
@@ -65,6 +75,28 @@ pub enum SyncPath {
     Catchup,
     /// An anchor, then deltas.
     Anchor,
+}
+
+impl std::fmt::Display for SyncPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SyncPath::UpToDate => "up_to_date",
+            SyncPath::Fast => "fast",
+            SyncPath::Catchup => "catchup",
+            SyncPath::Anchor => "anchor",
+        })
+    }
+}
+
+/// A step the agent refused (reported with the outcome of a sync).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RefusedStep {
+    /// Delta or anchor.
+    pub kind: StepKind,
+    /// The step.
+    pub step: u64,
+    /// Why.
+    pub reason: String,
 }
 
 /// Result of a sync.
@@ -75,15 +107,19 @@ pub struct SyncOutcome {
     /// Its weights root.
     pub root: Digest,
     /// Route taken.
-    pub path: SyncPath,
+    pub route: SyncPath,
     /// Bytes downloaded.
     pub bytes: u64,
     /// Deltas applied.
     pub deltas: u32,
-    /// Whether an interrupted apply was finished from the journal first.
-    pub recovered: bool,
+    /// Whether the inactive slot had to be rebuilt from the active one (first delta after an
+    /// anchor, or after a crash in the middle of building it).
+    pub rebuilt: bool,
     /// Seconds spent.
     pub secs: f64,
+    /// Steps newer than `step` that are refused (bad, missing or foreign objects): the agent
+    /// kept its verified weights and planned around them.
+    pub refused: Vec<RefusedStep>,
 }
 
 /// The agent.
@@ -92,11 +128,23 @@ pub struct Agent {
     reader: StreamReader,
     metrics: Arc<Metrics>,
     client: reqwest::Client,
+    dir: AgentDir,
     state: Option<LocalState>,
+    /// The active slot's bytes are known to match `state` (false after an unclean shutdown
+    /// until re-verified, or when a re-hash showed them wrong: then nothing is notified and the
+    /// next step is rebuilt without using them).
+    active_ok: bool,
+    /// Re-hash the active slot before using it (set after an unclean shutdown).
+    reverify: bool,
     loaded: Option<u64>,
-    /// Steps whose marker or manifest failed verification (forged, replayed, swapped), keyed
-    /// by the manifest SHA-256 their marker names: left out of plans until the marker changes.
-    refused: std::collections::HashSet<(StepKind, u64, Digest)>,
+    refused: Refusals,
+    markers: MarkerCache,
+    stream_id: Option<String>,
+    /// Delta segment objects kept in `cache/` (step, SHA-256s), to bring the inactive slot
+    /// forward without a second download.
+    cached: Vec<(u64, Vec<Digest>)>,
+    /// The candidates of the last plan (refusals are keyed by the markers it used).
+    last_markers: Option<Candidates>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -105,41 +153,80 @@ impl std::fmt::Debug for Agent {
     }
 }
 
-type Plan = (u64, Option<u64>, Vec<u64>, u64); // (target, anchor, deltas, bytes)
-
-/// A delta being downloaded in the background (see `Agent::start_fetch`).
-struct Fetch {
-    manifest: tokio::sync::oneshot::Receiver<Result<(driftless_format::DeltaManifest, Digest)>>,
-    segments: tokio::sync::mpsc::UnboundedReceiver<Result<(usize, DecodedSegment, u64)>>,
-    _abort: AbortOnDrop,
+/// Why building a step failed in a way the agent plans around.
+enum BuildError {
+    /// A step of the stream is at fault: refuse it.
+    Step(StepKind, u64, String),
+    /// The final root of a multi-delta chain differs: retry step by step to name the culprit.
+    ChainMismatch,
+    /// A signed manifest gives the local step another root than the one recorded locally.
+    LocalMismatch(String),
+    /// Anything else (bucket unreachable, local disk): give up this sync, keep state.
+    Other(Error),
 }
 
-/// Stops a background download when its consumer goes away (a failed apply, a dropped sync).
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
+impl From<Error> for BuildError {
+    fn from(e: Error) -> Self {
+        BuildError::Other(e)
     }
 }
 
+impl From<std::io::Error> for BuildError {
+    fn from(e: std::io::Error) -> Self {
+        BuildError::Other(e.into())
+    }
+}
+
+/// Whether an error while reading or applying a step is the step's fault (so the step is
+/// refused) rather than the bucket's availability or the local machine's.
+fn step_fault(e: &Error) -> bool {
+    use driftless_format::ErrorKind as K;
+    match e {
+        Error::Stream(StreamError::NotReady { .. }) | Error::Refused { .. } => true,
+        Error::Stream(StreamError::Format(f)) | Error::Format(f) => {
+            matches!(f.kind(), K::Corrupt | K::Untrusted | K::WrongBase)
+        }
+        Error::Stream(StreamError::Store(s)) | Error::Store(s) => {
+            s.is_not_found() || matches!(s, driftless_store::Error::TooLarge { .. })
+        }
+        _ => false,
+    }
+}
+
+fn attribute(kind: StepKind, step: u64) -> impl Fn(Error) -> BuildError {
+    move |e| if step_fault(&e) { BuildError::Step(kind, step, e.to_string()) } else { BuildError::Other(e) }
+}
+
+fn corrupt(what: &'static str, detail: impl Into<String>) -> Error {
+    driftless_format::Error::Corrupt { what, detail: detail.into() }.into()
+}
+
 impl Agent {
-    /// An agent on `bucket`. Creates the directory and loads its state.
+    /// An agent on `bucket`: creates and locks the directory (one agent per directory) and
+    /// loads its state.
     pub fn new(bucket: Bucket, cfg: AgentConfig) -> Result<Self> {
-        std::fs::create_dir_all(&cfg.dir)?;
+        let dir = AgentDir::open(&cfg.dir)?;
         let state = LocalState::load(&cfg.dir);
         let metrics = Arc::new(Metrics::new());
         if let Some(s) = &state {
             metrics.step.store(s.step, Relaxed);
         }
+        let reverify = dir.unclean && state.is_some();
         Ok(Agent {
             reader: StreamReader::new(bucket, cfg.trust.clone()),
+            refused: Refusals::new(cfg.refuse_for),
             cfg,
             metrics,
             client: reqwest::Client::new(),
+            active_ok: state.is_some(),
+            reverify,
             state,
+            dir,
             loaded: None,
-            refused: Default::default(),
+            markers: MarkerCache::default(),
+            stream_id: None,
+            cached: vec![],
+            last_markers: None,
         })
     }
 
@@ -153,64 +240,97 @@ impl Agent {
         self.state.as_ref()
     }
 
-    /// The checkpoint directory the inference server loads.
+    /// The checkpoint directory the inference server loads (`DIR/current`, a symlink to the
+    /// active slot).
     pub fn current_dir(&self) -> PathBuf {
-        self.cfg.dir.join("current")
+        self.dir.current()
     }
 
-    fn journal_path(&self) -> PathBuf {
-        self.cfg.dir.join("journal")
+    /// Refused steps newer than the local one.
+    fn refused_newer(&self) -> Vec<RefusedStep> {
+        let local = self.state.as_ref().filter(|_| self.active_ok).map(|s| s.step);
+        self.refused
+            .list()
+            .into_iter()
+            .filter(|(_, s, _)| local.is_none_or(|l| *s > l))
+            .map(|(kind, step, reason)| RefusedStep { kind, step, reason })
+            .collect()
     }
 
-    /// Reaches the newest reachable step, verifies it, and notifies the servers.
+    /// Reaches the newest usable step, verifies it, switches `current` to it and notifies.
     ///
     /// - A verified step the servers have not loaded yet (a failed or interrupted notify) is
-    ///   notified first; nothing under `current/` changes until that succeeds, so a server
-    ///   still loading step t never sees t+1 being written.
-    /// - A step whose marker or manifest fails verification (forged, replayed) is refused: left
-    ///   out of planning, local state kept, and the next best step planned.
-    /// - On any other integrity failure (bad object, wrong base, result root) local state is
-    ///   discarded and the sync is retried once from an anchor.
+    ///   notified first.
+    /// - A step whose marker, manifest or objects fail (forged, replayed, foreign, corrupt,
+    ///   missing) or whose result does not verify is refused: left out of plans for
+    ///   `refuse_for`, the verified local state kept, and the next best route taken (an older
+    ///   anchor, an older step). Refusals are listed in [`SyncOutcome::refused`].
+    /// - Bucket outages and local I/O errors (disk full) return an error; the verified state
+    ///   and `current` are untouched.
     pub async fn sync_once(&mut self) -> Result<SyncOutcome> {
-        if !self.cfg.notify.is_empty() && self.state.as_ref().is_some_and(|s| s.applying.is_none()) {
+        let t0 = Instant::now();
+        if self.reverify {
+            self.reverify_active().await?;
+        }
+        if !self.cfg.notify.is_empty() && self.active_ok {
             self.notify_if_needed().await?;
         }
-        let mut refusal = None;
-        let mut discarded = false;
-        let mut attempts = 0;
-        let r = loop {
-            attempts += 1;
-            match self.sync_inner().await {
-                Err(e @ Error::Refused { .. }) if attempts < 8 => {
+        self.refused.begin_round();
+        let mut careful = false;
+        let mut rounds = 0;
+        let out = loop {
+            rounds += 1;
+            match self.sync_inner(careful, t0).await {
+                Ok(o) => break o,
+                Err(BuildError::Step(kind, step, reason)) if rounds < 32 => {
                     self.metrics.verify_failures.fetch_add(1, Relaxed);
-                    warn!(error = %e, "refusing step; planning without it");
-                    refusal = Some(e);
+                    warn!(kind = ?kind, step, reason = %reason, "refusing step; keeping the verified weights");
+                    let sha = self.candidate_sha(kind, step);
+                    self.markers.forget(kind, step);
+                    self.refused.refuse(kind, step, sha, reason);
                 }
-                Err(e) if e.is_integrity() && !discarded => {
+                Err(BuildError::ChainMismatch) if !careful => {
+                    warn!("result of the chain does not verify; retrying step by step");
+                    careful = true;
+                }
+                Err(BuildError::Step(kind, step, reason)) => {
+                    return Err(Error::Refused { kind, step, detail: reason });
+                }
+                Err(BuildError::ChainMismatch) => return Err(corrupt("result", "chain does not verify")),
+                Err(BuildError::LocalMismatch(why)) if self.active_ok => {
+                    // A signed manifest says our step has another root: the local files are not
+                    // this stream's step. Build the newest step from an anchor instead (beside
+                    // them: they are replaced by the switch, never deleted first).
                     self.metrics.verify_failures.fetch_add(1, Relaxed);
-                    warn!(error = %e, "verification failed; discarding local state and recovering from an anchor");
-                    self.discard()?;
-                    discarded = true;
+                    error!(reason = %why, "local weights are not the stream's step; rebuilding from an anchor");
+                    self.active_ok = false;
+                    self.metrics.step.store(u64::MAX, Relaxed);
                 }
-                Err(Error::NothingReady) if refusal.is_some() => break Err(refusal.take().expect("refusal")),
-                r => break r,
+                Err(BuildError::LocalMismatch(why)) => return Err(corrupt("local checkpoint", why)),
+                Err(BuildError::Other(Error::NothingReady)) => {
+                    // Nothing usable, because of refusals: report the newest refused step.
+                    return Err(match self.refused_newer().pop() {
+                        Some(r) => Error::Refused { kind: r.kind, step: r.step, detail: r.reason },
+                        None => Error::NothingReady,
+                    });
+                }
+                Err(BuildError::Other(e)) => return Err(e),
             }
         };
-        if let Err(e) = &r {
-            if e.is_integrity() {
-                self.metrics.verify_failures.fetch_add(1, Relaxed);
-                self.discard()?;
-            }
-            return r;
-        }
-        let out = r?;
+        let mut out = out;
+        out.refused = self.refused_newer();
         self.notify_if_needed().await?;
         Ok(out)
     }
 
+    /// The manifest SHA-256 the last plan's marker named for a step (refusals are bound to it).
+    fn candidate_sha(&self, kind: StepKind, step: u64) -> Option<Digest> {
+        self.last_markers.as_ref().and_then(|c| c.marker(kind, step)).map(|m| m.manifest_sha256)
+    }
+
     async fn notify_if_needed(&mut self) -> Result<()> {
         let Some(st) = self.state.clone() else { return Ok(()) };
-        if self.loaded == Some(st.step) {
+        if self.loaded == Some(st.step) || !self.active_ok {
             return Ok(());
         }
         for n in &self.cfg.notify {
@@ -227,181 +347,252 @@ impl Agent {
         Ok(())
     }
 
-    fn discard(&mut self) -> Result<()> {
-        LocalState::clear(&self.cfg.dir)?;
-        Journal::remove(&self.journal_path())?;
-        let cur = self.current_dir();
-        if cur.exists() {
-            std::fs::remove_dir_all(&cur)?;
+    /// After an unclean shutdown: finishes a switch the crash interrupted and re-hashes the
+    /// active slot before anything is notified. Files that do not match are not deleted: they
+    /// stay until a newly built, verified step replaces them, and are never announced.
+    async fn reverify_active(&mut self) -> Result<()> {
+        let Some(st) = self.state.clone() else {
+            self.reverify = false;
+            return Ok(());
+        };
+        if self.dir.linked() != Some(st.active) {
+            // The state names a slot that was made durable before the state was written.
+            self.dir.link(st.active)?;
         }
-        self.state = None;
-        self.loaded = None;
-        self.metrics.step.store(u64::MAX, Relaxed);
+        let slot = self.dir.slot(st.active);
+        let root = tokio::task::spawn_blocking(move || -> Result<Digest> {
+            Ok(driftless_format::weights_root(&Checkpoint::open(&slot)?.views()).1)
+        })
+        .await
+        .map_err(|e| Error::Io(std::io::Error::other(format!("hash task: {e}"))))?;
+        self.reverify = false;
+        match root {
+            Ok(r) if r == st.root => {
+                info!(step = st.step, "re-verified the local weights after an unclean shutdown");
+                self.active_ok = true;
+            }
+            other => {
+                let why = match other {
+                    Ok(r) => format!("weights root {r} != recorded {}", st.root),
+                    Err(e) => e.to_string(),
+                };
+                error!(step = st.step, error = %why, "local weights do not match their state; rebuilding them");
+                self.active_ok = false;
+                self.metrics.step.store(u64::MAX, Relaxed);
+            }
+        }
         Ok(())
     }
 
-    fn set_state(&mut self, s: LocalState) -> Result<()> {
-        s.store(&self.cfg.dir)?;
-        self.metrics.step.store(s.step, Relaxed);
-        self.state = Some(s);
-        Ok(())
+    /// The stream id of the verified descriptor (read once).
+    async fn stream_id(&mut self) -> Result<String> {
+        if let Some(s) = &self.stream_id {
+            return Ok(s.clone());
+        }
+        match self.reader.descriptor().await? {
+            Some(d) => {
+                self.stream_id = Some(d.stream_id.clone());
+                Ok(d.stream_id)
+            }
+            None => Err(Error::NothingReady),
+        }
     }
 
-    /// The outcome of a sync that found nothing newer than the local state, if there is one.
-    fn up_to_date(&self, recovered: bool, t0: Instant) -> Option<SyncOutcome> {
-        self.state.as_ref().map(|s| SyncOutcome {
+    fn up_to_date(&self, t0: Instant) -> Option<SyncOutcome> {
+        self.state.as_ref().filter(|_| self.active_ok).map(|s| SyncOutcome {
             step: s.step,
             root: s.root,
-            path: SyncPath::UpToDate,
+            route: SyncPath::UpToDate,
             bytes: 0,
             deltas: 0,
-            recovered,
+            rebuilt: false,
             secs: t0.elapsed().as_secs_f64(),
+            refused: vec![],
         })
     }
 
-    async fn sync_inner(&mut self) -> Result<SyncOutcome> {
-        let t0 = Instant::now();
-        let mut recovered = false;
-        if self.state.as_ref().is_some_and(|s| s.applying.is_some()) {
-            self.recover().await?;
-            recovered = true;
+    async fn sync_inner(&mut self, careful: bool, t0: Instant) -> Result<SyncOutcome, BuildError> {
+        let sid = self.stream_id().await?;
+        if let Some(st) = &self.state {
+            if self.dir.linked() != Some(st.active) {
+                self.dir.link(st.active)?;
+            }
         }
-        let anchors = self.reader.ready_steps(StepKind::Anchor, None).await?;
-        let local = self.state.as_ref().map(|s| s.step);
-        let from = match (local, anchors.first()) {
-            (Some(l), Some(&a)) => Some(l.min(a)),
-            (Some(l), None) => Some(l),
-            (None, Some(&a)) => Some(a),
-            (None, None) => None,
+        // Local weights of another stream (a new run in the same bucket prefix) are never a
+        // base; they keep being served until the new stream's first step replaces them.
+        let local = self.state.as_ref().filter(|s| self.active_ok && s.stream_id == sid).map(|s| s.step);
+        let cands = self.markers.candidates(&self.reader, &sid, None).await.map_err(Error::from)?;
+        if let Some(oldest) = cands.anchors.keys().next().copied() {
+            self.refused.prune_below(oldest);
+        }
+        let route = plan::route(local, &cands, &self.refused, None);
+        if let Some(n) = cands.newest() {
+            self.metrics.newest.store(n, Relaxed);
+            if self.metrics.newest_seen_ms.load(Relaxed) == 0 || local != Some(n) {
+                self.metrics.newest_seen_ms.store(now_ms(), Relaxed);
+            }
+        }
+        self.last_markers = Some(cands.clone());
+        let Some(route) = route else {
+            return self.up_to_date(t0).ok_or(BuildError::Other(Error::NothingReady));
         };
-        let deltas = self.reader.ready_steps(StepKind::Delta, from).await?;
-        let mut markers = self.delta_markers(&deltas).await?;
-        markers.retain(|&s, m| !self.refused.contains(&(StepKind::Delta, s, m.manifest_sha256)));
-        let anchor_markers = self.anchor_markers(&anchors).await?;
-        let anchor_shas: BTreeMap<u64, Digest> = anchor_markers.iter().map(|(&s, m)| (s, m.manifest_sha256)).collect();
-        let anchor_bytes: BTreeMap<u64, u64> = anchor_markers
-            .iter()
-            .filter(|(&s, m)| !self.refused.contains(&(StepKind::Anchor, s, m.manifest_sha256)))
-            .map(|(&s, m)| (s, m.payload_bytes))
-            .collect();
-        let anchors: Vec<u64> =
-            anchors.into_iter().filter(|a| !anchor_shas.contains_key(a) || anchor_bytes.contains_key(a)).collect();
-        let Some((target, anchor, chain, bytes)) = plan(local, &anchors, &anchor_bytes, &markers) else {
-            return self.up_to_date(recovered, t0).ok_or(Error::NothingReady);
-        };
-        self.metrics.newest.store(target, Relaxed);
-        if self.metrics.newest_seen_ms.load(Relaxed) == 0 || local != Some(target) {
-            self.metrics.newest_seen_ms.store(now_ms(), Relaxed);
-        }
-        if local == Some(target) {
-            return Ok(self.up_to_date(recovered, t0).expect("local state"));
-        }
-        info!(target, ?anchor, deltas = chain.len(), bytes, "sync plan");
-        let path = match (anchor, chain.len()) {
+        info!(target = route.target, anchor = ?route.anchor, deltas = route.deltas.len(), bytes = route.bytes, "sync plan");
+        let path = match (route.anchor, route.deltas.len()) {
             (Some(_), _) => SyncPath::Anchor,
             (None, 1) => SyncPath::Fast,
             _ => SyncPath::Catchup,
         };
-        let mut got = 0;
-        if let Some(a) = anchor {
-            let b = match self.load_anchor(a).await {
-                Err(e @ Error::Refused { .. }) => {
-                    return Err(self.refuse(StepKind::Anchor, a, anchor_shas.get(&a).copied(), e))
-                }
-                r => r?,
-            };
-            got += b;
-            self.metrics.bytes_anchor.fetch_add(b, Relaxed);
-            self.metrics.anchor_downloads.fetch_add(1, Relaxed);
-        }
-        // Pipelined: delta k+1 downloads (and decodes) while delta k is applied.
-        let mut next = chain.first().map(|&d| self.start_fetch(d));
-        for (k, &d) in chain.iter().enumerate() {
-            let fetch = next.take().expect("a fetch per delta");
-            next = chain.get(k + 1).map(|&d| self.start_fetch(d));
-            let b = match self.apply_delta(d, fetch).await {
-                Err(e @ Error::Refused { .. }) => {
-                    return Err(self.refuse(StepKind::Delta, d, markers.get(&d).map(|m| m.manifest_sha256), e))
-                }
-                r => r?,
-            };
-            got += b;
-            let ctr = match path {
-                SyncPath::Fast => &self.metrics.bytes_fast,
-                SyncPath::Catchup => &self.metrics.bytes_catchup,
-                _ => &self.metrics.bytes_anchor,
-            };
-            ctr.fetch_add(b, Relaxed);
-        }
+        let (bytes, rebuilt) = self.build(&sid, &route, &cands, careful).await?;
+        let ctr = match path {
+            SyncPath::Fast => &self.metrics.bytes_fast,
+            SyncPath::Catchup => &self.metrics.bytes_catchup,
+            _ => &self.metrics.bytes_anchor,
+        };
+        ctr.fetch_add(bytes, Relaxed);
         self.metrics.syncs.fetch_add(1, Relaxed);
-        let s = self.state.as_ref().expect("synced");
-        Ok(SyncOutcome {
+        let s = self.state.as_ref().expect("built");
+        let o = SyncOutcome {
             step: s.step,
             root: s.root,
-            path,
-            bytes: got,
-            deltas: chain.len() as u32,
-            recovered,
+            route: path,
+            bytes,
+            deltas: route.deltas.len() as u32,
+            rebuilt,
             secs: t0.elapsed().as_secs_f64(),
-        })
+            refused: vec![],
+        };
+        info!(step = o.step, route = %o.route, bytes = o.bytes, secs = o.secs, "synced step");
+        Ok(o)
     }
 
-    async fn delta_markers(&self, steps: &[u64]) -> Result<BTreeMap<u64, ReadyMarker>> {
-        let r = &self.reader;
-        let v: Vec<Option<(u64, ReadyMarker)>> = futures::stream::iter(steps.iter().copied())
-            .map(|s| async move {
-                match r.marker(StepKind::Delta, s).await {
-                    Ok(m) => Ok(Some((s, m))),
-                    // Deleted by GC between list and get: skip it.
-                    Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
-                    // A marker that does not parse or names another step (copied, forged):
-                    // never a reason to touch local state; the step is simply not ready.
-                    Err(StreamError::Format(e)) => {
-                        warn!(step = s, error = %e, "ignoring an unreadable delta marker");
-                        Ok(None)
-                    }
-                    Err(e) => Err(e),
-                }
-            })
-            .buffered(16)
-            .try_collect()
-            .await?;
-        Ok(v.into_iter().flatten().collect())
-    }
-
-    async fn anchor_markers(&self, steps: &[u64]) -> Result<BTreeMap<u64, ReadyMarker>> {
-        let mut out = BTreeMap::new();
-        // Only the newest few matter for planning.
-        for &s in steps.iter().rev().take(3) {
-            match self.reader.marker(StepKind::Anchor, s).await {
-                Ok(m) => {
-                    out.insert(s, m);
-                }
-                Err(StreamError::Store(e)) if e.is_not_found() => {}
-                Err(StreamError::Format(e)) => warn!(step = s, error = %e, "ignoring an unreadable anchor marker"),
-                Err(e) => return Err(e.into()),
+    /// Builds `route` in the inactive slot, verifies it, makes it durable and switches to it.
+    /// Returns the bytes downloaded and whether the slot was rebuilt by a local copy.
+    async fn build(
+        &mut self,
+        sid: &str,
+        route: &Route,
+        cands: &Candidates,
+        careful: bool,
+    ) -> Result<(u64, bool), BuildError> {
+        let prev = self.state.clone();
+        let active = prev.as_ref().map(|s| s.active);
+        let work = active.map_or(Slot::A, Slot::other);
+        let wdir = self.dir.slot(work);
+        // The inactive slot is about to change: it holds no verified step until the switch.
+        let held_before =
+            prev.as_ref().and_then(|s| s.inactive).filter(|_| prev.as_ref().is_some_and(|s| s.stream_id == sid));
+        if let Some(mut s) = prev.clone().filter(|s| s.inactive.is_some()) {
+            s.inactive = None;
+            s.store(self.dir.path())?;
+            self.state = Some(s);
+        }
+        let mut bytes = 0u64;
+        let mut rebuilt = false;
+        // (step, root) the work slot holds as the chain starts.
+        let (mut at, deltas): (Held, Vec<u64>) = match route.anchor {
+            Some(a) => {
+                let (b, h) = self.load_anchor(sid, a, &wdir).await?;
+                bytes += b;
+                self.metrics.anchor_downloads.fetch_add(1, Relaxed);
+                (h, route.deltas.clone())
             }
+            None => {
+                let base = prev.as_ref().expect("a local route has local state").held();
+                // Bring the inactive slot forward (two sparse applies per step in the steady
+                // state, segments from the local cache) unless it is unknown, unreachable by
+                // a chain, or this is a careful retry: then copy the active slot.
+                let prefix = held_before
+                    .filter(|h| !careful && h.step <= base.step && wdir.is_dir())
+                    .and_then(|h| plan::chain(cands, &self.refused, h.step, base.step).map(|(v, _)| (h, v)));
+                match prefix {
+                    Some((h, v)) => {
+                        let mut d = v;
+                        d.extend_from_slice(&route.deltas);
+                        (h, d)
+                    }
+                    None => {
+                        self.copy_active(&wdir).await?;
+                        rebuilt = true;
+                        self.metrics.journal_recoveries.fetch_add(1, Relaxed);
+                        (base, route.deltas.clone())
+                    }
+                }
+            }
+        };
+        let t = Instant::now();
+        let n = deltas.len();
+        // Pipelined: delta k+1 downloads (and decodes) while delta k is applied.
+        let mut next = deltas.first().map(|&d| self.start_fetch(d));
+        for (k, &d) in deltas.iter().enumerate() {
+            let fetch = next.take().expect("a fetch per delta");
+            next = deltas.get(k + 1).map(|&d| self.start_fetch(d));
+            let verify = careful || k + 1 == n;
+            // A final root that differs after several unverified deltas names no culprit.
+            let pinpoint = careful || n == 1;
+            let (b, root) = self.apply_delta(sid, d, fetch, &wdir, at, verify, pinpoint).await?;
+            bytes += b;
+            at = Held { step: d, root };
         }
-        Ok(out)
+        self.metrics.apply_ms.store(t.elapsed().as_millis() as u64, Relaxed);
+        // Durable before announced: data, then state, then the link, then notify.
+        let w2 = wdir.clone();
+        tokio::task::spawn_blocking(move || sync_tree(&w2))
+            .await
+            .map_err(|e| Error::Io(std::io::Error::other(format!("sync task: {e}"))))??;
+        let inactive = prev.as_ref().filter(|s| self.active_ok && s.stream_id == sid).map(|s| s.held());
+        let st =
+            LocalState { version: 2, stream_id: sid.to_string(), step: at.step, root: at.root, active: work, inactive };
+        st.store(self.dir.path())?;
+        self.dir.link(work)?;
+        self.state = Some(st);
+        self.active_ok = true;
+        self.metrics.step.store(at.step, Relaxed);
+        for &d in &deltas {
+            self.refused.clear(StepKind::Delta, d);
+        }
+        if let Some(a) = route.anchor {
+            self.refused.clear(StepKind::Anchor, a);
+        }
+        self.prune_cache();
+        Ok((bytes, rebuilt))
     }
 
-    /// Records a refused step so that plans leave it out until its marker changes.
-    fn refuse(&mut self, kind: StepKind, step: u64, sha: Option<Digest>, e: Error) -> Error {
-        if let Some(sha) = sha {
-            self.refused.insert((kind, step, sha));
-        }
-        e
+    /// Replaces the inactive slot with a copy of the active one (copy_file_range: a reflink
+    /// where the filesystem has them). Space runs out as an error here, never as a signal.
+    async fn copy_active(&self, wdir: &Path) -> Result<()> {
+        let st = self.state.as_ref().expect("active state");
+        let from = self.dir.slot(st.active);
+        let to = wdir.to_path_buf();
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            if to.exists() {
+                std::fs::remove_dir_all(&to)?;
+            }
+            std::fs::create_dir_all(&to)?;
+            for e in std::fs::read_dir(&from)? {
+                let e = e?;
+                if e.file_type()?.is_file() {
+                    std::fs::copy(e.path(), to.join(e.file_name()))?;
+                }
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| Error::Io(std::io::Error::other(format!("copy task: {e}"))))??;
+        info!(from = %self.dir.slot(st.active).display(), "inactive slot rebuilt from the active one");
+        Ok(())
     }
 
-    /// Downloads, decodes and verifies an anchor into `staging/`, then swaps it in.
-    async fn load_anchor(&mut self, step: u64) -> Result<u64> {
-        let (m, _) = self.reader.anchor(step).await.map_err(|e| Error::manifest(StepKind::Anchor, step, e))?;
-        let staging = self.cfg.dir.join("staging");
-        if staging.exists() {
-            std::fs::remove_dir_all(&staging)?;
+    /// Downloads, decodes and verifies an anchor into the work slot (replacing it).
+    async fn load_anchor(&mut self, sid: &str, step: u64, wdir: &Path) -> Result<(u64, Held), BuildError> {
+        let at = attribute(StepKind::Anchor, step);
+        let (m, _) = self.reader.anchor(step).await.map_err(|e| at(e.into()))?;
+        if m.stream_id != sid {
+            return Err(BuildError::Step(StepKind::Anchor, step, "signed for another stream".into()));
         }
-        std::fs::create_dir_all(&staging)?;
+        if wdir.exists() {
+            std::fs::remove_dir_all(wdir)?;
+        }
+        std::fs::create_dir_all(wdir)?;
         let r = &self.reader;
         // Owned keys: closures over borrowed items make the future not provably `Send`.
         let keys: Vec<(String, u64, Digest)> =
@@ -411,16 +602,19 @@ impl Agent {
             .buffered(self.cfg.download_concurrency.max(1))
             .try_collect()
             .instrument(info_span!("download_anchor", step))
-            .await?;
+            .await
+            .map_err(|e| at(e.into()))?;
         let keys: Vec<(String, u64, Digest)> = m.files.iter().map(|o| (o.object.clone(), o.size, o.sha256)).collect();
         let files: Vec<Bytes> = futures::stream::iter(keys)
             .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
             .buffered(4)
             .try_collect()
-            .await?;
+            .await
+            .map_err(|e| at(e.into()))?;
         let bytes: u64 = objs.iter().chain(&files).map(|b| b.len() as u64).sum();
-        let dir = staging.clone();
+        let dir = wdir.to_path_buf();
         let m2 = m.clone();
+        let tv = Instant::now();
         tokio::task::spawn_blocking(move || -> Result<()> {
             for (o, b) in m2.objects.iter().zip(&objs) {
                 let p = dir.join(&o.file);
@@ -428,16 +622,11 @@ impl Agent {
                     AnchorEncoding::Safetensors => std::fs::write(&p, b)?,
                     AnchorEncoding::PlanesZstd => {
                         if o.decoded_size > anchor::MAX_SHARD {
-                            return Err(driftless_format::Error::Corrupt {
-                                what: "anchor manifest",
-                                detail: "shard too large".into(),
-                            }
-                            .into());
+                            return Err(corrupt("anchor manifest", "shard too large"));
                         }
-                        let f =
-                            std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&p)?;
-                        f.set_len(o.decoded_size)?;
-                        // SAFETY: a file we just created in our private staging directory.
+                        let f = driftless_format::checkpoint::allocate_file(&p, o.decoded_size)?;
+                        // SAFETY: a file we just created and allocated in our inactive slot;
+                        // nothing else maps or truncates it.
                         let mut map = unsafe { memmap2::MmapMut::map_mut(&f)? };
                         anchor::decode_shard(b, &mut map)?;
                         map.flush()?;
@@ -452,56 +641,26 @@ impl Agent {
             write_index(&dir, &m2.layout())?;
             let ck = Checkpoint::open(&dir)?;
             if ck.layout() != m2.layout() {
-                return Err(driftless_format::Error::Corrupt {
-                    what: "anchor",
-                    detail: "decoded files do not match the manifest layout".into(),
-                }
-                .into());
+                return Err(corrupt("anchor", "decoded files do not match the manifest layout"));
             }
             ops::verify_views(&ck.views(), &m2.shards, m2.weights_root)?;
             Ok(())
         })
         .await
-        .expect("anchor task")?;
-        // Swap: a crash between these renames leaves no state.json, hence a cold start.
-        LocalState::clear(&self.cfg.dir)?;
-        let cur = self.current_dir();
-        if cur.exists() {
-            std::fs::remove_dir_all(&cur)?;
-        }
-        std::fs::rename(&staging, &cur)?;
-        self.set_state(LocalState { stream_id: m.stream_id.clone(), step, root: m.weights_root, applying: None })?;
+        .map_err(|e| Error::Io(std::io::Error::other(format!("anchor task: {e}"))))?
+        .map_err(&at)?;
+        self.metrics.verify_ms.store(tv.elapsed().as_millis() as u64, Relaxed);
         info!(step, bytes, "anchor loaded and verified");
-        Ok(bytes)
+        Ok((bytes, Held { step, root: m.weights_root }))
     }
 
-    async fn fetch_segments(&self, m: &driftless_format::DeltaManifest, skip: &[u32]) -> Result<Vec<Option<Bytes>>> {
-        let r = &self.reader;
-        let step = m.step;
-        let keys: Vec<(usize, String, u64, Digest)> = m
-            .segments
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (i, s.object.object.clone(), s.object.size, s.object.sha256))
-            .collect();
-        Ok(futures::stream::iter(keys)
-            .map(|(i, k, n, sha)| async move {
-                if skip.contains(&(i as u32)) {
-                    return Ok(None);
-                }
-                r.object(StepKind::Delta, step, &k, n, sha).await.map(Some)
-            })
-            .buffered(self.cfg.download_concurrency.max(1))
-            .try_collect()
-            .await?)
-    }
-
-    /// Starts downloading delta `step` in the background: its manifest, then its segments,
-    /// each checked against the manifest and decoded as soon as it arrives (decoding segment i
-    /// overlaps downloading segment i+1). Nothing local is touched; dropping the handle stops it.
+    /// Starts downloading delta `step` in the background: its manifest, then its segments
+    /// (from the local cache when present), each checked against the manifest and decoded as
+    /// soon as it arrives. Nothing local changes; dropping the handle stops it.
     fn start_fetch(&self, step: u64) -> Fetch {
         let reader = self.reader.clone();
         let conc = self.cfg.download_concurrency.max(1);
+        let cache = self.dir.cache();
         let (mtx, manifest) = tokio::sync::oneshot::channel();
         let (stx, segments) = tokio::sync::mpsc::unbounded_channel();
         let task = tokio::spawn(
@@ -509,7 +668,7 @@ impl Agent {
                 let (m, sha) = match reader.delta(step).await {
                     Ok(x) => x,
                     Err(e) => {
-                        let _ = mtx.send(Err(Error::manifest(StepKind::Delta, step, e)));
+                        let _ = mtx.send(Err(Error::from(e)));
                         return;
                     }
                 };
@@ -518,25 +677,29 @@ impl Agent {
                 let mut s = futures::stream::iter(m.segments.clone().into_iter().enumerate())
                     .map(move |(i, s)| {
                         let r = reader.clone();
+                        let cache = cache.clone();
                         async move {
-                            let b = r
-                                .object(StepKind::Delta, step, &s.object.object, s.object.size, s.object.sha256)
-                                .await?;
+                            let (b, downloaded) = match cached_object(&cache, s.object.size, s.object.sha256) {
+                                Some(b) => (b, 0),
+                                None => {
+                                    let b = r
+                                        .object(StepKind::Delta, step, &s.object.object, s.object.size, s.object.sha256)
+                                        .await?;
+                                    keep_object(&cache, s.object.sha256, &b);
+                                    (b, s.object.size)
+                                }
+                            };
                             let raw = s.raw_size;
                             let seg = tokio::task::spawn_blocking(move || -> Result<DecodedSegment> {
                                 let seg = delta::decode_segment(&b, raw)?;
                                 if seg.mode != mode {
-                                    return Err(driftless_format::Error::Corrupt {
-                                        what: "segment",
-                                        detail: "value mode differs from the manifest".into(),
-                                    }
-                                    .into());
+                                    return Err(corrupt("segment", "value mode differs from the manifest"));
                                 }
                                 Ok(seg)
                             })
                             .await
-                            .expect("decode task")?;
-                            Ok::<_, Error>((i, seg, s.object.size))
+                            .map_err(|e| Error::Io(std::io::Error::other(format!("decode task: {e}"))))??;
+                            Ok::<_, Error>((i, seg, downloaded))
                         }
                     })
                     .buffered(conc);
@@ -552,163 +715,129 @@ impl Agent {
         Fetch { manifest, segments, _abort: AbortOnDrop(task.abort_handle()) }
     }
 
-    /// Applies one delta being fetched: checks its base, waits for all its segments (each
-    /// already checked and decoded), then applies them in place (journaled) or by rewrite, and
-    /// verifies. Local files are written only once every segment is in, so a download failure
-    /// (GC, bucket outage) leaves the verified state untouched.
-    async fn apply_delta(&mut self, step: u64, fetch: Fetch) -> Result<u64> {
+    #[allow(clippy::too_many_arguments)]
+    /// Applies one delta onto the work slot holding `at`: checks stream, base and chain, waits
+    /// for its segments, applies them in place (or rewrites the slot on a layout change) and,
+    /// when `verify`, checks the result root. Returns (bytes downloaded, result root).
+    async fn apply_delta(
+        &mut self,
+        sid: &str,
+        step: u64,
+        fetch: Fetch,
+        wdir: &Path,
+        at: Held,
+        verify: bool,
+        pinpoint: bool,
+    ) -> Result<(u64, Digest), BuildError> {
+        let att = attribute(StepKind::Delta, step);
         let Fetch { manifest, mut segments, _abort } = fetch;
-        let (m, env_sha) = manifest.await.map_err(|_| Error::Io(std::io::Error::other("delta download stopped")))??;
-        let st = self.state.clone().expect("a base state");
-        if m.base_root != st.root {
-            return Err(driftless_format::Error::WrongBase {
-                expected: m.base_root.to_hex(),
-                actual: st.root.to_hex(),
+        let (m, _env_sha) = manifest
+            .await
+            .map_err(|_| BuildError::Other(Error::Io(std::io::Error::other("delta download stopped"))))?
+            .map_err(&att)?;
+        if m.stream_id != sid {
+            return Err(BuildError::Step(StepKind::Delta, step, "signed for another stream".into()));
+        }
+        if m.base_step == at.step && m.base_root != at.root {
+            return Err(BuildError::LocalMismatch(format!(
+                "delta {step} (signed) says step {} has root {}, the local copy has {}",
+                m.base_step, m.base_root, at.root
+            )));
+        }
+        if m.base_root != at.root || m.base_step != at.step {
+            return Err(att(driftless_format::Error::WrongBase {
+                expected: format!("step {} root {}", m.base_step, m.base_root),
+                actual: format!("step {} root {}", at.step, at.root),
             }
-            .into());
+            .into()));
         }
         let mut segs: Vec<Option<DecodedSegment>> = (0..m.segments.len()).map(|_| None).collect();
         let mut bytes = 0u64;
+        let mut shas = Vec::with_capacity(m.segments.len());
         while let Some(r) = segments.recv().await {
-            let (i, seg, n) = r?;
+            let (i, seg, n) = r.map_err(&att)?;
             bytes += n;
             segs[i] = Some(seg);
         }
         let segs: Vec<DecodedSegment> = segs
             .into_iter()
             .collect::<Option<_>>()
-            .ok_or_else(|| Error::Io(std::io::Error::other("delta download stopped")))?;
-        let cur = self.current_dir();
-        let local_layout = Checkpoint::open(&cur)?.layout();
+            .ok_or_else(|| BuildError::Other(Error::Io(std::io::Error::other("delta download stopped"))))?;
+        shas.extend(m.segments.iter().map(|s| s.object.sha256));
+        let local_layout = Checkpoint::open(wdir).map_err(Error::from)?.layout();
         let t = Instant::now();
-        if ops::needs_rewrite(&local_layout, &m) {
-            // Rare (layout changes): re-fetch the raw segments for the rewrite.
-            let raw = self.fetch_segments(&m, &[]).await?;
+        let dir = wdir.to_path_buf();
+        let m2: DeltaManifest = m.clone();
+        let verify_ms = if ops::needs_rewrite(&local_layout, &m) {
+            // Rare (layout changes): re-fetch the raw segments and rebuild the slot beside it,
+            // keeping the extra files (config, tokenizer) of the slot.
+            let raw = self.fetch_raw(&m).await.map_err(&att)?;
             drop(segs);
-            let staging = self.cfg.dir.join("staging");
-            if staging.exists() {
-                std::fs::remove_dir_all(&staging)?;
-            }
-            let (m2, cur2, st2) = (m.clone(), cur.clone(), staging.clone());
-            tokio::task::spawn_blocking(move || -> Result<()> {
-                let base = Checkpoint::open(&cur2)?;
-                let segs: Vec<&[u8]> = raw.iter().flatten().map(|b| &b[..]).collect();
-                ops::apply_rewrite(&base.views(), &m2, &segs, &st2)?;
-                Ok(())
-            })
-            .await
-            .expect("rewrite task")?;
-            LocalState::clear(&self.cfg.dir)?;
-            std::fs::remove_dir_all(&cur)?;
-            std::fs::rename(&staging, &cur)?;
+            tokio::task::spawn_blocking(move || -> Result<u64> { rewrite_slot(&dir, &m2, &raw, verify) })
+                .await
+                .map_err(|e| Error::Io(std::io::Error::other(format!("rewrite task: {e}"))))?
+                .map_err(|e| classify_apply(e, step, pinpoint))?
         } else {
-            self.set_state(LocalState { applying: Some((step, m.base_step)), ..st.clone() })?;
-            let (m2, jp) = (m.clone(), self.journal_path());
-            let verify_ms = tokio::task::spawn_blocking(move || -> Result<u64> {
-                let mut ck = CheckpointMut::open(&cur)?;
+            tokio::task::spawn_blocking(move || -> Result<u64> {
+                let mut ck = CheckpointMut::open(&dir)?;
                 {
                     let tm = ck.tensors_mut();
-                    let j = Journal::create(&jp, env_sha, st.root)?;
-                    let ap = ops::Applier::new(&tm, &m2, Some(j));
-                    // Same protocol as `Applier::apply`: a `ulp` segment's redo record is
-                    // journaled (fsync) before its cells are written; `overwrite` is idempotent.
-                    segs.par_iter().enumerate().try_for_each(|(i, seg)| -> Result<()> {
-                        match seg.mode {
-                            ValueMode::Ulp => {
-                                let redo = delta::to_redo(seg, &tm)?;
-                                ap.replay(&[(i as u32, redo)])?;
-                            }
-                            _ => delta::apply_segment(seg, &tm)?,
-                        }
-                        Ok(())
-                    })?;
+                    segs.par_iter().try_for_each(|seg| delta::apply_segment(seg, &tm))?;
                 }
                 let tv = Instant::now();
-                ops::verify_result(&ck.views(), &m2)?;
-                Journal::remove(&jp)?;
+                if verify {
+                    ops::verify_result(&ck.views(), &m2)?;
+                }
+                ck.flush()?;
                 Ok(tv.elapsed().as_millis() as u64)
             })
             .await
-            .expect("apply task")?;
+            .map_err(|e| Error::Io(std::io::Error::other(format!("apply task: {e}"))))?
+            .map_err(|e| classify_apply(e, step, pinpoint))?
+        };
+        if verify {
             self.metrics.verify_ms.store(verify_ms, Relaxed);
         }
-        self.metrics.apply_ms.store(t.elapsed().as_millis() as u64, Relaxed);
-        self.set_state(LocalState { stream_id: m.stream_id.clone(), step, root: m.result_root, applying: None })?;
-        info!(step, bytes, secs = t.elapsed().as_secs_f64(), "delta applied and verified");
-        Ok(bytes)
+        self.cached.push((step, shas));
+        info!(step, bytes, secs = t.elapsed().as_secs_f64(), verified = verify, "delta applied");
+        Ok((bytes, m.result_root))
     }
 
-    /// Finishes an apply interrupted by a crash: from the journal when there is one, else by
-    /// hashing the local files to see whether the delta had been applied or not at all.
-    async fn recover(&mut self) -> Result<()> {
-        let st = self.state.clone().expect("state");
-        let (step, base_step) = st.applying.expect("applying");
-        let _ = base_step;
-        let jp = self.journal_path();
-        let cur = self.current_dir();
-        let (m, env_sha) = match self.reader.delta(step).await {
-            Ok(x) => x,
-            Err(e) if e.is_retryable() => {
-                // The delta is gone (GC) or unreadable: fall back to hashing what we have.
-                warn!(step, error = %e, "delta of the interrupted apply is not readable");
-                return self.recover_by_hash(None).await;
-            }
-            Err(e) => return Err(e.into()),
-        };
-        let rec = Journal::recover(&jp)?;
-        let Some(rec) = rec.filter(|r| r.delta_id == env_sha && r.base_root == st.root) else {
-            return self.recover_by_hash(Some(&m)).await;
-        };
-        let done: Vec<u32> = rec.records.iter().map(|(i, _)| *i).collect();
-        let segs = self.fetch_segments(&m, &done).await?;
-        let m2 = m.clone();
-        tokio::task::spawn_blocking(move || -> Result<()> {
-            let mut ck = CheckpointMut::open(&cur)?;
-            {
-                let tm = ck.tensors_mut();
-                // The records are already in the journal file: replay them without journaling
-                // again, then journal only the segments applied now.
-                ops::Applier::new(&tm, &m2, None).replay(&rec.records)?;
-                let j = Journal::reopen(&jp, rec.valid_len)?;
-                let ap = ops::Applier::new(&tm, &m2, Some(j));
-                for (i, s) in segs.iter().enumerate() {
-                    if let Some(b) = s {
-                        ap.apply(i, b)?;
+    async fn fetch_raw(&self, m: &DeltaManifest) -> Result<Vec<Bytes>> {
+        let r = &self.reader;
+        let step = m.step;
+        let keys: Vec<(String, u64, Digest)> =
+            m.segments.iter().map(|s| (s.object.object.clone(), s.object.size, s.object.sha256)).collect();
+        let cache = self.dir.cache();
+        Ok(futures::stream::iter(keys)
+            .map(|(k, n, sha)| {
+                let cache = cache.clone();
+                async move {
+                    if let Some(b) = cached_object(&cache, n, sha) {
+                        return Ok(b);
                     }
+                    r.object(StepKind::Delta, step, &k, n, sha).await
+                }
+            })
+            .buffered(self.cfg.download_concurrency.max(1))
+            .try_collect()
+            .await?)
+    }
+
+    /// Keeps in `cache/` only the segments of deltas the inactive slot may still need.
+    fn prune_cache(&mut self) {
+        let Some(st) = &self.state else { return };
+        let keep_after = st.inactive.map(|h| h.step).unwrap_or(st.step);
+        self.cached.retain(|(s, _)| *s > keep_after);
+        let keep: std::collections::HashSet<String> =
+            self.cached.iter().flat_map(|(_, v)| v.iter().map(|d| d.to_hex())).collect();
+        if let Ok(rd) = std::fs::read_dir(self.dir.cache()) {
+            for e in rd.flatten() {
+                if !keep.contains(&e.file_name().to_string_lossy().to_string()) {
+                    let _ = std::fs::remove_file(e.path());
                 }
             }
-            ops::verify_result(&ck.views(), &m2)?;
-            Journal::remove(&jp)?;
-            Ok(())
-        })
-        .await
-        .expect("recover task")?;
-        self.metrics.journal_recoveries.fetch_add(1, Relaxed);
-        info!(step, replayed = done.len(), "finished interrupted apply from the journal");
-        self.set_state(LocalState { stream_id: m.stream_id.clone(), step, root: m.result_root, applying: None })
-    }
-
-    async fn recover_by_hash(&mut self, m: Option<&driftless_format::DeltaManifest>) -> Result<()> {
-        let st = self.state.clone().expect("state");
-        let cur = self.current_dir();
-        let root = tokio::task::spawn_blocking(move || -> Result<Digest> {
-            Ok(driftless_format::weights_root(&Checkpoint::open(&cur)?.views()).1)
-        })
-        .await
-        .expect("hash task")?;
-        Journal::remove(&self.journal_path())?;
-        if root == st.root {
-            // The apply never wrote anything.
-            return self.set_state(LocalState { applying: None, ..st });
         }
-        if let Some(m) = m.filter(|m| m.result_root == root) {
-            return self.set_state(LocalState { stream_id: st.stream_id, step: m.step, root, applying: None });
-        }
-        Err(driftless_format::Error::Corrupt {
-            what: "local checkpoint",
-            detail: "interrupted apply cannot be recovered".into(),
-        }
-        .into())
     }
 
     /// Follows the stream until `shutdown` resolves: adaptive, jittered polling; an immediate
@@ -738,13 +867,13 @@ impl Agent {
                 match self.sync_once().await {
                     Ok(o) => {
                         failures = 0;
-                        interval = if o.path == SyncPath::UpToDate {
+                        interval = if o.route == SyncPath::UpToDate {
                             (interval * 2).min(self.cfg.poll_max)
                         } else {
                             self.cfg.poll_min
                         };
-                        if o.path != SyncPath::UpToDate {
-                            info!(step = o.step, path = ?o.path, bytes = o.bytes, secs = o.secs, "synced");
+                        for r in &o.refused {
+                            warn!(kind = ?r.kind, step = r.step, reason = %r.reason, "step refused; serving step {}", o.step);
                         }
                     }
                     Err(e) => {
@@ -767,106 +896,96 @@ impl Agent {
     }
 }
 
-/// Picks the cheapest route to the newest reachable step. Returns (target, anchor to load,
-/// deltas to apply, bytes), or `None` when nothing is reachable or needed.
-fn plan(
-    local: Option<u64>,
-    anchors: &[u64],
-    anchor_bytes: &BTreeMap<u64, u64>,
-    markers: &BTreeMap<u64, ReadyMarker>,
-) -> Option<Plan> {
-    // Walks base links back from `target` to `start`.
-    let chain = |start: u64, target: u64| -> Option<(Vec<u64>, u64)> {
-        let mut v = vec![];
-        let mut bytes = 0;
-        let mut s = target;
-        while s != start {
-            let m = markers.get(&s)?;
-            v.push(s);
-            bytes += m.payload_bytes;
-            s = m.base_step?;
-            if s < start {
-                return None;
-            }
-        }
-        v.reverse();
-        Some((v, bytes))
-    };
-    let mut candidates: Vec<u64> = markers.keys().copied().chain(anchors.iter().copied()).collect();
-    candidates.sort_unstable();
-    candidates.dedup();
-    for &target in candidates.iter().rev() {
-        if local.is_some_and(|l| target <= l) {
-            return None;
-        }
-        let mut best: Option<Plan> = None;
-        if let Some(l) = local {
-            if let Some((v, b)) = chain(l, target) {
-                best = Some((target, None, v, b));
-            }
-        }
-        for (&a, &ab) in anchor_bytes.iter().rev() {
-            if a > target {
-                continue;
-            }
-            if let Some((v, b)) = chain(a, target) {
-                let cost = ab + b;
-                if best.as_ref().is_none_or(|p| cost < p.3) {
-                    best = Some((target, Some(a), v, cost));
-                }
-            }
-        }
-        if best.is_some() {
-            return best;
-        }
-    }
-    None
+/// A delta being downloaded in the background (see `Agent::start_fetch`).
+struct Fetch {
+    manifest: tokio::sync::oneshot::Receiver<Result<(DeltaManifest, Digest)>>,
+    segments: tokio::sync::mpsc::UnboundedReceiver<Result<(usize, DecodedSegment, u64)>>,
+    _abort: AbortOnDrop,
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Stops a background download when its consumer goes away (a failed apply, a dropped sync).
+struct AbortOnDrop(tokio::task::AbortHandle);
 
-    fn marker(step: u64, base: u64, bytes: u64) -> ReadyMarker {
-        ReadyMarker {
-            kind: "ready".into(),
-            stream_id: "s".into(),
-            of: StepKind::Delta,
-            step,
-            base_step: Some(base),
-            manifest_sha256: Digest::default(),
-            payload_bytes: bytes,
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A root mismatch after the last delta of a chain that was not verified step by step cannot
+/// be pinned on one step: the caller retries carefully. Otherwise the step is at fault.
+fn classify_apply(e: Error, step: u64, pinpoint: bool) -> BuildError {
+    let is_result = matches!(&e, Error::Format(driftless_format::Error::Corrupt { what: "result", .. }));
+    if is_result && !pinpoint {
+        return BuildError::ChainMismatch;
+    }
+    if step_fault(&e) {
+        BuildError::Step(StepKind::Delta, step, e.to_string())
+    } else {
+        BuildError::Other(e)
+    }
+}
+
+/// Builds the result of a layout-changing delta beside the slot, carries the slot's extra
+/// files over, and replaces the slot with it (the slot is inactive: nobody serves it).
+fn rewrite_slot(dir: &Path, m: &DeltaManifest, raw: &[Bytes], verify: bool) -> Result<u64> {
+    let new = dir.with_extension("new");
+    if new.exists() {
+        std::fs::remove_dir_all(&new)?;
+    }
+    // `apply_rewrite` allocates the new files (posix_fallocate) before mapping them.
+    let tv;
+    {
+        let base = Checkpoint::open(dir)?;
+        let segs: Vec<&[u8]> = raw.iter().map(|b| &b[..]).collect();
+        tv = Instant::now();
+        let r = ops::apply_rewrite(&base.views(), m, &segs, &new);
+        match r {
+            Ok(_) => {}
+            Err(driftless_format::Error::Corrupt { what: "result", .. }) if !verify => {}
+            Err(e) => return Err(e.into()),
+        }
+        let layout_files: std::collections::HashSet<String> = m
+            .layout()
+            .shards
+            .iter()
+            .map(|s| s.file.clone())
+            .chain([driftless_format::checkpoint::INDEX_FILE.to_string()])
+            .collect();
+        let old_files: std::collections::HashSet<String> =
+            base.layout().shards.iter().map(|s| s.file.clone()).collect();
+        for e in std::fs::read_dir(dir)? {
+            let e = e?;
+            let name = e.file_name().to_string_lossy().to_string();
+            if e.file_type()?.is_file() && !layout_files.contains(&name) && !old_files.contains(&name) {
+                std::fs::copy(e.path(), new.join(&name))?;
+            }
         }
     }
-
-    #[test]
-    fn plans_cheapest_route() {
-        let mut ms = BTreeMap::new();
-        for s in 1..=20 {
-            ms.insert(s, marker(s, s - 1, 10));
-        }
-        let anchors = vec![0, 10];
-        let ab = BTreeMap::from([(0, 1000), (10, 1000)]);
-        // Fast path.
-        assert_eq!(plan(Some(19), &anchors, &ab, &ms), Some((20, None, vec![20], 10)));
-        // A few behind: replay.
-        assert_eq!(plan(Some(15), &anchors, &ab, &ms).unwrap().1, None);
-        // Cold: newest anchor plus the deltas after it.
-        assert_eq!(plan(None, &anchors, &ab, &ms), Some((20, Some(10), (11..=20).collect(), 1100)));
-        // Far behind with cheap anchors: anchor wins.
-        let cheap = BTreeMap::from([(0, 5), (10, 5)]);
-        assert_eq!(plan(Some(1), &anchors, &cheap, &ms).unwrap().1, Some(10));
-        // Up to date.
-        assert_eq!(plan(Some(20), &anchors, &ab, &ms), None);
+    std::fs::remove_dir_all(dir)?;
+    std::fs::rename(&new, dir)?;
+    if let Some(p) = dir.parent() {
+        sync_dir(p)?;
     }
+    Ok(tv.elapsed().as_millis() as u64)
+}
 
-    #[test]
-    fn follows_declared_base_and_skips_broken_tips() {
-        let mut ms = BTreeMap::new();
-        ms.insert(1, marker(1, 0, 10));
-        ms.insert(4, marker(4, 1, 10)); // coalesced 2..3
-        ms.insert(6, marker(6, 5, 10)); // base 5 never made it
-        let p = plan(Some(0), &[0], &BTreeMap::from([(0, 1000)]), &ms).unwrap();
-        assert_eq!(p, (4, None, vec![1, 4], 20));
+fn cached_object(cache: &Path, size: u64, sha: Digest) -> Option<Bytes> {
+    let p = cache.join(sha.to_hex());
+    let md = std::fs::metadata(&p).ok()?;
+    if md.len() != size {
+        return None;
+    }
+    let b = std::fs::read(&p).ok()?;
+    (Digest::of(&b) == sha).then(|| Bytes::from(b))
+}
+
+/// Keeps a verified object in the cache (best effort: the cache is an optimisation, checked by
+/// hash on every read, so it needs no fsync).
+fn keep_object(cache: &Path, sha: Digest, b: &[u8]) {
+    let _ = std::fs::create_dir_all(cache);
+    let tmp = cache.join(format!("{}.tmp", sha.to_hex()));
+    if std::fs::write(&tmp, b).is_ok() {
+        let _ = std::fs::rename(&tmp, cache.join(sha.to_hex()));
     }
 }

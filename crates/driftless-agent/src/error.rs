@@ -24,9 +24,9 @@ pub enum Error {
         /// Cause.
         detail: String,
     },
-    /// A step's ready marker or signed manifest failed verification (forged, replayed from
-    /// another step, swapped): the step is left out of planning until its marker changes; the
-    /// local state is kept.
+    /// A step failed (forged, replayed, foreign, corrupt or missing objects, a result that does
+    /// not verify) and no other route was left: the step is left out of plans for a while and
+    /// the verified local state is kept.
     #[error("{kind:?} step {step} refused: {detail}")]
     Refused {
         /// Delta or anchor.
@@ -58,23 +58,14 @@ impl Error {
         matches!(self, Error::Refused { .. })
     }
 
-    /// A manifest read failed: integrity failures refuse the step, the rest pass through.
-    pub(crate) fn manifest(
-        kind: driftless_format::StepKind,
-        step: u64,
-        e: driftless_store::stream::StreamError,
-    ) -> Error {
-        let e = Error::from(e);
-        if e.is_integrity() {
-            Error::Refused { kind, step, detail: e.to_string() }
-        } else {
-            e
-        }
-    }
-    /// Whether local state may be bad or an object was bad: the agent discards local state
-    /// and recovers from an anchor.
+    /// Whether verification failed (bad signature, corrupt object, wrong base, result root,
+    /// refused step): exit code 1 in the CLI. The agent never discards verified weights for
+    /// these; it refuses the step.
     pub fn is_integrity(&self) -> bool {
         use driftless_format::ErrorKind as K;
+        if self.is_refused() {
+            return true;
+        }
         let f = match self {
             Error::Format(e) => Some(e),
             Error::Stream(driftless_store::stream::StreamError::Format(e)) => Some(e),

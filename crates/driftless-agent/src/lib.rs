@@ -4,27 +4,26 @@
 //! a local Hugging Face checkpoint directory bit for bit, proves it with the weights root and
 //! tells the server to load it.
 //!
-//! - [`Agent::sync_once`] plans the cheapest route (delta chain from the local step, or the
-//!   newest anchor plus the deltas after it, by bytes from the ready markers), verifies every
-//!   signature and object hash before applying, the weights root after, and on any mismatch
-//!   discards local state and takes the anchor route.
-//! - Deltas are applied in place through memory maps with the redo journal, so a kill at any
-//!   instant recovers from local state on restart (no anchor download).
+//! - [`plan`]: which ready steps exist and may be used, and the cheapest route (one delta,
+//!   several, or an anchor plus deltas); shared with the Python `Follower`.
+//! - [`Agent::sync_once`]: builds the planned step in the inactive slot of the directory,
+//!   verifies every signature and object hash before applying and the weights root after,
+//!   makes it durable, switches `DIR/current` to it atomically, then notifies. A step that
+//!   fails in any way is refused and planned around; the verified weights are kept.
+//! - [`state`]: the directory layout (two slots, the `current` symlink, the lock, the state
+//!   file) and the durability order.
 //! - [`notify`]: sglang, vllm, http and exec adapters; [`server`]: `/healthz`, `/readyz`,
 //!   `/metrics`, `/v1/status` and `POST /v1/poll`.
-//!
-//! Local directory: `DIR/current/` (the checkpoint the inference server loads),
-//! `DIR/state.json` (verified step and root, written atomically), `DIR/journal` (redo records
-//! of an in-place apply), `DIR/staging/` (anchors and layout-changing deltas being built).
 #![warn(missing_docs)]
 
 mod agent;
 mod error;
 pub mod metrics;
 pub mod notify;
+pub mod plan;
 pub mod server;
-mod state;
+pub mod state;
 
-pub use agent::{Agent, AgentConfig, SyncOutcome, SyncPath};
+pub use agent::{Agent, AgentConfig, RefusedStep, SyncOutcome, SyncPath};
 pub use error::{Error, Result};
 pub use state::LocalState;

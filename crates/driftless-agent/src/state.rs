@@ -1,51 +1,220 @@
-//! The agent's state file, written atomically (temp file, fsync, rename, fsync dir).
+//! The agent's directory: two slots, an atomically switched `current` link, the state file,
+//! and the lock.
+//!
+//! ```text
+//! DIR/
+//!   lock              flock'ed by the one agent using DIR (a second agent fails at start)
+//!   running           present while an agent runs; left behind by a crash => the next start
+//!                     re-verifies the active slot before it notifies anything
+//!   state.json        which slot is active, its verified step and root, and what the inactive
+//!                     slot holds (null = unknown, being written)
+//!   current -> slots/a   symlink switched by rename(2): always names a complete verified step
+//!   slots/a/  slots/b/   two checkpoint copies: the active one (served) and the inactive one
+//!                        (the previous step, kept for rollback, and where the next step is built)
+//!   cache/            delta segments of the last steps (content-addressed, hash-checked), so
+//!                     bringing the inactive slot forward costs no second download
+//! ```
+//!
+//! Durability order of a switch (tested by tracing system calls): the new slot's data is
+//! flushed (msync, fsync of every file and of the slot directory) → `state.json` names it
+//! (written to a temp file, fsync, rename, fsync of `DIR`) → `current` is re-pointed (symlink
+//! to a temp name, rename over `current`, fsync of `DIR`) → the inference server is notified.
+//! A crash between the state write and the link switch is finished at the next start
+//! (`current` is re-pointed to the slot the state names, which is already durable).
 
-use std::path::Path;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
 use driftless_format::Digest;
 use serde::{Deserialize, Serialize};
 
-/// What the agent knows about its local checkpoint.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LocalState {
-    /// Stream id the checkpoint belongs to.
-    pub stream_id: String,
-    /// Verified step of `current/`.
+/// One of the two slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Slot {
+    /// `slots/a`.
+    A,
+    /// `slots/b`.
+    B,
+}
+
+impl Slot {
+    /// The other slot.
+    pub fn other(self) -> Slot {
+        match self {
+            Slot::A => Slot::B,
+            Slot::B => Slot::A,
+        }
+    }
+
+    /// Directory name under `slots/`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Slot::A => "a",
+            Slot::B => "b",
+        }
+    }
+}
+
+/// A verified step held in a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Held {
+    /// Step.
     pub step: u64,
     /// Its weights root.
     pub root: Digest,
-    /// A delta being applied in place (step, base step) — set before the first write, cleared
-    /// after verification. With `journal` it tells recovery which delta to finish.
+}
+
+/// What the agent knows about its directory (`state.json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalState {
+    /// Layout version of the directory (2: slots).
     #[serde(default)]
-    pub applying: Option<(u64, u64)>,
+    pub version: u32,
+    /// Stream id the checkpoints belong to.
+    pub stream_id: String,
+    /// Verified step of the active slot (the one `current` names).
+    pub step: u64,
+    /// Its weights root.
+    pub root: Digest,
+    /// The active slot.
+    pub active: Slot,
+    /// What the inactive slot holds, when it is a complete verified step; `None` while it is
+    /// being written, after a crash in the middle of that, or before it was ever filled.
+    #[serde(default)]
+    pub inactive: Option<Held>,
 }
 
 impl LocalState {
-    /// Reads `state.json`; `None` when absent or unreadable (treated as cold start).
-    pub fn load(dir: &Path) -> Option<LocalState> {
-        let b = std::fs::read(dir.join("state.json")).ok()?;
-        serde_json::from_slice(&b).ok()
+    /// The active slot's step and root.
+    pub fn held(&self) -> Held {
+        Held { step: self.step, root: self.root }
     }
 
-    /// Writes `state.json` atomically.
+    /// Reads `state.json`; `None` when absent, unreadable or of an older layout (cold start;
+    /// nothing is deleted: the next verified step is built beside whatever is there).
+    pub fn load(dir: &Path) -> Option<LocalState> {
+        let b = std::fs::read(dir.join("state.json")).ok()?;
+        if b.len() > 1 << 20 {
+            return None;
+        }
+        serde_json::from_slice::<LocalState>(&b).ok().filter(|s| s.version == 2)
+    }
+
+    /// Writes `state.json` durably: temp file, fsync, rename, fsync of the directory.
     pub fn store(&self, dir: &Path) -> std::io::Result<()> {
-        use std::io::Write;
         let tmp = dir.join("state.json.tmp");
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = File::create(&tmp)?;
         f.write_all(&serde_json::to_vec_pretty(self).expect("serializes"))?;
         f.sync_all()?;
         std::fs::rename(&tmp, dir.join("state.json"))?;
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
+        sync_dir(dir)
+    }
+}
+
+/// fsync of a directory (makes renames and new entries in it durable).
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Flushes every regular file of `dir` (fsync) and then the directory itself.
+pub fn sync_tree(dir: &Path) -> std::io::Result<()> {
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        if e.file_type()?.is_file() {
+            File::open(e.path())?.sync_all()?;
         }
-        Ok(())
+    }
+    sync_dir(dir)
+}
+
+/// The directory of an agent.
+#[derive(Debug)]
+pub struct AgentDir {
+    dir: PathBuf,
+    _lock: File,
+    /// Whether the previous agent on this directory ended without a clean shutdown.
+    pub unclean: bool,
+}
+
+impl AgentDir {
+    /// Opens (creating) `dir`, takes its lock, and records that an agent runs.
+    pub fn open(dir: &Path) -> std::io::Result<AgentDir> {
+        std::fs::create_dir_all(dir.join("slots"))?;
+        let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("lock"))?;
+        // SAFETY: flock on a file descriptor we own; no memory is involved.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(if e.kind() == std::io::ErrorKind::WouldBlock {
+                std::io::Error::new(
+                    std::io::ErrorKind::WouldBlock,
+                    format!("{} is in use by another driftless agent (one agent per directory)", dir.display()),
+                )
+            } else {
+                e
+            });
+        }
+        let running = dir.join("running");
+        let unclean = running.exists();
+        let mut f = File::create(&running)?;
+        writeln!(f, "{}", std::process::id())?;
+        f.sync_all()?;
+        sync_dir(dir)?;
+        Ok(AgentDir { dir: dir.to_path_buf(), _lock: lock, unclean })
     }
 
-    /// Removes the state (before discarding a checkpoint).
-    pub fn clear(dir: &Path) -> std::io::Result<()> {
-        match std::fs::remove_file(dir.join("state.json")) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-            _ => Ok(()),
+    /// `DIR`.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `DIR/slots/<slot>`.
+    pub fn slot(&self, s: Slot) -> PathBuf {
+        self.dir.join("slots").join(s.name())
+    }
+
+    /// `DIR/current`.
+    pub fn current(&self) -> PathBuf {
+        self.dir.join("current")
+    }
+
+    /// `DIR/cache`.
+    pub fn cache(&self) -> PathBuf {
+        self.dir.join("cache")
+    }
+
+    /// The slot `current` points at, if it is one of ours.
+    pub fn linked(&self) -> Option<Slot> {
+        let t = std::fs::read_link(self.current()).ok()?;
+        [Slot::A, Slot::B].into_iter().find(|s| t == Path::new("slots").join(s.name()))
+    }
+
+    /// Points `current` at `slot` atomically (symlink to a temp name, rename over `current`,
+    /// fsync of `DIR`). A `current` left as a real directory by an older layout is moved aside
+    /// first (`current.old`, removed afterwards).
+    pub fn link(&self, slot: Slot) -> std::io::Result<()> {
+        let cur = self.current();
+        if let Ok(md) = std::fs::symlink_metadata(&cur) {
+            if md.is_dir() {
+                let old = self.dir.join("current.old");
+                let _ = std::fs::remove_dir_all(&old);
+                std::fs::rename(&cur, &old)?;
+            }
         }
+        let tmp = self.dir.join("current.tmp");
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(Path::new("slots").join(slot.name()), &tmp)?;
+        std::fs::rename(&tmp, &cur)?;
+        sync_dir(&self.dir)?;
+        let _ = std::fs::remove_dir_all(self.dir.join("current.old"));
+        Ok(())
+    }
+}
+
+impl Drop for AgentDir {
+    fn drop(&mut self) {
+        // A clean end: the next start need not re-verify.
+        let _ = std::fs::remove_file(self.dir.join("running"));
     }
 }

@@ -96,10 +96,10 @@ async fn three_agents_follow_fifty_steps() {
         while let Some((step, _)) = rx.recv().await {
             let o = a.sync_once().await.unwrap();
             assert_eq!(o.step, step, "{url}: agent a follows every step");
-            paths.push(o.path);
+            paths.push(o.route);
             if step == 25 {
                 let o = b.sync_once().await.unwrap();
-                assert_eq!(o.path, SyncPath::Anchor, "cold start goes through an anchor");
+                assert_eq!(o.route, SyncPath::Anchor, "cold start goes through an anchor");
             }
             if step == 12 {
                 c.sync_once().await.unwrap();
@@ -119,7 +119,7 @@ async fn three_agents_follow_fifty_steps() {
         // way it must land on 49 bit-exact.
         let oc = c.sync_once().await.unwrap();
         assert_eq!(oc.step, 49);
-        assert!(matches!(oc.path, SyncPath::Catchup | SyncPath::Anchor));
+        assert!(matches!(oc.route, SyncPath::Catchup | SyncPath::Anchor));
         assert_same(&c, &chain);
     }
 }
@@ -146,7 +146,9 @@ async fn corrupt_and_forged_objects_never_reach_the_checkpoint() {
         p
     });
     let trust = TrustSet::new().with_key(key.public());
-    let mut a = Agent::new(bucket.clone(), AgentConfig::new(d.path().join("a"), trust.clone())).unwrap();
+    let mut cfg = AgentConfig::new(d.path().join("a"), trust.clone());
+    cfg.refuse_for = Duration::ZERO;
+    let mut a = Agent::new(bucket.clone(), cfg).unwrap();
     assert_eq!(a.sync_once().await.unwrap().step, 0);
     chain.step();
     tokio::task::block_in_place(|| {
@@ -160,21 +162,21 @@ async fn corrupt_and_forged_objects_never_reach_the_checkpoint() {
     b[n / 2] ^= 0x40;
     std::fs::write(&seg, &b).unwrap();
     let before = a.state().cloned();
-    let r = a.sync_once().await;
-    assert!(r.is_err(), "a corrupt segment must not be applied");
-    // Either still on the verified step 0 or discarded; never on unverified bytes.
-    if let Some(s) = a.state() {
-        let (_, got) = driftless_format::weights_root(&Checkpoint::open(a.current_dir()).unwrap().views());
-        assert_eq!(got, s.root);
-        assert_eq!(Some(s.clone()), before);
-    }
+    // Regression (issue 9.1): a corrupt segment used to discard the verified weights and leave
+    // an empty directory. The step is refused; step 0 stays, verified, under `current`.
+    let o = a.sync_once().await.unwrap();
+    assert_eq!(o.step, 0, "a corrupt segment must not be applied");
+    assert_eq!(o.refused.iter().map(|r| r.step).collect::<Vec<_>>(), vec![1], "{o:?}");
+    assert_eq!(a.state().cloned(), before);
+    let (_, got) = driftless_format::weights_root(&Checkpoint::open(a.current_dir()).unwrap().views());
+    assert_eq!(Some(got), before.map(|s| s.root));
     assert!(a.metrics().verify_failures.load(std::sync::atomic::Ordering::Relaxed) >= 1);
     // An agent trusting another key refuses the stream entirely.
     let other = TrustSet::new().with_key(Keypair::from_seed([2; 32]).public());
     let mut x = Agent::new(bucket.clone(), AgentConfig::new(d.path().join("x"), other)).unwrap();
     let e = x.sync_once().await.unwrap_err();
-    // Forged, not corrupt: the step is refused (no local state to discard anyway).
-    assert!(e.is_refused() && !e.is_retryable(), "{e}");
+    // Forged, not corrupt: a verification failure, not worth retrying.
+    assert!(e.is_integrity() && !e.is_retryable(), "{e}");
     assert!(x.state().is_none());
     // Repair the object (as a re-upload would): the agent recovers by itself.
     b[n / 2] ^= 0x40;

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use driftless_agent::notify::Notifier;
-use driftless_agent::{Agent, AgentConfig, Error, LocalState, SyncPath};
+use driftless_agent::{Agent, Error, LocalState, SyncPath};
 use driftless_format::gen::{ModelSpec, RlChain};
 use driftless_format::{Checkpoint, Keypair, StepKind, TrustSet};
 use driftless_publisher::{Publisher, PublisherBuilder};
@@ -67,7 +67,7 @@ fn keys() -> (Keypair, TrustSet) {
 }
 
 fn agent(tb: &TestBucket, name: &str, trust: &TrustSet) -> Agent {
-    Agent::new(tb.bucket.clone(), AgentConfig::new(tb.dir.path().join(name), trust.clone())).unwrap()
+    Agent::new(tb.bucket.clone(), config(tb.dir.path().join(name), trust.clone())).unwrap()
 }
 
 fn counter(a: &Agent, f: impl Fn(&driftless_agent::metrics::Metrics) -> &AtomicU64) -> u64 {
@@ -102,7 +102,7 @@ async fn bucket_unreachable_for_a_while() {
         // Back: both recover by themselves, a on the fast path.
         tb.faults.clear();
         let o = a.sync_once().await.unwrap();
-        assert_eq!((o.step, o.path), (2, SyncPath::Fast), "{}", tb.name);
+        assert_eq!((o.step, o.route), (2, SyncPath::Fast), "{}", tb.name);
         assert_bits(&a, &want);
         assert_eq!(cold.sync_once().await.unwrap().step, 2);
         assert_bits(&cold, &want);
@@ -132,7 +132,7 @@ async fn bucket_failing_mid_download_leaves_state_untouched() {
     assert!(!e.is_integrity(), "{e}");
     // Delta 1 may have been applied (it was complete); delta 2 never half-applied.
     let s = a.state().unwrap();
-    assert!(s.applying.is_none() && (Some(s) == before.as_ref() || s.step == 1), "{s:?}");
+    assert!(Some(s) == before.as_ref() || s.step == 1, "{s:?}");
     assert_verified(&a, "mid-download");
     tb.faults.clear();
     assert_eq!(a.sync_once().await.unwrap().step, 2);
@@ -160,23 +160,20 @@ async fn marker_before_its_objects_is_not_ready() {
         b.delete(&skey).await.unwrap();
         let before = a.state().cloned();
         for round in 0..2 {
-            let e = a.sync_once().await.unwrap_err();
-            assert!(
-                matches!(e, Error::Stream(StreamError::NotReady { step: 2, .. })),
-                "{}: round {round}: {e}",
-                tb.name
-            );
-            assert!(e.is_retryable() && !e.is_integrity());
+            // Missing objects: the step is refused for now (planned around), state kept.
+            let o = a.sync_once().await.unwrap();
+            assert_eq!(o.step, 1, "{}: round {round}", tb.name);
+            assert_eq!(o.refused.iter().map(|r| r.step).collect::<Vec<_>>(), vec![2], "{}: {o:?}", tb.name);
+            assert!(o.refused[0].reason.contains("not ready"), "{}: {o:?}", tb.name);
             assert_eq!(a.state().cloned(), before);
             assert_verified(&a, &tb.name);
             if round == 0 {
                 b.put(&mkey, manifest.clone()).await.unwrap(); // manifest arrives, segment not yet
             }
         }
-        assert_eq!(counter(&a, |m| &m.verify_failures), 0, "{}: not ready is not an integrity failure", tb.name);
         b.put(&skey, seg).await.unwrap();
         let o = a.sync_once().await.unwrap();
-        assert_eq!((o.step, o.path), (2, SyncPath::Fast));
+        assert_eq!((o.step, o.route), (2, SyncPath::Fast));
         assert_bits(&a, &want);
         assert_eq!(counter(&a, |m| &m.anchor_downloads), 1);
     }
@@ -212,7 +209,7 @@ async fn replayed_older_manifest_presented_as_newer_is_refused() {
         let before = a.state().cloned();
         for _ in 0..2 {
             let o = a.sync_once().await.unwrap();
-            assert_eq!((o.step, o.path), (3, SyncPath::UpToDate), "{}", tb.name);
+            assert_eq!((o.step, o.route), (3, SyncPath::UpToDate), "{}", tb.name);
             assert_eq!(a.state().cloned(), before, "{}: local state kept", tb.name);
             assert_verified(&a, &tb.name);
         }
@@ -239,7 +236,7 @@ async fn delta_on_a_wrong_base_is_never_applied() {
     t.publish();
     let dir = tb.dir.path().join("a");
     {
-        let mut a = Agent::new(tb.bucket.clone(), AgentConfig::new(&dir, trust.clone())).unwrap();
+        let mut a = Agent::new(tb.bucket.clone(), config(&dir, trust.clone())).unwrap();
         assert_eq!(a.sync_once().await.unwrap().step, 1);
     }
     // The local checkpoint diverged (a bit flipped by someone else) and its state file was
@@ -258,10 +255,10 @@ async fn delta_on_a_wrong_base_is_never_applied() {
     st.root = driftless_format::weights_root(&Checkpoint::open(&cur).unwrap().views()).1;
     st.store(&dir).unwrap();
     let want = t.publish();
-    let mut a = Agent::new(tb.bucket.clone(), AgentConfig::new(&dir, trust.clone())).unwrap();
+    let mut a = Agent::new(tb.bucket.clone(), config(&dir, trust.clone())).unwrap();
     // WrongBase -> discard -> anchor + delta, in the same sync.
     let o = a.sync_once().await.unwrap();
-    assert_eq!((o.step, o.path), (2, SyncPath::Anchor));
+    assert_eq!((o.step, o.route), (2, SyncPath::Anchor));
     assert_bits(&a, &want);
     assert_eq!(counter(&a, |m| &m.verify_failures), 1);
     assert_eq!(counter(&a, |m| &m.anchor_downloads), 1);
@@ -282,18 +279,19 @@ async fn truncated_objects() {
         let manifest = b.get(&mkey).await.unwrap();
         b.put(&mkey, manifest.slice(..manifest.len() / 2)).await.unwrap();
         let before = a.state().cloned();
-        let e = a.sync_once().await.unwrap_err();
-        assert!(e.is_retryable() && !e.is_integrity(), "{}: {e}", tb.name);
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.refused.len()), (0, 1), "{}: {o:?}", tb.name);
         assert_eq!(a.state().cloned(), before);
         b.put(&mkey, manifest).await.unwrap();
         // A truncated segment: an integrity failure; never applied.
         let skey = layout::object(StepKind::Delta, 1, &driftless_format::ops::segment_object_name(0));
         let seg = b.get(&skey).await.unwrap();
         b.put(&skey, seg.slice(..seg.len() - 7)).await.unwrap();
-        let e = a.sync_once().await.unwrap_err();
-        assert!(e.is_integrity(), "{}: {e}", tb.name);
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.refused.len()), (0, 1), "{}: {o:?}", tb.name);
+        assert!(o.refused[0].reason.contains("does not match its manifest"), "{}: {o:?}", tb.name);
         assert_verified(&a, &tb.name);
-        assert!(a.state().is_none_or(|s| s.step == 0));
+        assert_eq!(a.state().cloned(), before);
         // A truncated anchor shard: a cold agent gets nothing.
         let anchor = b.list(&layout::anchor_dir(0)).await.unwrap();
         let akey = anchor
@@ -304,7 +302,8 @@ async fn truncated_objects() {
         let shard = b.get(&akey).await.unwrap();
         b.put(&akey, shard.slice(..shard.len() / 3)).await.unwrap();
         let mut c = agent(&tb, "cold", &trust);
-        assert!(c.sync_once().await.is_err());
+        let e = c.sync_once().await.unwrap_err();
+        assert!(e.is_refused() && e.is_integrity(), "{}: {e}", tb.name);
         assert!(c.state().is_none());
         assert!(!c.current_dir().exists() || c.state().is_none());
         // Repaired: both land on step 1 bit for bit.
@@ -401,7 +400,7 @@ async fn notify_target_down_then_back() {
     let tb = file_bucket();
     let (key, trust) = keys();
     let (url, srv) = inference_server().await;
-    let mut cfg = AgentConfig::new(tb.dir.path().join("a"), trust.clone());
+    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
     cfg.notify = vec![format!("http={url}").parse::<Notifier>().unwrap()];
     let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
     let mut t = Trainer::new(&tb.bucket, &key, 100);
@@ -429,7 +428,7 @@ async fn notify_target_down_then_back() {
     assert!(srv.loads.lock().unwrap().iter().all(|l| l.stable));
     assert_eq!(a.metrics().ready.load(SeqCst), 1);
     // Nothing new: no second load of 1.
-    assert_eq!(a.sync_once().await.unwrap().path, SyncPath::UpToDate);
+    assert_eq!(a.sync_once().await.unwrap().route, SyncPath::UpToDate);
     assert_eq!(srv.loads.lock().unwrap().iter().filter(|l| l.ok).count(), 2);
 }
 
@@ -439,7 +438,7 @@ async fn slow_notify_target_never_sees_files_change_under_it() {
     let (key, trust) = keys();
     let (url, srv) = inference_server().await;
     srv.delay_ms.store(300, SeqCst);
-    let mut cfg = AgentConfig::new(tb.dir.path().join("a"), trust.clone());
+    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
     cfg.notify = vec![format!("http={url}").parse::<Notifier>().unwrap()];
     cfg.poll_min = Duration::from_millis(10);
     cfg.poll_max = Duration::from_millis(20);

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use driftless_agent::{Agent, AgentConfig};
+use driftless_agent::Agent;
 use driftless_format::gen::{ModelSpec, RlChain};
 use driftless_format::{Keypair, TrustSet};
 use driftless_gc::GcPolicy;
@@ -131,8 +131,7 @@ async fn scenario(tb: TestBucket, attempt: u64) -> u64 {
         );
         let agent_bucket = driftless_store::Bucket::from_store(slow, tb.bucket.prefix(), tb.bucket.options())
             .with_conditional_create(tb.bucket.supports_conditional_create());
-        let mk =
-            |n: &str| Agent::new(agent_bucket.clone(), AgentConfig::new(tb.dir.path().join(n), trust.clone())).unwrap();
+        let mk = |n: &str| Agent::new(agent_bucket.clone(), config(tb.dir.path().join(n), trust.clone())).unwrap();
         let mut tasks = vec![];
         for n in ["a", "b"] {
             tasks.push(tokio::spawn(follow(mk(n), format!("{}/{n}", tb.name), done.clone())));

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use driftless_agent::{Agent, AgentConfig};
+use driftless_agent::Agent;
 use driftless_format::gen::{ModelSpec, RlChain};
 use driftless_format::{Keypair, TrustSet};
 use driftless_publisher::PublisherBuilder;
@@ -18,7 +18,7 @@ async fn ops_endpoints() {
     let tb = file_bucket();
     let key = Keypair::from_seed([8; 32]);
     let trust = TrustSet::new().with_key(key.public());
-    let mut a = Agent::new(tb.bucket.clone(), AgentConfig::new(tb.dir.path().join("a"), trust)).unwrap();
+    let mut a = Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust)).unwrap();
     let poke = Arc::new(tokio::sync::Notify::new());
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", l.local_addr().unwrap());

@@ -472,6 +472,33 @@ struct ShardMut {
     tensors: Vec<(TensorMeta, Range<usize>)>,
 }
 
+/// Creates (truncating) `path` with `len` bytes really allocated on disk (`posix_fallocate`),
+/// so that running out of space is an error here, not a SIGBUS when a map of the file is
+/// written later. Filesystems without fallocate support fall back to a sized sparse file.
+pub fn allocate_file(path: &Path, len: u64) -> Result<File> {
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
+    if len == 0 {
+        return Ok(f);
+    }
+    let n = i64::try_from(len).map_err(|_| Error::invalid(format!("{}: size {len} too large", path.display())))?;
+    // SAFETY: plain syscall on a descriptor owned by `f`.
+    let rc = unsafe { libc::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, n) };
+    match rc {
+        0 => Ok(f),
+        libc::EOPNOTSUPP | libc::EINVAL => {
+            f.set_len(len).map_err(|e| Error::io(path, e))?;
+            Ok(f)
+        }
+        rc => Err(Error::io(path, std::io::Error::from_raw_os_error(rc))),
+    }
+}
+
 /// A checkpoint directory mapped writable.
 pub struct CheckpointMut {
     dir: PathBuf,
@@ -505,14 +532,7 @@ impl CheckpointMut {
             let (header, ranges) = Layout::shard_header(s)?;
             let total = header.len() as u64 + ranges.last().map(|r| r.end).unwrap_or(0);
             let p = dir.join(&s.file);
-            let f = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&p)
-                .map_err(|e| Error::io(&p, e))?;
-            f.set_len(total).map_err(|e| Error::io(&p, e))?;
+            let f = allocate_file(&p, total)?;
             // SAFETY: freshly created file owned by us.
             let mut map = unsafe { MmapMut::map_mut(&f) }.map_err(|e| Error::io(&p, e))?;
             map[..header.len()].copy_from_slice(&header);

@@ -16,6 +16,9 @@ use crate::{DType, Digest, Error, Result, TensorMeta};
 pub const FORMAT_VERSION: u32 = 1;
 /// Largest manifest accepted (bytes).
 pub const MAX_MANIFEST_BYTES: usize = 64 << 20;
+/// Largest step payload a ready marker may announce (1 PiB): far above any model, low enough
+/// that sums over any chain of markers a bucket can list never overflow a `u64`.
+pub const MAX_PAYLOAD_BYTES: u64 = 1 << 50;
 
 /// A tensor of a result: metadata plus its digest (see [`crate::hash`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -352,6 +355,21 @@ impl ReadyMarker {
     pub fn from_slice(bytes: &[u8]) -> Result<Self> {
         let m: ReadyMarker = parse("ready marker", bytes)?;
         check_kind("ready marker", &m.kind, "ready", FORMAT_VERSION)?;
+        // Markers are unsigned and drive planning: every link must point strictly backwards
+        // (so chain walks end) and sizes must be sums that cannot overflow.
+        match (m.of, m.base_step) {
+            (StepKind::Delta, Some(b)) if b < m.step => {}
+            (StepKind::Delta, _) => {
+                return Err(Error::corrupt("ready marker", "delta base step is not before its step"))
+            }
+            (StepKind::Anchor, None) => {}
+            (StepKind::Anchor, Some(_)) => {
+                return Err(Error::corrupt("ready marker", "anchor marker with a base step"))
+            }
+        }
+        if m.payload_bytes > MAX_PAYLOAD_BYTES {
+            return Err(Error::corrupt("ready marker", "payload size over the limit"));
+        }
         Ok(m)
     }
 }

@@ -184,7 +184,9 @@ impl TrustSet {
         }
         let env: Envelope = serde_json::from_slice(bytes).map_err(|e| Error::corrupt("envelope", e.to_string()))?;
         if env.signatures.is_empty() {
-            if self.allow_unsigned {
+            // Unsigned passes only when no key is trusted at all: with a key configured, a
+            // manifest whose signatures were stripped is exactly what signing must catch.
+            if self.allow_unsigned && self.keys.is_empty() {
                 return Ok((env.payload.into_bytes(), None));
             }
             return Err(Error::Untrusted {

@@ -8,12 +8,12 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use bytes::Bytes;
-use driftless_agent::{Agent, AgentConfig, SyncPath};
-use driftless_format::manifest::{AnchorManifest, DeltaManifest, ReadyMarker, StepKind};
+use driftless_agent::{plan, Agent, AgentConfig};
+use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
 use driftless_format::{
     anchor, delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
 };
-use driftless_store::stream::{StreamError, StreamReader};
+use driftless_store::stream::StreamReader;
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use pyo3::prelude::*;
@@ -139,13 +139,18 @@ impl PyFollower {
             Ok((o, agent.current_dir()))
         });
         let (o, dir) = r?;
-        let route = match o.path {
-            SyncPath::UpToDate => "up_to_date",
-            SyncPath::Fast => "fast",
-            SyncPath::Catchup => "catchup",
-            SyncPath::Anchor => "anchor",
-        };
-        let d = outcome_dict(py, o.step, o.root, route, o.bytes, o.deltas as usize)?;
+        let route = o.route.to_string();
+        let d = outcome_dict(py, o.step, o.root, &route, o.bytes, o.deltas as usize)?;
+        // Newer steps refused (bad or missing objects): the verified step above was kept.
+        let refused = PyList::empty(py);
+        for r in &o.refused {
+            let kind = match r.kind {
+                StepKind::Delta => "delta",
+                StepKind::Anchor => "anchor",
+            };
+            refused.append((kind, r.step, r.reason.clone()))?;
+        }
+        d.set_item("refused", refused)?;
         d.set_item("path", dir.to_string_lossy().to_string())?;
         Ok(d)
     }
@@ -294,80 +299,25 @@ fn check_set(layout: &Layout, parts: &[(TensorMeta, Raw)], step: u64) -> BindRes
 }
 
 impl PyFollower {
-    /// Plans from `local` to `want` (or the newest reachable step). `Ok(None)`: up to date.
+    /// Plans from `local` to `want` (or the newest reachable step) with the agent's planner
+    /// (`driftless_agent::plan`: validated markers bound to the stream, bounded walks, the
+    /// cheapest route by bytes). `Ok(None)`: up to date.
     async fn plan(&self, local: Option<u64>, want: Option<u64>) -> BindResult<Option<Route>> {
-        let anchors: Vec<u64> = self
-            .reader
-            .ready_steps(StepKind::Anchor, None)
-            .await?
-            .into_iter()
-            .filter(|a| want.is_none_or(|w| *a <= w))
-            .collect();
-        let newest_anchor = anchors.last().copied();
-        let from = match (local, newest_anchor) {
-            (Some(l), Some(a)) => Some(l.min(a)),
-            (l, a) => l.or(a),
+        let Some(desc) = self.reader.descriptor().await? else {
+            return Err(BindError::NothingReady("the bucket holds no stream yet".into()));
         };
-        let Some(from) = from else {
+        let cands = plan::MarkerCache::default().candidates(&self.reader, &desc.stream_id, None).await?;
+        if cands.anchors.is_empty() && local.is_none() {
             return Err(BindError::NothingReady("no anchor is ready in the stream yet".into()));
-        };
-        let deltas = self.reader.ready_steps(StepKind::Delta, Some(from)).await?;
-        let r = &self.reader;
-        let markers: BTreeMap<u64, ReadyMarker> =
-            futures::stream::iter(deltas.iter().copied().filter(|d| want.is_none_or(|w| *d <= w)))
-                .map(|s| async move {
-                    match r.marker(StepKind::Delta, s).await {
-                        Ok(m) => Ok(Some((s, m))),
-                        Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
-                        Err(e) => Err(e),
-                    }
-                })
-                .buffered(16)
-                .try_collect::<Vec<_>>()
-                .await?
-                .into_iter()
-                .flatten()
-                .collect();
-        let chain = |start: u64, target: u64| -> Option<Vec<u64>> {
-            let mut v = vec![];
-            let mut s = target;
-            while s != start {
-                let m = markers.get(&s)?;
-                v.push(s);
-                s = m.base_step?;
-                if s < start {
-                    return None;
-                }
-            }
-            v.reverse();
-            Some(v)
-        };
-        let mut candidates: Vec<u64> = markers.keys().copied().chain(anchors.iter().copied()).collect();
-        candidates.sort_unstable();
-        candidates.dedup();
-        if let Some(w) = want {
-            candidates.retain(|c| *c == w);
-            if local == Some(w) {
-                return Ok(None);
-            }
         }
-        for &target in candidates.iter().rev() {
-            if want.is_none() && local.is_some_and(|l| target <= l) {
-                return Ok(None);
-            }
-            if let Some(v) = local.and_then(|l| chain(l, target)) {
-                return Ok(Some((target, None, v)));
-            }
-            for &a in anchors.iter().rev().filter(|&&a| a <= target) {
-                if let Some(v) = chain(a, target) {
-                    return Ok(Some((target, Some(a), v)));
-                }
-            }
+        if let Some(r) = plan::route(local, &cands, &plan::Refusals::default(), want) {
+            return Ok(Some((r.target, r.anchor, r.deltas)));
         }
         match want {
-            Some(w) => Err(BindError::NothingReady(format!(
+            Some(w) if local != Some(w) => Err(BindError::NothingReady(format!(
                 "step {w} is not reachable in the stream (no ready delta chain or anchor leads to it)"
             ))),
+            Some(_) => Ok(None),
             None if local.is_some() => Ok(None),
             None => Err(BindError::NothingReady("no reachable state in the stream yet".into())),
         }

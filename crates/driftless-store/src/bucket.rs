@@ -339,6 +339,17 @@ impl Bucket {
     /// Conditional GET: `Ok(None)` when the object still has ETag `etag`; otherwise the bytes
     /// and the new ETag. Backends that ignore `If-None-Match` simply always return the object.
     pub async fn get_if_changed(&self, key: &str, etag: Option<&str>) -> Result<Option<(Bytes, Option<String>)>> {
+        self.get_if_changed_limited(key, etag, driftless_format::manifest::MAX_MANIFEST_BYTES as u64).await
+    }
+
+    /// [`Bucket::get_if_changed`] refusing bodies over `max` bytes ([`Error::TooLarge`]) before
+    /// reading them: a hostile bucket must not be able to grow a reader's memory.
+    pub async fn get_if_changed_limited(
+        &self,
+        key: &str,
+        etag: Option<&str>,
+        max: u64,
+    ) -> Result<Option<(Bytes, Option<String>)>> {
         let span = tracing::debug_span!("get_if_changed", bucket = %self.url(), key, etag);
         async {
             let path = self.path(key)?;
@@ -348,7 +359,7 @@ impl Bucket {
                 match self.inner.store.get_opts(&path, opts).await {
                     Ok(r) => {
                         let new_etag = r.meta.e_tag.clone();
-                        let bytes = r.bytes().await.map_err(|e| Error::from_store(key, e))?;
+                        let bytes = read_limited(key, r, max).await?;
                         Ok(Some((bytes, new_etag)))
                     }
                     Err(object_store::Error::NotModified { .. }) => Ok(None),

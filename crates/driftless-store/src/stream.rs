@@ -189,7 +189,7 @@ impl StreamReader {
 
     /// `latest.json` if it changed since `etag`: `Ok(None)` when not modified or absent.
     pub async fn latest(&self, etag: Option<&str>) -> StreamResult<Option<(LatestHint, Option<String>)>> {
-        match self.bucket.get_if_changed(layout::LATEST, etag).await {
+        match self.bucket.get_if_changed_limited(layout::LATEST, etag, MAX_MARKER_BYTES).await {
             Ok(Some((b, tag))) => {
                 let (payload, _) = self.trust.open(&b)?;
                 Ok(Some((LatestHint::from_slice(&payload)?, tag)))

@@ -89,16 +89,22 @@ pub fn assert_bits(agent: &Agent, want: &[(String, Vec<u8>)]) {
     assert_eq!(root, agent.state().unwrap().root);
 }
 
-/// The invariant of every test: whenever the agent claims a verified step (state set, no apply
-/// in flight), the files under `current/` hash to that step's root.
+/// The invariant of every test: whenever the agent claims a verified step, the files under
+/// `current/` hash to that step's root.
 pub fn assert_verified(agent: &Agent, ctx: &str) {
     if let Some(s) = agent.state() {
-        if s.applying.is_none() {
-            let ck = Checkpoint::open(agent.current_dir())
-                .unwrap_or_else(|e| panic!("{ctx}: state {} but no checkpoint: {e}", s.step));
-            let views: Vec<TensorView<'_>> = ck.views();
-            let (_, root) = driftless_format::weights_root(&views);
-            assert_eq!(root, s.root, "{ctx}: agent claims step {} but its files hash differently", s.step);
-        }
+        let ck = Checkpoint::open(agent.current_dir())
+            .unwrap_or_else(|e| panic!("{ctx}: state {} but no checkpoint: {e}", s.step));
+        let views: Vec<TensorView<'_>> = ck.views();
+        let (_, root) = driftless_format::weights_root(&views);
+        assert_eq!(root, s.root, "{ctx}: agent claims step {} but its files hash differently", s.step);
     }
+}
+
+/// Agent settings for tests: refused steps are retried at the next sync (not after 30 s), so a
+/// repaired bucket is picked up at once.
+pub fn config(dir: impl Into<std::path::PathBuf>, trust: driftless_format::TrustSet) -> driftless_agent::AgentConfig {
+    let mut c = driftless_agent::AgentConfig::new(dir, trust);
+    c.refuse_for = std::time::Duration::ZERO;
+    c
 }

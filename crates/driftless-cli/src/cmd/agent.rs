@@ -50,6 +50,12 @@ pub fn run(a: Args) -> Result<()> {
     if trust.is_empty() && !a.allow_unsigned {
         bail!("give --trust KEY.pub (or --allow-unsigned for an unsigned stream)");
     }
+    if !trust.is_empty() && a.allow_unsigned {
+        // With a key configured, an unsigned manifest is a stripped signature: never accepted.
+        bail!(
+            "--allow-unsigned cannot be combined with --trust (unsigned manifests are refused when a key is trusted)"
+        );
+    }
     let mut cfg = AgentConfig::new(&a.dir, trust);
     cfg.notify = a.notify.clone();
     cfg.poll_min = a.poll_min.into();
@@ -63,7 +69,16 @@ pub fn run(a: Args) -> Result<()> {
             if a.json {
                 println!("{}", serde_json::json!({"type": "synced", "data": o}));
             } else {
-                println!("step {} root {} via {:?} ({} bytes, {:.3} s)", o.step, o.root, o.path, o.bytes, o.secs);
+                println!("step {} root {} via {} ({} bytes, {:.3} s)", o.step, o.root, o.route, o.bytes, o.secs);
+            }
+            if let Some(r) = o.refused.first() {
+                // The verified step above is kept and served; a newer one was refused: exit 1.
+                return Err(driftless_agent::Error::Refused {
+                    kind: r.kind,
+                    step: r.step,
+                    detail: format!("{} (serving verified step {})", r.reason, o.step),
+                }
+                .into());
             }
             return Ok(());
         }

@@ -67,7 +67,7 @@ pub fn run(a: Args) -> Result<()> {
             r.delta_bytes,
             r.ratio,
             100.0 * r.density,
-            format!("{:?}", o.path).to_lowercase(),
+            o.route.to_string(),
             o.bytes,
             t.elapsed().as_secs_f64()
         );

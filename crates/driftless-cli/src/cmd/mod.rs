@@ -17,6 +17,9 @@ use driftless_format::ErrorKind;
 /// Exit code for an error: 1 when verification failed, 2 otherwise.
 pub fn exit_code(e: &anyhow::Error) -> i32 {
     for c in e.chain() {
+        if let Some(a) = c.downcast_ref::<driftless_agent::Error>() {
+            return if a.is_integrity() { 1 } else { 2 };
+        }
         if let Some(f) = c.downcast_ref::<driftless_format::Error>() {
             return match f.kind() {
                 ErrorKind::Corrupt | ErrorKind::Untrusted | ErrorKind::WrongBase => 1,

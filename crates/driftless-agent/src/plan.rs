@@ -1,0 +1,386 @@
+//! Planning a sync: which ready steps the bucket announces, which of them may be used, and the
+//! cheapest route from what is held locally to the newest usable step.
+//!
+//! This is the one implementation shared by the agent and the Python `Follower`. Everything
+//! here treats the bucket as hostile: ready markers are unsigned, so they are validated
+//! ([`ReadyMarker::from_slice`] refuses links that do not point strictly backwards and sizes
+//! over [`MAX_PAYLOAD_BYTES`](driftless_format::manifest::MAX_PAYLOAD_BYTES)), bound to the
+//! verified stream id, and every walk is bounded by the strictly decreasing step numbers.
+//! Steps that failed (bad object, bad manifest, missing object, wrong result) are *refused*
+//! for a while ([`Refusals`]) and planned around: an older anchor, an older step, or waiting.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use driftless_format::manifest::{ReadyMarker, StepKind};
+use driftless_format::Digest;
+use driftless_store::stream::{StreamError, StreamReader};
+use futures::{StreamExt, TryStreamExt};
+use tracing::warn;
+
+/// A route to a target step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The step reached.
+    pub target: u64,
+    /// Anchor to load first (`None`: start from the local step).
+    pub anchor: Option<u64>,
+    /// Deltas to apply, in order.
+    pub deltas: Vec<u64>,
+    /// Payload bytes to download (anchor + deltas, from the markers).
+    pub bytes: u64,
+}
+
+/// The ready steps of a stream, with their validated markers.
+#[derive(Debug, Clone, Default)]
+pub struct Candidates {
+    /// Ready anchors.
+    pub anchors: BTreeMap<u64, ReadyMarker>,
+    /// Ready deltas.
+    pub deltas: BTreeMap<u64, ReadyMarker>,
+}
+
+impl Candidates {
+    /// The marker of a step.
+    pub fn marker(&self, kind: StepKind, step: u64) -> Option<&ReadyMarker> {
+        match kind {
+            StepKind::Anchor => self.anchors.get(&step),
+            StepKind::Delta => self.deltas.get(&step),
+        }
+    }
+
+    /// Newest announced step of either kind.
+    pub fn newest(&self) -> Option<u64> {
+        self.anchors.keys().next_back().copied().max(self.deltas.keys().next_back().copied())
+    }
+}
+
+/// Steps that failed and are left out of plans for a while.
+///
+/// A refusal is keyed by the step and the manifest SHA-256 its marker names, so a step that is
+/// re-announced differently is planned again at once; otherwise it is retried after `ttl`
+/// (doubling on each repeated failure, at most 64 x `ttl`), which is how an agent recovers by
+/// itself once a fault in the bucket is repaired without hammering a bad object every poll.
+#[derive(Debug, Clone)]
+pub struct Refusals {
+    ttl: Duration,
+    map: HashMap<(StepKind, u64), Refusal>,
+}
+
+/// One refused step.
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    /// Manifest SHA-256 of the marker that was refused (`None`: no marker could be read).
+    pub manifest_sha256: Option<Digest>,
+    /// Why.
+    pub reason: String,
+    /// Refused until then.
+    pub until: Instant,
+    /// Consecutive failures.
+    pub count: u32,
+    /// Refused during the current sync, whatever the TTL (so one sync never retries a step
+    /// it has just seen fail, even with a zero TTL).
+    pub pinned: bool,
+}
+
+impl Default for Refusals {
+    fn default() -> Self {
+        Refusals::new(Duration::from_secs(30))
+    }
+}
+
+impl Refusals {
+    /// Refusals that expire after `ttl` (doubling per repeat).
+    pub fn new(ttl: Duration) -> Self {
+        Refusals { ttl, map: HashMap::new() }
+    }
+
+    /// Refuses a step.
+    pub fn refuse(&mut self, kind: StepKind, step: u64, sha: Option<Digest>, reason: String) {
+        let count = self.map.get(&(kind, step)).map_or(1, |r| r.count.saturating_add(1));
+        let until = Instant::now() + self.ttl * (1u32 << (count - 1).min(6));
+        self.map.insert((kind, step), Refusal { manifest_sha256: sha, reason, until, count, pinned: true });
+    }
+
+    /// Starts a new sync: refusals made by earlier syncs hold only until their TTL.
+    pub fn begin_round(&mut self) {
+        for r in self.map.values_mut() {
+            r.pinned = false;
+        }
+    }
+
+    /// Whether a step with this marker is refused now.
+    pub fn is_refused(&self, kind: StepKind, step: u64, sha: Option<Digest>) -> bool {
+        self.map.get(&(kind, step)).is_some_and(|r| {
+            (r.pinned || Instant::now() < r.until)
+                && (r.manifest_sha256.is_none() || sha.is_none() || r.manifest_sha256 == sha)
+        })
+    }
+
+    /// Forgets a refusal (the step was used successfully).
+    pub fn clear(&mut self, kind: StepKind, step: u64) {
+        self.map.remove(&(kind, step));
+    }
+
+    /// Drops refusals of steps below `step` (collected by GC, never planned again).
+    pub fn prune_below(&mut self, step: u64) {
+        self.map.retain(|(_, s), _| *s >= step);
+    }
+
+    /// Current refusals, oldest step first: (kind, step, reason).
+    pub fn list(&self) -> Vec<(StepKind, u64, String)> {
+        let now = Instant::now();
+        let mut v: Vec<_> = self
+            .map
+            .iter()
+            .filter(|(_, r)| r.pinned || now < r.until)
+            .map(|((k, s), r)| (*k, *s, r.reason.clone()))
+            .collect();
+        v.sort_by_key(|(k, s, _)| (*s, *k == StepKind::Delta));
+        v
+    }
+
+    fn usable(&self, kind: StepKind, m: &ReadyMarker) -> bool {
+        !self.is_refused(kind, m.step, Some(m.manifest_sha256))
+    }
+}
+
+/// Reads ready markers, caching them (markers are write-once: a step's marker is read once,
+/// not at every poll). Bounded: entries of steps no longer listed are dropped.
+#[derive(Debug, Clone, Default)]
+pub struct MarkerCache {
+    map: HashMap<(StepKind, u64), ReadyMarker>,
+}
+
+impl MarkerCache {
+    /// Forgets one marker (it is read again next time).
+    pub fn forget(&mut self, kind: StepKind, step: u64) {
+        self.map.remove(&(kind, step));
+    }
+
+    /// Lists the ready steps of `stream_id` and returns their valid markers: anchors all,
+    /// deltas after `from` (all when `None`). Markers that do not parse, name another step or
+    /// another stream are left out with a warning; they never fail the listing.
+    pub async fn candidates(
+        &mut self,
+        reader: &StreamReader,
+        stream_id: &str,
+        from: Option<u64>,
+    ) -> Result<Candidates, StreamError> {
+        let anchors = reader.ready_steps(StepKind::Anchor, None).await?;
+        let deltas = reader.ready_steps(StepKind::Delta, from).await?;
+        let mut out = Candidates::default();
+        let mut listed: Vec<(StepKind, u64)> = Vec::with_capacity(anchors.len() + deltas.len());
+        listed.extend(anchors.iter().map(|&s| (StepKind::Anchor, s)));
+        listed.extend(deltas.iter().map(|&s| (StepKind::Delta, s)));
+        let missing: Vec<(StepKind, u64)> = listed.iter().copied().filter(|k| !self.map.contains_key(k)).collect();
+        let fetched: Vec<Option<((StepKind, u64), ReadyMarker)>> = futures::stream::iter(missing)
+            .map(|(kind, s)| async move {
+                match reader.marker(kind, s).await {
+                    Ok(m) => Ok(Some(((kind, s), m))),
+                    // Deleted by GC between list and get: skip it.
+                    Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
+                    // Unparsable, over-sized, or naming another step: never a reason to touch
+                    // local state; the step is simply not ready.
+                    Err(StreamError::Format(e)) => {
+                        warn!(step = s, kind = ?kind, error = %e, "ignoring an invalid ready marker");
+                        Ok(None)
+                    }
+                    Err(StreamError::Store(e)) if matches!(e, driftless_store::Error::TooLarge { .. }) => {
+                        warn!(step = s, kind = ?kind, error = %e, "ignoring an over-sized ready marker");
+                        Ok(None)
+                    }
+                    Err(e) => Err(e),
+                }
+            })
+            .buffered(16)
+            .try_collect()
+            .await?;
+        for ((kind, s), m) in fetched.into_iter().flatten() {
+            self.map.insert((kind, s), m);
+        }
+        let keep: std::collections::HashSet<(StepKind, u64)> = listed.iter().copied().collect();
+        // Keep cached anchors and deltas still listed; deltas at or below `from` were not
+        // listed this time but may be again (a later cold plan lists them all): keep those too.
+        self.map.retain(|k, _| keep.contains(k) || (k.0 == StepKind::Delta && from.is_some_and(|f| k.1 <= f)));
+        for (kind, s) in listed {
+            let Some(m) = self.map.get(&(kind, s)) else { continue };
+            if m.stream_id != stream_id {
+                warn!(step = s, kind = ?kind, "ignoring a ready marker of another stream");
+                continue;
+            }
+            match kind {
+                StepKind::Anchor => out.anchors.insert(s, m.clone()),
+                StepKind::Delta => out.deltas.insert(s, m.clone()),
+            };
+        }
+        Ok(out)
+    }
+}
+
+/// Walks base links back from `target` to `start` over usable delta markers: the deltas in
+/// order and their payload bytes, or `None` when the chain is broken. Bounded: every link
+/// points strictly backwards (checked again here, not only at parse time).
+pub fn chain(c: &Candidates, refused: &Refusals, start: u64, target: u64) -> Option<(Vec<u64>, u64)> {
+    let mut v = vec![];
+    let mut bytes = 0u64;
+    let mut s = target;
+    while s != start {
+        let m = c.deltas.get(&s).filter(|m| refused.usable(StepKind::Delta, m))?;
+        let base = m.base_step.filter(|&b| b < s)?;
+        v.push(s);
+        bytes = bytes.saturating_add(m.payload_bytes);
+        if base < start {
+            return None;
+        }
+        s = base;
+    }
+    v.reverse();
+    Some((v, bytes))
+}
+
+/// The cheapest route (by payload bytes) from `local` to the newest reachable usable step, or
+/// to `want` when given. `None` when nothing newer than `local` is reachable (with `want`:
+/// when `want` is not reachable or already local).
+pub fn route(local: Option<u64>, c: &Candidates, refused: &Refusals, want: Option<u64>) -> Option<Route> {
+    let anchors: Vec<(u64, u64)> = c
+        .anchors
+        .iter()
+        .filter(|(_, m)| refused.usable(StepKind::Anchor, m))
+        .map(|(&s, m)| (s, m.payload_bytes))
+        .collect();
+    let mut targets: Vec<u64> = c
+        .deltas
+        .iter()
+        .filter(|(_, m)| refused.usable(StepKind::Delta, m))
+        .map(|(&s, _)| s)
+        .chain(anchors.iter().map(|a| a.0))
+        .collect();
+    targets.sort_unstable();
+    targets.dedup();
+    if let Some(w) = want {
+        targets.retain(|&t| t == w);
+    }
+    for &target in targets.iter().rev() {
+        if local.is_some_and(|l| target <= l) && (want.is_none() || local == Some(target)) {
+            return None;
+        }
+        let mut best: Option<Route> = None;
+        if let Some((v, b)) = local.and_then(|l| chain(c, refused, l, target)) {
+            best = Some(Route { target, anchor: None, deltas: v, bytes: b });
+        }
+        for &(a, ab) in anchors.iter().rev().filter(|(a, _)| *a <= target) {
+            if let Some((v, b)) = chain(c, refused, a, target) {
+                let cost = ab.saturating_add(b);
+                if best.as_ref().is_none_or(|p| cost < p.bytes) {
+                    best = Some(Route { target, anchor: Some(a), deltas: v, bytes: cost });
+                }
+            }
+        }
+        if best.is_some() {
+            return best;
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marker(of: StepKind, step: u64, base: Option<u64>, bytes: u64) -> ReadyMarker {
+        ReadyMarker {
+            kind: "ready".into(),
+            stream_id: "s".into(),
+            of,
+            step,
+            base_step: base,
+            manifest_sha256: Digest([step as u8; 32]),
+            payload_bytes: bytes,
+        }
+    }
+
+    fn cands(deltas: &[(u64, u64, u64)], anchors: &[(u64, u64)]) -> Candidates {
+        Candidates {
+            anchors: anchors.iter().map(|&(s, b)| (s, marker(StepKind::Anchor, s, None, b))).collect(),
+            deltas: deltas.iter().map(|&(s, base, b)| (s, marker(StepKind::Delta, s, Some(base), b))).collect(),
+        }
+    }
+
+    fn r(target: u64, anchor: Option<u64>, deltas: Vec<u64>, bytes: u64) -> Option<Route> {
+        Some(Route { target, anchor, deltas, bytes })
+    }
+
+    #[test]
+    fn plans_cheapest_route() {
+        let d: Vec<_> = (1..=20).map(|s| (s, s - 1, 10)).collect();
+        let c = cands(&d, &[(0, 1000), (10, 1000)]);
+        let no = Refusals::default();
+        assert_eq!(route(Some(19), &c, &no, None), r(20, None, vec![20], 10));
+        assert_eq!(route(Some(15), &c, &no, None).unwrap().anchor, None);
+        assert_eq!(route(None, &c, &no, None), r(20, Some(10), (11..=20).collect(), 1100));
+        let cheap = cands(&d, &[(0, 5), (10, 5)]);
+        assert_eq!(route(Some(1), &cheap, &no, None).unwrap().anchor, Some(10));
+        assert_eq!(route(Some(20), &c, &no, None), None);
+        // A specific step.
+        assert_eq!(route(Some(12), &c, &no, Some(14)), r(14, None, vec![13, 14], 20));
+        assert_eq!(route(Some(14), &c, &no, Some(14)), None);
+    }
+
+    #[test]
+    fn follows_declared_base_and_skips_broken_tips() {
+        let c = cands(&[(1, 0, 10), (4, 1, 10), (6, 5, 10)], &[(0, 1000)]);
+        assert_eq!(route(Some(0), &c, &Refusals::default(), None), r(4, None, vec![1, 4], 20));
+    }
+
+    // Regression (issue 9.2): a marker whose base is itself, or two markers pointing at each
+    // other, made the walk loop forever while pushing to a vector.
+    #[test]
+    fn self_loops_and_cycles_end() {
+        let mut c = cands(&[(1, 0, 10), (2, 1, 10)], &[(0, 100)]);
+        c.deltas.insert(3, marker(StepKind::Delta, 3, Some(3), 10));
+        c.deltas.insert(5, marker(StepKind::Delta, 5, Some(6), 10));
+        c.deltas.insert(6, marker(StepKind::Delta, 6, Some(5), 10));
+        c.deltas.insert(7, marker(StepKind::Delta, 7, Some(7), u64::MAX));
+        assert_eq!(route(None, &c, &Refusals::default(), None), r(2, Some(0), vec![1, 2], 120));
+        assert_eq!(route(Some(1), &c, &Refusals::default(), None), r(2, None, vec![2], 10));
+    }
+
+    #[test]
+    fn sums_saturate() {
+        let c = cands(&[(1, 0, u64::MAX), (2, 1, u64::MAX)], &[(0, u64::MAX)]);
+        assert_eq!(route(None, &c, &Refusals::default(), None).unwrap().bytes, u64::MAX);
+    }
+
+    #[test]
+    fn refused_steps_are_planned_around() {
+        let c = cands(&[(1, 0, 10), (2, 1, 10), (3, 2, 10), (6, 5, 10)], &[(0, 100), (5, 100)]);
+        let mut no = Refusals::default();
+        assert_eq!(route(Some(2), &c, &no, None), r(6, Some(5), vec![6], 110));
+        // The newest anchor is bad: the chain from the local step, as far as it goes.
+        no.refuse(StepKind::Anchor, 5, Some(Digest([5; 32])), "bad".into());
+        assert_eq!(route(Some(2), &c, &no, None), r(3, None, vec![3], 10));
+        // And a bad delta on it: nothing newer reachable; a cold start takes the old anchor.
+        no.refuse(StepKind::Delta, 3, Some(Digest([3; 32])), "bad".into());
+        assert_eq!(route(Some(2), &c, &no, None), None);
+        assert_eq!(route(None, &c, &no, None), r(2, Some(0), vec![1, 2], 120));
+        // A refusal is bound to the marker it was made for.
+        assert!(!no.is_refused(StepKind::Delta, 3, Some(Digest([9; 32]))));
+    }
+
+    #[test]
+    fn refusals_expire() {
+        let mut no = Refusals::new(Duration::from_millis(20));
+        no.refuse(StepKind::Delta, 3, None, "gone".into());
+        assert!(no.is_refused(StepKind::Delta, 3, Some(Digest([3; 32]))));
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(no.is_refused(StepKind::Delta, 3, None), "pinned for the rest of the sync");
+        no.begin_round();
+        assert!(!no.is_refused(StepKind::Delta, 3, Some(Digest([3; 32]))));
+        // Repeats back off.
+        no.refuse(StepKind::Delta, 3, None, "gone".into());
+        no.begin_round();
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(no.is_refused(StepKind::Delta, 3, None), "second refusal lasts twice as long");
+    }
+}
