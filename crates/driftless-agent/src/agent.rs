@@ -97,6 +97,9 @@ pub struct RefusedStep {
     pub step: u64,
     /// Why.
     pub reason: String,
+    /// Its objects were missing (not ready yet, or collected): retrying may help; not a
+    /// verification failure.
+    pub missing: bool,
 }
 
 /// Result of a sync.
@@ -155,8 +158,8 @@ impl std::fmt::Debug for Agent {
 
 /// Why building a step failed in a way the agent plans around.
 enum BuildError {
-    /// A step of the stream is at fault: refuse it.
-    Step(StepKind, u64, String),
+    /// A step of the stream is at fault: refuse it (the flag: its objects were missing).
+    Step(StepKind, u64, String, bool),
     /// The final root of a multi-delta chain differs: retry step by step to name the culprit.
     ChainMismatch,
     /// A signed manifest gives the local step another root than the one recorded locally.
@@ -193,8 +196,23 @@ fn step_fault(e: &Error) -> bool {
     }
 }
 
+/// Whether a step fault is only missing objects (retrying may help).
+fn missing(e: &Error) -> bool {
+    match e {
+        Error::Stream(StreamError::NotReady { .. }) => true,
+        Error::Stream(StreamError::Store(s)) | Error::Store(s) => s.is_not_found(),
+        _ => false,
+    }
+}
+
 fn attribute(kind: StepKind, step: u64) -> impl Fn(Error) -> BuildError {
-    move |e| if step_fault(&e) { BuildError::Step(kind, step, e.to_string()) } else { BuildError::Other(e) }
+    move |e| {
+        if step_fault(&e) {
+            BuildError::Step(kind, step, e.to_string(), missing(&e))
+        } else {
+            BuildError::Other(e)
+        }
+    }
 }
 
 fn corrupt(what: &'static str, detail: impl Into<String>) -> Error {
@@ -253,7 +271,7 @@ impl Agent {
             .list()
             .into_iter()
             .filter(|(_, s, _)| local.is_none_or(|l| *s > l))
-            .map(|(kind, step, reason)| RefusedStep { kind, step, reason })
+            .map(|(kind, step, r)| RefusedStep { kind, step, reason: r.reason.clone(), missing: r.missing })
             .collect()
     }
 
@@ -282,18 +300,21 @@ impl Agent {
             rounds += 1;
             match self.sync_inner(careful, t0).await {
                 Ok(o) => break o,
-                Err(BuildError::Step(kind, step, reason)) if rounds < 32 => {
-                    self.metrics.verify_failures.fetch_add(1, Relaxed);
+                Err(BuildError::Step(kind, step, reason, missing)) if rounds < 32 => {
+                    self.metrics.refusals.fetch_add(1, Relaxed);
+                    if !missing {
+                        self.metrics.verify_failures.fetch_add(1, Relaxed);
+                    }
                     warn!(kind = ?kind, step, reason = %reason, "refusing step; keeping the verified weights");
                     let sha = self.candidate_sha(kind, step);
                     self.markers.forget(kind, step);
-                    self.refused.refuse(kind, step, sha, reason);
+                    self.refused.refuse(kind, step, sha, reason, missing);
                 }
                 Err(BuildError::ChainMismatch) if !careful => {
                     warn!("result of the chain does not verify; retrying step by step");
                     careful = true;
                 }
-                Err(BuildError::Step(kind, step, reason)) => {
+                Err(BuildError::Step(kind, step, reason, _)) => {
                     return Err(Error::Refused { kind, step, detail: reason });
                 }
                 Err(BuildError::ChainMismatch) => return Err(corrupt("result", "chain does not verify")),
@@ -310,6 +331,9 @@ impl Agent {
                 Err(BuildError::Other(Error::NothingReady)) => {
                     // Nothing usable, because of refusals: report the newest refused step.
                     return Err(match self.refused_newer().pop() {
+                        Some(r) if r.missing => {
+                            Error::Stream(StreamError::NotReady { step: r.step, detail: r.reason })
+                        }
                         Some(r) => Error::Refused { kind: r.kind, step: r.step, detail: r.reason },
                         None => Error::NothingReady,
                     });
@@ -513,7 +537,7 @@ impl Agent {
                     None => {
                         self.copy_active(&wdir).await?;
                         rebuilt = true;
-                        self.metrics.journal_recoveries.fetch_add(1, Relaxed);
+                        self.metrics.slot_rebuilds.fetch_add(1, Relaxed);
                         (base, route.deltas.clone())
                     }
                 }
@@ -587,7 +611,7 @@ impl Agent {
         let at = attribute(StepKind::Anchor, step);
         let (m, _) = self.reader.anchor(step).await.map_err(|e| at(e.into()))?;
         if m.stream_id != sid {
-            return Err(BuildError::Step(StepKind::Anchor, step, "signed for another stream".into()));
+            return Err(BuildError::Step(StepKind::Anchor, step, "signed for another stream".into(), false));
         }
         if wdir.exists() {
             std::fs::remove_dir_all(wdir)?;
@@ -736,7 +760,7 @@ impl Agent {
             .map_err(|_| BuildError::Other(Error::Io(std::io::Error::other("delta download stopped"))))?
             .map_err(&att)?;
         if m.stream_id != sid {
-            return Err(BuildError::Step(StepKind::Delta, step, "signed for another stream".into()));
+            return Err(BuildError::Step(StepKind::Delta, step, "signed for another stream".into(), false));
         }
         if m.base_step == at.step && m.base_root != at.root {
             return Err(BuildError::LocalMismatch(format!(
@@ -920,7 +944,8 @@ fn classify_apply(e: Error, step: u64, pinpoint: bool) -> BuildError {
         return BuildError::ChainMismatch;
     }
     if step_fault(&e) {
-        BuildError::Step(StepKind::Delta, step, e.to_string())
+        let m = missing(&e);
+        BuildError::Step(StepKind::Delta, step, e.to_string(), m)
     } else {
         BuildError::Other(e)
     }

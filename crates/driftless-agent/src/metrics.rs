@@ -23,14 +23,16 @@ pub struct Metrics {
     pub verify_ms: AtomicU64,
     /// Verification failures (signature, hash, root).
     pub verify_failures: AtomicU64,
+    /// Steps refused (any reason, missing objects included) and planned around.
+    pub refusals: AtomicU64,
     /// Notify failures.
     pub notify_failures: AtomicU64,
     /// Syncs completed.
     pub syncs: AtomicU64,
     /// Set once a verified step was loaded by the server (or no notifier is configured).
     pub ready: AtomicU64,
-    /// Recoveries from a journal.
-    pub journal_recoveries: AtomicU64,
+    /// Inactive slot rebuilt by copying the active one.
+    pub slot_rebuilds: AtomicU64,
     /// Anchors downloaded.
     pub anchor_downloads: AtomicU64,
 }
@@ -98,6 +100,12 @@ impl Metrics {
             g(&self.verify_failures).to_string(),
         );
         m(
+            "driftless_refused_steps_total",
+            "counter",
+            "Steps refused (bad, forged, foreign or missing objects) and planned around.",
+            g(&self.refusals).to_string(),
+        );
+        m(
             "driftless_notify_failures_total",
             "counter",
             "Failed inference server notifications.",
@@ -105,10 +113,10 @@ impl Metrics {
         );
         m("driftless_syncs_total", "counter", "Completed syncs.", g(&self.syncs).to_string());
         m(
-            "driftless_journal_recoveries_total",
+            "driftless_slot_rebuilds_total",
             "counter",
-            "Interrupted applies finished from the journal.",
-            g(&self.journal_recoveries).to_string(),
+            "Inactive slot rebuilt by a local copy of the active one (first delta after an anchor, or after a crash).",
+            g(&self.slot_rebuilds).to_string(),
         );
         m("driftless_anchor_downloads_total", "counter", "Anchors downloaded.", g(&self.anchor_downloads).to_string());
         o

@@ -78,6 +78,9 @@ pub struct Refusal {
     pub until: Instant,
     /// Consecutive failures.
     pub count: u32,
+    /// The step's objects were missing (not ready yet, or collected): worth retrying, not a
+    /// verification failure.
+    pub missing: bool,
     /// Refused during the current sync, whatever the TTL (so one sync never retries a step
     /// it has just seen fail, even with a zero TTL).
     pub pinned: bool,
@@ -96,10 +99,10 @@ impl Refusals {
     }
 
     /// Refuses a step.
-    pub fn refuse(&mut self, kind: StepKind, step: u64, sha: Option<Digest>, reason: String) {
+    pub fn refuse(&mut self, kind: StepKind, step: u64, sha: Option<Digest>, reason: String, missing: bool) {
         let count = self.map.get(&(kind, step)).map_or(1, |r| r.count.saturating_add(1));
         let until = Instant::now() + self.ttl * (1u32 << (count - 1).min(6));
-        self.map.insert((kind, step), Refusal { manifest_sha256: sha, reason, until, count, pinned: true });
+        self.map.insert((kind, step), Refusal { manifest_sha256: sha, reason, until, count, missing, pinned: true });
     }
 
     /// Starts a new sync: refusals made by earlier syncs hold only until their TTL.
@@ -127,14 +130,14 @@ impl Refusals {
         self.map.retain(|(_, s), _| *s >= step);
     }
 
-    /// Current refusals, oldest step first: (kind, step, reason).
-    pub fn list(&self) -> Vec<(StepKind, u64, String)> {
+    /// Current refusals, oldest step first.
+    pub fn list(&self) -> Vec<(StepKind, u64, &Refusal)> {
         let now = Instant::now();
         let mut v: Vec<_> = self
             .map
             .iter()
             .filter(|(_, r)| r.pinned || now < r.until)
-            .map(|((k, s), r)| (*k, *s, r.reason.clone()))
+            .map(|((k, s), r)| (*k, *s, r))
             .collect();
         v.sort_by_key(|(k, s, _)| (*s, *k == StepKind::Delta));
         v
@@ -358,10 +361,10 @@ mod tests {
         let mut no = Refusals::default();
         assert_eq!(route(Some(2), &c, &no, None), r(6, Some(5), vec![6], 110));
         // The newest anchor is bad: the chain from the local step, as far as it goes.
-        no.refuse(StepKind::Anchor, 5, Some(Digest([5; 32])), "bad".into());
+        no.refuse(StepKind::Anchor, 5, Some(Digest([5; 32])), "bad".into(), false);
         assert_eq!(route(Some(2), &c, &no, None), r(3, None, vec![3], 10));
         // And a bad delta on it: nothing newer reachable; a cold start takes the old anchor.
-        no.refuse(StepKind::Delta, 3, Some(Digest([3; 32])), "bad".into());
+        no.refuse(StepKind::Delta, 3, Some(Digest([3; 32])), "bad".into(), false);
         assert_eq!(route(Some(2), &c, &no, None), None);
         assert_eq!(route(None, &c, &no, None), r(2, Some(0), vec![1, 2], 120));
         // A refusal is bound to the marker it was made for.
@@ -371,14 +374,14 @@ mod tests {
     #[test]
     fn refusals_expire() {
         let mut no = Refusals::new(Duration::from_millis(20));
-        no.refuse(StepKind::Delta, 3, None, "gone".into());
+        no.refuse(StepKind::Delta, 3, None, "gone".into(), false);
         assert!(no.is_refused(StepKind::Delta, 3, Some(Digest([3; 32]))));
         std::thread::sleep(Duration::from_millis(30));
         assert!(no.is_refused(StepKind::Delta, 3, None), "pinned for the rest of the sync");
         no.begin_round();
         assert!(!no.is_refused(StepKind::Delta, 3, Some(Digest([3; 32]))));
         // Repeats back off.
-        no.refuse(StepKind::Delta, 3, None, "gone".into());
+        no.refuse(StepKind::Delta, 3, None, "gone".into(), false);
         no.begin_round();
         std::thread::sleep(Duration::from_millis(30));
         assert!(no.is_refused(StepKind::Delta, 3, None), "second refusal lasts twice as long");
