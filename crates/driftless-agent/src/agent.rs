@@ -331,9 +331,7 @@ impl Agent {
                 Err(BuildError::Other(Error::NothingReady)) => {
                     // Nothing usable, because of refusals: report the newest refused step.
                     return Err(match self.refused_newer().pop() {
-                        Some(r) if r.missing => {
-                            Error::Stream(StreamError::NotReady { step: r.step, detail: r.reason })
-                        }
+                        Some(r) if r.missing => Error::Stream(StreamError::NotReady { step: r.step, detail: r.reason }),
                         Some(r) => Error::Refused { kind: r.kind, step: r.step, detail: r.reason },
                         None => Error::NothingReady,
                     });

@@ -133,12 +133,8 @@ impl Refusals {
     /// Current refusals, oldest step first.
     pub fn list(&self) -> Vec<(StepKind, u64, &Refusal)> {
         let now = Instant::now();
-        let mut v: Vec<_> = self
-            .map
-            .iter()
-            .filter(|(_, r)| r.pinned || now < r.until)
-            .map(|((k, s), r)| (*k, *s, r))
-            .collect();
+        let mut v: Vec<_> =
+            self.map.iter().filter(|(_, r)| r.pinned || now < r.until).map(|((k, s), r)| (*k, *s, r)).collect();
         v.sort_by_key(|(k, s, _)| (*s, *k == StepKind::Delta));
         v
     }

@@ -163,7 +163,12 @@ async fn marker_before_its_objects_is_not_ready() {
             // Missing objects: the step is refused for now (planned around), state kept.
             let o = a.sync_once().await.unwrap();
             assert_eq!(o.step, 1, "{}: round {round}", tb.name);
-            assert_eq!(o.refused.iter().map(|r| (r.step, r.missing)).collect::<Vec<_>>(), vec![(2, true)], "{}: {o:?}", tb.name);
+            assert_eq!(
+                o.refused.iter().map(|r| (r.step, r.missing)).collect::<Vec<_>>(),
+                vec![(2, true)],
+                "{}: {o:?}",
+                tb.name
+            );
             assert!(o.refused[0].reason.contains("not ready"), "{}: {o:?}", tb.name);
             assert_eq!(a.state().cloned(), before);
             assert_verified(&a, &tb.name);

@@ -1,0 +1,363 @@
+//! Hostile buckets against the real `driftless agent` binary (issue 9): every fault refuses
+//! the bad step and keeps the verified weights under `DIR/current`; nothing hangs; exit codes
+//! follow the README (1 = verification failed, 2 = other).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use driftless_format::gen::{ModelSpec, RlChain};
+use driftless_format::{checkpoint, Checkpoint, Digest, Layout};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_driftless"))
+}
+
+struct Env {
+    t: tempfile::TempDir,
+    chain: RlChain,
+    roots: Vec<Digest>,
+}
+
+impl Env {
+    fn new() -> Env {
+        let t = tempfile::tempdir().unwrap();
+        assert!(bin().args(["keygen", "--out"]).arg(t.path().join("key")).status().unwrap().success());
+        Env { t, chain: RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 1e-6, 11), roots: vec![] }
+    }
+    fn p(&self, s: &str) -> PathBuf {
+        self.t.path().join(s)
+    }
+    fn url(&self, bucket: &str) -> String {
+        format!("file://{}", self.p(bucket).display())
+    }
+    /// Publishes the chain's next step (step 0 first) into `bucket` with `key`.
+    fn publish_to(&mut self, bucket: &str, key: &str, state: &str, anchor_every: u64) -> u64 {
+        let step = self.roots.len() as u64;
+        if step > 0 {
+            self.chain.step();
+        }
+        let d = self.p(&format!("ckpt-{bucket}-{step}"));
+        let layout = Layout::for_tensors(self.chain.metas(), 2 << 20).unwrap();
+        checkpoint::write_checkpoint(&d, &layout, &self.chain.views()).unwrap();
+        self.roots.push(driftless_format::weights_root(&self.chain.views()).1);
+        let st = bin()
+            .args(["publish", "--bucket", &self.url(bucket), "--step", &step.to_string(), "--anchor-every"])
+            .arg(anchor_every.to_string())
+            .arg("--state")
+            .arg(self.p(state))
+            .arg("--key")
+            .arg(self.p(key))
+            .arg(&d)
+            .output()
+            .unwrap();
+        assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+        step
+    }
+    fn publish(&mut self) -> u64 {
+        self.publish_to("bucket", "key", "pstate", 1000)
+    }
+    fn agent(&self, dir: &str) -> Command {
+        let mut c = bin();
+        c.args(["agent", "--once", "--json", "--bucket", &self.url("bucket"), "--trust"])
+            .arg(self.p("key.pub"))
+            .arg("--dir")
+            .arg(self.p(dir));
+        c
+    }
+    /// The step whose root `DIR/current` hashes to (panics when it is none of the chain's).
+    fn current_step(&self, dir: &str) -> u64 {
+        let ck = Checkpoint::open(self.p(dir).join("current")).expect("DIR/current is a checkpoint");
+        let root = driftless_format::weights_root(&ck.views()).1;
+        self.roots.iter().position(|r| *r == root).expect("current holds a published step") as u64
+    }
+}
+
+/// Runs a command with a deadline (a hanging agent fails the test instead of the CI job).
+fn run_bounded(mut c: Command, secs: u64) -> Output {
+    let child = c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let pid = child.id();
+    let t = Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output().unwrap()).unwrap());
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(o) => o,
+        Err(_) => {
+            // SAFETY: plain kill(2) of our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            panic!("command did not finish within {secs} s ({:?})", t.elapsed());
+        }
+    }
+}
+
+fn stdout_json(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{e}: stdout {:?} stderr {}", o.stdout, String::from_utf8_lossy(&o.stderr)))
+}
+
+fn flip_middle_byte(path: &Path) -> Vec<u8> {
+    let orig = std::fs::read(path).unwrap();
+    let mut b = orig.clone();
+    let n = b.len();
+    b[n / 2] ^= 0x40;
+    std::fs::write(path, &b).unwrap();
+    orig
+}
+
+// Issue 9.1: one corrupt segment used to make the agent delete `current` and exit 2 with an
+// empty directory. Now: exit 1, step 2 kept and still served, and the next run after the
+// repair reaches step 3 on the fast path.
+#[test]
+fn corrupt_segment_refuses_the_step_and_keeps_the_weights() {
+    let mut e = Env::new();
+    for _ in 0..3 {
+        e.publish();
+    }
+    let o = run_bounded(e.agent("a"), 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(e.current_step("a"), 2);
+    e.publish();
+    let seg = e.p("bucket/deltas/000000000003/seg-00000.dls");
+    let orig = flip_middle_byte(&seg);
+    for _ in 0..2 {
+        let o = run_bounded(e.agent("a"), 60);
+        assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(stdout_json(&o)["data"]["step"], 2);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("step 3") && err.contains("refused"), "{err}");
+        assert_eq!(e.current_step("a"), 2, "the verified step stays under current");
+    }
+    // A cold agent meets the same segment: it ends on the newest good step, not nowhere.
+    let o = run_bounded(e.agent("cold"), 60);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(e.current_step("cold"), 2);
+    std::fs::write(&seg, orig).unwrap();
+    let o = run_bounded(e.agent("a"), 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = stdout_json(&o);
+    assert_eq!((v["data"]["step"].as_u64(), v["data"]["route"].as_str()), (Some(3), Some("fast")));
+    assert_eq!(e.current_step("a"), 3);
+}
+
+// Issue 9.2: a ready marker whose base is its own step (or a cycle) looped forever and grew
+// memory until the agent aborted. Invalid markers are ignored; the run ends promptly.
+#[test]
+fn self_looping_and_cyclic_markers_do_not_hang() {
+    let mut e = Env::new();
+    for _ in 0..3 {
+        e.publish();
+    }
+    let m2: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(e.p("bucket/ready/deltas/000000000002")).unwrap()).unwrap();
+    let mut put = |step: u64, base: u64| {
+        let mut m = m2.clone();
+        m["step"] = step.into();
+        m["base_step"] = base.into();
+        std::fs::write(e.p(&format!("bucket/ready/deltas/{step:012}")), serde_json::to_vec(&m).unwrap()).unwrap();
+    };
+    put(7, 7);
+    put(8, 9);
+    put(9, 8);
+    let o = run_bounded(e.agent("a"), 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(stdout_json(&o)["data"]["step"], 2);
+    assert_eq!(e.current_step("a"), 2);
+}
+
+// Issue 9.5: a step signed by the same key for another stream, copied into this stream's
+// prefix with its (unsigned) marker edited to this stream's id, is refused.
+#[test]
+fn step_copied_from_another_stream_is_refused() {
+    let mut e = Env::new();
+    for _ in 0..3 {
+        e.publish();
+    }
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    // Stream B: same key, same weights up to step 2, then its own step 3.
+    let mut b = Env {
+        t: tempfile::tempdir().unwrap(),
+        chain: RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 1e-6, 11),
+        roots: vec![],
+    };
+    std::fs::copy(e.p("key"), b.p("key")).unwrap();
+    std::fs::copy(e.p("key.pub"), b.p("key.pub")).unwrap();
+    for _ in 0..4 {
+        b.publish();
+    }
+    let sid: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(e.p("bucket/ready/deltas/000000000002")).unwrap()).unwrap();
+    let copy = |rel: &str| {
+        let (from, to) = (b.p(&format!("bucket/{rel}")), e.p(&format!("bucket/{rel}")));
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(from, to).unwrap();
+    };
+    for f in std::fs::read_dir(b.p("bucket/deltas/000000000003")).unwrap() {
+        copy(&format!("deltas/000000000003/{}", f.unwrap().file_name().to_string_lossy()));
+    }
+    let mut m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(b.p("bucket/ready/deltas/000000000003")).unwrap()).unwrap();
+    m["stream_id"] = sid["stream_id"].clone();
+    std::fs::write(e.p("bucket/ready/deltas/000000000003"), serde_json::to_vec(&m).unwrap()).unwrap();
+    let o = run_bounded(e.agent("a"), 60);
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("another stream"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(e.current_step("a"), 2);
+}
+
+// Issue 9.12: anchors signed by an unknown key, newer than the real ones, blocked every cold
+// start. All candidates are considered; the cold agent reaches the real newest step.
+#[test]
+fn newer_anchors_by_a_foreign_key_do_not_block_a_cold_start() {
+    let mut e = Env::new();
+    for _ in 0..3 {
+        e.publish();
+    }
+    assert!(bin().args(["keygen", "--out"]).arg(e.p("evil")).status().unwrap().success());
+    let sid: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(e.p("bucket/ready/deltas/000000000002")).unwrap()).unwrap();
+    // Four anchors by the foreign key in a scratch bucket (steps 3..6), copied over.
+    let mut f = Env {
+        t: tempfile::tempdir().unwrap(),
+        chain: RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 1e-6, 5),
+        roots: vec![],
+    };
+    std::fs::copy(e.p("evil"), f.p("key")).unwrap();
+    for _ in 0..7 {
+        f.publish_to("bucket", "key", "pstate", 1);
+    }
+    for step in 3..7u64 {
+        let rel = format!("anchors/{step:012}");
+        std::fs::create_dir_all(e.p(&format!("bucket/{rel}"))).unwrap();
+        for x in std::fs::read_dir(f.p(&format!("bucket/{rel}"))).unwrap() {
+            let x = x.unwrap();
+            std::fs::copy(x.path(), e.p(&format!("bucket/{rel}/{}", x.file_name().to_string_lossy()))).unwrap();
+        }
+        let mut m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(f.p(&format!("bucket/ready/anchors/{step:012}"))).unwrap()).unwrap();
+        m["stream_id"] = sid["stream_id"].clone();
+        std::fs::write(e.p(&format!("bucket/ready/anchors/{step:012}")), serde_json::to_vec(&m).unwrap()).unwrap();
+    }
+    let o = run_bounded(e.agent("cold"), 120);
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(stdout_json(&o)["data"]["step"], 2);
+    assert_eq!(e.current_step("cold"), 2);
+}
+
+// Issue 9.6: two agents on one directory used to apply over each other.
+#[test]
+fn a_second_agent_on_the_same_directory_is_refused() {
+    let mut e = Env::new();
+    e.publish();
+    let mut first = bin();
+    first.args(["agent", "--bucket", &e.url("bucket"), "--trust"]).arg(e.p("key.pub")).arg("--dir").arg(e.p("a"));
+    let mut child = first.stderr(std::process::Stdio::null()).spawn().unwrap();
+    let t = Instant::now();
+    while !e.p("a/current").exists() && t.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = run_bounded(e.agent("a"), 30);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("in use by another driftless agent"));
+    assert_eq!(e.current_step("a"), 0);
+}
+
+// Issue 9.7: `--allow-unsigned` next to a trusted key would accept stripped signatures.
+#[test]
+fn allow_unsigned_with_a_trusted_key_is_an_error() {
+    let mut e = Env::new();
+    e.publish();
+    let o = run_bounded(
+        {
+            let mut c = e.agent("a");
+            c.arg("--allow-unsigned");
+            c
+        },
+        30,
+    );
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--allow-unsigned cannot be combined"));
+    assert!(!e.p("a/current").exists());
+}
+
+/// Peak resident memory of a finished child, from its `/proc` status sampled while running.
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()
+}
+
+// Issue 9.10: latest.json was read without a cap (840 MB RSS for an 800 MB body).
+#[test]
+fn oversized_latest_json_does_not_grow_the_agent() {
+    let mut e = Env::new();
+    e.publish();
+    std::fs::write(e.p("bucket/latest.json"), vec![b' '; 300 << 20]).unwrap();
+    let mut c = bin();
+    c.args(["agent", "--poll-min", "50ms", "--poll-max", "100ms", "--bucket", &e.url("bucket"), "--trust"])
+        .arg(e.p("key.pub"))
+        .arg("--dir")
+        .arg(e.p("a"));
+    let mut child = c.stderr(std::process::Stdio::null()).spawn().unwrap();
+    let mut peak = 0;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(3) {
+        peak = peak.max(peak_rss_kib(child.id()).unwrap_or(0));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(peak > 0 && peak < 200 << 10, "peak RSS {peak} KiB with a 300 MiB latest.json");
+    assert_eq!(e.current_step("a"), 0);
+}
+
+/// A small tmpfs for disk-full tests (root only; CI runs as root).
+struct Tmpfs(PathBuf);
+impl Tmpfs {
+    fn mount(at: PathBuf, bytes: u64) -> Tmpfs {
+        std::fs::create_dir_all(&at).unwrap();
+        let st =
+            Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={bytes}")]).arg("tmpfs").arg(&at).status();
+        assert!(st.is_ok_and(|s| s.success()), "cannot mount a tmpfs at {} (run as root)", at.display());
+        Tmpfs(at)
+    }
+}
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+// Issue 9.11: disk full arrived as SIGBUS (exit 135) with `staging/` left behind. Space is
+// reserved before it is mapped: an error (exit 2) and the verified state is kept.
+#[test]
+fn disk_full_is_an_error_not_a_signal() {
+    let mut e = Env::new();
+    e.publish();
+    e.publish();
+    // Cold start into 2 MiB: the 4 MiB anchor cannot fit.
+    let small = Tmpfs::mount(e.p("small"), 2 << 20);
+    let mut c = e.agent("small/a");
+    c.env("DRIFTLESS_LOG", "warn");
+    let o = run_bounded(c, 60);
+    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("No space left"), "{}", String::from_utf8_lossy(&o.stderr));
+    drop(small);
+    // Room for one copy of the model but not two: the anchor loads; building step 1 needs the
+    // second slot and fails cleanly, step 0 stays verified under current.
+    let _mid = Tmpfs::mount(e.p("mid"), 6 << 20);
+    let o = run_bounded(e.agent("mid/a"), 60);
+    assert!(o.status.code() == Some(2) || o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = if o.status.success() {
+        // The anchor route went straight to step 1; push one more step through the slots.
+        e.publish();
+        run_bounded(e.agent("mid/a"), 60)
+    } else {
+        o
+    };
+    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
+    let before = e.current_step("mid/a");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("No space left"), "{}", String::from_utf8_lossy(&o.stderr));
+    let st: serde_json::Value = serde_json::from_slice(&std::fs::read(e.p("mid/a/state.json")).unwrap()).unwrap();
+    assert_eq!(st["step"].as_u64(), Some(before), "state and current agree after disk full");
+}
