@@ -361,3 +361,61 @@ fn disk_full_is_an_error_not_a_signal() {
     let st: serde_json::Value = serde_json::from_slice(&std::fs::read(e.p("mid/a/state.json")).unwrap()).unwrap();
     assert_eq!(st["step"].as_u64(), Some(before), "state and current agree after disk full");
 }
+
+// Issue 9.3/9.4: the durability order of a switch, read from the agent's own system calls:
+// the new slot's files are flushed, then state.json is renamed into place, then the directory
+// is synced, then `current` is re-pointed (rename of the temp symlink), then synced again.
+#[test]
+fn durability_order_in_a_syscall_trace() {
+    let mut e = Env::new();
+    e.publish();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    e.publish();
+    let trace = e.p("trace");
+    let mut c = Command::new("strace");
+    c.args([
+        "-f",
+        "-qq",
+        "-e",
+        "trace=fsync,fdatasync,msync,rename,renameat,renameat2,unlink,unlinkat,symlink,symlinkat,openat",
+        "-o",
+    ])
+    .arg(&trace)
+    .arg(env!("CARGO_BIN_EXE_driftless"))
+    .args(["agent", "--once", "--bucket", &e.url("bucket"), "--trust"])
+    .arg(e.p("key.pub"))
+    .arg("--dir")
+    .arg(e.p("a"));
+    let o = run_bounded(c, 120);
+    assert!(
+        o.status.success(),
+        "strace or the agent failed (is strace installed?): {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let lines: Vec<String> = std::fs::read_to_string(&trace).unwrap().lines().map(str::to_string).collect();
+    if std::env::var_os("DRIFTLESS_DUMP_TRACE").is_some() {
+        eprintln!("{}", lines.join("\n"));
+    }
+    let first = |pat: &dyn Fn(&str) -> bool| lines.iter().position(|l| pat(l));
+    let state_rename = first(&|l| l.contains("rename") && l.contains("state.json.tmp")).expect("state.json renamed");
+    let link_rename = first(&|l| l.contains("rename") && l.contains("current.tmp")).expect("current re-pointed");
+    // The new slot's shard files: msync'ed (in-place writes) and each fsync'ed, before the
+    // state names the slot.
+    let before = &lines[..state_rename];
+    let msyncs = before.iter().filter(|l| l.contains("msync(") && l.contains("MS_SYNC")).count();
+    let slot_fsyncs = before
+        .windows(2)
+        .filter(|w| w[0].contains("openat") && w[0].contains("/slots/") && w[1].contains("fsync("))
+        .count();
+    let data_flush = (msyncs > 0 && slot_fsyncs >= 2).then_some(());
+    assert!(data_flush.is_some(), "no data flush before the state write");
+    // The slot's shard files were opened and fsync'ed before the state rename.
+    let slot_open = first(&|l| l.contains("openat") && l.contains("/slots/") && l.contains(".safetensors"));
+    assert!(slot_open.is_some_and(|i| i < state_rename), "slot files not flushed before the state");
+    assert!(state_rename < link_rename, "state must be durable before current is switched");
+    let fsync_between = lines[state_rename..link_rename].iter().any(|l| l.contains("fsync("));
+    assert!(fsync_between, "DIR fsync after the state rename, before the switch");
+    let fsync_after = lines[link_rename..].iter().any(|l| l.contains("fsync("));
+    assert!(fsync_after, "DIR fsync after the switch");
+}
