@@ -28,7 +28,6 @@ Not part of either engine: ``/_stub/*`` routes the tests use to script faults an
 recorded calls.
 """
 
-from __future__ import annotations
 
 import argparse
 import asyncio

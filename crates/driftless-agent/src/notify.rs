@@ -48,6 +48,8 @@ use crate::{Error, Result};
 
 /// Control calls (pause, resume, version reads).
 const SHORT: Duration = Duration::from_secs(30);
+/// How long a timed-out SGLang load is watched (through `/model_info`) before giving up.
+const SETTLE: Duration = Duration::from_secs(60);
 /// Default for the load call.
 const DEFAULT_LOAD_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -408,7 +410,7 @@ async fn sglang(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::
             Err(CallError::Timeout(m)) => {
                 // No lock guards a load while paused: never send a second one. Wait for the
                 // engine to report the version, bounded.
-                if settle(e, "/model_info", &want, t.load_timeout.min(Duration::from_secs(60))).await {
+                if settle(e, "/model_info", &want, SETTLE).await {
                     return Ok(());
                 }
                 return Err(format!("{m}; the load may still be running, not re-sent"));
