@@ -79,8 +79,9 @@ pub enum TokenSource {
 impl TokenSource {
     fn read(&self) -> std::result::Result<String, String> {
         let t = match self {
-            TokenSource::File(p) => std::fs::read_to_string(p)
-                .map_err(|e| format!("reading token_file {}: {}", p.display(), e.kind()))?,
+            TokenSource::File(p) => {
+                std::fs::read_to_string(p).map_err(|e| format!("reading token_file {}: {}", p.display(), e.kind()))?
+            }
             TokenSource::Env(v) => std::env::var(v).map_err(|_| format!("token_env {v} is not set"))?,
         };
         let t = t.trim().to_string();
@@ -241,7 +242,13 @@ fn short(s: &str) -> String {
 
 impl Engine<'_> {
     /// One request, no retry; any status is returned as a [`Reply`].
-    async fn send(&self, method: reqwest::Method, path: &str, body: Option<&Value>, timeout: Duration) -> Result<Reply, CallError> {
+    async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+        timeout: Duration,
+    ) -> Result<Reply, CallError> {
         let url = format!("{}{}", self.base, path);
         let shown = format!("{} {}", method, redact(&url));
         let mut req = self.client.request(method, &url).timeout(timeout);
@@ -259,7 +266,8 @@ impl Engine<'_> {
             }
         })?;
         let status = r.status();
-        let text = r.text().await.map_err(|e| CallError::Other(format!("{shown}: reading body: {}", e.without_url())))?;
+        let text =
+            r.text().await.map_err(|e| CallError::Other(format!("{shown}: reading body: {}", e.without_url())))?;
         let body = serde_json::from_str(&text).unwrap_or(Value::Null);
         Ok(Reply { status, body, text })
     }
@@ -306,14 +314,16 @@ fn status_error(method: &reqwest::Method, path: &str, r: &Reply) -> CallError {
 
 /// The directory as an absolute, canonical path (symlinks resolved).
 fn canonical(dir: &Path) -> std::result::Result<String, String> {
-    std::fs::canonicalize(dir)
-        .map(|p| p.display().to_string())
-        .map_err(|e| format!("resolving {}: {e}", dir.display()))
+    std::fs::canonicalize(dir).map(|p| p.display().to_string()).map_err(|e| format!("resolving {}: {e}", dir.display()))
 }
 
 /// Best effort: absolute and canonical when the path exists, else absolute.
 fn absolute(dir: &Path) -> String {
-    std::fs::canonicalize(dir).or_else(|_| std::path::absolute(dir)).unwrap_or_else(|_| dir.to_path_buf()).display().to_string()
+    std::fs::canonicalize(dir)
+        .or_else(|_| std::path::absolute(dir))
+        .unwrap_or_else(|_| dir.to_path_buf())
+        .display()
+        .to_string()
 }
 
 impl Notifier {
@@ -361,7 +371,10 @@ impl Notifier {
 }
 
 /// Collects the outcome of a paused section and of the resume that must follow it.
-fn join(load: std::result::Result<(), String>, resume: std::result::Result<Reply, CallError>) -> std::result::Result<(), String> {
+fn join(
+    load: std::result::Result<(), String>,
+    resume: std::result::Result<Reply, CallError>,
+) -> std::result::Result<(), String> {
     match (load, resume) {
         (Ok(()), Ok(_)) => Ok(()),
         (Err(l), Ok(_)) => Err(l),
@@ -475,7 +488,10 @@ async fn vllm(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::re
         // the prefix cache; answers 200 even when it did not reset: read `success`.
         let mut reset = false;
         for _ in 0..3 {
-            let r = e.post("/reset_prefix_cache?reset_running_requests=true", &json!({})).await.map_err(|x| x.to_string())?;
+            let r = e
+                .post("/reset_prefix_cache?reset_running_requests=true", &json!({}))
+                .await
+                .map_err(|x| x.to_string())?;
             if r.body["success"] == json!(true) {
                 reset = true;
                 break;
@@ -483,7 +499,9 @@ async fn vllm(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::re
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         if !reset {
-            return Err("weights reloaded but /reset_prefix_cache answered success=false 3 times; version not bumped".into());
+            return Err(
+                "weights reloaded but /reset_prefix_cache answered success=false 3 times; version not bumped".into()
+            );
         }
         let r = e.post("/update_weight_version", &json!({"new_version": want})).await.map_err(|x| x.to_string())?;
         if r.body["success"] != json!(true) {
