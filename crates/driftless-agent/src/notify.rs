@@ -1,48 +1,159 @@
 //! Telling the inference server to load new weights.
 //!
-//! - `sglang=URL`: `POST /pause_generation`, `POST /update_weights_from_disk`
-//!   `{"model_path": DIR, "weight_version": "STEP"}` (blocks until loaded), `POST
-//!   /continue_generation` — continue is sent even when the load fails, so the server is never
-//!   left paused.
-//! - `vllm=URL`: the weight-transfer endpoints of vLLM's dev mode (`VLLM_SERVER_DEV_MODE=1`):
-//!   `POST /pause`, `POST /start_weight_update`, `POST /update_weights`
-//!   `{"backend": "disk", "model_path": DIR}`, `POST /finish_weight_update`
-//!   `{"weight_version": "STEP"}`, `POST /resume` (resume is sent on failure too).
-//! - `http=URL`: one `POST` with `{"step", "weights_root", "dir"}`.
+//! A target is `KIND=TARGET[,OPTION=VALUE]...` (`--notify`, repeatable; `;`-separated in
+//! `DRIFTLESS_NOTIFY`). The engine adapters follow the route code of the pinned releases
+//! (vLLM 0.33.0, SGLang 0.5.23; see `docs/engines/`), which CI runs under contract tests.
+//!
+//! - `sglang=URL`: `GET /model_info` (already on this version? then only
+//!   `/continue_generation`), `POST /pause_generation {"mode"}`, `POST
+//!   /update_weights_from_disk {"model_path": ABS, "weight_version": "STEP", "flush_cache": true,
+//!   "abort_all_requests": false}`, `POST /continue_generation {}`, then `GET /model_info` must
+//!   report `weight_version == STEP`. A 400 may still mean "loaded, cache flush refused": the
+//!   version read back decides, and a refused flush is retried with `POST /flush_cache`.
+//! - `vllm=URL` (the server needs `VLLM_SERVER_DEV_MODE=1`): `GET /weight_info`, `POST
+//!   /pause?mode=M`, `POST /collective_rpc {"method": "reload_weights", "kwargs":
+//!   {"weights_path": ABS}}`, `POST /reset_prefix_cache?reset_running_requests=true` (its
+//!   `success` field is read), `POST /update_weight_version {"new_version": "STEP"}`, `POST
+//!   /resume`, then `GET /weight_info` must report `STEP`.
+//! - `http=URL`: one `POST` with `{"step", "weights_root", "dir"}` (retried 3 times on 5xx).
 //! - `exec=COMMAND`: runs `sh -c COMMAND` with `DRIFTLESS_STEP`, `DRIFTLESS_WEIGHTS_ROOT`,
 //!   `DRIFTLESS_DIR` in the environment; exit status 0 is success.
 //!
-//! Each call is retried (3 attempts, backoff) with a timeout (load calls: 10 minutes).
+//! Engine options (`sglang=` and `vllm=` only):
+//!
+//! | option | meaning | default |
+//! |---|---|---|
+//! | `mode=M` | pause mode. SGLang: `retract`, `in_place`, `abort`; vLLM: `keep`, `wait`, `abort` | `retract` / `keep`: in-flight rollouts are kept, never cancelled |
+//! | `token_file=PATH` | bearer token read from PATH (trimmed) at every notify | none |
+//! | `token_env=VAR` | bearer token read from the environment variable VAR | none |
+//! | `timeout=SECS` | how long the load call may take | 600 |
+//!
+//! The token itself is never accepted on the command line (`token=` is refused), never
+//! displayed and never logged: [`Notifier`]'s `Display` shows where it comes from only.
+//!
+//! Rules common to both engines: the directory sent is absolute and canonical (`DIR/current`
+//! is resolved to the slot it points to, so the engine records a path that will not change
+//! under it); once a pause was attempted, resume/continue is always sent, also when the load
+//! failed; the load call is sent once per notify and never re-sent after a timeout (the engine
+//! may still be loading): the version the engine reports decides; success is the engine's own
+//! success field *and* its reported version equal to the step.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use driftless_format::Digest;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::{Error, Result};
+
+/// Control calls (pause, resume, version reads).
+const SHORT: Duration = Duration::from_secs(30);
+/// How long a timed-out SGLang load is watched (through `/model_info`) before giving up.
+const SETTLE: Duration = Duration::from_secs(60);
+/// Default for the load call.
+const DEFAULT_LOAD_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A configured notifier.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Notifier {
-    /// SGLang server base URL.
-    Sglang(String),
-    /// vLLM server base URL.
-    Vllm(String),
+    /// SGLang server.
+    Sglang(EngineTarget),
+    /// vLLM server (dev-mode routes).
+    Vllm(EngineTarget),
     /// Generic webhook.
     Http(String),
     /// Shell command.
     Exec(String),
 }
 
+/// Where a bearer token comes from. The token is read at each notify (so a rotated secret
+/// file is picked up) and never stored in the configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenSource {
+    /// A file holding the token (surrounding whitespace trimmed).
+    File(PathBuf),
+    /// An environment variable holding the token.
+    Env(String),
+}
+
+impl TokenSource {
+    fn read(&self) -> std::result::Result<String, String> {
+        let t = match self {
+            TokenSource::File(p) => {
+                std::fs::read_to_string(p).map_err(|e| format!("reading token_file {}: {}", p.display(), e.kind()))?
+            }
+            TokenSource::Env(v) => std::env::var(v).map_err(|_| format!("token_env {v} is not set"))?,
+        };
+        let t = t.trim().to_string();
+        if t.is_empty() {
+            return Err(format!("{self} holds an empty token"));
+        }
+        Ok(t)
+    }
+}
+
+impl std::fmt::Display for TokenSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TokenSource::File(p) => write!(f, "token_file={}", p.display()),
+            TokenSource::Env(v) => write!(f, "token_env={v}"),
+        }
+    }
+}
+
+/// An inference engine's base URL and the operator's options for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineTarget {
+    /// Base URL, no trailing slash.
+    pub url: String,
+    /// Pause mode, validated for the engine.
+    pub mode: String,
+    /// Bearer token, if the server wants one.
+    pub token: Option<TokenSource>,
+    /// Time allowed for the load call.
+    pub load_timeout: Duration,
+}
+
+const SGLANG_MODES: &[&str] = &["retract", "in_place", "abort"];
+const VLLM_MODES: &[&str] = &["keep", "wait", "abort"];
+
+fn parse_engine(kind: &str, spec: &str, modes: &[&str]) -> std::result::Result<EngineTarget, String> {
+    let mut parts = spec.split(',');
+    let url = parts.next().unwrap_or("").trim_end_matches('/').to_string();
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(format!("{kind}: {url:?} is not an http(s) URL"));
+    }
+    let mut t = EngineTarget { url, mode: modes[0].to_string(), token: None, load_timeout: DEFAULT_LOAD_TIMEOUT };
+    for opt in parts {
+        let (k, v) = opt.split_once('=').ok_or_else(|| format!("{kind}: option {opt:?} is not KEY=VALUE"))?;
+        match k {
+            "mode" if modes.contains(&v) => t.mode = v.to_string(),
+            "mode" => return Err(format!("{kind}: mode {v:?} is not one of {}", modes.join(", "))),
+            "token_file" => t.token = Some(TokenSource::File(PathBuf::from(v))),
+            "token_env" => t.token = Some(TokenSource::Env(v.to_string())),
+            "token" => {
+                return Err(format!("{kind}: a token is never given in clear; use token_file=PATH or token_env=VAR"))
+            }
+            "timeout" => {
+                let s: u64 = v
+                    .trim_end_matches('s')
+                    .parse()
+                    .map_err(|_| format!("{kind}: timeout {v:?} is not a number of seconds"))?;
+                t.load_timeout = Duration::from_secs(s.max(1));
+            }
+            _ => return Err(format!("{kind}: unknown option {k:?} (mode, token_file, token_env, timeout)")),
+        }
+    }
+    Ok(t)
+}
+
 impl std::str::FromStr for Notifier {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         let (k, v) = s.split_once('=').ok_or_else(|| format!("notify target {s:?} is not KIND=TARGET"))?;
-        let url = || v.trim_end_matches('/').to_string();
         match k {
-            "sglang" => Ok(Notifier::Sglang(url())),
-            "vllm" => Ok(Notifier::Vllm(url())),
+            "sglang" => Ok(Notifier::Sglang(parse_engine(k, v, SGLANG_MODES)?)),
+            "vllm" => Ok(Notifier::Vllm(parse_engine(k, v, VLLM_MODES)?)),
             "http" => Ok(Notifier::Http(v.to_string())),
             "exec" => Ok(Notifier::Exec(v.to_string())),
             _ => Err(format!("unknown notify kind {k:?} (sglang, vllm, http, exec)")),
@@ -50,81 +161,194 @@ impl std::str::FromStr for Notifier {
     }
 }
 
+/// The URL with any `user:password@` removed (it goes into logs and errors).
+fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
+    let (auth, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match auth.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{path}"),
+        None => url.to_string(),
+    }
+}
+
+impl std::fmt::Display for EngineTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{},mode={}", redact(&self.url), self.mode)?;
+        if let Some(t) = &self.token {
+            write!(f, ",{t}")?;
+        }
+        if self.load_timeout != DEFAULT_LOAD_TIMEOUT {
+            write!(f, ",timeout={}", self.load_timeout.as_secs())?;
+        }
+        Ok(())
+    }
+}
+
 impl std::fmt::Display for Notifier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Notifier::Sglang(u) => write!(f, "sglang={u}"),
-            Notifier::Vllm(u) => write!(f, "vllm={u}"),
-            Notifier::Http(u) => write!(f, "http={u}"),
+            Notifier::Sglang(t) => write!(f, "sglang={t}"),
+            Notifier::Vllm(t) => write!(f, "vllm={t}"),
+            Notifier::Http(u) => write!(f, "http={}", redact(u)),
             Notifier::Exec(c) => write!(f, "exec={c}"),
         }
     }
 }
 
-async fn post(
-    client: &reqwest::Client,
-    url: &str,
-    body: serde_json::Value,
-    timeout: Duration,
-) -> std::result::Result<(), String> {
-    let mut last = String::new();
-    for attempt in 0..3u32 {
-        if attempt > 0 {
-            tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
-        }
-        match client.post(url).json(&body).timeout(timeout).send().await {
-            Ok(r) if r.status().is_success() => return Ok(()),
-            // A 4xx will not get better by retrying.
-            Ok(r) if r.status().is_client_error() => return Err(format!("{url}: HTTP {}", r.status())),
-            Ok(r) => last = format!("{url}: HTTP {}", r.status()),
-            Err(e) => last = format!("{url}: {e}"),
+/// Why one HTTP call did not succeed.
+#[derive(Debug)]
+enum CallError {
+    /// The request may have reached the server and still be running there.
+    Timeout(String),
+    /// Anything else (connection refused, status, body).
+    Other(String),
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::Timeout(s) | CallError::Other(s) => f.write_str(s),
         }
     }
-    Err(last)
+}
+
+/// One engine's HTTP surface: base URL, bearer token, shared client.
+struct Engine<'a> {
+    client: &'a reqwest::Client,
+    base: &'a str,
+    token: Option<String>,
+    /// Timeout of each control call.
+    timeout: Duration,
+}
+
+/// A response: status and JSON body (`Value::Null` when the body is not JSON).
+struct Reply {
+    status: reqwest::StatusCode,
+    body: Value,
+    text: String,
+}
+
+fn short(s: &str) -> String {
+    let s = s.trim();
+    if s.len() <= 300 {
+        return s.to_string();
+    }
+    let mut end = 300;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+impl Engine<'_> {
+    /// One request, no retry; any status is returned as a [`Reply`].
+    async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+        timeout: Duration,
+    ) -> Result<Reply, CallError> {
+        let url = format!("{}{}", self.base, path);
+        let shown = format!("{} {}", method, redact(&url));
+        let mut req = self.client.request(method, &url).timeout(timeout);
+        if let Some(t) = &self.token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let r = req.send().await.map_err(|e| {
+            if e.is_timeout() {
+                CallError::Timeout(format!("{shown}: no answer within {} s", timeout.as_secs()))
+            } else {
+                CallError::Other(format!("{shown}: {}", e.without_url()))
+            }
+        })?;
+        let status = r.status();
+        let text =
+            r.text().await.map_err(|e| CallError::Other(format!("{shown}: reading body: {}", e.without_url())))?;
+        let body = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Ok(Reply { status, body, text })
+    }
+
+    /// A control call: retried (3 attempts) on connection errors and 5xx, not on 4xx.
+    async fn control(&self, method: reqwest::Method, path: &str, body: Option<&Value>) -> Result<Reply, CallError> {
+        let mut last = CallError::Other(String::new());
+        for attempt in 0..3u32 {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
+            }
+            match self.send(method.clone(), path, body, self.timeout).await {
+                Ok(r) if r.status.is_success() => return Ok(r),
+                Ok(r) if r.status.is_client_error() => return Err(status_error(&method, path, &r)),
+                Ok(r) => last = status_error(&method, path, &r),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    async fn get(&self, path: &str) -> Result<Reply, CallError> {
+        self.control(reqwest::Method::GET, path, None).await
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> Result<Reply, CallError> {
+        self.control(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    /// The version the engine reports (`weight_version` of `path`'s JSON answer).
+    async fn version(&self, path: &str) -> Result<Option<String>, CallError> {
+        let r = self.get(path).await?;
+        Ok(match &r.body["weight_version"] {
+            Value::String(s) => Some(s.clone()),
+            Value::Null => None,
+            v => Some(v.to_string()),
+        })
+    }
+}
+
+fn status_error(method: &reqwest::Method, path: &str, r: &Reply) -> CallError {
+    CallError::Other(format!("{method} {path}: HTTP {}: {}", r.status.as_u16(), short(&r.text)))
+}
+
+/// The directory as an absolute, canonical path (symlinks resolved).
+fn canonical(dir: &Path) -> std::result::Result<String, String> {
+    std::fs::canonicalize(dir).map(|p| p.display().to_string()).map_err(|e| format!("resolving {}: {e}", dir.display()))
+}
+
+/// Best effort: absolute and canonical when the path exists, else absolute.
+fn absolute(dir: &Path) -> String {
+    std::fs::canonicalize(dir)
+        .or_else(|_| std::path::absolute(dir))
+        .unwrap_or_else(|_| dir.to_path_buf())
+        .display()
+        .to_string()
 }
 
 impl Notifier {
-    /// Tells the server to load `dir` at `step`; returns when it has loaded (or failed).
+    /// Tells the server to load `dir` at `step`; returns when the server reports `step` (or
+    /// the attempt failed, with the server resumed).
     pub async fn notify(&self, client: &reqwest::Client, step: u64, root: Digest, dir: &Path) -> Result<()> {
-        let short = Duration::from_secs(30);
-        let long = Duration::from_secs(600);
-        let d = dir.display().to_string();
         let fail = |detail: String| Error::Notify { target: self.to_string(), detail };
         match self {
-            Notifier::Sglang(u) => {
-                post(client, &format!("{u}/pause_generation"), json!({}), short).await.map_err(fail)?;
-                let load = post(
-                    client,
-                    &format!("{u}/update_weights_from_disk"),
-                    json!({"model_path": d, "weight_version": step.to_string()}),
-                    long,
-                )
-                .await;
-                let cont = post(client, &format!("{u}/continue_generation"), json!({}), short).await;
-                load.map_err(fail)?;
-                cont.map_err(fail)
-            }
-            Notifier::Vllm(u) => {
-                post(client, &format!("{u}/pause"), json!({}), short).await.map_err(fail)?;
-                let r = async {
-                    post(client, &format!("{u}/start_weight_update"), json!({}), short).await?;
-                    post(client, &format!("{u}/update_weights"), json!({"backend": "disk", "model_path": d}), long)
-                        .await?;
-                    post(
-                        client,
-                        &format!("{u}/finish_weight_update"),
-                        json!({"weight_version": step.to_string()}),
-                        short,
-                    )
-                    .await
-                }
-                .await;
-                let resume = post(client, &format!("{u}/resume"), json!({}), short).await;
-                r.map_err(fail)?;
-                resume.map_err(fail)
+            Notifier::Sglang(t) | Notifier::Vllm(t) => {
+                let token = t.token.as_ref().map(TokenSource::read).transpose().map_err(fail)?;
+                let e = Engine { client, base: &t.url, token, timeout: SHORT };
+                let d = canonical(dir).map_err(fail)?;
+                let r = if matches!(self, Notifier::Sglang(_)) {
+                    sglang(&e, t, step, &d).await
+                } else {
+                    vllm(&e, t, step, &d).await
+                };
+                r.map_err(fail)
             }
             Notifier::Http(u) => {
-                post(client, u, json!({"step": step, "weights_root": root, "dir": d}), long).await.map_err(fail)
+                let e = Engine { client, base: u, token: None, timeout: DEFAULT_LOAD_TIMEOUT };
+                e.post("", &json!({"step": step, "weights_root": root, "dir": absolute(dir)}))
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| fail(e.to_string()))
             }
             Notifier::Exec(c) => {
                 let st = tokio::process::Command::new("sh")
@@ -132,7 +356,7 @@ impl Notifier {
                     .arg(c)
                     .env("DRIFTLESS_STEP", step.to_string())
                     .env("DRIFTLESS_WEIGHTS_ROOT", root.to_hex())
-                    .env("DRIFTLESS_DIR", &d)
+                    .env("DRIFTLESS_DIR", absolute(dir))
                     .status()
                     .await
                     .map_err(|e| fail(e.to_string()))?;
@@ -143,5 +367,207 @@ impl Notifier {
                 }
             }
         }
+    }
+}
+
+/// Collects the outcome of a paused section and of the resume that must follow it.
+fn join(
+    load: std::result::Result<(), String>,
+    resume: std::result::Result<Reply, CallError>,
+) -> std::result::Result<(), String> {
+    match (load, resume) {
+        (Ok(()), Ok(_)) => Ok(()),
+        (Err(l), Ok(_)) => Err(l),
+        (Ok(()), Err(r)) => Err(format!("resume failed, the server may still be paused: {r}")),
+        (Err(l), Err(r)) => Err(format!("{l}; and resume failed, the server may still be paused: {r}")),
+    }
+}
+
+/// Reads the version back after a timed-out load: the load may still be running, so it is
+/// never re-sent; the engine's report decides. Polls for up to `wait`.
+async fn settle(e: &Engine<'_>, path: &str, want: &str, wait: Duration) -> bool {
+    let end = tokio::time::Instant::now() + wait;
+    loop {
+        if let Ok(Some(v)) = e.version(path).await {
+            if v == want {
+                return true;
+            }
+        }
+        if tokio::time::Instant::now() >= end {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn sglang(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::result::Result<(), String> {
+    let want = step.to_string();
+    let cont = json!({});
+    if e.version("/model_info").await.map_err(|x| x.to_string())?.as_deref() == Some(want.as_str()) {
+        // Loaded by an earlier attempt whose answer was lost: only make sure it is not paused.
+        return e.post("/continue_generation", &cont).await.map(|_| ()).map_err(|x| x.to_string());
+    }
+    let paused = e.post("/pause_generation", &json!({"mode": t.mode})).await;
+    let load = async {
+        paused.map_err(|x| x.to_string())?;
+        let body = json!({
+            "model_path": dir,
+            "weight_version": want,
+            "flush_cache": true,
+            "abort_all_requests": false,
+        });
+        let r = e.send(reqwest::Method::POST, "/update_weights_from_disk", Some(&body), t.load_timeout).await;
+        let (ok, detail) = match r {
+            Ok(r) if r.status.is_success() && r.body["success"] == json!(true) => (true, String::new()),
+            Ok(r) => (false, format!("POST /update_weights_from_disk: HTTP {}: {}", r.status.as_u16(), short(&r.text))),
+            Err(CallError::Timeout(m)) => {
+                // No lock guards a load while paused: never send a second one. Wait for the
+                // engine to report the version, bounded.
+                if settle(e, "/model_info", &want, SETTLE).await {
+                    return Ok(());
+                }
+                return Err(format!("{m}; the load may still be running, not re-sent"));
+            }
+            Err(x) => (false, x.to_string()),
+        };
+        if ok {
+            return Ok(());
+        }
+        // A 400 can mean "weights loaded, cache flush refused" (scheduler busy): the version
+        // decides; a loaded engine then gets its cache flushed.
+        match e.version("/model_info").await {
+            Ok(Some(v)) if v == want => {
+                let flushed = e.send(reqwest::Method::POST, "/flush_cache", None, SHORT).await;
+                match flushed {
+                    Ok(r) if r.status.is_success() => Ok(()),
+                    Ok(r) => Err(format!(
+                        "{detail}; weights at version {want} but the cache flush was refused: HTTP {}: {}",
+                        r.status.as_u16(),
+                        short(&r.text)
+                    )),
+                    Err(x) => Err(format!("{detail}; weights at version {want}, cache flush failed: {x}")),
+                }
+            }
+            _ => Err(detail),
+        }
+    }
+    .await;
+    let cont = e.post("/continue_generation", &cont).await;
+    join(load, cont)?;
+    confirm(e, "/model_info", &want).await
+}
+
+async fn vllm(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::result::Result<(), String> {
+    let want = step.to_string();
+    if e.version("/weight_info").await.map_err(|x| x.to_string())?.as_deref() == Some(want.as_str()) {
+        let paused = e.get("/is_paused").await.map_err(|x| x.to_string())?;
+        if paused.body["is_paused"] == json!(true) {
+            e.post("/resume", &json!({})).await.map_err(|x| x.to_string())?;
+        }
+        return Ok(());
+    }
+    // The mode goes in the query string: /pause ignores a JSON body.
+    let paused = e.post(&format!("/pause?mode={}", t.mode), &json!({})).await;
+    let load = async {
+        paused.map_err(|x| x.to_string())?;
+        let body = json!({"method": "reload_weights", "kwargs": {"weights_path": dir}});
+        match e.send(reqwest::Method::POST, "/collective_rpc", Some(&body), t.load_timeout).await {
+            Ok(r) if r.status.is_success() => {}
+            Ok(r) => {
+                return Err(format!(
+                    "POST /collective_rpc reload_weights: HTTP {}: {} (vLLM has no rollback: the weights may be partly \
+                     reloaded; the version stays unchanged so the next attempt reloads in full)",
+                    r.status.as_u16(),
+                    short(&r.text)
+                ))
+            }
+            Err(CallError::Timeout(m)) => return Err(format!("{m}; the reload may still be running, not re-sent")),
+            Err(x) => return Err(x.to_string()),
+        }
+        // Preempts running requests (their KV was computed with the old weights) and drops
+        // the prefix cache; answers 200 even when it did not reset: read `success`.
+        let mut reset = false;
+        for _ in 0..3 {
+            let r = e
+                .post("/reset_prefix_cache?reset_running_requests=true", &json!({}))
+                .await
+                .map_err(|x| x.to_string())?;
+            if r.body["success"] == json!(true) {
+                reset = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if !reset {
+            return Err(
+                "weights reloaded but /reset_prefix_cache answered success=false 3 times; version not bumped".into()
+            );
+        }
+        let r = e.post("/update_weight_version", &json!({"new_version": want})).await.map_err(|x| x.to_string())?;
+        if r.body["success"] != json!(true) {
+            return Err(format!("POST /update_weight_version: {}", short(&r.text)));
+        }
+        Ok(())
+    }
+    .await;
+    let resume = e.post("/resume", &json!({})).await;
+    join(load, resume)?;
+    confirm(e, "/weight_info", &want).await
+}
+
+async fn confirm(e: &Engine<'_>, path: &str, want: &str) -> std::result::Result<(), String> {
+    match e.version(path).await.map_err(|x| x.to_string())? {
+        Some(v) if v == want => Ok(()),
+        v => Err(format!("GET {path} reports weight_version {v:?}, expected {want:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_and_display_never_show_a_token() {
+        let n: Notifier = "sglang=http://h:30000/,mode=in_place,token_file=/s/key,timeout=90".parse().unwrap();
+        let Notifier::Sglang(t) = &n else { panic!() };
+        assert_eq!(t.url, "http://h:30000");
+        assert_eq!(t.mode, "in_place");
+        assert_eq!(t.token, Some(TokenSource::File("/s/key".into())));
+        assert_eq!(t.load_timeout, Duration::from_secs(90));
+        assert_eq!(n.to_string(), "sglang=http://h:30000,mode=in_place,token_file=/s/key,timeout=90");
+        assert_eq!(n.to_string().parse::<Notifier>().unwrap(), n);
+        let v: Notifier = "vllm=http://h:8000,token_env=VLLM_KEY".parse().unwrap();
+        assert_eq!(v.to_string(), "vllm=http://h:8000,mode=keep,token_env=VLLM_KEY");
+    }
+
+    #[test]
+    fn defaults_do_not_cancel_rollouts() {
+        let Notifier::Sglang(s) = "sglang=http://h".parse().unwrap() else { panic!() };
+        assert_eq!(s.mode, "retract");
+        let Notifier::Vllm(v) = "vllm=http://h".parse().unwrap() else { panic!() };
+        assert_eq!(v.mode, "keep");
+    }
+
+    #[test]
+    fn bad_specs_are_refused() {
+        for bad in [
+            "sglang=http://h,token=secret",
+            "sglang=http://h,mode=wait",
+            "vllm=http://h,mode=retract",
+            "vllm=http://h,color=red",
+            "vllm=h:8000",
+            "vllm=http://h,timeout=soon",
+        ] {
+            let e = bad.parse::<Notifier>().unwrap_err();
+            assert!(!e.contains("secret"), "{e}");
+        }
+    }
+
+    #[test]
+    fn urls_lose_their_credentials() {
+        assert_eq!(redact("http://u:pw@h:1/x"), "http://***@h:1/x");
+        assert_eq!(redact("http://h:1/x@y"), "http://h:1/x@y");
+        let n: Notifier = "http=https://u:pw@h/hook".parse().unwrap();
+        assert!(!n.to_string().contains("pw"));
     }
 }

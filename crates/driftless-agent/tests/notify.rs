@@ -1,6 +1,7 @@
-//! The notify adapters against small HTTP servers that implement the documented contracts
-//! (SGLang, vLLM dev-mode weight transfer, a webhook) and record every call. The real engines
-//! need GPUs and cannot run here.
+//! The generic notify adapters (webhook, exec) against a small recording HTTP server. The
+//! SGLang and vLLM adapters are tested against the engines' own route code instead
+//! (`integration/engines/`, run by `.ci/engines.sh`): a server written here that answers 200 to
+//! anything proves nothing about them.
 
 use std::sync::{Arc, Mutex};
 
@@ -55,47 +56,6 @@ async fn server(fail_path: Option<&'static str>, fail_status: u16) -> (String, C
         }
     });
     (url, calls)
-}
-
-fn paths(c: &Calls) -> Vec<String> {
-    c.lock().unwrap().iter().map(|x| x.0.clone()).collect()
-}
-
-#[tokio::test]
-async fn sglang_contract() {
-    let (url, calls) = server(None, 200).await;
-    let n: Notifier = format!("sglang={url}").parse().unwrap();
-    n.notify(&reqwest::Client::new(), 7, Digest::default(), std::path::Path::new("/w/current")).await.unwrap();
-    assert_eq!(paths(&calls), ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]);
-    let body: serde_json::Value = serde_json::from_str(&calls.lock().unwrap()[1].1).unwrap();
-    assert_eq!(body["model_path"], "/w/current");
-    assert_eq!(body["weight_version"], "7");
-}
-
-#[tokio::test]
-async fn sglang_failed_load_still_continues_generation() {
-    let (url, calls) = server(Some("/update_weights_from_disk"), 400).await;
-    let n: Notifier = format!("sglang={url}").parse().unwrap();
-    let r = n.notify(&reqwest::Client::new(), 1, Digest::default(), std::path::Path::new("/w")).await;
-    assert!(r.is_err());
-    assert_eq!(paths(&calls).last().unwrap(), "/continue_generation", "the server must never stay paused");
-}
-
-#[tokio::test]
-async fn vllm_contract() {
-    let (url, calls) = server(None, 200).await;
-    let n: Notifier = format!("vllm={url}").parse().unwrap();
-    n.notify(&reqwest::Client::new(), 3, Digest::default(), std::path::Path::new("/w/current")).await.unwrap();
-    assert_eq!(
-        paths(&calls),
-        ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
-    );
-    let c = calls.lock().unwrap();
-    let upd: serde_json::Value = serde_json::from_str(&c[2].1).unwrap();
-    assert_eq!(upd["backend"], "disk");
-    assert_eq!(upd["model_path"], "/w/current");
-    let fin: serde_json::Value = serde_json::from_str(&c[3].1).unwrap();
-    assert_eq!(fin["weight_version"], "3");
 }
 
 #[tokio::test]

@@ -25,9 +25,12 @@ pub struct Args {
     /// Sync to the newest step, notify, and exit 0.
     #[arg(long)]
     once: bool,
-    /// Inference server to notify: sglang=URL, vllm=URL, http=URL, exec=COMMAND; repeatable.
+    /// Inference server to notify: sglang=URL[,mode=retract|in_place|abort],
+    /// vllm=URL[,mode=keep|wait|abort], options token_file=PATH | token_env=VAR, timeout=SECS;
+    /// http=URL, exec=COMMAND; repeatable (see docs/engines/).
+    // Parsed after clap, so that a refused value (say a token in clear) is not echoed back.
     #[arg(long, env = "DRIFTLESS_NOTIFY", value_delimiter = ';')]
-    notify: Vec<Notifier>,
+    notify: Vec<String>,
     /// Address of the ops endpoint (/healthz, /readyz, /metrics, /v1/status, POST /v1/poll).
     #[arg(long, env = "DRIFTLESS_LISTEN")]
     listen: Option<SocketAddr>,
@@ -57,7 +60,11 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     let mut cfg = AgentConfig::new(&a.dir, trust);
-    cfg.notify = a.notify.clone();
+    cfg.notify = a
+        .notify
+        .iter()
+        .map(|s| s.parse::<Notifier>().map_err(|e| anyhow::anyhow!("--notify: {e}")))
+        .collect::<Result<_>>()?;
     cfg.poll_min = a.poll_min.into();
     cfg.poll_max = a.poll_max.into();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
