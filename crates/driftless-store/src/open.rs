@@ -167,7 +167,7 @@ pub(crate) fn check_endpoint(endpoint: &str, source: &str) -> Result<()> {
 /// The endpoint an S3 client will use: the explicit option, else what `from_env` reads.
 fn s3_endpoint(opts: &StoreOptions) -> Option<(String, &'static str)> {
     if let Some(e) = &opts.endpoint {
-        return Some((e.clone(), "--endpoint"));
+        return Some((e.clone(), "--endpoint / AWS_ENDPOINT_URL"));
     }
     ["AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
         .into_iter()

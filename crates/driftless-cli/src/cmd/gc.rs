@@ -39,7 +39,7 @@ pub fn run(a: Args) -> Result<()> {
     if a.json {
         println!("{}", serde_json::json!({"type": "gc", "data": report}));
     } else {
-        print!("{report}");
+        println!("{}", report.to_string().trim_end());
     }
     Ok(())
 }

@@ -16,7 +16,13 @@ pub mod publish;
 /// is bad input (exit 2), not a verification failure.
 pub fn open(path: &std::path::Path) -> anyhow::Result<driftless_format::Checkpoint> {
     driftless_format::Checkpoint::open(path).map_err(|e| {
-        crate::exit::BadInput { context: format!("opening checkpoint {}", path.display()), source: e.into() }.into()
+        // Name the path unless the cause already does (it names the shard file).
+        let context = if e.to_string().contains(&path.display().to_string()) {
+            "opening checkpoint".to_string()
+        } else {
+            format!("opening checkpoint {}", path.display())
+        };
+        crate::exit::BadInput { context, source: e.into() }.into()
     })
 }
 
