@@ -671,7 +671,7 @@ impl Agent {
         .await
         .map_err(|e| Error::Io(std::io::Error::other(format!("anchor task: {e}"))))?
         .map_err(&at)?;
-        self.metrics.verify_ms.store(tv.elapsed().as_millis() as u64, Relaxed);
+        self.metrics.record_verify(tv.elapsed());
         info!(step, bytes, "anchor loaded and verified");
         Ok((bytes, Held { step, root: m.weights_root }))
     }
@@ -810,15 +810,16 @@ impl Agent {
                 if verify {
                     ops::verify_result(&ck.views(), &m2)?;
                 }
+                let verified = tv.elapsed();
                 ck.flush()?;
-                Ok(tv.elapsed().as_millis() as u64)
+                Ok(verified.as_millis() as u64)
             })
             .await
             .map_err(|e| Error::Io(std::io::Error::other(format!("apply task: {e}"))))?
             .map_err(|e| classify_apply(e, step, pinpoint))?
         };
         if verify {
-            self.metrics.verify_ms.store(verify_ms, Relaxed);
+            self.metrics.record_verify(Duration::from_millis(verify_ms.max(1)));
         }
         self.cached.push((step, shas));
         info!(step, bytes, secs = t.elapsed().as_secs_f64(), verified = verify, "delta applied");
@@ -889,6 +890,13 @@ impl Agent {
                 match self.sync_once().await {
                     Ok(o) => {
                         failures = 0;
+                        // A refused newer step is the last error until the stream moves on.
+                        self.metrics.set_last_error(
+                            o.refused
+                                .iter()
+                                .find(|r| !r.missing)
+                                .map(|r| format!("{:?} step {} refused: {}", r.kind, r.step, r.reason).to_lowercase()),
+                        );
                         interval = if o.route == SyncPath::UpToDate {
                             (interval * 2).min(self.cfg.poll_max)
                         } else {
@@ -903,6 +911,7 @@ impl Agent {
                         interval =
                             (self.cfg.poll_min * 2u32.saturating_pow(failures.min(6))).min(self.cfg.poll_max * 3);
                         warn!(error = %e, failures, retry_in = ?interval, "sync failed");
+                        self.metrics.set_last_error(Some(e.to_string()));
                     }
                 }
             } else {

@@ -1,6 +1,8 @@
 //! Counters exported at `/metrics` (Prometheus text format) and `/v1/status`.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Duration;
 
 /// Agent counters. Durations are in milliseconds.
 #[derive(Debug, Default)]
@@ -35,6 +37,20 @@ pub struct Metrics {
     pub slot_rebuilds: AtomicU64,
     /// Anchors downloaded.
     pub anchor_downloads: AtomicU64,
+    /// Last verify duration in microseconds (0 = not recorded; then `verify_ms` is used).
+    /// Milliseconds alone read 0 for small models.
+    pub verify_us: AtomicU64,
+    /// The last sync error and when it happened (Unix ms); cleared by a successful sync.
+    last_error: Mutex<Option<LastError>>,
+}
+
+/// The most recent failure, as `/v1/status` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LastError {
+    /// The error, one line.
+    pub message: String,
+    /// Unix milliseconds.
+    pub at_ms: u64,
 }
 
 impl Metrics {
@@ -44,6 +60,33 @@ impl Metrics {
         m.step.store(u64::MAX, Relaxed);
         m.newest.store(u64::MAX, Relaxed);
         m
+    }
+
+    /// Records (`Some`) or clears (`None`, after a successful sync) the last error shown by
+    /// `/v1/status`.
+    pub fn set_last_error(&self, error: Option<String>) {
+        let v = error.map(|message| LastError { message, at_ms: driftless_format::manifest::now_ms() });
+        *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = v;
+    }
+
+    /// The last error recorded with [`Metrics::set_last_error`].
+    pub fn last_error(&self) -> Option<LastError> {
+        self.last_error.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records the duration of the last weights-root verification (`driftless_verify_seconds`)
+    /// at microsecond resolution.
+    pub fn record_verify(&self, d: Duration) {
+        self.verify_us.store((d.as_micros() as u64).max(1), Relaxed);
+        self.verify_ms.store(d.as_millis() as u64, Relaxed);
+    }
+
+    /// Seconds of the last verification.
+    pub fn verify_seconds(&self) -> f64 {
+        match self.verify_us.load(Relaxed) {
+            0 => self.verify_ms.load(Relaxed) as f64 / 1000.0,
+            us => us as f64 / 1e6,
+        }
     }
 
     /// Prometheus text exposition.
@@ -91,7 +134,7 @@ impl Metrics {
             "driftless_verify_seconds",
             "gauge",
             "Duration of the last verification.",
-            format!("{:.3}", g(&self.verify_ms) as f64 / 1000.0),
+            format!("{:.6}", self.verify_seconds()),
         );
         m(
             "driftless_verify_failures_total",
@@ -120,5 +163,30 @@ impl Metrics {
         );
         m("driftless_anchor_downloads_total", "counter", "Anchors downloaded.", g(&self.anchor_downloads).to_string());
         o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: the gauge read 0 because sub-millisecond verifications were stored in ms.
+    #[test]
+    fn verify_seconds_keeps_sub_millisecond_durations() {
+        let m = Metrics::new();
+        m.record_verify(Duration::from_micros(1500));
+        assert!(m.render().contains("driftless_verify_seconds 0.001500\n"), "{}", m.render());
+        m.record_verify(Duration::from_micros(250));
+        assert!(m.render().contains("driftless_verify_seconds 0.000250\n"));
+    }
+
+    #[test]
+    fn last_error_is_set_and_cleared() {
+        let m = Metrics::new();
+        assert_eq!(m.last_error(), None);
+        m.set_last_error(Some("storage error on deltas/000000000003: 503".into()));
+        assert!(m.last_error().unwrap().message.contains("503"));
+        m.set_last_error(None);
+        assert_eq!(m.last_error(), None);
     }
 }

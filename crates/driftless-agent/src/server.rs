@@ -69,6 +69,9 @@ fn route(method: &str, path: &str, m: &Metrics, poll: &tokio::sync::Notify) -> (
                 "bytes": {"fast": g(&m.bytes_fast), "catchup": g(&m.bytes_catchup), "anchor": g(&m.bytes_anchor)},
                 "verify_failures": g(&m.verify_failures), "notify_failures": g(&m.notify_failures),
                 "anchor_downloads": g(&m.anchor_downloads), "slot_rebuilds": g(&m.slot_rebuilds), "refused_steps": g(&m.refusals),
+                "verify_seconds": m.verify_seconds(),
+                // {"message", "at_ms"} of the last failed sync, null after a successful one.
+                "last_error": m.last_error(),
             });
             ("200 OK", "application/json", v.to_string())
         }
@@ -77,5 +80,28 @@ fn route(method: &str, path: &str, m: &Metrics, poll: &tokio::sync::Notify) -> (
             ("202 Accepted", "text/plain", "polling\n".into())
         }
         _ => ("404 Not Found", "text/plain", "not found\n".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_reports_the_last_error() {
+        let m = Metrics::new();
+        let poll = tokio::sync::Notify::new();
+        let status = |m: &Metrics| -> serde_json::Value {
+            let (code, _, body) = route("GET", "/v1/status", m, &poll);
+            assert_eq!(code, "200 OK");
+            serde_json::from_str(&body).unwrap()
+        };
+        assert!(status(&m)["last_error"].is_null());
+        m.set_last_error(Some("transient storage error on stream.json: timed out".into()));
+        let v = status(&m);
+        assert_eq!(v["last_error"]["message"], "transient storage error on stream.json: timed out");
+        assert!(v["last_error"]["at_ms"].as_u64().unwrap() > 0);
+        m.set_last_error(None);
+        assert!(status(&m)["last_error"].is_null());
     }
 }

@@ -16,7 +16,6 @@ use driftless_agent::{Agent, Error, LocalState, SyncPath};
 use driftless_format::gen::{ModelSpec, RlChain};
 use driftless_format::{Checkpoint, Keypair, StepKind, TrustSet};
 use driftless_publisher::{Publisher, PublisherBuilder};
-use driftless_store::stream::StreamError;
 use driftless_store::{layout, Bucket, FaultKind, FaultOp};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

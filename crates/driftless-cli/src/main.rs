@@ -1,23 +1,28 @@
 //! `driftless`: thin command-line front end. Each subcommand lives in `cmd/`; they parse
 //! flags and call the libraries.
 //!
-//! Exit codes: 0 success; 1 verification failed (bad signature, corrupt object, wrong base,
-//! weights root mismatch); 2 any other error (usage, I/O, network).
+//! Exit codes: 0 success; 1 verification failed (bad signature, untrusted key, corrupt object,
+//! wrong base, weights root mismatch); 2 any other error (usage, I/O, network). The mapping
+//! lives in `exit.rs`, one for every command.
 
 use clap::{Parser, Subcommand};
 
 mod cmd;
 mod config;
+mod exit;
+mod units;
 
 /// Ship RL policy weights from a trainer to inference servers through object storage, bit
 /// for bit, as small sparse deltas.
 #[derive(Parser, Debug)]
 #[command(name = "driftless", version, about)]
 struct Cli {
-    /// Log filter (tracing EnvFilter syntax), also from DRIFTLESS_LOG.
-    #[arg(long, global = true, env = "DRIFTLESS_LOG", default_value = "warn")]
-    log: String,
-    /// Print logs as JSON lines.
+    /// Log filter (tracing EnvFilter syntax, e.g. `info` or `warn,driftless_agent=debug`);
+    /// also DRIFTLESS_LOG, then RUST_LOG. Default: `info` for a continuous agent and
+    /// `publish --watch`, `warn` otherwise. Logs go to stderr, coloured only on a terminal.
+    #[arg(long, global = true, env = "DRIFTLESS_LOG")]
+    log: Option<String>,
+    /// Print logs as JSON lines (on stderr).
     #[arg(long, global = true)]
     log_json: bool,
     /// JSON config file (also DRIFTLESS_CONFIG): keys are the long flag names
@@ -62,11 +67,17 @@ fn main() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     if let Err(e) = config::load_into_env(std::env::args_os()) {
-        eprintln!("driftless: error: {e:#}");
+        eprintln!("driftless: error: {}", exit::render(&e));
+        eprintln!("driftless: {}", exit::Class::Fatal.advice());
         std::process::exit(2);
     }
     let cli = Cli::parse();
-    init_logging(&cli.log, cli.log_json);
+    let default_level = match &cli.cmd {
+        Cmd::Agent(a) if !a.once() => "info",
+        Cmd::Publish(a) if a.watching() => "info",
+        _ => "warn",
+    };
+    init_logging(cli.log.as_deref(), default_level, cli.log_json);
     let r = match cli.cmd {
         Cmd::Demo(a) => cmd::demo::run(a),
         Cmd::Publish(a) => cmd::publish::run(a),
@@ -83,8 +94,10 @@ fn main() {
         if is_broken_pipe(&e) {
             std::process::exit(0);
         }
-        eprintln!("driftless: error: {e:#}");
-        std::process::exit(cmd::exit_code(&e));
+        let class = exit::classify(&e);
+        eprintln!("driftless: error: {}", exit::render(&e));
+        eprintln!("driftless: {}", class.advice());
+        std::process::exit(class.code());
     }
 }
 
@@ -92,10 +105,23 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
     e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe))
 }
 
-fn init_logging(filter: &str, json: bool) {
-    let f =
-        tracing_subscriber::EnvFilter::try_new(filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let b = tracing_subscriber::fmt().with_env_filter(f).with_writer(std::io::stderr);
+/// Filter precedence: `--log` > DRIFTLESS_LOG (both through clap) > RUST_LOG > the command's
+/// default. ANSI colours only when stderr is a terminal (not in files or Kubernetes logs).
+fn init_logging(filter: Option<&str>, default_level: &str, json: bool) {
+    use std::io::IsTerminal;
+    let rust_log = std::env::var("RUST_LOG").ok().filter(|s| !s.trim().is_empty());
+    let filter = filter.map(str::to_string).or(rust_log).unwrap_or_else(|| default_level.to_string());
+    let f = match tracing_subscriber::EnvFilter::try_new(&filter) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("driftless: warning: log filter {filter:?} is invalid ({e}); using {default_level:?}");
+            tracing_subscriber::EnvFilter::new(default_level)
+        }
+    };
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(f)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     if json {
         b.json().init();
     } else {
@@ -105,9 +131,163 @@ fn init_logging(filter: &str, json: bool) {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeSet;
+    use std::path::{Path, PathBuf};
+
+    use clap::{CommandFactory, Parser};
+
     #[test]
     fn cli_is_consistent() {
-        use clap::CommandFactory;
         super::Cli::command().debug_assert();
+    }
+
+    fn files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                if !p.ends_with("__pycache__") {
+                    files(&p, out);
+                }
+            } else {
+                out.push(p);
+            }
+        }
+    }
+
+    const STOP: &[&str] = &["|", "||", "&&", ";", "&", ">", "2>", "2>&1", "#", ")", "\\"];
+
+    /// `driftless SUBCOMMAND ARGS...` on one (continued) line of a script or document.
+    fn shell_invocations(text: &str, subs: &BTreeSet<String>) -> Vec<Vec<String>> {
+        let joined = text.replace("\\\n", " ");
+        let mut out = vec![];
+        for line in joined.lines() {
+            let toks: Vec<&str> = line.split_whitespace().collect();
+            for (i, t) in toks.iter().enumerate() {
+                let name = t.trim_start_matches(['`', '(', '"', '\'']).rsplit('/').next().unwrap_or("");
+                if name != "driftless" || t.ends_with('`') {
+                    continue;
+                }
+                let Some(sub) = toks.get(i + 1) else { continue };
+                if !subs.contains(*sub) {
+                    continue;
+                }
+                let mut args = vec![sub.to_string()];
+                for a in &toks[i + 2..] {
+                    if STOP.contains(a) || a.starts_with('#') {
+                        break;
+                    }
+                    let end = a.ends_with(['`', ')']);
+                    let a = a.trim_end_matches(['`', ')']).trim_matches(['"', '\'']);
+                    if !a.is_empty() {
+                        args.push(a.to_string());
+                    }
+                    if end {
+                        break;
+                    }
+                }
+                out.push(args);
+            }
+        }
+        out
+    }
+
+    /// Block-style YAML `args:` lists whose first item is a driftless subcommand.
+    fn yaml_invocations(text: &str, subs: &BTreeSet<String>) -> Vec<Vec<String>> {
+        let lines: Vec<&str> = text.lines().collect();
+        let mut out = vec![];
+        for (i, l) in lines.iter().enumerate() {
+            let t = l.trim();
+            if t != "args:" && t != "command:" {
+                continue;
+            }
+            let mut items = vec![];
+            for l in &lines[i + 1..] {
+                let Some(item) = l.trim().strip_prefix("- ") else { break };
+                items.push(item.trim().trim_matches(['"', '\'']).to_string());
+            }
+            if items.first().is_some_and(|f| f == "driftless") {
+                items.remove(0);
+            }
+            if items.first().is_some_and(|f| subs.contains(f)) {
+                out.push(items);
+            }
+        }
+        out
+    }
+
+    /// Every `driftless` command line in `docker/` and `examples/` parses with this CLI's own
+    /// definition (flags, values), and every DRIFTLESS_* variable they name is one the code
+    /// reads. Missing required flags are allowed: they come from the environment there.
+    #[test]
+    fn docker_and_examples_match_the_cli() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let cmd = super::Cli::command();
+        let subs: BTreeSet<String> = cmd.get_subcommands().map(|c| c.get_name().to_string()).collect();
+        let mut known_env: BTreeSet<String> = BTreeSet::new();
+        for c in std::iter::once(&cmd).chain(cmd.get_subcommands()) {
+            for a in c.get_arguments() {
+                if let Some(e) = a.get_env() {
+                    known_env.insert(e.to_string_lossy().into_owned());
+                }
+            }
+        }
+        // Variables the libraries read directly (`std::env::var("DRIFTLESS_...")`).
+        let mut src = vec![];
+        files(&root.join("crates"), &mut src);
+        for f in src.iter().filter(|f| f.extension().is_some_and(|e| e == "rs")) {
+            let text = std::fs::read_to_string(f).unwrap();
+            for part in text.split("\"DRIFTLESS_").skip(1) {
+                let name: String =
+                    part.chars().take_while(|c| c.is_ascii_uppercase() || *c == '_' || c.is_ascii_digit()).collect();
+                known_env.insert(format!("DRIFTLESS_{name}"));
+            }
+        }
+        let mut checked = 0;
+        let mut errors = vec![];
+        let mut all = vec![];
+        files(&root.join("docker"), &mut all);
+        files(&root.join("examples"), &mut all);
+        for f in &all {
+            let Ok(text) = std::fs::read_to_string(f) else { continue };
+            let yaml = f.extension().is_some_and(|e| e == "yaml" || e == "yml");
+            let invocations = if yaml { yaml_invocations(&text, &subs) } else { shell_invocations(&text, &subs) };
+            for args in invocations {
+                checked += 1;
+                // Shell variables stand for values: any value parses as "1" for these checks.
+                let args: Vec<String> =
+                    args.into_iter().map(|a| if a.contains('$') { "1".into() } else { a }).collect();
+                let argv = std::iter::once("driftless".to_string()).chain(args.iter().cloned());
+                if let Err(e) = super::Cli::try_parse_from(argv) {
+                    use clap::error::ErrorKind as K;
+                    if !matches!(e.kind(), K::MissingRequiredArgument | K::DisplayHelp | K::DisplayVersion) {
+                        errors.push(format!("{}: driftless {}: {}", f.display(), args.join(" "), e.kind()));
+                    }
+                }
+            }
+            for part in text.split("DRIFTLESS_").skip(1) {
+                let name: String =
+                    part.chars().take_while(|c| c.is_ascii_uppercase() || *c == '_' || c.is_ascii_digit()).collect();
+                let name = format!("DRIFTLESS_{}", name.trim_end_matches('_'));
+                if !known_env.contains(&name) {
+                    errors.push(format!("{}: unknown environment variable {name}", f.display()));
+                }
+            }
+        }
+        assert!(errors.is_empty(), "{}", errors.join("\n"));
+        assert!(checked >= 4, "found only {checked} driftless command lines: is the scanner broken?");
+    }
+
+    /// The scanner itself: a wrong flag is caught, so the test above can fail.
+    #[test]
+    fn flag_scanner_catches_unknown_flags() {
+        let subs: BTreeSet<String> =
+            super::Cli::command().get_subcommands().map(|c| c.get_name().to_string()).collect();
+        let inv = shell_invocations("  driftless publish --takeover --bucket \"$B\" | tee x\n", &subs);
+        assert_eq!(inv, vec![vec!["publish", "--takeover", "--bucket", "$B"]]);
+        let inv = yaml_invocations("args:\n  - gc\n  - --max-bytes\n  - 10GB\n  - --no-such-flag\nenv:\n", &subs);
+        assert_eq!(inv.len(), 1);
+        let argv = std::iter::once("driftless".to_string()).chain(inv[0].iter().cloned());
+        let e = super::Cli::try_parse_from(argv).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument);
     }
 }

@@ -149,7 +149,7 @@ fn self_looping_and_cyclic_markers_do_not_hang() {
     }
     let m2: serde_json::Value =
         serde_json::from_slice(&std::fs::read(e.p("bucket/ready/deltas/000000000002")).unwrap()).unwrap();
-    let mut put = |step: u64, base: u64| {
+    let put = |step: u64, base: u64| {
         let mut m = m2.clone();
         m["step"] = step.into();
         m["base_step"] = base.into();

@@ -282,3 +282,347 @@ fn publish_watch_follows_a_directory() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(o.stdout.is_empty());
 }
+
+/// Runs a command and returns (exit code, stdout, stderr).
+fn out(c: &mut Command) -> (Option<i32>, String, String) {
+    let o = c.output().unwrap();
+    (o.status.code(), String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// A failure prints one error line and one line saying whether retrying can help, never a
+/// panic, never a cause twice; returns the error line.
+fn one_error(stderr: &str) -> String {
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("driftless: error: ")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    let advice = stderr.lines().filter(|l| l.contains("retrying")).count();
+    assert_eq!(advice, 1, "{stderr}");
+    // No cause repeated: every ": "-separated part appears once.
+    let parts: Vec<&str> = errors[0].split(": ").filter(|p| p.len() > 12).collect();
+    for p in &parts {
+        assert_eq!(errors[0].matches(p).count(), 1, "{p:?} repeated in {}", errors[0]);
+    }
+    errors[0].to_string()
+}
+
+/// Publishes steps 0..n of a small chain into a file:// bucket with `key`.
+fn small_stream(dir: &Path, n: u64) -> (String, RlChain) {
+    let p = |s: &str| dir.join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    assert!(bin().args(["keygen", "--out"]).arg(p("other")).status().unwrap().success());
+    let url = format!("file://{}", p("bucket").display());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-6, 3);
+    for step in 0..n {
+        if step > 0 {
+            chain.step();
+        }
+        let d = p(&format!("ckpt{step}"));
+        write(&chain, &d, 1 << 30);
+        let (code, _, err) = out(bin()
+            .args(["publish", "--bucket", &url, "--step", &step.to_string(), "--state"])
+            .arg(p("pstate"))
+            .arg("--key")
+            .arg(p("key"))
+            .arg(&d));
+        assert_eq!(code, Some(0), "{err}");
+    }
+    (url, chain)
+}
+
+/// Regression for issue 13 item 2: one exit-code mapping for every command (0 ok,
+/// 1 verification failed, 2 anything else), each error printed once with retry advice.
+#[test]
+fn exit_codes_are_the_same_for_every_command() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, _) = small_stream(t.path(), 2);
+    std::fs::write(p("notes.txt"), "not a checkpoint, long enough to have a header length").unwrap();
+
+    // keygen: refuses to overwrite -> 2.
+    let (code, _, err) = out(bin().args(["keygen", "--out"]).arg(p("key")));
+    assert_eq!(code, Some(2));
+    one_error(&err);
+    // hash: a non-safetensors file is bad input (2, was 1 with the message doubled).
+    let (code, _, err) = out(bin().arg("hash").arg(p("notes.txt")));
+    assert_eq!(code, Some(2), "{err}");
+    assert_eq!(one_error(&err).matches("corrupt safetensors").count(), 1, "{err}");
+    // hash: a missing file -> 2, the OS error once.
+    let (code, _, err) = out(bin().arg("hash").arg(p("missing")));
+    assert_eq!(code, Some(2));
+    assert_eq!(one_error(&err).matches("No such file").count(), 1, "{err}");
+    // diff: a missing base -> 2.
+    let (code, _, err) = out(bin().arg("diff").arg(p("missing")).arg(p("ckpt1")).arg("-o").arg(p("d.delta")));
+    assert_eq!(code, Some(2));
+    one_error(&err);
+    // diff + patch: a corrupt delta file -> 1 for patch and for inspect --trust.
+    let st = bin()
+        .arg("diff")
+        .arg(p("ckpt0"))
+        .arg(p("ckpt1"))
+        .arg("-o")
+        .arg(p("d.delta"))
+        .arg("--key")
+        .arg(p("key"))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut bytes = std::fs::read(p("d.delta")).unwrap();
+    let n = bytes.len();
+    bytes[n - 10] ^= 0xff;
+    std::fs::write(p("bad.delta"), bytes).unwrap();
+    let (code, _, err) = out(bin()
+        .arg("patch")
+        .arg(p("ckpt0"))
+        .arg(p("bad.delta"))
+        .arg("-o")
+        .arg(p("o"))
+        .arg("--trust")
+        .arg(p("key.pub")));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(one_error(&err).contains("corrupt"), "{err}");
+    assert!(err.contains("verification failed"), "{err}");
+    let (code, _, err) = out(bin().arg("inspect").arg(p("bad.delta")).arg("--trust").arg(p("key.pub")));
+    assert_eq!(code, Some(1), "{err}");
+    one_error(&err);
+    // patch with the wrong key trusted: untrusted key -> 1.
+    let (code, _, err) = out(bin()
+        .arg("patch")
+        .arg(p("ckpt0"))
+        .arg(p("d.delta"))
+        .arg("-o")
+        .arg(p("o"))
+        .arg("--trust")
+        .arg(p("other.pub")));
+    assert_eq!(code, Some(1), "{err}");
+    one_error(&err);
+    // agent --once trusting another key: untrusted key -> 1 (was 2).
+    let (code, _, err) =
+        out(bin().args(["agent", "--once", "--bucket", &url, "--trust"]).arg(p("other.pub")).arg("--dir").arg(p("a1")));
+    assert_eq!(code, Some(1), "{err}");
+    one_error(&err);
+    // agent --once on a corrupt anchor: corrupt object -> 1 (was 2).
+    let anchor_dir = p("bucket/anchors/000000000000");
+    for e in std::fs::read_dir(&anchor_dir).unwrap() {
+        let f = e.unwrap().path();
+        if f.extension().is_some_and(|x| x == "dla") {
+            let mut b = std::fs::read(&f).unwrap();
+            let n = b.len();
+            b[n / 2] ^= 0xff;
+            std::fs::write(&f, b).unwrap();
+        }
+    }
+    let (code, _, err) =
+        out(bin().args(["agent", "--once", "--bucket", &url, "--trust"]).arg(p("key.pub")).arg("--dir").arg(p("a2")));
+    assert_eq!(code, Some(1), "{err}");
+    one_error(&err);
+    // agent --once on an empty stream: nothing to sync yet -> 2, and retrying may help.
+    let empty = format!("file://{}", p("empty").display());
+    std::fs::create_dir_all(p("empty")).unwrap();
+    let (code, _, err) =
+        out(bin().args(["agent", "--once", "--bucket", &empty, "--trust"]).arg(p("key.pub")).arg("--dir").arg(p("a3")));
+    assert_eq!(code, Some(2), "{err}");
+    one_error(&err);
+    assert!(err.contains("retrying may help"), "{err}");
+    // publish: a missing checkpoint -> 2.
+    let (code, _, err) = out(bin()
+        .args(["publish", "--bucket", &url, "--step", "9", "--state"])
+        .arg(p("pstate"))
+        .arg("--key")
+        .arg(p("key"))
+        .arg(p("missing")));
+    assert_eq!(code, Some(2), "{err}");
+    one_error(&err);
+    // gc and inspect --bucket: a typo'd file:// bucket -> 2, and nothing is created.
+    for args in [vec!["gc", "--bucket"], vec!["inspect", "--bucket"]] {
+        let typo = format!("file://{}", p("typo").display());
+        let (code, _, err) = out(bin().args(&args).arg(&typo));
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(one_error(&err).contains("no such directory"), "{err}");
+        assert!(!p("typo").exists(), "{args:?} created the directory");
+    }
+    // Usage errors (clap) -> 2 for every command.
+    for sub in ["demo", "bench", "publish", "agent", "gc", "keygen", "diff", "patch", "hash", "inspect"] {
+        let (code, _, _) = out(bin().args([sub, "--no-such-flag"]));
+        assert_eq!(code, Some(2), "{sub}");
+    }
+}
+
+/// Regression for issue 13 item 1: endpoints without a scheme panicked inside object_store
+/// (exit 101 and a backtrace); now every command refuses them up front with one line.
+#[test]
+fn endpoints_without_a_scheme_are_errors_not_panics() {
+    let t = tempfile::tempdir().unwrap();
+    for endpoint in ["127.0.0.1:8333", "localhost:8333", "http:/127.0.0.1:8333"] {
+        let (code, _, err) = out(bin()
+            .args(["inspect", "--bucket", "s3://bkt/p", "--endpoint", endpoint])
+            .env("AWS_ACCESS_KEY_ID", "x")
+            .env("AWS_SECRET_ACCESS_KEY", "y"));
+        assert_eq!(code, Some(2), "{endpoint}: {err}");
+        assert!(one_error(&err).contains("expected http://HOST[:PORT]"), "{err}");
+        // The same value from the environment, for a command that reads it there.
+        let (code, _, err) = out(bin()
+            .args(["agent", "--once", "--allow-unsigned", "--bucket", "s3://bkt/p", "--dir"])
+            .arg(t.path().join("a"))
+            .env("AWS_ENDPOINT_URL", endpoint)
+            .env("AWS_ACCESS_KEY_ID", "x")
+            .env("AWS_SECRET_ACCESS_KEY", "y"));
+        assert_eq!(code, Some(2), "{endpoint}: {err}");
+        assert!(one_error(&err).contains("AWS_ENDPOINT_URL"), "{err}");
+    }
+}
+
+/// Regression for issue 13 item 6: no credentials with an S3-compatible endpoint says which
+/// keys are missing instead of a 403 from the EC2 metadata service.
+#[test]
+fn missing_s3_credentials_are_named() {
+    let (code, _, err) = out(bin()
+        .args(["gc", "--bucket", "s3://bkt/p", "--endpoint", "http://127.0.0.1:9"])
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .env_remove("AWS_SESSION_TOKEN"));
+    assert_eq!(code, Some(2), "{err}");
+    let e = one_error(&err);
+    assert!(e.contains("AWS_ACCESS_KEY_ID") && e.contains("AWS_SECRET_ACCESS_KEY"), "{e}");
+    assert!(!e.contains("169.254"), "{e}");
+}
+
+/// Issue 13 items 3-5: output spelling and placement, logs, byte-size units, advice naming
+/// real flags.
+#[test]
+fn output_logs_and_flags() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, mut chain) = small_stream(t.path(), 1);
+    // The publish summary is data: stdout, with the anchor's real size.
+    chain.step();
+    write(&chain, &p("ckpt1"), 1 << 30);
+    let (code, stdout, err) = out(bin()
+        .args(["publish", "--bucket", &url, "--step", "1", "--anchor-every", "1", "--state"])
+        .arg(p("pstate"))
+        .arg("--key")
+        .arg(p("key"))
+        .arg(p("ckpt1")));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.starts_with("step 1: delta_and_anchor, "), "{stdout}");
+    let uploaded: u64 = stdout.split(", ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(uploaded > 1 << 19, "an anchor of a 1 MiB model (zstd) reported as {uploaded} bytes");
+    // inspect --bucket: no Debug formatting, the anchor-only claim of step 0 is not incomplete.
+    let (code, stdout, err) = out(bin().args(["inspect", "--bucket", &url]));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.contains("latest.json: delta 1, anchor 1"), "{stdout}");
+    assert!(stdout.contains("0 incomplete step directories"), "{stdout}");
+    assert!(!stdout.contains("Some(") && !stdout.contains("incomplete delta"), "{stdout}");
+    // inspect DELTA: codec and value mode spelled as on the command line.
+    let st = bin()
+        .arg("diff")
+        .arg(p("ckpt0"))
+        .arg(p("ckpt1"))
+        .arg("-o")
+        .arg(p("d.delta"))
+        .arg("--key")
+        .arg(p("key"))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let (_, stdout, _) = out(bin().arg("inspect").arg(p("d.delta")));
+    assert!(stdout.contains("value mode ulp, codec zstd-1"), "{stdout}");
+    // agent --json says `route`, as the Python binding does, in snake_case.
+    let (code, stdout, err) = out(bin()
+        .args(["agent", "--once", "--json", "--log", "info", "--bucket", &url, "--trust"])
+        .arg(p("key.pub"))
+        .arg("--dir")
+        .arg(p("agent")));
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["data"]["route"], "anchor");
+    // Logs on a pipe carry no ANSI colour codes.
+    assert!(err.contains("INFO"), "{err}");
+    assert!(!err.contains('\u{1b}'), "ANSI escape in {err:?}");
+    // RUST_LOG is honoured when neither --log nor DRIFTLESS_LOG is given.
+    let (_, _, err) = out(bin()
+        .args(["agent", "--once", "--bucket", &url, "--trust"])
+        .arg(p("key.pub"))
+        .arg("--dir")
+        .arg(p("agent"))
+        .env_remove("DRIFTLESS_LOG")
+        .env("RUST_LOG", "debug"));
+    assert!(err.contains("DEBUG"), "RUST_LOG=debug ignored: {err}");
+    // gc: byte sizes with units, and a readable report rather than a Debug dump.
+    let (code, stdout, err) = out(bin().args(["gc", "--dry-run", "--max-bytes", "10GB", "--bucket", &url]));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.contains("max 10000000000 bytes"), "{stdout}");
+    assert!(!stdout.contains("GcReport") && !stdout.contains(" {\n") && !stdout.contains("Some("), "{stdout}");
+    let (code, _, err) = out(bin().args(["gc", "--dry-run", "--max-bytes", "10 parsecs", "--bucket", &url]));
+    assert_eq!(code, Some(2));
+    assert!(err.contains("512MiB"), "{err}");
+    // Another key may not continue the stream; the advice names a flag that exists, and it works.
+    write(&chain, &p("ckpt2"), 1 << 30);
+    let publish_other = |extra: &[&str]| {
+        out(bin()
+            .args(["publish", "--bucket", &url, "--step", "2", "--state"])
+            .arg(p("pstate2"))
+            .arg("--key")
+            .arg(p("other"))
+            .args(extra)
+            .arg(p("ckpt2")))
+    };
+    let (code, _, err) = publish_other(&[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("--takeover"), "{err}");
+    let (_, help, _) = out(bin().args(["publish", "--help"]));
+    for flag in err.split_whitespace().filter(|w| w.starts_with("--")) {
+        let flag = flag.trim_end_matches([',', ')', ';']);
+        assert!(help.contains(flag), "advice names {flag}, which `publish --help` does not have");
+    }
+    let (code, _, err) = publish_other(&["--takeover"]);
+    assert_eq!(code, Some(0), "{err}");
+}
+
+/// Issue 13 item 5: SIGTERM (or SIGINT) during `publish --watch` lets the step in flight
+/// finish, says so, and exits 0, leaving no half-written step.
+#[test]
+fn publish_watch_stops_cleanly_on_sigterm() {
+    use std::io::BufRead;
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let url = format!("file://{}", p("bucket").display());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 1e-6, 8);
+    std::fs::create_dir_all(p("ckpts")).unwrap();
+    for step in 0..6u64 {
+        if step > 0 {
+            chain.step();
+        }
+        write(&chain, &p(&format!("ckpts/step_{step}")), 1 << 30);
+    }
+    for sig in ["-TERM", "-INT"] {
+        let _ = std::fs::remove_dir_all(p("bucket"));
+        let _ = std::fs::remove_dir_all(p("pstate"));
+        let mut child = bin()
+            .args(["publish", "--json", "--new-stream", "--bucket", &url, "--watch"])
+            .arg(p("ckpts"))
+            .arg("--state")
+            .arg(p("pstate"))
+            .arg("--key")
+            .arg(p("key"))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Signal as soon as the first step is out: the next one is in flight.
+        let mut first = String::new();
+        std::io::BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
+        assert!(first.contains("\"published\""), "{first}");
+        let st = Command::new("kill").arg(sig).arg(child.id().to_string()).status().unwrap();
+        assert!(st.success());
+        let o = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{sig}: {err}");
+        assert!(err.contains("stopped cleanly"), "{sig}: {err}");
+        // Every step directory the publisher started has its ready marker.
+        let (code, stdout, err) = out(bin().args(["inspect", "--json", "--bucket", &url]));
+        assert_eq!(code, Some(0), "{err}");
+        let head: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+        assert_eq!(head["data"]["incomplete"], 0, "{sig}: {stdout}");
+    }
+}

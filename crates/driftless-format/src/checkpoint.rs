@@ -284,8 +284,11 @@ impl Checkpoint {
             // SAFETY: the file is mapped read-only; driftless never truncates checkpoint files
             // while a map is alive. Another process truncating it would fault, as with any mmap.
             let map = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(&p, e))?;
-            let (data_start, tensors, metadata) = parse_safetensors_header(&map)
-                .map_err(|e| Error::corrupt("safetensors file", format!("{}: {e}", p.display())))?;
+            // Name the file; the inner error already says what is corrupt (not twice).
+            let (data_start, tensors, metadata) = parse_safetensors_header(&map).map_err(|e| match e {
+                Error::Corrupt { what, detail } => Error::corrupt(what, format!("{}: {detail}", p.display())),
+                e => e,
+            })?;
             for (t, _) in &tensors {
                 if !seen.insert(t.name.clone()) {
                     return Err(Error::invalid(format!("tensor {} appears in two shards", t.name)));

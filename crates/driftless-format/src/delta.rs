@@ -80,6 +80,26 @@ pub enum Codec {
     },
 }
 
+/// `ulp` / `overwrite`, as on the command line and in manifests.
+impl std::fmt::Display for ValueMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ValueMode::Overwrite => "overwrite",
+            ValueMode::Ulp => "ulp",
+        })
+    }
+}
+
+/// `raw` / `zstd-LEVEL`.
+impl std::fmt::Display for Codec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Codec::Raw => f.write_str("raw"),
+            Codec::Zstd { level } => write!(f, "zstd-{level}"),
+        }
+    }
+}
+
 impl Default for Codec {
     fn default() -> Self {
         Codec::Zstd { level: 1 }

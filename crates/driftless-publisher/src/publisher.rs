@@ -203,7 +203,7 @@ impl PublisherBuilder {
             {
                 if !self.takeover {
                     return Err(Error::Refused(format!(
-                        "the stream at {} is signed by another key ({e}); pass takeover to continue it",
+                        "the stream at {} is signed by another key ({e}); to continue it, pass --takeover (Python: takeover=True; Rust: with_takeover(true))",
                         bucket.url()
                     )));
                 }
@@ -225,7 +225,7 @@ impl PublisherBuilder {
             if mine || !self.takeover {
                 if !mine {
                     return Err(Error::Refused(format!(
-                        "stream {} does not list this publisher's key; pass takeover to continue it",
+                        "stream {} does not list this publisher's key; to continue it, pass --takeover (Python: takeover=True; Rust: with_takeover(true))",
                         d.stream_id
                     )));
                 }
@@ -234,7 +234,7 @@ impl PublisherBuilder {
             taken_id = Some(d.stream_id);
         } else if !existing.is_empty() && !self.new_stream && !self.takeover {
             return Err(Error::Refused(format!(
-                "{} holds {} objects but no stream.json; pass new_stream to create a stream there",
+                "{} holds {} objects but no stream.json; to create a stream there anyway, pass --new-stream (Python: new_stream=True; Rust: with_new_stream(true))",
                 bucket.url(),
                 existing.len()
             )));

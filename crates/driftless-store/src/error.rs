@@ -58,6 +58,19 @@ pub enum Error {
     /// The bucket URL or its configuration is wrong.
     #[error("invalid bucket url: {0}")]
     InvalidUrl(String),
+    /// An endpoint setting (`--endpoint`, `AWS_ENDPOINT_URL`, `StoreOptions::endpoint`) is not
+    /// an absolute `http://` or `https://` URL. Checked before any client is built: the HTTP
+    /// stack would otherwise fail deep inside a request.
+    #[error("invalid endpoint {endpoint:?} (from {source_name}): expected http://HOST[:PORT] or https://HOST[:PORT], e.g. http://127.0.0.1:8333")]
+    InvalidEndpoint {
+        /// The rejected value.
+        endpoint: String,
+        /// Where it came from (`--endpoint`/options, or the environment variable's name).
+        source_name: String,
+    },
+    /// No credentials are configured for a backend that needs them.
+    #[error("{0}")]
+    MissingCredentials(String),
     /// The backend cannot do what was asked.
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -67,6 +80,12 @@ impl Error {
     /// Whether retrying the same call later may succeed.
     pub fn is_retryable(&self) -> bool {
         matches!(self, Error::Transient { .. })
+    }
+
+    /// Whether the bucket URL, endpoint or credentials are misconfigured (fix the settings;
+    /// retrying will not help).
+    pub fn is_config(&self) -> bool {
+        matches!(self, Error::InvalidUrl(_) | Error::InvalidEndpoint { .. } | Error::MissingCredentials(_))
     }
 
     /// Whether the object does not exist.
@@ -83,6 +102,9 @@ impl Error {
     pub(crate) fn from_store(key: &str, err: object_store::Error) -> Error {
         use object_store::Error as E;
         let key = key.to_string();
+        if let Some(e) = missing_credentials_hint(&err) {
+            return e;
+        }
         match err {
             E::NotFound { .. } => Error::NotFound { key },
             E::AlreadyExists { .. } => Error::AlreadyExists { key },
@@ -102,6 +124,21 @@ impl Error {
         }
     }
 }
+
+/// The S3 client falls back to the EC2 instance metadata service when no keys are configured;
+/// off EC2 that fails with a connection error or a 403 from 169.254.169.254, which says nothing
+/// about the real cause. Say it.
+fn missing_credentials_hint(err: &object_store::Error) -> Option<Error> {
+    let text = StoreError::new(err).message().to_string();
+    let imds = text.contains("169.254.169.254") || text.contains("fd00:ec2::254");
+    (imds && (text.contains("credential") || text.contains("token") || text.contains("metadata")))
+        .then(|| Error::MissingCredentials(MISSING_S3_CREDENTIALS.to_string()))
+}
+
+/// What to configure when an S3 client has no credentials.
+pub(crate) const MISSING_S3_CREDENTIALS: &str = "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
+(or AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN, or AWS_SKIP_SIGNATURE=true for a public bucket); \
+without them the client asked the EC2 instance metadata service, which is only there on EC2";
 
 /// `object_store` wraps HTTP failures in a private type; decide from the error chain and the
 /// status code in its message. Connection/timeout errors, 5xx, 408 and 429 are transient; other
@@ -182,6 +219,17 @@ mod tests {
         assert!(e.is_retryable());
         let e = Error::from_store("k", object_store::Error::NotFound { path: "x".into(), source: "gone".into() });
         assert!(e.is_not_found());
+    }
+
+    #[test]
+    fn instance_metadata_failures_say_credentials_are_missing() {
+        let e = Error::from_store(
+            "stream.json",
+            generic("Error performing token request: Error after 0 retries: Server returned non-2xx status code: 403 Forbidden: http://169.254.169.254/latest/api/token"),
+        );
+        assert!(matches!(e, Error::MissingCredentials(_)), "{e}");
+        assert!(e.to_string().contains("AWS_ACCESS_KEY_ID"), "{e}");
+        assert!(!e.is_retryable());
     }
 
     #[test]

@@ -147,6 +147,44 @@ fn s3_builder(bucket: &str, opts: &StoreOptions) -> AmazonS3Builder {
     b
 }
 
+/// Rejects an endpoint that is not an absolute `http(s)://HOST[:PORT][/path]` URL, before it
+/// reaches the HTTP client (which panics on some malformed URIs, e.g. `127.0.0.1:8333` or
+/// `http:/127.0.0.1:8333`). `source` names where the value came from, for the message.
+pub(crate) fn check_endpoint(endpoint: &str, source: &str) -> Result<()> {
+    let bad = || Error::InvalidEndpoint { endpoint: redact_url(endpoint), source_name: source.to_string() };
+    let lower = endpoint.to_ascii_lowercase();
+    let rest = lower.strip_prefix("http://").or_else(|| lower.strip_prefix("https://")).ok_or_else(bad)?;
+    if rest.is_empty() || rest.starts_with('/') || endpoint.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(bad());
+    }
+    let u = url::Url::parse(endpoint).map_err(|_| bad())?;
+    if u.host_str().is_none_or(str::is_empty) || u.cannot_be_a_base() {
+        return Err(bad());
+    }
+    Ok(())
+}
+
+/// The endpoint an S3 client will use: the explicit option, else what `from_env` reads.
+fn s3_endpoint(opts: &StoreOptions) -> Option<(String, &'static str)> {
+    if let Some(e) = &opts.endpoint {
+        return Some((e.clone(), "--endpoint / AWS_ENDPOINT_URL"));
+    }
+    ["AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
+        .into_iter()
+        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()).map(|v| (v, k)))
+}
+
+/// Whether the environment gives the S3 client any way to sign requests other than the EC2
+/// instance metadata service.
+fn s3_credentials_configured() -> bool {
+    let set = |k: &str| std::env::var_os(k).is_some_and(|v| !v.is_empty());
+    (set("AWS_ACCESS_KEY_ID") && set("AWS_SECRET_ACCESS_KEY"))
+        || set("AWS_WEB_IDENTITY_TOKEN_FILE")
+        || set("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+        || set("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+        || env_true("AWS_SKIP_SIGNATURE")
+}
+
 fn build_err(url: &str, e: object_store::Error) -> Error {
     Error::InvalidUrl(format!("{}: {}", redact_url(url), crate::redact::redact_text(&e.to_string())))
 }
@@ -158,6 +196,18 @@ fn open_s3(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
         return Err(Error::InvalidUrl(format!("{}: missing bucket", redact_url(&url))));
     }
     check_prefix(prefix, &url)?;
+    if let Some((endpoint, source)) = s3_endpoint(opts) {
+        check_endpoint(&endpoint, source)?;
+        // A custom endpoint is an S3-compatible server: the instance metadata fallback cannot
+        // be what the user meant.
+        if !s3_credentials_configured() {
+            return Err(Error::MissingCredentials(format!(
+                "no S3 credentials for {}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
+                 (or AWS_SKIP_SIGNATURE=true for a public bucket)",
+                redact_url(&endpoint)
+            )));
+        }
+    }
     let store = s3_builder(bucket, opts).build().map_err(|e| build_err(&url, e))?;
     Ok(Bucket::assemble(Arc::new(store) as Arc<dyn ObjectStore>, prefix.to_string(), redact_url(&url), opts, true))
 }
@@ -178,9 +228,13 @@ fn open_hf(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     };
     check_prefix(prefix, &url)?;
     let endpoint = match &opts.endpoint {
-        Some(e) => e.clone(),
+        Some(e) => {
+            check_endpoint(e, "--endpoint")?;
+            e.clone()
+        }
         None => {
             let base = std::env::var("DRIFTLESS_HF_S3_ENDPOINT").unwrap_or_else(|_| HF_S3_ENDPOINT.to_string());
+            check_endpoint(&base, "DRIFTLESS_HF_S3_ENDPOINT")?;
             format!("{}/{namespace}", base.trim_end_matches('/'))
         }
     };
@@ -219,6 +273,7 @@ fn open_azure(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
         b = b.with_allow_http(true);
     }
     if let Some(endpoint) = &opts.endpoint {
+        check_endpoint(endpoint, "--endpoint")?;
         b = b.with_endpoint(endpoint.clone());
         // A loopback endpoint with no account configured is Azurite: use its well-known
         // development account (the endpoint is then `http://127.0.0.1:PORT/devstoreaccount1`).
@@ -239,6 +294,7 @@ fn open_gcs(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     check_prefix(prefix, &url)?;
     let mut b = GoogleCloudStorageBuilder::from_env().with_bucket_name(bucket).with_retry(opts.retry_config());
     if let Some(endpoint) = &opts.endpoint {
+        check_endpoint(endpoint, "--endpoint")?;
         b = b.with_base_url(endpoint.trim_end_matches('/'));
         let has_creds = [
             "GOOGLE_SERVICE_ACCOUNT",
@@ -290,6 +346,31 @@ mod tests {
         let b = Bucket::open("az://c/p", &StoreOptions::default().with_endpoint("http://127.0.0.1:1/devstoreaccount1"))
             .unwrap();
         assert_eq!(b.url(), "az://c/p");
+    }
+
+    /// Regression: these panicked inside object_store ("invalid URI") instead of failing.
+    #[test]
+    fn endpoints_without_a_scheme_are_refused_up_front() {
+        for bad in [
+            "127.0.0.1:8333",
+            "localhost:8333",
+            "http:/127.0.0.1:8333",
+            "http://",
+            "https:///x",
+            "ftp://h",
+            " http://h",
+        ] {
+            for url in ["s3://b/p", "gs://b/p", "az://c/p", "hf://buckets/ns/b/p"] {
+                let e = Bucket::open(url, &StoreOptions::default().with_endpoint(bad)).unwrap_err();
+                assert!(matches!(e, Error::InvalidEndpoint { .. }), "{url} {bad}: {e}");
+                assert!(e.to_string().contains("expected http://HOST[:PORT]"), "{e}");
+                assert!(e.is_config() && !e.is_retryable());
+            }
+        }
+        for good in ["http://127.0.0.1:8333", "https://s3.example.com", "HTTP://localhost:1/base/", "http://[::1]:9000"]
+        {
+            check_endpoint(good, "--endpoint").unwrap();
+        }
     }
 
     #[tokio::test]

@@ -1,12 +1,10 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use driftless_agent::notify::Notifier;
 use driftless_agent::{Agent, AgentConfig};
-use driftless_format::TrustSet;
 
 /// `driftless agent --bucket URL --trust KEY.pub --dir DIR [--once] [--notify KIND=TARGET]... [--listen ADDR]`
 #[derive(clap::Args, Debug)]
@@ -45,17 +43,21 @@ pub struct Args {
     json: bool,
 }
 
-pub fn run(a: Args) -> Result<()> {
-    let mut trust = TrustSet::new().allow_unsigned(a.allow_unsigned);
-    for t in &a.trust {
-        trust = trust.with_file(t)?;
+impl Args {
+    /// Whether this is a one-shot sync (the default log level depends on it).
+    pub fn once(&self) -> bool {
+        self.once
     }
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let trust = super::trust_set(&a.trust, a.allow_unsigned)?;
     if trust.is_empty() && !a.allow_unsigned {
-        bail!("give --trust KEY.pub (or --allow-unsigned for an unsigned stream)");
+        anyhow::bail!("give --trust KEY.pub (or --allow-unsigned for an unsigned stream)");
     }
     if !trust.is_empty() && a.allow_unsigned {
         // With a key configured, an unsigned manifest is a stripped signature: never accepted.
-        bail!(
+        anyhow::bail!(
             "--allow-unsigned cannot be combined with --trust (unsigned manifests are refused when a key is trusted)"
         );
     }
@@ -73,6 +75,7 @@ pub fn run(a: Args) -> Result<()> {
         let mut agent = Agent::new(bucket, cfg)?;
         if a.once {
             let o = agent.sync_once().await?;
+            // One spelling with the Python Follower: `route`, snake_case names.
             if a.json {
                 println!("{}", serde_json::json!({"type": "synced", "data": o}));
             } else {
@@ -96,15 +99,19 @@ pub fn run(a: Args) -> Result<()> {
             tokio::spawn(driftless_agent::server::serve(l, agent.metrics(), poke.clone()));
         }
         let shutdown = async {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut term) => tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                },
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
+            eprintln!("driftless agent: signal received, stopping after the step in flight");
         };
         agent.run(poke, shutdown).await?;
-        let _ = Duration::ZERO;
+        eprintln!("driftless agent: stopped");
         Ok(())
     })
 }

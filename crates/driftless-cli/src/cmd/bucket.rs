@@ -14,7 +14,7 @@ pub struct BucketArgs {
     /// Region; also AWS_REGION.
     #[arg(long, env = "AWS_REGION")]
     pub region: Option<String>,
-    /// Allow plain HTTP endpoints.
+    /// Allow plain HTTP endpoints (implied by an `http://` endpoint; also AWS_ALLOW_HTTP=true).
     #[arg(long)]
     pub allow_http: bool,
 }
@@ -30,5 +30,19 @@ impl BucketArgs {
         }
         o = o.with_allow_http(self.allow_http || self.endpoint.as_deref().is_some_and(|e| e.starts_with("http://")));
         Ok(driftless_store::Bucket::open(&self.bucket, &o)?)
+    }
+
+    /// Like [`BucketArgs::open`] for commands that only read or trim an existing stream
+    /// (`inspect`, `gc`): a `file://` directory that does not exist is an error (a typo), not
+    /// a new empty bucket.
+    pub fn open_existing(&self) -> anyhow::Result<driftless_store::Bucket> {
+        if let Some(rest) = self.bucket.strip_prefix("file://") {
+            let rest = rest.split(['?', '#']).next().unwrap_or("");
+            let path = std::path::Path::new(rest.strip_prefix("localhost").unwrap_or(rest));
+            if path.is_absolute() && !path.is_dir() {
+                anyhow::bail!("{}: no such directory (check the URL; nothing was created)", self.bucket);
+            }
+        }
+        self.open()
     }
 }

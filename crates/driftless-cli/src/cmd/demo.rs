@@ -25,10 +25,29 @@ pub struct Args {
     /// Learning rate of the simulated trainer.
     #[arg(long, default_value_t = 5e-7)]
     lr: f32,
+    /// Keep the bucket and the agent's directory afterwards (their path is printed) to look
+    /// at them with `driftless inspect --bucket file://...`.
+    #[arg(long)]
+    keep: bool,
+}
+
+/// Bytes as a short human size, fixed width friendly.
+fn size(b: u64) -> String {
+    const K: f64 = 1024.0;
+    let b = b as f64;
+    if b < K {
+        format!("{b:.0} B")
+    } else if b < K * K {
+        format!("{:.1} KiB", b / K)
+    } else if b < K * K * K {
+        format!("{:.1} MiB", b / (K * K))
+    } else {
+        format!("{:.2} GiB", b / (K * K * K))
+    }
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let tmp = tempfile::tempdir()?;
+    let tmp = tempfile::Builder::new().prefix("driftless-demo-").tempdir()?;
     let url = format!("file://{}", tmp.path().join("bucket").display());
     let bucket = Bucket::open(&url, &StoreOptions::default())?;
     let key = Keypair::generate();
@@ -48,27 +67,34 @@ pub fn run(a: Args) -> Result<()> {
         .build()?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let mut agent = Agent::new(bucket, AgentConfig::new(tmp.path().join("agent"), trust))?;
+    // "uploaded" is everything the step put in the bucket (an anchor's size included);
+    // "ratio" is the full checkpoint over that.
     println!(
-        "{:>5} {:>10} {:>12} {:>8} {:>9} {:>10} {:>9} {:>9}",
-        "step", "publish", "delta bytes", "ratio", "changed", "agent path", "bytes", "agent s"
+        "{:>5}  {:<16} {:>11} {:>8} {:>8}  {:<8} {:>11} {:>8}",
+        "step", "published", "uploaded", "ratio", "changed", "agent", "downloaded", "agent s"
     );
+    let full = chain.bytes();
+    let mut downloaded = 0u64;
     for step in 0..a.steps {
         if step > 0 {
             chain.step();
         }
+        let before = p.status().bytes_uploaded;
         let r = p.publish(step, &chain.views())?;
         p.flush()?;
+        let uploaded = p.status().bytes_uploaded - before;
         let t = Instant::now();
         let o = rt.block_on(agent.sync_once())?;
+        downloaded += o.bytes;
         println!(
-            "{:>5} {:>10} {:>12} {:>7.1}x {:>8.3}% {:>10} {:>9} {:>9.3}",
+            "{:>5}  {:<16} {:>11} {:>7.1}x {:>8}  {:<8} {:>11} {:>8.3}",
             step,
-            format!("{:?}", r.outcome).to_lowercase(),
-            r.delta_bytes,
-            r.ratio,
-            100.0 * r.density,
-            o.route.to_string(),
-            o.bytes,
+            super::snake(&r.outcome),
+            size(uploaded),
+            full as f64 / uploaded.max(1) as f64,
+            if r.delta_bytes > 0 { format!("{:.3}%", 100.0 * r.density) } else { "-".into() },
+            super::snake(&o.route),
+            size(o.bytes),
             t.elapsed().as_secs_f64()
         );
         ensure!(o.step == step, "agent is on step {} instead of {step}", o.step);
@@ -82,12 +108,26 @@ pub fn run(a: Args) -> Result<()> {
         ensure!(g.data == w.data, "tensor {} differs", w.name);
     }
     let (_, root) = driftless_format::weights_root(&got);
+    let naive = full * a.steps;
     println!(
-        "uploaded {} bytes in all for {} steps of a {:.1} MiB model",
-        s.bytes_uploaded,
+        "moved: {} uploaded and {} downloaded by the agent for {} steps; sending every full checkpoint \
+         ({} each) would have moved {} each way: {:.1}x less uploaded, {:.1}x less downloaded",
+        size(s.bytes_uploaded),
+        size(downloaded),
         a.steps,
-        chain.bytes() as f64 / 1048576.0
+        size(full),
+        size(naive),
+        naive as f64 / s.bytes_uploaded.max(1) as f64,
+        naive as f64 / downloaded.max(1) as f64,
     );
     println!("OK: the agent's checkpoint is bit-identical to the trainer's weights (root {root})");
+    drop(agent);
+    if a.keep {
+        let dir = tmp.keep();
+        println!(
+            "kept: bucket {url} (driftless inspect --bucket {url}), agent directory {}",
+            dir.join("agent").display()
+        );
+    }
     Ok(())
 }

@@ -33,7 +33,16 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     let base = super::open(&a.base)?;
     let target = super::open(&a.target)?;
-    let key = a.key.as_deref().map(Keypair::read).transpose()?;
+    let key = a
+        .key
+        .as_deref()
+        .map(|k| {
+            Keypair::read(k).map_err(|e| crate::exit::BadInput {
+                context: format!("reading signing key {}", k.display()),
+                source: e.into(),
+            })
+        })
+        .transpose()?;
     let layout = target.layout();
     let opts = DeltaOptions {
         values: a.values,

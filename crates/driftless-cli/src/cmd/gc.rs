@@ -15,8 +15,9 @@ pub struct Args {
     /// Never delete anything younger than this (e.g. 10m, 1h).
     #[arg(long, default_value = "10m")]
     grace: String,
-    /// Bound on total bytes (trims oldest first, honouring reachability).
-    #[arg(long)]
+    /// Bound on total bytes (trims oldest first, honouring reachability): 10GB, 512MiB, or
+    /// a plain number of bytes.
+    #[arg(long, value_parser = crate::units::parse_bytes)]
     max_bytes: Option<u64>,
     /// Print the plan without deleting.
     #[arg(long)]
@@ -33,12 +34,12 @@ pub fn run(a: Args) -> Result<()> {
         .with_grace(driftless_gc::parse_duration(&a.grace)?)
         .with_max_bytes(a.max_bytes);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let bucket = a.bucket.open()?;
+    let bucket = a.bucket.open_existing()?;
     let report = rt.block_on(driftless_gc::run(&bucket, &policy, a.dry_run))?;
     if a.json {
         println!("{}", serde_json::json!({"type": "gc", "data": report}));
     } else {
-        println!("{report:#?}");
+        println!("{}", report.to_string().trim_end());
     }
     Ok(())
 }

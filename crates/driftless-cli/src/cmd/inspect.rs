@@ -34,10 +34,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let verify = !a.trust.is_empty();
-    let mut trust = TrustSet::new().allow_unsigned(!verify);
-    for t in &a.trust {
-        trust = trust.with_file(t)?;
-    }
+    let trust = super::trust_set(&a.trust, !verify)?;
     // Without keys, read the manifest without checking who signed it: inspect is a viewer.
     let bytes = if verify { bytes } else { strip_signatures(&bytes)? };
     let d = container::read_delta_file(&bytes, &trust)?;
@@ -97,7 +94,7 @@ fn report(a: &Args, segs: &[&[u8]], m: driftless_format::DeltaManifest, signer: 
     }
     let s = &m.stats;
     println!(
-        "step {} (base {}), value mode {:?}, codec {:?}, signature: {}",
+        "step {} (base {}), value mode {}, codec {}, signature: {}",
         m.step, m.base_step, m.value_mode, m.codec, signature
     );
     println!("base root   {}\nresult root {}", m.base_root, m.result_root);
@@ -155,12 +152,9 @@ fn stream(a: &Args) -> Result<()> {
         region: std::env::var("AWS_REGION").ok(),
         allow_http: a.allow_http,
     };
-    let bucket = b.open()?;
+    let bucket = b.open_existing()?;
     let verify = !a.trust.is_empty();
-    let mut trust = TrustSet::new().allow_unsigned(true);
-    for t in &a.trust {
-        trust = trust.with_file(t)?;
-    }
+    let trust = super::trust_set(&a.trust, true)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {
         // Without keys, read signed documents without checking who signed them: a viewer.
@@ -181,6 +175,9 @@ fn stream(a: &Args) -> Result<()> {
             Err(e) => return Err(e.into()),
         };
         let keys = bucket.list("").await?;
+        if desc.is_none() && keys.is_empty() {
+            anyhow::bail!("no stream at {}: no stream.json and no objects (check the URL)", bucket.url());
+        }
         let mut dirs: BTreeMap<(u8, u64), (u64, usize)> = BTreeMap::new();
         let mut ready: BTreeMap<(u8, u64), ()> = BTreeMap::new();
         let mut other = 0usize;
@@ -257,16 +254,19 @@ fn stream(a: &Args) -> Result<()> {
         }
         rows.sort_by_key(|r| (r.step, r.kind == "anchor"));
         // Step directories without a ready marker: in flight, failed, or a crashed writer's
-        // leftovers (a lone delta manifest under an anchor-only step is the anchor's claim).
+        // leftovers. A lone delta manifest under a ready anchor-only step is that anchor's
+        // claim (normal, never given a marker): not incomplete.
         let mut incomplete = vec![];
         for (&(k, s), &(bytes, objects)) in &dirs {
             if ready.contains_key(&(k, s)) {
                 continue;
             }
-            let kind = if k == 1 { "anchor" } else { "delta" };
             let claim = k == 0 && objects == 1 && ready.contains_key(&(1, s));
-            incomplete
-                .push(serde_json::json!({"kind": kind, "step": s, "objects": objects, "bytes": bytes, "claim": claim}));
+            if claim {
+                continue;
+            }
+            let kind = if k == 1 { "anchor" } else { "delta" };
+            incomplete.push(serde_json::json!({"kind": kind, "step": s, "objects": objects, "bytes": bytes}));
         }
         let latest = match bucket.get_limited(layout::LATEST, 1 << 20).await {
             Ok(b) => open(&b).ok().and_then(|(p, _)| driftless_format::LatestHint::from_slice(&p).ok()),
@@ -316,7 +316,8 @@ fn stream(a: &Args) -> Result<()> {
             if other > 0 { format!(", {other} objects outside the layout") } else { String::new() }
         );
         if let Some(l) = &latest {
-            println!("latest.json: delta {:?}, anchor {:?}", l.delta, l.anchor);
+            let opt = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_else(|| "none".into());
+            println!("latest.json: delta {}, anchor {}", opt(l.delta), opt(l.anchor));
         }
         println!(
             "{:<7} {:>12} {:>8} {:>14} {:>9} {:>9}  manifest",
@@ -336,12 +337,11 @@ fn stream(a: &Args) -> Result<()> {
         }
         for i in &incomplete {
             println!(
-                "incomplete {:<7} {:>12} {:>3} objects {:>12} bytes{}",
+                "incomplete {:<7} {:>12} {:>3} objects {:>12} bytes",
                 i["kind"].as_str().unwrap_or(""),
                 i["step"],
                 i["objects"],
                 i["bytes"],
-                if i["claim"].as_bool() == Some(true) { " (claim of an anchor-only step)" } else { "" }
             );
         }
         Ok(())

@@ -12,26 +12,39 @@ pub mod keygen;
 pub mod patch;
 pub mod publish;
 
-use driftless_format::ErrorKind;
-
-/// Exit code for an error: 1 when verification failed, 2 otherwise.
-pub fn exit_code(e: &anyhow::Error) -> i32 {
-    for c in e.chain() {
-        if let Some(a) = c.downcast_ref::<driftless_agent::Error>() {
-            return if a.is_integrity() { 1 } else { 2 };
-        }
-        if let Some(f) = c.downcast_ref::<driftless_format::Error>() {
-            return match f.kind() {
-                ErrorKind::Corrupt | ErrorKind::Untrusted | ErrorKind::WrongBase => 1,
-                _ => 2,
-            };
-        }
-    }
-    2
+/// A local checkpoint named on the command line. A file that is not a safetensors checkpoint
+/// is bad input (exit 2), not a verification failure.
+pub fn open(path: &std::path::Path) -> anyhow::Result<driftless_format::Checkpoint> {
+    driftless_format::Checkpoint::open(path).map_err(|e| {
+        // Name the path unless the cause already does (it names the shard file).
+        let context = if e.to_string().contains(&path.display().to_string()) {
+            "opening checkpoint".to_string()
+        } else {
+            format!("opening checkpoint {}", path.display())
+        };
+        crate::exit::BadInput { context, source: e.into() }.into()
+    })
 }
 
-/// Views of a checkpoint ordered as its layout.
-pub fn open(path: &std::path::Path) -> anyhow::Result<driftless_format::Checkpoint> {
-    use anyhow::Context;
-    driftless_format::Checkpoint::open(path).with_context(|| format!("opening checkpoint {}", path.display()))
+/// The trust set from `--trust` files and `--allow-unsigned`. A key file that cannot be read
+/// or parsed is bad input (exit 2).
+pub fn trust_set(files: &[std::path::PathBuf], allow_unsigned: bool) -> anyhow::Result<driftless_format::TrustSet> {
+    let mut trust = driftless_format::TrustSet::new().allow_unsigned(allow_unsigned);
+    for t in files {
+        trust = trust.with_file(t).map_err(|e| crate::exit::BadInput {
+            context: format!("reading trusted key {}", t.display()),
+            source: e.into(),
+        })?;
+    }
+    Ok(trust)
+}
+
+/// A serde enum's name (`delta_and_anchor`, `up_to_date`): the one spelling used in text
+/// output, JSON and the Python binding.
+pub fn snake<T: serde::Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        Ok(other) => other.to_string(),
+        Err(_) => "?".into(),
+    }
 }

@@ -1,7 +1,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use driftless_format::{container, ops, TrustSet};
+use driftless_format::{container, ops};
 
 /// `driftless patch BASE DELTA -o OUT [--trust KEY.pub]... [--allow-unsigned]`
 #[derive(clap::Args, Debug)]
@@ -22,10 +22,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let mut trust = TrustSet::new().allow_unsigned(a.allow_unsigned);
-    for t in &a.trust {
-        trust = trust.with_file(t)?;
-    }
+    let trust = super::trust_set(&a.trust, a.allow_unsigned)?;
     let bytes = std::fs::read(&a.delta).with_context(|| format!("reading {}", a.delta.display()))?;
     let d = container::read_delta_file(&bytes, &trust)?;
     let base = super::open(&a.base)?;

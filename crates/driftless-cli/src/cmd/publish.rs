@@ -37,19 +37,39 @@ pub struct Args {
     /// Create the stream even if the prefix holds other objects.
     #[arg(long)]
     new_stream: bool,
+    /// Continue a stream signed by another key (key rotation, a replaced trainer): re-signs
+    /// its descriptor with --key. Agents must trust the new key.
+    #[arg(long)]
+    takeover: bool,
     /// Run retention every N published steps (0 = never), with the gc defaults.
     #[arg(long, default_value_t = 0)]
     gc_every: u64,
-    /// JSON lines on stdout.
+    /// JSON lines on stdout (one `{"type":"published","data":{...}}` per step).
     #[arg(long)]
     json: bool,
     /// Checkpoint to publish (file or directory).
     ckpt: Option<PathBuf>,
 }
 
+impl Args {
+    /// Whether this follows a directory (a long-running command).
+    pub fn watching(&self) -> bool {
+        self.watch.is_some() && !self.once
+    }
+}
+
 pub fn run(a: Args) -> Result<()> {
-    std::fs::create_dir_all(&a.state)?;
-    let key = a.key.as_deref().map(Keypair::read).transpose()?;
+    std::fs::create_dir_all(&a.state).with_context(|| format!("creating state directory {}", a.state.display()))?;
+    let key = a
+        .key
+        .as_deref()
+        .map(|k| {
+            Keypair::read(k).map_err(|e| crate::exit::BadInput {
+                context: format!("reading signing key {}", k.display()),
+                source: e.into(),
+            })
+        })
+        .transpose()?;
     if key.is_none() {
         eprintln!("driftless: warning: no --key: the stream is unsigned; agents need --allow-unsigned");
     }
@@ -57,6 +77,7 @@ pub fn run(a: Args) -> Result<()> {
         .with_bucket(a.bucket.open()?)
         .with_anchor_every(a.anchor_every)
         .with_new_stream(a.new_stream)
+        .with_takeover(a.takeover)
         .with_spool_dir(a.state.join("spool"));
     if let Some(k) = key {
         b = b.with_key(k);
@@ -69,7 +90,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut seeded = false;
     let mut one = |p: &mut driftless_publisher::Publisher, step: u64, ckpt: &Path| -> Result<()> {
         let prev = a.state.join("last");
-        let ck = Checkpoint::open(ckpt)?;
+        let ck = super::open(ckpt)?;
         // The publisher restarts with no snapshot in a new process: seed it from the state dir.
         if let (Ok(prev_ck), true) = (Checkpoint::open(&prev), !seeded) {
             seeded = true;
@@ -80,20 +101,29 @@ pub fn run(a: Args) -> Result<()> {
                 }
             }
         }
+        let before = p.status().bytes_uploaded;
         let r = p.publish_with_layout(step, &ck.views(), &ck.layout())?;
         flush_with_progress(p, a.json)?;
+        // Everything this step put in the bucket (delta, anchor, markers): an anchor's size
+        // is only known once its background upload is done.
+        let uploaded = p.status().bytes_uploaded.saturating_sub(before);
         copy_checkpoint(ckpt, &prev)?;
         std::fs::write(a.state.join("last.step"), step.to_string())?;
+        // The summary is the command's data: stdout. Progress and warnings go to stderr.
+        let outcome = super::snake(&r.outcome);
         if a.json {
-            println!("{}", serde_json::json!({"type": "published", "data": r}));
-        } else {
-            eprintln!(
-                "step {step}: {:?}, {} bytes, {:.1}x, {:.3}% changed",
-                r.outcome,
+            let mut data = serde_json::to_value(&r)?;
+            data["bytes_uploaded"] = uploaded.into();
+            println!("{}", serde_json::json!({"type": "published", "data": data}));
+        } else if r.delta_bytes > 0 {
+            println!(
+                "step {step}: {outcome}, {uploaded} bytes uploaded (delta {} bytes, {:.1}x smaller than dense, {:.3}% changed)",
                 r.delta_bytes,
                 r.ratio,
                 100.0 * r.density
             );
+        } else {
+            println!("step {step}: {outcome}, {uploaded} bytes uploaded");
         }
         published += 1;
         if a.gc_every > 0 && published % a.gc_every == 0 {
@@ -108,6 +138,8 @@ pub fn run(a: Args) -> Result<()> {
         return Ok(p.close()?);
     }
     let Some(dir) = a.watch.clone() else { bail!("give --step N CKPT or --watch DIR") };
+    stop::install();
+    let mut last_done: Option<u64> = None;
     loop {
         let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
             .with_context(|| format!("reading {}", dir.display()))?
@@ -133,12 +165,75 @@ pub fn run(a: Args) -> Result<()> {
             if Checkpoint::open(&path).is_err() {
                 break;
             }
+            // A signal during `one` lets the step finish (publish, upload, marker); it is
+            // acted on here, between steps.
             one(&mut p, s, &path)?;
+            last_done = Some(s);
+            if stop::requested().is_some() {
+                break;
+            }
+        }
+        if let Some(sig) = stop::requested() {
+            p.close()?;
+            match last_done {
+                Some(s) => eprintln!("driftless publish: {sig}: step {s} was completed and is ready; stopped cleanly"),
+                None => eprintln!("driftless publish: {sig}: no step was in flight; stopped cleanly"),
+            }
+            return Ok(());
         }
         if a.once {
             return Ok(p.close()?);
         }
-        std::thread::sleep(Duration::from_secs(1));
+        for _ in 0..10 {
+            if stop::requested().is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// SIGINT/SIGTERM for `publish --watch`: the first signal asks to stop after the step in
+/// flight (so the stream never holds a half-written step from us); the handler then resets
+/// itself, so a second signal kills the process at once (the step in flight is abandoned: it
+/// has no ready marker, agents never see it, and the next run publishes an anchor).
+mod stop {
+    use std::sync::atomic::{AtomicI32, Ordering};
+
+    static SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+    extern "C" fn on_signal(sig: libc::c_int) {
+        SIGNAL.store(sig, Ordering::SeqCst);
+        let msg: &[u8] = b"driftless publish: stopping after the step in flight (signal again to abandon it)\n";
+        // SAFETY: write(2) is async-signal-safe; the buffer is a static string.
+        unsafe {
+            libc::write(2, msg.as_ptr().cast(), msg.len());
+        }
+    }
+
+    pub fn install() {
+        #[cfg(unix)]
+        for sig in [libc::SIGINT, libc::SIGTERM] {
+            // SAFETY: a plain sigaction with a handler that only touches an atomic and calls
+            // write(2); SA_RESETHAND restores the default action after the first delivery.
+            unsafe {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+                sa.sa_flags = libc::SA_RESETHAND | libc::SA_RESTART;
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaction(sig, &sa, std::ptr::null_mut());
+            }
+        }
+    }
+
+    /// The name of the signal received, if any.
+    pub fn requested() -> Option<&'static str> {
+        match SIGNAL.load(Ordering::SeqCst) {
+            0 => None,
+            libc::SIGINT => Some("SIGINT"),
+            libc::SIGTERM => Some("SIGTERM"),
+            _ => Some("signal"),
+        }
     }
 }
 
