@@ -77,9 +77,14 @@ fn unsigned() {
     let strict = TrustSet::new().with_key(k.public());
     assert!(!strict.allows_unsigned());
     assert_eq!(strict.open(&env).unwrap_err().kind(), ErrorKind::Untrusted);
+    // Regression (issue 9.7): with a key trusted, allow_unsigned must not accept a manifest
+    // whose signatures were stripped.
     let lax = strict.clone().allow_unsigned(true);
-    assert!(lax.allows_unsigned());
-    assert_eq!(lax.open(&env).unwrap(), (PAYLOAD.to_vec(), None));
+    assert_eq!(lax.open(&env).unwrap_err().kind(), ErrorKind::Untrusted);
+    // Unsigned passes only when no key is trusted at all.
+    let open = TrustSet::new().allow_unsigned(true);
+    assert!(open.allows_unsigned());
+    assert_eq!(open.open(&env).unwrap(), (PAYLOAD.to_vec(), None));
     // allow_unsigned does not weaken signed envelopes.
     let mut ev = envelope(&k.seal(PAYLOAD).unwrap());
     ev.payload.push(' ');
