@@ -146,8 +146,6 @@ pub struct Agent {
     /// Delta segment objects kept in `cache/` (step, SHA-256s), to bring the inactive slot
     /// forward without a second download.
     cached: Vec<(u64, Vec<Digest>)>,
-    /// The candidates of the last plan (refusals are keyed by the markers it used).
-    last_markers: Option<Candidates>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -244,7 +242,6 @@ impl Agent {
             markers: MarkerCache::default(),
             stream_id: None,
             cached: vec![],
-            last_markers: None,
         })
     }
 
@@ -300,16 +297,8 @@ impl Agent {
             rounds += 1;
             match self.sync_inner(careful, t0).await {
                 Ok(o) => break o,
-                Err(BuildError::Step(kind, step, reason, missing)) if rounds < 32 => {
-                    self.metrics.refusals.fetch_add(1, Relaxed);
-                    if !missing {
-                        self.metrics.verify_failures.fetch_add(1, Relaxed);
-                    }
-                    warn!(kind = ?kind, step, reason = %reason, "refusing step; keeping the verified weights");
-                    let sha = self.candidate_sha(kind, step);
-                    self.markers.forget(kind, step);
-                    self.refused.refuse(kind, step, sha, reason, missing);
-                }
+                // Already refused by `sync_inner` (bound to the marker it planned with): replan.
+                Err(BuildError::Step(..)) if rounds < 32 => {}
                 Err(BuildError::ChainMismatch) if !careful => {
                     warn!("result of the chain does not verify; retrying step by step");
                     careful = true;
@@ -345,9 +334,16 @@ impl Agent {
         Ok(out)
     }
 
-    /// The manifest SHA-256 the last plan's marker named for a step (refusals are bound to it).
-    fn candidate_sha(&self, kind: StepKind, step: u64) -> Option<Digest> {
-        self.last_markers.as_ref().and_then(|c| c.marker(kind, step)).map(|m| m.manifest_sha256)
+    /// Leaves a failed step out of plans (bound to the manifest SHA-256 its marker names).
+    fn refuse_step(&mut self, cands: &Candidates, kind: StepKind, step: u64, reason: &str, missing: bool) {
+        self.metrics.refusals.fetch_add(1, Relaxed);
+        if !missing {
+            self.metrics.verify_failures.fetch_add(1, Relaxed);
+        }
+        warn!(kind = ?kind, step, reason = %reason, "refusing step; keeping the verified weights");
+        let sha = cands.marker(kind, step).map(|m| m.manifest_sha256);
+        self.markers.forget(kind, step);
+        self.refused.refuse(kind, step, sha, reason.to_string(), missing);
     }
 
     async fn notify_if_needed(&mut self) -> Result<()> {
@@ -454,7 +450,6 @@ impl Agent {
                 self.metrics.newest_seen_ms.store(now_ms(), Relaxed);
             }
         }
-        self.last_markers = Some(cands.clone());
         let Some(route) = route else {
             return self.up_to_date(t0).ok_or(BuildError::Other(Error::NothingReady));
         };
@@ -464,7 +459,11 @@ impl Agent {
             (None, 1) => SyncPath::Fast,
             _ => SyncPath::Catchup,
         };
-        let (bytes, rebuilt) = self.build(&sid, &route, &cands, careful).await?;
+        let built = self.build(&sid, &route, &cands, careful).await;
+        if let Err(BuildError::Step(kind, step, reason, missing)) = &built {
+            self.refuse_step(&cands, *kind, *step, reason, *missing);
+        }
+        let (bytes, rebuilt) = built?;
         let ctr = match path {
             SyncPath::Fast => &self.metrics.bytes_fast,
             SyncPath::Catchup => &self.metrics.bytes_catchup,

@@ -21,9 +21,20 @@ struct Env {
 
 impl Env {
     fn new() -> Env {
-        let t = tempfile::tempdir().unwrap();
-        assert!(bin().args(["keygen", "--out"]).arg(t.path().join("key")).status().unwrap().success());
-        Env { t, chain: RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 1e-6, 11), roots: vec![] }
+        let e = Env::with_seed(11);
+        assert!(bin().args(["keygen", "--out"]).arg(e.p("key")).status().unwrap().success());
+        e
+    }
+    /// A scratch stream without a key (the caller copies one in).
+    fn with_seed(seed: u64) -> Env {
+        let chain = RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 1e-6, seed);
+        Env { t: tempfile::tempdir().unwrap(), chain, roots: vec![] }
+    }
+    fn read_json(&self, rel: &str) -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(self.p(rel)).unwrap()).unwrap()
+    }
+    fn write_json(&self, rel: &str, v: &serde_json::Value) {
+        std::fs::write(self.p(rel), serde_json::to_vec(v).unwrap()).unwrap();
     }
     fn p(&self, s: &str) -> PathBuf {
         self.t.path().join(s)
@@ -147,13 +158,12 @@ fn self_looping_and_cyclic_markers_do_not_hang() {
     for _ in 0..3 {
         e.publish();
     }
-    let m2: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(e.p("bucket/ready/deltas/000000000002")).unwrap()).unwrap();
+    let m2: serde_json::Value = e.read_json("bucket/ready/deltas/000000000002");
     let put = |step: u64, base: u64| {
         let mut m = m2.clone();
         m["step"] = step.into();
         m["base_step"] = base.into();
-        std::fs::write(e.p(&format!("bucket/ready/deltas/{step:012}")), serde_json::to_vec(&m).unwrap()).unwrap();
+        e.write_json(&format!("bucket/ready/deltas/{step:012}"), &m);
     };
     put(7, 7);
     put(8, 9);
@@ -174,18 +184,13 @@ fn step_copied_from_another_stream_is_refused() {
     }
     assert!(run_bounded(e.agent("a"), 60).status.success());
     // Stream B: same key, same weights up to step 2, then its own step 3.
-    let mut b = Env {
-        t: tempfile::tempdir().unwrap(),
-        chain: RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 1e-6, 11),
-        roots: vec![],
-    };
+    let mut b = Env::with_seed(11);
     std::fs::copy(e.p("key"), b.p("key")).unwrap();
     std::fs::copy(e.p("key.pub"), b.p("key.pub")).unwrap();
     for _ in 0..4 {
         b.publish();
     }
-    let sid: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(e.p("bucket/ready/deltas/000000000002")).unwrap()).unwrap();
+    let sid: serde_json::Value = e.read_json("bucket/ready/deltas/000000000002");
     let copy = |rel: &str| {
         let (from, to) = (b.p(&format!("bucket/{rel}")), e.p(&format!("bucket/{rel}")));
         std::fs::create_dir_all(to.parent().unwrap()).unwrap();
@@ -194,10 +199,9 @@ fn step_copied_from_another_stream_is_refused() {
     for f in std::fs::read_dir(b.p("bucket/deltas/000000000003")).unwrap() {
         copy(&format!("deltas/000000000003/{}", f.unwrap().file_name().to_string_lossy()));
     }
-    let mut m: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(b.p("bucket/ready/deltas/000000000003")).unwrap()).unwrap();
+    let mut m: serde_json::Value = b.read_json("bucket/ready/deltas/000000000003");
     m["stream_id"] = sid["stream_id"].clone();
-    std::fs::write(e.p("bucket/ready/deltas/000000000003"), serde_json::to_vec(&m).unwrap()).unwrap();
+    e.write_json("bucket/ready/deltas/000000000003", &m);
     let o = run_bounded(e.agent("a"), 60);
     assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stderr).contains("another stream"), "{}", String::from_utf8_lossy(&o.stderr));
@@ -213,14 +217,9 @@ fn newer_anchors_by_a_foreign_key_do_not_block_a_cold_start() {
         e.publish();
     }
     assert!(bin().args(["keygen", "--out"]).arg(e.p("evil")).status().unwrap().success());
-    let sid: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(e.p("bucket/ready/deltas/000000000002")).unwrap()).unwrap();
+    let sid: serde_json::Value = e.read_json("bucket/ready/deltas/000000000002");
     // Four anchors by the foreign key in a scratch bucket (steps 3..6), copied over.
-    let mut f = Env {
-        t: tempfile::tempdir().unwrap(),
-        chain: RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 1e-6, 5),
-        roots: vec![],
-    };
+    let mut f = Env::with_seed(5);
     std::fs::copy(e.p("evil"), f.p("key")).unwrap();
     for _ in 0..7 {
         f.publish_to("bucket", "key", "pstate", 1);
@@ -232,10 +231,9 @@ fn newer_anchors_by_a_foreign_key_do_not_block_a_cold_start() {
             let x = x.unwrap();
             std::fs::copy(x.path(), e.p(&format!("bucket/{rel}/{}", x.file_name().to_string_lossy()))).unwrap();
         }
-        let mut m: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(f.p(&format!("bucket/ready/anchors/{step:012}"))).unwrap()).unwrap();
+        let mut m: serde_json::Value = f.read_json(&format!("bucket/ready/anchors/{step:012}"));
         m["stream_id"] = sid["stream_id"].clone();
-        std::fs::write(e.p(&format!("bucket/ready/anchors/{step:012}")), serde_json::to_vec(&m).unwrap()).unwrap();
+        e.write_json(&format!("bucket/ready/anchors/{step:012}"), &m);
     }
     let o = run_bounded(e.agent("cold"), 120);
     assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
@@ -358,7 +356,7 @@ fn disk_full_is_an_error_not_a_signal() {
     assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
     let before = e.current_step("mid/a");
     assert!(String::from_utf8_lossy(&o.stderr).contains("No space left"), "{}", String::from_utf8_lossy(&o.stderr));
-    let st: serde_json::Value = serde_json::from_slice(&std::fs::read(e.p("mid/a/state.json")).unwrap()).unwrap();
+    let st: serde_json::Value = e.read_json("mid/a/state.json");
     assert_eq!(st["step"].as_u64(), Some(before), "state and current agree after disk full");
 }
 

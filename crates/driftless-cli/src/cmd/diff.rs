@@ -1,7 +1,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use driftless_format::{container, ops, sign, Codec, DeltaOptions, Keypair, ValueMode};
+use driftless_format::{container, ops, sign, Codec, DeltaOptions, ValueMode};
 
 /// `driftless diff BASE TARGET -o DELTA [--key KEY] [--values overwrite|ulp]`
 #[derive(clap::Args, Debug)]
@@ -33,16 +33,7 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     let base = super::open(&a.base)?;
     let target = super::open(&a.target)?;
-    let key = a
-        .key
-        .as_deref()
-        .map(|k| {
-            Keypair::read(k).map_err(|e| crate::exit::BadInput {
-                context: format!("reading signing key {}", k.display()),
-                source: e.into(),
-            })
-        })
-        .transpose()?;
+    let key = super::signing_key(a.key.as_deref())?;
     let layout = target.layout();
     let opts = DeltaOptions {
         values: a.values,

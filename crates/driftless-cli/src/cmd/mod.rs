@@ -48,3 +48,14 @@ pub fn snake<T: serde::Serialize>(v: &T) -> String {
         Err(_) => "?".into(),
     }
 }
+
+/// The signing key of `--key`, if given. A key file that cannot be read or parsed is bad input
+/// (exit 2).
+pub fn signing_key(path: Option<&std::path::Path>) -> anyhow::Result<Option<driftless_format::Keypair>> {
+    path.map(|k| {
+        driftless_format::Keypair::read(k).map_err(|e| {
+            crate::exit::BadInput { context: format!("reading signing key {}", k.display()), source: e.into() }.into()
+        })
+    })
+    .transpose()
+}

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use driftless_format::{Checkpoint, Keypair};
+use driftless_format::Checkpoint;
 use driftless_publisher::PublisherBuilder;
 
 #[derive(clap::Args, Debug)]
@@ -60,16 +60,7 @@ impl Args {
 
 pub fn run(a: Args) -> Result<()> {
     std::fs::create_dir_all(&a.state).with_context(|| format!("creating state directory {}", a.state.display()))?;
-    let key = a
-        .key
-        .as_deref()
-        .map(|k| {
-            Keypair::read(k).map_err(|e| crate::exit::BadInput {
-                context: format!("reading signing key {}", k.display()),
-                source: e.into(),
-            })
-        })
-        .transpose()?;
+    let key = super::signing_key(a.key.as_deref())?;
     if key.is_none() {
         eprintln!("driftless: warning: no --key: the stream is unsigned; agents need --allow-unsigned");
     }
