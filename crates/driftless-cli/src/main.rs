@@ -18,8 +18,8 @@ mod units;
 #[command(name = "driftless", version, about)]
 struct Cli {
     /// Log filter (tracing EnvFilter syntax, e.g. `info` or `warn,driftless_agent=debug`);
-    /// also DRIFTLESS_LOG, then RUST_LOG. Default: `info` for a continuous agent and
-    /// `publish --watch`, `warn` otherwise. Logs go to stderr, coloured only on a terminal.
+    /// also DRIFTLESS_LOG, then RUST_LOG. Default: driftless's own `info` logs for a
+    /// continuous agent and `publish --watch`, `warn` otherwise. Logs go to stderr, coloured only on a terminal.
     #[arg(long, global = true, env = "DRIFTLESS_LOG")]
     log: Option<String>,
     /// Print logs as JSON lines (on stderr).
@@ -72,9 +72,12 @@ fn main() {
         std::process::exit(2);
     }
     let cli = Cli::parse();
+    // Long-running commands say what they do (each synced or published step) by default;
+    // dependencies stay at warn (object_store logs every retry at info).
+    const INFO: &str = "warn,driftless=info,driftless_agent=info,driftless_publisher=info,driftless_store=info,driftless_gc=info";
     let default_level = match &cli.cmd {
-        Cmd::Agent(a) if !a.once() => "info",
-        Cmd::Publish(a) if a.watching() => "info",
+        Cmd::Agent(a) if !a.once() => INFO,
+        Cmd::Publish(a) if a.watching() => INFO,
         _ => "warn",
     };
     init_logging(cli.log.as_deref(), default_level, cli.log_json);
@@ -173,7 +176,7 @@ mod tests {
                 }
                 let mut args = vec![sub.to_string()];
                 for a in &toks[i + 2..] {
-                    if STOP.contains(a) || a.starts_with('#') {
+                    if STOP.contains(a) || a.starts_with(['#', '>', '<', '|', '&', ';']) || a.starts_with("2>") {
                         break;
                     }
                     let end = a.ends_with(['`', ')']);

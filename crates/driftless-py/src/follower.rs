@@ -91,6 +91,7 @@ impl PyFollower {
         max_retries: Option<usize>,
         retry_timeout: Option<f64>,
     ) -> PyResult<Self> {
+        crate::errors::guard(|| {
         let mut trust = TrustSet::new().allow_unsigned(allow_unsigned);
         for k in trusted_keys.unwrap_or_default() {
             trust =
@@ -116,10 +117,12 @@ impl PyFollower {
         };
         let reader = StreamReader::new(bucket.clone(), trust.clone());
         Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(State::default()) })
+        })
     }
 
     /// Newest step with a ready marker (delta or anchor), or None.
     fn poll(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        crate::errors::guard(|| {
         let r: BindResult<Option<u64>> = py.allow_threads(|| {
             self.rt.block_on(async {
                 let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
@@ -128,10 +131,12 @@ impl PyFollower {
             })
         });
         Ok(r?)
+        })
     }
 
     /// Does what `driftless agent --once` does for directory `path`.
     fn sync_dir<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+        crate::errors::guard(|| {
         let r: BindResult<(driftless_agent::SyncOutcome, PathBuf)> = py.allow_threads(|| {
             let _g = self.rt.enter();
             let mut agent = Agent::new(self.bucket.clone(), AgentConfig::new(&path, self.trust.clone()))?;
@@ -148,6 +153,7 @@ impl PyFollower {
         let d = outcome_dict(py, o.step, o.root, route, o.bytes, o.deltas as usize)?;
         d.set_item("path", dir.to_string_lossy().to_string())?;
         Ok(d)
+        })
     }
 
     /// Brings caller-owned arrays to `step` (default: the newest reachable) in place.
@@ -158,10 +164,11 @@ impl PyFollower {
         tensors: &Bound<'py, PyAny>,
         step: Option<u64>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        crate::errors::guard(|| {
         let borrowed = borrow_mapping(tensors, true)?;
         let parts: Vec<(TensorMeta, Raw)> = borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
         let r = py.allow_threads(|| {
-            let mut st = self.state.lock().expect("state lock");
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let local = st.applied.clone();
             // Arrays of another shape than what we tracked: start over from an anchor.
             let local = local.filter(|t| same_set(&t.layout, &parts));
@@ -183,28 +190,34 @@ impl PyFollower {
             Some((s, root, route, bytes, n)) => Ok(outcome_dict(py, s, root, route, bytes, n)?),
             None => Err(BindError::NothingReady("no reachable state in the stream yet".into()).into()),
         }
+        })
     }
 
     /// Step and root of the arrays `apply_to` last verified, or None.
     #[getter]
-    fn applied_step(&self) -> Option<u64> {
-        self.state.lock().expect("state lock").applied.as_ref().map(|t| t.step)
+    fn applied_step(&self) -> PyResult<Option<u64>> {
+        crate::errors::guard(|| Ok({
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).applied.as_ref().map(|t| t.step)
+        }))
     }
 
     /// Forgets what `apply_to` tracked (the next call loads an anchor into the arrays).
-    fn reset(&self) {
-        let mut st = self.state.lock().expect("state lock");
+    fn reset(&self) -> PyResult<()> {
+        crate::errors::guard(|| Ok({
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.applied = None;
         st.mirror = None;
+        }))
     }
 
     /// Advances the host mirror to `step` (default newest) and returns
     /// `(step, root, [(name, dtype, shape, positions_le_i64 | None, values)])`.
     #[pyo3(signature = (step=None))]
     fn _patches<'py>(&self, py: Python<'py>, step: Option<u64>) -> PyResult<Option<(u64, String, Bound<'py, PyList>)>> {
+        crate::errors::guard(|| {
         type Patch = (String, DType, Vec<u64>, Option<Vec<u8>>, Vec<u8>);
         let r: BindResult<Option<(Tracked, Vec<Patch>)>> = py.allow_threads(|| {
-            let mut st = self.state.lock().expect("state lock");
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let mut mirror = st.mirror.take();
             let local = mirror.as_ref().map(|m| m.at.clone());
             let mut touched = false;
@@ -255,12 +268,15 @@ impl PyFollower {
             list.append((name, dtype.as_str(), shape, pos, PyBytes::new(py, &vals)))?;
         }
         Ok(Some((t.step, t.root.to_hex(), list)))
+        })
     }
 
     /// Step of the `iter_patches` mirror, or None before the first call.
     #[getter]
-    fn patch_step(&self) -> Option<u64> {
-        self.state.lock().expect("state lock").mirror.as_ref().map(|m| m.at.step)
+    fn patch_step(&self) -> PyResult<Option<u64>> {
+        crate::errors::guard(|| Ok({
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).mirror.as_ref().map(|m| m.at.step)
+        }))
     }
 }
 

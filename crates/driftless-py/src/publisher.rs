@@ -53,6 +53,7 @@ impl PyPublisher {
         max_shard_bytes: Option<u64>,
         anchor_chain_fraction: Option<f64>,
     ) -> PyResult<Self> {
+        crate::errors::guard(|| {
         let opts = store_options(endpoint, allow_http, region, max_retries, retry_timeout)?;
         let mut b = PublisherBuilder::new(bucket_url)
             .with_store_options(opts)
@@ -78,21 +79,23 @@ impl PyPublisher {
         }
         let p = py.allow_threads(|| b.build()).map_err(BindError::from)?;
         Ok(PyPublisher { inner: Mutex::new(Some(p)), last_addrs: Mutex::new(vec![]) })
+        })
     }
 
     /// Publishes the weights of `step`. Returns the receipt as a dict.
     fn publish<'py>(&self, py: Python<'py>, step: u64, tensors: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+        crate::errors::guard(|| {
         let borrowed = borrow_mapping(tensors, false)?;
         let parts: Vec<(driftless_format::TensorMeta, Raw)> =
             borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
-        *self.last_addrs.lock().expect("lock") = parts.iter().map(|(m, r)| (m.name.clone(), r.addr)).collect();
+        *self.last_addrs.lock().unwrap_or_else(|e| e.into_inner()) = parts.iter().map(|(m, r)| (m.name.clone(), r.addr)).collect();
         let r = py.allow_threads(|| {
             // SAFETY: `borrowed` keeps every buffer alive until after this closure returns.
             let views: Vec<TensorView<'_>> = parts
                 .iter()
                 .map(|(m, r)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: unsafe { r.slice() } })
                 .collect();
-            let mut g = self.inner.lock().expect("publisher lock");
+            let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             let p = g.as_mut().ok_or(driftless_publisher::Error::Closed)?;
             p.publish(step, &views)
         });
@@ -114,38 +117,46 @@ impl PyPublisher {
         d.set_item("density", r.density)?;
         d.set_item("encode_secs", r.encode_secs)?;
         Ok(d)
+        })
     }
 
     /// Waits until every queued step and anchor is in the bucket.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        crate::errors::guard(|| {
         py.allow_threads(|| {
-            let g = self.inner.lock().expect("publisher lock");
+            let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             g.as_ref().ok_or(driftless_publisher::Error::Closed)?.flush()
         })
         .map_err(BindError::from)?;
         Ok(())
+        })
     }
 
     /// Flushes and stops the uploader. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
+        crate::errors::guard(|| {
         py.allow_threads(|| {
-            let p = self.inner.lock().expect("publisher lock").take();
+            let p = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
             p.map_or(Ok(()), |p| p.close())
         })
         .map_err(BindError::from)?;
         Ok(())
+        })
     }
 
     /// Whether `close` was called.
     #[getter]
-    fn closed(&self) -> bool {
-        self.inner.lock().expect("publisher lock").is_none()
+    fn closed(&self) -> PyResult<bool> {
+        crate::errors::guard(|| Ok({
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+        }))
     }
 
     /// Counters as a dict.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        crate::errors::guard(|| {
         let s = py
-            .allow_threads(|| self.inner.lock().expect("publisher lock").as_ref().map(|p| (p.status(), p.next_step())));
+            .allow_threads(|| self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|p| (p.status(), p.next_step())));
         let Some((s, next)) = s else {
             return Err(BindError::Publisher(driftless_publisher::Error::Closed).into());
         };
@@ -163,15 +174,18 @@ impl PyPublisher {
         d.set_item("last_error", s.last_error)?;
         d.set_item("last_ratio", s.last_ratio)?;
         Ok(d)
+        })
     }
 
     /// Test hook: `{name: address}` of the memory the last `publish` call read.
     fn _last_input_addresses<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        crate::errors::guard(|| {
         let d = PyDict::new(py);
-        for (n, a) in self.last_addrs.lock().expect("lock").iter() {
+        for (n, a) in self.last_addrs.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             d.set_item(n, *a)?;
         }
         Ok(d)
+        })
     }
 }
 
