@@ -126,8 +126,8 @@ def test_agent_dir_loads_with_safetensors_bit_for_bit(binary, tmp_path):
             # Cold start at 1, fast path at 2, catch-up 3..5 across the anchor at 4.
             res = agent_once()
             assert res["type"] == "synced" and res["data"]["step"] == step, res
-            assert res["data"]["path"] == {1: "anchor", 2: "fast", 5: res["data"]["path"]}[step], res
-            assert res["data"]["path"] in ("anchor", "fast", "catchup"), res
+            assert res["data"]["route"] == {1: "anchor", 2: "fast", 5: res["data"]["route"]}[step], res
+            assert res["data"]["route"] in ("anchor", "fast", "catchup"), res
             index, got = load_dir(agent_dir / "current")
             assert_bit_identical(got, tensors)
             # Same shard layout and names as the trainer's.
@@ -138,7 +138,7 @@ def test_agent_dir_loads_with_safetensors_bit_for_bit(binary, tmp_path):
                 assert (agent_dir / "current" / file).exists(), file
     # Nothing new: still the last step, still identical.
     res = agent_once()
-    assert (res["data"]["step"], res["data"]["path"], res["data"]["bytes"]) == (5, "up_to_date", 0), res
+    assert (res["data"]["step"], res["data"]["route"], res["data"]["bytes"]) == (5, "up_to_date", 0), res
     _, got = load_dir(agent_dir / "current")
     assert_bit_identical(got, steps[-1])
     # And not identical to an earlier step (the comparison can fail).
