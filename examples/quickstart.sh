@@ -122,7 +122,7 @@ PY
 trainer=$!
 pids+=($trainer)
 
-say "publisher: driftless publish --watch (summaries below are its stdout)"
+say "publisher: publish --watch on the checkpoint directory (its per-step summaries on stdout)"
 driftless publish --bucket "$bucket" --key "$work/key" --state "$work/pstate" --anchor-every 5 \
   --watch "$work/ckpts" --pattern step_ 2>"$work/publish.log" > >(while IFS= read -r l; do echo "   publisher: $l"; done) &
 pids+=($!)

@@ -7,7 +7,8 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_')).unwrap_or(t.len());
     let (num, unit) = (t[..split].replace('_', ""), t[split..].trim());
-    let bad = || format!("invalid byte size {s:?}: expected a number with an optional unit (e.g. 10GB, 512MiB, 1073741824)");
+    let bad =
+        || format!("invalid byte size {s:?}: expected a number with an optional unit (e.g. 10GB, 512MiB, 1073741824)");
     if num.is_empty() {
         return Err(bad());
     }

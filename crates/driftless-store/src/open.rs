@@ -351,8 +351,15 @@ mod tests {
     /// Regression: these panicked inside object_store ("invalid URI") instead of failing.
     #[test]
     fn endpoints_without_a_scheme_are_refused_up_front() {
-        for bad in ["127.0.0.1:8333", "localhost:8333", "http:/127.0.0.1:8333", "http://", "https:///x", "ftp://h", " http://h"]
-        {
+        for bad in [
+            "127.0.0.1:8333",
+            "localhost:8333",
+            "http:/127.0.0.1:8333",
+            "http://",
+            "https:///x",
+            "ftp://h",
+            " http://h",
+        ] {
             for url in ["s3://b/p", "gs://b/p", "az://c/p", "hf://buckets/ns/b/p"] {
                 let e = Bucket::open(url, &StoreOptions::default().with_endpoint(bad)).unwrap_err();
                 assert!(matches!(e, Error::InvalidEndpoint { .. }), "{url} {bad}: {e}");
@@ -360,7 +367,8 @@ mod tests {
                 assert!(e.is_config() && !e.is_retryable());
             }
         }
-        for good in ["http://127.0.0.1:8333", "https://s3.example.com", "HTTP://localhost:1/base/", "http://[::1]:9000"] {
+        for good in ["http://127.0.0.1:8333", "https://s3.example.com", "HTTP://localhost:1/base/", "http://[::1]:9000"]
+        {
             check_endpoint(good, "--endpoint").unwrap();
         }
     }
