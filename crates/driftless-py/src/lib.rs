@@ -40,10 +40,10 @@ pub(crate) fn store_options(
 #[pyfunction]
 fn generate_key() -> PyResult<(String, String, String)> {
     crate::errors::guard(|| {
-    let k = driftless_format::Keypair::generate();
-    let private = k.to_pem().map_err(errors::BindError::from)?;
-    let public = k.public_pem().map_err(errors::BindError::from)?;
-    Ok((private, public, k.id().to_string()))
+        let k = driftless_format::Keypair::generate();
+        let private = k.to_pem().map_err(errors::BindError::from)?;
+        let public = k.public_pem().map_err(errors::BindError::from)?;
+        Ok((private, public, k.id().to_string()))
     })
 }
 
@@ -51,8 +51,8 @@ fn generate_key() -> PyResult<(String, String, String)> {
 #[pyfunction]
 fn public_key(signing_key: &str) -> PyResult<String> {
     crate::errors::guard(|| {
-    let k = publisher::read_key(signing_key)?;
-    Ok(k.public_pem().map_err(errors::BindError::from)?)
+        let k = publisher::read_key(signing_key)?;
+        Ok(k.public_pem().map_err(errors::BindError::from)?)
     })
 }
 

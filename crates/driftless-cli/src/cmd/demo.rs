@@ -73,7 +73,7 @@ pub fn run(a: Args) -> Result<()> {
         "{:>5}  {:<16} {:>11} {:>8} {:>8}  {:<8} {:>11} {:>8}",
         "step", "published", "uploaded", "ratio", "changed", "agent", "downloaded", "agent s"
     );
-    let full = chain.bytes() as u64;
+    let full = chain.bytes();
     let mut downloaded = 0u64;
     for step in 0..a.steps {
         if step > 0 {
