@@ -43,17 +43,22 @@ say() { printf '\033[1m== %s\033[0m\n' "$*" 2>/dev/null || echo "== $*"; }
 
 pids=()
 cleanup() {
-  local rc=$?
-  # Background `driftless` calls run in a subshell (it is a function): stop its child too.
-  for pid in "${pids[@]}"; do pkill -P "$pid" 2>/dev/null || true; kill "$pid" 2>/dev/null || true; done
+  local rc=$? all=() i alive pid
+  # Background `driftless` calls run in a subshell (it is a function): take their children too.
+  for pid in "${pids[@]}"; do
+    all+=("$pid")
+    for kid in $(pgrep -P "$pid" 2>/dev/null || true); do all+=("$kid"); done
+  done
+  # Stop in reverse start order: agents and publisher before the S3 server they talk to.
+  for ((i = ${#all[@]} - 1; i >= 0; i--)); do kill "${all[i]}" 2>/dev/null || true; done
   # Give them 5 s to stop cleanly, then make sure nothing outlives the script.
   for _ in $(seq 1 50); do
     alive=0
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    for pid in "${all[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
     [ "$alive" = 0 ] && break
     sleep 0.1
   done
-  for pid in "${pids[@]}"; do pkill -9 -P "$pid" 2>/dev/null || true; kill -9 "$pid" 2>/dev/null || true; done
+  for pid in "${all[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
   if [ "${QUICKSTART_KEEP:-0}" = 1 ]; then echo "kept $work"; else rm -rf "$work"; fi
   exit "$rc"
