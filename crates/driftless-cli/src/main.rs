@@ -18,8 +18,8 @@ mod units;
 #[command(name = "driftless", version, about)]
 struct Cli {
     /// Log filter (tracing EnvFilter syntax, e.g. `info` or `warn,driftless_agent=debug`);
-    /// also DRIFTLESS_LOG, then RUST_LOG. Default: `info` for a continuous agent and
-    /// `publish --watch`, `warn` otherwise. Logs go to stderr, coloured only on a terminal.
+    /// also DRIFTLESS_LOG, then RUST_LOG. Default: driftless's own `info` logs for a
+    /// continuous agent and `publish --watch`, `warn` otherwise. Logs go to stderr, coloured only on a terminal.
     #[arg(long, global = true, env = "DRIFTLESS_LOG")]
     log: Option<String>,
     /// Print logs as JSON lines (on stderr).
@@ -72,9 +72,13 @@ fn main() {
         std::process::exit(2);
     }
     let cli = Cli::parse();
+    // Long-running commands say what they do (each synced or published step) by default;
+    // dependencies stay at warn (object_store logs every retry at info).
+    const INFO: &str =
+        "warn,driftless=info,driftless_agent=info,driftless_publisher=info,driftless_store=info,driftless_gc=info";
     let default_level = match &cli.cmd {
-        Cmd::Agent(a) if !a.once() => "info",
-        Cmd::Publish(a) if a.watching() => "info",
+        Cmd::Agent(a) if !a.once() => INFO,
+        Cmd::Publish(a) if a.watching() => INFO,
         _ => "warn",
     };
     init_logging(cli.log.as_deref(), default_level, cli.log_json);
@@ -173,7 +177,7 @@ mod tests {
                 }
                 let mut args = vec![sub.to_string()];
                 for a in &toks[i + 2..] {
-                    if STOP.contains(a) || a.starts_with('#') {
+                    if STOP.contains(a) || a.starts_with(['#', '>', '<', '|', '&', ';']) || a.starts_with("2>") {
                         break;
                     }
                     let end = a.ends_with(['`', ')']);
@@ -215,6 +219,35 @@ mod tests {
         out
     }
 
+    /// Whether `driftless ARGS` parses (missing required flags allowed: they come from the
+    /// environment there). A shell variable stands for some value: the line parses if one
+    /// choice of sample values for its variables does.
+    fn parses(args: &[String]) -> Result<(), String> {
+        use clap::error::ErrorKind as K;
+        const SAMPLES: &[&str] = &["1", "127.0.0.1:1", "exec=true", "1s", "http://127.0.0.1:1"];
+        let vars: Vec<usize> = (0..args.len()).filter(|&i| args[i].contains('$')).collect();
+        assert!(vars.len() <= 6, "too many shell variables in one command line: {args:?}");
+        let mut first_error = None;
+        for combo in 0..SAMPLES.len().pow(vars.len() as u32) {
+            let mut argv = args.to_vec();
+            let mut c = combo;
+            for &i in &vars {
+                argv[i] = SAMPLES[c % SAMPLES.len()].to_string();
+                c /= SAMPLES.len();
+            }
+            match super::Cli::try_parse_from(std::iter::once("driftless".to_string()).chain(argv)) {
+                Ok(_) => return Ok(()),
+                Err(e) if matches!(e.kind(), K::MissingRequiredArgument | K::DisplayHelp | K::DisplayVersion) => {
+                    return Ok(())
+                }
+                Err(e) => {
+                    first_error.get_or_insert_with(|| e.to_string().lines().next().unwrap_or("").to_string());
+                }
+            }
+        }
+        Err(first_error.unwrap_or_default())
+    }
+
     /// Every `driftless` command line in `docker/` and `examples/` parses with this CLI's own
     /// definition (flags, values), and every DRIFTLESS_* variable they name is one the code
     /// reads. Missing required flags are allowed: they come from the environment there.
@@ -231,12 +264,16 @@ mod tests {
                 }
             }
         }
-        // Variables the libraries read directly (`std::env::var("DRIFTLESS_...")`).
+        // Variables the libraries read directly (`std::env::var("DRIFTLESS_...")`), and the
+        // project's own test and CI knobs (DRIFTLESS_BIN...).
         let mut src = vec![];
         files(&root.join("crates"), &mut src);
-        for f in src.iter().filter(|f| f.extension().is_some_and(|e| e == "rs")) {
-            let text = std::fs::read_to_string(f).unwrap();
-            for part in text.split("\"DRIFTLESS_").skip(1) {
+        files(&root.join(".ci"), &mut src);
+        files(&root.join("integration"), &mut src);
+        for f in src.iter().filter(|f| f.extension().is_none_or(|e| e == "rs" || e == "py" || e == "sh")) {
+            let Ok(text) = std::fs::read_to_string(f) else { continue };
+            let quote = if f.extension().is_some_and(|e| e == "rs") { "\"DRIFTLESS_" } else { "DRIFTLESS_" };
+            for part in text.split(quote).skip(1) {
                 let name: String =
                     part.chars().take_while(|c| c.is_ascii_uppercase() || *c == '_' || c.is_ascii_digit()).collect();
                 known_env.insert(format!("DRIFTLESS_{name}"));
@@ -253,15 +290,8 @@ mod tests {
             let invocations = if yaml { yaml_invocations(&text, &subs) } else { shell_invocations(&text, &subs) };
             for args in invocations {
                 checked += 1;
-                // Shell variables stand for values: any value parses as "1" for these checks.
-                let args: Vec<String> =
-                    args.into_iter().map(|a| if a.contains('$') { "1".into() } else { a }).collect();
-                let argv = std::iter::once("driftless".to_string()).chain(args.iter().cloned());
-                if let Err(e) = super::Cli::try_parse_from(argv) {
-                    use clap::error::ErrorKind as K;
-                    if !matches!(e.kind(), K::MissingRequiredArgument | K::DisplayHelp | K::DisplayVersion) {
-                        errors.push(format!("{}: driftless {}: {}", f.display(), args.join(" "), e.kind()));
-                    }
+                if let Err(e) = parses(&args) {
+                    errors.push(format!("{}: driftless {}: {e}", f.display(), args.join(" ")));
                 }
             }
             for part in text.split("DRIFTLESS_").skip(1) {
@@ -286,8 +316,8 @@ mod tests {
         assert_eq!(inv, vec![vec!["publish", "--takeover", "--bucket", "$B"]]);
         let inv = yaml_invocations("args:\n  - gc\n  - --max-bytes\n  - 10GB\n  - --no-such-flag\nenv:\n", &subs);
         assert_eq!(inv.len(), 1);
-        let argv = std::iter::once("driftless".to_string()).chain(inv[0].iter().cloned());
-        let e = super::Cli::try_parse_from(argv).unwrap_err();
-        assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument);
+        assert!(parses(&inv[0]).unwrap_err().contains("--no-such-flag"));
+        assert!(parses(&["agent".into(), "--listen".into(), "$ADDR".into(), "--notify".into(), "$HOOK".into()]).is_ok());
+        assert!(parses(&["agent".into(), "--poll-min".into(), "soon".into()]).is_err());
     }
 }

@@ -626,3 +626,21 @@ fn publish_watch_stops_cleanly_on_sigterm() {
         assert_eq!(head["data"]["incomplete"], 0, "{sig}: {stdout}");
     }
 }
+
+/// Issue 13 item 10: the demo shows the anchor's size, compares the bytes moved with sending
+/// every full checkpoint, and `--keep` leaves the bucket for `inspect`.
+#[test]
+fn demo_reports_anchor_sizes_and_keeps_the_bucket() {
+    let (code, stdout, err) = out(bin().args(["demo", "--mb", "1", "--steps", "4", "--anchor-every", "3", "--keep"]));
+    assert_eq!(code, Some(0), "{err}");
+    let anchor = stdout.lines().find(|l| l.trim_start().starts_with("0  anchor")).expect(&stdout);
+    assert!(anchor.contains("KiB") || anchor.contains("MiB"), "anchor size missing: {anchor}");
+    assert!(stdout.contains("sending every full checkpoint"), "{stdout}");
+    let kept = stdout.lines().find(|l| l.starts_with("kept: bucket ")).expect(&stdout);
+    let url = kept.split_whitespace().nth(2).unwrap();
+    let (code, stdout, err) = out(bin().args(["inspect", "--bucket", url]));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.contains("3 ready deltas") || stdout.contains("ready deltas"), "{stdout}");
+    let dir = Path::new(url.strip_prefix("file://").unwrap()).parent().unwrap().to_path_buf();
+    std::fs::remove_dir_all(dir).unwrap();
+}

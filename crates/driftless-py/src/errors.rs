@@ -23,6 +23,9 @@ pub(crate) enum BindError {
     NothingReady(String),
     /// Bad arguments.
     Input(String),
+    /// A panic caught at the boundary: a bug, reported as a `DriftlessError` so that
+    /// `except Exception` (and `except DriftlessError`) in a trainer catches it.
+    Internal(String),
 }
 
 impl From<driftless_format::Error> for BindError {
@@ -71,7 +74,9 @@ fn store_class(e: &driftless_store::Error) -> &'static str {
         return "RetryableError";
     }
     match e {
-        E::InvalidUrl(_) | E::InvalidKey { .. } => "InvalidInputError",
+        E::InvalidUrl(_) | E::InvalidKey { .. } | E::InvalidEndpoint { .. } | E::MissingCredentials(_) => {
+            "InvalidInputError"
+        }
         _ => "DriftlessError",
     }
 }
@@ -124,6 +129,10 @@ impl BindError {
             }
             BindError::NothingReady(m) => ("NothingReadyError", m.clone()),
             BindError::Input(m) => ("InvalidInputError", m.clone()),
+            BindError::Internal(m) => (
+                "InternalError",
+                format!("internal error in driftless (a bug; please report it with this message): {m}"),
+            ),
         }
     }
 }
@@ -147,4 +156,22 @@ impl From<BindError> for PyErr {
 /// `InvalidInputError(msg)` (a `ValueError`).
 pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
     BindError::Input(msg.into()).into()
+}
+
+/// Runs the body of a Python entry point, turning a Rust panic into `InternalError` (a
+/// `DriftlessError`) instead of pyo3's `PanicException`, a `BaseException` that
+/// `except Exception` does not catch and that would kill a trainer. Every `#[pymethods]`
+/// method and `#[pyfunction]` of this crate goes through it.
+pub(crate) fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "panic with a non-string payload".into());
+            Err(BindError::Internal(msg).into())
+        }
+    }
 }

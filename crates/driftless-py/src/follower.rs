@@ -91,68 +91,77 @@ impl PyFollower {
         max_retries: Option<usize>,
         retry_timeout: Option<f64>,
     ) -> PyResult<Self> {
-        let mut trust = TrustSet::new().allow_unsigned(allow_unsigned);
-        for k in trusted_keys.unwrap_or_default() {
-            trust =
-                if k.contains("-----BEGIN") { trust.with_pem(&k) } else { trust.with_file(std::path::Path::new(&k)) }
-                    .map_err(|e| BindError::Input(format!("trusted key: {e}")))?;
-        }
-        if trust.is_empty() && !allow_unsigned {
-            return Err(BindError::Input(
-                "no trusted_keys given; pass the publisher's public key(s) or allow_unsigned=True".into(),
-            )
-            .into());
-        }
-        let opts = store_options(endpoint, allow_http, region, max_retries, retry_timeout)?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("driftless-follow")
-            .enable_all()
-            .build()
-            .map_err(|e| BindError::Input(format!("cannot start runtime: {e}")))?;
-        let bucket = {
-            let _g = rt.enter();
-            Bucket::open(&bucket_url, &opts).map_err(BindError::from)?
-        };
-        let reader = StreamReader::new(bucket.clone(), trust.clone());
-        Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(State::default()) })
+        crate::errors::guard(|| {
+            let mut trust = TrustSet::new().allow_unsigned(allow_unsigned);
+            for k in trusted_keys.unwrap_or_default() {
+                trust = if k.contains("-----BEGIN") {
+                    trust.with_pem(&k)
+                } else {
+                    trust.with_file(std::path::Path::new(&k))
+                }
+                .map_err(|e| BindError::Input(format!("trusted key: {e}")))?;
+            }
+            if trust.is_empty() && !allow_unsigned {
+                return Err(BindError::Input(
+                    "no trusted_keys given; pass the publisher's public key(s) or allow_unsigned=True".into(),
+                )
+                .into());
+            }
+            let opts = store_options(endpoint, allow_http, region, max_retries, retry_timeout)?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("driftless-follow")
+                .enable_all()
+                .build()
+                .map_err(|e| BindError::Input(format!("cannot start runtime: {e}")))?;
+            let bucket = {
+                let _g = rt.enter();
+                Bucket::open(&bucket_url, &opts).map_err(BindError::from)?
+            };
+            let reader = StreamReader::new(bucket.clone(), trust.clone());
+            Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(State::default()) })
+        })
     }
 
     /// Newest step with a ready marker (delta or anchor), or None.
     fn poll(&self, py: Python<'_>) -> PyResult<Option<u64>> {
-        let r: BindResult<Option<u64>> = py.allow_threads(|| {
-            self.rt.block_on(async {
-                let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
-                let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
-                Ok::<_, BindError>(a.last().copied().max(d.last().copied()))
-            })
-        });
-        Ok(r?)
+        crate::errors::guard(|| {
+            let r: BindResult<Option<u64>> = py.allow_threads(|| {
+                self.rt.block_on(async {
+                    let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
+                    let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
+                    Ok::<_, BindError>(a.last().copied().max(d.last().copied()))
+                })
+            });
+            Ok(r?)
+        })
     }
 
     /// Does what `driftless agent --once` does for directory `path`.
     fn sync_dir<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
-        let r: BindResult<(driftless_agent::SyncOutcome, PathBuf)> = py.allow_threads(|| {
-            let _g = self.rt.enter();
-            let mut agent = Agent::new(self.bucket.clone(), AgentConfig::new(&path, self.trust.clone()))?;
-            let o = self.rt.block_on(agent.sync_once())?;
-            Ok((o, agent.current_dir()))
-        });
-        let (o, dir) = r?;
-        let route = o.route.to_string();
-        let d = outcome_dict(py, o.step, o.root, &route, o.bytes, o.deltas as usize)?;
-        // Newer steps refused (bad or missing objects): the verified step above was kept.
-        let refused = PyList::empty(py);
-        for r in &o.refused {
-            let kind = match r.kind {
-                StepKind::Delta => "delta",
-                StepKind::Anchor => "anchor",
-            };
-            refused.append((kind, r.step, r.reason.clone()))?;
-        }
-        d.set_item("refused", refused)?;
-        d.set_item("path", dir.to_string_lossy().to_string())?;
-        Ok(d)
+        crate::errors::guard(|| {
+            let r: BindResult<(driftless_agent::SyncOutcome, PathBuf)> = py.allow_threads(|| {
+                let _g = self.rt.enter();
+                let mut agent = Agent::new(self.bucket.clone(), AgentConfig::new(&path, self.trust.clone()))?;
+                let o = self.rt.block_on(agent.sync_once())?;
+                Ok((o, agent.current_dir()))
+            });
+            let (o, dir) = r?;
+            let route = o.route.to_string();
+            let d = outcome_dict(py, o.step, o.root, &route, o.bytes, o.deltas as usize)?;
+            // Newer steps refused (bad or missing objects): the verified step above was kept.
+            let refused = PyList::empty(py);
+            for r in &o.refused {
+                let kind = match r.kind {
+                    StepKind::Delta => "delta",
+                    StepKind::Anchor => "anchor",
+                };
+                refused.append((kind, r.step, r.reason.clone()))?;
+            }
+            d.set_item("refused", refused)?;
+            d.set_item("path", dir.to_string_lossy().to_string())?;
+            Ok(d)
+        })
     }
 
     /// Brings caller-owned arrays to `step` (default: the newest reachable) in place.
@@ -163,109 +172,122 @@ impl PyFollower {
         tensors: &Bound<'py, PyAny>,
         step: Option<u64>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let borrowed = borrow_mapping(tensors, true)?;
-        let parts: Vec<(TensorMeta, Raw)> = borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
-        let r = py.allow_threads(|| {
-            let mut st = self.state.lock().expect("state lock");
-            let local = st.applied.clone();
-            // Arrays of another shape than what we tracked: start over from an anchor.
-            let local = local.filter(|t| same_set(&t.layout, &parts));
-            let mut touched = false;
-            let r = self.rt.block_on(self.apply(local.as_ref(), step, &parts, &mut touched));
-            match &r {
-                Ok(Some((t, _, _, _))) => st.applied = Some(t.clone()),
-                Ok(None) => {}
-                Err(_) if touched => st.applied = None,
-                Err(_) => {}
+        crate::errors::guard(|| {
+            let borrowed = borrow_mapping(tensors, true)?;
+            let parts: Vec<(TensorMeta, Raw)> = borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
+            let r = py.allow_threads(|| {
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let local = st.applied.clone();
+                // Arrays of another shape than what we tracked: start over from an anchor.
+                let local = local.filter(|t| same_set(&t.layout, &parts));
+                let mut touched = false;
+                let r = self.rt.block_on(self.apply(local.as_ref(), step, &parts, &mut touched));
+                match &r {
+                    Ok(Some((t, _, _, _))) => st.applied = Some(t.clone()),
+                    Ok(None) => {}
+                    Err(_) if touched => st.applied = None,
+                    Err(_) => {}
+                }
+                r.map(|o| {
+                    o.map(|(t, route, bytes, n)| (t.step, t.root, route, bytes, n))
+                        .or_else(|| local.map(|t| (t.step, t.root, "up_to_date", 0, 0)))
+                })
+            });
+            drop(borrowed);
+            match r? {
+                Some((s, root, route, bytes, n)) => Ok(outcome_dict(py, s, root, route, bytes, n)?),
+                None => Err(BindError::NothingReady("no reachable state in the stream yet".into()).into()),
             }
-            r.map(|o| {
-                o.map(|(t, route, bytes, n)| (t.step, t.root, route, bytes, n))
-                    .or_else(|| local.map(|t| (t.step, t.root, "up_to_date", 0, 0)))
-            })
-        });
-        drop(borrowed);
-        match r? {
-            Some((s, root, route, bytes, n)) => Ok(outcome_dict(py, s, root, route, bytes, n)?),
-            None => Err(BindError::NothingReady("no reachable state in the stream yet".into()).into()),
-        }
+        })
     }
 
     /// Step and root of the arrays `apply_to` last verified, or None.
     #[getter]
-    fn applied_step(&self) -> Option<u64> {
-        self.state.lock().expect("state lock").applied.as_ref().map(|t| t.step)
+    fn applied_step(&self) -> PyResult<Option<u64>> {
+        crate::errors::guard(|| {
+            Ok({ self.state.lock().unwrap_or_else(|e| e.into_inner()).applied.as_ref().map(|t| t.step) })
+        })
     }
 
     /// Forgets what `apply_to` tracked (the next call loads an anchor into the arrays).
-    fn reset(&self) {
-        let mut st = self.state.lock().expect("state lock");
-        st.applied = None;
-        st.mirror = None;
+    fn reset(&self) -> PyResult<()> {
+        crate::errors::guard(|| {
+            Ok({
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                st.applied = None;
+                st.mirror = None;
+            })
+        })
     }
 
     /// Advances the host mirror to `step` (default newest) and returns
     /// `(step, root, [(name, dtype, shape, positions_le_i64 | None, values)])`.
     #[pyo3(signature = (step=None))]
     fn _patches<'py>(&self, py: Python<'py>, step: Option<u64>) -> PyResult<Option<(u64, String, Bound<'py, PyList>)>> {
-        type Patch = (String, DType, Vec<u64>, Option<Vec<u8>>, Vec<u8>);
-        let r: BindResult<Option<(Tracked, Vec<Patch>)>> = py.allow_threads(|| {
-            let mut st = self.state.lock().expect("state lock");
-            let mut mirror = st.mirror.take();
-            let local = mirror.as_ref().map(|m| m.at.clone());
-            let mut touched = false;
-            let mut indices: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-            // The mirror buffers are re-laid out on an anchor load; keep them in a vec we own.
-            let r = self.rt.block_on(self.apply_mirror(local.as_ref(), step, &mut mirror, &mut touched, &mut indices));
-            let out = match r {
-                Ok(Some((t, full))) => {
-                    let m = mirror.as_mut().expect("mirror loaded");
-                    m.at = t.clone();
-                    let mut patches = vec![];
-                    for (meta, data) in &m.tensors {
-                        let w = meta.dtype.size();
-                        if full {
-                            patches.push((meta.name.clone(), meta.dtype, meta.shape.clone(), None, data.clone()));
-                        } else if let Some(idx) = indices.get_mut(&meta.name) {
-                            idx.sort_unstable();
-                            idx.dedup();
-                            let mut pos = Vec::with_capacity(idx.len() * 8);
-                            let mut vals = Vec::with_capacity(idx.len() * w);
-                            for &i in idx.iter() {
-                                pos.extend_from_slice(&(i as i64).to_le_bytes());
-                                let at = i as usize * w;
-                                vals.extend_from_slice(&data[at..at + w]);
+        crate::errors::guard(|| {
+            type Patch = (String, DType, Vec<u64>, Option<Vec<u8>>, Vec<u8>);
+            let r: BindResult<Option<(Tracked, Vec<Patch>)>> = py.allow_threads(|| {
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let mut mirror = st.mirror.take();
+                let local = mirror.as_ref().map(|m| m.at.clone());
+                let mut touched = false;
+                let mut indices: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+                // The mirror buffers are re-laid out on an anchor load; keep them in a vec we own.
+                let r =
+                    self.rt.block_on(self.apply_mirror(local.as_ref(), step, &mut mirror, &mut touched, &mut indices));
+                let out = match r {
+                    Ok(Some((t, full))) => {
+                        let m = mirror.as_mut().expect("mirror loaded");
+                        m.at = t.clone();
+                        let mut patches = vec![];
+                        for (meta, data) in &m.tensors {
+                            let w = meta.dtype.size();
+                            if full {
+                                patches.push((meta.name.clone(), meta.dtype, meta.shape.clone(), None, data.clone()));
+                            } else if let Some(idx) = indices.get_mut(&meta.name) {
+                                idx.sort_unstable();
+                                idx.dedup();
+                                let mut pos = Vec::with_capacity(idx.len() * 8);
+                                let mut vals = Vec::with_capacity(idx.len() * w);
+                                for &i in idx.iter() {
+                                    pos.extend_from_slice(&(i as i64).to_le_bytes());
+                                    let at = i as usize * w;
+                                    vals.extend_from_slice(&data[at..at + w]);
+                                }
+                                patches.push((meta.name.clone(), meta.dtype, meta.shape.clone(), Some(pos), vals));
                             }
-                            patches.push((meta.name.clone(), meta.dtype, meta.shape.clone(), Some(pos), vals));
                         }
+                        Ok(Some((t, patches)))
                     }
-                    Ok(Some((t, patches)))
-                }
-                Ok(None) => Ok(None),
-                Err(e) => {
-                    if touched {
-                        mirror = None;
+                    Ok(None) => Ok(None),
+                    Err(e) => {
+                        if touched {
+                            mirror = None;
+                        }
+                        Err(e)
                     }
-                    Err(e)
-                }
+                };
+                st.mirror = mirror;
+                out
+            });
+            let Some((t, patches)) = r? else {
+                return Ok(None);
             };
-            st.mirror = mirror;
-            out
-        });
-        let Some((t, patches)) = r? else {
-            return Ok(None);
-        };
-        let list = PyList::empty(py);
-        for (name, dtype, shape, pos, vals) in patches {
-            let pos = pos.map(|p| PyBytes::new(py, &p));
-            list.append((name, dtype.as_str(), shape, pos, PyBytes::new(py, &vals)))?;
-        }
-        Ok(Some((t.step, t.root.to_hex(), list)))
+            let list = PyList::empty(py);
+            for (name, dtype, shape, pos, vals) in patches {
+                let pos = pos.map(|p| PyBytes::new(py, &p));
+                list.append((name, dtype.as_str(), shape, pos, PyBytes::new(py, &vals)))?;
+            }
+            Ok(Some((t.step, t.root.to_hex(), list)))
+        })
     }
 
     /// Step of the `iter_patches` mirror, or None before the first call.
     #[getter]
-    fn patch_step(&self) -> Option<u64> {
-        self.state.lock().expect("state lock").mirror.as_ref().map(|m| m.at.step)
+    fn patch_step(&self) -> PyResult<Option<u64>> {
+        crate::errors::guard(|| {
+            Ok({ self.state.lock().unwrap_or_else(|e| e.into_inner()).mirror.as_ref().map(|m| m.at.step) })
+        })
     }
 }
 

@@ -39,17 +39,28 @@ pub(crate) fn store_options(
 /// Generates a signing key: returns `(private_pkcs8_pem, public_spki_pem, key_id)`.
 #[pyfunction]
 fn generate_key() -> PyResult<(String, String, String)> {
-    let k = driftless_format::Keypair::generate();
-    let private = k.to_pem().map_err(errors::BindError::from)?;
-    let public = k.public_pem().map_err(errors::BindError::from)?;
-    Ok((private, public, k.id().to_string()))
+    crate::errors::guard(|| {
+        let k = driftless_format::Keypair::generate();
+        let private = k.to_pem().map_err(errors::BindError::from)?;
+        let public = k.public_pem().map_err(errors::BindError::from)?;
+        Ok((private, public, k.id().to_string()))
+    })
 }
 
 /// Public key (SPKI PEM) of a private key given as PEM text or a path.
 #[pyfunction]
 fn public_key(signing_key: &str) -> PyResult<String> {
-    let k = publisher::read_key(signing_key)?;
-    Ok(k.public_pem().map_err(errors::BindError::from)?)
+    crate::errors::guard(|| {
+        let k = publisher::read_key(signing_key)?;
+        Ok(k.public_pem().map_err(errors::BindError::from)?)
+    })
+}
+
+/// Test hook: panics inside the boundary guard, to prove a panic surfaces as
+/// `driftless.errors.InternalError` (tests/test_inputs.py).
+#[pyfunction]
+fn _panic_for_tests(message: &str) -> PyResult<()> {
+    crate::errors::guard(|| panic!("{message}"))
 }
 
 #[pymodule]
@@ -58,6 +69,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<follower::PyFollower>()?;
     m.add_function(wrap_pyfunction!(generate_key, m)?)?;
     m.add_function(wrap_pyfunction!(public_key, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -53,125 +53,144 @@ impl PyPublisher {
         max_shard_bytes: Option<u64>,
         anchor_chain_fraction: Option<f64>,
     ) -> PyResult<Self> {
-        let opts = store_options(endpoint, allow_http, region, max_retries, retry_timeout)?;
-        let mut b = PublisherBuilder::new(bucket_url)
-            .with_store_options(opts)
-            .with_anchor_every(anchor_every)
-            .with_queue_depth(queue_depth)
-            .with_new_stream(new_stream)
-            .with_takeover(takeover);
-        if let Some(k) = signing_key {
-            b = b.with_key(read_key(&k)?);
-        }
-        if let Some(d) = spool_dir {
-            b = b.with_spool_dir(d);
-        }
-        if let Some(v) = value_mode {
-            let mode: ValueMode = v.parse().map_err(BindError::Format)?;
-            b = b.with_delta_options(driftless_format::DeltaOptions { values: mode, ..Default::default() });
-        }
-        if let Some(n) = max_shard_bytes {
-            b = b.with_max_shard_bytes(n);
-        }
-        if let Some(f) = anchor_chain_fraction {
-            b = b.with_anchor_chain_fraction(f);
-        }
-        let p = py.allow_threads(|| b.build()).map_err(BindError::from)?;
-        Ok(PyPublisher { inner: Mutex::new(Some(p)), last_addrs: Mutex::new(vec![]) })
+        crate::errors::guard(|| {
+            let opts = store_options(endpoint, allow_http, region, max_retries, retry_timeout)?;
+            let mut b = PublisherBuilder::new(bucket_url)
+                .with_store_options(opts)
+                .with_anchor_every(anchor_every)
+                .with_queue_depth(queue_depth)
+                .with_new_stream(new_stream)
+                .with_takeover(takeover);
+            if let Some(k) = signing_key {
+                b = b.with_key(read_key(&k)?);
+            }
+            if let Some(d) = spool_dir {
+                b = b.with_spool_dir(d);
+            }
+            if let Some(v) = value_mode {
+                let mode: ValueMode = v.parse().map_err(BindError::Format)?;
+                b = b.with_delta_options(driftless_format::DeltaOptions { values: mode, ..Default::default() });
+            }
+            if let Some(n) = max_shard_bytes {
+                b = b.with_max_shard_bytes(n);
+            }
+            if let Some(f) = anchor_chain_fraction {
+                b = b.with_anchor_chain_fraction(f);
+            }
+            let p = py.allow_threads(|| b.build()).map_err(BindError::from)?;
+            Ok(PyPublisher { inner: Mutex::new(Some(p)), last_addrs: Mutex::new(vec![]) })
+        })
     }
 
     /// Publishes the weights of `step`. Returns the receipt as a dict.
     fn publish<'py>(&self, py: Python<'py>, step: u64, tensors: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
-        let borrowed = borrow_mapping(tensors, false)?;
-        let parts: Vec<(driftless_format::TensorMeta, Raw)> =
-            borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
-        *self.last_addrs.lock().expect("lock") = parts.iter().map(|(m, r)| (m.name.clone(), r.addr)).collect();
-        let r = py.allow_threads(|| {
-            // SAFETY: `borrowed` keeps every buffer alive until after this closure returns.
-            let views: Vec<TensorView<'_>> = parts
-                .iter()
-                .map(|(m, r)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: unsafe { r.slice() } })
-                .collect();
-            let mut g = self.inner.lock().expect("publisher lock");
-            let p = g.as_mut().ok_or(driftless_publisher::Error::Closed)?;
-            p.publish(step, &views)
-        });
-        drop(borrowed);
-        let r = r.map_err(BindError::from)?;
-        let d = PyDict::new(py);
-        d.set_item("step", r.step)?;
-        d.set_item(
-            "outcome",
-            match r.outcome {
-                Outcome::Delta => "delta",
-                Outcome::DeltaAndAnchor => "delta_and_anchor",
-                Outcome::Anchor => "anchor",
-                Outcome::Coalesced => "coalesced",
-            },
-        )?;
-        d.set_item("delta_bytes", r.delta_bytes)?;
-        d.set_item("ratio", r.ratio)?;
-        d.set_item("density", r.density)?;
-        d.set_item("encode_secs", r.encode_secs)?;
-        Ok(d)
+        crate::errors::guard(|| {
+            let borrowed = borrow_mapping(tensors, false)?;
+            let parts: Vec<(driftless_format::TensorMeta, Raw)> =
+                borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
+            *self.last_addrs.lock().unwrap_or_else(|e| e.into_inner()) =
+                parts.iter().map(|(m, r)| (m.name.clone(), r.addr)).collect();
+            let r = py.allow_threads(|| {
+                // SAFETY: `borrowed` keeps every buffer alive until after this closure returns.
+                let views: Vec<TensorView<'_>> = parts
+                    .iter()
+                    .map(|(m, r)| TensorView {
+                        name: &m.name,
+                        dtype: m.dtype,
+                        shape: &m.shape,
+                        data: unsafe { r.slice() },
+                    })
+                    .collect();
+                let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                let p = g.as_mut().ok_or(driftless_publisher::Error::Closed)?;
+                p.publish(step, &views)
+            });
+            drop(borrowed);
+            let r = r.map_err(BindError::from)?;
+            let d = PyDict::new(py);
+            d.set_item("step", r.step)?;
+            d.set_item(
+                "outcome",
+                match r.outcome {
+                    Outcome::Delta => "delta",
+                    Outcome::DeltaAndAnchor => "delta_and_anchor",
+                    Outcome::Anchor => "anchor",
+                    Outcome::Coalesced => "coalesced",
+                },
+            )?;
+            d.set_item("delta_bytes", r.delta_bytes)?;
+            d.set_item("ratio", r.ratio)?;
+            d.set_item("density", r.density)?;
+            d.set_item("encode_secs", r.encode_secs)?;
+            Ok(d)
+        })
     }
 
     /// Waits until every queued step and anchor is in the bucket.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.allow_threads(|| {
-            let g = self.inner.lock().expect("publisher lock");
-            g.as_ref().ok_or(driftless_publisher::Error::Closed)?.flush()
+        crate::errors::guard(|| {
+            py.allow_threads(|| {
+                let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                g.as_ref().ok_or(driftless_publisher::Error::Closed)?.flush()
+            })
+            .map_err(BindError::from)?;
+            Ok(())
         })
-        .map_err(BindError::from)?;
-        Ok(())
     }
 
     /// Flushes and stops the uploader. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.allow_threads(|| {
-            let p = self.inner.lock().expect("publisher lock").take();
-            p.map_or(Ok(()), |p| p.close())
+        crate::errors::guard(|| {
+            py.allow_threads(|| {
+                let p = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+                p.map_or(Ok(()), |p| p.close())
+            })
+            .map_err(BindError::from)?;
+            Ok(())
         })
-        .map_err(BindError::from)?;
-        Ok(())
     }
 
     /// Whether `close` was called.
     #[getter]
-    fn closed(&self) -> bool {
-        self.inner.lock().expect("publisher lock").is_none()
+    fn closed(&self) -> PyResult<bool> {
+        crate::errors::guard(|| Ok({ self.inner.lock().unwrap_or_else(|e| e.into_inner()).is_none() }))
     }
 
     /// Counters as a dict.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = py
-            .allow_threads(|| self.inner.lock().expect("publisher lock").as_ref().map(|p| (p.status(), p.next_step())));
-        let Some((s, next)) = s else {
-            return Err(BindError::Publisher(driftless_publisher::Error::Closed).into());
-        };
-        let d = PyDict::new(py);
-        d.set_item("stream_id", s.stream_id)?;
-        d.set_item("last_published", s.last_published)?;
-        d.set_item("next_step", next)?;
-        d.set_item("last_delta_ready", s.last_delta_ready)?;
-        d.set_item("last_anchor_ready", s.last_anchor_ready)?;
-        d.set_item("queue_depth", s.queue_depth)?;
-        d.set_item("anchors_in_flight", s.anchors_in_flight)?;
-        d.set_item("bytes_uploaded", s.bytes_uploaded)?;
-        d.set_item("coalesced", s.coalesced)?;
-        d.set_item("failures", s.failures)?;
-        d.set_item("last_error", s.last_error)?;
-        d.set_item("last_ratio", s.last_ratio)?;
-        Ok(d)
+        crate::errors::guard(|| {
+            let s = py.allow_threads(|| {
+                self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|p| (p.status(), p.next_step()))
+            });
+            let Some((s, next)) = s else {
+                return Err(BindError::Publisher(driftless_publisher::Error::Closed).into());
+            };
+            let d = PyDict::new(py);
+            d.set_item("stream_id", s.stream_id)?;
+            d.set_item("last_published", s.last_published)?;
+            d.set_item("next_step", next)?;
+            d.set_item("last_delta_ready", s.last_delta_ready)?;
+            d.set_item("last_anchor_ready", s.last_anchor_ready)?;
+            d.set_item("queue_depth", s.queue_depth)?;
+            d.set_item("anchors_in_flight", s.anchors_in_flight)?;
+            d.set_item("bytes_uploaded", s.bytes_uploaded)?;
+            d.set_item("coalesced", s.coalesced)?;
+            d.set_item("failures", s.failures)?;
+            d.set_item("last_error", s.last_error)?;
+            d.set_item("last_ratio", s.last_ratio)?;
+            Ok(d)
+        })
     }
 
     /// Test hook: `{name: address}` of the memory the last `publish` call read.
     fn _last_input_addresses<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        for (n, a) in self.last_addrs.lock().expect("lock").iter() {
-            d.set_item(n, *a)?;
-        }
-        Ok(d)
+        crate::errors::guard(|| {
+            let d = PyDict::new(py);
+            for (n, a) in self.last_addrs.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                d.set_item(n, *a)?;
+            }
+            Ok(d)
+        })
     }
 }
 

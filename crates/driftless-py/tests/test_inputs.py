@@ -316,3 +316,30 @@ def test_exception_hierarchy():
         assert issubclass(cls, driftless.DriftlessError)
     assert issubclass(driftless.InvalidInputError, ValueError)
     assert issubclass(driftless.NothingReadyError, driftless.RetryableError)
+
+
+# ---------------------------------------------------------------------------------------------
+# No panic crosses the boundary (issue 13): a Rust panic used to surface as
+# pyo3_runtime.PanicException, a BaseException that `except Exception` does not catch.
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:8333", "localhost:8333", "http:/127.0.0.1:8333"])
+def test_endpoint_without_scheme_is_an_input_error(endpoint, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    private, public, _ = driftless.generate_key()
+    with pytest.raises(driftless.InvalidInputError, match=r"expected http://HOST\[:PORT\]"):
+        driftless.Follower("s3://bucket/run", trusted_keys=[public], endpoint=endpoint)
+    with pytest.raises(driftless.InvalidInputError, match=r"expected http://HOST\[:PORT\]"):
+        driftless.Publisher("s3://bucket/run", signing_key=private, endpoint=endpoint)
+    # The same value from the environment.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with pytest.raises(driftless.DriftlessError, match="AWS_ENDPOINT_URL"):
+        driftless.Follower("s3://bucket/run", trusted_keys=[public])
+
+
+def test_a_panic_is_a_driftless_error():
+    with pytest.raises(driftless.InternalError, match="boom") as e:
+        driftless._native._panic_for_tests("boom")
+    assert isinstance(e.value, driftless.DriftlessError)
+    assert isinstance(e.value, Exception)

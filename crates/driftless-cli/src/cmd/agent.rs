@@ -94,7 +94,9 @@ pub fn run(a: Args) -> Result<()> {
         }
         let poke = Arc::new(tokio::sync::Notify::new());
         if let Some(addr) = a.listen {
-            let l = tokio::net::TcpListener::bind(addr).await?;
+            let l = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on --listen {addr}: {e}"))?;
             eprintln!("driftless agent: ops endpoint on http://{}", l.local_addr()?);
             tokio::spawn(driftless_agent::server::serve(l, agent.metrics(), poke.clone()));
         }

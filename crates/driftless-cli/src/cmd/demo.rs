@@ -54,7 +54,7 @@ pub fn run(a: Args) -> Result<()> {
     let trust = TrustSet::new().with_key(key.public());
     let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(a.mb << 20), a.lr, 42);
     println!(
-        "driftless demo: bucket {url}, model {:.1} MiB BF16 ({} tensors), lr {}, anchor every {}",
+        "driftless demo: bucket {url}, model {:.1} MiB BF16 ({} tensors), lr {:e}, anchor every {}",
         chain.bytes() as f64 / 1048576.0,
         chain.metas().len(),
         a.lr,

@@ -27,6 +27,7 @@ from .errors import (
     ClosedError,
     CorruptError,
     DriftlessError,
+    InternalError,
     InvalidInputError,
     LayoutChangedError,
     NothingReadyError,
@@ -234,4 +235,5 @@ __all__ = [
     "InvalidInputError",
     "ClosedError",
     "LayoutChangedError",
+    "InternalError",
 ]

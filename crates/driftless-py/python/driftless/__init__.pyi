@@ -9,6 +9,7 @@ from .errors import (
     DriftlessError as DriftlessError,
     InvalidInputError as InvalidInputError,
     LayoutChangedError as LayoutChangedError,
+    InternalError as InternalError,
     NothingReadyError as NothingReadyError,
     RetryableError as RetryableError,
     UntrustedError as UntrustedError,

