@@ -655,7 +655,8 @@ impl Agent {
                 }
             }
             for (o, b) in m2.files.iter().zip(&files) {
-                let name = o.object.strip_prefix("extra-").unwrap_or(&o.object);
+                let bare = driftless_store::layout::strip_generation(&o.object);
+                let name = bare.strip_prefix("extra-").unwrap_or(bare);
                 driftless_format::validate_file_name(name)?;
                 std::fs::write(dir.join(name), b)?;
             }

@@ -296,6 +296,7 @@ mod tests {
             base_step: base,
             manifest_sha256: Digest([step as u8; 32]),
             payload_bytes: bytes,
+            manifest: None,
         }
     }
 

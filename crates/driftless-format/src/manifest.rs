@@ -240,7 +240,16 @@ pub struct ReadyMarker {
     pub manifest_sha256: Digest,
     /// Total bytes of the step's payload objects (for the agent's byte planner).
     pub payload_bytes: u64,
+    /// Name of the manifest object in the step's directory. Each publisher generation writes
+    /// its own names (`g7-manifest.json`), so a dead predecessor's late writes never collide
+    /// with a restarted publisher's; the marker says which one was committed. Absent means
+    /// [`DEFAULT_MANIFEST_NAME`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<String>,
 }
+
+/// The manifest object name of a marker without a `manifest` field.
+pub const DEFAULT_MANIFEST_NAME: &str = "manifest.json";
 
 /// `latest.json`: a cheap hint of the newest ready steps. Markers stay the source of truth.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -370,7 +379,16 @@ impl ReadyMarker {
         if m.payload_bytes > MAX_PAYLOAD_BYTES {
             return Err(Error::corrupt("ready marker", "payload size over the limit"));
         }
+        if let Some(n) = &m.manifest {
+            crate::validate_file_name(n)
+                .map_err(|_| Error::corrupt("ready marker", "manifest name is not a plain file name"))?;
+        }
         Ok(m)
+    }
+
+    /// The manifest object's name in the step directory.
+    pub fn manifest_name(&self) -> &str {
+        self.manifest.as_deref().unwrap_or(DEFAULT_MANIFEST_NAME)
     }
 }
 

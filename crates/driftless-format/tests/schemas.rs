@@ -112,6 +112,7 @@ fn others() -> (Vec<StreamDescriptor>, Vec<ReadyMarker>, Vec<LatestHint>) {
         base_step: Some(2),
         manifest_sha256: Digest::of(b"m"),
         payload_bytes: 1234,
+        manifest: None,
     };
     let r2 = ReadyMarker { of: StepKind::Anchor, base_step: None, ..r1.clone() };
     let l1 = LatestHint {

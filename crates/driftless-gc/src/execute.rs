@@ -122,6 +122,10 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
         report.deleted_incomplete += 1;
         report.bytes_freed += d.bytes;
     }
+    for key in plan.stale_claims.iter().chain(&plan.stale_leases) {
+        bucket.delete(key).await?;
+        report.deleted_objects += 1;
+    }
     tracing::info!(
         steps = report.deleted_steps,
         incomplete = report.deleted_incomplete,
@@ -164,5 +168,14 @@ async fn still_incomplete(bucket: &Bucket, d: &DeletedStep, cutoff: Option<Syste
         driftless_format::StepKind::Anchor => layout::anchor_dir(d.step),
     };
     let now = bucket.list(&dir).await?;
-    Ok(now.iter().filter(|o| layout::parse_step_key(&o.key).is_some()).all(|o| o.last_modified <= cutoff))
+    // A generation may have started (re-)uploading this step since planning: its lease,
+    // read now, protects the step.
+    let leases = crate::inventory::load_leases(bucket).await?;
+    let clock = SystemTime::now();
+    let leased = now
+        .iter()
+        .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n))
+        .filter_map(|n| layout::name_generation(&n))
+        .any(|g| leases.get(&g).is_some_and(|l| l.live_at(clock)));
+    Ok(!leased && now.iter().filter(|o| layout::parse_step_key(&o.key).is_some()).all(|o| o.last_modified <= cutoff))
 }

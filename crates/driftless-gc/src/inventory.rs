@@ -4,8 +4,8 @@
 //! ready marker. Markers are listed first: a step whose marker appears between the listings
 //! then looks incomplete, and the grace period (plus a re-check before deleting) protects it.
 
-use std::collections::BTreeMap;
-use std::time::SystemTime;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, SystemTime};
 
 use driftless_format::{ReadyMarker, StepKind};
 use driftless_store::{layout, Bucket, ObjectInfo};
@@ -117,12 +117,45 @@ impl StepEntry {
             .unwrap_or(SystemTime::UNIX_EPOCH)
     }
 
-    /// The manifest key, when the listing holds one.
+    /// The manifest key, when the listing holds one: the one the marker names, or for an
+    /// incomplete step any `manifest.json` / `g<gen>-manifest.json`.
     pub fn manifest_key(&self) -> Option<&str> {
-        let manifest = layout::manifest(self.id.kind, self.id.step);
-        self.objects.iter().map(|o| o.key.as_str()).find(|k| *k == manifest)
+        let named = self.ready().map(|m| layout::object(self.id.kind, self.id.step, m.manifest_name()));
+        self.objects.iter().map(|o| o.key.as_str()).find(|k| match &named {
+            Some(n) => k == n,
+            None => k.ends_with("/manifest.json") || k.ends_with("-manifest.json"),
+        })
+    }
+
+    /// Publisher generations that wrote objects of this step (from their `g<gen>-` names).
+    pub fn generations(&self) -> BTreeSet<u64> {
+        self.objects
+            .iter()
+            .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n))
+            .filter_map(|n| layout::name_generation(&n))
+            .collect()
     }
 }
+
+/// A publisher generation's lease (`writers/<gen>`), as listed and read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseEntry {
+    /// The lease object.
+    pub info: ObjectInfo,
+    /// The TTL it declares, capped at [`MAX_LEASE_TTL`] (a hostile lease cannot pin
+    /// garbage for longer); unreadable leases count as expired at once.
+    pub ttl: Duration,
+}
+
+impl LeaseEntry {
+    /// Whether the lease is live at `now`: renewed (by the bucket's clock) within its TTL.
+    pub fn live_at(&self, now: SystemTime) -> bool {
+        self.info.last_modified + self.ttl > now
+    }
+}
+
+/// Longest lease TTL GC honours.
+pub const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
 
 /// Every step of a stream layout, as seen by one set of listings.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -132,6 +165,10 @@ pub struct Inventory {
     /// Keys under `ready/`, `anchors/` and `deltas/` that are not part of the layout
     /// (never touched; reported for the operator).
     pub foreign: Vec<String>,
+    /// Publisher leases by generation.
+    pub leases: BTreeMap<u64, LeaseEntry>,
+    /// Step claims (`claims/<step>`) by step.
+    pub claims: BTreeMap<u64, ObjectInfo>,
 }
 
 impl Inventory {
@@ -177,6 +214,12 @@ impl Inventory {
         for (info, state) in read.into_iter().flatten() {
             inv.add_marker(info, state);
         }
+        inv.leases = load_leases(bucket).await?;
+        for info in bucket.list(layout::claims_prefix()).await? {
+            if let Some(step) = layout::parse_claim_or_lease(&info.key) {
+                inv.claims.insert(step, info);
+            }
+        }
         Ok(inv)
     }
 
@@ -206,6 +249,32 @@ impl Inventory {
             _ => self.foreign.push(info.key),
         }
     }
+}
+
+/// Lists and reads the publisher leases.
+pub(crate) async fn load_leases(bucket: &Bucket) -> Result<BTreeMap<u64, LeaseEntry>> {
+    let listed = bucket.list(layout::leases_prefix()).await?;
+    let read: Vec<Option<(u64, LeaseEntry)>> = futures::stream::iter(listed)
+        .map(|info| {
+            let bucket = bucket.clone();
+            async move {
+                let Some(g) = layout::parse_claim_or_lease(&info.key) else { return Ok(None) };
+                let ttl = match bucket.get_limited(&info.key, MAX_MARKER_BYTES).await {
+                    Ok(b) => serde_json::from_slice::<serde_json::Value>(&b)
+                        .ok()
+                        .and_then(|v| v.get("ttl_ms").and_then(|t| t.as_u64()))
+                        .map_or(Duration::ZERO, |ms| Duration::from_millis(ms).min(MAX_LEASE_TTL)),
+                    Err(e) if e.is_not_found() => return Ok(None),
+                    Err(driftless_store::Error::TooLarge { .. }) => Duration::ZERO,
+                    Err(e) => return Err(e),
+                };
+                Ok(Some((g, LeaseEntry { info, ttl })))
+            }
+        })
+        .buffered(MARKER_READS)
+        .try_collect()
+        .await?;
+    Ok(read.into_iter().flatten().collect())
 }
 
 /// Parse a marker and check it names the step its key names.
@@ -239,6 +308,7 @@ mod tests {
             base_step: base,
             manifest_sha256: Digest([0; 32]),
             payload_bytes: 1,
+            manifest: None,
         })
         .unwrap()
     }

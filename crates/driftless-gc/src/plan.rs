@@ -27,6 +27,9 @@ pub enum KeepReason {
     NewestAnchorChain,
     /// The marker could not be parsed or names another step: left for a human.
     UnreadableMarker,
+    /// An incomplete step written by a publisher generation whose lease is live: an upload
+    /// in progress, however long it takes.
+    Leased,
 }
 
 impl KeepReason {
@@ -38,6 +41,7 @@ impl KeepReason {
             KeepReason::WithinGrace => "within-grace",
             KeepReason::NewestAnchorChain => "newest-anchor-chain",
             KeepReason::UnreadableMarker => "unreadable-marker",
+            KeepReason::Leased => "leased",
         }
     }
 }
@@ -112,6 +116,11 @@ pub struct GcPlan {
     pub incomplete: Vec<DeletedStep>,
     /// Keys under the layout's directories that are not part of it (never touched).
     pub foreign: Vec<String>,
+    /// Claims of steps older than every kept step (no publisher can commit those again).
+    pub stale_claims: Vec<String>,
+    /// Leases expired for longer than the grace period, except the newest generation's
+    /// (kept so that generation numbers never repeat).
+    pub stale_leases: Vec<String>,
     /// Bytes of everything kept.
     pub bytes_kept: u64,
     /// Bytes of everything deleted.
@@ -131,11 +140,15 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
     let add = |map: &mut BTreeMap<StepId, BTreeSet<KeepReason>>, id: StepId, r: KeepReason| {
         map.entry(id).or_default().insert(r);
     };
+    let live: BTreeSet<u64> = inv.leases.iter().filter(|(_, l)| l.live_at(now)).map(|(&g, _)| g).collect();
     for e in inv.steps.values() {
         if matches!(e.marker, Some((_, MarkerState::Unreadable(_)))) {
             add(&mut fixed, e.id, KeepReason::UnreadableMarker);
         } else if young(e) {
             add(&mut fixed, e.id, KeepReason::WithinGrace);
+        }
+        if e.marker.is_none() && e.generations().iter().any(|g| live.contains(g)) {
+            add(&mut fixed, e.id, KeepReason::Leased);
         }
     }
     let newest_anchor = graph.anchors.iter().next_back().copied();
@@ -183,6 +196,8 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
         deleted: Vec::new(),
         incomplete: Vec::new(),
         foreign: inv.foreign.clone(),
+        stale_claims: Vec::new(),
+        stale_leases: Vec::new(),
         bytes_kept: 0,
         bytes_freed: 0,
         over_budget,
@@ -207,6 +222,18 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
             }
         }
     }
+    if let Some(oldest) = plan.kept.iter().filter(|k| k.ready).map(|k| k.step).min() {
+        plan.stale_claims = inv.claims.range(..oldest).map(|(_, i)| i.key.clone()).collect();
+    }
+    let newest_gen = inv.leases.keys().next_back().copied();
+    plan.stale_leases = inv
+        .leases
+        .iter()
+        .filter(|(&g, l)| {
+            Some(g) != newest_gen && !l.live_at(now) && cutoff.is_some_and(|c| l.info.last_modified + l.ttl <= c)
+        })
+        .map(|(_, l)| l.info.key.clone())
+        .collect();
     plan
 }
 

@@ -20,7 +20,7 @@ pub enum Error {
     /// A write-once object of the stream already exists: another publisher is writing this
     /// stream (or wrote this step before). The publisher stops: every later `publish` and
     /// `flush` returns this error, so two trainers never interleave one chain.
-    #[error("write-once conflict at step {step}: {detail}; another publisher is writing this stream")]
+    #[error("conflict at step {step}: {detail}; another publisher is writing this stream")]
     Conflict {
         /// Step whose object existed.
         step: u64,
@@ -35,6 +35,17 @@ pub enum Error {
         /// Last step published.
         last: u64,
     },
+    /// A step at or before the newest one that is committed with other weights.
+    #[error("step {step} cannot be published: {detail}; publish a later step")]
+    StepTaken {
+        /// Step.
+        step: u64,
+        /// What the bucket holds.
+        detail: String,
+    },
+    /// Saved weights offered to `seed` do not match the bucket; the next step is an anchor.
+    #[error("saved publisher state not used: {0}")]
+    Seed(String),
     /// The publisher was closed.
     #[error("publisher is closed")]
     Closed,
@@ -59,7 +70,12 @@ impl Error {
             Error::Stream(e) => e.is_retryable(),
             Error::Format(e) => e.is_retryable(),
             Error::Upload { .. } | Error::Io(_) => true,
-            Error::Refused(_) | Error::Conflict { .. } | Error::StepOrder { .. } | Error::Closed => false,
+            Error::Refused(_)
+            | Error::Conflict { .. }
+            | Error::StepOrder { .. }
+            | Error::StepTaken { .. }
+            | Error::Seed(_)
+            | Error::Closed => false,
         }
     }
 }

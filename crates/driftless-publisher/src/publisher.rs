@@ -35,6 +35,7 @@ pub struct PublisherBuilder {
     max_shard_bytes: u64,
     spool_dir: Option<PathBuf>,
     extra_files: Vec<(String, Vec<u8>)>,
+    lease_ttl: Duration,
 }
 
 impl PublisherBuilder {
@@ -56,6 +57,7 @@ impl PublisherBuilder {
             max_shard_bytes: 2 << 30,
             spool_dir: None,
             extra_files: vec![],
+            lease_ttl: Duration::from_secs(60),
         }
     }
     /// Uses an already opened bucket (tests, fault injection) instead of the URL.
@@ -120,9 +122,17 @@ impl PublisherBuilder {
         self.spool_dir = Some(d.into());
         self
     }
-    /// Small files shipped with every anchor (config.json, tokenizer files).
+    /// Small files shipped with every anchor (config.json, tokenizer files). See
+    /// [`Publisher::set_extra_files`] for changing them later.
     pub fn with_extra_files(mut self, files: Vec<(String, Vec<u8>)>) -> Self {
         self.extra_files = files;
+        self
+    }
+    /// How long this publisher's lease stays live without renewal (default 60 s; renewed
+    /// every quarter of it). GC never removes objects of a step under a live lease, and the
+    /// publisher never commits a step unless its lease is live.
+    pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl.max(Duration::from_millis(400));
         self
     }
 
@@ -146,30 +156,45 @@ impl PublisherBuilder {
                 "backend has no conditional create: two publishers on this stream would not be detected"
             );
         }
-        let (stream_id, last_step) = rt.block_on(self.open_stream(&bucket))?;
+        let stream_id = rt.block_on(self.open_stream(&bucket))?;
         let (last_delta, last_anchor) = rt.block_on(async {
             let r = StreamReader::new(bucket.clone(), TrustSet::new().allow_unsigned(true));
             let d = r.ready_steps(StepKind::Delta, None).await?.last().copied();
             let a = r.ready_steps(StepKind::Anchor, None).await?.last().copied();
             Ok::<_, driftless_store::stream::StreamError>((d, a))
         })?;
-        info!(stream_id, last_step, url = bucket.url(), "publisher ready");
+        // Numbering resumes after the newest *committed* step: objects of a step without a
+        // marker (a killed predecessor's) carry that generation's names and collide with
+        // nothing, so the step can be committed again.
+        let last_step = last_delta.max(last_anchor);
+        let generation = rt.block_on(acquire_generation(&bucket, &stream_id, self.lease_ttl))?;
+        info!(stream_id, last_step, generation, url = bucket.url(), "publisher ready");
         let shared = Arc::new(Shared::default());
         shared.update(|s| {
             s.last_delta = last_delta;
             s.last_anchor = last_anchor;
+            s.lease_until = Some(Instant::now() + self.lease_ttl);
         });
+        let mut trust = TrustSet::new().allow_unsigned(self.key.is_none());
+        if let Some(k) = &self.key {
+            trust = trust.with_key(k.public());
+        }
         let ctx = Arc::new(Ctx {
             bucket: bucket.clone(),
             stream_id: stream_id.clone(),
             key: self.key.clone(),
             shared: shared.clone(),
+            generation,
+            lease_ttl: self.lease_ttl,
+            reader: StreamReader::new(bucket.clone(), trust),
             // Start the hint from what the bucket holds, so the first hint after a restart
             // does not forget the ready steps of the previous run.
             latest: tokio::sync::Mutex::new((last_delta, last_anchor)),
         });
+        rt.block_on(bucket.put(&layout::lease(generation), ctx.lease_bytes()))?;
         let (tx, rx) = tokio::sync::mpsc::channel(self.queue_depth);
         rt.spawn(upload::delta_loop(ctx.clone(), rx));
+        rt.spawn(upload::lease_loop(ctx.clone()));
         Ok(Publisher {
             cfg: self,
             rt: Some(rt),
@@ -180,6 +205,8 @@ impl PublisherBuilder {
             stream_id,
             last_step,
             last_anchor_step: last_anchor,
+            pending: None,
+            extra_changed: false,
             chain_bytes: 0,
             published: 0,
             coalesced: 0,
@@ -187,7 +214,7 @@ impl PublisherBuilder {
         })
     }
 
-    async fn open_stream(&self, bucket: &Bucket) -> Result<(String, Option<u64>)> {
+    async fn open_stream(&self, bucket: &Bucket) -> Result<String> {
         let mut trust = TrustSet::new().allow_unsigned(self.key.is_none());
         if let Some(k) = &self.key {
             trust = trust.with_key(k.public());
@@ -213,10 +240,6 @@ impl PublisherBuilder {
             Err(e) => return Err(e.into()),
         };
         let existing = bucket.list("").await?;
-        // Resume numbering after every step that has any object, complete or not: a crashed
-        // publisher may have left payload objects without a marker, and write-once creates
-        // would collide with them.
-        let last_step = existing.iter().filter_map(|o| layout::parse_step_key(&o.key)).map(|(_, s, _)| s).max();
         if let Some(d) = desc {
             let mine = match &my_id {
                 Some(id) => d.trusted_keys.iter().any(|k| k == id),
@@ -229,7 +252,7 @@ impl PublisherBuilder {
                         d.stream_id
                     )));
                 }
-                return Ok((d.stream_id, last_step));
+                return Ok(d.stream_id);
             }
             taken_id = Some(d.stream_id);
         } else if !existing.is_empty() && !self.new_stream && !self.takeover {
@@ -254,7 +277,7 @@ impl PublisherBuilder {
             bucket.put_create(layout::STREAM, env.into()).await
         };
         match r {
-            Ok(()) => Ok((stream_id, last_step)),
+            Ok(()) => Ok(stream_id),
             Err(e) if e.is_already_exists() => {
                 Err(Error::Refused("another publisher created this stream at the same time".into()))
             }
@@ -280,8 +303,12 @@ pub enum Outcome {
     DeltaAndAnchor,
     /// Only an anchor (first publish, restart, or recovery after a failed upload).
     Anchor,
-    /// Uploads are behind: this step was skipped; the next delta covers it.
+    /// Uploads are behind: this step was held back; the next publish covers it, and
+    /// `flush`/`close` publish it if it is still the newest.
     Coalesced,
+    /// This step is already committed in the bucket with these very weights (a re-run after
+    /// a crash): nothing was uploaded.
+    AlreadyPublished,
 }
 
 /// Returned by [`Publisher::publish`].
@@ -339,6 +366,11 @@ pub struct Publisher {
     stream_id: String,
     last_step: Option<u64>,
     last_anchor_step: Option<u64>,
+    /// The newest coalesced step, copied: published by `flush` unless a newer step comes.
+    pending: Option<Pending>,
+    /// Extra files changed since the last anchor: the next step is an anchor-only step, so
+    /// no reader reaches it through a delta that would keep the old files.
+    extra_changed: bool,
     chain_bytes: u64,
     published: u64,
     coalesced: u64,
@@ -362,15 +394,68 @@ impl Publisher {
         self.last_step.map_or(0, |s| s + 1)
     }
 
-    /// Restores the snapshot after a process restart from a copy of the weights of `step`,
-    /// which must be what this stream already holds at `step` (its delta or anchor is ready):
-    /// the next publish is then a delta again instead of a forced anchor. The CLI keeps that
-    /// copy in its state directory.
+    /// Restores the snapshot after a process restart from a copy of the weights of `step`
+    /// (the CLI keeps one in its state directory), so the next publish is a delta again
+    /// instead of a forced anchor. The copy is trusted only after checking it against the
+    /// bucket: its weights root must equal the signed root of committed step `step`. When the
+    /// stream has moved on (the process was killed after a commit but before saving its
+    /// copy), the ready deltas after `step` are downloaded, checked and applied to bring the
+    /// snapshot to the newest committed step, verified once at the end. Any mismatch is an
+    /// error and leaves the publisher unseeded: its next publish is an anchor, never a delta
+    /// on a base readers do not have.
     pub fn seed(&mut self, step: u64, tensors: &[TensorView<'_>], layout: &Layout) -> Result<()> {
         let ordered = order(tensors, layout)?;
-        self.snapshot = Some(Arc::new(Snapshot::copy_from(step, layout.clone(), &ordered)));
-        self.shared.update(|s| s.tip = Some(step));
-        self.last_step = Some(self.last_step.map_or(step, |l| l.max(step)));
+        let mut snap = Snapshot::copy_from(step, layout.clone(), &ordered);
+        let rt = self.rt.as_ref().ok_or(Error::Closed)?;
+        let ctx = self.ctx.clone();
+        let newest = self.last_step;
+        let snap = rt.block_on(async move {
+            let committed = match ctx.committed_root(StepKind::Delta, step).await {
+                Ok(Some(r)) => Some(r),
+                _ => ctx.committed_root(StepKind::Anchor, step).await.ok().flatten(),
+            };
+            match committed {
+                Some(r) if r == snap.root => {}
+                Some(r) => {
+                    return Err(Error::Seed(format!(
+                        "the saved weights of step {step} differ from the committed step (root {} vs {})",
+                        &snap.root.to_hex()[..12],
+                        &r.to_hex()[..12]
+                    )))
+                }
+                None => return Err(Error::Seed(format!("step {step} is not a committed step of this stream"))),
+            }
+            let Some(newest) = newest.filter(|&n| n > step) else { return Ok(snap) };
+            roll_forward(&ctx, &mut snap, newest).await?;
+            Ok(snap)
+        })?;
+        info!(step = snap.step, from = step, "publisher seeded from saved weights");
+        self.shared.update(|s| s.tip = Some(snap.step));
+        self.last_step = Some(self.last_step.map_or(snap.step, |l| l.max(snap.step)));
+        self.snapshot = Some(Arc::new(snap));
+        Ok(())
+    }
+
+    /// The step of the snapshot deltas are taken against (after `seed` or a publish).
+    pub fn snapshot_step(&self) -> Option<u64> {
+        self.snapshot.as_ref().map(|s| s.step)
+    }
+
+    /// Replaces the small files shipped with anchors. When they differ from the current
+    /// ones, the next step is published as an anchor-only step (no delta), so every reader
+    /// that reaches it gets the new files.
+    pub fn set_extra_files(&mut self, files: Vec<(String, Vec<u8>)>) -> Result<()> {
+        for (n, _) in &files {
+            driftless_format::validate_file_name(n)?;
+        }
+        let mut a = files.clone();
+        let mut b = self.cfg.extra_files.clone();
+        a.sort();
+        b.sort();
+        if a != b {
+            self.cfg.extra_files = files;
+            self.extra_changed = self.snapshot.is_some();
+        }
         Ok(())
     }
 
@@ -396,12 +481,19 @@ impl Publisher {
             return Err(Error::Closed);
         }
         self.check_conflict()?;
+        layout.validate()?;
         if let Some(last) = self.last_step {
             if step <= last {
+                return self.republish(step, last, tensors, layout);
+            }
+        }
+        if self.pending.as_ref().is_some_and(|p| p.step >= step) {
+            let last = self.pending.as_ref().map_or(step, |p| p.step);
+            if step < last {
                 return Err(Error::StepOrder { step, last });
             }
         }
-        layout.validate()?;
+        self.pending = None;
         let _span = info_span!("publish", step).entered();
         let t0 = Instant::now();
         let (need_anchor, queued) = {
@@ -411,14 +503,16 @@ impl Publisher {
         let Some(snap) = self.snapshot.clone() else {
             return self.anchor_only(step, tensors, layout, t0);
         };
-        if need_anchor {
+        if need_anchor || self.extra_changed {
             drop(snap);
             return self.anchor_only(step, tensors, layout, t0);
         }
         if queued >= self.cfg.queue_depth {
             self.coalesced += 1;
             warn!(step, queued, "uploads are behind; coalescing this step into the next");
-            self.last_step = Some(step);
+            // Kept so that `flush` can publish it if no newer step comes: the newest weights
+            // always reach the bucket.
+            self.pending = Some(Pending::copy(step, layout, &order(tensors, layout)?));
             return Ok(PublishReceipt {
                 step,
                 outcome: Outcome::Coalesced,
@@ -435,10 +529,14 @@ impl Publisher {
             base_root: Some(snap.root),
             layout,
         };
-        let (m, enc) = {
+        let (mut m, enc) = {
             let _s = info_span!("diff_encode").entered();
             ops::make_delta(spec, &snap.views(), tensors, &self.cfg.delta)?
         };
+        // This generation's object names (see `driftless_store::layout`).
+        for r in &mut m.segments {
+            r.object.object = layout::generation_name(self.ctx.generation, &r.object.object);
+        }
         drop(snap);
         let envelope = self.cfg.seal(&serde_json::to_vec(&m).expect("manifest serializes"))?;
         let segments: Vec<(String, Bytes)> =
@@ -463,7 +561,13 @@ impl Publisher {
             self.replace_snapshot(step, layout, &ordered);
         }
         self.shared.update(|s| s.queued += 1);
-        let job = Job::Delta(DeltaJob { step, base_step: m.base_step, envelope: envelope.into(), segments });
+        let job = Job::Delta(DeltaJob {
+            step,
+            base_step: m.base_step,
+            root: m.result_root,
+            envelope: envelope.into(),
+            segments,
+        });
         self.send(job)?;
         self.chain_bytes += delta_bytes;
         self.last_step = Some(step);
@@ -491,6 +595,64 @@ impl Publisher {
         Ok(r)
     }
 
+    /// `publish` of a step at or before the newest one: a no-op success when that step is
+    /// committed with these very weights (a supervisor re-running the command after a crash),
+    /// an error when it holds other weights or is not committed.
+    fn republish(
+        &mut self,
+        step: u64,
+        last: u64,
+        tensors: &[TensorView<'_>],
+        layout: &Layout,
+    ) -> Result<PublishReceipt> {
+        let t0 = Instant::now();
+        let ordered = order(tensors, layout)?;
+        let (_, root) = driftless_format::weights_root(&ordered);
+        let queued_same = self.snapshot.as_ref().is_some_and(|s| s.step == step && s.root == root);
+        let committed = if queued_same {
+            Some(root)
+        } else {
+            let ctx = self.ctx.clone();
+            self.rt
+                .as_ref()
+                .ok_or(Error::Closed)?
+                .block_on(async move {
+                    match ctx.committed_root(StepKind::Delta, step).await {
+                        Ok(Some(r)) => Ok(Some(r)),
+                        _ => ctx.committed_root(StepKind::Anchor, step).await,
+                    }
+                })
+                .map_err(|e| Error::Upload { step, detail: e.to_string() })?
+        };
+        match committed {
+            Some(r) if r == root => {
+                if step == last && self.snapshot.as_ref().is_none_or(|s| s.step < step) {
+                    // The newest committed step: deltas can be taken against it again.
+                    self.replace_snapshot(step, layout, &ordered);
+                    self.shared.update(|s| s.tip = Some(step));
+                }
+                info!(step, "step is already published with these weights; nothing to do");
+                Ok(PublishReceipt {
+                    step,
+                    outcome: Outcome::AlreadyPublished,
+                    delta_bytes: 0,
+                    ratio: 0.0,
+                    density: 0.0,
+                    encode_secs: t0.elapsed().as_secs_f64(),
+                })
+            }
+            Some(r) => Err(Error::StepTaken {
+                step,
+                detail: format!(
+                    "it is already published with other weights (root {}, these are {})",
+                    &r.to_hex()[..12],
+                    &root.to_hex()[..12]
+                ),
+            }),
+            None => Err(Error::StepOrder { step, last }),
+        }
+    }
+
     fn anchor_only(
         &mut self,
         step: u64,
@@ -500,6 +662,7 @@ impl Publisher {
     ) -> Result<PublishReceipt> {
         let ordered = order(tensors, layout)?;
         self.replace_snapshot(step, layout, &ordered);
+        self.extra_changed = false;
         self.shared.update(|s| {
             s.need_anchor = false;
             s.queued += 1;
@@ -563,7 +726,7 @@ impl Publisher {
         let stream_id = self.stream_id.clone();
         std::thread::Builder::new().name("driftless-anchor".into()).spawn(move || {
             let _s = info_span!("encode_anchor", step).entered();
-            let r = spool_anchor(&cfg, &stream_id, &snap);
+            let r = spool_anchor(&cfg, &stream_id, ctx.generation, &snap);
             drop(snap);
             ctx.shared.changed.notify_all();
             match r {
@@ -585,9 +748,27 @@ impl Publisher {
         Ok(())
     }
 
-    /// Waits until every queued step and anchor is in the bucket. Errors with the last failure
-    /// when one happened since the previous flush.
-    pub fn flush(&self) -> Result<()> {
+    /// Publishes the newest coalesced step if no newer step superseded it, then waits until
+    /// every queued step and anchor is in the bucket. Errors with the last failure when one
+    /// happened since the previous flush.
+    pub fn flush(&mut self) -> Result<()> {
+        if let Some(p) = self.pending.take() {
+            {
+                let mut s = self.shared.state.lock().expect("state lock");
+                while s.queued >= self.cfg.queue_depth {
+                    s = self.shared.changed.wait_timeout(s, Duration::from_millis(50)).expect("state lock").0;
+                }
+            }
+            let views = p.views();
+            info!(step = p.step, "publishing the coalesced newest step");
+            self.publish_with_layout(p.step, &views, &p.layout)?;
+        }
+        self.wait()
+    }
+
+    /// Waits until every queued step and anchor is in the bucket (without publishing a
+    /// coalesced step; see [`Publisher::flush`]).
+    pub fn wait(&self) -> Result<()> {
         let mut s = self.shared.state.lock().expect("state lock");
         while s.queued > 0 || s.anchors_in_flight > 0 {
             s = self.shared.changed.wait_timeout(s, Duration::from_millis(50)).expect("state lock").0;
@@ -619,6 +800,10 @@ impl Publisher {
     fn shutdown(&mut self) {
         self.tx = None;
         if let Some(rt) = self.rt.take() {
+            // Release the lease: GC may then clean up after this generation at once.
+            let b = self.ctx.bucket.clone();
+            let key = layout::lease(self.ctx.generation);
+            let _ = rt.block_on(async move { tokio::time::timeout(Duration::from_secs(5), b.delete(&key)).await });
             rt.shutdown_timeout(Duration::from_secs(5));
         }
     }
@@ -628,7 +813,7 @@ impl Publisher {
         let s = self.shared.state.lock().expect("state lock");
         Status {
             stream_id: self.stream_id.clone(),
-            last_published: self.last_step,
+            last_published: self.last_step.max(self.pending.as_ref().map(|p| p.step)),
             last_delta_ready: s.last_delta,
             last_anchor_ready: s.last_anchor,
             queue_depth: s.queued,
@@ -672,7 +857,7 @@ fn order<'a>(tensors: &[TensorView<'a>], layout: &Layout) -> Result<Vec<TensorVi
 }
 
 /// Writes the anchor's shards to spool files and maps them for upload.
-fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, snap: &Snapshot) -> Result<AnchorJob> {
+fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, generation: u64, snap: &Snapshot) -> Result<AnchorJob> {
     let dir = match &cfg.spool_dir {
         Some(d) => {
             std::fs::create_dir_all(d)?;
@@ -698,7 +883,7 @@ fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, snap: &Snapshot) -> Res
         let decoded_size = map.len() as u64;
         let decoded_sha256 = Digest::of(&map);
         let (name, bytes) = match cfg.anchor_encoding {
-            AnchorEncoding::Safetensors => (shard.file.clone(), Bytes::from_owner(map)),
+            AnchorEncoding::Safetensors => (layout::generation_name(generation, &shard.file), Bytes::from_owner(map)),
             AnchorEncoding::PlanesZstd => {
                 // Streamed to the spool file: bounded memory whatever the shard size.
                 let p = dir.path().join(format!("{}.dla", shard.file));
@@ -709,7 +894,7 @@ fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, snap: &Snapshot) -> Res
                 }
                 drop(map);
                 std::fs::remove_file(&plain)?;
-                (format!("{}.dla", shard.file), Bytes::from_owner(map_file(&p)?))
+                (layout::generation_name(generation, &format!("{}.dla", shard.file)), Bytes::from_owner(map_file(&p)?))
             }
         };
         refs.push(AnchorShardRef {
@@ -722,7 +907,7 @@ fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, snap: &Snapshot) -> Res
     }
     let mut files = vec![];
     for (n, b) in &cfg.extra_files {
-        let name = format!("extra-{n}");
+        let name = layout::generation_name(generation, &format!("extra-{n}"));
         files.push(ObjectRef { object: name.clone(), size: b.len() as u64, sha256: Digest::of(b) });
         objects.push((name, Bytes::from(b.clone())));
     }
@@ -739,8 +924,14 @@ fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, snap: &Snapshot) -> Res
         created_at_ms: manifest::now_ms(),
     };
     let envelope = cfg.seal(&serde_json::to_vec(&m).expect("serializes"))?;
-    let _ = StepKind::Anchor;
-    Ok(AnchorJob { step: snap.step, envelope: envelope.into(), objects, _spool: Some(dir), done: None })
+    Ok(AnchorJob {
+        step: snap.step,
+        root: snap.root,
+        envelope: envelope.into(),
+        objects,
+        _spool: Some(dir),
+        done: None,
+    })
 }
 
 fn map_file(p: &std::path::Path) -> Result<memmap2::Mmap> {
@@ -754,4 +945,93 @@ async fn unverified_stream_id(bucket: &Bucket) -> Option<String> {
     let b = bucket.get_limited(layout::STREAM, manifest::MAX_MANIFEST_BYTES as u64).await.ok()?;
     let env: driftless_format::sign::Envelope = serde_json::from_slice(&b).ok()?;
     StreamDescriptor::from_slice(env.payload.as_bytes()).ok().map(|d| d.stream_id)
+}
+
+/// A coalesced step's weights, copied in layout order.
+struct Pending {
+    step: u64,
+    layout: Layout,
+    tensors: Vec<(driftless_format::TensorMeta, Vec<u8>)>,
+}
+
+impl Pending {
+    fn copy(step: u64, layout: &Layout, ordered: &[TensorView<'_>]) -> Pending {
+        Pending { step, layout: layout.clone(), tensors: ordered.iter().map(|v| (v.meta(), v.data.to_vec())).collect() }
+    }
+
+    fn views(&self) -> Vec<TensorView<'_>> {
+        self.tensors
+            .iter()
+            .map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d })
+            .collect()
+    }
+}
+
+/// Takes the next free publisher generation: one more than any lease in the bucket, created
+/// write-once so two starting publishers never share one.
+async fn acquire_generation(bucket: &Bucket, stream_id: &str, ttl: Duration) -> Result<u64> {
+    let list = bucket.list(layout::leases_prefix()).await?;
+    let mut g = list.iter().filter_map(|o| layout::parse_claim_or_lease(&o.key)).max().map_or(1, |g| g + 1);
+    for _ in 0..16 {
+        let l = upload::Lease {
+            kind: "lease".into(),
+            stream_id: stream_id.to_string(),
+            generation: g,
+            holder: format!("{}", std::process::id()),
+            renewed_at_ms: manifest::now_ms(),
+            ttl_ms: ttl.as_millis() as u64,
+        };
+        match bucket.put_create(&layout::lease(g), Bytes::from(serde_json::to_vec(&l).expect("serializes"))).await {
+            Ok(()) => return Ok(g),
+            Err(e) if e.is_already_exists() => g += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(Error::Refused("could not take a publisher generation: other publishers keep starting on this stream".into()))
+}
+
+/// Applies the committed deltas after the snapshot's step, in order, up to `newest`, then
+/// verifies the final root once (every result root is signed, so the final check proves the
+/// final state). Fails when the deltas do not chain from the snapshot to `newest` in place.
+async fn roll_forward(ctx: &Ctx, snap: &mut Snapshot, newest: u64) -> Result<()> {
+    let seed_err = |d: String| Error::Seed(d);
+    let deltas = ctx.reader.ready_steps(StepKind::Delta, Some(snap.step)).await?;
+    let mut expect_root = snap.root;
+    for s in deltas.into_iter().filter(|&s| s <= newest) {
+        let (m, _) = ctx.reader.delta(s).await?;
+        if m.base_step != snap.step {
+            continue;
+        }
+        if m.stream_id != ctx.stream_id || m.base_root != expect_root || ops::needs_rewrite(&snap.layout, &m) {
+            return Err(seed_err(format!(
+                "committed delta {s} does not apply to the saved weights of step {}",
+                snap.step
+            )));
+        }
+        let mut segs = Vec::with_capacity(m.segments.len());
+        for r in &m.segments {
+            let b = ctx.reader.object(StepKind::Delta, s, &r.object.object, r.object.size, r.object.sha256).await?;
+            segs.push((b, r.raw_size));
+        }
+        {
+            let tm = snap.tensors_mut();
+            let refs: Vec<(&[u8], u64)> = segs.iter().map(|(b, n)| (&b[..], *n)).collect();
+            driftless_format::delta::apply_all(&refs, &tm)?;
+        }
+        snap.step = s;
+        expect_root = m.result_root;
+        info!(step = s, "applied committed delta to the saved weights");
+    }
+    if snap.step != newest {
+        return Err(seed_err(format!(
+            "the committed deltas do not lead from the saved weights to the newest committed step {newest}"
+        )));
+    }
+    let (digests, root) = driftless_format::weights_root(&snap.views());
+    if root != expect_root {
+        return Err(seed_err(format!("the saved weights brought to step {newest} do not match its signed root")));
+    }
+    snap.root = root;
+    snap.digests = digests;
+    Ok(())
 }

@@ -1,12 +1,14 @@
 //! Background uploads: the ordered delta queue and anchor uploads, on the publisher's own
-//! runtime. Commit order per step: payload objects, manifest, ready marker, latest hint.
+//! runtime. Commit order per step: claim, payload objects, manifest, confirmation listing,
+//! lease check, ready marker, latest hint (see [`commit_step`]).
 
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use driftless_format::manifest::{now_ms, LatestHint, ReadyMarker, StepKind};
 use driftless_format::{Digest, Keypair};
+use driftless_store::stream::StreamReader;
 use driftless_store::{layout, Bucket};
 use futures::stream::{self, TryStreamExt};
 use tracing::{info, info_span, warn, Instrument};
@@ -25,6 +27,7 @@ pub(crate) enum Job {
 pub(crate) struct DeltaJob {
     pub(crate) step: u64,
     pub(crate) base_step: u64,
+    pub(crate) root: Digest,
     pub(crate) envelope: Bytes,
     pub(crate) segments: Vec<(String, Bytes)>,
 }
@@ -32,6 +35,7 @@ pub(crate) struct DeltaJob {
 /// A spooled anchor ready to upload.
 pub(crate) struct AnchorJob {
     pub(crate) step: u64,
+    pub(crate) root: Digest,
     pub(crate) envelope: Bytes,
     /// (object name, bytes) — bytes are usually a map of a spool file.
     pub(crate) objects: Vec<(String, Bytes)>,
@@ -55,8 +59,10 @@ pub(crate) struct State {
     pub(crate) failures: u64,
     pub(crate) dropped: u64,
     pub(crate) last_error: Option<String>,
-    /// Set on a write-once conflict: another writer owns the stream; the publisher stops.
+    /// Set on a conflict: another writer owns the stream; the publisher stops.
     pub(crate) conflict: Option<(u64, String)>,
+    /// Until when the lease is known to be live (last successful renewal + TTL).
+    pub(crate) lease_until: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -65,14 +71,44 @@ pub(crate) struct Shared {
     pub(crate) changed: Condvar,
 }
 
+/// Why a commit failed.
+#[derive(Debug)]
+pub(crate) enum CommitError {
+    /// Bucket trouble (retryable or not, as the store says).
+    Store(driftless_store::Error),
+    /// The step is committed, or claimed, with other weights, or a newer publisher generation
+    /// owns the stream: this publisher must stop.
+    Conflict(String),
+    /// Objects could not be confirmed present, or the lease lapsed: nothing was committed;
+    /// a later attempt may succeed.
+    Unconfirmed(String),
+}
+
+impl std::fmt::Display for CommitError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CommitError::Store(e) => write!(f, "{e}"),
+            CommitError::Conflict(d) | CommitError::Unconfirmed(d) => f.write_str(d),
+        }
+    }
+}
+
+impl From<driftless_store::Error> for CommitError {
+    fn from(e: driftless_store::Error) -> Self {
+        CommitError::Store(e)
+    }
+}
+
 impl State {
-    /// Records a failed commit: counts it, and fences the publisher on a write-once conflict.
-    fn record_failure(&mut self, what: &str, step: u64, e: &driftless_store::Error) {
+    /// Records a failed commit: counts it, and fences the publisher on a conflict.
+    fn record_failure(&mut self, what: &str, step: u64, e: &CommitError) {
         self.need_anchor = true;
         self.failures += 1;
         self.last_error = Some(format!("{what} {step}: {e}"));
-        if e.is_already_exists() && self.conflict.is_none() {
-            self.conflict = Some((step, e.to_string()));
+        if let CommitError::Conflict(d) = e {
+            if self.conflict.is_none() {
+                self.conflict = Some((step, d.clone()));
+            }
         }
     }
 }
@@ -85,37 +121,169 @@ impl Shared {
     }
 }
 
-/// Writes a step's objects (in parallel, bounded), then its manifest, then its marker.
-async fn commit_step(
+/// The write-once claim of a step: who committed it and with which weights. Every commit of
+/// step N (delta or anchor, by any publisher) creates `claims/N` first or finds it holding
+/// the same weights root; so one step number never means two different weights, whichever
+/// kinds two writers use, and a restart can re-commit what its killed predecessor started.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Claim {
+    pub(crate) kind: String,
+    pub(crate) stream_id: String,
+    pub(crate) step: u64,
+    pub(crate) generation: u64,
+    pub(crate) root: Digest,
+}
+
+/// What one step commit writes.
+pub(crate) struct Commit<'a> {
+    pub(crate) kind: StepKind,
+    pub(crate) step: u64,
+    pub(crate) base_step: Option<u64>,
+    /// The weights root of the step (delta: result root; anchor: weights root).
+    pub(crate) root: Digest,
+    pub(crate) envelope: Bytes,
+    /// (name, bytes); names carry this generation's prefix (the manifest names them so).
+    pub(crate) objects: &'a [(String, Bytes)],
+}
+
+/// Commits one step. Order: claim, payload objects (parallel, bounded), manifest, a listing
+/// that confirms every object is present with its size (re-uploading what is missing), a
+/// check that this generation's lease is live and no newer generation exists, then the ready
+/// marker. Every object name carries this generation, so nothing collides with a killed
+/// predecessor's late writes; the claim and the marker are the only shared keys, and both
+/// accept an existing object that holds the same weights root (an idempotent re-commit).
+async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitError> {
+    let bucket = &ctx.bucket;
+    let g = ctx.generation;
+    claim_step(ctx, c.step, c.root).await?;
+    let conc = bucket.options().concurrency.max(1);
+    let manifest_name = layout::generation_name(g, "manifest.json");
+    let mut all: Vec<(String, Bytes)> = c.objects.to_vec();
+    let payload: u64 = all.iter().map(|(_, b)| b.len() as u64).sum();
+    let env_sha = Digest::of(&c.envelope);
+    // Payload first, the manifest after it, so a listed manifest implies its payload was sent.
+    let mut pending: Vec<(String, Bytes)> = std::mem::take(&mut all);
+    for round in 0..3 {
+        put_own(bucket, c.kind, c.step, &pending, conc).await?;
+        put_own(bucket, c.kind, c.step, &[(manifest_name.clone(), c.envelope.clone())], 1).await?;
+        let listed: std::collections::HashMap<String, u64> = bucket
+            .list(&layout::object(c.kind, c.step, ""))
+            .await?
+            .into_iter()
+            .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n).map(|n| (n, o.size)))
+            .collect();
+        let expected = c.objects.iter().cloned();
+        let missing: Vec<(String, Bytes)> = expected
+            .chain(std::iter::once((manifest_name.clone(), c.envelope.clone())))
+            .filter(|(n, b)| listed.get(n) != Some(&(b.len() as u64)))
+            .collect();
+        if missing.is_empty() {
+            pending.clear();
+            break;
+        }
+        warn!(
+            step = c.step,
+            round,
+            missing = missing.len(),
+            "objects of the step are not in the bucket; uploading them again"
+        );
+        pending = missing.into_iter().filter(|(n, _)| *n != manifest_name).collect();
+        // A deleted manifest is re-created by the next round's put_own.
+        let _ = bucket.delete(&layout::object(c.kind, c.step, &manifest_name)).await;
+        if round == 2 {
+            return Err(CommitError::Unconfirmed(format!(
+                "step {}: {} objects could not be confirmed in the bucket; not committed",
+                c.step,
+                pending.len()
+            )));
+        }
+    }
+    ctx.check_lease(c.step)?;
+    let marker = ReadyMarker {
+        kind: "ready".into(),
+        stream_id: ctx.stream_id.clone(),
+        of: c.kind,
+        step: c.step,
+        base_step: c.base_step,
+        manifest_sha256: env_sha,
+        payload_bytes: payload,
+        manifest: Some(manifest_name),
+    };
+    let mb = Bytes::from(serde_json::to_vec(&marker).expect("marker serializes"));
+    match bucket.put_create(&layout::ready(c.kind, c.step), mb).await {
+        Ok(()) => {}
+        Err(e) if e.is_already_exists() => {
+            // Committed before: by this process's own retried request, or by a killed
+            // predecessor whose marker landed late. Same weights: done; else a conflict.
+            let theirs = ctx.committed_root(c.kind, c.step).await?;
+            if theirs != Some(c.root) {
+                return Err(CommitError::Conflict(format!(
+                    "{} {} is already committed with other weights",
+                    kind_name(c.kind),
+                    c.step
+                )));
+            }
+            info!(step = c.step, "step was already committed with the same weights");
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(payload + c.envelope.len() as u64)
+}
+
+fn kind_name(k: StepKind) -> &'static str {
+    match k {
+        StepKind::Delta => "delta",
+        StepKind::Anchor => "anchor",
+    }
+}
+
+/// Write-once puts of this generation's objects. An object that already exists carries this
+/// generation's name, so only this process wrote it (a retried request that landed): it is
+/// accepted when its size matches.
+async fn put_own(
     bucket: &Bucket,
     kind: StepKind,
     step: u64,
-    base_step: Option<u64>,
-    stream_id: &str,
-    envelope: Bytes,
     objects: &[(String, Bytes)],
-) -> driftless_store::Result<u64> {
-    let conc = bucket.options().concurrency.max(1);
-    let payload: u64 = objects.iter().map(|(_, b)| b.len() as u64).sum();
-    stream::iter(objects.iter().map(Ok::<_, driftless_store::Error>))
+    conc: usize,
+) -> Result<(), CommitError> {
+    stream::iter(objects.iter().map(Ok::<_, CommitError>))
         .try_for_each_concurrent(conc, |(name, bytes)| async move {
-            bucket.put_create(&layout::object(kind, step, name), bytes.clone()).await
+            let key = layout::object(kind, step, name);
+            match bucket.put_create(&key, bytes.clone()).await {
+                Ok(()) => Ok(()),
+                Err(e) if e.is_already_exists() => match bucket.head(&key).await {
+                    Ok(info) if info.size == bytes.len() as u64 => Ok(()),
+                    Ok(_) => Err(CommitError::Conflict(format!("{key} exists with another size"))),
+                    Err(e) => Err(e.into()),
+                },
+                Err(e) => Err(e.into()),
+            }
         })
-        .await?;
-    let env_sha = Digest::of(&envelope);
-    bucket.put_create(&layout::manifest(kind, step), envelope.clone()).await?;
-    let marker = ReadyMarker {
-        kind: "ready".into(),
-        stream_id: stream_id.to_string(),
-        of: kind,
-        step,
-        base_step,
-        manifest_sha256: env_sha,
-        payload_bytes: payload,
-    };
-    let mb = Bytes::from(serde_json::to_vec(&marker).expect("marker serializes"));
-    bucket.put_create(&layout::ready(kind, step), mb).await?;
-    Ok(payload + envelope.len() as u64)
+        .await
+}
+
+/// Creates `claims/N`, or accepts an existing claim for the same weights root.
+async fn claim_step(ctx: &Ctx, step: u64, root: Digest) -> Result<(), CommitError> {
+    let claim =
+        Claim { kind: "claim".into(), stream_id: ctx.stream_id.clone(), step, generation: ctx.generation, root };
+    let key = layout::claim(step);
+    match ctx.bucket.put_create(&key, Bytes::from(serde_json::to_vec(&claim).expect("claim serializes"))).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.is_already_exists() => {
+            let b = ctx.bucket.get_limited(&key, 64 << 10).await?;
+            match serde_json::from_slice::<Claim>(&b) {
+                Ok(c) if c.root == root && c.step == step && c.stream_id == ctx.stream_id => Ok(()),
+                Ok(c) => Err(CommitError::Conflict(format!(
+                    "step {step} is already claimed by publisher generation {} with other weights (root {}); publish a later step",
+                    c.generation,
+                    &c.root.to_hex()[..12]
+                ))),
+                Err(_) => Err(CommitError::Conflict(format!("{key} exists and is not a claim"))),
+            }
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 pub(crate) struct Ctx {
@@ -123,11 +291,77 @@ pub(crate) struct Ctx {
     pub(crate) stream_id: String,
     pub(crate) key: Option<Keypair>,
     pub(crate) shared: Arc<Shared>,
+    /// This publisher's generation (its lease is `writers/<generation>`).
+    pub(crate) generation: u64,
+    pub(crate) lease_ttl: Duration,
+    /// Reads this stream's own committed steps (idempotent re-commits, seeding).
+    pub(crate) reader: StreamReader,
     /// Serializes latest.json writes so an older hint never overwrites a newer one.
     pub(crate) latest: tokio::sync::Mutex<(Option<u64>, Option<u64>)>,
 }
 
+/// The lease object of a publisher generation: GC leaves the objects of steps this
+/// generation is writing alone while `renewed_at_ms + ttl_ms` is in the future.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct Lease {
+    /// Always `"lease"`.
+    pub kind: String,
+    /// Stream id.
+    pub stream_id: String,
+    /// Generation.
+    pub generation: u64,
+    /// Host name and process id, for operators.
+    pub holder: String,
+    /// When it was last renewed (publisher clock).
+    pub renewed_at_ms: u64,
+    /// How long it stays live after a renewal.
+    pub ttl_ms: u64,
+}
+
 impl Ctx {
+    pub(crate) fn lease_bytes(&self) -> Bytes {
+        let l = Lease {
+            kind: "lease".into(),
+            stream_id: self.stream_id.clone(),
+            generation: self.generation,
+            holder: format!("{}:{}", hostname(), std::process::id()),
+            renewed_at_ms: now_ms(),
+            ttl_ms: self.lease_ttl.as_millis() as u64,
+        };
+        Bytes::from(serde_json::to_vec(&l).expect("lease serializes"))
+    }
+
+    /// Fails unless this generation's lease is live (renewed within its TTL, with a margin of
+    /// a quarter TTL for the marker write) and no newer generation was seen.
+    fn check_lease(&self, step: u64) -> Result<(), CommitError> {
+        let s = self.shared.state.lock().expect("state lock");
+        if let Some((_, d)) = &s.conflict {
+            return Err(CommitError::Conflict(d.clone()));
+        }
+        let live = s.lease_until.is_some_and(|t| t > Instant::now() + self.lease_ttl / 4);
+        if !live {
+            return Err(CommitError::Unconfirmed(format!(
+                "step {step}: the publisher's lease could not be renewed in time; not committed"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The weights root of a committed step as its manifest says (`None` when it is not
+    /// readable as this stream's step).
+    pub(crate) async fn committed_root(&self, kind: StepKind, step: u64) -> Result<Option<Digest>, CommitError> {
+        let r = match kind {
+            StepKind::Delta => self.reader.delta(step).await.map(|(m, _)| (m.stream_id, m.result_root)),
+            StepKind::Anchor => self.reader.anchor(step).await.map(|(m, _)| (m.stream_id, m.weights_root)),
+        };
+        match r {
+            Ok((sid, root)) if sid == self.stream_id => Ok(Some(root)),
+            Ok(_) => Ok(None),
+            Err(e) if e.is_retryable() => Err(CommitError::Unconfirmed(format!("reading committed step {step}: {e}"))),
+            Err(_) => Ok(None),
+        }
+    }
+
     async fn write_latest(&self, delta: Option<u64>, anchor: Option<u64>) {
         let mut cur = self.latest.lock().await;
         cur.0 = cur.0.max(delta);
@@ -149,6 +383,42 @@ impl Ctx {
             // logged, not fatal.
             if let Err(e) = self.bucket.put(layout::LATEST, Bytes::from(env)).await {
                 warn!(error = %e, "could not update latest.json");
+            }
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "?".into())
+}
+
+/// Renews the lease every quarter TTL, and fences this publisher when a newer generation
+/// appears (a second publisher started on the stream: the newer one owns it).
+pub(crate) async fn lease_loop(ctx: Arc<Ctx>) {
+    loop {
+        tokio::time::sleep(ctx.lease_ttl / 4).await;
+        let sent = Instant::now();
+        match ctx.bucket.put(&layout::lease(ctx.generation), ctx.lease_bytes()).await {
+            Ok(()) => ctx.shared.update(|s| s.lease_until = Some(sent + ctx.lease_ttl)),
+            Err(e) => warn!(error = %e, "could not renew the publisher lease"),
+        }
+        if let Ok(list) = ctx.bucket.list(layout::leases_prefix()).await {
+            if let Some(newer) =
+                list.iter().filter_map(|o| layout::parse_claim_or_lease(&o.key)).filter(|&g| g > ctx.generation).max()
+            {
+                warn!(generation = ctx.generation, newer, "a newer publisher generation exists; this publisher stops");
+                ctx.shared.update(|s| {
+                    if s.conflict.is_none() {
+                        s.conflict = Some((
+                            s.tip.unwrap_or(0),
+                            format!(
+                                "publisher generation {newer} started on this stream after this one ({})",
+                                ctx.generation
+                            ),
+                        ));
+                    }
+                });
+                return;
             }
         }
     }
@@ -187,17 +457,15 @@ pub(crate) async fn delta_loop(ctx: Arc<Ctx>, mut rx: tokio::sync::mpsc::Receive
                 }
                 let t = Instant::now();
                 let span = info_span!("upload_delta", step = d.step, base = d.base_step);
-                let r = commit_step(
-                    &ctx.bucket,
-                    StepKind::Delta,
-                    d.step,
-                    Some(d.base_step),
-                    &ctx.stream_id,
-                    d.envelope,
-                    &d.segments,
-                )
-                .instrument(span)
-                .await;
+                let c = Commit {
+                    kind: StepKind::Delta,
+                    step: d.step,
+                    base_step: Some(d.base_step),
+                    root: d.root,
+                    envelope: d.envelope,
+                    objects: &d.segments,
+                };
+                let r = commit_step(&ctx, c).instrument(span).await;
                 match r {
                     Ok(bytes) => {
                         info!(step = d.step, bytes, secs = t.elapsed().as_secs_f64(), "delta ready");
@@ -223,29 +491,20 @@ pub(crate) async fn delta_loop(ctx: Arc<Ctx>, mut rx: tokio::sync::mpsc::Receive
     }
 }
 
-/// An anchor-only step (first publish, restart, recovery) has no delta, so nothing else
-/// would collide with a second publisher's delta of the same step: the anchor and that delta
-/// would both become ready with different weights. Creating the step's delta manifest key
-/// first (a small claim, never covered by a ready marker) makes the two writers collide on
-/// one write-once key, so one of them stops with a conflict.
-async fn claim_delta_slot(ctx: &Ctx, step: u64) -> driftless_store::Result<()> {
-    let claim = serde_json::json!({"kind": "claim", "stream_id": ctx.stream_id, "step": step, "by": "anchor"});
-    ctx.bucket.put_create(&layout::manifest(StepKind::Delta, step), Bytes::from(claim.to_string())).await
-}
-
 /// Uploads one spooled anchor.
 pub(crate) async fn anchor_upload(ctx: Arc<Ctx>, mut job: AnchorJob) {
     let t = Instant::now();
     let done = job.done.take();
     let span = info_span!("upload_anchor", step = job.step);
-    let r = async {
-        if done.is_some() {
-            claim_delta_slot(&ctx, job.step).await?;
-        }
-        commit_step(&ctx.bucket, StepKind::Anchor, job.step, None, &ctx.stream_id, job.envelope, &job.objects).await
-    }
-    .instrument(span)
-    .await;
+    let c = Commit {
+        kind: StepKind::Anchor,
+        step: job.step,
+        base_step: None,
+        root: job.root,
+        envelope: job.envelope.clone(),
+        objects: &job.objects,
+    };
+    let r = commit_step(&ctx, c).instrument(span).await;
     match r {
         Ok(bytes) => {
             info!(step = job.step, bytes, secs = t.elapsed().as_secs_f64(), "anchor ready");

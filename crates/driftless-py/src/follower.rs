@@ -205,7 +205,7 @@ impl PyFollower {
     #[getter]
     fn applied_step(&self) -> PyResult<Option<u64>> {
         crate::errors::guard(|| {
-            Ok({ self.state.lock().unwrap_or_else(|e| e.into_inner()).applied.as_ref().map(|t| t.step) })
+            Ok(self.state.lock().unwrap_or_else(|e| e.into_inner()).applied.as_ref().map(|t| t.step))
         })
     }
 
@@ -286,7 +286,7 @@ impl PyFollower {
     #[getter]
     fn patch_step(&self) -> PyResult<Option<u64>> {
         crate::errors::guard(|| {
-            Ok({ self.state.lock().unwrap_or_else(|e| e.into_inner()).mirror.as_ref().map(|m| m.at.step) })
+            Ok(self.state.lock().unwrap_or_else(|e| e.into_inner()).mirror.as_ref().map(|m| m.at.step))
         })
     }
 }

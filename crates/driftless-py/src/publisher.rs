@@ -33,7 +33,7 @@ impl PyPublisher {
     #[new]
     #[pyo3(signature = (bucket_url, signing_key=None, anchor_every=50, queue_depth=4, new_stream=false,
         endpoint=None, allow_http=false, region=None, takeover=false, max_retries=None, retry_timeout=None,
-        spool_dir=None, value_mode=None, max_shard_bytes=None, anchor_chain_fraction=None))]
+        spool_dir=None, value_mode=None, max_shard_bytes=None, anchor_chain_fraction=None, extra_files=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -52,6 +52,7 @@ impl PyPublisher {
         value_mode: Option<String>,
         max_shard_bytes: Option<u64>,
         anchor_chain_fraction: Option<f64>,
+        extra_files: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         crate::errors::guard(|| {
             let opts = store_options(endpoint, allow_http, region, max_retries, retry_timeout)?;
@@ -77,8 +78,23 @@ impl PyPublisher {
             if let Some(f) = anchor_chain_fraction {
                 b = b.with_anchor_chain_fraction(f);
             }
+            if let Some(files) = extra_files {
+                b = b.with_extra_files(read_extra_files(&files)?);
+            }
             let p = py.allow_threads(|| b.build()).map_err(BindError::from)?;
             Ok(PyPublisher { inner: Mutex::new(Some(p)), last_addrs: Mutex::new(vec![]) })
+        })
+    }
+
+    /// Replaces the small non-weight files shipped with anchors (`{name: bytes}` or a list
+    /// of paths). A change makes the next step an anchor-only step.
+    fn set_extra_files(&self, files: &Bound<'_, PyAny>) -> PyResult<()> {
+        crate::errors::guard(|| {
+            let f = read_extra_files(files)?;
+            let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let p = g.as_mut().ok_or(BindError::from(driftless_publisher::Error::Closed))?;
+            p.set_extra_files(f).map_err(BindError::from)?;
+            Ok(())
         })
     }
 
@@ -116,6 +132,7 @@ impl PyPublisher {
                     Outcome::DeltaAndAnchor => "delta_and_anchor",
                     Outcome::Anchor => "anchor",
                     Outcome::Coalesced => "coalesced",
+                    Outcome::AlreadyPublished => "already_published",
                 },
             )?;
             d.set_item("delta_bytes", r.delta_bytes)?;
@@ -130,8 +147,8 @@ impl PyPublisher {
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
             py.allow_threads(|| {
-                let g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-                g.as_ref().ok_or(driftless_publisher::Error::Closed)?.flush()
+                let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                g.as_mut().ok_or(driftless_publisher::Error::Closed)?.flush()
             })
             .map_err(BindError::from)?;
             Ok(())
@@ -153,7 +170,7 @@ impl PyPublisher {
     /// Whether `close` was called.
     #[getter]
     fn closed(&self) -> PyResult<bool> {
-        crate::errors::guard(|| Ok({ self.inner.lock().unwrap_or_else(|e| e.into_inner()).is_none() }))
+        crate::errors::guard(|| Ok(self.inner.lock().unwrap_or_else(|e| e.into_inner()).is_none()))
     }
 
     /// Counters as a dict.
@@ -197,4 +214,29 @@ impl PyPublisher {
 /// Seconds to a `Duration`, rejecting negatives and NaN.
 pub(crate) fn secs(s: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(s).map_err(|_| invalid(format!("invalid duration {s}")))
+}
+
+/// `extra_files=`: a dict `{file name: bytes}` or a list of paths (shipped under their
+/// base names).
+fn read_extra_files(obj: &Bound<'_, PyAny>) -> Result<Vec<(String, Vec<u8>)>, BindError> {
+    let invalid = BindError::Input;
+    if let Ok(d) = obj.downcast::<PyDict>() {
+        let mut out = vec![];
+        for (k, v) in d.iter() {
+            let name: String = k.extract().map_err(|_| invalid("extra_files keys must be file names (str)".into()))?;
+            let data: Vec<u8> = v.extract().map_err(|_| invalid(format!("extra_files[{name:?}] must be bytes")))?;
+            out.push((name, data));
+        }
+        return Ok(out);
+    }
+    let paths: Vec<std::path::PathBuf> =
+        obj.extract().map_err(|_| invalid("extra_files must be a dict of name -> bytes or a list of paths".into()))?;
+    paths
+        .into_iter()
+        .map(|p| {
+            let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+            let data = std::fs::read(&p).map_err(|e| invalid(format!("reading extra file {}: {e}", p.display())))?;
+            Ok((name, data))
+        })
+        .collect()
 }

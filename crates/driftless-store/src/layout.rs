@@ -8,7 +8,13 @@
 //! anchors/000000000010/...             same for anchors
 //! ready/deltas/000000000012            ready marker: the commit point of delta step 12
 //! ready/anchors/000000000010
+//! claims/000000000012                  write-once claim of step 12: generation + weights root
+//! writers/000000000007                 lease of publisher generation 7 (renewed while it runs)
 //! ```
+//!
+//! Everything a publisher generation writes inside a step directory is named `g<gen>-<name>`
+//! (`deltas/000000000012/g7-manifest.json`, `g7-seg-0000.dls`): the late writes of a killed
+//! publisher never collide with its successor's, and GC can tell whose lease covers an object.
 //!
 //! Steps are zero-padded to 12 digits so that lexicographic listing order is step order.
 
@@ -107,8 +113,74 @@ pub fn parse_step_key(key: &str) -> Option<(StepKind, u64, Option<String>)> {
     None
 }
 
+const CLAIMS: &str = "claims/";
+const WRITERS: &str = "writers/";
+
+/// `claims/000000000012`: the write-once claim of a step (see the publisher).
+pub fn claim(step: u64) -> String {
+    format!("{CLAIMS}{}", step_str(step))
+}
+
+/// `claims/`
+pub fn claims_prefix() -> &'static str {
+    CLAIMS
+}
+
+/// `writers/000000000007`: the lease of publisher generation 7.
+pub fn lease(generation: u64) -> String {
+    format!("{WRITERS}{}", step_str(generation))
+}
+
+/// `writers/`
+pub fn leases_prefix() -> &'static str {
+    WRITERS
+}
+
+/// The step of a claim key or the generation of a lease key.
+pub fn parse_claim_or_lease(key: &str) -> Option<u64> {
+    key.strip_prefix(CLAIMS).or_else(|| key.strip_prefix(WRITERS)).and_then(parse_step)
+}
+
+/// `g7-<name>`: the name generation 7 gives an object in a step directory.
+pub fn generation_name(generation: u64, name: &str) -> String {
+    format!("g{generation}-{name}")
+}
+
+/// The generation in an object name written by [`generation_name`].
+pub fn name_generation(name: &str) -> Option<u64> {
+    let rest = name.strip_prefix('g')?;
+    let (num, tail) = rest.split_once('-')?;
+    if num.is_empty() || num.len() > 20 || !num.bytes().all(|b| b.is_ascii_digit()) || tail.is_empty() {
+        return None;
+    }
+    num.parse().ok()
+}
+
+/// `name` without a `g<gen>-` prefix.
+pub fn strip_generation(name: &str) -> &str {
+    match name_generation(name) {
+        Some(_) => name.split_once('-').map_or(name, |(_, rest)| rest),
+        None => name,
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn generation_names() {
+        assert_eq!(strip_generation("g7-extra-config.json"), "extra-config.json");
+        assert_eq!(strip_generation("extra-config.json"), "extra-config.json");
+        assert_eq!(generation_name(7, "seg-0000.dls"), "g7-seg-0000.dls");
+        assert_eq!(name_generation("g7-seg-0000.dls"), Some(7));
+        assert_eq!(name_generation("g-x"), None);
+        assert_eq!(name_generation("g7-"), None);
+        assert_eq!(name_generation("manifest.json"), None);
+        assert_eq!(name_generation("g99999999999999999999999-x"), None);
+        assert_eq!(parse_claim_or_lease(&claim(12)), Some(12));
+        assert_eq!(parse_claim_or_lease(&lease(7)), Some(7));
+        assert_eq!(parse_claim_or_lease("claims/12"), None);
+    }
+
     use super::*;
 
     #[test]

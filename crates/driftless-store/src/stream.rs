@@ -119,7 +119,7 @@ impl StreamReader {
     }
 
     async fn envelope(&self, kind: StepKind, step: u64, marker: &ReadyMarker) -> StreamResult<(Vec<u8>, Digest)> {
-        let key = layout::manifest(kind, step);
+        let key = layout::object(kind, step, marker.manifest_name());
         let b = match self.bucket.get_limited(&key, MAX_MANIFEST_BYTES as u64).await {
             Ok(b) => b,
             Err(e) if e.is_not_found() => return Err(StreamError::NotReady { step, detail: format!("{key} missing") }),

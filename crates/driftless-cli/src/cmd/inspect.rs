@@ -358,8 +358,12 @@ async fn manifest_payload(
 ) -> Result<Vec<u8>> {
     use driftless_store::layout;
     let marker = r.marker(kind, step).await?;
-    let bytes =
-        b.get_limited(&layout::manifest(kind, step), driftless_format::manifest::MAX_MANIFEST_BYTES as u64).await?;
+    let bytes = b
+        .get_limited(
+            &layout::object(kind, step, marker.manifest_name()),
+            driftless_format::manifest::MAX_MANIFEST_BYTES as u64,
+        )
+        .await?;
     anyhow::ensure!(
         driftless_format::Digest::of(&bytes) == marker.manifest_sha256,
         "manifest does not match the SHA-256 in its ready marker"

@@ -1,6 +1,6 @@
 //! `driftless publish`: one checkpoint per call (`--step N CKPT`) or follow a directory
-//! (`--watch DIR`). The snapshot of the last published state is the checkpoint itself, copied
-//! into `--state DIR` between calls so a later call diffs against it.
+//! (`--watch DIR`). The snapshot of the last published state is the checkpoint itself, saved
+//! atomically in `--state DIR` (see [`state`]) so a later call diffs against it.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -25,9 +25,15 @@ pub struct Args {
     /// Anchor every K steps.
     #[arg(long, default_value_t = 50)]
     anchor_every: u64,
-    /// Follow DIR: publish each `step_N` (file or directory) in order once complete.
+    /// Follow DIR: publish each `step_N` directory or `step_N.safetensors` file in order,
+    /// once complete (an index with all its shards, all `-of-N` shards, --complete-file, or
+    /// a rename from a temporary name such as `step_N.tmp`).
     #[arg(long, conflicts_with = "ckpt")]
     watch: Option<PathBuf>,
+    /// With --watch: a step directory is complete only once it holds this file (written by
+    /// the trainer after its last shard).
+    #[arg(long, requires = "watch")]
+    complete_file: Option<String>,
     /// Prefix of the step entries in --watch (followed by the step number).
     #[arg(long, default_value = "step_")]
     pattern: String,
@@ -77,29 +83,29 @@ pub fn run(a: Args) -> Result<()> {
         b = b.with_extra_files(extra_files(c));
     }
     let mut p = b.build()?;
-    let mut published = 0u64;
-    let mut seeded = false;
-    let mut one = |p: &mut driftless_publisher::Publisher, step: u64, ckpt: &Path| -> Result<()> {
-        let prev = a.state.join("last");
-        let ck = super::open(ckpt)?;
-        // The publisher restarts with no snapshot in a new process: seed it from the state dir.
-        if let (Ok(prev_ck), true) = (Checkpoint::open(&prev), !seeded) {
-            seeded = true;
-            if let Ok(s) = std::fs::read_to_string(a.state.join("last.step")) {
-                let ps: u64 = s.trim().parse()?;
-                if ps < step {
-                    p.seed(ps, &prev_ck.views(), &prev_ck.layout())?;
-                }
-            }
+    // The publisher restarts with no snapshot in a new process: seed it from the saved copy,
+    // which it checks against the bucket (and brings forward over steps committed after it).
+    if let Some((step, dir)) = state::load(&a.state) {
+        match super::open(&dir).and_then(|ck| Ok(p.seed(step, &ck.views(), &stable_layout(&ck, &dir))?)) {
+            Ok(()) => {}
+            Err(e) => eprintln!("driftless publish: warning: {e:#}; the next step is published as an anchor"),
         }
+    }
+    let mut published = 0u64;
+    let mut one = |p: &mut driftless_publisher::Publisher, step: u64, ckpt: &Path| -> Result<()> {
+        let ck = super::open(ckpt)?;
+        p.set_extra_files(extra_files(ckpt))?;
         let before = p.status().bytes_uploaded;
-        let r = p.publish_with_layout(step, &ck.views(), &ck.layout())?;
+        let r = p.publish_with_layout(step, &ck.views(), &stable_layout(&ck, ckpt))?;
         flush_with_progress(p, a.json)?;
         // Everything this step put in the bucket (delta, anchor, markers): an anchor's size
         // is only known once its background upload is done.
         let uploaded = p.status().bytes_uploaded.saturating_sub(before);
-        copy_checkpoint(ckpt, &prev)?;
-        std::fs::write(a.state.join("last.step"), step.to_string())?;
+        // Saved only once the step is committed: a crash before this leaves the previous
+        // state, which `seed` brings forward from the bucket on the next run.
+        if p.snapshot_step() == Some(step) {
+            state::save(&a.state, step, ckpt)?;
+        }
         // The summary is the command's data: stdout. Progress and warnings go to stderr.
         let outcome = super::snake(&r.outcome);
         if a.json {
@@ -135,25 +141,14 @@ pub fn run(a: Args) -> Result<()> {
         let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
             .with_context(|| format!("reading {}", dir.display()))?
             .filter_map(|e| e.ok())
-            .filter_map(|e| {
-                let n = e.file_name().to_string_lossy().to_string();
-                let rest = n.strip_prefix(&a.pattern)?;
-                let num: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-                Some((num.parse().ok()?, e.path()))
-            })
+            .filter_map(|e| Some((step_of(&e.file_name().to_string_lossy(), &a.pattern)?, e.path())))
             .collect();
         steps.sort();
         for (s, path) in steps {
-            if p.status().last_published.is_some_and(|l| s <= l)
-                || std::fs::read_to_string(a.state.join("last.step"))
-                    .ok()
-                    .and_then(|x| x.trim().parse::<u64>().ok())
-                    .is_some_and(|l| s <= l)
-            {
+            if p.status().last_published.is_some_and(|l| s <= l) || state::load(&a.state).is_some_and(|(l, _)| s <= l) {
                 continue;
             }
-            // Complete when it opens as a valid checkpoint (the trainer writes, then renames).
-            if Checkpoint::open(&path).is_err() {
+            if !complete(&path, a.complete_file.as_deref()) {
                 break;
             }
             // A signal during `one` lets the step finish (publish, upload, marker); it is
@@ -181,6 +176,146 @@ pub fn run(a: Args) -> Result<()> {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+}
+
+/// The step number of a `--watch` entry: exactly `{pattern}{N}` (a directory) or
+/// `{pattern}{N}.safetensors` (a file). Anything else (`step_5.tmp`, `.step_5`,
+/// `step_5.partial`) is not a step yet: trainers write under a temporary name and rename.
+fn step_of(name: &str, pattern: &str) -> Option<u64> {
+    let rest = name.strip_prefix(pattern)?;
+    let num = rest.strip_suffix(".safetensors").unwrap_or(rest);
+    if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    num.parse().ok()
+}
+
+/// Whether a `--watch` entry is a complete checkpoint. A file: it parses. A directory: with
+/// `--complete-file NAME`, only once NAME exists in it; with an index, once every shard it
+/// lists is present; with Hugging Face shard names (`*-00001-of-00004.safetensors`), once
+/// all of them are present; and in every case once every shard parses. A directory of
+/// other shard names, without an index or completion file, must appear by a rename.
+fn complete(path: &Path, complete_file: Option<&str>) -> bool {
+    if path.is_dir() {
+        if let Some(f) = complete_file {
+            if !path.join(f).exists() {
+                return false;
+            }
+        }
+        if !path.join(driftless_format::checkpoint::INDEX_FILE).exists() {
+            let names: Vec<String> = std::fs::read_dir(path)
+                .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().to_string()).collect())
+                .unwrap_or_default();
+            for n in &names {
+                if let Some(total) = hf_shard_total(n) {
+                    let present = names.iter().filter(|m| hf_shard_total(m) == Some(total)).count();
+                    if present < total {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+    Checkpoint::open(path).is_ok()
+}
+
+/// `model-00001-of-00004.safetensors` -> 4.
+fn hf_shard_total(name: &str) -> Option<usize> {
+    let stem = name.strip_suffix(".safetensors")?;
+    let (_, total) = stem.rsplit_once("-of-")?;
+    (!total.is_empty() && total.bytes().all(|b| b.is_ascii_digit())).then(|| total.parse().ok()).flatten()
+}
+
+/// The layout to publish: the checkpoint's own, except that a single-file checkpoint is
+/// always published as `model.safetensors`, whatever the input file is called
+/// (`step_7.safetensors`), so a renamed input is not a layout change for agents.
+fn stable_layout(ck: &Checkpoint, path: &Path) -> driftless_format::Layout {
+    let mut l = ck.layout();
+    if path.is_file() && l.shards.len() == 1 {
+        l.shards[0].file = "model.safetensors".into();
+    }
+    l
+}
+
+/// `--state DIR`: the weights of the newest step this command committed, so that the next
+/// run diffs against them instead of publishing an anchor.
+///
+/// ```text
+/// DIR/state.json   {"version": 2, "step": N, "dir": "snap-N"}: written last, atomically
+/// DIR/snap-N/      a copy of step N's checkpoint, fsynced before state.json names it
+/// ```
+///
+/// A crash at any point leaves either the old state or the new one, never a mix; and the
+/// publisher checks whichever it finds against the bucket before using it (`seed`).
+mod state {
+    use std::path::{Path, PathBuf};
+
+    use anyhow::{Context, Result};
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct StateFile {
+        version: u32,
+        step: u64,
+        dir: String,
+    }
+
+    /// The saved step and its checkpoint directory, if a valid state exists.
+    pub fn load(dir: &Path) -> Option<(u64, PathBuf)> {
+        let b = std::fs::read(dir.join("state.json")).ok()?;
+        let s: StateFile = serde_json::from_slice(&b).ok()?;
+        let ok = s.version == 2 && s.dir == format!("snap-{}", s.step);
+        let p = dir.join(&s.dir);
+        (ok && p.is_dir()).then_some((s.step, p))
+    }
+
+    /// Copies `ckpt` to `DIR/snap-STEP` (fsynced), points `state.json` at it (temp file,
+    /// fsync, rename, fsync of DIR), then removes older copies.
+    pub fn save(dir: &Path, step: u64, ckpt: &Path) -> Result<()> {
+        let name = format!("snap-{step}");
+        let tmp = dir.join(format!("{name}.tmp"));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp)?;
+        let copy = |src: &Path, dst: &Path| -> Result<()> {
+            std::fs::copy(src, dst).with_context(|| format!("saving {} to the state directory", src.display()))?;
+            std::fs::File::open(dst)?.sync_all()?;
+            Ok(())
+        };
+        if ckpt.is_file() {
+            copy(ckpt, &tmp.join("model.safetensors"))?;
+        } else {
+            for e in std::fs::read_dir(ckpt)? {
+                let e = e?;
+                if e.metadata()?.is_file() {
+                    copy(&e.path(), &tmp.join(e.file_name()))?;
+                }
+            }
+        }
+        sync_dir(&tmp)?;
+        let dst = dir.join(&name);
+        let _ = std::fs::remove_dir_all(&dst);
+        std::fs::rename(&tmp, &dst)?;
+        sync_dir(dir)?;
+        let st = StateFile { version: 2, step, dir: name.clone() };
+        let t = dir.join("state.json.tmp");
+        std::fs::write(&t, serde_json::to_vec(&st)?)?;
+        std::fs::File::open(&t)?.sync_all()?;
+        std::fs::rename(&t, dir.join("state.json"))?;
+        sync_dir(dir)?;
+        // Older copies (and the layout of earlier versions) are no longer referenced.
+        for e in std::fs::read_dir(dir)?.filter_map(|e| e.ok()) {
+            let n = e.file_name().to_string_lossy().to_string();
+            if (n.starts_with("snap-") && n != name) || n == "last" || n == "last.step" {
+                let p = e.path();
+                let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+            }
+        }
+        Ok(())
+    }
+
+    fn sync_dir(d: &Path) -> Result<()> {
+        std::fs::File::open(d)?.sync_all()?;
+        Ok(())
     }
 }
 
@@ -241,34 +376,12 @@ fn extra_files(ckpt: &Path) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-fn copy_checkpoint(src: &Path, dst: &Path) -> Result<()> {
-    if dst.exists() {
-        if dst.is_dir() {
-            std::fs::remove_dir_all(dst)?;
-        } else {
-            std::fs::remove_file(dst)?;
-        }
-    }
-    if src.is_file() {
-        std::fs::copy(src, dst)?;
-        return Ok(());
-    }
-    std::fs::create_dir_all(dst)?;
-    for e in std::fs::read_dir(src)? {
-        let e = e?;
-        if e.metadata()?.is_file() {
-            std::fs::copy(e.path(), dst.join(e.file_name()))?;
-        }
-    }
-    Ok(())
-}
-
 /// Waits for the uploads; on a terminal (and without --json) shows a progress line on stderr.
 fn flush_with_progress(p: &driftless_publisher::Publisher, json: bool) -> Result<()> {
     use std::io::{IsTerminal, Write};
     use std::sync::atomic::{AtomicBool, Ordering};
     if json || !std::io::stderr().is_terminal() {
-        return Ok(p.flush()?);
+        return Ok(p.wait()?);
     }
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -288,7 +401,7 @@ fn flush_with_progress(p: &driftless_publisher::Publisher, json: bool) -> Result
             }
             eprint!("\r{:80}\r", "");
         });
-        let r = p.flush();
+        let r = p.wait();
         done.store(true, Ordering::Relaxed);
         r
     })?;

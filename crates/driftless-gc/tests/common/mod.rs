@@ -56,6 +56,7 @@ pub fn marker_bytes(s: &Step) -> Bytes {
             base_step: s.base,
             manifest_sha256: Digest([7; 32]),
             payload_bytes: s.payload.iter().sum(),
+            manifest: None,
         })
         .unwrap(),
     )
