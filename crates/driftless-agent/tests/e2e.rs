@@ -156,7 +156,7 @@ async fn corrupt_and_forged_objects_never_reach_the_checkpoint() {
         p.flush().unwrap();
     });
     // Flip one byte of the segment in the bucket.
-    let seg = root.join("deltas/000000000001/seg-00000.dls");
+    let seg = root.join("deltas/000000000001/g1-seg-00000.dls");
     let mut b = std::fs::read(&seg).unwrap();
     let n = b.len();
     b[n / 2] ^= 0x40;

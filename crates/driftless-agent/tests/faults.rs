@@ -125,7 +125,7 @@ async fn bucket_failing_mid_download_leaves_state_untouched() {
     a.sync_once().await.unwrap();
     t.publish();
     let want = t.publish();
-    tb.faults.inject(FaultOp::Get, "deltas/000000000002/seg-", usize::MAX, FaultKind::Permanent);
+    tb.faults.inject(FaultOp::Get, "deltas/000000000002/g1-seg-", usize::MAX, FaultKind::Permanent);
     let before = a.state().cloned();
     let e = a.sync_once().await.unwrap_err();
     assert!(!e.is_integrity(), "{e}");
@@ -151,8 +151,12 @@ async fn marker_before_its_objects_is_not_ready() {
         let want = t.publish();
         let b = &tb.bucket;
         // As a replicator copying the marker first: take the manifest away, then a segment.
-        let mkey = layout::manifest(StepKind::Delta, 2);
-        let skey = layout::object(StepKind::Delta, 2, &driftless_format::ops::segment_object_name(0));
+        let mkey = layout::object(StepKind::Delta, 2, "g1-manifest.json");
+        let skey = layout::object(
+            StepKind::Delta,
+            2,
+            &layout::generation_name(1, &driftless_format::ops::segment_object_name(0)),
+        );
         let manifest = b.get(&mkey).await.unwrap();
         let seg = b.get(&skey).await.unwrap();
         b.delete(&mkey).await.unwrap();
@@ -279,7 +283,7 @@ async fn truncated_objects() {
         let want = t.publish();
         let b = &tb.bucket;
         // A truncated manifest: its SHA-256 no longer matches the marker: not ready, state kept.
-        let mkey = layout::manifest(StepKind::Delta, 1);
+        let mkey = layout::object(StepKind::Delta, 1, "g1-manifest.json");
         let manifest = b.get(&mkey).await.unwrap();
         b.put(&mkey, manifest.slice(..manifest.len() / 2)).await.unwrap();
         let before = a.state().cloned();
@@ -288,7 +292,11 @@ async fn truncated_objects() {
         assert_eq!(a.state().cloned(), before);
         b.put(&mkey, manifest).await.unwrap();
         // A truncated segment: an integrity failure; never applied.
-        let skey = layout::object(StepKind::Delta, 1, &driftless_format::ops::segment_object_name(0));
+        let skey = layout::object(
+            StepKind::Delta,
+            1,
+            &layout::generation_name(1, &driftless_format::ops::segment_object_name(0)),
+        );
         let seg = b.get(&skey).await.unwrap();
         b.put(&skey, seg.slice(..seg.len() - 7)).await.unwrap();
         let o = a.sync_once().await.unwrap();

@@ -128,7 +128,7 @@ fn corrupt_segment_refuses_the_step_and_keeps_the_weights() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(e.current_step("a"), 2);
     e.publish();
-    let seg = e.p("bucket/deltas/000000000003/seg-00000.dls");
+    let seg = e.p("bucket/deltas/000000000003/g1-seg-00000.dls");
     let orig = flip_middle_byte(&seg);
     for _ in 0..2 {
         let o = run_bounded(e.agent("a"), 60);

@@ -283,6 +283,71 @@ fn publish_watch_follows_a_directory() {
     assert!(o.stdout.is_empty());
 }
 
+/// `--watch` publishes only complete checkpoints (issue 10.5): a multi-shard directory whose
+/// second shard has not arrived is not published, nor is a directory under a temporary name;
+/// once complete it is published whole, with its config file, and the agent gets both.
+#[test]
+fn publish_watch_waits_for_every_shard() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let url = format!("file://{}", p("bucket").display());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-6, 8);
+    std::fs::create_dir_all(p("ckpts")).unwrap();
+    write(&chain, &p("ckpts/step_0"), 1 << 30);
+    chain.step();
+    // Step 1 in two shards, written in full elsewhere, then moved in one shard at a time.
+    write(&chain, &p("full"), 400 << 10);
+    std::fs::write(p("full/config.json"), b"{\"model_type\":\"llama\"}").unwrap();
+    let mut shards: Vec<String> = std::fs::read_dir(p("full"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.contains("-of-"))
+        .collect();
+    shards.sort();
+    assert!(shards.len() >= 2, "{shards:?}");
+    std::fs::create_dir_all(p("ckpts/step_1")).unwrap();
+    std::fs::copy(p("full").join(&shards[0]), p("ckpts/step_1").join(&shards[0])).unwrap();
+    // A complete checkpoint under a temporary name is not a step yet.
+    write(&chain, &p("ckpts/step_2.tmp"), 1 << 30);
+    let watch = || {
+        let o = bin()
+            .args(["publish", "--json", "--once", "--bucket", &url, "--watch"])
+            .arg(p("ckpts"))
+            .arg("--state")
+            .arg(p("pstate"))
+            .arg("--key")
+            .arg(p("key"))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
+            .collect::<Vec<u64>>()
+    };
+    assert_eq!(watch(), [0], "a half-written step is not published");
+    for e in std::fs::read_dir(p("full")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), p("ckpts/step_1").join(e.file_name())).unwrap();
+    }
+    assert_eq!(watch(), [1], "the completed step is published");
+    let o = bin()
+        .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
+        .arg(p("key.pub"))
+        .arg("--dir")
+        .arg(p("agent"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got = Checkpoint::open(p("agent/current")).unwrap();
+    assert_eq!(got.views().len(), chain.views().len(), "every tensor arrived");
+    for w in chain.views() {
+        assert!(got.views().iter().any(|g| g.name == w.name && g.data == w.data), "{} differs", w.name);
+    }
+    assert_eq!(std::fs::read(p("agent/current/config.json")).unwrap(), b"{\"model_type\":\"llama\"}");
+}
+
 /// Runs a command and returns (exit code, stdout, stderr).
 fn out(c: &mut Command) -> (Option<i32>, String, String) {
     let o = c.output().unwrap();

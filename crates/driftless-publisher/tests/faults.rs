@@ -208,7 +208,7 @@ async fn scan_async(bucket: &Bucket, trust: &TrustSet) -> Scan {
             }
         }
     }
-    for ((a, s), _) in &dirs {
+    for (a, s) in dirs.keys() {
         if markers.contains(&(*a, *s)) {
             continue;
         }

@@ -134,3 +134,32 @@ def test_dtypes_roundtrip(file_bucket):
     assert f.apply_to(got)["step"] == 1
     for n in t:
         assert got[n].tobytes() == t[n].tobytes(), n
+
+
+def test_extra_files_and_idempotent_republish(bucket, keys, tmp_path):
+    """Issue 10: the Python publisher ships non-weight files (config.json, tokenizer) and a
+    re-run of a committed step with the same weights is a no-op, other weights an error."""
+    url, kw = bucket
+    private, public = keys
+    tr = SimTrainer(seed=3)
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(b'{"model_type": "llama"}')
+    with driftless.Publisher(url, signing_key=private, extra_files=[str(cfg)], **kw) as pub:
+        pub.publish(0, tr.bf16())
+        tr.step()
+        pub.publish(1, tr.bf16())
+        pub.flush()
+        assert pub.publish(1, tr.bf16())["outcome"] == "already_published"
+        other = {n: a.copy() for n, a in tr.bf16().items()}
+        name = next(iter(other))
+        other[name].view(np.uint16).reshape(-1)[0] ^= 1
+        with pytest.raises(driftless.DriftlessError, match="already published with other weights"):
+            pub.publish(1, other)
+        # New files: the next step is an anchor-only step, so every reader gets them.
+        pub.set_extra_files({"config.json": b'{"model_type": "llama", "v": 2}', "tokenizer.json": b"{}"})
+        tr.step()
+        assert pub.publish(2, tr.bf16())["outcome"] == "anchor"
+    out = driftless.Follower(url, trusted_keys=[public], **kw).sync_dir(str(tmp_path / "agent"))
+    assert out["step"] == 2
+    assert (tmp_path / "agent" / "current" / "config.json").read_bytes() == b'{"model_type": "llama", "v": 2}'
+    assert (tmp_path / "agent" / "current" / "tokenizer.json").read_bytes() == b"{}"

@@ -1,4 +1,4 @@
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple, TypedDict
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple, TypedDict, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -20,7 +20,7 @@ __version__: str
 
 class PublishReceipt(TypedDict):
     step: int
-    outcome: str  # "delta" | "delta_and_anchor" | "anchor" | "coalesced"
+    outcome: str  # "delta" | "delta_and_anchor" | "anchor" | "coalesced" | "already_published"
     delta_bytes: int
     ratio: float
     density: float
@@ -71,9 +71,14 @@ class Publisher:
         value_mode: Optional[str] = None,
         max_shard_bytes: Optional[int] = None,
         anchor_chain_fraction: Optional[float] = None,
+        extra_files: Optional[Union[Mapping[str, bytes], Sequence[str]]] = None,
     ) -> None: ...
     def publish(self, step: int, tensors: Mapping[str, Any]) -> PublishReceipt: ...
-    def flush(self) -> None: ...
+    def set_extra_files(self, files: Union[Mapping[str, bytes], Sequence[str]]) -> None:
+        """Replace the non-weight files shipped with anchors; a change makes the next step an
+        anchor-only step."""
+    def flush(self) -> None:
+        """Publish the newest coalesced step (if any), then wait for every upload."""
     def close(self) -> None: ...
     @property
     def closed(self) -> bool: ...
