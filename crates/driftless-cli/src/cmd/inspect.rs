@@ -253,16 +253,11 @@ fn stream(a: &Args) -> Result<()> {
             rows.push(row);
         }
         rows.sort_by_key(|r| (r.step, r.kind == "anchor"));
-        // Step directories without a ready marker: in flight, failed, or a crashed writer's
-        // leftovers. A lone delta manifest under a ready anchor-only step is that anchor's
-        // claim (normal, never given a marker): not incomplete.
+        // Step directories without a ready marker: in flight (under a publisher's lease),
+        // failed, or a killed writer's leftovers that GC removes once its lease expired.
         let mut incomplete = vec![];
         for (&(k, s), &(bytes, objects)) in &dirs {
             if ready.contains_key(&(k, s)) {
-                continue;
-            }
-            let claim = k == 0 && objects == 1 && ready.contains_key(&(1, s));
-            if claim {
                 continue;
             }
             let kind = if k == 1 { "anchor" } else { "delta" };
