@@ -27,7 +27,7 @@ pub enum Error {
     /// A step failed (forged, replayed, foreign, corrupt or missing objects, a result that does
     /// not verify) and no other route was left: the step is left out of plans for a while and
     /// the verified local state is kept.
-    #[error("{kind:?} step {step} refused: {detail}")]
+    #[error("{kind} step {step} refused: {detail}")]
     Refused {
         /// Delta or anchor.
         kind: driftless_format::StepKind,
