@@ -642,6 +642,11 @@ fn demo_reports_anchor_sizes_and_keeps_the_bucket() {
     assert_eq!(code, Some(0), "{err}");
     assert!(stdout.contains("3 ready deltas") || stdout.contains("ready deltas"), "{stdout}");
     let dir = Path::new(url.strip_prefix("file://").unwrap()).parent().unwrap().to_path_buf();
+    // The publisher's public key is kept too: the kept stream verifies and can be followed.
+    assert!(kept.contains(&format!("--trust {}", dir.join("key.pub").display())), "{kept}");
+    let (code, stdout, err) = out(bin().args(["inspect", "--bucket", url, "--trust"]).arg(dir.join("key.pub")));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.contains("verified"), "{stdout}");
     std::fs::remove_dir_all(dir).unwrap();
 }
 
