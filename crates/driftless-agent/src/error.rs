@@ -14,7 +14,7 @@ pub enum Error {
     #[error(transparent)]
     Format(#[from] driftless_format::Error),
     /// Nothing to sync from: the stream has no ready anchor reachable.
-    #[error("no reachable state in the stream yet")]
+    #[error("nothing to sync yet: no stream or no ready anchor at this URL (not published yet, or a wrong URL)")]
     NothingReady,
     /// The inference server did not take the new weights.
     #[error("notify {target} failed: {detail}")]

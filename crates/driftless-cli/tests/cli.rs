@@ -784,3 +784,25 @@ fn logs_and_errors_carry_no_debug_formatting() {
     let e = one_error(&err);
     assert!(e.contains("unknown key(s) ed25519:") && !e.contains("[\""), "{e}");
 }
+
+// Issue 13.5, for the agent: `agent --once --bucket file:///typo` created the directory and
+// said "no reachable state in the stream yet".
+#[test]
+fn agent_once_on_a_typo_d_file_url_creates_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let typo = t.path().join("typo");
+    let (code, _, err) = out(bin()
+        .args(["agent", "--once", "--allow-unsigned", "--bucket", &format!("file://{}", typo.display()), "--dir"])
+        .arg(t.path().join("a")));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("no such directory (check the URL; nothing was created)"), "{err}");
+    assert!(!typo.exists(), "a reader created the bucket directory");
+    // An existing but empty bucket: the message says what is missing and what to check.
+    std::fs::create_dir(&typo).unwrap();
+    let (code, _, err) = out(bin()
+        .args(["agent", "--once", "--allow-unsigned", "--bucket", &format!("file://{}", typo.display()), "--dir"])
+        .arg(t.path().join("a")));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("not published yet, or a wrong URL"), "{err}");
+    assert!(err.contains("retrying may help"), "{err}");
+}

@@ -75,7 +75,9 @@ pub fn run(a: Args) -> Result<()> {
         // lets the first sync die on the default disposition, with no word and `running` left
         // behind; a signal during a later sync would wait for it to give up).
         let signals = if a.once { None } else { Some(Signals::new()?) };
-        let bucket = a.bucket.open()?;
+        // A one-shot sync only reads: a file:// URL naming no directory is a typo, not a
+        // bucket to create. A continuous agent may start before its publisher and waits.
+        let bucket = if a.once { a.bucket.open_existing()? } else { a.bucket.open()? };
         let mut agent = Agent::new(bucket, cfg)?;
         if a.once {
             let o = agent.sync_once().await?;
