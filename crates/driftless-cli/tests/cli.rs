@@ -735,6 +735,19 @@ fn s3_errors_are_one_readable_line() {
     assert_eq!(err.lines().count(), 2, "{err}");
     assert!(!e.contains('<') && !e.contains("on :"), "{e}");
     assert!(e.contains("NoSuchBucket") && e.contains("the bucket does not exist"), "{e}");
+    // The agent reads stream.json first: a missing bucket is a wrong URL, not "nothing
+    // published yet, retrying may help".
+    let t = tempfile::tempdir().unwrap();
+    let (code, _, err) = out(bin()
+        .args(["agent", "--once", "--allow-unsigned", "--bucket", &format!("s3://no-such-bucket-{nonce}/p")])
+        .args(["--endpoint", &endpoint, "--dir"])
+        .arg(t.path().join("a"))
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_REGION", "us-east-1"));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("NoSuchBucket"), "{err}");
+    assert!(err.contains("retrying will not help"), "{err}");
     let (code, _, err) = s3(&format!("s3://{bucket}/ux-{nonce}"), "no-such-key", "wrong");
     assert_eq!(code, Some(2), "{err}");
     let e = one_error(&err);

@@ -115,6 +115,11 @@ impl Error {
             return e;
         }
         match err {
+            // S3 answers a GET in a bucket that does not exist with 404 too: that is not a
+            // missing object (a step not there yet) but a wrong URL.
+            E::NotFound { .. } if StoreError::new(&err).message().contains("NoSuchBucket") => {
+                Error::Permanent { key, source: StoreError::new(&err) }
+            }
             E::NotFound { .. } => Error::NotFound { key },
             E::AlreadyExists { .. } => Error::AlreadyExists { key },
             E::InvalidPath { source } => Error::InvalidKey { key, reason: source.to_string() },
@@ -295,6 +300,19 @@ mod tests {
         );
         assert!(text.starts_with("storage error listing the stream's prefix: "), "{text}");
         assert!(!e.is_retryable());
+    }
+
+    #[test]
+    fn a_missing_bucket_is_not_a_missing_object() {
+        let e = Error::from_store(
+            "stream.json",
+            object_store::Error::NotFound {
+                path: "p/stream.json".into(),
+                source: "Server returned non-2xx status code: 404 Not Found: <?xml version=\"1.0\"?><Error><Code>NoSuchBucket</Code><Message>The specified bucket does not exist</Message></Error>".into(),
+            },
+        );
+        assert!(!e.is_not_found() && !e.is_retryable(), "{e}");
+        assert!(e.to_string().contains("NoSuchBucket: The specified bucket does not exist"), "{e}");
     }
 
     #[test]
