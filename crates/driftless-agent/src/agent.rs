@@ -20,7 +20,7 @@ use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use rayon::prelude::*;
-use tracing::{error, info, info_span, warn, Instrument};
+use tracing::{debug, error, info, info_span, warn, Instrument};
 
 use crate::metrics::Metrics;
 use crate::notify::Notifier;
@@ -340,7 +340,7 @@ impl Agent {
         if !missing {
             self.metrics.verify_failures.fetch_add(1, Relaxed);
         }
-        warn!(kind = ?kind, step, reason = %reason, "refusing step; keeping the verified weights");
+        warn!(kind = %kind, step, reason = %reason, "refusing step; keeping the verified weights");
         let sha = cands.marker(kind, step).map(|m| m.manifest_sha256);
         self.markers.forget(kind, step);
         self.refused.refuse(kind, step, sha, reason.to_string(), missing);
@@ -453,7 +453,13 @@ impl Agent {
         let Some(route) = route else {
             return self.up_to_date(t0).ok_or(BuildError::Other(Error::NothingReady));
         };
-        info!(target = route.target, anchor = ?route.anchor, deltas = route.deltas.len(), bytes = route.bytes, "sync plan");
+        info!(
+            target = route.target,
+            anchor = route.anchor,
+            deltas = route.deltas.len(),
+            bytes = route.bytes,
+            "sync plan"
+        );
         let path = match (route.anchor, route.deltas.len()) {
             (Some(_), _) => SyncPath::Anchor,
             (None, 1) => SyncPath::Fast,
@@ -865,64 +871,126 @@ impl Agent {
 
     /// Follows the stream until `shutdown` resolves: adaptive, jittered polling; an immediate
     /// poll when `poke` is notified; exponential backoff after failures.
+    ///
+    /// `shutdown` is watched during a sync too: a sync in flight (say one retrying an
+    /// unreachable bucket) is abandoned at once. That is safe at any point: a step is built in
+    /// the inactive slot, which `state.json` marks as holding nothing before it is touched, and
+    /// the switch (state, then link) has no await point inside it; `DIR/current` keeps naming
+    /// the verified step. Blocking work already handed to tokio's blocking pool (an apply, a
+    /// hash) finishes on its own or dies with the process; it only ever writes that slot.
     pub async fn run(
         mut self,
         poke: Arc<tokio::sync::Notify>,
         shutdown: impl std::future::Future<Output = ()>,
-    ) -> Result<()> {
+    ) -> Result<Stopped> {
         tokio::pin!(shutdown);
-        let mut interval = self.cfg.poll_min;
-        let mut failures = 0u32;
-        let mut etag: Option<String> = None;
-        let mut polls = 0u64;
+        let mut p = PollState { interval: self.cfg.poll_min, failures: 0, etag: None, polls: 0 };
         loop {
-            polls += 1;
-            // Cheap check first: when latest.json did not change and we are on a step, skip the
-            // listing (markers stay the source of truth: list anyway every 10th poll).
-            let unchanged = self.state.is_some()
-                && self.loaded.is_some()
-                && polls % 10 != 0
-                && matches!(self.reader.latest(etag.as_deref()).await, Ok(None));
-            if !unchanged {
-                if let Ok(Some((_, tag))) = self.reader.latest(None).await {
-                    etag = tag;
-                }
-                match self.sync_once().await {
-                    Ok(o) => {
-                        failures = 0;
-                        // A refused newer step is the last error until the stream moves on.
-                        self.metrics.set_last_error(
-                            o.refused
-                                .iter()
-                                .find(|r| !r.missing)
-                                .map(|r| format!("{:?} step {} refused: {}", r.kind, r.step, r.reason).to_lowercase()),
-                        );
-                        interval = if o.route == SyncPath::UpToDate {
-                            (interval * 2).min(self.cfg.poll_max)
-                        } else {
-                            self.cfg.poll_min
-                        };
-                        for r in &o.refused {
-                            warn!(kind = ?r.kind, step = r.step, reason = %r.reason, "step refused; serving step {}", o.step);
-                        }
-                    }
-                    Err(e) => {
-                        failures += 1;
-                        interval =
-                            (self.cfg.poll_min * 2u32.saturating_pow(failures.min(6))).min(self.cfg.poll_max * 3);
-                        warn!(error = %e, failures, retry_in = ?interval, "sync failed");
-                        self.metrics.set_last_error(Some(e.to_string()));
-                    }
-                }
-            } else {
-                interval = (interval * 2).min(self.cfg.poll_max);
+            let polled = tokio::select! {
+                biased;
+                _ = &mut shutdown => false,
+                _ = self.poll(&mut p) => true,
+            };
+            if !polled {
+                debug!(step = self.state.as_ref().map(|s| s.step), "shutting down; sync in flight abandoned");
+                return Ok(self.stopped(true));
             }
             let jitter = 0.8 + 0.4 * rand::random::<f64>();
             tokio::select! {
-                _ = tokio::time::sleep(interval.mul_f64(jitter)) => {}
-                _ = poke.notified() => { interval = self.cfg.poll_min; }
-                _ = &mut shutdown => { info!("shutting down"); return Ok(()); }
+                _ = tokio::time::sleep(p.interval.mul_f64(jitter)) => {}
+                _ = poke.notified() => { p.interval = self.cfg.poll_min; }
+                _ = &mut shutdown => {
+                    debug!(step = self.state.as_ref().map(|s| s.step), "shutting down");
+                    return Ok(self.stopped(false));
+                }
             }
+        }
+    }
+
+    fn stopped(&self, abandoned_sync: bool) -> Stopped {
+        let verified = self.active_ok && !self.reverify;
+        Stopped { abandoned_sync, step: self.state.as_ref().filter(|_| verified).map(|s| s.step) }
+    }
+
+    /// One poll of [`Agent::run`]: sets `p.interval` to the wait before the next one.
+    async fn poll(&mut self, p: &mut PollState) {
+        p.polls += 1;
+        if self.reverify {
+            // After an unclean shutdown, re-hash the local weights before anything that needs
+            // the bucket (which may hang): a failure here is retried by `sync_once`.
+            if let Err(e) = self.reverify_active().await {
+                warn!(error = %e, "re-verifying the local weights failed");
+            }
+        }
+        // Cheap check first: when latest.json did not change and we are on a step, skip the
+        // listing (markers stay the source of truth: list anyway every 10th poll).
+        let unchanged = self.state.is_some()
+            && self.loaded.is_some()
+            && p.polls % 10 != 0
+            && matches!(self.reader.latest(p.etag.as_deref()).await, Ok(None));
+        if unchanged {
+            p.interval = (p.interval * 2).min(self.cfg.poll_max);
+            return;
+        }
+        if let Ok(Some((_, tag))) = self.reader.latest(None).await {
+            p.etag = tag;
+        }
+        match self.sync_once().await {
+            Ok(o) => {
+                p.failures = 0;
+                // A refused newer step is the last error until the stream moves on.
+                self.metrics.set_last_error(
+                    o.refused
+                        .iter()
+                        .find(|r| !r.missing)
+                        .map(|r| format!("{} step {} refused: {}", r.kind, r.step, r.reason)),
+                );
+                p.interval = if o.route == SyncPath::UpToDate {
+                    (p.interval * 2).min(self.cfg.poll_max)
+                } else {
+                    self.cfg.poll_min
+                };
+                for r in &o.refused {
+                    warn!(kind = %r.kind, step = r.step, reason = %r.reason, "step refused; serving step {}", o.step);
+                }
+            }
+            Err(e) => {
+                p.failures += 1;
+                p.interval = (self.cfg.poll_min * 2u32.saturating_pow(p.failures.min(6))).min(self.cfg.poll_max * 3);
+                warn!(error = %e, failures = p.failures, retry_in_s = p.interval.as_secs_f64(), "sync failed");
+                self.metrics.set_last_error(Some(e.to_string()));
+            }
+        }
+    }
+}
+
+/// The polling state of [`Agent::run`] between polls.
+struct PollState {
+    interval: Duration,
+    failures: u32,
+    etag: Option<String>,
+    polls: u64,
+}
+
+/// How [`Agent::run`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stopped {
+    /// A sync was in flight when `shutdown` resolved and was abandoned: nothing it wrote is
+    /// used (it built in the inactive slot, which holds no step until the next sync).
+    pub abandoned_sync: bool,
+    /// The verified step `DIR/current` names (`None`: none yet, or the local weights did not
+    /// verify).
+    pub step: Option<u64>,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // Local weights not (yet) known to match state.json: leave `running` behind, so that
+        // the next agent on this directory re-hashes them before it notifies anything, as
+        // after a crash. (An agent stopped during that re-hash, or one that found the weights
+        // wrong and could not rebuild them yet, would otherwise hand them over as verified.)
+        if self.reverify || (self.state.is_some() && !self.active_ok) {
+            self.dir.keep_running_marker();
         }
     }
 }

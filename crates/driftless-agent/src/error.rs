@@ -14,7 +14,7 @@ pub enum Error {
     #[error(transparent)]
     Format(#[from] driftless_format::Error),
     /// Nothing to sync from: the stream has no ready anchor reachable.
-    #[error("no reachable state in the stream yet")]
+    #[error("nothing to sync yet: no stream or no ready anchor at this URL (not published yet, or a wrong URL)")]
     NothingReady,
     /// The inference server did not take the new weights.
     #[error("notify {target} failed: {detail}")]
@@ -27,7 +27,7 @@ pub enum Error {
     /// A step failed (forged, replayed, foreign, corrupt or missing objects, a result that does
     /// not verify) and no other route was left: the step is left out of plans for a while and
     /// the verified local state is kept.
-    #[error("{kind:?} step {step} refused: {detail}")]
+    #[error("{kind} step {step} refused: {detail}")]
     Refused {
         /// Delta or anchor.
         kind: driftless_format::StepKind,

@@ -24,6 +24,6 @@ pub mod plan;
 pub mod server;
 pub mod state;
 
-pub use agent::{Agent, AgentConfig, RefusedStep, SyncOutcome, SyncPath};
+pub use agent::{Agent, AgentConfig, RefusedStep, Stopped, SyncOutcome, SyncPath};
 pub use error::{Error, Result};
 pub use state::LocalState;

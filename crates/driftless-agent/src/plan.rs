@@ -182,11 +182,11 @@ impl MarkerCache {
                     // Unparsable, over-sized, or naming another step: never a reason to touch
                     // local state; the step is simply not ready.
                     Err(StreamError::Format(e)) => {
-                        warn!(step = s, kind = ?kind, error = %e, "ignoring an invalid ready marker");
+                        warn!(step = s, kind = %kind, error = %e, "ignoring an invalid ready marker");
                         Ok(None)
                     }
                     Err(StreamError::Store(e)) if matches!(e, driftless_store::Error::TooLarge { .. }) => {
-                        warn!(step = s, kind = ?kind, error = %e, "ignoring an over-sized ready marker");
+                        warn!(step = s, kind = %kind, error = %e, "ignoring an over-sized ready marker");
                         Ok(None)
                     }
                     Err(e) => Err(e),
@@ -205,7 +205,7 @@ impl MarkerCache {
         for (kind, s) in listed {
             let Some(m) = self.map.get(&(kind, s)) else { continue };
             if m.stream_id != stream_id {
-                warn!(step = s, kind = ?kind, "ignoring a ready marker of another stream");
+                warn!(step = s, kind = %kind, "ignoring a ready marker of another stream");
                 continue;
             }
             match kind {

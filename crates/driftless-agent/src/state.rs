@@ -136,6 +136,8 @@ pub struct AgentDir {
     _lock: File,
     /// Whether the previous agent on this directory ended without a clean shutdown.
     pub unclean: bool,
+    /// Leave `running` behind at the end (see [`AgentDir::keep_running_marker`]).
+    keep_running: bool,
 }
 
 impl AgentDir {
@@ -161,7 +163,13 @@ impl AgentDir {
         writeln!(f, "{}", std::process::id())?;
         f.sync_all()?;
         sync_dir(dir)?;
-        Ok(AgentDir { dir: dir.to_path_buf(), _lock: lock, unclean })
+        Ok(AgentDir { dir: dir.to_path_buf(), _lock: lock, unclean, keep_running: false })
+    }
+
+    /// Ends this agent as if it crashed: `running` stays, and the next agent on the directory
+    /// re-verifies the active slot before it notifies anything.
+    pub fn keep_running_marker(&mut self) {
+        self.keep_running = true;
     }
 
     /// `DIR`.
@@ -215,6 +223,8 @@ impl AgentDir {
 impl Drop for AgentDir {
     fn drop(&mut self) {
         // A clean end: the next start need not re-verify.
-        let _ = std::fs::remove_file(self.dir.join("running"));
+        if !self.keep_running {
+            let _ = std::fs::remove_file(self.dir.join("running"));
+        }
     }
 }

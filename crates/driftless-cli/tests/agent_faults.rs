@@ -417,3 +417,117 @@ fn durability_order_in_a_syscall_trace() {
     let fsync_after = lines[link_rename..].iter().any(|l| l.contains("fsync("));
     assert!(fsync_after, "DIR fsync after the switch");
 }
+
+/// An "S3 endpoint" that accepts connections and never answers: a bucket that hangs (each
+/// request waits for the client's timeout, then the retries start over).
+fn hung_endpoint() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = vec![];
+        for c in l.incoming() {
+            held.push(c);
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// A continuous agent on `dir` following a bucket that hangs.
+fn spawn_hung_agent(e: &Env, dir: &str) -> std::process::Child {
+    bin()
+        .args(["agent", "--bucket", "s3://b/p", "--endpoint", &hung_endpoint(), "--trust"])
+        .arg(e.p("key.pub"))
+        .arg("--dir")
+        .arg(e.p(dir))
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_REGION", "us-east-1")
+        .env_remove("RUST_LOG")
+        .env_remove("DRIFTLESS_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Sends `sig` to `child` after `after`, and returns its output once it exited (panics when
+/// it is still running 10 s after the signal).
+fn signal_and_wait(child: std::process::Child, sig: i32, after: Duration) -> (Output, Duration) {
+    std::thread::sleep(after);
+    let pid = child.id();
+    let t = Instant::now();
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(pid as i32, sig) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output().unwrap()).unwrap());
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(o) => (o, t.elapsed()),
+        Err(_) => {
+            // SAFETY: as above.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            panic!("the agent ignored the signal for 10 s");
+        }
+    }
+}
+
+// Issue 13.5: a continuous agent ignored SIGTERM/SIGINT while a sync was retrying an
+// unreachable bucket (until the retry budget ran out, minutes with a bucket that hangs), and a
+// signal during its first sync killed it on the spot, silently. Now it stops at once, says so
+// in one line, and the verified step stays in `DIR/current`.
+#[test]
+fn a_signal_stops_an_agent_whose_sync_hangs() {
+    let mut e = Env::new();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    for (sig, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
+        let (o, took) = signal_and_wait(spawn_hung_agent(&e, "a"), sig, Duration::from_millis(1500));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{name}: {err}");
+        assert!(took < Duration::from_secs(5), "{name}: took {took:?}");
+        let said: Vec<&str> = err.lines().filter(|l| l.starts_with("driftless agent:")).collect();
+        assert_eq!(said.len(), 1, "{name}: one line, got {err}");
+        assert!(said[0].contains(&format!("{name}: stopped, abandoning the sync in flight")), "{err}");
+        assert!(said[0].contains("stays on verified step 0"), "{err}");
+        assert!(!err.contains("Some("), "{err}");
+        assert_eq!(e.current_step("a"), 0);
+        assert!(!e.p("a/running").exists(), "a clean stop");
+    }
+}
+
+// Stopping an agent that found its local weights wrong (after a crash) before it could
+// rebuild them used to count as a clean end: the next start trusted `state.json` and told the
+// inference server to load the damaged files. Now `running` stays and the next start re-hashes.
+#[test]
+fn stopped_before_repairing_wrong_weights_the_next_start_checks_them_again() {
+    let mut e = Env::new();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    let shard = std::fs::read_dir(e.p("a/current"))
+        .unwrap()
+        .map(|f| f.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"));
+    flip_middle_byte(&shard.unwrap());
+    // As after a crash: the next agent re-hashes the active slot, finds it wrong, and is
+    // stopped while the bucket hangs.
+    std::fs::write(e.p("a/running"), "1\n").unwrap();
+    let (o, _) = signal_and_wait(spawn_hung_agent(&e, "a"), libc::SIGTERM, Duration::from_millis(2000));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("no verified step"), "{err}");
+    // The next start must not announce the damaged files: the hook checks what it is told to load.
+    let log = e.p("notified.log");
+    let hook = format!(
+        "exec=test \"$({} hash \"$DRIFTLESS_DIR\")\" = \"$DRIFTLESS_WEIGHTS_ROOT\" && echo ok >> {} || echo bad >> {}",
+        env!("CARGO_BIN_EXE_driftless"),
+        log.display(),
+        log.display()
+    );
+    let mut c = e.agent("a");
+    c.arg("--notify").arg(hook);
+    let o = run_bounded(c, 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let notified = std::fs::read_to_string(&log).unwrap();
+    assert!(!notified.contains("bad"), "the inference server was told to load damaged files: {notified}");
+    assert!(notified.contains("ok"), "{notified}");
+    assert_eq!(e.current_step("a"), 0);
+}

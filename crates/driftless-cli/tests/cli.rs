@@ -707,5 +707,180 @@ fn demo_reports_anchor_sizes_and_keeps_the_bucket() {
     assert_eq!(code, Some(0), "{err}");
     assert!(stdout.contains("3 ready deltas") || stdout.contains("ready deltas"), "{stdout}");
     let dir = Path::new(url.strip_prefix("file://").unwrap()).parent().unwrap().to_path_buf();
+    // The publisher's public key is kept too: the kept stream verifies and can be followed.
+    assert!(kept.contains(&format!("--trust {}", dir.join("key.pub").display())), "{kept}");
+    let (code, stdout, err) = out(bin().args(["inspect", "--bucket", url, "--trust"]).arg(dir.join("key.pub")));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.contains("verified"), "{stdout}");
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Every `--flag` an error line mentions exists for `sub` (advice must be followable).
+fn advice_flags_exist(sub: &str, stderr: &str) {
+    let (_, help, _) = out(bin().args([sub, "--help"]));
+    for w in stderr.split(|c: char| c.is_whitespace() || matches!(c, '(' | ')' | ',' | ';' | ':' | '`')) {
+        if let Some(flag) = w.strip_prefix("--") {
+            let flag = format!("--{}", flag.trim_end_matches(['.', '=']));
+            assert!(help.contains(&flag), "advice names {flag}, which `{sub} --help` does not have: {stderr}");
+        }
+    }
+}
+
+// Issue 13.5: `inspect --trust KEY` on an unsigned stream said "pass --allow-unsigned to
+// accept", a flag `inspect` does not have (and that `agent` refuses next to `--trust`).
+#[test]
+fn unsigned_stream_with_a_trusted_key_gives_advice_that_can_be_followed() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let url = format!("file://{}", p("bucket").display());
+    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-6, 3);
+    write(&chain, &p("ckpt0"), 1 << 30);
+    let (code, _, err) =
+        out(bin().args(["publish", "--bucket", &url, "--step", "0", "--state"]).arg(p("pstate")).arg(p("ckpt0")));
+    assert_eq!(code, Some(0), "{err}");
+    let (code, _, err) = out(bin().args(["inspect", "--bucket", &url, "--trust"]).arg(p("key.pub")));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(one_error(&err).contains("unsigned"), "{err}");
+    advice_flags_exist("inspect", &err);
+    let (code, _, err) = out(bin()
+        .args(["agent", "--once", "--bucket", &url, "--trust"])
+        .arg(p("key.pub"))
+        .arg("--dir")
+        .arg(p("agent")));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(one_error(&err).contains("unsigned"), "{err}");
+    assert!(!err.contains("--allow-unsigned to accept"), "agent refuses --allow-unsigned next to --trust: {err}");
+    advice_flags_exist("agent", &err);
+    // Without a key the advice is the flag, and the flag works.
+    let (code, _, err) = out(bin().args(["agent", "--once", "--bucket", &url, "--dir"]).arg(p("agent")));
+    assert_eq!(code, Some(2), "{err}");
+    advice_flags_exist("agent", &err);
+    let (code, _, err) =
+        out(bin().args(["agent", "--once", "--allow-unsigned", "--bucket", &url, "--dir"]).arg(p("agent")));
+    assert_eq!(code, Some(0), "{err}");
+    // A delta file: the same.
+    write(&chain, &p("ckpt1"), 1 << 30);
+    assert!(bin().arg("diff").arg(p("ckpt0")).arg(p("ckpt0")).arg("-o").arg(p("d")).status().unwrap().success());
+    let (code, _, err) = out(bin().arg("inspect").arg(p("d")).arg("--trust").arg(p("key.pub")));
+    assert_eq!(code, Some(1), "{err}");
+    advice_flags_exist("inspect", &err);
+}
+
+/// The SeaweedFS endpoint and bucket the CI started, if any.
+fn seaweed() -> Option<(String, String)> {
+    match std::env::var("DRIFTLESS_TEST_S3_SEAWEED") {
+        Ok(spec) => {
+            let mut it = spec.split_whitespace();
+            Some((it.next()?.to_string(), it.next()?.to_string()))
+        }
+        Err(_) if std::env::var("DRIFTLESS_REQUIRE_SERVERS").as_deref() == Ok("1") => {
+            panic!("DRIFTLESS_TEST_S3_SEAWEED not set")
+        }
+        Err(_) => None,
+    }
+}
+
+// Issue 13.3: S3 errors pasted the server's XML body (several lines, sometimes twice) into the
+// one-line error, and a listing error read "storage error on : ...".
+#[test]
+fn s3_errors_are_one_readable_line() {
+    let Some((endpoint, bucket)) = seaweed() else { return };
+    let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let s3 = |url: &str, key: &str, secret: &str| {
+        out(bin()
+            .args(["inspect", "--bucket", url, "--endpoint", &endpoint])
+            .env("AWS_ACCESS_KEY_ID", key)
+            .env("AWS_SECRET_ACCESS_KEY", secret)
+            .env("AWS_REGION", "us-east-1"))
+    };
+    let (code, _, err) = s3(&format!("s3://no-such-bucket-{nonce}/p"), "test", "test");
+    assert_eq!(code, Some(2), "{err}");
+    let e = one_error(&err);
+    assert_eq!(err.lines().count(), 2, "{err}");
+    assert!(!e.contains('<') && !e.contains("on :"), "{e}");
+    assert!(e.contains("NoSuchBucket") && e.contains("the bucket does not exist"), "{e}");
+    // The agent reads stream.json first: a missing bucket is a wrong URL, not "nothing
+    // published yet, retrying may help".
+    let t = tempfile::tempdir().unwrap();
+    let (code, _, err) = out(bin()
+        .args(["agent", "--once", "--allow-unsigned", "--bucket", &format!("s3://no-such-bucket-{nonce}/p")])
+        .args(["--endpoint", &endpoint, "--dir"])
+        .arg(t.path().join("a"))
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_REGION", "us-east-1"));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("NoSuchBucket"), "{err}");
+    assert!(err.contains("retrying will not help"), "{err}");
+    let (code, _, err) = s3(&format!("s3://{bucket}/ux-{nonce}"), "no-such-key", "wrong");
+    assert_eq!(code, Some(2), "{err}");
+    let e = one_error(&err);
+    assert_eq!(err.lines().count(), 2, "{err}");
+    assert!(!e.contains('<'), "{e}");
+    assert!(e.contains("AWS_ACCESS_KEY_ID"), "the error should point at the keys: {e}");
+}
+
+// Issue 13.3: Debug formatting (`Some(2)`, `Delta`, `["ed25519:..."]`) in logs and errors.
+#[test]
+fn logs_and_errors_carry_no_debug_formatting() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, _) = small_stream(t.path(), 3);
+    // A corrupt step makes the agent log a refusal, plan around it, and fail with exit 1.
+    let seg = std::fs::read_dir(p("bucket/deltas/000000000002"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "dls"))
+        .unwrap();
+    let mut b = std::fs::read(&seg).unwrap();
+    let n = b.len();
+    b[n / 2] ^= 0x40;
+    std::fs::write(&seg, b).unwrap();
+    for json in [false, true] {
+        let mut c = bin();
+        c.args(["agent", "--once", "--log", "debug,driftless_store=info", "--bucket", &url, "--trust"])
+            .arg(p("key.pub"))
+            .arg("--dir")
+            .arg(p(&format!("agent{json}")));
+        if json {
+            c.arg("--log-json");
+        }
+        let (code, _, err) = out(&mut c);
+        assert_eq!(code, Some(1), "{err}");
+        let ours: Vec<&str> = err.lines().filter(|l| l.contains("driftless")).collect();
+        assert!(ours.iter().any(|l| l.contains("sync plan")), "{err}");
+        assert!(ours.iter().any(|l| l.contains("refusing step")), "{err}");
+        for l in ours {
+            assert!(!l.contains("Some(") && !l.contains("None"), "Debug formatting in {l}");
+            assert!(!l.contains("Delta") && !l.contains("Anchor"), "Debug spelling of a step kind in {l}");
+        }
+    }
+    // A key that signs nothing here: the key ids are listed plainly.
+    let (code, _, err) = out(bin().args(["inspect", "--bucket", &url, "--trust"]).arg(p("other.pub")));
+    assert_eq!(code, Some(1), "{err}");
+    let e = one_error(&err);
+    assert!(e.contains("unknown key(s) ed25519:") && !e.contains("[\""), "{e}");
+}
+
+// Issue 13.5, for the agent: `agent --once --bucket file:///typo` created the directory and
+// said "no reachable state in the stream yet".
+#[test]
+fn agent_once_on_a_typo_d_file_url_creates_nothing() {
+    let t = tempfile::tempdir().unwrap();
+    let typo = t.path().join("typo");
+    let (code, _, err) = out(bin()
+        .args(["agent", "--once", "--allow-unsigned", "--bucket", &format!("file://{}", typo.display()), "--dir"])
+        .arg(t.path().join("a")));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("no such directory (check the URL; nothing was created)"), "{err}");
+    assert!(!typo.exists(), "a reader created the bucket directory");
+    // An existing but empty bucket: the message says what is missing and what to check.
+    std::fs::create_dir(&typo).unwrap();
+    let (code, _, err) = out(bin()
+        .args(["agent", "--once", "--allow-unsigned", "--bucket", &format!("file://{}", typo.display()), "--dir"])
+        .arg(t.path().join("a")));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("not published yet, or a wrong URL"), "{err}");
+    assert!(err.contains("retrying may help"), "{err}");
 }

@@ -222,6 +222,16 @@ pub enum StepKind {
     Anchor,
 }
 
+impl std::fmt::Display for StepKind {
+    /// `delta` or `anchor`: the spelling of the JSON documents, used in logs and messages.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StepKind::Delta => "delta",
+            StepKind::Anchor => "anchor",
+        })
+    }
+}
+
 /// A ready marker: written after every object of the step. Its presence is the commit point.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReadyMarker {

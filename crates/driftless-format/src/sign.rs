@@ -189,10 +189,16 @@ impl TrustSet {
             if self.allow_unsigned && self.keys.is_empty() {
                 return Ok((env.payload.into_bytes(), None));
             }
-            return Err(Error::Untrusted {
-                what: "manifest",
-                detail: "unsigned (pass --allow-unsigned to accept)".into(),
-            });
+            // The advice depends on why: with keys trusted, allowing unsigned data changes
+            // nothing (and `--allow-unsigned` is refused next to `--trust`).
+            let detail = if self.keys.is_empty() {
+                "unsigned (an unsigned stream is accepted only when allowed explicitly: \
+                 --allow-unsigned, or allow_unsigned=True in Python, and no trusted key)"
+            } else {
+                "unsigned, and a trusted key is configured: unsigned manifests are refused \
+                 (the publisher signs nothing, or the signature was stripped)"
+            };
+            return Err(Error::Untrusted { what: "manifest", detail: detail.into() });
         }
         let msg = [DOMAIN, env.payload.as_bytes()].concat();
         let mut seen = vec![];
@@ -210,6 +216,6 @@ impl TrustSet {
             })?;
             return Ok((env.payload.into_bytes(), Some(s.key_id.clone())));
         }
-        Err(Error::Untrusted { what: "manifest", detail: format!("signed by unknown key(s) {seen:?}") })
+        Err(Error::Untrusted { what: "manifest", detail: format!("signed by unknown key(s) {}", seen.join(", ")) })
     }
 }

@@ -522,7 +522,7 @@ where
                     return Err(e);
                 }
                 attempt += 1;
-                tracing::debug!(op, key, attempt, ?delay, error = %e, "retrying");
+                tracing::debug!(op, key, attempt, delay_ms = delay.as_millis() as u64, error = %e, "retrying");
                 tokio::time::sleep(delay).await;
             }
             Err(e) => return Err(e),

@@ -30,7 +30,7 @@ pub enum Error {
     },
     /// A failure that may go away when retried (network, 5xx, throttling, timeouts).
     /// Returned once the bounded retries are spent.
-    #[error("transient storage error on {key}: {source}")]
+    #[error("transient storage error {}: {source}", on(key))]
     Transient {
         /// Key relative to the bucket prefix (or the listed prefix).
         key: String,
@@ -39,7 +39,7 @@ pub enum Error {
         source: StoreError,
     },
     /// A failure retrying will not fix (permissions, bad request, unsupported operation).
-    #[error("storage error on {key}: {source}")]
+    #[error("storage error {}: {source}", on(key))]
     Permanent {
         /// Key relative to the bucket prefix (or the listed prefix).
         key: String,
@@ -76,6 +76,15 @@ pub enum Error {
     Unsupported(String),
 }
 
+/// `on KEY`, or what an empty key means: a listing of the whole stream.
+fn on(key: &str) -> String {
+    if key.is_empty() {
+        "listing the stream's prefix".to_string()
+    } else {
+        format!("on {key}")
+    }
+}
+
 impl Error {
     /// Whether retrying the same call later may succeed.
     pub fn is_retryable(&self) -> bool {
@@ -106,6 +115,11 @@ impl Error {
             return e;
         }
         match err {
+            // S3 answers a GET in a bucket that does not exist with 404 too: that is not a
+            // missing object (a step not there yet) but a wrong URL.
+            E::NotFound { .. } if StoreError::new(&err).message().contains("NoSuchBucket") => {
+                Error::Permanent { key, source: StoreError::new(&err) }
+            }
             E::NotFound { .. } => Error::NotFound { key },
             E::AlreadyExists { .. } => Error::AlreadyExists { key },
             E::InvalidPath { source } => Error::InvalidKey { key, reason: source.to_string() },
@@ -181,7 +195,7 @@ impl StoreError {
             }
             cur = e.source();
         }
-        StoreError { message: redact_text(&message) }
+        StoreError { message: redact_text(&tidy_body(&message)) }
     }
 
     /// The redacted message.
@@ -197,6 +211,43 @@ impl std::fmt::Display for StoreError {
 }
 
 impl std::error::Error for StoreError {}
+
+/// S3 and Azure answer errors with an XML document (`<?xml ...?><Error><Code>NoSuchBucket</Code>
+/// <Message>...</Message>...</Error>`), which the HTTP client pastes into its message, line
+/// breaks included. Keep `Code: Message` (plus a hint for the codes a user can act on) and
+/// make the message one line.
+fn tidy_body(text: &str) -> String {
+    fn tag<'a>(s: &'a str, name: &str) -> Option<&'a str> {
+        let open = format!("<{name}>");
+        let start = s.find(&open)? + open.len();
+        let end = s[start..].find(&format!("</{name}>"))? + start;
+        Some(s[start..end].trim())
+    }
+    let mut out = text.to_string();
+    if let Some(err_start) = out.find("<Error>") {
+        let start = out[..err_start].rfind("<?xml").unwrap_or(err_start);
+        let end = out[err_start..].find("</Error>").map_or(out.len(), |e| err_start + e + "</Error>".len());
+        let body = &out[start..end];
+        let code = tag(body, "Code").unwrap_or("");
+        let mut short = match tag(body, "Message") {
+            Some(m) if !code.is_empty() => format!("{code}: {m}"),
+            Some(m) => m.to_string(),
+            None => code.to_string(),
+        };
+        let hint = match code {
+            "NoSuchBucket" | "ContainerNotFound" => " (the bucket does not exist: create it or fix the URL)",
+            "InvalidAccessKeyId" | "SignatureDoesNotMatch" | "AuthenticationFailed" => {
+                " (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or the storage account key)"
+            }
+            "AccessDenied" | "AuthorizationPermissionMismatch" => " (the credentials lack permission for this bucket)",
+            _ => "",
+        };
+        short.push_str(hint);
+        out.replace_range(start..end, &short);
+    }
+    // One line: errors end up in single-line logs and in `driftless: error: ...`.
+    out.split_whitespace().collect::<Vec<_>>().join(" ")
+}
 
 /// `Result` with this crate's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -230,6 +281,38 @@ mod tests {
         assert!(matches!(e, Error::MissingCredentials(_)), "{e}");
         assert!(e.to_string().contains("AWS_ACCESS_KEY_ID"), "{e}");
         assert!(!e.is_retryable());
+    }
+
+    /// Issue 13.3: raw S3 XML bodies (several lines, pasted whole) in error messages.
+    #[test]
+    fn s3_xml_error_bodies_become_one_short_line() {
+        let e = Error::from_store(
+            "",
+            generic("Error performing GET http://127.0.0.1:8333/nobucket in 2ms - Server returned non-2xx status code: 404 Not Found: <?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>NoSuchBucket</Code><Message>The specified bucket does not exist</Message><Resource>/nobucket</Resource><RequestId>18EA</RequestId></Error>"),
+        );
+        let text = e.to_string();
+        assert!(!text.contains('<') && !text.contains('\n'), "{text}");
+        assert!(
+            text.contains(
+                "404 Not Found: NoSuchBucket: The specified bucket does not exist (the bucket does not exist"
+            ),
+            "{text}"
+        );
+        assert!(text.starts_with("storage error listing the stream's prefix: "), "{text}");
+        assert!(!e.is_retryable());
+    }
+
+    #[test]
+    fn a_missing_bucket_is_not_a_missing_object() {
+        let e = Error::from_store(
+            "stream.json",
+            object_store::Error::NotFound {
+                path: "p/stream.json".into(),
+                source: "Server returned non-2xx status code: 404 Not Found: <?xml version=\"1.0\"?><Error><Code>NoSuchBucket</Code><Message>The specified bucket does not exist</Message></Error>".into(),
+            },
+        );
+        assert!(!e.is_not_found() && !e.is_retryable(), "{e}");
+        assert!(e.to_string().contains("NoSuchBucket: The specified bucket does not exist"), "{e}");
     }
 
     #[test]

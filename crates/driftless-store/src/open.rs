@@ -13,7 +13,7 @@ use object_store::{ClientOptions, ObjectStore, StaticCredentialProvider};
 use crate::bucket::Bucket;
 use crate::error::{Error, Result};
 use crate::options::StoreOptions;
-use crate::redact::redact_url;
+use crate::redact::{redact_as_typed, redact_url};
 
 /// Default endpoint of the Hugging Face Storage Buckets S3 gateway; the namespace is appended
 /// as a path segment (`https://s3.hf.co/<namespace>`). Override with
@@ -151,7 +151,7 @@ fn s3_builder(bucket: &str, opts: &StoreOptions) -> AmazonS3Builder {
 /// reaches the HTTP client (which panics on some malformed URIs, e.g. `127.0.0.1:8333` or
 /// `http:/127.0.0.1:8333`). `source` names where the value came from, for the message.
 pub(crate) fn check_endpoint(endpoint: &str, source: &str) -> Result<()> {
-    let bad = || Error::InvalidEndpoint { endpoint: redact_url(endpoint), source_name: source.to_string() };
+    let bad = || Error::InvalidEndpoint { endpoint: redact_as_typed(endpoint), source_name: source.to_string() };
     let lower = endpoint.to_ascii_lowercase();
     let rest = lower.strip_prefix("http://").or_else(|| lower.strip_prefix("https://")).ok_or_else(bad)?;
     if rest.is_empty() || rest.starts_with('/') || endpoint.chars().any(|c| c.is_whitespace() || c.is_control()) {
@@ -364,6 +364,8 @@ mod tests {
                 let e = Bucket::open(url, &StoreOptions::default().with_endpoint(bad)).unwrap_err();
                 assert!(matches!(e, Error::InvalidEndpoint { .. }), "{url} {bad}: {e}");
                 assert!(e.to_string().contains("expected http://HOST[:PORT]"), "{e}");
+                // Echoed as typed, not normalized by a URL parser (`http:/h` is not `http://h/`).
+                assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
                 assert!(e.is_config() && !e.is_retryable());
             }
         }

@@ -10,17 +10,20 @@ pub(crate) fn redact_url(url: &str) -> String {
             u.set_fragment(None);
             u.to_string()
         }
-        _ => {
-            // Not parseable: cut at the first '?' or '#' and drop anything before an '@'.
-            let cut = url.find(['?', '#']).unwrap_or(url.len());
-            let s = &url[..cut];
-            match (s.find("://"), s.rfind('@')) {
-                (Some(scheme_end), Some(at)) if at > scheme_end => {
-                    format!("{}{}", &s[..scheme_end + 3], &s[at + 1..])
-                }
-                _ => s.to_string(),
-            }
-        }
+        _ => redact_as_typed(url),
+    }
+}
+
+/// Redact a URL without parsing (and so without normalizing) it: cut at the first '?' or '#'
+/// and drop anything before an '@'. For echoing back a value the user typed wrong as typed
+/// (`http:/h:1` must not come back as `http://h:1/`).
+pub(crate) fn redact_as_typed(url: &str) -> String {
+    let cut = url.find(['?', '#']).unwrap_or(url.len());
+    let s = &url[..cut];
+    match (s.find("://"), s.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => format!("{}{}", &s[..scheme_end + 3], &s[at + 1..]),
+        (None, Some(at)) => s[at + 1..].to_string(),
+        _ => s.to_string(),
     }
 }
 

@@ -111,7 +111,7 @@ impl StreamReader {
         if m.step != step || m.of != kind {
             return Err(driftless_format::Error::Corrupt {
                 what: "ready marker",
-                detail: format!("marker at step {step} describes {:?} {}", m.of, m.step),
+                detail: format!("marker at step {step} describes {} {}", m.of, m.step),
             }
             .into());
         }

@@ -70,8 +70,14 @@ pub fn run(a: Args) -> Result<()> {
     cfg.poll_min = a.poll_min.into();
     cfg.poll_max = a.poll_max.into();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(async move {
-        let bucket = a.bucket.open()?;
+    let r = rt.block_on(async move {
+        // Catch SIGINT/SIGTERM from the start (a handler installed only at the first sleep
+        // lets the first sync die on the default disposition, with no word and `running` left
+        // behind; a signal during a later sync would wait for it to give up).
+        let signals = if a.once { None } else { Some(Signals::new()?) };
+        // A one-shot sync only reads: a file:// URL naming no directory is a typo, not a
+        // bucket to create. A continuous agent may start before its publisher and waits.
+        let bucket = if a.once { a.bucket.open_existing()? } else { a.bucket.open()? };
         let mut agent = Agent::new(bucket, cfg)?;
         if a.once {
             let o = agent.sync_once().await?;
@@ -100,20 +106,50 @@ pub fn run(a: Args) -> Result<()> {
             eprintln!("driftless agent: ops endpoint on http://{}", l.local_addr()?);
             tokio::spawn(driftless_agent::server::serve(l, agent.metrics(), poke.clone()));
         }
+        let mut signals = signals.expect("installed for a continuous agent");
+        let received = std::sync::OnceLock::new();
         let shutdown = async {
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(mut term) => tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                },
-                Err(_) => {
-                    let _ = tokio::signal::ctrl_c().await;
-                }
-            }
-            eprintln!("driftless agent: signal received, stopping after the step in flight");
+            let _ = received.set(signals.recv().await);
         };
-        agent.run(poke, shutdown).await?;
-        eprintln!("driftless agent: stopped");
+        let stopped = agent.run(poke, shutdown).await?;
+        let name = received.get().copied().unwrap_or("signal");
+        let dir = a.dir.join("current");
+        let serving = match stopped.step {
+            Some(s) => format!("{} stays on verified step {s}", dir.display()),
+            None => format!("no verified step in {} yet", dir.display()),
+        };
+        if stopped.abandoned_sync {
+            eprintln!(
+                "driftless agent: {name}: stopped, abandoning the sync in flight (it only wrote the inactive slot); {serving}"
+            );
+        } else {
+            eprintln!("driftless agent: {name}: stopped; {serving}");
+        }
         Ok(())
-    })
+    });
+    // Blocking work of an abandoned sync (an apply or hash into the inactive slot) is not
+    // waited for: it writes nothing the directory relies on.
+    rt.shutdown_background();
+    r
+}
+
+/// SIGINT and SIGTERM, caught from the moment this is created.
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals { int: signal(SignalKind::interrupt())?, term: signal(SignalKind::terminate())? })
+    }
+
+    /// Waits for one; returns its name.
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.int.recv() => "SIGINT",
+            _ = self.term.recv() => "SIGTERM",
+        }
+    }
 }

@@ -25,8 +25,8 @@ pub struct Args {
     /// Learning rate of the simulated trainer.
     #[arg(long, default_value_t = 5e-7)]
     lr: f32,
-    /// Keep the bucket and the agent's directory afterwards (their path is printed) to look
-    /// at them with `driftless inspect --bucket file://...`.
+    /// Keep the bucket, the agent's directory and the publisher's public key afterwards (their
+    /// paths are printed), to look at them with `driftless inspect --bucket file://... --trust KEY.pub`.
     #[arg(long)]
     keep: bool,
 }
@@ -52,6 +52,7 @@ pub fn run(a: Args) -> Result<()> {
     let bucket = Bucket::open(&url, &StoreOptions::default())?;
     let key = Keypair::generate();
     let trust = TrustSet::new().with_key(key.public());
+    let public_pem = key.public_pem()?;
     let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(a.mb << 20), a.lr, 42);
     println!(
         "driftless demo: bucket {url}, model {:.1} MiB BF16 ({} tensors), lr {:e}, anchor every {}",
@@ -123,9 +124,14 @@ pub fn run(a: Args) -> Result<()> {
     println!("OK: the agent's checkpoint is bit-identical to the trainer's weights (root {root})");
     drop(agent);
     if a.keep {
+        // The publisher's public key too: without it the kept stream can be listed but not
+        // verified (`inspect --trust`) or followed by another agent.
+        let key_pub = tmp.path().join("key.pub");
+        std::fs::write(&key_pub, &public_pem)?;
         let dir = tmp.keep();
         println!(
-            "kept: bucket {url} (driftless inspect --bucket {url}), agent directory {}",
+            "kept: bucket {url} (driftless inspect --bucket {url} --trust {}), agent directory {}",
+            key_pub.display(),
             dir.join("agent").display()
         );
     }
