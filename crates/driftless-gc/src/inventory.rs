@@ -288,7 +288,7 @@ pub(crate) fn parse_marker(key: &str, bytes: &[u8]) -> MarkerState {
             MarkerState::Ready(marker)
         }
         _ => MarkerState::Unreadable(format!(
-            "marker says {:?} {:?} step {}, key says otherwise",
+            "marker says {:?} {} step {}, key says otherwise",
             marker.kind, marker.of, marker.step
         )),
     }
