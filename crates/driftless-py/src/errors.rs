@@ -107,7 +107,7 @@ impl BindError {
                     P::Store(s) => store_class(s),
                     P::Stream(s) => stream_class(s),
                     P::Closed => "ClosedError",
-                    P::StepOrder { .. } => "InvalidInputError",
+                    P::StepOrder { .. } | P::StepTaken { .. } => "InvalidInputError",
                     _ if e.is_retryable() => "RetryableError",
                     _ => "DriftlessError",
                 };
