@@ -357,6 +357,8 @@ impl Ctx {
         match r {
             Ok((sid, root)) if sid == self.stream_id => Ok(Some(root)),
             Ok(_) => Ok(None),
+            // No marker: not committed (the common case for a step never published).
+            Err(driftless_store::stream::StreamError::Store(e)) if e.is_not_found() => Ok(None),
             Err(e) if e.is_retryable() => Err(CommitError::Unconfirmed(format!("reading committed step {step}: {e}"))),
             Err(_) => Ok(None),
         }
