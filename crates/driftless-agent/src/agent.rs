@@ -15,12 +15,11 @@ use bytes::Bytes;
 use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
 use driftless_format::manifest::{now_ms, DeltaManifest, StepKind};
-use driftless_format::{anchor, ops, AnchorEncoding, Checkpoint, CheckpointMut, Digest, TrustSet};
+use driftless_format::{anchor, fused, ops, AnchorEncoding, Checkpoint, CheckpointMut, Digest, TrustSet};
 use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
-use rayon::prelude::*;
-use tracing::{error, info, info_span, warn, Instrument};
+use tracing::{debug, error, info, info_span, warn, Instrument};
 
 use crate::metrics::Metrics;
 use crate::notify::Notifier;
@@ -542,17 +541,41 @@ impl Agent {
         };
         let t = Instant::now();
         let n = deltas.len();
-        // Pipelined: delta k+1 downloads (and decodes) while delta k is applied.
+        // Pipelined: delta k+1 downloads (and decodes) while delta k is received. Consecutive
+        // deltas of one layout are applied together in one pass over the model, verified once
+        // at the end (every result root is signed, so the final check proves the final state;
+        // a mismatch is retried `careful`ly, one verified delta at a time, to name the step).
+        let mut layout =
+            if deltas.is_empty() { None } else { Some(Checkpoint::open(&wdir).map_err(Error::from)?.layout()) };
+        let mut group: Vec<(DeltaManifest, Vec<DecodedSegment>)> = vec![];
+        let mut group_raw = 0u64;
         let mut next = deltas.first().map(|&d| self.start_fetch(d));
         for (k, &d) in deltas.iter().enumerate() {
             let fetch = next.take().expect("a fetch per delta");
             next = deltas.get(k + 1).map(|&d| self.start_fetch(d));
-            let verify = careful || k + 1 == n;
-            // A final root that differs after several unverified deltas names no culprit.
-            let pinpoint = careful || n == 1;
-            let (b, root) = self.apply_delta(sid, d, fetch, &wdir, at, verify, pinpoint).await?;
+            let last = k + 1 == n;
+            let verify = careful || last;
+            let (m, segs, b) = self.receive_delta(sid, d, fetch, at).await?;
             bytes += b;
-            at = Held { step: d, root };
+            at = Held { step: d, root: m.result_root };
+            let shas: Vec<Digest> = m.segments.iter().map(|s| s.object.sha256).collect();
+            if layout.as_ref().is_some_and(|l| ops::needs_rewrite(l, &m)) {
+                let pending = std::mem::take(&mut group);
+                group_raw = 0;
+                self.apply_group(&wdir, pending, false, careful).await?;
+                drop(segs);
+                self.rewrite_delta(&wdir, &m, verify, careful || n == 1).await?;
+                layout = Some(m.layout());
+            } else {
+                group_raw += m.segments.iter().map(|s| s.raw_size).sum::<u64>();
+                group.push((m, segs));
+                if verify || group_raw > GROUP_RAW_BYTES {
+                    let pending = std::mem::take(&mut group);
+                    group_raw = 0;
+                    self.apply_group(&wdir, pending, verify, careful || n == 1).await?;
+                }
+            }
+            self.cached.push((d, shas));
         }
         self.metrics.apply_ms.store(t.elapsed().as_millis() as u64, Relaxed);
         // Durable before announced: data, then state, then the link, then notify.
@@ -736,20 +759,16 @@ impl Agent {
         Fetch { manifest, segments, _abort: AbortOnDrop(task.abort_handle()) }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    /// Applies one delta onto the work slot holding `at`: checks stream, base and chain, waits
-    /// for its segments, applies them in place (or rewrites the slot on a layout change) and,
-    /// when `verify`, checks the result root. Returns (bytes downloaded, result root).
-    async fn apply_delta(
+    /// Waits for one delta of a chain whose previous state is `at`: checks its stream, base
+    /// and chain link, and its segments (hash-checked and decoded by the fetch). Nothing local
+    /// changes. Returns the manifest, the decoded segments and the bytes downloaded.
+    async fn receive_delta(
         &mut self,
         sid: &str,
         step: u64,
         fetch: Fetch,
-        wdir: &Path,
         at: Held,
-        verify: bool,
-        pinpoint: bool,
-    ) -> Result<(u64, Digest), BuildError> {
+    ) -> Result<(DeltaManifest, Vec<DecodedSegment>, u64), BuildError> {
         let att = attribute(StepKind::Delta, step);
         let Fetch { manifest, mut segments, _abort } = fetch;
         let (m, _env_sha) = manifest
@@ -774,7 +793,6 @@ impl Agent {
         }
         let mut segs: Vec<Option<DecodedSegment>> = (0..m.segments.len()).map(|_| None).collect();
         let mut bytes = 0u64;
-        let mut shas = Vec::with_capacity(m.segments.len());
         while let Some(r) = segments.recv().await {
             let (i, seg, n) = r.map_err(&att)?;
             bytes += n;
@@ -784,45 +802,96 @@ impl Agent {
             .into_iter()
             .collect::<Option<_>>()
             .ok_or_else(|| BuildError::Other(Error::Io(std::io::Error::other("delta download stopped"))))?;
-        shas.extend(m.segments.iter().map(|s| s.object.sha256));
-        let local_layout = Checkpoint::open(wdir).map_err(Error::from)?.layout();
-        let t = Instant::now();
+        Ok((m, segs, bytes))
+    }
+
+    /// Applies a group of consecutive same-layout deltas in place onto the work slot in one
+    /// pass over the model ([`fused::apply_and_hash`]: each region is applied by every delta of
+    /// the group and hashed while it is in cache) and, when `verify`, checks the root of the
+    /// result against the last delta's signed result root. The maps are msync'ed.
+    async fn apply_group(
+        &mut self,
+        wdir: &Path,
+        group: Vec<(DeltaManifest, Vec<DecodedSegment>)>,
+        verify: bool,
+        pinpoint: bool,
+    ) -> Result<(), BuildError> {
+        let Some(last) = group.last().map(|(m, _)| m.clone()) else { return Ok(()) };
+        // Several unverified deltas in one pass: a fault names no single step (retried carefully).
+        let pinpoint = pinpoint && group.len() == 1;
         let dir = wdir.to_path_buf();
-        let m2: DeltaManifest = m.clone();
-        let verify_ms = if ops::needs_rewrite(&local_layout, &m) {
-            // Rare (layout changes): re-fetch the raw segments and rebuild the slot beside it,
-            // keeping the extra files (config, tokenizer) of the slot.
-            let raw = self.fetch_raw(&m).await.map_err(&att)?;
-            drop(segs);
-            tokio::task::spawn_blocking(move || -> Result<u64> { rewrite_slot(&dir, &m2, &raw, verify) })
-                .await
-                .map_err(|e| Error::Io(std::io::Error::other(format!("rewrite task: {e}"))))?
-                .map_err(|e| classify_apply(e, step, pinpoint))?
-        } else {
-            tokio::task::spawn_blocking(move || -> Result<u64> {
-                let mut ck = CheckpointMut::open(&dir)?;
-                {
-                    let tm = ck.tensors_mut();
-                    segs.par_iter().try_for_each(|seg| delta::apply_segment(seg, &tm))?;
+        let t = Instant::now();
+        let n = group.len();
+        let verify_ms = tokio::task::spawn_blocking(move || -> Result<u64> {
+            let mut ck = CheckpointMut::open(&dir)?;
+            let metas = ck.metas();
+            // Written tensors are handed to a writeback thread as they finish, so the disk
+            // writes while the rest is applied and hashed; the msync below waits for the tail.
+            let wb = ck.writeback();
+            let (wtx, wrx) = std::sync::mpsc::channel::<usize>();
+            let writer = std::thread::spawn(move || {
+                for t in wrx {
+                    wb.start(t);
                 }
-                let tv = Instant::now();
-                if verify {
-                    ops::verify_result(&ck.views(), &m2)?;
-                }
-                let verified = tv.elapsed();
-                ck.flush()?;
-                Ok(verified.as_millis() as u64)
-            })
-            .await
-            .map_err(|e| Error::Io(std::io::Error::other(format!("apply task: {e}"))))?
-            .map_err(|e| classify_apply(e, step, pinpoint))?
-        };
+            });
+            let tv = Instant::now();
+            let chain: Vec<&[DecodedSegment]> = group.iter().map(|(_, s)| &s[..]).collect();
+            let digests = {
+                let tm = ck.tensors_mut();
+                let wtx = std::sync::Mutex::new(wtx);
+                let r = fused::apply_and_hash(&tm, &metas, &chain, verify, &|t| {
+                    let _ = wtx.lock().expect("writeback queue").send(t);
+                });
+                drop(wtx);
+                r?
+            };
+            let _ = writer.join();
+            if let Some(d) = digests {
+                ops::check_root(&metas, &d, &last.shards, last.result_root)?;
+            }
+            let verified = tv.elapsed();
+            let tf = Instant::now();
+            ck.flush()?;
+            debug!(pass_secs = verified.as_secs_f64(), flush_secs = tf.elapsed().as_secs_f64(), "pass and flush");
+            Ok(verified.as_millis() as u64)
+        })
+        .await
+        .map_err(|e| Error::Io(std::io::Error::other(format!("apply task: {e}"))))?
+        .map_err(|e| {
+            if n > 1 && step_fault(&e) {
+                BuildError::ChainMismatch
+            } else {
+                classify_apply(e, last.step, pinpoint)
+            }
+        })?;
         if verify {
             self.metrics.record_verify(Duration::from_millis(verify_ms.max(1)));
         }
-        self.cached.push((step, shas));
-        info!(step, bytes, secs = t.elapsed().as_secs_f64(), verified = verify, "delta applied");
-        Ok((bytes, m.result_root))
+        info!(deltas = n, step = last.step, secs = t.elapsed().as_secs_f64(), verified = verify, "deltas applied");
+        Ok(())
+    }
+
+    /// Applies a layout-changing delta by rebuilding the work slot beside it (rare).
+    async fn rewrite_delta(
+        &mut self,
+        wdir: &Path,
+        m: &DeltaManifest,
+        verify: bool,
+        pinpoint: bool,
+    ) -> Result<(), BuildError> {
+        let att = attribute(StepKind::Delta, m.step);
+        let raw = self.fetch_raw(m).await.map_err(&att)?;
+        let dir = wdir.to_path_buf();
+        let m2 = m.clone();
+        let step = m.step;
+        let verify_ms = tokio::task::spawn_blocking(move || -> Result<u64> { rewrite_slot(&dir, &m2, &raw, verify) })
+            .await
+            .map_err(|e| Error::Io(std::io::Error::other(format!("rewrite task: {e}"))))?
+            .map_err(|e| classify_apply(e, step, pinpoint))?;
+        if verify {
+            self.metrics.record_verify(Duration::from_millis(verify_ms.max(1)));
+        }
+        Ok(())
     }
 
     async fn fetch_raw(&self, m: &DeltaManifest) -> Result<Vec<Bytes>> {
@@ -944,6 +1013,10 @@ impl Drop for AbortOnDrop {
 
 /// A root mismatch after the last delta of a chain that was not verified step by step cannot
 /// be pinned on one step: the caller retries carefully. Otherwise the step is at fault.
+/// Decoded delta bytes applied in one pass at most (bounds the memory of a long catch-up; a
+/// pass is one read of the model, so this also bounds how often it is read).
+const GROUP_RAW_BYTES: u64 = 512 << 20;
+
 fn classify_apply(e: Error, step: u64, pinpoint: bool) -> BuildError {
     let is_result = matches!(&e, Error::Format(driftless_format::Error::Corrupt { what: "result", .. }));
     if is_result && !pinpoint {

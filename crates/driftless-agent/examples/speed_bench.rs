@@ -1,0 +1,274 @@
+//! The agent at the limit (issue 12): the `driftless` CLI (`agent --once`) on a `file://`
+//! bucket, each figure next to a baseline measured in the same run on the same files:
+//!
+//! - fast path (one delta onto the previous step) next to `driftless hash` of the agent's
+//!   `current` directory, run right after it;
+//! - catch-up (k deltas) and cold start (anchor, anchor + k deltas) next to reading the anchor
+//!   objects and hashing the model, with the agent's peak RSS;
+//! - requests per step (GET / LIST counts of the store are not visible to a `file://` bucket:
+//!   see `speed_bench requests` on S3 instead).
+//!
+//! ```text
+//! cargo build --release -p driftless-cli
+//! cargo run --release -p driftless-agent --example speed_bench -- gen  /tmp/sb   # once: 1 GiB model, anchor + 8 deltas
+//! cargo run --release -p driftless-agent --example speed_bench -- run  /tmp/sb target/release/driftless
+//! BENCH_BYTES=268435456 ...   # another model size (gen)
+//! ```
+//!
+//! `gen` publishes the whole chain, then moves the delta ready markers aside (`held/`); `run`
+//! reveals them one at a time, so every step is measured as a follower sees it live.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use driftless_format::gen::{ModelSpec, RlChain};
+use driftless_format::{Keypair, StepKind};
+use driftless_publisher::PublisherBuilder;
+use driftless_store::{layout, Bucket, StoreOptions};
+
+fn env<T: std::str::FromStr>(k: &str, d: T) -> T {
+    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("gen") => gen(Path::new(&args[2])),
+        Some("run") => run(Path::new(&args[2]), Path::new(&args[3])),
+        _ => eprintln!("usage: speed_bench gen DIR | run DIR DRIFTLESS_BIN"),
+    }
+}
+
+fn gen(dir: &Path) {
+    let bytes: u64 = env("BENCH_BYTES", 1u64 << 30);
+    let n: u64 = env("BENCH_DELTAS", 8);
+    let lr: f32 = env("BENCH_LR", 4e-7);
+    std::fs::create_dir_all(dir).unwrap();
+    let key = Keypair::from_seed([3; 32]);
+    std::fs::write(dir.join("key.pub"), key.public_pem().unwrap()).unwrap();
+    let url = format!("file://{}", dir.join("bucket").display());
+    let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(bytes), lr, 11);
+    let mut p =
+        PublisherBuilder::new("unused").with_bucket(bucket).with_key(key).with_anchor_every(1_000_000).build().unwrap();
+    for s in 0..=n {
+        if s > 0 {
+            chain.step();
+        }
+        let r = p.publish(s, &chain.views()).unwrap();
+        p.flush().unwrap();
+        eprintln!("published step {s}: {r:?}");
+    }
+    p.close().unwrap();
+    // The newest weights, to check the agent's result bit for bit.
+    let layout =
+        driftless_format::Layout::for_tensors(&chain.views().iter().map(|v| v.meta()).collect::<Vec<_>>(), 5 << 30)
+            .unwrap();
+    driftless_format::checkpoint::write_checkpoint(&dir.join("last"), &layout, &chain.views()).unwrap();
+    hide(dir, n);
+}
+
+/// Moves the delta ready markers (and latest.json) aside: `run` reveals them one by one.
+fn hide(dir: &Path, n: u64) {
+    let held = dir.join("held");
+    std::fs::create_dir_all(&held).unwrap();
+    for s in 1..=n {
+        let from = dir.join("bucket").join(layout::ready(StepKind::Delta, s));
+        if from.exists() {
+            std::fs::rename(&from, held.join(s.to_string())).unwrap();
+        }
+    }
+    let _ = std::fs::remove_file(dir.join("bucket").join(layout::LATEST));
+}
+
+fn reveal(dir: &Path, s: u64) {
+    let to = dir.join("bucket").join(layout::ready(StepKind::Delta, s));
+    std::fs::rename(dir.join("held").join(s.to_string()), to).unwrap();
+}
+
+/// Runs a command, returns (seconds, stdout).
+fn timed(cmd: &mut Command) -> (f64, String) {
+    let t = Instant::now();
+    let out = cmd.output().unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    assert!(out.status.success(), "{:?} failed: {}", cmd, String::from_utf8_lossy(&out.stderr));
+    if std::env::var_os("BENCH_VERBOSE").is_some() {
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    }
+    (secs, String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Peak RSS of the waited-for children so far (KiB).
+fn children_maxrss() -> u64 {
+    // SAFETY: getrusage fills a plain struct.
+    unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut u);
+        u.ru_maxrss as u64
+    }
+}
+
+struct Ctx {
+    dir: PathBuf,
+    bin: PathBuf,
+    url: String,
+}
+
+impl Ctx {
+    fn agent(&self, d: &str) -> (f64, String) {
+        self.agent_perf(d, None)
+    }
+    /// `agent --once`, under `perf record -g -o PERF` when given.
+    fn agent_perf(&self, d: &str, perf: Option<&str>) -> (f64, String) {
+        self.agent_env(d, perf, None)
+    }
+    /// `agent --once` with one extra environment variable `K=V` (A/B experiments).
+    fn agent_env(&self, d: &str, perf: Option<&str>, kv: Option<&str>) -> (f64, String) {
+        let mut c = match perf {
+            Some(out) => {
+                let mut c = Command::new("perf");
+                c.args(["record", "-F", "2000", "-g", "-o", out, "--"]).arg(&self.bin);
+                c
+            }
+            None => Command::new(&self.bin),
+        };
+        if let Some((k, v)) = kv.and_then(|kv| kv.split_once('=')) {
+            c.env(k, v);
+        }
+        c.args(["agent", "--once", "--bucket", &self.url, "--trust"])
+            .arg(self.dir.join("key.pub"))
+            .arg("--dir")
+            .arg(self.dir.join(d));
+        timed(&mut c)
+    }
+    fn hash(&self, d: &str) -> (f64, String) {
+        timed(Command::new(&self.bin).arg("hash").arg(self.dir.join(d).join("current")))
+    }
+    /// Reads every anchor object of step 0 (the bytes a cold start must read from the bucket).
+    fn read_anchor(&self) -> f64 {
+        let d = self.dir.join("bucket").join(layout::anchor_dir(0));
+        let t = Instant::now();
+        let mut n = 0u64;
+        for e in std::fs::read_dir(&d).unwrap() {
+            n += std::fs::read(e.unwrap().path()).unwrap().len() as u64;
+        }
+        assert!(n > 0);
+        t.elapsed().as_secs_f64()
+    }
+}
+
+fn row(what: &str, secs: f64, base_what: &str, base: f64) {
+    println!("| {what:<44} | {secs:>7.3} | {base_what:<34} | {base:>7.3} | {:>5.2}x |", secs / base);
+}
+
+fn run(dir: &Path, bin: &Path) {
+    let reps: u64 = env("BENCH_REPS", 7);
+    let held: Vec<u64> = {
+        let mut v: Vec<u64> = std::fs::read_dir(dir.join("held"))
+            .map(|r| r.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let mut all = held.clone();
+    let revealed_max =
+        (1..).take_while(|s| dir.join("bucket").join(layout::ready(StepKind::Delta, *s)).exists()).last();
+    if let Some(m) = revealed_max {
+        all.extend(1..=m);
+    }
+    all.sort();
+    let n = *all.last().expect("gen first");
+    // Start over: everything hidden, agent directories removed.
+    hide(dir, n);
+    for d in ["A", "B", "C", "D"] {
+        let _ = std::fs::remove_dir_all(dir.join(d));
+    }
+    let cx =
+        Ctx { dir: dir.to_path_buf(), bin: bin.to_path_buf(), url: format!("file://{}", dir.join("bucket").display()) };
+    println!("| operation (CLI) | s | baseline (same run) | s | ratio |\n|---|---|---|---|---|");
+    // Cold start, anchor only (page cache warm for the bucket files: read them once first).
+    cx.read_anchor();
+    let (t, out) = cx.agent_perf("A", std::env::var("BENCH_PERF_COLD").ok().as_deref());
+    let rss = children_maxrss();
+    let ra = cx.read_anchor();
+    let (h, _) = cx.hash("A");
+    row("cold start: anchor only", t, "max(read anchor, hash)", ra.max(h));
+    println!("|   peak RSS of the agent: {} MiB ({out}) | | | | |", rss >> 10);
+    // B also starts on the anchor (for the catch-up).
+    cx.agent("B");
+    // With BENCH_AB=K=V, D follows like A with that variable set, measured step by step beside A.
+    let ab = std::env::var("BENCH_AB").ok();
+    if ab.is_some() {
+        cx.agent("D");
+    }
+    let mut ratios_b = vec![];
+    // Fast path: one delta at a time, each next to a hash of the same directory.
+    let k = 5.min(n.saturating_sub(1));
+    let mut ratios = vec![];
+    for s in 1..=(1 + reps).min(n) {
+        reveal(dir, s);
+        let perf = std::env::var("BENCH_PERF").ok().filter(|_| s == 4);
+        let (t, out) = cx.agent_perf("A", perf.as_deref());
+        let (h, _) = cx.hash("A");
+        let what = if s == 1 { "fast path (first after anchor: slot copy)" } else { "fast path: 1 delta" };
+        row(&format!("{what}, step {s}"), t, "driftless hash of A/current", h);
+        if s > 1 {
+            ratios.push(t / h);
+        }
+        if let Some(kv) = &ab {
+            let (t, _) = cx.agent_env("D", None, Some(kv));
+            let (h, _) = cx.hash("D");
+            row(&format!("  {kv}: step {s}"), t, "driftless hash of D/current", h);
+            if s > 1 {
+                ratios_b.push(t / h);
+            }
+        }
+        eprintln!("  {out}");
+    }
+    ratios.sort_by(f64::total_cmp);
+    if !ratios.is_empty() {
+        println!(
+            "|   fast path / hash: median {:.2}x, min {:.2}x, max {:.2}x | | | | |",
+            ratios[ratios.len() / 2],
+            ratios[0],
+            ratios[ratios.len() - 1]
+        );
+    }
+    ratios_b.sort_by(f64::total_cmp);
+    if !ratios_b.is_empty() {
+        println!(
+            "|   with {}: median {:.2}x, min {:.2}x, max {:.2}x | | | | |",
+            ab.as_deref().unwrap_or(""),
+            ratios_b[ratios_b.len() / 2],
+            ratios_b[0],
+            ratios_b[ratios_b.len() - 1]
+        );
+    }
+    if std::env::var_os("BENCH_FAST_ONLY").is_some() {
+        return;
+    }
+    let shown = (1 + reps).min(n);
+    // Catch-up: B is on step 0 (both slots hold the anchor after... one copy); bring it k steps.
+    let (t, _) = cx.agent("B");
+    let (h, _) = cx.hash("B");
+    row(&format!("catch-up: {shown} deltas (B from step 0)"), t, "driftless hash of B/current", h);
+    // Cold start, anchor + deltas.
+    let _ = k;
+    let before = children_maxrss();
+    let (t, _) = cx.agent("C");
+    let rss = children_maxrss();
+    let ra = cx.read_anchor();
+    let (h, _) = cx.hash("C");
+    row(&format!("cold start: anchor + {shown} deltas"), t, "max(read anchor, hash)", ra.max(h));
+    if rss > before {
+        println!("|   peak RSS of the agent: {} MiB | | | | |", rss >> 10);
+    }
+    // Bit-exact check against the trainer's weights at the last revealed step, when it is n.
+    if shown == n {
+        let (_, want) = timed(Command::new(bin).arg("hash").arg(dir.join("last")));
+        let (_, got) = cx.hash("A");
+        assert_eq!(want, got, "agent result differs from the trainer's weights");
+        println!("|   bit-exact against the trainer's step {n}: yes | | | | |");
+    }
+}
