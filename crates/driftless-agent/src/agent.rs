@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
-use driftless_format::manifest::{now_ms, DeltaManifest, StepKind};
+use driftless_format::manifest::{now_ms, DeltaManifest, LatestHint, ReadyMarker, StepKind};
 use driftless_format::{anchor, fused, ops, AnchorEncoding, Checkpoint, CheckpointMut, Digest, TrustSet};
 use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
@@ -42,6 +42,10 @@ pub struct AgentConfig {
     pub poll_max: Duration,
     /// Concurrent object downloads. Default 8.
     pub download_concurrency: usize,
+    /// Chunks of an anchor shard (16 MiB decoded each) downloaded and decoded at once during a
+    /// cold start: the memory of a cold start is about 3 x 16 MiB per part, whatever the model
+    /// size. Default 4.
+    pub anchor_parts: usize,
     /// How long a refused step stays out of plans before it is tried again (doubling on each
     /// repeated failure). Default 30 s.
     pub refuse_for: Duration,
@@ -57,6 +61,7 @@ impl AgentConfig {
             poll_min: Duration::from_millis(500),
             poll_max: Duration::from_secs(10),
             download_concurrency: 8,
+            anchor_parts: 4,
             refuse_for: Duration::from_secs(30),
         }
     }
@@ -145,6 +150,10 @@ pub struct Agent {
     /// Delta segment objects kept in `cache/` (step, SHA-256s), to bring the inactive slot
     /// forward without a second download.
     cached: Vec<(u64, Vec<Digest>)>,
+    /// A signed `latest.json` already read by the poll loop, for the next sync to plan from.
+    hint: Option<LatestHint>,
+    /// Plan the next sync from a listing even if a hint would do (the periodic full check).
+    list_next: bool,
 }
 
 impl std::fmt::Debug for Agent {
@@ -241,6 +250,8 @@ impl Agent {
             markers: MarkerCache::default(),
             stream_id: None,
             cached: vec![],
+            hint: None,
+            list_next: false,
         })
     }
 
@@ -428,6 +439,48 @@ impl Agent {
         })
     }
 
+    /// Candidates from the signed `latest.json` when it announces a delta on the local step: that
+    /// delta's marker, plus the markers linking the inactive slot's step to the local one (from
+    /// the cache, or one GET each), so the inactive slot is brought forward as usual. `None`
+    /// when the hint cannot plan this sync alone.
+    async fn hinted_candidates(&mut self, sid: &str, local: Option<u64>) -> Option<Candidates> {
+        let hint = self.hint.take();
+        if std::mem::take(&mut self.list_next) {
+            return None;
+        }
+        let local = local?;
+        let inactive = self.state.as_ref()?.inactive;
+        let hint = match hint {
+            Some(h) => h,
+            None => self.reader.latest(None).await.ok()??.0,
+        };
+        let dm = hint.delta_marker.filter(|m| {
+            hint.stream_id == sid && m.stream_id == sid && m.of == StepKind::Delta && m.base_step == Some(local)
+        })?;
+        if hint.anchor.is_some_and(|a| a > local) {
+            return None;
+        }
+        let mut c = Candidates::default();
+        self.markers.insert(dm.clone());
+        c.deltas.insert(dm.step, dm);
+        if let Some(h) = inactive.filter(|h| h.step < local) {
+            let mut s = local;
+            for _ in 0..64 {
+                if s <= h.step {
+                    break;
+                }
+                let m: ReadyMarker = self.markers.get(&self.reader, StepKind::Delta, s).await.ok()?;
+                if m.stream_id != sid {
+                    return None;
+                }
+                let b = m.base_step.filter(|&b| b < s)?;
+                c.deltas.insert(s, m);
+                s = b;
+            }
+        }
+        Some(c)
+    }
+
     async fn sync_inner(&mut self, careful: bool, t0: Instant) -> Result<SyncOutcome, BuildError> {
         let sid = self.stream_id().await?;
         if let Some(st) = &self.state {
@@ -438,11 +491,23 @@ impl Agent {
         // Local weights of another stream (a new run in the same bucket prefix) are never a
         // base; they keep being served until the new stream's first step replaces them.
         let local = self.state.as_ref().filter(|s| self.active_ok && s.stream_id == sid).map(|s| s.step);
-        let cands = self.markers.candidates(&self.reader, &sid, None).await.map_err(Error::from)?;
-        if let Some(oldest) = cands.anchors.keys().next().copied() {
-            self.refused.prune_below(oldest);
-        }
-        let route = plan::route(local, &cands, &self.refused, None);
+        // A follower one step behind plans from the signed latest.json alone (no listing, no
+        // marker reads); anything else (cold start, a gap, a newer anchor, a refusal) lists.
+        let hinted = match self.hinted_candidates(&sid, local).await {
+            Some(c) => plan::route(local, &c, &self.refused, None).map(|r| (c, r)),
+            None => None,
+        };
+        let (cands, route) = match hinted {
+            Some((c, r)) => (c, Some(r)),
+            None => {
+                let cands = self.markers.candidates(&self.reader, &sid, None).await.map_err(Error::from)?;
+                if let Some(oldest) = cands.anchors.keys().next().copied() {
+                    self.refused.prune_below(oldest);
+                }
+                let route = plan::route(local, &cands, &self.refused, None);
+                (cands, route)
+            }
+        };
         if let Some(n) = cands.newest() {
             self.metrics.newest.store(n, Relaxed);
             if self.metrics.newest_seen_ms.load(Relaxed) == 0 || local != Some(n) {
@@ -511,7 +576,9 @@ impl Agent {
         // (step, root) the work slot holds as the chain starts.
         let (mut at, deltas): (Held, Vec<u64>) = match route.anchor {
             Some(a) => {
-                let (b, h) = self.load_anchor(sid, a, &wdir).await?;
+                // With deltas after it, the anchor's root is not checked on its own: the final
+                // root (signed) proves the result; a mismatch is retried carefully, anchor first.
+                let (b, h) = self.load_anchor(sid, a, &wdir, careful || route.deltas.is_empty()).await?;
                 bytes += b;
                 self.metrics.anchor_downloads.fetch_add(1, Relaxed);
                 (h, route.deltas.clone())
@@ -549,10 +616,13 @@ impl Agent {
             if deltas.is_empty() { None } else { Some(Checkpoint::open(&wdir).map_err(Error::from)?.layout()) };
         let mut group: Vec<(DeltaManifest, Vec<DecodedSegment>)> = vec![];
         let mut group_raw = 0u64;
-        let mut next = deltas.first().map(|&d| self.start_fetch(d));
+        // A wrong final root names one step only when it is the only unverified one.
+        let pinpoint = careful || (n == 1 && route.anchor.is_none());
+        let marker = |d: u64| cands.marker(StepKind::Delta, d).cloned();
+        let mut next = deltas.first().map(|&d| self.start_fetch(d, marker(d)));
         for (k, &d) in deltas.iter().enumerate() {
             let fetch = next.take().expect("a fetch per delta");
-            next = deltas.get(k + 1).map(|&d| self.start_fetch(d));
+            next = deltas.get(k + 1).map(|&d| self.start_fetch(d, marker(d)));
             let last = k + 1 == n;
             let verify = careful || last;
             let (m, segs, b) = self.receive_delta(sid, d, fetch, at).await?;
@@ -564,7 +634,7 @@ impl Agent {
                 group_raw = 0;
                 self.apply_group(&wdir, pending, false, careful).await?;
                 drop(segs);
-                self.rewrite_delta(&wdir, &m, verify, careful || n == 1).await?;
+                self.rewrite_delta(&wdir, &m, verify, pinpoint).await?;
                 layout = Some(m.layout());
             } else {
                 group_raw += m.segments.iter().map(|s| s.raw_size).sum::<u64>();
@@ -572,7 +642,7 @@ impl Agent {
                 if verify || group_raw > GROUP_RAW_BYTES {
                     let pending = std::mem::take(&mut group);
                     group_raw = 0;
-                    self.apply_group(&wdir, pending, verify, careful || n == 1).await?;
+                    self.apply_group(&wdir, pending, verify, pinpoint).await?;
                 }
             }
             self.cached.push((d, shas));
@@ -627,7 +697,13 @@ impl Agent {
     }
 
     /// Downloads, decodes and verifies an anchor into the work slot (replacing it).
-    async fn load_anchor(&mut self, sid: &str, step: u64, wdir: &Path) -> Result<(u64, Held), BuildError> {
+    async fn load_anchor(
+        &mut self,
+        sid: &str,
+        step: u64,
+        wdir: &Path,
+        verify: bool,
+    ) -> Result<(u64, Held), BuildError> {
         let at = attribute(StepKind::Anchor, step);
         let (m, _) = self.reader.anchor(step).await.map_err(|e| at(e.into()))?;
         if m.stream_id != sid {
@@ -641,13 +717,27 @@ impl Agent {
         // Owned keys: closures over borrowed items make the future not provably `Send`.
         let keys: Vec<(String, u64, Digest)> =
             m.objects.iter().map(|o| (o.object.object.clone(), o.object.size, o.object.sha256)).collect();
-        let objs: Vec<Bytes> = futures::stream::iter(keys)
-            .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
-            .buffered(self.cfg.download_concurrency.max(1))
-            .try_collect()
-            .instrument(info_span!("download_anchor", step))
-            .await
-            .map_err(|e| at(e.into()))?;
+        // Byte-plane shards stream (ranged GETs, decoded and written as they arrive, memory
+        // bounded by the parts in flight); plain safetensors objects are read whole.
+        let mut streamed = 0u64;
+        let objs: Vec<Bytes> = if m.encoding == AnchorEncoding::PlanesZstd {
+            for o in &m.objects {
+                streamed += self
+                    .stream_shard(step, o, wdir)
+                    .instrument(info_span!("stream_anchor_shard", step, file = %o.file))
+                    .await
+                    .map_err(&at)?;
+            }
+            vec![]
+        } else {
+            futures::stream::iter(keys)
+                .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
+                .buffered(self.cfg.download_concurrency.max(1))
+                .try_collect()
+                .instrument(info_span!("download_anchor", step))
+                .await
+                .map_err(|e| at(e.into()))?
+        };
         let keys: Vec<(String, u64, Digest)> = m.files.iter().map(|o| (o.object.clone(), o.size, o.sha256)).collect();
         let files: Vec<Bytes> = futures::stream::iter(keys)
             .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
@@ -655,27 +745,13 @@ impl Agent {
             .try_collect()
             .await
             .map_err(|e| at(e.into()))?;
-        let bytes: u64 = objs.iter().chain(&files).map(|b| b.len() as u64).sum();
+        let bytes: u64 = streamed + objs.iter().chain(&files).map(|b| b.len() as u64).sum::<u64>();
         let dir = wdir.to_path_buf();
         let m2 = m.clone();
         let tv = Instant::now();
         tokio::task::spawn_blocking(move || -> Result<()> {
             for (o, b) in m2.objects.iter().zip(&objs) {
-                let p = dir.join(&o.file);
-                match m2.encoding {
-                    AnchorEncoding::Safetensors => std::fs::write(&p, b)?,
-                    AnchorEncoding::PlanesZstd => {
-                        if o.decoded_size > anchor::MAX_SHARD {
-                            return Err(corrupt("anchor manifest", "shard too large"));
-                        }
-                        let f = driftless_format::checkpoint::allocate_file(&p, o.decoded_size)?;
-                        // SAFETY: a file we just created and allocated in our inactive slot;
-                        // nothing else maps or truncates it.
-                        let mut map = unsafe { memmap2::MmapMut::map_mut(&f)? };
-                        anchor::decode_shard(b, &mut map)?;
-                        map.flush()?;
-                    }
-                }
+                std::fs::write(dir.join(&o.file), b)?;
             }
             for (o, b) in m2.files.iter().zip(&files) {
                 let name = o.object.strip_prefix("extra-").unwrap_or(&o.object);
@@ -687,21 +763,110 @@ impl Agent {
             if ck.layout() != m2.layout() {
                 return Err(corrupt("anchor", "decoded files do not match the manifest layout"));
             }
-            ops::verify_views(&ck.views(), &m2.shards, m2.weights_root)?;
+            if verify {
+                ops::verify_views(&ck.views(), &m2.shards, m2.weights_root)?;
+            }
             Ok(())
         })
         .await
         .map_err(|e| Error::Io(std::io::Error::other(format!("anchor task: {e}"))))?
         .map_err(&at)?;
         self.metrics.record_verify(tv.elapsed());
-        info!(step, bytes, "anchor loaded and verified");
+        info!(step, bytes, verified = verify, "anchor loaded");
         Ok((bytes, Held { step, root: m.weights_root }))
+    }
+
+    /// Streams one byte-plane anchor shard into `wdir/<file>`: ranged GETs of its footer,
+    /// prefix, table and header, then one ranged GET per chunk, `anchor_parts` in flight, each
+    /// decoded on the blocking pool and written once at its offset (`pwrite` into a file whose
+    /// space is allocated first: no page-cache zeroing, no SIGBUS). The object's SHA-256 is
+    /// computed over the parts in order and checked against the manifest at the end; bytes
+    /// decoded before that check only ever reach the inactive slot, which is not trusted until
+    /// its weights root is verified. Returns the bytes read.
+    async fn stream_shard(
+        &self,
+        step: u64,
+        o: &driftless_format::manifest::AnchorShardRef,
+        wdir: &Path,
+    ) -> Result<u64> {
+        use sha2::Digest as _;
+        use std::os::unix::fs::FileExt;
+        if o.decoded_size > anchor::MAX_SHARD {
+            return Err(corrupt("anchor manifest", "shard too large"));
+        }
+        let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
+        let size = o.object.size;
+        if size < 48 {
+            return Err(corrupt("anchor shard", "truncated"));
+        }
+        let bucket = self.reader.bucket().clone();
+        // A truncated or swapped object is an integrity failure, as for whole-object reads
+        // (ranged reads past its end would look like a storage error).
+        let head = match bucket.head(&key).await {
+            Ok(h) => h,
+            Err(e) if e.is_not_found() => {
+                return Err(StreamError::NotReady { step, detail: format!("{key} missing") }.into())
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if head.size != size {
+            return Err(driftless_format::Error::Corrupt {
+                what: "object",
+                detail: format!("{key} does not match its manifest (size or SHA-256)"),
+            }
+            .into());
+        }
+        let footer = bucket.get_range_of(&key, size - anchor::FOOTER_LEN..size).await?;
+        let tr = anchor::table_range(&footer, size)?;
+        let (table, prefix) =
+            futures::try_join!(bucket.get_range_of(&key, tr), bucket.get_range_of(&key, 0..anchor::PREFIX_LEN))?;
+        let plan = anchor::plan_shard(&prefix, &table, &footer, size, o.decoded_size)?;
+        let hz = bucket.get_range_of(&key, plan.header.clone()).await?;
+        let path = wdir.join(&o.file);
+        let file = Arc::new(driftless_format::checkpoint::allocate_file(&path, o.decoded_size)?);
+        let mut head = vec![0u8; plan.header_len as usize];
+        anchor::decode_header(&hz, &mut head)?;
+        file.write_all_at(&head, 0)?;
+        let mut sha = sha2::Sha256::new();
+        sha.update(&prefix);
+        sha.update(&hz);
+        let mut parts = futures::stream::iter(plan.chunks)
+            .map(|c| {
+                let (bucket, key, file) = (bucket.clone(), key.clone(), file.clone());
+                async move {
+                    let b = bucket.get_range_of(&key, c.stored.clone()).await?;
+                    let stored = b.clone();
+                    tokio::task::spawn_blocking(move || -> Result<()> {
+                        let mut out = vec![0u8; (c.out.end - c.out.start) as usize];
+                        anchor::decode_chunk(&c, &stored, &mut out)?;
+                        file.write_all_at(&out, c.out.start)?;
+                        Ok(())
+                    })
+                    .await
+                    .map_err(|e| Error::Io(std::io::Error::other(format!("decode task: {e}"))))??;
+                    Ok::<Bytes, Error>(b)
+                }
+            })
+            .buffered(self.cfg.anchor_parts.max(1));
+        while let Some(b) = parts.next().await {
+            sha.update(&b?);
+        }
+        sha.update(&table);
+        sha.update(&footer);
+        if Digest(sha.finalize().into()) != o.object.sha256 {
+            return Err(driftless_format::Error::Corrupt {
+                what: "object",
+                detail: format!("{key} does not match its manifest (size or SHA-256)"),
+            }
+            .into());
+        }
+        Ok(size)
     }
 
     /// Starts downloading delta `step` in the background: its manifest, then its segments
     /// (from the local cache when present), each checked against the manifest and decoded as
     /// soon as it arrives. Nothing local changes; dropping the handle stops it.
-    fn start_fetch(&self, step: u64) -> Fetch {
+    fn start_fetch(&self, step: u64, marker: Option<ReadyMarker>) -> Fetch {
         let reader = self.reader.clone();
         let conc = self.cfg.download_concurrency.max(1);
         let cache = self.dir.cache();
@@ -709,7 +874,11 @@ impl Agent {
         let (stx, segments) = tokio::sync::mpsc::unbounded_channel();
         let task = tokio::spawn(
             async move {
-                let (m, sha) = match reader.delta(step).await {
+                let got = match &marker {
+                    Some(mk) => reader.delta_at(step, mk).await,
+                    None => reader.delta(step).await,
+                };
+                let (m, sha) = match got {
                     Ok(x) => x,
                     Err(e) => {
                         let _ = mtx.send(Err(Error::from(e)));
@@ -945,16 +1114,30 @@ impl Agent {
         let mut polls = 0u64;
         loop {
             polls += 1;
-            // Cheap check first: when latest.json did not change and we are on a step, skip the
-            // listing (markers stay the source of truth: list anyway every 10th poll).
-            let unchanged = self.state.is_some()
-                && self.loaded.is_some()
-                && polls % 10 != 0
-                && matches!(self.reader.latest(etag.as_deref()).await, Ok(None));
+            // Cheap check first: one conditional GET of latest.json. Unchanged and on a step:
+            // nothing to do. Changed: the next sync plans from it (a follower one step behind
+            // neither lists nor reads markers). Every 10th poll lists anyway (markers stay the
+            // source of truth).
+            let polled = if self.state.is_some() && self.loaded.is_some() {
+                Some(self.reader.latest(etag.as_deref()).await)
+            } else {
+                None
+            };
+            let unchanged = polls % 10 != 0 && matches!(polled, Some(Ok(None)));
             if !unchanged {
-                if let Ok(Some((_, tag))) = self.reader.latest(None).await {
-                    etag = tag;
+                match polled {
+                    Some(Ok(Some((h, tag)))) => {
+                        etag = tag;
+                        self.hint = Some(h);
+                    }
+                    _ => {
+                        if let Ok(Some((h, tag))) = self.reader.latest(None).await {
+                            etag = tag;
+                            self.hint = Some(h);
+                        }
+                    }
                 }
+                self.list_next = polls % 10 == 0;
                 match self.sync_once().await {
                     Ok(o) => {
                         failures = 0;
