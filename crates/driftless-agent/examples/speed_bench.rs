@@ -36,7 +36,8 @@ fn main() {
     match args.get(1).map(String::as_str) {
         Some("gen") => gen(Path::new(&args[2])),
         Some("run") => run(Path::new(&args[2]), Path::new(&args[3])),
-        _ => eprintln!("usage: speed_bench gen DIR | run DIR DRIFTLESS_BIN"),
+        Some("proc") => processing(Path::new(&args[2])),
+        _ => eprintln!("usage: speed_bench gen DIR | run DIR DRIFTLESS_BIN | proc DIR"),
     }
 }
 
@@ -300,4 +301,96 @@ fn run(dir: &Path, bin: &Path) {
         assert_eq!(want, got, "agent result differs from the trainer's weights");
         println!("|   bit-exact against the trainer's step {n}: yes | | | | |");
     }
+}
+
+/// Processing only (no process start, no planning, no download), in one process, rounds
+/// interleaved so that load from other processes hits every variant alike: the work of a
+/// steady-state fast path (deltas 2 and 3 onto a copy of step 1: the inactive slot brought
+/// forward) done the way main did it (each delta applied segment by segment, then the model
+/// hashed) and in one fused pass, each followed by the msync; next to hashing the same files.
+fn processing(dir: &Path) {
+    use driftless_format::delta::decode_segment;
+    use driftless_format::{fused, CheckpointMut, DeltaManifest};
+    let rounds: usize = env("BENCH_ROUNDS", 7);
+    let bucket = dir.join("bucket");
+    let seg = |s: u64| -> Vec<driftless_format::delta::DecodedSegment> {
+        let env = std::fs::read(bucket.join(layout::manifest(StepKind::Delta, s))).unwrap();
+        let trust =
+            driftless_format::TrustSet::new().with_pem(&std::fs::read_to_string(dir.join("key.pub")).unwrap()).unwrap();
+        let (payload, _) = trust.open(&env).unwrap();
+        let m = DeltaManifest::from_slice(&payload).unwrap();
+        m.segments
+            .iter()
+            .map(|r| {
+                let b = std::fs::read(bucket.join(layout::object(StepKind::Delta, s, &r.object.object))).unwrap();
+                decode_segment(&b, r.raw_size).unwrap()
+            })
+            .collect()
+    };
+    let chain = [seg(2), seg(3)];
+    // A scratch checkpoint: the newest weights written by `gen`.
+    let scratch = dir.join("scratch");
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    for e in std::fs::read_dir(dir.join("last")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), scratch.join(e.file_name())).unwrap();
+    }
+    let time = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    let (mut h, mut old, mut new) = (vec![], vec![], vec![]);
+    for _ in 0..rounds {
+        h.push(time(&mut || {
+            let ck = driftless_format::Checkpoint::open(&scratch).unwrap();
+            std::hint::black_box(driftless_format::weights_root(&ck.views()));
+        }));
+        old.push(time(&mut || {
+            let mut ck = CheckpointMut::open(&scratch).unwrap();
+            for d in &chain {
+                let tm = ck.tensors_mut();
+                for s in d {
+                    driftless_format::delta::apply_segment(s, &tm).unwrap();
+                }
+            }
+            std::hint::black_box(driftless_format::weights_root(&ck.views()));
+            ck.flush().unwrap();
+        }));
+        new.push(time(&mut || {
+            let mut ck = CheckpointMut::open(&scratch).unwrap();
+            let metas = ck.metas();
+            let wb = ck.writeback();
+            let (tx, rx) = std::sync::mpsc::channel::<usize>();
+            let w = std::thread::spawn(move || {
+                for t in rx {
+                    wb.start(t);
+                }
+            });
+            {
+                let tm = ck.tensors_mut();
+                let refs: Vec<&[driftless_format::delta::DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
+                let tx = std::sync::Mutex::new(tx);
+                std::hint::black_box(
+                    fused::apply_and_hash(&tm, &metas, &refs, true, &|t| {
+                        let _ = tx.lock().unwrap().send(t);
+                    })
+                    .unwrap(),
+                );
+            }
+            w.join().unwrap();
+            ck.flush().unwrap();
+        }));
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (mh, mo, mn) = (med(&mut h), med(&mut old), med(&mut new));
+    println!("processing, {rounds} interleaved rounds, medians (2 deltas onto a 1-step-old copy, + msync):");
+    println!("| hash the model (weights root)                 | {mh:.3} s | 1.00x |");
+    println!("| main: apply delta by delta, then hash, msync   | {mo:.3} s | {:.2}x |", mo / mh);
+    println!("| fused: apply + hash in one pass, msync         | {mn:.3} s | {:.2}x |", mn / mh);
+    let _ = std::fs::remove_dir_all(&scratch);
 }

@@ -827,20 +827,33 @@ impl Agent {
         let mut head = vec![0u8; plan.header_len as usize];
         anchor::decode_header(&hz, &mut head)?;
         file.write_all_at(&head, 0)?;
+        // Output and plane buffers of the chunk decoders (16 MiB each per part in flight),
+        // reused from chunk to chunk so their pages are faulted in once.
+        type Buffers = std::sync::Mutex<Vec<(Vec<u8>, Vec<u8>)>>;
+        let pool: Arc<Buffers> = Arc::default();
         let mut sha = sha2::Sha256::new();
         sha.update(&prefix);
         sha.update(&hz);
         let mut parts = futures::stream::iter(plan.chunks)
             .map(|c| {
-                let (bucket, key, file) = (bucket.clone(), key.clone(), file.clone());
+                let (bucket, key, file, pool) = (bucket.clone(), key.clone(), file.clone(), &pool);
                 async move {
                     let b = bucket.get_range_of(&key, c.stored.clone()).await?;
                     let stored = b.clone();
+                    let pool = pool.clone();
                     tokio::task::spawn_blocking(move || -> Result<()> {
-                        let mut out = vec![0u8; (c.out.end - c.out.start) as usize];
-                        anchor::decode_chunk(&c, &stored, &mut out)?;
-                        file.write_all_at(&out, c.out.start)?;
-                        Ok(())
+                        // At most `anchor_parts` decodes run at once, so the pool never holds
+                        // more buffers than that.
+                        let (mut out, mut scratch) = pool.lock().expect("buffer pool").pop().unwrap_or_default();
+                        let n = (c.out.end - c.out.start) as usize;
+                        if out.len() < n {
+                            out.resize(n, 0);
+                        }
+                        let r = anchor::decode_chunk_with(&c, &stored, &mut out[..n], &mut scratch)
+                            .map_err(Error::from)
+                            .and_then(|()| Ok(file.write_all_at(&out[..n], c.out.start)?));
+                        pool.lock().expect("buffer pool").push((out, scratch));
+                        r
                     })
                     .await
                     .map_err(|e| Error::Io(std::io::Error::other(format!("decode task: {e}"))))??;

@@ -363,6 +363,13 @@ pub fn decode_header(hz: &[u8], out: &mut [u8]) -> Result<()> {
 /// Decodes one chunk from its stored planes (the bytes of [`ChunkPlan::stored`]) into `out`
 /// (its [`ChunkPlan::out`] range of the file).
 pub fn decode_chunk(c: &ChunkPlan, stored: &[u8], out: &mut [u8]) -> Result<()> {
+    decode_chunk_with(c, stored, out, &mut Vec::new())
+}
+
+/// [`decode_chunk`] with a scratch buffer the caller keeps between calls (grown as needed,
+/// never shrunk or cleared: a decoder thread reuses its pages instead of faulting in fresh
+/// ones for every chunk).
+pub fn decode_chunk_with(c: &ChunkPlan, stored: &[u8], out: &mut [u8], scratch: &mut Vec<u8>) -> Result<()> {
     if stored.len() as u64 != c.stored.end - c.stored.start || out.len() as u64 != c.out.end - c.out.start {
         return Err(bad("chunk sizes"));
     }
@@ -373,7 +380,10 @@ pub fn decode_chunk(c: &ChunkPlan, stored: &[u8], out: &mut [u8]) -> Result<()> 
         let got = d.decompress_to_buffer(stored, out).map_err(|e| bad(format!("zstd: {e}")))?;
         return if got == n { Ok(()) } else { Err(bad("plane size mismatch")) };
     }
-    let mut scratch = vec![0u8; out.len()];
+    if scratch.len() < out.len() {
+        scratch.resize(out.len(), 0);
+    }
+    let scratch = &mut scratch[..out.len()];
     let mut at = 0usize;
     for (i, &pl) in c.plane_lens.iter().enumerate() {
         let p = &stored[at..at + pl as usize];
@@ -383,6 +393,6 @@ pub fn decode_chunk(c: &ChunkPlan, stored: &[u8], out: &mut [u8]) -> Result<()> 
             return Err(bad("plane size mismatch"));
         }
     }
-    from_planes(&scratch, w, out);
+    from_planes(scratch, w, out);
     Ok(())
 }
