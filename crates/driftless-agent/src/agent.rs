@@ -608,7 +608,7 @@ impl Agent {
         };
         let t = Instant::now();
         let n = deltas.len();
-        // Pipelined: delta k+1 downloads (and decodes) while delta k is received. Consecutive
+        // Consecutive
         // deltas of one layout are applied together in one pass over the model, verified once
         // at the end (every result root is signed, so the final check proves the final state;
         // a mismatch is retried `careful`ly, one verified delta at a time, to name the step).
@@ -618,11 +618,16 @@ impl Agent {
         let mut group_raw = 0u64;
         // A wrong final root names one step only when it is the only unverified one.
         let pinpoint = careful || (n == 1 && route.anchor.is_none());
+        // Up to FETCH_AHEAD deltas download and decode at once (on the blocking pool) while
+        // earlier ones are received: a catch-up is not a sequence of round trips.
         let marker = |d: u64| cands.marker(StepKind::Delta, d).cloned();
-        let mut next = deltas.first().map(|&d| self.start_fetch(d, marker(d)));
+        let mut ahead: std::collections::VecDeque<Fetch> =
+            deltas.iter().take(FETCH_AHEAD).map(|&d| self.start_fetch(d, marker(d))).collect();
         for (k, &d) in deltas.iter().enumerate() {
-            let fetch = next.take().expect("a fetch per delta");
-            next = deltas.get(k + 1).map(|&d| self.start_fetch(d, marker(d)));
+            let fetch = ahead.pop_front().expect("a fetch per delta");
+            if let Some(&d) = deltas.get(k + FETCH_AHEAD) {
+                ahead.push_back(self.start_fetch(d, marker(d)));
+            }
             let last = k + 1 == n;
             let verify = careful || last;
             let (m, segs, b) = self.receive_delta(sid, d, fetch, at).await?;
@@ -1209,6 +1214,9 @@ impl Drop for AbortOnDrop {
 
 /// A root mismatch after the last delta of a chain that was not verified step by step cannot
 /// be pinned on one step: the caller retries carefully. Otherwise the step is at fault.
+/// Deltas of a chain downloaded and decoded ahead of the one being received.
+const FETCH_AHEAD: usize = 4;
+
 /// Decoded delta bytes applied in one pass at most (bounds the memory of a long catch-up; a
 /// pass is one read of the model, so this also bounds how often it is read).
 const GROUP_RAW_BYTES: u64 = 512 << 20;
