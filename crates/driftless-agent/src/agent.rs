@@ -608,9 +608,8 @@ impl Agent {
         };
         let t = Instant::now();
         let n = deltas.len();
-        // Consecutive
-        // deltas of one layout are applied together in one pass over the model, verified once
-        // at the end (every result root is signed, so the final check proves the final state;
+        // Consecutive deltas of one layout are applied together in one pass over the model,
+        // verified once at the end (every result root is signed, so the final check proves the final state;
         // a mismatch is retried `careful`ly, one verified delta at a time, to name the step).
         let mut layout =
             if deltas.is_empty() { None } else { Some(Checkpoint::open(&wdir).map_err(Error::from)?.layout()) };
