@@ -14,12 +14,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
-use driftless_format::manifest::{now_ms, DeltaManifest, StepKind};
-use driftless_format::{anchor, ops, AnchorEncoding, Checkpoint, CheckpointMut, Digest, TrustSet};
+use driftless_format::manifest::{now_ms, DeltaManifest, LatestHint, ReadyMarker, StepKind};
+use driftless_format::{anchor, fused, ops, AnchorEncoding, Checkpoint, CheckpointMut, Digest, TrustSet};
 use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
-use rayon::prelude::*;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
 use crate::metrics::Metrics;
@@ -43,6 +42,10 @@ pub struct AgentConfig {
     pub poll_max: Duration,
     /// Concurrent object downloads. Default 8.
     pub download_concurrency: usize,
+    /// Chunks of an anchor shard (16 MiB decoded each) downloaded and decoded at once during a
+    /// cold start: the memory of a cold start is about 3 x 16 MiB per part, whatever the model
+    /// size. Default 4.
+    pub anchor_parts: usize,
     /// How long a refused step stays out of plans before it is tried again (doubling on each
     /// repeated failure). Default 30 s.
     pub refuse_for: Duration,
@@ -58,6 +61,7 @@ impl AgentConfig {
             poll_min: Duration::from_millis(500),
             poll_max: Duration::from_secs(10),
             download_concurrency: 8,
+            anchor_parts: 4,
             refuse_for: Duration::from_secs(30),
         }
     }
@@ -146,6 +150,10 @@ pub struct Agent {
     /// Delta segment objects kept in `cache/` (step, SHA-256s), to bring the inactive slot
     /// forward without a second download.
     cached: Vec<(u64, Vec<Digest>)>,
+    /// A signed `latest.json` already read by the poll loop, for the next sync to plan from.
+    hint: Option<LatestHint>,
+    /// Plan the next sync from a listing even if a hint would do (the periodic full check).
+    list_next: bool,
 }
 
 impl std::fmt::Debug for Agent {
@@ -242,6 +250,8 @@ impl Agent {
             markers: MarkerCache::default(),
             stream_id: None,
             cached: vec![],
+            hint: None,
+            list_next: false,
         })
     }
 
@@ -429,6 +439,48 @@ impl Agent {
         })
     }
 
+    /// Candidates from the signed `latest.json` when it announces a delta on the local step: that
+    /// delta's marker, plus the markers linking the inactive slot's step to the local one (from
+    /// the cache, or one GET each), so the inactive slot is brought forward as usual. `None`
+    /// when the hint cannot plan this sync alone.
+    async fn hinted_candidates(&mut self, sid: &str, local: Option<u64>) -> Option<Candidates> {
+        let hint = self.hint.take();
+        if std::mem::take(&mut self.list_next) {
+            return None;
+        }
+        let local = local?;
+        let inactive = self.state.as_ref()?.inactive;
+        let hint = match hint {
+            Some(h) => h,
+            None => self.reader.latest(None).await.ok()??.0,
+        };
+        let dm = hint.delta_marker.filter(|m| {
+            hint.stream_id == sid && m.stream_id == sid && m.of == StepKind::Delta && m.base_step == Some(local)
+        })?;
+        if hint.anchor.is_some_and(|a| a > local) {
+            return None;
+        }
+        let mut c = Candidates::default();
+        self.markers.insert(dm.clone());
+        c.deltas.insert(dm.step, dm);
+        if let Some(h) = inactive.filter(|h| h.step < local) {
+            let mut s = local;
+            for _ in 0..64 {
+                if s <= h.step {
+                    break;
+                }
+                let m: ReadyMarker = self.markers.get(&self.reader, StepKind::Delta, s).await.ok()?;
+                if m.stream_id != sid {
+                    return None;
+                }
+                let b = m.base_step.filter(|&b| b < s)?;
+                c.deltas.insert(s, m);
+                s = b;
+            }
+        }
+        Some(c)
+    }
+
     async fn sync_inner(&mut self, careful: bool, t0: Instant) -> Result<SyncOutcome, BuildError> {
         let sid = self.stream_id().await?;
         if let Some(st) = &self.state {
@@ -439,11 +491,23 @@ impl Agent {
         // Local weights of another stream (a new run in the same bucket prefix) are never a
         // base; they keep being served until the new stream's first step replaces them.
         let local = self.state.as_ref().filter(|s| self.active_ok && s.stream_id == sid).map(|s| s.step);
-        let cands = self.markers.candidates(&self.reader, &sid, None).await.map_err(Error::from)?;
-        if let Some(oldest) = cands.anchors.keys().next().copied() {
-            self.refused.prune_below(oldest);
-        }
-        let route = plan::route(local, &cands, &self.refused, None);
+        // A follower one step behind plans from the signed latest.json alone (no listing, no
+        // marker reads); anything else (cold start, a gap, a newer anchor, a refusal) lists.
+        let hinted = match self.hinted_candidates(&sid, local).await {
+            Some(c) => plan::route(local, &c, &self.refused, None).map(|r| (c, r)),
+            None => None,
+        };
+        let (cands, route) = match hinted {
+            Some((c, r)) => (c, Some(r)),
+            None => {
+                let cands = self.markers.candidates(&self.reader, &sid, None).await.map_err(Error::from)?;
+                if let Some(oldest) = cands.anchors.keys().next().copied() {
+                    self.refused.prune_below(oldest);
+                }
+                let route = plan::route(local, &cands, &self.refused, None);
+                (cands, route)
+            }
+        };
         if let Some(n) = cands.newest() {
             self.metrics.newest.store(n, Relaxed);
             if self.metrics.newest_seen_ms.load(Relaxed) == 0 || local != Some(n) {
@@ -518,7 +582,9 @@ impl Agent {
         // (step, root) the work slot holds as the chain starts.
         let (mut at, deltas): (Held, Vec<u64>) = match route.anchor {
             Some(a) => {
-                let (b, h) = self.load_anchor(sid, a, &wdir).await?;
+                // With deltas after it, the anchor's root is not checked on its own: the final
+                // root (signed) proves the result; a mismatch is retried carefully, anchor first.
+                let (b, h) = self.load_anchor(sid, a, &wdir, careful || route.deltas.is_empty()).await?;
                 bytes += b;
                 self.metrics.anchor_downloads.fetch_add(1, Relaxed);
                 (h, route.deltas.clone())
@@ -548,17 +614,48 @@ impl Agent {
         };
         let t = Instant::now();
         let n = deltas.len();
-        // Pipelined: delta k+1 downloads (and decodes) while delta k is applied.
-        let mut next = deltas.first().map(|&d| self.start_fetch(d));
+        // Consecutive deltas of one layout are applied together in one pass over the model,
+        // verified once at the end (every result root is signed, so the final check proves the final state;
+        // a mismatch is retried `careful`ly, one verified delta at a time, to name the step).
+        let mut layout =
+            if deltas.is_empty() { None } else { Some(Checkpoint::open(&wdir).map_err(Error::from)?.layout()) };
+        let mut group: Vec<(DeltaManifest, Vec<DecodedSegment>)> = vec![];
+        let mut group_raw = 0u64;
+        // A wrong final root names one step only when it is the only unverified one.
+        let pinpoint = careful || (n == 1 && route.anchor.is_none());
+        // Up to FETCH_AHEAD deltas download and decode at once (on the blocking pool) while
+        // earlier ones are received: a catch-up is not a sequence of round trips.
+        let marker = |d: u64| cands.marker(StepKind::Delta, d).cloned();
+        let mut ahead: std::collections::VecDeque<Fetch> =
+            deltas.iter().take(FETCH_AHEAD).map(|&d| self.start_fetch(d, marker(d))).collect();
         for (k, &d) in deltas.iter().enumerate() {
-            let fetch = next.take().expect("a fetch per delta");
-            next = deltas.get(k + 1).map(|&d| self.start_fetch(d));
-            let verify = careful || k + 1 == n;
-            // A final root that differs after several unverified deltas names no culprit.
-            let pinpoint = careful || n == 1;
-            let (b, root) = self.apply_delta(sid, d, fetch, &wdir, at, verify, pinpoint).await?;
+            let fetch = ahead.pop_front().expect("a fetch per delta");
+            if let Some(&d) = deltas.get(k + FETCH_AHEAD) {
+                ahead.push_back(self.start_fetch(d, marker(d)));
+            }
+            let last = k + 1 == n;
+            let verify = careful || last;
+            let (m, segs, b) = self.receive_delta(sid, d, fetch, at).await?;
             bytes += b;
-            at = Held { step: d, root };
+            at = Held { step: d, root: m.result_root };
+            let shas: Vec<Digest> = m.segments.iter().map(|s| s.object.sha256).collect();
+            if layout.as_ref().is_some_and(|l| ops::needs_rewrite(l, &m)) {
+                let pending = std::mem::take(&mut group);
+                group_raw = 0;
+                self.apply_group(&wdir, pending, false, careful).await?;
+                drop(segs);
+                self.rewrite_delta(&wdir, &m, verify, pinpoint).await?;
+                layout = Some(m.layout());
+            } else {
+                group_raw += m.segments.iter().map(|s| s.raw_size).sum::<u64>();
+                group.push((m, segs));
+                if verify || group_raw > GROUP_RAW_BYTES {
+                    let pending = std::mem::take(&mut group);
+                    group_raw = 0;
+                    self.apply_group(&wdir, pending, verify, pinpoint).await?;
+                }
+            }
+            self.cached.push((d, shas));
         }
         self.metrics.apply_ms.store(t.elapsed().as_millis() as u64, Relaxed);
         // Durable before announced: data, then state, then the link, then notify.
@@ -610,7 +707,13 @@ impl Agent {
     }
 
     /// Downloads, decodes and verifies an anchor into the work slot (replacing it).
-    async fn load_anchor(&mut self, sid: &str, step: u64, wdir: &Path) -> Result<(u64, Held), BuildError> {
+    async fn load_anchor(
+        &mut self,
+        sid: &str,
+        step: u64,
+        wdir: &Path,
+        verify: bool,
+    ) -> Result<(u64, Held), BuildError> {
         let at = attribute(StepKind::Anchor, step);
         let (m, _) = self.reader.anchor(step).await.map_err(|e| at(e.into()))?;
         if m.stream_id != sid {
@@ -624,13 +727,27 @@ impl Agent {
         // Owned keys: closures over borrowed items make the future not provably `Send`.
         let keys: Vec<(String, u64, Digest)> =
             m.objects.iter().map(|o| (o.object.object.clone(), o.object.size, o.object.sha256)).collect();
-        let objs: Vec<Bytes> = futures::stream::iter(keys)
-            .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
-            .buffered(self.cfg.download_concurrency.max(1))
-            .try_collect()
-            .instrument(info_span!("download_anchor", step))
-            .await
-            .map_err(|e| at(e.into()))?;
+        // Byte-plane shards stream (ranged GETs, decoded and written as they arrive, memory
+        // bounded by the parts in flight); plain safetensors objects are read whole.
+        let mut streamed = 0u64;
+        let objs: Vec<Bytes> = if m.encoding == AnchorEncoding::PlanesZstd {
+            for o in &m.objects {
+                streamed += self
+                    .stream_shard(step, o, wdir)
+                    .instrument(info_span!("stream_anchor_shard", step, file = %o.file))
+                    .await
+                    .map_err(&at)?;
+            }
+            vec![]
+        } else {
+            futures::stream::iter(keys)
+                .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
+                .buffered(self.cfg.download_concurrency.max(1))
+                .try_collect()
+                .instrument(info_span!("download_anchor", step))
+                .await
+                .map_err(|e| at(e.into()))?
+        };
         let keys: Vec<(String, u64, Digest)> = m.files.iter().map(|o| (o.object.clone(), o.size, o.sha256)).collect();
         let files: Vec<Bytes> = futures::stream::iter(keys)
             .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
@@ -638,27 +755,13 @@ impl Agent {
             .try_collect()
             .await
             .map_err(|e| at(e.into()))?;
-        let bytes: u64 = objs.iter().chain(&files).map(|b| b.len() as u64).sum();
+        let bytes: u64 = streamed + objs.iter().chain(&files).map(|b| b.len() as u64).sum::<u64>();
         let dir = wdir.to_path_buf();
         let m2 = m.clone();
         let tv = Instant::now();
         tokio::task::spawn_blocking(move || -> Result<()> {
             for (o, b) in m2.objects.iter().zip(&objs) {
-                let p = dir.join(&o.file);
-                match m2.encoding {
-                    AnchorEncoding::Safetensors => std::fs::write(&p, b)?,
-                    AnchorEncoding::PlanesZstd => {
-                        if o.decoded_size > anchor::MAX_SHARD {
-                            return Err(corrupt("anchor manifest", "shard too large"));
-                        }
-                        let f = driftless_format::checkpoint::allocate_file(&p, o.decoded_size)?;
-                        // SAFETY: a file we just created and allocated in our inactive slot;
-                        // nothing else maps or truncates it.
-                        let mut map = unsafe { memmap2::MmapMut::map_mut(&f)? };
-                        anchor::decode_shard(b, &mut map)?;
-                        map.flush()?;
-                    }
-                }
+                std::fs::write(dir.join(&o.file), b)?;
             }
             for (o, b) in m2.files.iter().zip(&files) {
                 let bare = driftless_store::layout::strip_generation(&o.object);
@@ -671,21 +774,123 @@ impl Agent {
             if ck.layout() != m2.layout() {
                 return Err(corrupt("anchor", "decoded files do not match the manifest layout"));
             }
-            ops::verify_views(&ck.views(), &m2.shards, m2.weights_root)?;
+            if verify {
+                ops::verify_views(&ck.views(), &m2.shards, m2.weights_root)?;
+            }
             Ok(())
         })
         .await
         .map_err(|e| Error::Io(std::io::Error::other(format!("anchor task: {e}"))))?
         .map_err(&at)?;
         self.metrics.record_verify(tv.elapsed());
-        info!(step, bytes, "anchor loaded and verified");
+        info!(step, bytes, verified = verify, "anchor loaded");
         Ok((bytes, Held { step, root: m.weights_root }))
+    }
+
+    /// Streams one byte-plane anchor shard into `wdir/<file>`: ranged GETs of its footer,
+    /// prefix, table and header, then one ranged GET per chunk, `anchor_parts` in flight, each
+    /// decoded on the blocking pool and written once at its offset (`pwrite` into a file whose
+    /// space is allocated first: no page-cache zeroing, no SIGBUS). The object's SHA-256 is
+    /// computed over the parts in order and checked against the manifest at the end; bytes
+    /// decoded before that check only ever reach the inactive slot, which is not trusted until
+    /// its weights root is verified. Returns the bytes read.
+    async fn stream_shard(
+        &self,
+        step: u64,
+        o: &driftless_format::manifest::AnchorShardRef,
+        wdir: &Path,
+    ) -> Result<u64> {
+        use sha2::Digest as _;
+        use std::os::unix::fs::FileExt;
+        if o.decoded_size > anchor::MAX_SHARD {
+            return Err(corrupt("anchor manifest", "shard too large"));
+        }
+        let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
+        let size = o.object.size;
+        if size < 48 {
+            return Err(corrupt("anchor shard", "truncated"));
+        }
+        let bucket = self.reader.bucket().clone();
+        // A truncated or swapped object is an integrity failure, as for whole-object reads
+        // (ranged reads past its end would look like a storage error).
+        let head = match bucket.head(&key).await {
+            Ok(h) => h,
+            Err(e) if e.is_not_found() => {
+                return Err(StreamError::NotReady { step, detail: format!("{key} missing") }.into())
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if head.size != size {
+            return Err(driftless_format::Error::Corrupt {
+                what: "object",
+                detail: format!("{key} does not match its manifest (size or SHA-256)"),
+            }
+            .into());
+        }
+        let footer = bucket.get_range_of(&key, size - anchor::FOOTER_LEN..size).await?;
+        let tr = anchor::table_range(&footer, size)?;
+        let (table, prefix) =
+            futures::try_join!(bucket.get_range_of(&key, tr), bucket.get_range_of(&key, 0..anchor::PREFIX_LEN))?;
+        let plan = anchor::plan_shard(&prefix, &table, &footer, size, o.decoded_size)?;
+        let hz = bucket.get_range_of(&key, plan.header.clone()).await?;
+        let path = wdir.join(&o.file);
+        let file = Arc::new(driftless_format::checkpoint::allocate_file(&path, o.decoded_size)?);
+        let mut head = vec![0u8; plan.header_len as usize];
+        anchor::decode_header(&hz, &mut head)?;
+        file.write_all_at(&head, 0)?;
+        // Output and plane buffers of the chunk decoders (16 MiB each per part in flight),
+        // reused from chunk to chunk so their pages are faulted in once.
+        type Buffers = std::sync::Mutex<Vec<(Vec<u8>, Vec<u8>)>>;
+        let pool: Arc<Buffers> = Arc::default();
+        let mut sha = sha2::Sha256::new();
+        sha.update(&prefix);
+        sha.update(&hz);
+        let mut parts = futures::stream::iter(plan.chunks)
+            .map(|c| {
+                let (bucket, key, file, pool) = (bucket.clone(), key.clone(), file.clone(), &pool);
+                async move {
+                    let b = bucket.get_range_of(&key, c.stored.clone()).await?;
+                    let stored = b.clone();
+                    let pool = pool.clone();
+                    tokio::task::spawn_blocking(move || -> Result<()> {
+                        // At most `anchor_parts` decodes run at once, so the pool never holds
+                        // more buffers than that.
+                        let (mut out, mut scratch) = pool.lock().expect("buffer pool").pop().unwrap_or_default();
+                        let n = (c.out.end - c.out.start) as usize;
+                        if out.len() < n {
+                            out.resize(n, 0);
+                        }
+                        let r = anchor::decode_chunk_with(&c, &stored, &mut out[..n], &mut scratch)
+                            .map_err(Error::from)
+                            .and_then(|()| Ok(file.write_all_at(&out[..n], c.out.start)?));
+                        pool.lock().expect("buffer pool").push((out, scratch));
+                        r
+                    })
+                    .await
+                    .map_err(|e| Error::Io(std::io::Error::other(format!("decode task: {e}"))))??;
+                    Ok::<Bytes, Error>(b)
+                }
+            })
+            .buffered(self.cfg.anchor_parts.max(1));
+        while let Some(b) = parts.next().await {
+            sha.update(&b?);
+        }
+        sha.update(&table);
+        sha.update(&footer);
+        if Digest(sha.finalize().into()) != o.object.sha256 {
+            return Err(driftless_format::Error::Corrupt {
+                what: "object",
+                detail: format!("{key} does not match its manifest (size or SHA-256)"),
+            }
+            .into());
+        }
+        Ok(size)
     }
 
     /// Starts downloading delta `step` in the background: its manifest, then its segments
     /// (from the local cache when present), each checked against the manifest and decoded as
     /// soon as it arrives. Nothing local changes; dropping the handle stops it.
-    fn start_fetch(&self, step: u64) -> Fetch {
+    fn start_fetch(&self, step: u64, marker: Option<ReadyMarker>) -> Fetch {
         let reader = self.reader.clone();
         let conc = self.cfg.download_concurrency.max(1);
         let cache = self.dir.cache();
@@ -693,7 +898,11 @@ impl Agent {
         let (stx, segments) = tokio::sync::mpsc::unbounded_channel();
         let task = tokio::spawn(
             async move {
-                let (m, sha) = match reader.delta(step).await {
+                let got = match &marker {
+                    Some(mk) => reader.delta_at(step, mk).await,
+                    None => reader.delta(step).await,
+                };
+                let (m, sha) = match got {
                     Ok(x) => x,
                     Err(e) => {
                         let _ = mtx.send(Err(Error::from(e)));
@@ -743,20 +952,16 @@ impl Agent {
         Fetch { manifest, segments, _abort: AbortOnDrop(task.abort_handle()) }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    /// Applies one delta onto the work slot holding `at`: checks stream, base and chain, waits
-    /// for its segments, applies them in place (or rewrites the slot on a layout change) and,
-    /// when `verify`, checks the result root. Returns (bytes downloaded, result root).
-    async fn apply_delta(
+    /// Waits for one delta of a chain whose previous state is `at`: checks its stream, base
+    /// and chain link, and its segments (hash-checked and decoded by the fetch). Nothing local
+    /// changes. Returns the manifest, the decoded segments and the bytes downloaded.
+    async fn receive_delta(
         &mut self,
         sid: &str,
         step: u64,
         fetch: Fetch,
-        wdir: &Path,
         at: Held,
-        verify: bool,
-        pinpoint: bool,
-    ) -> Result<(u64, Digest), BuildError> {
+    ) -> Result<(DeltaManifest, Vec<DecodedSegment>, u64), BuildError> {
         let att = attribute(StepKind::Delta, step);
         let Fetch { manifest, mut segments, _abort } = fetch;
         let (m, _env_sha) = manifest
@@ -781,7 +986,6 @@ impl Agent {
         }
         let mut segs: Vec<Option<DecodedSegment>> = (0..m.segments.len()).map(|_| None).collect();
         let mut bytes = 0u64;
-        let mut shas = Vec::with_capacity(m.segments.len());
         while let Some(r) = segments.recv().await {
             let (i, seg, n) = r.map_err(&att)?;
             bytes += n;
@@ -791,45 +995,96 @@ impl Agent {
             .into_iter()
             .collect::<Option<_>>()
             .ok_or_else(|| BuildError::Other(Error::Io(std::io::Error::other("delta download stopped"))))?;
-        shas.extend(m.segments.iter().map(|s| s.object.sha256));
-        let local_layout = Checkpoint::open(wdir).map_err(Error::from)?.layout();
-        let t = Instant::now();
+        Ok((m, segs, bytes))
+    }
+
+    /// Applies a group of consecutive same-layout deltas in place onto the work slot in one
+    /// pass over the model ([`fused::apply_and_hash`]: each region is applied by every delta of
+    /// the group and hashed while it is in cache) and, when `verify`, checks the root of the
+    /// result against the last delta's signed result root. The maps are msync'ed.
+    async fn apply_group(
+        &mut self,
+        wdir: &Path,
+        group: Vec<(DeltaManifest, Vec<DecodedSegment>)>,
+        verify: bool,
+        pinpoint: bool,
+    ) -> Result<(), BuildError> {
+        let Some(last) = group.last().map(|(m, _)| m.clone()) else { return Ok(()) };
+        // Several unverified deltas in one pass: a fault names no single step (retried carefully).
+        let pinpoint = pinpoint && group.len() == 1;
         let dir = wdir.to_path_buf();
-        let m2: DeltaManifest = m.clone();
-        let verify_ms = if ops::needs_rewrite(&local_layout, &m) {
-            // Rare (layout changes): re-fetch the raw segments and rebuild the slot beside it,
-            // keeping the extra files (config, tokenizer) of the slot.
-            let raw = self.fetch_raw(&m).await.map_err(&att)?;
-            drop(segs);
-            tokio::task::spawn_blocking(move || -> Result<u64> { rewrite_slot(&dir, &m2, &raw, verify) })
-                .await
-                .map_err(|e| Error::Io(std::io::Error::other(format!("rewrite task: {e}"))))?
-                .map_err(|e| classify_apply(e, step, pinpoint))?
-        } else {
-            tokio::task::spawn_blocking(move || -> Result<u64> {
-                let mut ck = CheckpointMut::open(&dir)?;
-                {
-                    let tm = ck.tensors_mut();
-                    segs.par_iter().try_for_each(|seg| delta::apply_segment(seg, &tm))?;
+        let t = Instant::now();
+        let n = group.len();
+        let verify_ms = tokio::task::spawn_blocking(move || -> Result<u64> {
+            let mut ck = CheckpointMut::open(&dir)?;
+            let metas = ck.metas();
+            // Written tensors are handed to a writeback thread as they finish, so the disk
+            // writes while the rest is applied and hashed; the msync below waits for the tail.
+            let wb = ck.writeback();
+            let (wtx, wrx) = std::sync::mpsc::channel::<usize>();
+            let writer = std::thread::spawn(move || {
+                for t in wrx {
+                    wb.start(t);
                 }
-                let tv = Instant::now();
-                if verify {
-                    ops::verify_result(&ck.views(), &m2)?;
-                }
-                let verified = tv.elapsed();
-                ck.flush()?;
-                Ok(verified.as_millis() as u64)
-            })
-            .await
-            .map_err(|e| Error::Io(std::io::Error::other(format!("apply task: {e}"))))?
-            .map_err(|e| classify_apply(e, step, pinpoint))?
-        };
+            });
+            let tv = Instant::now();
+            let chain: Vec<&[DecodedSegment]> = group.iter().map(|(_, s)| &s[..]).collect();
+            let digests = {
+                let tm = ck.tensors_mut();
+                let wtx = std::sync::Mutex::new(wtx);
+                let r = fused::apply_and_hash(&tm, &metas, &chain, verify, &|t| {
+                    let _ = wtx.lock().expect("writeback queue").send(t);
+                });
+                drop(wtx);
+                r?
+            };
+            let _ = writer.join();
+            if let Some(d) = digests {
+                ops::check_root(&metas, &d, &last.shards, last.result_root)?;
+            }
+            let verified = tv.elapsed();
+            let tf = Instant::now();
+            ck.flush()?;
+            debug!(pass_secs = verified.as_secs_f64(), flush_secs = tf.elapsed().as_secs_f64(), "pass and flush");
+            Ok(verified.as_millis() as u64)
+        })
+        .await
+        .map_err(|e| Error::Io(std::io::Error::other(format!("apply task: {e}"))))?
+        .map_err(|e| {
+            if n > 1 && step_fault(&e) {
+                BuildError::ChainMismatch
+            } else {
+                classify_apply(e, last.step, pinpoint)
+            }
+        })?;
         if verify {
             self.metrics.record_verify(Duration::from_millis(verify_ms.max(1)));
         }
-        self.cached.push((step, shas));
-        info!(step, bytes, secs = t.elapsed().as_secs_f64(), verified = verify, "delta applied");
-        Ok((bytes, m.result_root))
+        info!(deltas = n, step = last.step, secs = t.elapsed().as_secs_f64(), verified = verify, "deltas applied");
+        Ok(())
+    }
+
+    /// Applies a layout-changing delta by rebuilding the work slot beside it (rare).
+    async fn rewrite_delta(
+        &mut self,
+        wdir: &Path,
+        m: &DeltaManifest,
+        verify: bool,
+        pinpoint: bool,
+    ) -> Result<(), BuildError> {
+        let att = attribute(StepKind::Delta, m.step);
+        let raw = self.fetch_raw(m).await.map_err(&att)?;
+        let dir = wdir.to_path_buf();
+        let m2 = m.clone();
+        let step = m.step;
+        let verify_ms = tokio::task::spawn_blocking(move || -> Result<u64> { rewrite_slot(&dir, &m2, &raw, verify) })
+            .await
+            .map_err(|e| Error::Io(std::io::Error::other(format!("rewrite task: {e}"))))?
+            .map_err(|e| classify_apply(e, step, pinpoint))?;
+        if verify {
+            self.metrics.record_verify(Duration::from_millis(verify_ms.max(1)));
+        }
+        Ok(())
     }
 
     async fn fetch_raw(&self, m: &DeltaManifest) -> Result<Vec<Bytes>> {
@@ -922,19 +1177,29 @@ impl Agent {
                 warn!(error = %e, "re-verifying the local weights failed");
             }
         }
-        // Cheap check first: when latest.json did not change and we are on a step, skip the
-        // listing (markers stay the source of truth: list anyway every 10th poll).
-        let unchanged = self.state.is_some()
-            && self.loaded.is_some()
-            && p.polls % 10 != 0
-            && matches!(self.reader.latest(p.etag.as_deref()).await, Ok(None));
-        if unchanged {
+        // Cheap check first: one conditional GET of latest.json. Unchanged and on a step:
+        // nothing to do. Changed: the next sync plans from it (a follower one step behind
+        // neither lists nor reads markers). Every 10th poll lists anyway (markers stay the
+        // source of truth).
+        let polled = if self.state.is_some() && self.loaded.is_some() {
+            Some(self.reader.latest(p.etag.as_deref()).await)
+        } else {
+            None
+        };
+        let list = p.polls % 10 == 0;
+        if !list && matches!(polled, Some(Ok(None))) {
             p.interval = (p.interval * 2).min(self.cfg.poll_max);
             return;
         }
-        if let Ok(Some((_, tag))) = self.reader.latest(None).await {
+        let latest = match polled {
+            Some(Ok(Some(l))) => Some(l),
+            _ => self.reader.latest(None).await.ok().flatten(),
+        };
+        if let Some((h, tag)) = latest {
             p.etag = tag;
+            self.hint = Some(h);
         }
+        self.list_next = list;
         match self.sync_once().await {
             Ok(o) => {
                 p.failures = 0;
@@ -1013,6 +1278,13 @@ impl Drop for AbortOnDrop {
 
 /// A root mismatch after the last delta of a chain that was not verified step by step cannot
 /// be pinned on one step: the caller retries carefully. Otherwise the step is at fault.
+/// Deltas of a chain downloaded and decoded ahead of the one being received.
+const FETCH_AHEAD: usize = 4;
+
+/// Decoded delta bytes applied in one pass at most (bounds the memory of a long catch-up; a
+/// pass is one read of the model, so this also bounds how often it is read).
+const GROUP_RAW_BYTES: u64 = 512 << 20;
+
 fn classify_apply(e: Error, step: u64, pinpoint: bool) -> BuildError {
     let is_result = matches!(&e, Error::Format(driftless_format::Error::Corrupt { what: "result", .. }));
     if is_result && !pinpoint {

@@ -157,6 +157,21 @@ impl MarkerCache {
         self.map.remove(&(kind, step));
     }
 
+    /// Remembers a marker read elsewhere (from a signed `latest.json`).
+    pub fn insert(&mut self, m: ReadyMarker) {
+        self.map.insert((m.of, m.step), m);
+    }
+
+    /// One marker, from the cache or with one GET.
+    pub async fn get(&mut self, reader: &StreamReader, kind: StepKind, step: u64) -> Result<ReadyMarker, StreamError> {
+        if let Some(m) = self.map.get(&(kind, step)) {
+            return Ok(m.clone());
+        }
+        let m = reader.marker(kind, step).await?;
+        self.map.insert((kind, step), m.clone());
+        Ok(m)
+    }
+
     /// Lists the ready steps of `stream_id` and returns their valid markers: anchors all,
     /// deltas after `from` (all when `None`). Markers that do not parse, name another step or
     /// another stream are left out with a warning; they never fail the listing.

@@ -232,3 +232,167 @@ pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
         Ok(())
     })
 }
+
+// ---------------------------------------------------------------------------------------------
+// Streaming decode: the agent's cold start reads a shard with ranged GETs (the footer, the
+// prefix, the table, then one GET per chunk's planes, several in flight) and decodes each
+// chunk as it arrives, in memory bounded by the chunks in flight, whatever the model size.
+
+/// Bytes of the footer (the last bytes of a shard).
+pub const FOOTER_LEN: u64 = 16;
+/// Bytes of the fixed prefix: magic, version, decoded size, header length, stored header length.
+pub const PREFIX_LEN: u64 = 32;
+
+/// Where everything of one shard lies, from its footer, prefix and table.
+#[derive(Debug, Clone)]
+pub struct ShardPlan {
+    /// Decoded (safetensors) size.
+    pub decoded_size: u64,
+    /// Length of the decoded header (the file's first bytes).
+    pub header_len: u64,
+    /// Stored range of the compressed header.
+    pub header: std::ops::Range<u64>,
+    /// Chunks in file order.
+    pub chunks: Vec<ChunkPlan>,
+}
+
+/// One chunk: its decoded byte range in the file and the stored range of its planes.
+#[derive(Debug, Clone)]
+pub struct ChunkPlan {
+    /// Decoded range in the safetensors file.
+    pub out: std::ops::Range<u64>,
+    /// Element width (number of planes).
+    pub width: usize,
+    /// Stored range of its planes (contiguous).
+    pub stored: std::ops::Range<u64>,
+    plane_lens: Vec<u64>,
+}
+
+/// The stored range of the chunk table, from the footer (the last [`FOOTER_LEN`] bytes of a
+/// shard of `stored_size` bytes).
+pub fn table_range(footer: &[u8], stored_size: u64) -> Result<std::ops::Range<u64>> {
+    if footer.len() as u64 != FOOTER_LEN || stored_size < 48 {
+        return Err(bad("truncated"));
+    }
+    if &footer[12..] != FOOTER {
+        return Err(bad("bad footer"));
+    }
+    let table_offset = u64::from_le_bytes(footer[..8].try_into().expect("8"));
+    let n = u32::from_le_bytes(footer[8..12].try_into().expect("4")) as u64;
+    let body_end = stored_size - FOOTER_LEN;
+    if table_offset < PREFIX_LEN || table_offset > body_end || n > body_end / 17 {
+        return Err(bad("bad table offset or chunk count"));
+    }
+    Ok(table_offset..body_end)
+}
+
+/// Checks the prefix (first [`PREFIX_LEN`] bytes) and the table (the bytes of
+/// [`table_range`]) against each other and the expected decoded size; returns the plan. The
+/// same checks as [`decode_shard`]: chunks cover the file exactly, planes are contiguous.
+pub fn plan_shard(
+    prefix: &[u8],
+    table: &[u8],
+    footer: &[u8],
+    stored_size: u64,
+    decoded_size: u64,
+) -> Result<ShardPlan> {
+    let tr = table_range(footer, stored_size)?;
+    if table.len() as u64 != tr.end - tr.start {
+        return Err(bad("table size"));
+    }
+    let n = u32::from_le_bytes(footer[8..12].try_into().expect("4")) as usize;
+    let mut c = Cur { b: prefix, at: 0 };
+    if c.take(4)? != MAGIC {
+        return Err(bad("bad magic"));
+    }
+    if c.take(4)?[0] != 1 {
+        return Err(bad("unsupported version"));
+    }
+    let size = c.u64()?;
+    if size != decoded_size || size > MAX_SHARD {
+        return Err(bad(format!("decoded size {size} does not match the expected {decoded_size}")));
+    }
+    let header_len = c.u64()?;
+    let header_stored = c.u64()?;
+    let planes_start = PREFIX_LEN.checked_add(header_stored).filter(|&p| p <= tr.start).ok_or_else(|| bad("header"))?;
+    if header_len > size {
+        return Err(bad("bad header length"));
+    }
+    let mut t = Cur { b: table, at: 0 };
+    let mut chunks = Vec::with_capacity(n);
+    let mut expect = header_len;
+    let mut at = planes_start;
+    for _ in 0..n {
+        let o = t.u64()?;
+        let l = t.u64()?;
+        let w = t.take(1)?[0] as u64;
+        if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l % w != 0 || l > size - o {
+            return Err(bad("chunk table is not contiguous or has a bad width"));
+        }
+        expect = o + l;
+        let mut lens = Vec::with_capacity(w as usize);
+        let start = at;
+        for _ in 0..w {
+            let pl = t.u64()?;
+            at = at.checked_add(pl).filter(|&a| a <= tr.start).ok_or_else(|| bad("plane sizes overrun the table"))?;
+            lens.push(pl);
+        }
+        chunks.push(ChunkPlan { out: o..o + l, width: w as usize, stored: start..at, plane_lens: lens });
+    }
+    if expect != size || t.at != table.len() {
+        return Err(bad("chunks do not cover the file or the table has trailing bytes"));
+    }
+    if at != tr.start {
+        return Err(bad("plane sizes do not add up to the table offset"));
+    }
+    Ok(ShardPlan { decoded_size: size, header_len, header: PREFIX_LEN..planes_start, chunks })
+}
+
+/// Decodes the compressed header (the stored bytes of [`ShardPlan::header`]) into `out`, the
+/// file's first [`ShardPlan::header_len`] bytes.
+pub fn decode_header(hz: &[u8], out: &mut [u8]) -> Result<()> {
+    let got = zstd::bulk::Decompressor::new()
+        .and_then(|mut d| d.decompress_to_buffer(hz, out))
+        .map_err(|e| bad(format!("header: {e}")))?;
+    if got != out.len() {
+        return Err(bad("header size mismatch"));
+    }
+    Ok(())
+}
+
+/// Decodes one chunk from its stored planes (the bytes of [`ChunkPlan::stored`]) into `out`
+/// (its [`ChunkPlan::out`] range of the file).
+pub fn decode_chunk(c: &ChunkPlan, stored: &[u8], out: &mut [u8]) -> Result<()> {
+    decode_chunk_with(c, stored, out, &mut Vec::new())
+}
+
+/// [`decode_chunk`] with a scratch buffer the caller keeps between calls (grown as needed,
+/// never shrunk or cleared: a decoder thread reuses its pages instead of faulting in fresh
+/// ones for every chunk).
+pub fn decode_chunk_with(c: &ChunkPlan, stored: &[u8], out: &mut [u8], scratch: &mut Vec<u8>) -> Result<()> {
+    if stored.len() as u64 != c.stored.end - c.stored.start || out.len() as u64 != c.out.end - c.out.start {
+        return Err(bad("chunk sizes"));
+    }
+    let w = c.width;
+    let n = out.len() / w;
+    let mut d = zstd::bulk::Decompressor::new().map_err(|e| bad(e.to_string()))?;
+    if w == 1 {
+        let got = d.decompress_to_buffer(stored, out).map_err(|e| bad(format!("zstd: {e}")))?;
+        return if got == n { Ok(()) } else { Err(bad("plane size mismatch")) };
+    }
+    if scratch.len() < out.len() {
+        scratch.resize(out.len(), 0);
+    }
+    let scratch = &mut scratch[..out.len()];
+    let mut at = 0usize;
+    for (i, &pl) in c.plane_lens.iter().enumerate() {
+        let p = &stored[at..at + pl as usize];
+        at += pl as usize;
+        let got = d.decompress_to_buffer(p, &mut scratch[i * n..(i + 1) * n]).map_err(|e| bad(format!("zstd: {e}")))?;
+        if got != n {
+            return Err(bad("plane size mismatch"));
+        }
+    }
+    from_planes(scratch, w, out);
+    Ok(())
+}

@@ -11,6 +11,8 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use std::os::fd::FromRawFd;
+
 use memmap2::{Mmap, MmapMut};
 use serde::{Deserialize, Serialize};
 
@@ -470,6 +472,7 @@ impl Default for TensorsMut<'_> {
 
 struct ShardMut {
     path: PathBuf,
+    file: File,
     map: MmapMut,
     data_start: usize,
     tensors: Vec<(TensorMeta, Range<usize>)>,
@@ -502,6 +505,32 @@ pub fn allocate_file(path: &Path, len: u64) -> Result<File> {
     }
 }
 
+/// Starts the writeback of tensors whose writes are finished (`sync_file_range` with
+/// `SYNC_FILE_RANGE_WRITE`: asynchronous, waits for nothing), so that the disk writes while the
+/// rest of the model is still being applied and hashed, and the final msync/fsync only waits
+/// for the tail. Durability still comes from that msync/fsync; this only moves I/O earlier.
+#[derive(Debug)]
+pub struct Writeback {
+    ranges: Vec<(Option<std::sync::Arc<std::os::fd::OwnedFd>>, u64, u64)>,
+}
+
+impl Writeback {
+    /// Starts writing back tensor `t` (best effort: errors show up at the final fsync).
+    pub fn start(&self, t: usize) {
+        if let Some((Some(fd), off, len)) = self.ranges.get(t) {
+            // SAFETY: plain syscall on a descriptor we own.
+            unsafe {
+                libc::sync_file_range(
+                    std::os::fd::AsRawFd::as_raw_fd(&**fd),
+                    *off as i64,
+                    *len as i64,
+                    libc::SYNC_FILE_RANGE_WRITE,
+                );
+            }
+        }
+    }
+}
+
 /// A checkpoint directory mapped writable.
 pub struct CheckpointMut {
     dir: PathBuf,
@@ -519,7 +548,7 @@ impl CheckpointMut {
             // SAFETY: the agent owns its directory; nobody else writes these files.
             let map = unsafe { MmapMut::map_mut(&f) }.map_err(|e| Error::io(&p, e))?;
             let (data_start, tensors, _) = parse_safetensors_header(&map)?;
-            shards.push(ShardMut { path: p, map, data_start, tensors });
+            shards.push(ShardMut { path: p, file: f, map, data_start, tensors });
         }
         Ok(CheckpointMut { dir: path.to_path_buf(), shards })
     }
@@ -541,7 +570,7 @@ impl CheckpointMut {
             map[..header.len()].copy_from_slice(&header);
             let tensors =
                 s.tensors.iter().cloned().zip(ranges.into_iter().map(|r| r.start as usize..r.end as usize)).collect();
-            shards.push(ShardMut { path: p, map, data_start: header.len(), tensors });
+            shards.push(ShardMut { path: p, file: f, map, data_start: header.len(), tensors });
         }
         write_index(dir, layout)?;
         Ok(CheckpointMut { dir: dir.to_path_buf(), shards })
@@ -581,6 +610,26 @@ impl CheckpointMut {
                 })
             })
             .collect()
+    }
+
+    /// Metadata of all tensors, shard by shard in data order (the order of [`Self::views`]).
+    pub fn metas(&self) -> Vec<TensorMeta> {
+        self.shards.iter().flat_map(|s| s.tensors.iter().map(|(t, _)| t.clone())).collect()
+    }
+
+    /// Starts writing tensors back to disk early (see [`Writeback`]), in the order of
+    /// [`Self::metas`].
+    pub fn writeback(&self) -> Writeback {
+        let mut ranges = vec![];
+        for s in &self.shards {
+            // SAFETY: dup of a descriptor we own; the duplicate is owned by the Writeback.
+            let fd = unsafe { libc::dup(std::os::fd::AsRawFd::as_raw_fd(&s.file)) };
+            let fd = (fd >= 0).then(|| std::sync::Arc::new(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }));
+            for (_, r) in &s.tensors {
+                ranges.push((fd.clone(), (s.data_start + r.start) as u64, r.len() as u64));
+            }
+        }
+        Writeback { ranges }
     }
 
     /// The layout of the mapped files.

@@ -190,7 +190,7 @@ struct Entry<'a> {
 // ---------------------------------------------------------------------------------------------
 // Element words: the per-width integer arithmetic.
 
-trait Word: Copy + Eq + Send + Sync + 'static {
+pub(crate) trait Word: Copy + Eq + Send + Sync + 'static {
     const W: usize;
     fn load(b: &[u8]) -> Self;
     fn store(self, b: &mut [u8]);
@@ -542,6 +542,11 @@ pub struct DecodedSegment {
 }
 
 impl DecodedSegment {
+    /// Position and value bytes of entry `e` (an entry of this segment).
+    pub(crate) fn entry_blocks(&self, e: &EntryInfo) -> (&[u8], &[u8]) {
+        (&self.positions[e.pos.clone()], &self.values[e.val.clone()])
+    }
+
     /// Element indices (counted from the tensor's first element) that entry `i` writes: the
     /// whole range of a dense entry, the changed elements of a sparse one. For callers that
     /// scatter new values into tensors of their own (the Python binding's `iter_patches`).
@@ -566,7 +571,7 @@ impl DecodedSegment {
     }
 }
 
-fn bad(d: impl Into<String>) -> Error {
+pub(crate) fn bad(d: impl Into<String>) -> Error {
     Error::corrupt("segment", d)
 }
 

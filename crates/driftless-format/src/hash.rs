@@ -29,16 +29,24 @@ const ROOT_DOMAIN: &[u8] = b"driftless.root.v1\0";
 
 /// Digest of one tensor.
 pub fn tensor_digest(t: &TensorView<'_>) -> Digest {
+    let mut h = tensor_hasher(t.name, t.dtype, t.shape, t.data.len() as u64);
+    h.update(t.data);
+    Digest(h.finalize().into())
+}
+
+/// A tensor's SHA-256 fed with everything before its data: feed it the `data_len` bytes of
+/// data (in pieces, as they become ready) and finalize to get its [`tensor_digest`].
+pub fn tensor_hasher(name: &str, dtype: crate::DType, shape: &[u64], data_len: u64) -> Sha256 {
     let mut h = Sha256::new();
     h.update(TENSOR_DOMAIN);
-    put_bytes(&mut h, t.name.as_bytes());
-    put_bytes(&mut h, t.dtype.as_str().as_bytes());
-    h.update((t.shape.len() as u64).to_le_bytes());
-    for d in t.shape {
+    put_bytes(&mut h, name.as_bytes());
+    put_bytes(&mut h, dtype.as_str().as_bytes());
+    h.update((shape.len() as u64).to_le_bytes());
+    for d in shape {
         h.update(d.to_le_bytes());
     }
-    put_bytes(&mut h, t.data);
-    Digest(h.finalize().into())
+    h.update(data_len.to_le_bytes());
+    h
 }
 
 fn put_bytes(h: &mut Sha256, b: &[u8]) {

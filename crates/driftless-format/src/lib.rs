@@ -35,6 +35,7 @@ pub mod container;
 pub mod delta;
 mod dtype;
 mod error;
+pub mod fused;
 pub mod gen;
 pub mod hash;
 pub mod journal;

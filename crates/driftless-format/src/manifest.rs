@@ -274,6 +274,14 @@ pub struct LatestHint {
     pub anchor: Option<u64>,
     /// Milliseconds since the Unix epoch.
     pub updated_at_ms: u64,
+    /// The ready marker of the newest delta (its base step, manifest SHA-256 and payload
+    /// size): with it a follower one step behind plans the next step without listing or
+    /// reading markers. Absent in hints of older publishers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta_marker: Option<ReadyMarker>,
+    /// The ready marker of the newest anchor. Absent in hints of older publishers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub anchor_marker: Option<ReadyMarker>,
 }
 
 fn parse<T: serde::de::DeserializeOwned>(what: &'static str, bytes: &[u8]) -> Result<T> {
@@ -407,6 +415,19 @@ impl LatestHint {
     pub fn from_slice(bytes: &[u8]) -> Result<Self> {
         let m: LatestHint = parse("latest hint", bytes)?;
         check_kind("latest hint", &m.kind, "latest", FORMAT_VERSION)?;
+        // The embedded markers are checked as markers read on their own are, and must agree
+        // with the hint's steps and stream.
+        for (mk, kind, step) in
+            [(&m.delta_marker, StepKind::Delta, m.delta), (&m.anchor_marker, StepKind::Anchor, m.anchor)]
+        {
+            if let Some(mk) = mk {
+                let b = serde_json::to_vec(mk).map_err(|e| Error::corrupt("latest hint", e.to_string()))?;
+                ReadyMarker::from_slice(&b)?;
+                if mk.of != kind || Some(mk.step) != step || mk.stream_id != m.stream_id {
+                    return Err(Error::corrupt("latest hint", "embedded marker disagrees with the hint"));
+                }
+            }
+        }
         Ok(m)
     }
 }

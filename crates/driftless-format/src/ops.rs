@@ -183,6 +183,30 @@ pub fn verify_views(views: &[TensorView<'_>], shards: &[manifest::ShardRecord], 
     Err(Error::corrupt("result", format!("weights root {got} != expected {root} (first differing tensor: {bad})")))
 }
 
+/// Checks per-tensor digests (of the tensors `metas`, in that order) against a root: returns
+/// the root, or [`Error::Corrupt`] (`"result"`) naming the first tensor whose digest differs
+/// from the shard records.
+pub fn check_root(
+    metas: &[crate::TensorMeta],
+    digests: &[Digest],
+    shards: &[manifest::ShardRecord],
+    root: Digest,
+) -> Result<Digest> {
+    let got = hash::combine_root(metas.iter().zip(digests).map(|(t, d)| (t.name.as_str(), *d)));
+    if got == root {
+        return Ok(got);
+    }
+    let want: std::collections::HashMap<&str, Digest> =
+        shards.iter().flat_map(|s| s.tensors.iter().map(|t| (t.name.as_str(), t.digest))).collect();
+    let bad = metas
+        .iter()
+        .zip(digests)
+        .find(|(v, d)| want.get(v.name.as_str()) != Some(d))
+        .map(|(v, _)| v.name.to_string())
+        .unwrap_or_else(|| "<tensor set>".into());
+    Err(Error::corrupt("result", format!("weights root {got} != expected {root} (first differing tensor: {bad})")))
+}
+
 /// Applies a whole delta in place on a checkpoint directory whose verified root is
 /// `local_root`, journaled at `journal` when given, then verifies the result. The layouts must
 /// be equal (see [`needs_rewrite`]).

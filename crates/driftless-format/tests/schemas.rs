@@ -121,9 +121,13 @@ fn others() -> (Vec<StreamDescriptor>, Vec<ReadyMarker>, Vec<LatestHint>) {
         delta: Some(3),
         anchor: None,
         updated_at_ms: 5,
+        delta_marker: None,
+        anchor_marker: None,
     };
     let l2 = LatestHint { delta: None, anchor: Some(0), ..l1.clone() };
-    (vec![s], vec![r1, r2], vec![l1, l2])
+    let r3 = ReadyMarker { step: 2, ..r2.clone() };
+    let l3 = LatestHint { anchor: Some(2), delta_marker: Some(r1.clone()), anchor_marker: Some(r3), ..l1.clone() };
+    (vec![s], vec![r1, r2], vec![l1, l2, l3])
 }
 
 /// Every document kind: (schema name, produced documents, the Rust parser).

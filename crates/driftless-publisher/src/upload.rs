@@ -368,12 +368,20 @@ impl Ctx {
         let mut cur = self.latest.lock().await;
         cur.0 = cur.0.max(delta);
         cur.1 = cur.1.max(anchor);
+        // The newest markers, read back as agents would read them (two small GETs per step),
+        // so a follower one step behind plans from the hint alone.
+        let marker = |kind, step: Option<u64>| async move {
+            let b = self.bucket.get(&layout::ready(kind, step?)).await.ok()?;
+            ReadyMarker::from_slice(&b).ok().filter(|m| m.stream_id == self.stream_id && m.of == kind)
+        };
         let hint = LatestHint {
             kind: "latest".into(),
             stream_id: self.stream_id.clone(),
             delta: cur.0,
             anchor: cur.1,
             updated_at_ms: now_ms(),
+            delta_marker: marker(StepKind::Delta, cur.0).await,
+            anchor_marker: marker(StepKind::Anchor, cur.1).await,
         };
         let payload = serde_json::to_vec(&hint).expect("hint serializes");
         let env = match &self.key {

@@ -292,6 +292,25 @@ impl Bucket {
         .await
     }
 
+    /// Bytes `range` of an object (one ranged GET, retried), checked to be exactly that long.
+    /// For readers that stream a large object in parts they choose (the agent's anchor
+    /// decode) instead of holding it whole.
+    pub async fn get_range_of(&self, key: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
+        let path = self.path(key)?;
+        let want = range.end.saturating_sub(range.start);
+        let b = self.get_range(key, &path, range, None).await?;
+        if b.len() as u64 != want {
+            return Err(Error::Transient {
+                key: key.to_string(),
+                source: crate::error::StoreError::new(&std::io::Error::other(format!(
+                    "ranged read returned {} bytes, expected {want}",
+                    b.len()
+                ))),
+            });
+        }
+        Ok(b)
+    }
+
     /// One part of a parallel read, retried on its own, pinned to `etag`.
     async fn get_range(
         &self,

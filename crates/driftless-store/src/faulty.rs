@@ -65,11 +65,14 @@ struct State {
     rules: Mutex<Vec<Rule>>,
     delay_ms: AtomicU64,
     injected: AtomicUsize,
+    /// Calls seen, by operation (Put, Get, Delete, List), faulted or not.
+    calls: [AtomicU64; 4],
 }
 
 impl State {
     /// Consume one matching rule, if any.
     fn take(&self, op: FaultOp, location: &str) -> Option<FaultKind> {
+        self.calls[op as usize].fetch_add(1, Ordering::Relaxed);
         let mut rules = self.rules.lock().unwrap_or_else(|e| e.into_inner());
         let rule = rules.iter_mut().find(|r| r.op == op && r.remaining > 0 && location.contains(&r.pattern))?;
         rule.remaining -= 1;
@@ -171,6 +174,12 @@ impl FaultyStore {
     /// How many faults have fired so far.
     pub fn injected(&self) -> usize {
         self.state.injected.load(Ordering::Relaxed)
+    }
+
+    /// Calls of one kind seen so far (GET counts GETs and HEADs; a listing counts once however
+    /// many pages it has), to count the requests an operation makes.
+    pub fn calls(&self, op: FaultOp) -> u64 {
+        self.state.calls[op as usize].load(Ordering::Relaxed)
     }
 
     /// The wrapped store.

@@ -141,7 +141,20 @@ impl StreamReader {
     /// The verified manifest of a ready delta, with the SHA-256 of its envelope.
     pub async fn delta(&self, step: u64) -> StreamResult<(DeltaManifest, Digest)> {
         let marker = self.marker(StepKind::Delta, step).await?;
-        let (payload, sha) = self.envelope(StepKind::Delta, step, &marker).await?;
+        self.delta_at(step, &marker).await
+    }
+
+    /// [`Self::delta`] with its ready marker already at hand (read by a listing, or carried by
+    /// a signed `latest.json`): one GET fewer.
+    pub async fn delta_at(&self, step: u64, marker: &ReadyMarker) -> StreamResult<(DeltaManifest, Digest)> {
+        if marker.of != StepKind::Delta || marker.step != step {
+            return Err(driftless_format::Error::Corrupt {
+                what: "ready marker",
+                detail: format!("marker of {:?} step {} used for delta {step}", marker.of, marker.step),
+            }
+            .into());
+        }
+        let (payload, sha) = self.envelope(StepKind::Delta, step, marker).await?;
         let m = DeltaManifest::from_slice(&payload)?;
         if m.step != step || Some(m.base_step) != marker.base_step {
             return Err(driftless_format::Error::Corrupt {

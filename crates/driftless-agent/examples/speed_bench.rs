@@ -1,0 +1,396 @@
+//! The agent at the limit (issue 12): the `driftless` CLI (`agent --once`) on a `file://`
+//! bucket, each figure next to a baseline measured in the same run on the same files:
+//!
+//! - fast path (one delta onto the previous step) next to `driftless hash` of the agent's
+//!   `current` directory, run right after it;
+//! - catch-up (k deltas) and cold start (anchor, anchor + k deltas) next to reading the anchor
+//!   objects and hashing the model, with the agent's peak RSS;
+//! - requests per step (GET / LIST counts of the store are not visible to a `file://` bucket:
+//!   see `speed_bench requests` on S3 instead).
+//!
+//! ```text
+//! cargo build --release -p driftless-cli
+//! cargo run --release -p driftless-agent --example speed_bench -- gen  /tmp/sb   # once: 1 GiB model, anchor + 8 deltas
+//! cargo run --release -p driftless-agent --example speed_bench -- run  /tmp/sb target/release/driftless
+//! BENCH_BYTES=268435456 ...   # another model size (gen)
+//! ```
+//!
+//! `gen` publishes the whole chain, then moves the delta ready markers aside (`held/`); `run`
+//! reveals them one at a time, so every step is measured as a follower sees it live.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use driftless_format::gen::{ModelSpec, RlChain};
+use driftless_format::{Keypair, StepKind};
+use driftless_publisher::PublisherBuilder;
+use driftless_store::{layout, Bucket, StoreOptions};
+
+fn env<T: std::str::FromStr>(k: &str, d: T) -> T {
+    std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("gen") => gen(Path::new(&args[2])),
+        Some("run") => run(Path::new(&args[2]), Path::new(&args[3])),
+        Some("proc") => processing(Path::new(&args[2])),
+        _ => eprintln!("usage: speed_bench gen DIR | run DIR DRIFTLESS_BIN | proc DIR"),
+    }
+}
+
+fn gen(dir: &Path) {
+    let bytes: u64 = env("BENCH_BYTES", 1u64 << 30);
+    let n: u64 = env("BENCH_DELTAS", 8);
+    let lr: f32 = env("BENCH_LR", 4e-7);
+    std::fs::create_dir_all(dir).unwrap();
+    let key = Keypair::from_seed([3; 32]);
+    std::fs::write(dir.join("key.pub"), key.public_pem().unwrap()).unwrap();
+    let url = format!("file://{}", dir.join("bucket").display());
+    let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(bytes), lr, 11);
+    let mut p =
+        PublisherBuilder::new("unused").with_bucket(bucket).with_key(key).with_anchor_every(1_000_000).build().unwrap();
+    for s in 0..=n {
+        if s > 0 {
+            chain.step();
+        }
+        let r = p.publish(s, &chain.views()).unwrap();
+        p.flush().unwrap();
+        eprintln!("published step {s}: {r:?}");
+    }
+    p.close().unwrap();
+    // The newest weights, to check the agent's result bit for bit.
+    let layout =
+        driftless_format::Layout::for_tensors(&chain.views().iter().map(|v| v.meta()).collect::<Vec<_>>(), 5 << 30)
+            .unwrap();
+    driftless_format::checkpoint::write_checkpoint(&dir.join("last"), &layout, &chain.views()).unwrap();
+    hide(dir, n);
+}
+
+/// Moves the delta ready markers (and latest.json) aside: `run` reveals them one by one.
+fn hide(dir: &Path, n: u64) {
+    let held = dir.join("held");
+    std::fs::create_dir_all(&held).unwrap();
+    for s in 1..=n {
+        let from = dir.join("bucket").join(layout::ready(StepKind::Delta, s));
+        if from.exists() {
+            std::fs::rename(&from, held.join(s.to_string())).unwrap();
+        }
+    }
+    let _ = std::fs::remove_file(dir.join("bucket").join(layout::LATEST));
+}
+
+fn reveal(dir: &Path, s: u64) {
+    let to = dir.join("bucket").join(layout::ready(StepKind::Delta, s));
+    std::fs::rename(dir.join("held").join(s.to_string()), to).unwrap();
+}
+
+/// Peak anonymous memory (RssAnon, KiB) of the last command run by [`timed`], sampled every
+/// 2 ms from /proc (file pages the agent maps while hashing are page cache, not counted).
+static PEAK_ANON_KIB: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn rss_anon_kib(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let l = s.lines().find(|l| l.starts_with("RssAnon:"))?;
+    l.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Runs a command, returns (seconds, stdout).
+fn timed(cmd: &mut Command) -> (f64, String) {
+    let t = Instant::now();
+    let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let pid = child.id();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let st = stop.clone();
+    let sampler = std::thread::spawn(move || {
+        let mut peak = 0;
+        while !st.load(std::sync::atomic::Ordering::Relaxed) {
+            peak = peak.max(rss_anon_kib(pid).unwrap_or(0));
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        peak
+    });
+    let out = child.wait_with_output().unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    PEAK_ANON_KIB.store(sampler.join().unwrap(), std::sync::atomic::Ordering::Relaxed);
+    assert!(out.status.success(), "{:?} failed: {}", cmd, String::from_utf8_lossy(&out.stderr));
+    if std::env::var_os("BENCH_VERBOSE").is_some() {
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    }
+    (secs, String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Peak RSS of the waited-for children so far (KiB).
+fn children_maxrss() -> u64 {
+    // SAFETY: getrusage fills a plain struct.
+    unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut u);
+        u.ru_maxrss as u64
+    }
+}
+
+struct Ctx {
+    dir: PathBuf,
+    bin: PathBuf,
+    url: String,
+}
+
+impl Ctx {
+    fn agent(&self, d: &str) -> (f64, String) {
+        self.agent_perf(d, None)
+    }
+    /// `agent --once`, under `perf record -g -o PERF` when given.
+    fn agent_perf(&self, d: &str, perf: Option<&str>) -> (f64, String) {
+        self.agent_env(d, perf, None)
+    }
+    /// `agent --once` with one extra environment variable `K=V` (A/B experiments).
+    fn agent_env(&self, d: &str, perf: Option<&str>, kv: Option<&str>) -> (f64, String) {
+        let mut c = match perf {
+            Some(out) => {
+                let mut c = Command::new("perf");
+                c.args(["record", "-F", "2000", "-g", "-o", out, "--"]).arg(&self.bin);
+                c
+            }
+            None => Command::new(&self.bin),
+        };
+        if let Some((k, v)) = kv.and_then(|kv| kv.split_once('=')) {
+            c.env(k, v);
+        }
+        c.args(["agent", "--once", "--bucket", &self.url, "--trust"])
+            .arg(self.dir.join("key.pub"))
+            .arg("--dir")
+            .arg(self.dir.join(d));
+        timed(&mut c)
+    }
+    fn hash(&self, d: &str) -> (f64, String) {
+        timed(Command::new(&self.bin).arg("hash").arg(self.dir.join(d).join("current")))
+    }
+    /// Reads every anchor object of step 0 (the bytes a cold start must read from the bucket).
+    fn read_anchor(&self) -> f64 {
+        let d = self.dir.join("bucket").join(layout::anchor_dir(0));
+        let t = Instant::now();
+        let mut n = 0u64;
+        for e in std::fs::read_dir(&d).unwrap() {
+            n += std::fs::read(e.unwrap().path()).unwrap().len() as u64;
+        }
+        assert!(n > 0);
+        t.elapsed().as_secs_f64()
+    }
+}
+
+fn row(what: &str, secs: f64, base_what: &str, base: f64) {
+    println!("| {what:<44} | {secs:>7.3} | {base_what:<34} | {base:>7.3} | {:>5.2}x |", secs / base);
+}
+
+fn run(dir: &Path, bin: &Path) {
+    let reps: u64 = env("BENCH_REPS", 7);
+    let held: Vec<u64> = {
+        let mut v: Vec<u64> = std::fs::read_dir(dir.join("held"))
+            .map(|r| r.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let mut all = held.clone();
+    let revealed_max =
+        (1..).take_while(|s| dir.join("bucket").join(layout::ready(StepKind::Delta, *s)).exists()).last();
+    if let Some(m) = revealed_max {
+        all.extend(1..=m);
+    }
+    all.sort();
+    let n = *all.last().expect("gen first");
+    // Start over: everything hidden, agent directories removed.
+    hide(dir, n);
+    for d in ["A", "B", "C", "D"] {
+        let _ = std::fs::remove_dir_all(dir.join(d));
+    }
+    let cx =
+        Ctx { dir: dir.to_path_buf(), bin: bin.to_path_buf(), url: format!("file://{}", dir.join("bucket").display()) };
+    println!("| operation (CLI) | s | baseline (same run) | s | ratio |\n|---|---|---|---|---|");
+    // Cold start, anchor only (page cache warm for the bucket files: read them once first).
+    cx.read_anchor();
+    let (t, out) = cx.agent_perf("A", std::env::var("BENCH_PERF_COLD").ok().as_deref());
+    let rss = children_maxrss();
+    let anon = PEAK_ANON_KIB.load(std::sync::atomic::Ordering::Relaxed);
+    let ra = cx.read_anchor();
+    let (h, _) = cx.hash("A");
+    row("cold start: anchor only", t, "max(read anchor, hash)", ra.max(h));
+    println!("|   peak RSS of the agent: {} MiB (anonymous: {} MiB) ({out}) | | | | |", rss >> 10, anon >> 10);
+    // B also starts on the anchor (for the catch-up).
+    cx.agent("B");
+    // With BENCH_AB=K=V, D follows like A with that variable set, measured step by step beside A.
+    let ab = std::env::var("BENCH_AB").ok();
+    if ab.is_some() {
+        cx.agent("D");
+    }
+    let mut ratios_b = vec![];
+    // Fast path: one delta at a time, each next to a hash of the same directory.
+    let k = 5.min(n.saturating_sub(1));
+    let mut ratios = vec![];
+    for s in 1..=(1 + reps).min(n) {
+        reveal(dir, s);
+        let perf = std::env::var("BENCH_PERF").ok().filter(|_| s == 4);
+        let (t, out) = cx.agent_perf("A", perf.as_deref());
+        let (h, _) = cx.hash("A");
+        let what = if s == 1 { "fast path (first after anchor: slot copy)" } else { "fast path: 1 delta" };
+        row(&format!("{what}, step {s}"), t, "driftless hash of A/current", h);
+        if s > 1 {
+            ratios.push(t / h);
+        }
+        if let Some(kv) = &ab {
+            let (t, _) = cx.agent_env("D", None, Some(kv));
+            let (h, _) = cx.hash("D");
+            row(&format!("  {kv}: step {s}"), t, "driftless hash of D/current", h);
+            if s > 1 {
+                ratios_b.push(t / h);
+            }
+        }
+        eprintln!("  {out}");
+    }
+    ratios.sort_by(f64::total_cmp);
+    if !ratios.is_empty() {
+        println!(
+            "|   fast path / hash: median {:.2}x, min {:.2}x, max {:.2}x | | | | |",
+            ratios[ratios.len() / 2],
+            ratios[0],
+            ratios[ratios.len() - 1]
+        );
+    }
+    ratios_b.sort_by(f64::total_cmp);
+    if !ratios_b.is_empty() {
+        println!(
+            "|   with {}: median {:.2}x, min {:.2}x, max {:.2}x | | | | |",
+            ab.as_deref().unwrap_or(""),
+            ratios_b[ratios_b.len() / 2],
+            ratios_b[0],
+            ratios_b[ratios_b.len() - 1]
+        );
+    }
+    if std::env::var_os("BENCH_FAST_ONLY").is_some() {
+        return;
+    }
+    let shown = (1 + reps).min(n);
+    // Catch-up: B is on step 0 (both slots hold the anchor after... one copy); bring it k steps.
+    let (t, _) = cx.agent("B");
+    let (h, _) = cx.hash("B");
+    row(&format!("catch-up: {shown} deltas (B from step 0)"), t, "driftless hash of B/current", h);
+    // Cold start, anchor + deltas.
+    let _ = k;
+    let before = children_maxrss();
+    let (t, _) = cx.agent("C");
+    let rss = children_maxrss();
+    let anon = PEAK_ANON_KIB.load(std::sync::atomic::Ordering::Relaxed);
+    let ra = cx.read_anchor();
+    let (h, _) = cx.hash("C");
+    row(&format!("cold start: anchor + {shown} deltas"), t, "max(read anchor, hash)", ra.max(h));
+    let _ = before;
+    println!(
+        "|   peak anonymous memory of the agent: {} MiB (peak RSS of all agents so far {} MiB) | | | | |",
+        anon >> 10,
+        rss >> 10
+    );
+    // Bit-exact check against the trainer's weights at the last revealed step, when it is n.
+    if shown == n {
+        let (_, want) = timed(Command::new(bin).arg("hash").arg(dir.join("last")));
+        let (_, got) = cx.hash("A");
+        assert_eq!(want, got, "agent result differs from the trainer's weights");
+        println!("|   bit-exact against the trainer's step {n}: yes | | | | |");
+    }
+}
+
+/// Processing only (no process start, no planning, no download), in one process, rounds
+/// interleaved so that load from other processes hits every variant alike: the work of a
+/// steady-state fast path (deltas 2 and 3 onto a copy of step 1: the inactive slot brought
+/// forward) done the way main did it (each delta applied segment by segment, then the model
+/// hashed) and in one fused pass, each followed by the msync; next to hashing the same files.
+fn processing(dir: &Path) {
+    use driftless_format::delta::decode_segment;
+    use driftless_format::{fused, CheckpointMut, DeltaManifest};
+    let rounds: usize = env("BENCH_ROUNDS", 7);
+    let bucket = dir.join("bucket");
+    let seg = |s: u64| -> Vec<driftless_format::delta::DecodedSegment> {
+        let env = std::fs::read(bucket.join(layout::manifest(StepKind::Delta, s))).unwrap();
+        let trust =
+            driftless_format::TrustSet::new().with_pem(&std::fs::read_to_string(dir.join("key.pub")).unwrap()).unwrap();
+        let (payload, _) = trust.open(&env).unwrap();
+        let m = DeltaManifest::from_slice(&payload).unwrap();
+        m.segments
+            .iter()
+            .map(|r| {
+                let b = std::fs::read(bucket.join(layout::object(StepKind::Delta, s, &r.object.object))).unwrap();
+                decode_segment(&b, r.raw_size).unwrap()
+            })
+            .collect()
+    };
+    let chain = [seg(2), seg(3)];
+    // A scratch checkpoint: the newest weights written by `gen`.
+    let scratch = dir.join("scratch");
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    for e in std::fs::read_dir(dir.join("last")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), scratch.join(e.file_name())).unwrap();
+    }
+    let time = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    let (mut h, mut old, mut new) = (vec![], vec![], vec![]);
+    for _ in 0..rounds {
+        h.push(time(&mut || {
+            let ck = driftless_format::Checkpoint::open(&scratch).unwrap();
+            std::hint::black_box(driftless_format::weights_root(&ck.views()));
+        }));
+        old.push(time(&mut || {
+            let mut ck = CheckpointMut::open(&scratch).unwrap();
+            for d in &chain {
+                let tm = ck.tensors_mut();
+                for s in d {
+                    driftless_format::delta::apply_segment(s, &tm).unwrap();
+                }
+            }
+            std::hint::black_box(driftless_format::weights_root(&ck.views()));
+            ck.flush().unwrap();
+        }));
+        new.push(time(&mut || {
+            let mut ck = CheckpointMut::open(&scratch).unwrap();
+            let metas = ck.metas();
+            let wb = ck.writeback();
+            let (tx, rx) = std::sync::mpsc::channel::<usize>();
+            let w = std::thread::spawn(move || {
+                for t in rx {
+                    wb.start(t);
+                }
+            });
+            {
+                let tm = ck.tensors_mut();
+                let refs: Vec<&[driftless_format::delta::DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
+                let tx = std::sync::Mutex::new(tx);
+                std::hint::black_box(
+                    fused::apply_and_hash(&tm, &metas, &refs, true, &|t| {
+                        let _ = tx.lock().unwrap().send(t);
+                    })
+                    .unwrap(),
+                );
+            }
+            w.join().unwrap();
+            ck.flush().unwrap();
+        }));
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (mh, mo, mn) = (med(&mut h), med(&mut old), med(&mut new));
+    println!("processing, {rounds} interleaved rounds, medians (2 deltas onto a 1-step-old copy, + msync):");
+    println!("| hash the model (weights root)                 | {mh:.3} s | 1.00x |");
+    println!("| main: apply delta by delta, then hash, msync   | {mo:.3} s | {:.2}x |", mo / mh);
+    println!("| fused: apply + hash in one pass, msync         | {mn:.3} s | {:.2}x |", mn / mh);
+    let _ = std::fs::remove_dir_all(&scratch);
+}

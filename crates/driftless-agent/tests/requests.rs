@@ -1,0 +1,64 @@
+//! Requests per step (issue 12): a follower one step behind reads the signed `latest.json`, the
+//! manifests and the segments, and nothing else: no listing, no marker reads, whatever the
+//! retention. Counted on a store wrapper that sees every call.
+
+use std::sync::Arc;
+
+use driftless_agent::{Agent, AgentConfig, SyncPath};
+use driftless_format::gen::{ModelSpec, RlChain};
+use driftless_format::{Keypair, TrustSet};
+use driftless_publisher::PublisherBuilder;
+use driftless_store::{Bucket, FaultOp, FaultyStore, StoreOptions};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_one_step_behind_makes_constant_requests() {
+    let counting = Arc::new(FaultyStore::new(Arc::new(driftless_store::object_store::memory::InMemory::new())));
+    let bucket = Bucket::from_store(counting.clone(), "stream", &StoreOptions::default());
+    let key = Keypair::from_seed([5; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 2e-6, 3);
+    let b2 = bucket.clone();
+    let mut p = tokio::task::spawn_blocking(move || {
+        PublisherBuilder::new("unused").with_bucket(b2).with_key(key).with_anchor_every(1_000_000).build().unwrap()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut agent = Agent::new(bucket.clone(), AgentConfig::new(dir.path(), trust)).unwrap();
+    let mut per_step = vec![];
+    for step in 0..25u64 {
+        if step > 0 {
+            chain.step();
+        }
+        let views: Vec<(driftless_format::TensorMeta, Vec<u8>)> =
+            chain.views().iter().map(|v| (v.meta(), v.data.to_vec())).collect();
+        p = tokio::task::spawn_blocking(move || {
+            let vs: Vec<_> = views
+                .iter()
+                .map(|(m, d)| driftless_format::TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d })
+                .collect();
+            p.publish(step, &vs).unwrap();
+            p.flush().unwrap();
+            p
+        })
+        .await
+        .unwrap();
+        let (g0, l0) = (counting.calls(FaultOp::Get), counting.calls(FaultOp::List));
+        let o = agent.sync_once().await.unwrap();
+        assert_eq!(o.step, step);
+        let (gets, lists) = (counting.calls(FaultOp::Get) - g0, counting.calls(FaultOp::List) - l0);
+        if step >= 2 {
+            assert_eq!(o.route, SyncPath::Fast);
+            per_step.push((gets, lists));
+        }
+    }
+    eprintln!("requests per step (GET, LIST): {per_step:?}");
+    // Segments per delta step (1 MiB model: one segment).
+    for (i, &(gets, lists)) in per_step.iter().enumerate() {
+        assert_eq!(lists, 0, "step {}: a follower one step behind lists nothing", i + 2);
+        // latest.json, the previous delta's manifest (bringing the inactive slot forward; its
+        // segments come from the local cache), this delta's manifest, its one segment.
+        assert!(gets <= 3 + 1, "step {}: {gets} GETs", i + 2);
+    }
+    tokio::task::spawn_blocking(move || p.close().unwrap()).await.unwrap();
+}

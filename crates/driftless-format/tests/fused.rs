@@ -1,0 +1,120 @@
+//! The one-pass apply + hash of the agent (`fused::apply_and_hash`) against the plain
+//! segment-by-segment apply followed by `weights_root`: chains of deltas in every dtype and
+//! value mode, dense chunks, tiny blocks so changes and entries straddle block boundaries, and
+//! hostile entries.
+
+mod common;
+
+use common::*;
+use driftless_format::delta::{decode_segment, DecodedSegment};
+use driftless_format::{fused, CheckpointMut, DType, DeltaOptions, ErrorKind, Layout, ValueMode};
+
+fn decode(enc: &driftless_format::delta::EncodedDelta) -> Vec<DecodedSegment> {
+    enc.segments.iter().map(|s| decode_segment(&s.bytes, s.raw_size).unwrap()).collect()
+}
+
+fn tensors(dtype: DType, seed: u64) -> Vec<T> {
+    let mut r = rng(seed);
+    vec![
+        T::random("a.big", dtype, &[3001], &mut r),
+        T::random("b.matrix", dtype, &[17, 33], &mut r),
+        T::random("c.scalar", dtype, &[], &mut r),
+        T::random("d.empty", dtype, &[0, 4], &mut r),
+        T::random("e.small", dtype, &[7], &mut r),
+    ]
+}
+
+/// Runs the fused pass over `chain` on a copy of `base` written to disk; returns the digests
+/// and the resulting bytes.
+fn fused_run(base: &[T], chain: &[Vec<DecodedSegment>], block: usize) -> driftless_format::Result<(Vec<T>, Layout)> {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = write(dir.path(), base, 4096);
+    let mut ck = CheckpointMut::open(dir.path()).unwrap();
+    let metas = ck.metas();
+    let refs: Vec<&[DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
+    let digests = {
+        let tm = ck.tensors_mut();
+        fused::apply_and_hash_blocks(&tm, &metas, &refs, true, &|_| {}, block)?.unwrap()
+    };
+    let got: Vec<T> = ck.views().iter().map(|v| T::new(v.name, v.dtype, v.shape, v.data.to_vec())).collect();
+    for (t, d) in got.iter().zip(&digests) {
+        assert_eq!(*d, driftless_format::hash::tensor_digest(&t.view()), "digest of {} is not of its bytes", t.name);
+    }
+    Ok((got, layout))
+}
+
+#[test]
+fn chains_match_the_target_in_every_dtype_and_mode() {
+    for (di, &dtype) in DType::ALL.iter().enumerate() {
+        for mode in [ValueMode::Ulp, ValueMode::Overwrite] {
+            let base = tensors(dtype, 7 + di as u64);
+            let mut r = rng(99 + di as u64);
+            let mut states = vec![base.clone()];
+            // Densities: sparse, denser, dense chunks (stored dense), sparse again.
+            for density in [0.01, 0.2, 1.0, 0.003] {
+                let next: Vec<T> = states.last().unwrap().iter().map(|t| mutate(t, density, &mut r)).collect();
+                states.push(next);
+            }
+            let layout = Layout::for_tensors(&metas(&base), u64::MAX).unwrap();
+            let opts = DeltaOptions { values: mode, segment_target: 300, chunk_bytes: 96, ..Default::default() };
+            let chain: Vec<Vec<DecodedSegment>> =
+                states.windows(2).map(|w| decode(&make(&w[0], &w[1], &layout, &opts).1)).collect();
+            for block in [8, 24, 1000, 1 << 20] {
+                let (got, _) = fused_run(&base, &chain, block).unwrap();
+                let want = states.last().unwrap();
+                let ctx = format!("{dtype} {mode} block {block}");
+                assert_same_tensors(&views(&got), want, &ctx);
+                // Prefixes of the chain too.
+                let (got, _) = fused_run(&base, &chain[..2], block).unwrap();
+                assert_same_tensors(&views(&got), &states[2], &ctx);
+            }
+        }
+    }
+}
+
+#[test]
+fn overlapping_entries_of_one_delta_are_refused_but_not_across_deltas() {
+    let base = vec![T::new("w", DType::U8, &[16], vec![0; 16])];
+    let e = |start, pos: Vec<u8>, vals: Vec<u8>| E {
+        name: "w",
+        dense: false,
+        dtype: DType::U8,
+        start,
+        len: 8,
+        count: pos.len() as u64,
+        pos,
+        vals,
+    };
+    let one = raw_segment(1, &[e(0, vec![0], vec![2])]);
+    let two = raw_segment(1, &[e(4, vec![0], vec![2])]);
+    let d = |b: &[u8]| decode_segment(b, 1 << 20).unwrap();
+    // Two segments of one delta writing elements 4..8 twice: refused.
+    let err = fused_run(&base, &[vec![d(&one), d(&two)]], 8).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    // The same entries in two deltas of a chain: applied in order (+1 then +1 at element 0).
+    let (got, _) = fused_run(&base, &[vec![d(&one)], vec![d(&one)]], 8).unwrap();
+    assert_eq!(got[0].data[0], 2);
+}
+
+#[test]
+fn hostile_entries_are_errors() {
+    let base = vec![T::new("w", DType::BF16, &[8], vec![0; 16])];
+    let d = |b: &[u8]| decode_segment(b, 1 << 20).unwrap();
+    let mk = |name, dtype, start, len, pos: Vec<u8>| {
+        raw_segment(
+            1,
+            &[E { name, dense: false, dtype, start, len, count: pos.len() as u64, vals: vec![2; pos.len()], pos }],
+        )
+    };
+    for (what, seg) in [
+        ("unknown tensor", mk("x", DType::BF16, 0, 8, vec![0])),
+        ("wrong dtype", mk("w", DType::F16, 0, 8, vec![0])),
+        ("range outside", mk("w", DType::BF16, 4, 8, vec![0])),
+        ("position outside the entry", mk("w", DType::BF16, 0, 4, vec![0, 0, 0, 0, 0])),
+    ] {
+        let Ok(seg) = decode_segment(&seg, 1 << 20) else { continue };
+        let err = fused_run(&base, &[vec![seg]], 8).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{what}: {err}");
+    }
+    let _ = d;
+}
