@@ -13,7 +13,7 @@ SGLANG_VERSION=0.5.23
 # What the route modules import for real (pure Python or small wheels), pinned.
 PY_DEPS=(fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.3 msgspec==0.22.0 orjson==3.13.0
   transformers==5.23.0 openai==3.54.0 anthropic==2.12.0 regex cachetools python-multipart jinja2 jsonschema dill
-  uvloop aiohttp requests numpy pyzmq psutil prometheus_client pyyaml cloudpickle pytest safetensors)
+  uvloop aiohttp requests numpy pyzmq psutil prometheus_client pyyaml cloudpickle pytest safetensors ml_dtypes)
 
 cd "$(dirname "$0")/.."
 root=$(pwd)

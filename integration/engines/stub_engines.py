@@ -56,6 +56,7 @@ class Faults:
         self.load_delay = 0.0  # seconds a load takes
         self.fail_load = False  # the next load raises / fails
         self.die_on_load = False  # the process exits when a load starts (engine crash/restart)
+        self.fail_patch = False  # the next patch raises after writing its first tensor
         self.running = 0  # requests holding KV blocks
         self.calls: list[dict] = []
 
@@ -86,12 +87,81 @@ async def load(path: str) -> str | None:
 
 
 # --------------------------------------------------------------------------------------- vLLM
+def read_weights(path: str) -> dict:
+    """The weights a reload puts in the stub's 'GPU': every tensor of the directory."""
+    import ml_dtypes  # noqa: F401  (bfloat16 for the reference reader's numpy backend)
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def load_extension():
+    """The shipped worker extension module, loaded from its file (the engine venv does not
+    build the driftless package; the module needs only safetensors)."""
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "..", "..", "crates", "driftless-py", "python", "driftless", "vllm_ext.py")
+    spec = importlib.util.spec_from_file_location("driftless_vllm_ext", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def stub_worker_class(ext):
+    """A worker with the extension mixed in, as ``--worker-extension-cls`` does; only the step
+    that hands patches to vLLM's loader runs on numpy here, with the loader's own checks
+    (``checkpoint_weight_patch.py``: floating dtype, no NaN, in-range unique indices, same shape)
+    and its lack of rollback. The torch path is run on a GPU by gpu_patch_check.py."""
+    import numpy as np
+
+    class StubWorker(ext.DriftlessWorkerExtension):
+        _driftless_framework = "np"
+
+        def __init__(self, engine):
+            self.engine = engine
+
+        @staticmethod
+        def _driftless_isnan_any(values) -> bool:
+            return bool(np.isnan(values.astype(np.float32)).any())
+
+        def _driftless_load(self, patch, sparse, full):
+            w = self.engine.weights
+            for name, t in full.items():
+                if name not in w or w[name].shape != t.shape or w[name].dtype != t.dtype:
+                    raise ValueError(f"{name}: dense patch does not match the model")
+            for name in sparse:
+                idx, vals, _ = patch.sparse[name]
+                numel = int(np.prod(patch.shapes[name]))
+                if name not in w or w[name].shape != tuple(patch.shapes[name]):
+                    raise ValueError(f"{name}: not a weight of this model")
+                if self._driftless_isnan_any(vals) or idx.ndim != 1 or len(idx) != len(vals):
+                    raise ValueError("Sparse checkpoint patches contain NaN values")
+                if len(idx) and (idx.min() < 0 or idx.max() >= numel or (np.diff(np.sort(idx)) == 0).any()):
+                    raise ValueError("Sparse checkpoint patches contain out-of-range or duplicate indices")
+            for name, t in full.items():
+                w[name][...] = t
+            for k, name in enumerate(sparse):
+                if k == 1 and F.fail_patch:
+                    F.fail_patch = False
+                    raise RuntimeError("CUDA out of memory (scripted, after a partial write)")
+                idx, vals, _ = patch.sparse[name]
+                w[name].reshape(-1)[idx.astype(np.int64)] = vals
+
+    return StubWorker
+
+
 class StubAsyncLLM:
     def __init__(self):
         self.paused = False
         self.mode = None
         self.version: str | None = None
         self.model_path = "/models/initial"
+        self.weights: dict = {}
+        self.worker = None
 
     async def pause_generation(self, *, mode="abort", clear_cache=True):
         if mode not in ("abort", "wait", "keep"):
@@ -112,6 +182,13 @@ class StubAsyncLLM:
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if method == "driftless_apply_patch":
+            if self.worker is None:
+                self.worker = stub_worker_class(load_extension())(self)
+            try:
+                return [self.worker.driftless_apply_patch(**kwargs)]
+            except Exception as e:
+                raise RuntimeError(f"Worker failed with error '{e}'") from e
         if method != "reload_weights":
             raise AttributeError(f"'Worker' object has no attribute '{method}'")
         path = kwargs.get("weights_path") or self.model_path
@@ -120,6 +197,7 @@ class StubAsyncLLM:
             # The worker's exception comes back through the engine core as a RuntimeError.
             raise RuntimeError(f"Worker failed with error '{err}'")
         self.model_path = path
+        self.weights = read_weights(path)
         return [None]  # one result per worker; reload_weights returns None
 
     async def reset_prefix_cache(self, reset_running_requests=False, reset_external=False):
@@ -285,6 +363,13 @@ def add_stub_routes(app, engine):
         return {"calls": F.calls, "paused": getattr(engine, "paused", getattr(engine, "is_pause", None)),
                 "running": F.running, "max_concurrent_loads": getattr(engine, "max_concurrent_loads", None),
                 "model_path": engine.model_path}
+
+    @app.get("/_stub/weights")
+    async def weights():
+        import hashlib
+
+        w = getattr(engine, "weights", {})
+        return {k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in w.items()}
 
     @app.post("/_stub/faults")
     async def faults(request: Request):

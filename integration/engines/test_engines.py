@@ -342,3 +342,85 @@ def test_vllm_api_key_does_not_guard_dev_routes(stream, tmp_path):
         assert all(c["auth"] for c in e.state()["calls"])
     finally:
         e.stop()
+
+
+# ------------------------------------------------------------------- in-place patches (vLLM)
+def engine_matches_dir(engine, path):
+    """The stub engine's live weights are bit-identical to the checkpoint in ``path``."""
+    import hashlib
+
+    import ml_dtypes  # noqa: F401
+    from safetensors.numpy import load_file
+
+    want = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            want.update({k: hashlib.sha256(v.tobytes()).hexdigest()
+                         for k, v in load_file(os.path.join(path, f)).items()})
+    got = engine._req("GET", "/_stub/weights", token=engine.stub_token)[1]
+    return got == want
+
+
+def test_vllm_patch_applies_in_place(stream, vllm):
+    """patch=on: after a full load, each delta step reaches the engine as a patch through the
+    worker extension (no reload), and the engine's weights are the verified step bit for bit."""
+    import ml_dtypes
+
+    stream.w["model.layers.0.mlp.gate_proj.weight"] = stream.rng.standard_normal((48, 40)).astype(
+        ml_dtypes.bfloat16)
+    target = f"vllm={vllm.url},patch=on"
+    stream.publish(0)
+    stream.agent(target)
+    assert [b["method"] for b in vllm.bodies("/collective_rpc")] == ["reload_weights"]
+    assert engine_matches_dir(vllm, stream.dir / "current")
+    for step in (1, 2):
+        vllm.faults(clear_calls=True)
+        stream.publish(step)
+        trainer = stream.tmp / f"step_{step}"
+        assert not engine_matches_dir(vllm, trainer)  # the step changed something
+        stream.agent(target)
+        cur = os.path.realpath(stream.dir / "current")
+        # (--once first checks that the engine holds the agent's step: /weight_info, /is_paused)
+        assert [c[1] for c in vllm.calls()] == [
+            "/weight_info", "/is_paused", "/weight_info", "/pause?mode=keep", "/collective_rpc",
+            "/reset_prefix_cache?reset_running_requests=true", "/update_weight_version", "/resume", "/weight_info"]
+        assert all(c[2] == 200 for c in vllm.calls()), vllm.calls()
+        (rpc,) = vllm.bodies("/collective_rpc")
+        assert rpc["method"] == "driftless_apply_patch" and rpc["kwargs"]["weights_path"] == cur
+        assert rpc["kwargs"]["path"].startswith(str(stream.dir / "patch"))
+        assert not os.path.exists(rpc["kwargs"]["path"]), "a patch is used once, then removed"
+        assert engine_matches_dir(vllm, cur) and engine_matches_dir(vllm, trainer)
+        assert vllm._req("GET", "/weight_info")[1] == {"weight_version": str(step)}
+
+
+def test_vllm_failed_patch_falls_back_to_a_full_reload(stream, vllm):
+    """A patch that fails after writing part of the weights: the version is marked unknown
+    first, then reload_weights restores the verified step in the same pause."""
+    target = f"vllm={vllm.url},patch=on"
+    stream.publish(0)
+    stream.agent(target)
+    stream.publish(1)
+    vllm.faults(clear_calls=True, fail_patch=True)
+    stream.agent(target)
+    cur = os.path.realpath(stream.dir / "current")
+    methods = [b.get("method") or b.get("new_version") for b in
+               vllm.bodies("/collective_rpc") + vllm.bodies("/update_weight_version")]
+    assert methods == ["driftless_apply_patch", "reload_weights", "driftless-unknown", "1"], vllm.calls()
+    assert engine_matches_dir(vllm, cur)
+    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": "1"}
+    assert vllm.state()["paused"] is False
+
+
+def test_vllm_patch_only_onto_its_base(stream, vllm):
+    """An engine that does not report the agent's step (restarted, loaded elsewhere) is
+    brought back to a known state by a full reload before any patch is applied onto it."""
+    target = f"vllm={vllm.url},patch=on"
+    stream.publish(0)
+    stream.agent(target)
+    assert vllm._req("POST", "/update_weight_version", {"new_version": "something-else"})[0] == 200
+    stream.publish(1)
+    vllm.faults(clear_calls=True)
+    stream.agent(target)
+    assert [b["method"] for b in vllm.bodies("/collective_rpc")] == ["reload_weights", "driftless_apply_patch"]
+    assert [b["new_version"] for b in vllm.bodies("/update_weight_version")] == ["0", "1"]
+    assert engine_matches_dir(vllm, os.path.realpath(stream.dir / "current"))

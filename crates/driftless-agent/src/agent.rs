@@ -23,6 +23,7 @@ use tracing::{debug, error, info, info_span, warn, Instrument};
 
 use crate::metrics::Metrics;
 use crate::notify::Notifier;
+use crate::patch::{PatchBuilder, PatchFile};
 use crate::plan::{self, Candidates, MarkerCache, Refusals, Route};
 use crate::state::{sync_dir, sync_tree, AgentDir, Held, LocalState, Slot};
 use crate::{Error, Result};
@@ -154,6 +155,9 @@ pub struct Agent {
     hint: Option<LatestHint>,
     /// Plan the next sync from a listing even if a hint would do (the periodic full check).
     list_next: bool,
+    /// The patch from the step the engine was last told to load to the current step, written
+    /// after a delta-only sync when a notifier applies patches; used at most once.
+    patch: Option<PatchFile>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -252,6 +256,7 @@ impl Agent {
             cached: vec![],
             hint: None,
             list_next: false,
+            patch: None,
         })
     }
 
@@ -361,17 +366,28 @@ impl Agent {
         if self.loaded == Some(st.step) || !self.active_ok {
             return Ok(());
         }
+        // A patch is offered once: whatever happens, the next attempt reloads in full.
+        let patch = self.patch.take().filter(|p| p.step == st.step);
+        let result = self.notify_all(&st, patch.as_ref()).await;
+        if let Some(p) = &patch {
+            let _ = std::fs::remove_file(&p.path);
+        }
+        result?;
+        self.loaded = Some(st.step);
+        self.metrics.ready.store(1, Relaxed);
+        Ok(())
+    }
+
+    async fn notify_all(&self, st: &LocalState, patch: Option<&PatchFile>) -> Result<()> {
         for n in &self.cfg.notify {
             let t = Instant::now();
-            if let Err(e) = n.notify(&self.client, st.step, st.root, &self.current_dir()).await {
+            if let Err(e) = n.notify(&self.client, st.step, st.root, &self.current_dir(), patch).await {
                 self.metrics.notify_failures.fetch_add(1, Relaxed);
                 warn!(target = %n, error = %e, "notify failed");
                 return Err(e);
             }
             info!(target = %n, step = st.step, secs = t.elapsed().as_secs_f64(), "inference server loaded step");
         }
-        self.loaded = Some(st.step);
-        self.metrics.ready.store(1, Relaxed);
         Ok(())
     }
 
@@ -614,6 +630,13 @@ impl Agent {
         };
         let t = Instant::now();
         let n = deltas.len();
+        // Patches are built for engines that apply them in place, from the active step along a
+        // route of deltas only. The notifier uses one only when the engine reports that step.
+        let mut patch = match (&prev, route.anchor) {
+            (Some(p), None) if self.cfg.notify.iter().any(Notifier::wants_patch) => Some(PatchBuilder::new(p.step)),
+            _ => None,
+        };
+        self.patch = None;
         // Consecutive deltas of one layout are applied together in one pass over the model,
         // verified once at the end (every result root is signed, so the final check proves the final state;
         // a mismatch is retried `careful`ly, one verified delta at a time, to name the step).
@@ -636,6 +659,12 @@ impl Agent {
             let last = k + 1 == n;
             let verify = careful || last;
             let (m, segs, b) = self.receive_delta(sid, d, fetch, at).await?;
+            if let Some(pb) = patch.as_mut().filter(|pb| d > pb.base()) {
+                if let Err(e) = segs.iter().try_for_each(|s| pb.add(s)) {
+                    warn!(error = %e, "no patch for this step");
+                    patch = None;
+                }
+            }
             bytes += b;
             at = Held { step: d, root: m.result_root };
             let shas: Vec<Digest> = m.segments.iter().map(|s| s.object.sha256).collect();
@@ -644,6 +673,8 @@ impl Agent {
                 group_raw = 0;
                 self.apply_group(&wdir, pending, false, careful).await?;
                 drop(segs);
+                // A layout change is no patch: the engine reloads from the directory.
+                patch = None;
                 self.rewrite_delta(&wdir, &m, verify, pinpoint).await?;
                 layout = Some(m.layout());
             } else {
@@ -668,6 +699,9 @@ impl Agent {
             LocalState { version: 2, stream_id: sid.to_string(), step: at.step, root: at.root, active: work, inactive };
         st.store(self.dir.path())?;
         self.dir.link(work)?;
+        if let Some(pb) = patch {
+            self.patch = self.write_patch(pb, &wdir, at).await;
+        }
         self.state = Some(st);
         self.active_ok = true;
         self.metrics.step.store(at.step, Relaxed);
@@ -679,6 +713,37 @@ impl Agent {
         }
         self.prune_cache();
         Ok((bytes, rebuilt))
+    }
+
+    /// Writes the patch of this sync into `DIR/patch` (replacing any earlier one). A failure
+    /// costs only the patch: the engine then reloads from the directory.
+    async fn write_patch(&self, pb: PatchBuilder, wdir: &Path, at: Held) -> Option<PatchFile> {
+        let pdir = self.dir.patches();
+        let wdir = wdir.to_path_buf();
+        let t = Instant::now();
+        let r = tokio::task::spawn_blocking(move || -> Result<PatchFile> {
+            if pdir.exists() {
+                std::fs::remove_dir_all(&pdir)?;
+            }
+            std::fs::create_dir_all(&pdir)?;
+            let out = pdir.join(format!("{}-{}.safetensors", pb.base(), at.step));
+            pb.write(&wdir, at.step, at.root, &out)
+        })
+        .await;
+        match r {
+            Ok(Ok(p)) => {
+                info!(base = p.base, step = p.step, bytes = p.bytes, secs = t.elapsed().as_secs_f64(), "patch written");
+                Some(p)
+            }
+            Ok(Err(e)) => {
+                warn!(error = %e, "could not write the patch; the engine will reload in full");
+                None
+            }
+            Err(e) => {
+                warn!(error = %e, "patch task failed; the engine will reload in full");
+                None
+            }
+        }
     }
 
     /// Replaces the inactive slot with a copy of the active one (copy_file_range: a reflink

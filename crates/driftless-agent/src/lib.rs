@@ -13,13 +13,15 @@
 //! - [`state`]: the directory layout (two slots, the `current` symlink, the lock, the state
 //!   file) and the durability order.
 //! - [`notify`]: sglang, vllm, http and exec adapters; [`server`]: `/healthz`, `/readyz`,
-//!   `/metrics`, `/v1/status` and `POST /v1/poll`.
+//!   `/metrics`, `/v1/status` and `POST /v1/poll`; [`patch`]: the checkpoint-coordinate patch an
+//!   engine applies in place instead of reloading (vLLM `patch=on`).
 #![warn(missing_docs)]
 
 mod agent;
 mod error;
 pub mod metrics;
 pub mod notify;
+pub mod patch;
 pub mod plan;
 pub mod server;
 pub mod state;

@@ -15,6 +15,12 @@
 //!   {"weights_path": ABS}}`, `POST /reset_prefix_cache?reset_running_requests=true` (its
 //!   `success` field is read), `POST /update_weight_version {"new_version": "STEP"}`, `POST
 //!   /resume`, then `GET /weight_info` must report `STEP`.
+//!   With `patch=on` (the server runs the worker extension `driftless.vllm_ext`) and a patch
+//!   from the step the engine reports (see [`crate::patch`]), the load is `POST /collective_rpc
+//!   {"method": "driftless_apply_patch", "kwargs": {"path": PATCH, "weights_path": ABS}}`
+//!   instead, every worker answering `STEP`; when it fails the version is first set to
+//!   `driftless-unknown` (the weights may be partly patched: no later patch may build on them)
+//!   and `reload_weights` restores a known state in the same pause.
 //! - `http=URL`: one `POST` with `{"step", "weights_root", "dir"}` (retried 3 times on 5xx).
 //! - `exec=COMMAND`: runs `sh -c COMMAND` with `DRIFTLESS_STEP`, `DRIFTLESS_WEIGHTS_ROOT`,
 //!   `DRIFTLESS_DIR` in the environment; exit status 0 is success.
@@ -27,6 +33,7 @@
 //! | `token_file=PATH` | bearer token read from PATH (trimmed) at every notify | none |
 //! | `token_env=VAR` | bearer token read from the environment variable VAR | none |
 //! | `timeout=SECS` | how long the load call may take | 600 |
+//! | `patch=on` | vLLM only: apply verified sparse patches in place through the worker extension | `off` |
 //!
 //! The token itself is never accepted on the command line (`token=` is refused), never
 //! displayed and never logged: [`Notifier`]'s `Display` shows where it comes from only.
@@ -44,6 +51,7 @@ use std::time::Duration;
 use driftless_format::Digest;
 use serde_json::{json, Value};
 
+use crate::patch::PatchFile;
 use crate::{Error, Result};
 
 /// Control calls (pause, resume, version reads).
@@ -112,6 +120,8 @@ pub struct EngineTarget {
     pub token: Option<TokenSource>,
     /// Time allowed for the load call.
     pub load_timeout: Duration,
+    /// vLLM: patch the live weights through the worker extension when a patch applies.
+    pub patch: bool,
 }
 
 const SGLANG_MODES: &[&str] = &["retract", "in_place", "abort"];
@@ -123,7 +133,8 @@ fn parse_engine(kind: &str, spec: &str, modes: &[&str]) -> std::result::Result<E
     if !(url.starts_with("http://") || url.starts_with("https://")) {
         return Err(format!("{kind}: {url:?} is not an http(s) URL"));
     }
-    let mut t = EngineTarget { url, mode: modes[0].to_string(), token: None, load_timeout: DEFAULT_LOAD_TIMEOUT };
+    let mut t =
+        EngineTarget { url, mode: modes[0].to_string(), token: None, load_timeout: DEFAULT_LOAD_TIMEOUT, patch: false };
     for opt in parts {
         let (k, v) = opt.split_once('=').ok_or_else(|| format!("{kind}: option {opt:?} is not KEY=VALUE"))?;
         match k {
@@ -140,6 +151,16 @@ fn parse_engine(kind: &str, spec: &str, modes: &[&str]) -> std::result::Result<E
                     .parse()
                     .map_err(|_| format!("{kind}: timeout {v:?} is not a number of seconds"))?;
                 t.load_timeout = Duration::from_secs(s.max(1));
+            }
+            "patch" if kind == "vllm" => {
+                t.patch = match v {
+                    "on" => true,
+                    "off" => false,
+                    _ => return Err(format!("{kind}: patch {v:?} is not on or off")),
+                }
+            }
+            _ if kind == "vllm" => {
+                return Err(format!("{kind}: unknown option {k:?} (mode, token_file, token_env, timeout, patch)"))
             }
             _ => return Err(format!("{kind}: unknown option {k:?} (mode, token_file, token_env, timeout)")),
         }
@@ -327,9 +348,22 @@ fn absolute(dir: &Path) -> String {
 }
 
 impl Notifier {
+    /// Whether this target applies patches (the agent then writes them, see [`crate::patch`]).
+    pub fn wants_patch(&self) -> bool {
+        matches!(self, Notifier::Vllm(t) if t.patch)
+    }
+
     /// Tells the server to load `dir` at `step`; returns when the server reports `step` (or
-    /// the attempt failed, with the server resumed).
-    pub async fn notify(&self, client: &reqwest::Client, step: u64, root: Digest, dir: &Path) -> Result<()> {
+    /// the attempt failed, with the server resumed). `patch`, when it leads to `step`, is
+    /// applied instead of a reload by targets that take patches and hold its base step.
+    pub async fn notify(
+        &self,
+        client: &reqwest::Client,
+        step: u64,
+        root: Digest,
+        dir: &Path,
+        patch: Option<&PatchFile>,
+    ) -> Result<()> {
         let fail = |detail: String| Error::Notify { target: self.to_string(), detail };
         match self {
             Notifier::Sglang(t) | Notifier::Vllm(t) => {
@@ -339,7 +373,7 @@ impl Notifier {
                 let r = if matches!(self, Notifier::Sglang(_)) {
                     sglang(&e, t, step, &d).await
                 } else {
-                    vllm(&e, t, step, &d).await
+                    vllm(&e, t, step, &d, patch.filter(|p| t.patch && p.step == step)).await
                 };
                 r.map_err(fail)
             }
@@ -457,9 +491,18 @@ async fn sglang(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::
     confirm(e, "/model_info", &want).await
 }
 
-async fn vllm(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::result::Result<(), String> {
+async fn vllm(
+    e: &Engine<'_>,
+    t: &EngineTarget,
+    step: u64,
+    dir: &str,
+    patch: Option<&PatchFile>,
+) -> std::result::Result<(), String> {
     let want = step.to_string();
-    if e.version("/weight_info").await.map_err(|x| x.to_string())?.as_deref() == Some(want.as_str()) {
+    let held = e.version("/weight_info").await.map_err(|x| x.to_string())?;
+    // A patch applies only onto the exact step it was computed from, as the engine reports it.
+    let patch = patch.filter(|p| held.as_deref() == Some(p.base.to_string().as_str()));
+    if held.as_deref() == Some(want.as_str()) {
         let paused = e.get("/is_paused").await.map_err(|x| x.to_string())?;
         if paused.body["is_paused"] == json!(true) {
             e.post("/resume", &json!({})).await.map_err(|x| x.to_string())?;
@@ -470,19 +513,12 @@ async fn vllm(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::re
     let paused = e.post(&format!("/pause?mode={}", t.mode), &json!({})).await;
     let load = async {
         paused.map_err(|x| x.to_string())?;
-        let body = json!({"method": "reload_weights", "kwargs": {"weights_path": dir}});
-        match e.send(reqwest::Method::POST, "/collective_rpc", Some(&body), t.load_timeout).await {
-            Ok(r) if r.status.is_success() => {}
-            Ok(r) => {
-                return Err(format!(
-                    "POST /collective_rpc reload_weights: HTTP {}: {} (vLLM has no rollback: the weights may be partly \
-                     reloaded; the version stays unchanged so the next attempt reloads in full)",
-                    r.status.as_u16(),
-                    short(&r.text)
-                ))
-            }
-            Err(CallError::Timeout(m)) => return Err(format!("{m}; the reload may still be running, not re-sent")),
-            Err(x) => return Err(x.to_string()),
+        let patched = match patch {
+            Some(p) => apply_patch(e, t, p, dir, &want).await,
+            None => false,
+        };
+        if !patched {
+            reload(e, t, dir).await?;
         }
         // Preempts running requests (their KV was computed with the old weights) and drops
         // the prefix cache; answers 200 even when it did not reset: read `success`.
@@ -513,6 +549,45 @@ async fn vllm(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::re
     let resume = e.post("/resume", &json!({})).await;
     join(load, resume)?;
     confirm(e, "/weight_info", &want).await
+}
+
+/// `reload_weights` from the verified directory (a full, in-place reload).
+async fn reload(e: &Engine<'_>, t: &EngineTarget, dir: &str) -> std::result::Result<(), String> {
+    let body = json!({"method": "reload_weights", "kwargs": {"weights_path": dir}});
+    match e.send(reqwest::Method::POST, "/collective_rpc", Some(&body), t.load_timeout).await {
+        Ok(r) if r.status.is_success() => {}
+        Ok(r) => {
+            return Err(format!(
+                "POST /collective_rpc reload_weights: HTTP {}: {} (vLLM has no rollback: the weights may be partly \
+                 reloaded; the version stays unchanged so the next attempt reloads in full)",
+                r.status.as_u16(),
+                short(&r.text)
+            ))
+        }
+        Err(CallError::Timeout(m)) => return Err(format!("{m}; the reload may still be running, not re-sent")),
+        Err(x) => return Err(x.to_string()),
+    }
+    Ok(())
+}
+
+/// Applies `p` through the worker extension. Returns whether every worker reports `want`.
+/// On any failure the engine's version is first set to `driftless-unknown`: its weights may
+/// be partly patched, so no later patch may be computed against the version it reported.
+async fn apply_patch(e: &Engine<'_>, t: &EngineTarget, p: &PatchFile, dir: &str, want: &str) -> bool {
+    let body = json!({"method": "driftless_apply_patch", "kwargs": {
+        "path": p.path.display().to_string(), "weights_path": dir}});
+    let r = e.send(reqwest::Method::POST, "/collective_rpc", Some(&body), t.load_timeout).await;
+    let detail = match r {
+        Ok(r) if r.status.is_success() => match r.body["results"].as_array() {
+            Some(rs) if !rs.is_empty() && rs.iter().all(|x| x.as_str() == Some(want)) => return true,
+            _ => format!("workers answered {}", short(&r.text)),
+        },
+        Ok(r) => format!("HTTP {}: {}", r.status.as_u16(), short(&r.text)),
+        Err(x) => x.to_string(),
+    };
+    tracing::warn!(error = %detail, "patch not applied; reloading in full");
+    let _ = e.post("/update_weight_version", &json!({"new_version": "driftless-unknown"})).await;
+    false
 }
 
 async fn confirm(e: &Engine<'_>, path: &str, want: &str) -> std::result::Result<(), String> {
@@ -557,6 +632,8 @@ mod tests {
             "vllm=http://h,color=red",
             "vllm=h:8000",
             "vllm=http://h,timeout=soon",
+            "vllm=http://h,patch=maybe",
+            "sglang=http://h,patch=on",
         ] {
             let e = bad.parse::<Notifier>().unwrap_err();
             assert!(!e.contains("secret"), "{e}");

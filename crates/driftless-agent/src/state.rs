@@ -192,6 +192,12 @@ impl AgentDir {
         self.dir.join("cache")
     }
 
+    /// `DIR/patch`: the patch of the newest sync for engines that apply patches in place
+    /// (see `crate::patch`); it must be readable by the engine, as the slots are.
+    pub fn patches(&self) -> PathBuf {
+        self.dir.join("patch")
+    }
+
     /// The slot `current` points at, if it is one of ours.
     pub fn linked(&self) -> Option<Slot> {
         let t = std::fs::read_link(self.current()).ok()?;

@@ -63,14 +63,14 @@ async fn http_and_exec_and_server_errors() {
     let (url, calls) = server(None, 200).await;
     let root = Digest::of(b"x");
     let n: Notifier = format!("http={url}/hook").parse().unwrap();
-    n.notify(&reqwest::Client::new(), 9, root, std::path::Path::new("/w")).await.unwrap();
+    n.notify(&reqwest::Client::new(), 9, root, std::path::Path::new("/w"), None).await.unwrap();
     let body: serde_json::Value = serde_json::from_str(&calls.lock().unwrap()[0].1).unwrap();
     assert_eq!(body["step"], 9);
     assert_eq!(body["weights_root"], root.to_hex());
     // A 5xx is retried (3 attempts) and then reported.
     let (url, calls) = server(Some("/hook"), 503).await;
     let n: Notifier = format!("http={url}/hook").parse().unwrap();
-    assert!(n.notify(&reqwest::Client::new(), 1, root, std::path::Path::new("/w")).await.is_err());
+    assert!(n.notify(&reqwest::Client::new(), 1, root, std::path::Path::new("/w"), None).await.is_err());
     assert_eq!(calls.lock().unwrap().len(), 3);
     // exec gets the facts in its environment.
     let d = tempfile::tempdir().unwrap();
@@ -78,11 +78,11 @@ async fn http_and_exec_and_server_errors() {
     let n: Notifier = format!("exec=echo $DRIFTLESS_STEP $DRIFTLESS_WEIGHTS_ROOT $DRIFTLESS_DIR > {}", out.display())
         .parse()
         .unwrap();
-    n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w")).await.unwrap();
+    n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w"), None).await.unwrap();
     assert_eq!(std::fs::read_to_string(&out).unwrap().trim(), format!("5 {} /w", root.to_hex()));
     let n: Notifier = "exec=exit 3".parse().unwrap();
-    assert!(n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w")).await.is_err());
+    assert!(n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w"), None).await.is_err());
     // A target that is down.
     let n: Notifier = "http=http://127.0.0.1:9/".parse().unwrap();
-    assert!(n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w")).await.is_err());
+    assert!(n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w"), None).await.is_err());
 }

@@ -1,32 +1,57 @@
-"""The worker extension's patch planning, without torch or vLLM (the loader call itself needs
-both and a GPU, and is not run here)."""
+"""The worker extension's patch reading and dense/sparse split, without torch or vLLM (the
+loader call needs both; the whole path runs in integration/engines on vLLM's routes, and on a
+GPU in integration/engines/gpu_patch_check.py)."""
 
+import json
+
+import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
-from driftless.vllm_ext import _split_pems, has_nan_bf16, plan_patches
-
-
-def test_nan_detection_on_bf16_bits():
-    assert has_nan_bf16(np.array([0x7FC1], dtype=np.uint16))
-    assert not has_nan_bf16(np.array([0x7F80, 0xFF80, 0x8000, 0x3F80], dtype=np.uint16))  # +-inf, -0, 1
+from driftless.vllm_ext import FORMAT, Patch, read_tensors
 
 
-def test_plan_splits_sparse_dense_and_routes_nan_to_dense():
-    full = {"b": np.array([1, 0x7FC1, 3, 4], dtype=np.uint16)}
-    items = [
-        ("a", np.array([0, 5], dtype=np.int64), np.array([0x3F80, 0x4000], dtype=np.uint16)),
-        ("b", np.array([1], dtype=np.int64), np.array([0x7FC1], dtype=np.uint16)),
-        ("c", None, np.zeros(6, dtype=np.uint16)),
-    ]
-    sparse, dense = plan_patches(items, {"a": (2, 3), "b": (4,), "c": (2, 3)}, full)
-    assert [p[0] for p in sparse] == ["a"] and sparse[0][2].dtype == np.int32
-    assert [p[0] for p in dense] == ["b", "c"]
-    assert dense[0][3].tolist() == full["b"].tolist()
-    with pytest.raises(ValueError, match="NaN"):
-        plan_patches(items[1:2], {"b": (4,)})
+def write_patch(path, fmt=FORMAT):
+    bf = ml_dtypes.bfloat16
+    tensors = {
+        "idx/a": np.array([0, 5], dtype=np.int32),
+        "val/a": np.array([1.0, 2.0], dtype=np.float32).astype(bf),
+        "idx/b": np.array([1], dtype=np.int32),
+        "val/b": np.array([0x7FC1], dtype=np.uint16).view(bf),  # a NaN
+        "idx/i": np.array([2], dtype=np.int64),
+        "val/i": np.array([7], dtype=np.int32),
+    }
+    meta = {"format": fmt, "base_step": "3", "step": "4", "weights_root": "00" * 32,
+            "shapes": json.dumps({"a": [2, 3], "b": [4], "c": [2], "i": [3]}), "dense": json.dumps(["c"])}
+    save_file(tensors, str(path), metadata=meta)
 
 
-def test_split_pems():
-    pem = "-----BEGIN PUBLIC KEY-----\nAAA\n-----END PUBLIC KEY-----"
-    assert _split_pems(pem + "\n" + pem) == [pem + "\n", pem + "\n"]
+def isnan_any(v):
+    return bool(np.isnan(v.astype(np.float32)).any())
+
+
+def test_nan_and_integer_tensors_go_dense(tmp_path):
+    write_patch(tmp_path / "p.safetensors")
+    p = Patch(str(tmp_path / "p.safetensors"), "np")
+    assert (p.base, p.step, p.shapes["a"]) == (3, 4, (2, 3))
+    sparse, dense = p.split(isnan_any)
+    assert sparse == ["a"] and sorted(dense) == ["b", "c", "i"]
+    idx, vals, dtype = p.sparse["a"]
+    assert dtype == "BF16" and idx.tolist() == [0, 5]
+    assert vals.view(np.uint16).tolist() == [0x3F80, 0x4000]  # bit patterns, not floats
+
+
+def test_other_files_are_refused(tmp_path):
+    write_patch(tmp_path / "p.safetensors", fmt="something")
+    with pytest.raises(ValueError, match="not a driftless-patch-1"):
+        Patch(str(tmp_path / "p.safetensors"), "np")
+
+
+def test_dense_tensors_come_from_the_verified_directory(tmp_path):
+    save_file({"c": np.array([1, 2], dtype=np.float32)}, str(tmp_path / "model-1.safetensors"))
+    save_file({"d": np.array([3], dtype=np.float32)}, str(tmp_path / "model-2.safetensors"))
+    got = read_tensors(str(tmp_path), ["c", "d"], "np")
+    assert got["c"].tolist() == [1, 2] and got["d"].tolist() == [3]
+    with pytest.raises(ValueError, match="not found"):
+        read_tensors(str(tmp_path), ["zz"], "np")

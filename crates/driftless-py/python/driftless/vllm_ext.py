@@ -1,89 +1,132 @@
-"""A vLLM worker extension: applies verified driftless patches into the live model through
-vLLM's own checkpoint-patch loader (``vllm/model_executor/model_loader/checkpoint_weight_patch.py``
-in vLLM 0.33.0, the loader its ``sparse_nccl`` backend uses). The model's ``load_weights``
-does the checkpoint-name mapping, tensor-parallel slicing and fused projections (``qkv_proj``,
-``gate_up_proj``), so nothing here is architecture-specific.
+"""A vLLM worker extension that applies verified driftless patches into the live weights,
+driven by the agent (``--notify vllm=URL,patch=on``), with no reload from disk.
 
-Launch (the module must be importable by the workers)::
+The agent verifies step N on its own copy (weights root, signed), then writes one safetensors
+file with, per changed tensor, the flat indices every delta since the engine's step wrote and
+the step-N values at them, read from the verified copy (format: ``crates/driftless-agent/src/
+patch.rs``). It then calls, inside its usual pause::
+
+    POST /collective_rpc {"method": "driftless_apply_patch",
+                          "kwargs": {"path": PATCH, "weights_path": VERIFIED_DIR}}
+
+Every worker (tensor-parallel rank) reads the file and hands the patches to vLLM's own loader,
+``load_checkpoint_weight_patches`` (``vllm/model_executor/model_loader/
+checkpoint_weight_patch.py`` in vLLM 0.33.0, the one its ``sparse_nccl`` backend uses): the
+model's ``load_weights`` maps checkpoint names, keeps the rank's slice and fills fused
+projections (``qkv_proj``, ``gate_up_proj``), so nothing here is architecture-specific. Each
+worker answers the step; the agent requires all of them to, then resets the prefix cache and
+bumps the engine's weight version as for a reload.
+
+Tensors the sparse loader cannot take are sent dense, read whole from the verified directory:
+a value that is NaN (NaN is the loader's "unchanged" sentinel), a non-floating dtype, or a
+tensor the patch marks dense (more than half its elements changed).
+
+If anything fails the worker raises (HTTP 500 from the route); the agent then marks the
+engine's version unknown and reloads in full (``reload_weights``) in the same pause, since
+vLLM has no rollback of a partial patch.
+
+Launch (the package must be importable by the workers, and the agent's directory mounted at
+the same path in the engine's container)::
 
     VLLM_SERVER_DEV_MODE=1 vllm serve /weights/current \\
         --worker-extension-cls driftless.vllm_ext.DriftlessWorkerExtension
 
-Drive it over HTTP (``collective_rpc`` passes string args/kwargs only)::
-
-    POST /pause?mode=keep
-    POST /collective_rpc {"method": "driftless_init",
-                          "kwargs": {"url": "s3://bucket/run", "trusted_keys": "<PEM>\\n<PEM>"}}
-    POST /collective_rpc {"method": "driftless_update"}      # -> {"results": [STEP, ...]}
-    POST /reset_prefix_cache?reset_running_requests=true
-    POST /update_weight_version {"new_version": "STEP"}
-    POST /resume
-
-``driftless_update`` calls ``Follower.iter_patches()``, which applies each delta to the
-follower's host mirror and checks the weights root *before* yielding anything, so the engine
-only receives patches whose result was verified. Each worker (TP rank) runs the same follower
-and hands the full checkpoint-coordinate patch to ``load_checkpoint_weight_patches``, which
-keeps the rank's own slice.
-
-Limits (from the loader's contract): sparse patches use NaN as the "unchanged" sentinel, so a
-patch value that *is* a NaN cannot be sent sparsely; such a tensor is sent as a dense patch
-from the follower's verified host mirror. Loaders that do more than a same-shaped
-floating-point ``copy_`` (quantized weights) are refused by vLLM; use ``reload_weights`` from
-the agent's directory for those models.
-
-Not run in this repository's CI (needs vLLM with torch and a GPU); the patch conversion is
-unit-tested without torch in ``tests/test_vllm_ext.py``.
+Tested in CI on vLLM's real HTTP routes with a stub engine whose worker runs this class, its
+last step (``_driftless_load``) replaced by a numpy scatter with the loader's checks
+(``integration/engines``). The torch step below has **not been run** in this repository: it
+needs torch (no CPU build is reachable from CI's package registries) and the GPU check
+``integration/engines/gpu_patch_check.py`` (vLLM's unchanged ``checkpoint_weight_patch.py``,
+bit-exact comparison, timing) found no GPU lent when it was written.
 """
 
-from typing import Dict, Iterable, List, Optional, Tuple
+import json
+import os
+from typing import Dict, List, Tuple
 
-import numpy as np
-
-import driftless
-
-_BF16_EXP = 0x7F80
-
-
-def has_nan_bf16(bits: np.ndarray) -> bool:
-    """Whether BF16 bit patterns (uint16/int16) contain a NaN."""
-    b = bits.view(np.uint16)
-    return bool(np.any(((b & _BF16_EXP) == _BF16_EXP) & ((b & 0x007F) != 0)))
+FORMAT = "driftless-patch-1"
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
 
 
-def plan_patches(
-    items: Iterable[Tuple[str, Optional[np.ndarray], np.ndarray]],
-    shapes: Dict[str, Tuple[int, ...]],
-    full: Optional[Dict[str, np.ndarray]] = None,
-) -> Tuple[List[tuple], List[tuple]]:
-    """Splits ``iter_patches`` output into (sparse, dense) lists of
-    ``(name, shape, indices int32 | None, values as BF16 bit patterns)``.
+class Patch:
+    """A patch file read with the reference safetensors reader (``framework`` "pt" or "np")."""
 
-    A tensor whose new values hold a NaN goes dense (``full[name]``, the verified mirror)."""
-    sparse, dense = [], []
-    for name, positions, values in items:
-        bits = np.ascontiguousarray(values).view(np.uint16).reshape(-1)
-        shape = tuple(shapes[name])
-        if positions is None:
-            dense.append((name, shape, None, bits))
-        elif has_nan_bf16(bits):
-            if full is None or name not in full:
-                raise ValueError(f"{name}: NaN in a sparse patch and no verified full tensor to send densely")
-            dense.append((name, shape, None, np.ascontiguousarray(full[name]).view(np.uint16).reshape(-1)))
-        else:
-            if positions.size and int(positions.max()) >= 2**31:
-                raise ValueError(f"{name}: position beyond int32")
-            sparse.append((name, shape, positions.astype(np.int32), bits))
-    return sparse, dense
+    def __init__(self, path: str, framework: str = "pt"):
+        from safetensors import safe_open
+
+        if framework == "np":
+            import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+        with safe_open(path, framework) as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"{path}: not a {FORMAT} file (format {meta.get('format')!r})")
+            self.base = int(meta["base_step"])
+            self.step = int(meta["step"])
+            self.weights_root = meta["weights_root"]
+            self.shapes: Dict[str, Tuple[int, ...]] = {k: tuple(v) for k, v in json.loads(meta["shapes"]).items()}
+            self.dense: List[str] = list(json.loads(meta["dense"]))
+            # name -> (indices, values, safetensors dtype string)
+            self.sparse: Dict[str, tuple] = {}
+            for name in self.shapes:
+                if name in self.dense:
+                    continue
+                dtype = f.get_slice(f"val/{name}").get_dtype()
+                self.sparse[name] = (f.get_tensor(f"idx/{name}"), f.get_tensor(f"val/{name}"), dtype)
+
+    def split(self, isnan_any) -> Tuple[List[str], List[str]]:
+        """(sparse names, dense names): a tensor goes dense when the sparse loader cannot take
+        it (non-floating dtype, or a NaN among its new values)."""
+        sparse, dense = [], list(self.dense)
+        for name, (_, vals, dtype) in self.sparse.items():
+            if dtype not in FLOAT_DTYPES or isnan_any(vals):
+                dense.append(name)
+            else:
+                sparse.append(name)
+        return sparse, dense
+
+
+def read_tensors(weights_path: str, names: List[str], framework: str = "pt") -> Dict[str, object]:
+    """Whole tensors by name from the safetensors files of a checkpoint directory."""
+    from safetensors import safe_open
+
+    want, out = set(names), {}
+    if not want:
+        return out
+    for fname in sorted(os.listdir(weights_path)):
+        if not fname.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(weights_path, fname), framework) as f:
+            for k in f.keys():
+                if k in want:
+                    out[k] = f.get_tensor(k)
+    missing = want - set(out)
+    if missing:
+        raise ValueError(f"{weights_path}: tensors {sorted(missing)[:3]} not found")
+    return out
 
 
 class DriftlessWorkerExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``)."""
 
-    def driftless_init(self, url: str, trusted_keys: str, **store: str) -> None:
-        self._follower = driftless.Follower(url, trusted_keys=_split_pems(trusted_keys), **store)
+    _driftless_framework = "pt"
 
-    def driftless_update(self) -> int:
-        """Brings the live weights to the newest verified step; returns it (-1: nothing yet)."""
+    def driftless_apply_patch(self, path: str, weights_path: str) -> int:
+        """Applies the patch at ``path`` to the live weights; returns the step it leads to."""
+        fw = self._driftless_framework
+        patch = Patch(path, fw)
+        sparse, dense = patch.split(self._driftless_isnan_any)
+        full = read_tensors(weights_path, dense, fw)
+        self._driftless_load(patch, sparse, full)
+        return patch.step
+
+    @staticmethod
+    def _driftless_isnan_any(values) -> bool:
+        import torch
+
+        return bool(torch.isnan(values).any().item())
+
+    def _driftless_load(self, patch: Patch, sparse: List[str], full: Dict[str, object]) -> None:
+        """Hands the patches to vLLM's checkpoint-patch loader (dense first: one call may not
+        mix them)."""
         import torch
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (
             CheckpointWeightPatch,
@@ -91,41 +134,23 @@ class DriftlessWorkerExtension:
         )
 
         model = self.model_runner.get_model()
-        items = list(self._follower.iter_patches())
-        if not items:
-            step = self._follower.patch_step
-            return -1 if step is None else int(step)
-        shapes = {name: tuple(self._follower_shape(name, values, pos)) for name, pos, values in items}
-        sparse, dense = plan_patches(items, shapes)
         device = next(model.parameters()).device
-
-        def to_patch(name, shape, idx, bits):
-            vals = torch.from_numpy(bits.view(np.int16)).to(device).view(torch.bfloat16)
-            ind = None if idx is None else torch.from_numpy(idx).to(device)
-            return CheckpointWeightPatch(name=name, shape=shape, dtype=torch.bfloat16, values=vals, indices=ind)
-
-        # A call takes either dense or sparse patches, not both.
-        if dense:
-            load_checkpoint_weight_patches(model, [to_patch(*p) for p in dense])
+        if full:
+            load_checkpoint_weight_patches(
+                model,
+                [
+                    CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.reshape(-1).to(device))
+                    for n, t in full.items()
+                ],
+            )
         if sparse:
-            load_checkpoint_weight_patches(model, [to_patch(*p) for p in sparse])
-        torch.cuda.synchronize()
-        return int(self._follower.patch_step)
-
-    def _follower_shape(self, name, values, positions):
-        shapes = getattr(self._follower, "shapes", None)
-        if callable(shapes):
-            return shapes()[name]
-        if positions is None:
-            return values.shape
-        raise RuntimeError(f"{name}: checkpoint shape unknown (Follower.shapes() missing)")
-
-
-def _split_pems(text: str) -> List[str]:
-    out, cur = [], []
-    for line in text.splitlines():
-        cur.append(line)
-        if line.startswith("-----END"):
-            out.append("\n".join(cur) + "\n")
-            cur = []
-    return out
+            patches = []
+            for n in sparse:
+                idx, vals, _ = patch.sparse[n]
+                patches.append(
+                    CheckpointWeightPatch(n, patch.shapes[n], vals.dtype, vals.to(device), idx.to(device))
+                )
+            # Indices are sorted and unique by construction; vLLM checks it again.
+            load_checkpoint_weight_patches(model, patches)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
