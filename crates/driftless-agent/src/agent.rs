@@ -632,16 +632,19 @@ impl Agent {
         let n = deltas.len();
         // Patches are built for engines that apply them in place, from the active step along a
         // route of deltas only. The notifier uses one only when the engine reports that step.
-        let mut patch = match (&prev, route.anchor) {
-            (Some(p), None) if self.cfg.notify.iter().any(Notifier::wants_patch) => Some(PatchBuilder::new(p.step)),
-            _ => None,
-        };
         self.patch = None;
         // Consecutive deltas of one layout are applied together in one pass over the model,
         // verified once at the end (every result root is signed, so the final check proves the final state;
         // a mismatch is retried `careful`ly, one verified delta at a time, to name the step).
         let mut layout =
             if deltas.is_empty() { None } else { Some(Checkpoint::open(&wdir).map_err(Error::from)?.layout()) };
+        let mut patch = match (&prev, route.anchor, &layout) {
+            (Some(p), None, Some(l)) if self.cfg.notify.iter().any(Notifier::wants_patch) => {
+                let metas: Vec<_> = l.shards.iter().flat_map(|s| s.tensors.iter().cloned()).collect();
+                PatchBuilder::new(p.step, &metas).inspect_err(|e| warn!(error = %e, "no patch for this step")).ok()
+            }
+            _ => None,
+        };
         let mut group: Vec<(DeltaManifest, Vec<DecodedSegment>)> = vec![];
         let mut group_raw = 0u64;
         // A wrong final root names one step only when it is the only unverified one.

@@ -42,17 +42,43 @@ pub struct PatchFile {
     pub bytes: u64,
 }
 
-/// Collects the element indices a chain of deltas writes, tensor by tensor.
-#[derive(Debug, Default)]
+/// The most element indices a builder holds, as a fraction of the model's elements: 1/8, so
+/// its memory (8 bytes an index) stays under one byte per model element, half a BF16 model.
+/// A chain that writes more is no patch: the engine reloads from the directory, which then
+/// costs little more than the patch would.
+const MAX_INDEX_FRACTION: u64 = 8;
+
+/// What a chain writes in one tensor.
+#[derive(Debug)]
+enum Touched {
+    /// Element indices, possibly repeated; `deduped` is the length at the last sort.
+    Sparse { idx: Vec<u64>, deduped: usize },
+    /// More than half the tensor: sent whole, no indices kept.
+    Dense,
+}
+
+/// Collects the element indices a chain of deltas writes, tensor by tensor, within a memory
+/// bound: a tensor written in more than half its elements is marked dense (its indices are
+/// dropped), and a chain writing more than 1/8 of the model's elements has no patch.
+#[derive(Debug)]
 pub struct PatchBuilder {
     base: u64,
-    touched: HashMap<String, Vec<u64>>,
+    numel: HashMap<String, u64>,
+    /// Indices still allowed before the builder gives up.
+    budget: u64,
+    touched: HashMap<String, Touched>,
 }
 
 impl PatchBuilder {
-    /// A builder for a chain starting at verified step `base`.
-    pub fn new(base: u64) -> Self {
-        PatchBuilder { base, touched: HashMap::new() }
+    /// A builder for a chain starting at verified step `base` of a checkpoint with tensors
+    /// `metas` (the layout the chain keeps; a layout change ends the patch).
+    pub fn new(base: u64, metas: &[driftless_format::TensorMeta]) -> Result<Self> {
+        let numel = metas
+            .iter()
+            .map(|m| Ok((m.name.clone(), m.numel()?)))
+            .collect::<driftless_format::Result<HashMap<_, _>>>()?;
+        let budget = numel.values().sum::<u64>() / MAX_INDEX_FRACTION;
+        Ok(PatchBuilder { base, numel, budget, touched: HashMap::new() })
     }
 
     /// The step the chain starts from.
@@ -60,11 +86,43 @@ impl PatchBuilder {
         self.base
     }
 
-    /// Records what a decoded segment writes.
+    /// Records what a decoded segment writes. An error means no patch for this chain (an
+    /// unknown tensor, a hostile entry, or more writes than the memory bound allows); it
+    /// never concerns the sync itself, which checks the segment on its own.
     pub fn add(&mut self, seg: &DecodedSegment) -> Result<()> {
         for (i, e) in seg.entries.iter().enumerate() {
-            let idx = seg.entry_indices(i)?;
-            self.touched.entry(e.name.clone()).or_default().extend(idx);
+            let numel = *self
+                .numel
+                .get(&e.name)
+                .ok_or_else(|| patch_err(format!("entry for tensor {} not in the checkpoint", e.name)))?;
+            let t = self.touched.entry(e.name.clone()).or_insert(Touched::Sparse { idx: vec![], deduped: 0 });
+            let Touched::Sparse { idx, deduped } = t else { continue };
+            // An entry spanning more than half the tensor makes it dense without listing it.
+            let wide = e.len.saturating_mul(2) > numel;
+            if (e.dense && wide) || e.count.saturating_mul(2) > numel {
+                self.budget += idx.len() as u64;
+                *t = Touched::Dense;
+                continue;
+            }
+            let n = if e.dense { e.len } else { e.count };
+            if n > self.budget {
+                return Err(patch_err("the chain writes more than a patch may hold"));
+            }
+            self.budget -= n;
+            idx.extend(seg.entry_indices(i)?);
+            // Repeated writes of one element count once: dedup when the list outgrows half
+            // the tensor (and twice its last deduplicated length, so sorting stays amortised).
+            if idx.len() as u64 * 2 > numel && idx.len() > 2 * *deduped {
+                let before = idx.len();
+                idx.sort_unstable();
+                idx.dedup();
+                *deduped = idx.len();
+                self.budget += (before - idx.len()) as u64;
+                if idx.len() as u64 * 2 > numel {
+                    self.budget += idx.len() as u64;
+                    *t = Touched::Dense;
+                }
+            }
         }
         Ok(())
     }
@@ -81,17 +139,24 @@ impl PatchBuilder {
         let mut blobs: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = vec![];
         let mut touched: Vec<_> = self.touched.into_iter().collect();
         touched.sort_by(|a, b| a.0.cmp(&b.0));
-        for (name, mut idx) in touched {
-            let v = by_name.get(name.as_str()).ok_or_else(|| {
-                Error::Io(std::io::Error::other(format!("patch: tensor {name} is not in the verified checkpoint")))
-            })?;
-            idx.sort_unstable();
-            idx.dedup();
+        for (name, t) in touched {
+            let v = by_name
+                .get(name.as_str())
+                .ok_or_else(|| patch_err(format!("tensor {name} is not in the verified checkpoint")))?;
             let es = v.dtype.size();
             let numel = (v.data.len() / es) as u64;
             shapes.insert(name.clone(), v.shape.to_vec());
+            let mut idx = match t {
+                Touched::Dense => {
+                    dense.push(name);
+                    continue;
+                }
+                Touched::Sparse { idx, .. } => idx,
+            };
+            idx.sort_unstable();
+            idx.dedup();
             if idx.last().is_some_and(|&l| l >= numel) {
-                return Err(Error::Io(std::io::Error::other(format!("patch: index beyond tensor {name}"))));
+                return Err(patch_err(format!("index beyond tensor {name}")));
             }
             if idx.len() as u64 * 2 > numel {
                 dense.push(name);
@@ -123,10 +188,10 @@ impl PatchBuilder {
             .iter()
             .map(|(n, d, s, b)| Ok((n.as_str(), safetensors::tensor::TensorView::new(*d, s.clone(), b)?)))
             .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()
-            .map_err(|e| Error::Io(std::io::Error::other(format!("patch: {e}"))))?;
+            .map_err(patch_err)?;
         let tmp = out.with_extension("tmp");
         safetensors::tensor::serialize_to_file(tensors, Some(meta), &tmp)
-            .map_err(|e| Error::Io(std::io::Error::other(format!("patch {}: {e}", tmp.display()))))?;
+            .map_err(|e| patch_err(format!("{}: {e}", tmp.display())))?;
         std::fs::File::open(&tmp)?.sync_all()?;
         std::fs::rename(&tmp, out)?;
         let bytes = std::fs::metadata(out)?.len();
@@ -134,7 +199,122 @@ impl PatchBuilder {
     }
 }
 
+fn patch_err(msg: impl std::fmt::Display) -> Error {
+    Error::Io(std::io::Error::other(format!("patch: {msg}")))
+}
+
 fn st_dtype(d: driftless_format::DType) -> Result<safetensors::Dtype> {
     serde_json::from_value(serde_json::Value::String(d.as_str().to_string()))
-        .map_err(|e| Error::Io(std::io::Error::other(format!("patch: dtype {}: {e}", d.as_str()))))
+        .map_err(|e| patch_err(format!("dtype {}: {e}", d.as_str())))
+}
+
+#[cfg(test)]
+mod tests {
+    use driftless_format::delta::{decode_segment, encode_delta};
+    use driftless_format::{DType, DeltaOptions, TensorMeta, TensorView};
+
+    use super::*;
+
+    const N: usize = 4096;
+
+    fn meta(name: &str) -> TensorMeta {
+        TensorMeta { name: name.into(), dtype: DType::BF16, shape: vec![N as u64] }
+    }
+
+    /// Segments of the delta from `a` to `b` (one BF16 tensor each, named "w" and "v").
+    fn segments(a: &[(Vec<u8>, Vec<u8>)], b: &[(Vec<u8>, Vec<u8>)]) -> Vec<DecodedSegment> {
+        let shape = [N as u64];
+        fn view<'a>(s: &'a [(Vec<u8>, Vec<u8>)], shape: &'a [u64]) -> Vec<TensorView<'a>> {
+            vec![
+                TensorView { name: "v", dtype: DType::BF16, shape, data: &s[0].0 },
+                TensorView { name: "w", dtype: DType::BF16, shape, data: &s[0].1 },
+            ]
+        }
+        let enc = encode_delta(&view(a, &shape), &view(b, &shape), &DeltaOptions::default()).unwrap();
+        enc.segments.iter().map(|s| decode_segment(&s.bytes, s.raw_size).unwrap()).collect()
+    }
+
+    /// Tensor bytes with elements `idx` bumped by one ULP from `base`.
+    fn bump(base: &[u8], idx: impl Iterator<Item = usize>) -> Vec<u8> {
+        let mut out = base.to_vec();
+        for i in idx {
+            out[2 * i] = out[2 * i].wrapping_add(1);
+        }
+        out
+    }
+
+    #[test]
+    fn a_tensor_written_in_more_than_half_is_dense_and_keeps_no_indices() {
+        let zero = vec![0u8; 2 * N];
+        let base = vec![(zero.clone(), zero.clone())];
+        // v: every element; w: every 64th.
+        let next = vec![(bump(&zero, 0..N), bump(&zero, (0..N).step_by(64)))];
+        let mut pb = PatchBuilder::new(3, &[meta("v"), meta("w")]).unwrap();
+        for s in segments(&base, &next) {
+            pb.add(&s).unwrap();
+        }
+        assert!(matches!(pb.touched.get("v"), Some(Touched::Dense)), "{:?}", pb.touched.get("v"));
+        match pb.touched.get("w") {
+            Some(Touched::Sparse { idx, .. }) => assert_eq!(idx.len(), N / 64),
+            other => panic!("w: {other:?}"),
+        }
+        // The budget holds only w's indices: v's were never listed.
+        assert_eq!(pb.budget, (2 * N as u64) / MAX_INDEX_FRACTION - (N / 64) as u64);
+    }
+
+    #[test]
+    fn repeated_writes_of_one_element_count_once() {
+        let zero = vec![0u8; 2 * N];
+        // Three deltas writing the same 40% of w: deduplicated, still sparse.
+        let mut states = vec![vec![(zero.clone(), zero.clone())]];
+        for _ in 0..3 {
+            let last = states.last().unwrap()[0].1.clone();
+            states.push(vec![(zero.clone(), bump(&last, (0..N).filter(|i| i % 5 < 2)))]);
+        }
+        // A budget that fits 1.2 * 40% of w but not 3 * 40% undeduplicated lists (nor the
+        // dense fallback, which needs none): model of 2 tensors, w and v.
+        let mut pb = PatchBuilder::new(0, &[meta("v"), meta("w")]).unwrap();
+        pb.budget = (N as u64 * 4) / 5 + 100;
+        for w in states.windows(2) {
+            for s in segments(&w[0], &w[1]) {
+                pb.add(&s).unwrap();
+            }
+        }
+        match pb.touched.get("w") {
+            Some(Touched::Sparse { idx, .. }) => {
+                let mut v = idx.clone();
+                v.sort_unstable();
+                v.dedup();
+                assert_eq!(v.len(), (0..N).filter(|i| i % 5 < 2).count());
+            }
+            other => panic!("w: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_chain_beyond_the_memory_bound_has_no_patch() {
+        let zero = vec![0u8; 2 * N];
+        // 20% of one tensor of a two-tensor model is 10% of the elements: under the 1/8
+        // bound. Two such deltas at other elements are 20%: over it.
+        let a = bump(&zero, (0..N).filter(|i| i % 10 < 2));
+        let b = bump(&a, (0..N).filter(|i| i % 10 >= 2 && i % 10 < 4));
+        let s0 = vec![(zero.clone(), zero.clone())];
+        let s1 = vec![(zero.clone(), a.clone())];
+        let s2 = vec![(zero.clone(), b)];
+        let mut pb = PatchBuilder::new(0, &[meta("v"), meta("w")]).unwrap();
+        for s in segments(&s0, &s1) {
+            pb.add(&s).unwrap();
+        }
+        let err = segments(&s1, &s2).iter().try_for_each(|s| pb.add(s)).unwrap_err();
+        assert!(err.to_string().contains("more than a patch may hold"), "{err}");
+    }
+
+    #[test]
+    fn an_entry_for_an_unknown_tensor_is_no_patch() {
+        let zero = vec![0u8; 2 * N];
+        let mut pb = PatchBuilder::new(0, &[meta("w")]).unwrap();
+        let segs = segments(&[(zero.clone(), zero.clone())], &[(bump(&zero, 0..1), zero.clone())]);
+        let err = segs.iter().try_for_each(|s| pb.add(s)).unwrap_err();
+        assert!(err.to_string().contains("not in the checkpoint"), "{err}");
+    }
 }
