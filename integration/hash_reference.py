@@ -16,8 +16,10 @@ import os
 import struct
 import sys
 
-TENSOR_DOMAIN = b"driftless.tensor.v1\0"
-ROOT_DOMAIN = b"driftless.root.v1\0"
+CHUNK = 1 << 20
+CHUNK_DOMAIN = b"driftless.chunk.v2\0"
+TENSOR_DOMAIN = b"driftless.tensor.v2\0"
+ROOT_DOMAIN = b"driftless.root.v2\0"
 INDEX_FILE = "model.safetensors.index.json"
 
 # safetensors spellings, as the Python package may report them in another case.
@@ -32,7 +34,8 @@ def u64(n):
 
 
 def tensor_digest(name, dtype, shape, data):
-    """SHA-256 over the domain, the length-prefixed name and dtype, ndim, dims, and data."""
+    """SHA-256 over the domain, the length-prefixed name and dtype, ndim, dims, the data length
+    and the digests of the data's 1 MiB chunks in order."""
     dtype = dtype.upper()
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r} for tensor {name!r}")
@@ -46,7 +49,9 @@ def tensor_digest(name, dtype, shape, data):
     for d in shape:
         h.update(u64(d))
     h.update(u64(len(data)))
-    h.update(data)
+    view = memoryview(data)
+    for off in range(0, len(data), CHUNK):
+        h.update(hashlib.sha256(CHUNK_DOMAIN + view[off:off + CHUNK]).digest())
     return h.digest()
 
 

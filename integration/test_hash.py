@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hash_reference  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE_ROOT = "245c9a08de170eb1b2d7c943fa1253b6fc9ac4247ecdbecba3667b9b54461906"
+EXAMPLE_ROOT = "373036120d7486c9cee11a4ee7d50e5c10dc865ca82c73a1e4e3fb88428def5d"
 
 
 def rust_cmd():
@@ -151,6 +151,33 @@ def test_sharded_dir_equals_single_file(tmp_path):
     assert hash_reference.weights_root(str(d)) == want
     assert rust_root(d) == want
     assert rust_root(single) == want
+
+
+def test_multi_chunk_tensors(tmp_path):
+    """Tensors of exactly one chunk, one byte over, and several chunks with a short tail;
+    the root changes when a byte changes on either side of a chunk boundary."""
+    rng = np.random.default_rng(4)
+    chunk = hash_reference.CHUNK
+    tensors = {
+        "one": rng.integers(0, 255, chunk, dtype=np.uint8),
+        "one_and_a_byte": rng.integers(0, 255, chunk + 1, dtype=np.uint8),
+        "several": rng.standard_normal((5, (chunk // 4) // 2 + 3)).astype(np.float32),
+    }
+    p = tmp_path / "big.safetensors"
+    write_safetensors(p, tensors)
+    want = hash_reference.weights_root(str(p))
+    assert rust_root(p) == want
+    seen = {want}
+    for off in (chunk - 1, chunk):
+        t = dict(tensors)
+        b = bytearray(t["several"].tobytes())
+        b[off] ^= 0x80
+        t["several"] = np.frombuffer(bytes(b), dtype=np.float32).reshape(tensors["several"].shape)
+        write_safetensors(p, t)
+        got = hash_reference.weights_root(str(p))
+        assert got not in seen
+        seen.add(got)
+        assert rust_root(p) == got
 
 
 def test_bit_flip_changes_root(tmp_path):

@@ -9,8 +9,9 @@
 //! tensor is its bytes, however the deltas are split into segments (one 7 MB segment often
 //! covers a whole model).
 //!
-//! The weights root (see [`crate::hash`]) is one sequential SHA-256 per tensor, so a tensor is
-//! the unit of parallelism. Chained deltas are exact because, for every element, the changes
+//! A tensor is the unit of parallelism here: a sparse entry's positions are gaps decoded in
+//! order, so one walk per tensor applies them (the chunked weights root of [`crate::hash`]
+//! would allow splitting a tensor; the walk would then need a seek into the positions). Chained deltas are exact because, for every element, the changes
 //! of delta `d` are applied before those of delta `d + 1`: each block is finished by every
 //! delta before the next block is started, and an entry only writes inside the current block.
 //!
@@ -19,12 +20,10 @@
 //! (checked up front, per tensor, after sorting); positions are checked one by one as they are
 //! decoded.
 
-use rayon::prelude::*;
-use sha2::Digest as _;
-
 use crate::checkpoint::TensorsMut;
 use crate::delta::{bad, DecodedSegment, EntryInfo, ValueMode, Word};
 use crate::{hash, varint, DType, Digest, Result, TensorMeta};
+use rayon::prelude::*;
 
 /// Bytes of a tensor applied and hashed at a time (fits the per-core L2 cache with room).
 pub const BLOCK: usize = 256 << 10;
@@ -152,7 +151,7 @@ struct Cursor {
 fn one_tensor(m: &TensorMeta, data: &mut [u8], per: &[Work<'_>], hash: bool, block: usize) -> Result<Option<Digest>> {
     let w = m.dtype.size();
     let n = (data.len() / w) as u64;
-    let mut h = hash.then(|| hash::tensor_hasher(&m.name, m.dtype, &m.shape, data.len() as u64));
+    let mut h = hash.then(|| hash::TensorHasher::new(&m.name, m.dtype, &m.shape, data.len() as u64));
     let mut cursors: Vec<Cursor> = per.iter().map(|_| Cursor::default()).collect();
     let per_block = if hash { (block / w).max(1) as u64 } else { n.max(1) };
     let mut lo = 0u64;
@@ -174,7 +173,7 @@ fn one_tensor(m: &TensorMeta, data: &mut [u8], per: &[Work<'_>], hash: bool, blo
             return Err(bad(format!("entries of tensor {} not fully applied", m.name)));
         }
     }
-    Ok(h.map(|h| Digest(h.finalize().into())))
+    Ok(h.map(hash::TensorHasher::finalize))
 }
 
 /// Applies the changes of one delta's entries that fall in elements `[lo, hi)`.

@@ -1,42 +1,62 @@
 //! The weights root: one SHA-256 that names a set of tensors exactly.
 //!
 //! Specification (also in `schemas/weights-root.md`), all integers unsigned 64-bit
-//! little-endian:
+//! little-endian, `CHUNK` = 1 MiB:
 //!
 //! ```text
-//! tensor_digest = SHA-256( "driftless.tensor.v1\0"
-//!                          || len(name) || name            (UTF-8 bytes)
-//!                          || len(dtype) || dtype          (safetensors spelling, e.g. "BF16")
-//!                          || ndim || dim_0 || ... || dim_{ndim-1}
-//!                          || len(data) || data )          (raw little-endian bytes)
-//! weights_root  = SHA-256( "driftless.root.v1\0"
-//!                          || count
-//!                          || for each tensor in ascending byte order of name:
-//!                               len(name) || name || tensor_digest )
+//! chunk_digest_i = SHA-256( "driftless.chunk.v2\0" || data[i*CHUNK .. min((i+1)*CHUNK, len)] )
+//! tensor_digest  = SHA-256( "driftless.tensor.v2\0"
+//!                           || len(name) || name            (UTF-8 bytes)
+//!                           || len(dtype) || dtype          (safetensors spelling, e.g. "BF16")
+//!                           || ndim || dim_0 || ... || dim_{ndim-1}
+//!                           || len(data)
+//!                           || chunk_digest_0 || ... || chunk_digest_{k-1} )   k = ceil(len/CHUNK)
+//! weights_root   = SHA-256( "driftless.root.v2\0"
+//!                           || count
+//!                           || for each tensor in ascending byte order of name:
+//!                                len(name) || name || tensor_digest )
 //! ```
 //!
 //! The shard layout and the safetensors header bytes are deliberately not part of the root:
-//! the same weights saved with another sharding have the same root. Tensors are hashed in
-//! parallel, largest first, on the rayon pool.
+//! the same weights saved with another sharding have the same root.
+//!
+//! Why chunks (version 2): with one sequential SHA-256 per tensor (version 1) a tensor was
+//! the unit of parallelism, so a model whose embedding holds half the bytes hashed at
+//! little more than one core's speed. Chunk digests are independent, so [`weights_root`]
+//! hashes every chunk of every tensor on the rayon pool; and a process holding a contiguous
+//! part of a tensor (a trainer rank's row block or flat range) computes the digests of the
+//! chunks inside its part without the rest of the tensor. The cost is one extra SHA-256
+//! block per MiB.
 
 use rayon::prelude::*;
 use sha2::{Digest as _, Sha256};
 
 use crate::{Digest, TensorView};
 
-const TENSOR_DOMAIN: &[u8] = b"driftless.tensor.v1\0";
-const ROOT_DOMAIN: &[u8] = b"driftless.root.v1\0";
+/// Bytes of tensor data per chunk digest.
+pub const CHUNK: usize = 1 << 20;
 
-/// Digest of one tensor.
-pub fn tensor_digest(t: &TensorView<'_>) -> Digest {
-    let mut h = tensor_hasher(t.name, t.dtype, t.shape, t.data.len() as u64);
-    h.update(t.data);
+const CHUNK_DOMAIN: &[u8] = b"driftless.chunk.v2\0";
+const TENSOR_DOMAIN: &[u8] = b"driftless.tensor.v2\0";
+const ROOT_DOMAIN: &[u8] = b"driftless.root.v2\0";
+
+/// Digest of one chunk of tensor data (at most [`CHUNK`] bytes; the last may be shorter).
+pub fn chunk_digest(data: &[u8]) -> Digest {
+    let mut h = Sha256::new();
+    h.update(CHUNK_DOMAIN);
+    h.update(data);
     Digest(h.finalize().into())
 }
 
-/// A tensor's SHA-256 fed with everything before its data: feed it the `data_len` bytes of
-/// data (in pieces, as they become ready) and finalize to get its [`tensor_digest`].
-pub fn tensor_hasher(name: &str, dtype: crate::DType, shape: &[u64], data_len: u64) -> Sha256 {
+/// Digest of one tensor, its chunks hashed in parallel.
+pub fn tensor_digest(t: &TensorView<'_>) -> Digest {
+    let chunks: Vec<Digest> = t.data.par_chunks(CHUNK).map(chunk_digest).collect();
+    finish_tensor(t.name, t.dtype, t.shape, t.data.len() as u64, &chunks)
+}
+
+/// A tensor's digest from its chunk digests (in order; `data_len` bytes of data in all).
+pub fn finish_tensor(name: &str, dtype: crate::DType, shape: &[u64], data_len: u64, chunks: &[Digest]) -> Digest {
+    debug_assert_eq!(chunks.len() as u64, data_len.div_ceil(CHUNK as u64));
     let mut h = Sha256::new();
     h.update(TENSOR_DOMAIN);
     put_bytes(&mut h, name.as_bytes());
@@ -46,7 +66,72 @@ pub fn tensor_hasher(name: &str, dtype: crate::DType, shape: &[u64], data_len: u
         h.update(d.to_le_bytes());
     }
     h.update(data_len.to_le_bytes());
-    h
+    for c in chunks {
+        h.update(c.0);
+    }
+    Digest(h.finalize().into())
+}
+
+/// A tensor's digest computed from its data fed in order, in pieces of any size (the
+/// agent's fused apply feeds each block as it is written).
+pub struct TensorHasher<'a> {
+    name: &'a str,
+    dtype: crate::DType,
+    shape: &'a [u64],
+    data_len: u64,
+    fed: u64,
+    chunk: Sha256,
+    in_chunk: usize,
+    chunks: Vec<Digest>,
+}
+
+impl<'a> TensorHasher<'a> {
+    /// A hasher for a tensor of `data_len` bytes.
+    pub fn new(name: &'a str, dtype: crate::DType, shape: &'a [u64], data_len: u64) -> Self {
+        let mut chunk = Sha256::new();
+        chunk.update(CHUNK_DOMAIN);
+        TensorHasher {
+            name,
+            dtype,
+            shape,
+            data_len,
+            fed: 0,
+            chunk,
+            in_chunk: 0,
+            chunks: Vec::with_capacity(data_len.div_ceil(CHUNK as u64) as usize),
+        }
+    }
+
+    /// Feeds the next bytes of the tensor's data.
+    pub fn update(&mut self, mut data: &[u8]) {
+        self.fed += data.len() as u64;
+        while !data.is_empty() {
+            let take = (CHUNK - self.in_chunk).min(data.len());
+            self.chunk.update(&data[..take]);
+            self.in_chunk += take;
+            data = &data[take..];
+            if self.in_chunk == CHUNK {
+                self.end_chunk();
+            }
+        }
+    }
+
+    fn end_chunk(&mut self) {
+        let mut next = Sha256::new();
+        next.update(CHUNK_DOMAIN);
+        let done = std::mem::replace(&mut self.chunk, next);
+        self.chunks.push(Digest(done.finalize().into()));
+        self.in_chunk = 0;
+    }
+
+    /// The tensor's digest. Panics if not exactly `data_len` bytes were fed (a caller bug).
+    pub fn finalize(mut self) -> Digest {
+        assert_eq!(self.fed, self.data_len, "tensor {}: fed {} of {} bytes", self.name, self.fed, self.data_len);
+        if self.in_chunk > 0 {
+            self.end_chunk();
+        }
+        finish_tensor(self.name, self.dtype, self.shape, self.data_len, &self.chunks)
+    }
 }
 
 fn put_bytes(h: &mut Sha256, b: &[u8]) {
@@ -69,18 +154,32 @@ pub fn combine_root<'a>(digests: impl IntoIterator<Item = (&'a str, Digest)>) ->
     Digest(h.finalize().into())
 }
 
-/// Per-tensor digests (in the order given) and the weights root of a set of tensors, computed
-/// in parallel across tensors.
+/// Per-tensor digests (in the order given) and the weights root of a set of tensors: every
+/// chunk of every tensor is hashed in parallel, so one large tensor uses all cores.
 pub fn weights_root(tensors: &[TensorView<'_>]) -> (Vec<Digest>, Digest) {
+    // One flat list of chunks, largest tensors first so that their chunks start early and
+    // the small ones fill in at the end.
     let mut order: Vec<usize> = (0..tensors.len()).collect();
-    // Largest first so the long poles start early.
     order.sort_unstable_by_key(|&i| std::cmp::Reverse(tensors[i].data.len()));
-    let mut digests = vec![Digest::default(); tensors.len()];
-    let computed: Vec<(usize, Digest)> =
-        order.par_iter().with_max_len(1).map(|&i| (i, tensor_digest(&tensors[i]))).collect();
-    for (i, d) in computed {
-        digests[i] = d;
+    let work: Vec<(usize, usize)> =
+        order.iter().flat_map(|&t| (0..tensors[t].data.len().div_ceil(CHUNK)).map(move |c| (t, c))).collect();
+    let done: Vec<Digest> = work
+        .par_iter()
+        .with_max_len(1)
+        .map(|&(t, c)| {
+            let d = tensors[t].data;
+            chunk_digest(&d[c * CHUNK..((c + 1) * CHUNK).min(d.len())])
+        })
+        .collect();
+    let mut chunks: Vec<Vec<Digest>> = tensors.iter().map(|_| vec![]).collect();
+    for (&(t, _), d) in work.iter().zip(done) {
+        chunks[t].push(d);
     }
+    let digests: Vec<Digest> = tensors
+        .iter()
+        .zip(&chunks)
+        .map(|(t, c)| finish_tensor(t.name, t.dtype, t.shape, t.data.len() as u64, c))
+        .collect();
     let root = combine_root(tensors.iter().zip(digests.iter()).map(|(t, d)| (t.name, *d)));
     (digests, root)
 }

@@ -12,8 +12,10 @@ use crate::delta::{Codec, DeltaStats, ValueMode};
 use crate::tensor::validate_file_name;
 use crate::{DType, Digest, Error, Result, TensorMeta};
 
-/// Version of the format written by this crate.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of the format written by this crate. Version 2: roots are chunked (see
+/// [`crate::hash`] and `schemas/weights-root.md`); version 1 was never deployed and is
+/// refused with a clear error rather than verified against the wrong root definition.
+pub const FORMAT_VERSION: u32 = 2;
 /// Largest manifest accepted (bytes).
 pub const MAX_MANIFEST_BYTES: usize = 64 << 20;
 /// Largest step payload a ready marker may announce (1 PiB): far above any model, low enough
@@ -296,7 +298,10 @@ fn check_kind(what: &'static str, kind: &str, want: &str, version: u32) -> Resul
         return Err(Error::corrupt(what, format!("kind is {kind:?}, expected {want:?}")));
     }
     if version != FORMAT_VERSION {
-        return Err(Error::corrupt(what, format!("unsupported format version {version}")));
+        return Err(Error::corrupt(
+            what,
+            format!("unsupported format version {version} (this build reads version {FORMAT_VERSION})"),
+        ));
     }
     Ok(())
 }

@@ -213,7 +213,7 @@ fn manifest_hostile_values() {
         assert_eq!(e.kind(), ErrorKind::Corrupt, "{what}: {e}");
     };
     bad(&|v| v["kind"] = "anchor".into(), "kind");
-    bad(&|v| v["version"] = 2.into(), "version");
+    bad(&|v| v["version"] = 1.into(), "version");
     bad(&|v| v["base_step"] = v["step"].clone(), "base_step == step");
     bad(&|v| v["segments"][0]["object"] = "../../etc/passwd".into(), "path traversal in segment name");
     bad(&|v| v["segments"][0]["object"] = ".hidden".into(), "dot file");
@@ -287,7 +287,7 @@ fn manifest_hostile_values() {
 
 fn anchor_doc(m: &DeltaManifest) -> serde_json::Value {
     let objects: Vec<_> = m.shards.iter().map(|s| serde_json::json!({"file": s.file, "object": "a.dla", "size": 1, "sha256": m.base_root, "decoded_size": 2, "decoded_sha256": m.base_root})).collect();
-    serde_json::json!({"kind": "anchor", "version": 1, "stream_id": "s", "step": 1, "weights_root": m.base_root, "encoding": "safetensors",
+    serde_json::json!({"kind": "anchor", "version": 2, "stream_id": "s", "step": 1, "weights_root": m.base_root, "encoding": "safetensors",
         "shards": m.shards, "objects": objects, "files": [{"object": "config.json", "size": 1, "sha256": m.base_root}], "created_at_ms": 0})
 }
 

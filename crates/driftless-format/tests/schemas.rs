@@ -68,7 +68,7 @@ fn anchors() -> Vec<AnchorManifest> {
             };
             AnchorManifest {
                 kind: "anchor".into(),
-                version: 1,
+                version: 2,
                 stream_id: "stream-1".into(),
                 step: 10,
                 weights_root: root,
@@ -99,7 +99,7 @@ fn others() -> (Vec<StreamDescriptor>, Vec<ReadyMarker>, Vec<LatestHint>) {
     let k = Keypair::from_seed([3; 32]);
     let s = StreamDescriptor {
         kind: "stream".into(),
-        version: 1,
+        version: 2,
         stream_id: "stream-1".into(),
         trusted_keys: vec![k.id().into()],
         created_at_ms: 1,
@@ -192,7 +192,7 @@ fn invalid_documents_are_rejected() {
         ),
         ("extra field", broken(&d, |v| v["surprise"] = json!(1))),
         ("kind", broken(&d, |v| v["kind"] = json!("anchor"))),
-        ("version", broken(&d, |v| v["version"] = json!(2))),
+        ("version", broken(&d, |v| v["version"] = json!(1))),
         ("uppercase digest", broken(&d, |v| v["base_root"] = json!(v["base_root"].as_str().unwrap().to_uppercase()))),
         ("short digest", broken(&d, |v| v["base_root"] = json!("abcd"))),
         ("dtype", broken(&d, |v| v["shards"][0]["tensors"][0]["dtype"] = json!("bf16"))),

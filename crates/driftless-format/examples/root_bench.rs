@@ -1,0 +1,87 @@
+//! Weights-root speed on a model whose largest tensor holds half the bytes (an embedding-heavy
+//! model, the worst case for per-tensor parallelism), on one core and on all cores.
+//!
+//! ```text
+//! cargo run --release -p driftless-format --example root_bench -- [MIB] [BIG%]
+//! ```
+//!
+//! `MIB` (default 1024) is the model size, `BIG%` (default 50) the share of the largest
+//! tensor. With two cores and a half-size tensor the baseline is already balanced (each core
+//! gets half); the gap grows with cores: the baseline is bound by the big tensor on one core,
+//! so at 16 cores it is 8x slower than the chunked root at best.
+//!
+//! Rows, all from the same run on the same bytes:
+//! - `whole-tensor baseline`: one sequential SHA-256 per tensor, tensors in parallel (the
+//!   version-1 root's shape, reimplemented here as the baseline; it cannot beat the time one
+//!   core needs for the big tensor);
+//! - `chunked, 1 thread` and `chunked, all cores`: [`driftless_format::weights_root`].
+//!
+//! The same bytes through plain SHA-256 on one core gives the hash-bound reference.
+
+use std::time::Instant;
+
+use driftless_format::{DType, TensorView};
+use rayon::prelude::*;
+use sha2::{Digest as _, Sha256};
+
+fn best<T>(runs: usize, mut f: impl FnMut() -> T) -> f64 {
+    (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(f());
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn main() {
+    let mib: usize = std::env::args().nth(1).map(|s| s.parse().expect("MIB")).unwrap_or(1024);
+    let total = mib << 20;
+    let big_pct: usize = std::env::args().nth(2).map(|s| s.parse().expect("BIG%")).unwrap_or(50).min(100);
+    let cores = rayon::current_num_threads();
+    // One tensor of BIG% of the bytes, the rest in 32 equal tensors (BF16), 8-byte multiples.
+    let big = (total / 100 * big_pct) & !7;
+    let mut sizes = vec![big];
+    sizes.extend(std::iter::repeat_n(((total - big) / 32) & !7, 32));
+    let total: usize = sizes.iter().sum();
+    let mut x = 0x9e3779b97f4a7c15u64;
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .map(|&n| {
+            (0..n / 8)
+                .flat_map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x.to_le_bytes()
+                })
+                .collect()
+        })
+        .collect();
+    let names: Vec<String> = (0..sizes.len()).map(|i| format!("t{i:02}")).collect();
+    let shapes: Vec<[u64; 1]> = data.iter().map(|d| [d.len() as u64 / 2]).collect();
+    let views: Vec<TensorView<'_>> = (0..data.len())
+        .map(|i| TensorView { name: &names[i], dtype: DType::BF16, shape: &shapes[i], data: &data[i] })
+        .collect();
+    let gb = total as f64 / 1e9;
+    let runs = 3;
+
+    let plain = best(runs, || data.iter().fold(Sha256::new(), |h, d| h.chain_update(d)).finalize());
+    let whole = best(runs, || {
+        views.par_iter().with_max_len(1).map(|t| Sha256::new().chain_update(t.data).finalize()).collect::<Vec<_>>()
+    });
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
+    let chunked_1 = best(runs, || one.install(|| driftless_format::weights_root(&views)));
+    let chunked_n = best(runs, || driftless_format::weights_root(&views));
+
+    println!("model: {} MiB BF16, largest tensor {} MiB ({big_pct}%), {cores} cores", total >> 20, big >> 20);
+    println!("{:<34} {:>8} {:>8} {:>9}", "", "secs", "GB/s", "vs base");
+    for (what, s) in [
+        ("plain SHA-256, 1 core (reference)", plain),
+        ("whole-tensor baseline, all cores", whole),
+        ("chunked root, 1 thread", chunked_1),
+        ("chunked root, all cores", chunked_n),
+    ] {
+        println!("{what:<34} {s:>8.3} {:>8.2} {:>8.2}x", gb / s, whole / s);
+    }
+}
