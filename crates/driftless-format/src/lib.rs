@@ -9,7 +9,8 @@
 //! - [`checkpoint`]: memory-mapped safetensors files and sharded directories, [`Layout`].
 //! - [`delta`]: diff, encode, decode and apply of sparse deltas ([`encode_delta`]).
 //! - [`anchor`]: the compressed byte-plane form of full checkpoints.
-//! - [`hash`]: the weights root ([`weights_root`]).
+//! - [`hash`]: the weights root ([`weights_root`]); [`slice`]: parts of a tensor held by
+//!   different trainer ranks, and their digests assembled without the bytes.
 //! - [`manifest`]: the JSON documents of a stream; [`sign`]: Ed25519 envelopes and trust sets.
 //! - [`container`]: the one-file delta of `driftless diff`/`patch`.
 //! - [`journal`]: the redo journal; [`ops`]: make, apply and verify a delta end to end.
@@ -43,6 +44,7 @@ pub mod manifest;
 pub mod ops;
 pub mod reference;
 pub mod sign;
+pub mod slice;
 mod tensor;
 pub mod varint;
 
