@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::TensorsMut;
 use crate::varint;
-use crate::{DType, Digest, Error, Result, TensorView};
+use crate::{validate_tensor_name, DType, Digest, Error, Result, TensorView};
 
 const MAGIC: &[u8; 4] = b"DLS1";
 const FIXED_HEADER: usize = 4 + 4 + 4 + 3 * 16;
@@ -374,39 +374,84 @@ pub fn encode_delta(base: &[TensorView<'_>], target: &[TensorView<'_>], opts: &D
         removed_tensors: base.iter().filter(|t| !target_names.contains(t.name)).count() as u64,
         ..Default::default()
     };
-    // Work items: (tensor, base if compatible, start element, element count).
-    let mut work = Vec::new();
-    for t in target {
-        let w = t.dtype.size();
-        let n = (t.data.len() / w) as u64;
-        stats.elements += n;
-        stats.dense_bytes += t.data.len() as u64;
-        let b = base_by_name.get(t.name).filter(|b| b.dtype == t.dtype && b.shape == t.shape).copied();
-        if b.is_none() {
-            stats.new_tensors += 1;
+    let runs: Vec<Run<'_>> = target
+        .iter()
+        .map(|t| {
+            stats.elements += (t.data.len() / t.dtype.size()) as u64;
+            stats.dense_bytes += t.data.len() as u64;
+            let b = base_by_name.get(t.name).filter(|b| b.dtype == t.dtype && b.shape == t.shape);
+            if b.is_none() {
+                stats.new_tensors += 1;
+            }
+            Run { name: t.name, dtype: t.dtype, at: 0, base: b.map(|b| b.data), target: t.data }
+        })
+        .collect();
+    encode(&runs, opts, stats)
+}
+
+/// A contiguous run of one tensor's elements to diff: its bytes in the target, the bytes of
+/// the same elements in the base (`None`: no compatible base, carried dense), and the element
+/// offset `at` of the run in the tensor. A trainer rank encodes the runs of its slice (see
+/// [`crate::slice::Slice::byte_runs`]) so that positions are in the tensor's coordinates and
+/// the parts of all ranks form one delta.
+#[derive(Debug, Clone, Copy)]
+pub struct Run<'a> {
+    /// Tensor name.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: DType,
+    /// Element offset of the run in the tensor.
+    pub at: u64,
+    /// Base bytes of the run (as long as `target`), if the base tensor is compatible.
+    pub base: Option<&'a [u8]>,
+    /// Target bytes of the run.
+    pub target: &'a [u8],
+}
+
+/// Encodes the delta of some runs of tensors (one rank's part of a step). Runs of one tensor
+/// must not overlap; `stats.removed_tensors` and `new_tensors` stay 0 (they describe whole
+/// tensors, which a part does not see).
+pub fn encode_runs(runs: &[Run<'_>], opts: &DeltaOptions) -> Result<EncodedDelta> {
+    let mut stats = DeltaStats::default();
+    for r in runs {
+        validate_tensor_name(r.name)?;
+        if r.target.len() % r.dtype.size() != 0 || r.base.is_some_and(|b| b.len() != r.target.len()) {
+            return Err(Error::invalid(format!("run of {} at {}: base and target lengths differ", r.name, r.at)));
         }
+        stats.elements += (r.target.len() / r.dtype.size()) as u64;
+        stats.dense_bytes += r.target.len() as u64;
+    }
+    encode(runs, opts, stats)
+}
+
+fn encode(runs: &[Run<'_>], opts: &DeltaOptions, mut stats: DeltaStats) -> Result<EncodedDelta> {
+    // Work items: (run, start element in the run, element count).
+    let mut work = Vec::new();
+    for r in runs {
+        let w = r.dtype.size();
+        let n = (r.target.len() / w) as u64;
         let per = (opts.chunk_bytes / w).max(1) as u64;
         let mut s = 0;
         while s < n {
             let l = per.min(n - s);
-            work.push((t, b, s, l));
+            work.push((r, s, l));
             s += l;
         }
     }
     let mode = opts.values;
     let entries: Vec<Entry<'_>> = work
         .par_iter()
-        .map(|&(t, b, s, l)| {
+        .map(|&(t, s, l)| {
             let w = t.dtype.size();
             let r = (s as usize * w)..((s + l) as usize * w);
-            let new = &t.data[r.clone()];
-            let sparse = b.and_then(|b| diff_dispatch(t.dtype, &b.data[r], new, mode));
+            let new = &t.target[r.clone()];
+            let sparse = t.base.and_then(|b| diff_dispatch(t.dtype, &b[r], new, mode));
             match sparse {
                 Some((count, positions, values)) => Entry {
                     name: t.name,
                     kind: Kind::Sparse,
                     dtype: t.dtype,
-                    start: s,
+                    start: t.at + s,
                     len: l,
                     count,
                     positions,
@@ -419,7 +464,7 @@ pub fn encode_delta(base: &[TensorView<'_>], target: &[TensorView<'_>], opts: &D
                         name: t.name,
                         kind: Kind::Dense,
                         dtype: t.dtype,
-                        start: s,
+                        start: t.at + s,
                         len: l,
                         count: l,
                         positions: vec![],

@@ -185,3 +185,114 @@ fn gaps_overlaps_and_bad_splits_are_refused() {
     assert_ne!(finish_tensor("x", DType::U8, &t.shape, len, &got), hash::tensor_digest(&t.view()));
     assert!(part_digest(len, len, &[1]).is_err());
 }
+
+/// One step of a sharded model, end to end without a bucket: 4 ranks each hold slices (row
+/// block, column block, flat range; a tensor held whole by rank 0; a replicated tensor
+/// published by replica 0 only), encode only their runs against their own base, and compute
+/// their part digests. All ranks' segments applied as one delta onto the gathered base give
+/// the gathered target bit for bit, and the root from the assembled parts is the target's.
+#[test]
+fn ranks_encode_their_slices_into_one_delta() {
+    use driftless_format::delta::{decode_segment, encode_runs, DecodedSegment, Run};
+    use driftless_format::{fused, CheckpointMut, DeltaOptions};
+
+    let mut r = rng(21);
+    let ranks = 4u64;
+    let base = vec![
+        T::random("emb", DType::BF16, &[1030, 512], &mut r),
+        T::random("o_proj", DType::BF16, &[300, 256], &mut r),
+        T::random("flat", DType::F32, &[3001], &mut r),
+        T::random("norm", DType::BF16, &[64], &mut r),
+        T::random("rep", DType::BF16, &[128], &mut r),
+    ];
+    let target: Vec<T> = base.iter().map(|t| mutate(t, 0.02, &mut r)).collect();
+    // Rank k's slices: (tensor index, slice).
+    let held = |k: u64| -> Vec<(usize, Slice)> {
+        let split =
+            |n: u64| ((k * n.div_ceil(ranks)).min(n), n.div_ceil(ranks).min(n - (k * n.div_ceil(ranks)).min(n)));
+        let mut v = vec![];
+        let (a, l) = split(1030);
+        v.push((0, Slice::block(&[1030, 512], 0, a, l).unwrap()));
+        let (a, l) = split(256);
+        v.push((1, Slice::block(&[300, 256], 1, a, l).unwrap()));
+        let (a, l) = split(3001);
+        v.push((2, Slice::flat(&[3001], a, l).unwrap()));
+        if k == 0 {
+            v.push((3, Slice::block(&[64], 0, 0, 64).unwrap()));
+        }
+        // Every rank holds "rep" (a replica); only replica 0 publishes it.
+        if k == 0 {
+            v.push((4, Slice::block(&[128], 0, 0, 128).unwrap()));
+        }
+        v
+    };
+    let opts = DeltaOptions { chunk_bytes: 1000, segment_target: 4096, ..Default::default() };
+    let mut segments: Vec<DecodedSegment> = vec![];
+    let mut parts: Vec<Vec<PartDigest>> = vec![vec![]; base.len()];
+    for k in 0..ranks {
+        // The rank's own memory: the bytes of its slices (row-major within the slice is the
+        // runs in order), base and target.
+        let mine = held(k);
+        // (tensor, byte runs, base bytes, target bytes)
+        type Local = (usize, Vec<(u64, u64)>, Vec<u8>, Vec<u8>);
+        let local: Vec<Local> = mine
+            .iter()
+            .map(|(t, s)| {
+                let runs = s.byte_runs(base[*t].dtype);
+                let cat = |d: &[u8]| runs.iter().flat_map(|&(o, n)| d[o as usize..(o + n) as usize].to_vec()).collect();
+                (*t, runs.clone(), cat(&base[*t].data), cat(&target[*t].data))
+            })
+            .collect();
+        let mut run_list = vec![];
+        for (t, runs, b, n) in &local {
+            let w = base[*t].dtype.size() as u64;
+            let mut off = 0usize;
+            for &(o, len) in runs {
+                let range = off..off + len as usize;
+                run_list.push(Run {
+                    name: &base[*t].name,
+                    dtype: base[*t].dtype,
+                    at: o / w,
+                    base: Some(&b[range.clone()]),
+                    target: &n[range.clone()],
+                });
+                parts[*t].push(part_digest(target[*t].data.len() as u64, o, &n[range]).unwrap());
+                off += len as usize;
+            }
+        }
+        let enc = encode_runs(&run_list, &opts).unwrap();
+        segments.extend(enc.segments.iter().map(|s| decode_segment(&s.bytes, s.raw_size).unwrap()));
+    }
+    // Apply every rank's segments as one delta onto the gathered base, hashing as the agent does.
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &base, u64::MAX);
+    let mut ck = CheckpointMut::open(dir.path()).unwrap();
+    let metas = ck.metas();
+    let digests = fused::apply_and_hash(&ck.tensors_mut(), &metas, &[&segments], true, &|_| {}).unwrap().unwrap();
+    assert_same_tensors(&ck.views(), &target, "sharded step applied");
+    // The root from the ranks' parts, without the bytes, is the gathered target's root.
+    let from_parts: Vec<(&str, driftless_format::Digest)> = target
+        .iter()
+        .zip(&parts)
+        .map(|(t, p)| {
+            let chunks = assemble(t.data.len() as u64, p).unwrap();
+            (t.name.as_str(), finish_tensor(&t.name, t.dtype, &t.shape, t.data.len() as u64, &chunks))
+        })
+        .collect();
+    let root = hash::combine_root(from_parts.iter().copied());
+    assert_eq!(root, common::root(&target));
+    assert_eq!(root, hash::combine_root(metas.iter().zip(&digests).map(|(m, d)| (m.name.as_str(), *d))));
+
+    // A rank publishing a slice that overlaps another's: the commit refuses it (parts), and
+    // so would an agent (overlapping writes in one delta).
+    let mut overlapping = parts[0].clone();
+    overlapping.push(parts[0][0].clone());
+    assert!(assemble(target[0].data.len() as u64, &overlapping).unwrap_err().to_string().contains("overlap"));
+    let twice: Vec<DecodedSegment> = segments.iter().chain(segments.iter()).cloned().collect();
+    let dir2 = tempfile::tempdir().unwrap();
+    write(dir2.path(), &base, u64::MAX);
+    let mut ck2 = CheckpointMut::open(dir2.path()).unwrap();
+    let metas2 = ck2.metas();
+    let e = fused::apply_and_hash(&ck2.tensors_mut(), &metas2, &[&twice], true, &|_| {}).unwrap_err();
+    assert!(e.to_string().contains("overlapping writes"), "{e}");
+}
