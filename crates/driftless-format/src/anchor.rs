@@ -140,6 +140,40 @@ impl<'a> Cur<'a> {
     }
 }
 
+/// One entry of a shard's chunk table.
+struct TableChunk {
+    /// Offset and length of the chunk in the decoded file.
+    at: u64,
+    len: u64,
+    /// Element width: the number of byte planes.
+    width: usize,
+    /// Stored (compressed) length of each plane.
+    plane_lens: Vec<u64>,
+}
+
+/// Reads a chunk table of `n` entries, which must be all of `t`: the chunks cover the decoded
+/// bytes `[header_len, size)` contiguously, each with a width of 1, 2, 4 or 8 dividing its
+/// length.
+fn read_table(t: &mut Cur<'_>, n: usize, header_len: u64, size: u64) -> Result<Vec<TableChunk>> {
+    let mut table = Vec::with_capacity(n);
+    let mut expect = header_len;
+    for _ in 0..n {
+        let o = t.u64()?;
+        let l = t.u64()?;
+        let w = t.take(1)?[0] as u64;
+        if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l % w != 0 || l > size - o {
+            return Err(bad("chunk table is not contiguous or has a bad width"));
+        }
+        expect = o + l;
+        let plane_lens = (0..w).map(|_| t.u64()).collect::<Result<_>>()?;
+        table.push(TableChunk { at: o, len: l, width: w as usize, plane_lens });
+    }
+    if expect != size || t.at != t.b.len() {
+        return Err(bad("chunks do not cover the file or the table has trailing bytes"));
+    }
+    Ok(table)
+}
+
 /// Decodes a byte-plane shard into `out`, which must be exactly the declared decoded size
 /// (the manifest's `decoded_size`; the caller allocates or maps it). Chunks decode in parallel.
 pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
@@ -172,43 +206,19 @@ pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
     let hz = c.take(usize::try_from(header_stored).map_err(|_| bad("size"))?)?;
     let planes_start = c.at;
     // The chunk table.
-    let mut t = Cur { b: &stored[..body_end], at: table_offset as usize };
-    let mut table = Vec::with_capacity(n);
-    let mut expect = header_len;
-    for _ in 0..n {
-        let o = t.u64()?;
-        let l = t.u64()?;
-        let w = t.take(1)?[0] as u64;
-        if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l % w != 0 || l > size - o {
-            return Err(bad("chunk table is not contiguous or has a bad width"));
-        }
-        expect = o + l;
-        let mut lens = Vec::with_capacity(w as usize);
-        for _ in 0..w {
-            lens.push(t.u64()?);
-        }
-        table.push((o as usize, l as usize, w as usize, lens));
-    }
-    if expect != size || t.at != body_end {
-        return Err(bad("chunks do not cover the file or the table has trailing bytes"));
-    }
+    let table = read_table(&mut Cur { b: &stored[..body_end], at: table_offset as usize }, n, header_len, size)?;
     let (head, mut rest) = out.split_at_mut(header_len as usize);
-    let got = zstd::bulk::Decompressor::new()
-        .and_then(|mut d| d.decompress_to_buffer(hz, head))
-        .map_err(|e| bad(format!("header: {e}")))?;
-    if got != head.len() {
-        return Err(bad("header size mismatch"));
-    }
+    decode_header(hz, head)?;
     let mut p = Cur { b: &stored[..table_offset as usize], at: planes_start };
     let mut jobs = Vec::with_capacity(n);
-    for (_, l, w, lens) in &table {
-        let (dst, r) = rest.split_at_mut(*l);
+    for c in &table {
+        let (dst, r) = rest.split_at_mut(c.len as usize);
         rest = r;
-        let mut planes = Vec::with_capacity(*w);
-        for &pl in lens {
+        let mut planes = Vec::with_capacity(c.width);
+        for &pl in &c.plane_lens {
             planes.push(p.take(usize::try_from(pl).map_err(|_| bad("size"))?)?);
         }
-        jobs.push((dst, *w, planes));
+        jobs.push((dst, c.width, planes));
     }
     if p.at != table_offset as usize {
         return Err(bad("plane sizes do not add up to the table offset"));
@@ -318,29 +328,14 @@ pub fn plan_shard(
     if header_len > size {
         return Err(bad("bad header length"));
     }
-    let mut t = Cur { b: table, at: 0 };
     let mut chunks = Vec::with_capacity(n);
-    let mut expect = header_len;
     let mut at = planes_start;
-    for _ in 0..n {
-        let o = t.u64()?;
-        let l = t.u64()?;
-        let w = t.take(1)?[0] as u64;
-        if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l % w != 0 || l > size - o {
-            return Err(bad("chunk table is not contiguous or has a bad width"));
-        }
-        expect = o + l;
-        let mut lens = Vec::with_capacity(w as usize);
+    for c in read_table(&mut Cur { b: table, at: 0 }, n, header_len, size)? {
         let start = at;
-        for _ in 0..w {
-            let pl = t.u64()?;
+        for &pl in &c.plane_lens {
             at = at.checked_add(pl).filter(|&a| a <= tr.start).ok_or_else(|| bad("plane sizes overrun the table"))?;
-            lens.push(pl);
         }
-        chunks.push(ChunkPlan { out: o..o + l, width: w as usize, stored: start..at, plane_lens: lens });
-    }
-    if expect != size || t.at != table.len() {
-        return Err(bad("chunks do not cover the file or the table has trailing bytes"));
+        chunks.push(ChunkPlan { out: c.at..c.at + c.len, width: c.width, stored: start..at, plane_lens: c.plane_lens });
     }
     if at != tr.start {
         return Err(bad("plane sizes do not add up to the table offset"));
