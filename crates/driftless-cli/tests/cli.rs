@@ -236,16 +236,7 @@ fn agent_config_file_and_precedence() {
 fn publish_watch_follows_a_directory() {
     let t = tempfile::tempdir().unwrap();
     let p = |s: &str| t.path().join(s);
-    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
-    let url = format!("file://{}", p("bucket").display());
-    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-6, 6);
-    std::fs::create_dir_all(p("ckpts")).unwrap();
-    for step in 0..4u64 {
-        if step > 0 {
-            chain.step();
-        }
-        write(&chain, &p(&format!("ckpts/step_{step}")), 1 << 30);
-    }
+    let (url, chain) = watched_dir(t.path(), 1 << 20, 6, 4);
     // A checkpoint still being written: a truncated file.
     std::fs::create_dir_all(p("ckpts/step_4")).unwrap();
     std::fs::write(p("ckpts/step_4/model.safetensors"), b"\x10\x00\x00").unwrap();
@@ -375,6 +366,22 @@ fn one_error(stderr: &str) -> String {
         assert_eq!(errors[0].matches(p).count(), 1, "{p:?} repeated in {}", errors[0]);
     }
     errors[0].to_string()
+}
+
+/// A key `DIR/key`, a `file://DIR/bucket` URL, and checkpoints `DIR/ckpts/step_0..n` of a
+/// chain of `bytes` (seed `seed`); returns the URL and the chain at step n - 1.
+fn watched_dir(dir: &Path, bytes: u64, seed: u64, n: u64) -> (String, RlChain) {
+    let p = |s: &str| dir.join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(bytes), 1e-6, seed);
+    std::fs::create_dir_all(p("ckpts")).unwrap();
+    for step in 0..n {
+        if step > 0 {
+            chain.step();
+        }
+        write(&chain, &p(&format!("ckpts/step_{step}")), 1 << 30);
+    }
+    (format!("file://{}", p("bucket").display()), chain)
 }
 
 /// Publishes steps 0..n of a small chain into a file:// bucket with `key`.
@@ -657,16 +664,7 @@ fn publish_watch_stops_cleanly_on_sigterm() {
     use std::io::BufRead;
     let t = tempfile::tempdir().unwrap();
     let p = |s: &str| t.path().join(s);
-    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
-    let url = format!("file://{}", p("bucket").display());
-    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 1e-6, 8);
-    std::fs::create_dir_all(p("ckpts")).unwrap();
-    for step in 0..6u64 {
-        if step > 0 {
-            chain.step();
-        }
-        write(&chain, &p(&format!("ckpts/step_{step}")), 1 << 30);
-    }
+    let (url, _) = watched_dir(t.path(), 4 << 20, 8, 6);
     for sig in ["-TERM", "-INT"] {
         let _ = std::fs::remove_dir_all(p("bucket"));
         let _ = std::fs::remove_dir_all(p("pstate"));
