@@ -70,6 +70,18 @@ fn main() {
     let whole = best(runs, || {
         views.par_iter().with_max_len(1).map(|t| Sha256::new().chain_update(t.data).finalize()).collect::<Vec<_>>()
     });
+    // The agent's fused pass feeds each tensor in 256 KiB blocks to a streaming hasher.
+    let streamed = best(runs, || {
+        views
+            .par_iter()
+            .with_max_len(1)
+            .map(|t| {
+                let mut h = driftless_format::hash::TensorHasher::new(t.name, t.dtype, t.shape, t.data.len() as u64);
+                t.data.chunks(256 << 10).for_each(|b| h.update(b));
+                h.finalize()
+            })
+            .collect::<Vec<_>>()
+    });
     let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
     let chunked_1 = best(runs, || one.install(|| driftless_format::weights_root(&views)));
     let chunked_n = best(runs, || driftless_format::weights_root(&views));
@@ -79,6 +91,7 @@ fn main() {
     for (what, s) in [
         ("plain SHA-256, 1 core (reference)", plain),
         ("whole-tensor baseline, all cores", whole),
+        ("streamed, 256 KiB blocks, all cores", streamed),
         ("chunked root, 1 thread", chunked_1),
         ("chunked root, all cores", chunked_n),
     ] {

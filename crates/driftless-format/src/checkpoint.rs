@@ -509,6 +509,10 @@ pub fn allocate_file(path: &Path, len: u64) -> Result<File> {
 /// `SYNC_FILE_RANGE_WRITE`: asynchronous, waits for nothing), so that the disk writes while the
 /// rest of the model is still being applied and hashed, and the final msync/fsync only waits
 /// for the tail. Durability still comes from that msync/fsync; this only moves I/O earlier.
+///
+/// The agent does not use it: while other threads still write the mapping, cleaning its pages
+/// costs TLB shootdowns that outweigh the overlap (measured in `speed_bench proc`, which keeps
+/// both variants side by side).
 #[derive(Debug)]
 pub struct Writeback {
     ranges: Vec<(Option<std::sync::Arc<std::os::fd::OwnedFd>>, u64, u64)>,
