@@ -403,6 +403,10 @@ def main():
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", a.port))
+    # Listening before the ready file is written: a client that connects while uvicorn is
+    # still starting waits in the backlog instead of being refused (uvicorn listens again on
+    # the same socket, which only resets the backlog).
+    sock.listen(2048)
     port = sock.getsockname()[1]
     print(f"stub {a.engine} on http://127.0.0.1:{port}", flush=True)
     if a.ready_file:
