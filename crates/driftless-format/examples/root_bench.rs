@@ -97,4 +97,56 @@ fn main() {
     ] {
         println!("{what:<34} {s:>8.3} {:>8.2} {:>8.2}x", gb / s, whole / s);
     }
+
+    // The agent's fused apply + hash of a 1% delta (publisher-cut entries of 8 MiB), in
+    // memory: tensors as the unit of work (before pieces) against pieces of 8 MiB.
+    let mut next = data.clone();
+    for d in next.iter_mut() {
+        for i in (0..d.len()).step_by(200) {
+            d[i] ^= 1;
+        }
+    }
+    let next_views: Vec<TensorView<'_>> = (0..next.len())
+        .map(|i| TensorView { name: &names[i], dtype: DType::BF16, shape: &shapes[i], data: &next[i] })
+        .collect();
+    let enc = driftless_format::encode_delta(&views, &next_views, &Default::default()).expect("encode");
+    let segs: Vec<_> = enc
+        .segments
+        .iter()
+        .map(|s| driftless_format::delta::decode_segment(&s.bytes, s.raw_size).expect("decode"))
+        .collect();
+    let metas: Vec<_> = views.iter().map(|v| v.meta()).collect();
+    let fused = |piece: usize| {
+        (0..runs)
+            .map(|_| {
+                let mut work = data.clone();
+                let mut tm = driftless_format::TensorsMut::new();
+                for (i, w) in work.iter_mut().enumerate() {
+                    tm.insert(&names[i], DType::BF16, w);
+                }
+                let t = Instant::now();
+                let d = driftless_format::fused::apply_and_hash_blocks(
+                    &tm,
+                    &metas,
+                    &[&segs],
+                    true,
+                    &|_| {},
+                    driftless_format::fused::BLOCK,
+                    piece,
+                )
+                .expect("apply");
+                let s = t.elapsed().as_secs_f64();
+                drop(tm);
+                assert!(work.iter().zip(&next).all(|(a, b)| a == b), "fused result differs");
+                std::hint::black_box(d);
+                s
+            })
+            .fold(f64::INFINITY, f64::min)
+    };
+    let per_tensor = fused(usize::MAX / 2);
+    let pieces = fused(driftless_format::fused::PIECE);
+    println!("\nfused apply + hash of a 1% delta, in memory, {cores} cores:");
+    for (what, s) in [("one task per tensor", per_tensor), ("pieces of 8 MiB", pieces)] {
+        println!("{what:<34} {s:>8.3} {:>8.2} {:>8.2}x hash", gb / s, s / chunked_n);
+    }
 }

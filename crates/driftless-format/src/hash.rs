@@ -72,37 +72,28 @@ pub fn finish_tensor(name: &str, dtype: crate::DType, shape: &[u64], data_len: u
     Digest(h.finalize().into())
 }
 
-/// A tensor's digest computed from its data fed in order, in pieces of any size (the
-/// agent's fused apply feeds each block as it is written).
-pub struct TensorHasher<'a> {
-    name: &'a str,
-    dtype: crate::DType,
-    shape: &'a [u64],
-    data_len: u64,
+/// Chunk digests of tensor data fed in order, in pieces of any size, starting at a chunk
+/// boundary (the agent's fused apply feeds each block as it is written; a part of a tensor
+/// that starts on a boundary is hashed alone).
+pub struct ChunkHasher {
     fed: u64,
     chunk: Sha256,
     in_chunk: usize,
     chunks: Vec<Digest>,
 }
 
-impl<'a> TensorHasher<'a> {
-    /// A hasher for a tensor of `data_len` bytes.
-    pub fn new(name: &'a str, dtype: crate::DType, shape: &'a [u64], data_len: u64) -> Self {
-        let mut chunk = Sha256::new();
-        chunk.update(CHUNK_DOMAIN);
-        TensorHasher {
-            name,
-            dtype,
-            shape,
-            data_len,
+impl ChunkHasher {
+    /// A hasher expecting about `len` bytes (a capacity hint).
+    pub fn new(len: u64) -> Self {
+        ChunkHasher {
             fed: 0,
-            chunk,
+            chunk: Sha256::new().chain_update(CHUNK_DOMAIN),
             in_chunk: 0,
-            chunks: Vec::with_capacity(data_len.div_ceil(CHUNK as u64) as usize),
+            chunks: Vec::with_capacity(len.div_ceil(CHUNK as u64).min(1 << 20) as usize),
         }
     }
 
-    /// Feeds the next bytes of the tensor's data.
+    /// Feeds the next bytes.
     pub fn update(&mut self, mut data: &[u8]) {
         self.fed += data.len() as u64;
         while !data.is_empty() {
@@ -117,20 +108,50 @@ impl<'a> TensorHasher<'a> {
     }
 
     fn end_chunk(&mut self) {
-        let mut next = Sha256::new();
-        next.update(CHUNK_DOMAIN);
-        let done = std::mem::replace(&mut self.chunk, next);
+        let done = std::mem::replace(&mut self.chunk, Sha256::new().chain_update(CHUNK_DOMAIN));
         self.chunks.push(Digest(done.finalize().into()));
         self.in_chunk = 0;
     }
 
-    /// The tensor's digest. Panics if not exactly `data_len` bytes were fed (a caller bug).
-    pub fn finalize(mut self) -> Digest {
-        assert_eq!(self.fed, self.data_len, "tensor {}: fed {} of {} bytes", self.name, self.fed, self.data_len);
+    /// Bytes fed so far.
+    pub fn fed(&self) -> u64 {
+        self.fed
+    }
+
+    /// The digests of the chunks fed (the last one short if the bytes end inside a chunk).
+    pub fn finish(mut self) -> Vec<Digest> {
         if self.in_chunk > 0 {
             self.end_chunk();
         }
-        finish_tensor(self.name, self.dtype, self.shape, self.data_len, &self.chunks)
+        self.chunks
+    }
+}
+
+/// A tensor's digest computed from its data fed in order, in pieces of any size.
+pub struct TensorHasher<'a> {
+    name: &'a str,
+    dtype: crate::DType,
+    shape: &'a [u64],
+    data_len: u64,
+    chunks: ChunkHasher,
+}
+
+impl<'a> TensorHasher<'a> {
+    /// A hasher for a tensor of `data_len` bytes.
+    pub fn new(name: &'a str, dtype: crate::DType, shape: &'a [u64], data_len: u64) -> Self {
+        TensorHasher { name, dtype, shape, data_len, chunks: ChunkHasher::new(data_len) }
+    }
+
+    /// Feeds the next bytes of the tensor's data.
+    pub fn update(&mut self, data: &[u8]) {
+        self.chunks.update(data);
+    }
+
+    /// The tensor's digest. Panics if not exactly `data_len` bytes were fed (a caller bug).
+    pub fn finalize(self) -> Digest {
+        let fed = self.chunks.fed();
+        assert_eq!(fed, self.data_len, "tensor {}: fed {fed} of {} bytes", self.name, self.data_len);
+        finish_tensor(self.name, self.dtype, self.shape, self.data_len, &self.chunks.finish())
     }
 }
 

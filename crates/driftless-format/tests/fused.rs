@@ -27,6 +27,16 @@ fn tensors(dtype: DType, seed: u64) -> Vec<T> {
 /// Runs the fused pass over `chain` on a copy of `base` written to disk; returns the digests
 /// and the resulting bytes.
 fn fused_run(base: &[T], chain: &[Vec<DecodedSegment>], block: usize) -> driftless_format::Result<(Vec<T>, Layout)> {
+    fused_run_pieces(base, chain, block, fused::PIECE)
+}
+
+/// [`fused_run`] with tensors cut into pieces of at least `piece` bytes.
+fn fused_run_pieces(
+    base: &[T],
+    chain: &[Vec<DecodedSegment>],
+    block: usize,
+    piece: usize,
+) -> driftless_format::Result<(Vec<T>, Layout)> {
     let dir = tempfile::tempdir().unwrap();
     let layout = write(dir.path(), base, 4096);
     let mut ck = CheckpointMut::open(dir.path()).unwrap();
@@ -34,7 +44,7 @@ fn fused_run(base: &[T], chain: &[Vec<DecodedSegment>], block: usize) -> driftle
     let refs: Vec<&[DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
     let digests = {
         let tm = ck.tensors_mut();
-        fused::apply_and_hash_blocks(&tm, &metas, &refs, true, &|_| {}, block)?.unwrap()
+        fused::apply_and_hash_blocks(&tm, &metas, &refs, true, &|_| {}, block, piece)?.unwrap()
     };
     let got: Vec<T> = ck.views().iter().map(|v| T::new(v.name, v.dtype, v.shape, v.data.to_vec())).collect();
     for (t, d) in got.iter().zip(&digests) {
@@ -70,6 +80,58 @@ fn chains_match_the_target_in_every_dtype_and_mode() {
             }
         }
     }
+}
+
+/// Tensors of several root chunks cut into pieces (cuts only where no entry of any delta
+/// straddles; where they fall is checked in `fused::tests`): entries of one and two chunks,
+/// a dense delta, and chains whose deltas cut entries at different places.
+/// The result and every digest equal the plain apply followed by the weights root; and with
+/// `done` every touched tensor is reported exactly once.
+#[test]
+fn tensors_cut_into_pieces_match_the_plain_apply() {
+    let c = driftless_format::hash::CHUNK as u64;
+    let mut r = rng(77);
+    let base = vec![
+        T::random("big", DType::BF16, &[5 * c / 2 + 3], &mut r),
+        T::random("wide", DType::F32, &[3, c / 4 + 1], &mut r),
+        T::random("small", DType::BF16, &[100], &mut r),
+    ];
+    let mut states = vec![base.clone()];
+    for density in [0.01, 1.0, 0.003, 0.02] {
+        let next: Vec<T> = states.last().unwrap().iter().map(|t| mutate(t, density, &mut r)).collect();
+        states.push(next);
+    }
+    let layout = Layout::for_tensors(&metas(&base), u64::MAX).unwrap();
+    // Entry sizes per delta (bytes): one chunk (a cut possible at every chunk), two chunks
+    // (with the dense delta: cuts every two chunks), then sizes that end off the chunk
+    // boundaries (no cut once they are in the chain).
+    let sizes = [1 << 20, 2 << 20, 100_000, 3 * (1 << 19)];
+    let chain: Vec<Vec<DecodedSegment>> = states
+        .windows(2)
+        .zip(sizes)
+        .map(|(w, chunk_bytes)| {
+            let opts = DeltaOptions { chunk_bytes, segment_target: 1 << 20, ..Default::default() };
+            decode(&make(&w[0], &w[1], &layout, &opts).1)
+        })
+        .collect();
+    for k in 1..=chain.len() {
+        for piece in [1, c as usize, 2 * c as usize] {
+            let (got, _) = fused_run_pieces(&base, &chain[..k], 64 << 10, piece).unwrap();
+            assert_same_tensors(&views(&got), &states[k], &format!("{k} deltas, pieces of {piece}"));
+        }
+    }
+    // `done` once per touched tensor, however many pieces.
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &base, 4096);
+    let mut ck = CheckpointMut::open(dir.path()).unwrap();
+    let metas = ck.metas();
+    let seen = std::sync::Mutex::new(vec![]);
+    let refs: Vec<&[DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
+    fused::apply_and_hash_blocks(&ck.tensors_mut(), &metas, &refs, true, &|t| seen.lock().unwrap().push(t), 1 << 16, 1)
+        .unwrap();
+    let mut seen = seen.into_inner().unwrap();
+    seen.sort_unstable();
+    assert_eq!(seen, vec![0, 1, 2]);
 }
 
 #[test]
