@@ -57,6 +57,7 @@ class Faults:
         self.fail_load = False  # the next load raises / fails
         self.die_on_load = False  # the process exits when a load starts (engine crash/restart)
         self.fail_patch = False  # the next patch raises after writing its first tensor
+        self.patch_delay = 0.0  # seconds the next patch takes before it writes anything
         self.running = 0  # requests holding KV blocks
         self.calls: list[dict] = []
 
@@ -162,6 +163,7 @@ class StubAsyncLLM:
         self.model_path = "/models/initial"
         self.weights: dict = {}
         self.worker = None
+        self.rpc_lock = asyncio.Lock()
 
     async def pause_generation(self, *, mode="abort", clear_cache=True):
         if mode not in ("abort", "wait", "keep"):
@@ -181,8 +183,16 @@ class StubAsyncLLM:
         return self.paused
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # The engine core runs utility calls one at a time: a reload sent while a patch is
+        # still running waits for it.
+        async with self.rpc_lock:
+            return await self._collective_rpc(method, kwargs or {})
+
+    async def _collective_rpc(self, method, kwargs):
         if method == "driftless_apply_patch":
+            if F.patch_delay:
+                delay, F.patch_delay = F.patch_delay, 0.0
+                await asyncio.sleep(delay)
             if self.worker is None:
                 self.worker = stub_worker_class(load_extension())(self)
             try:

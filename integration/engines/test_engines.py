@@ -411,6 +411,24 @@ def test_vllm_failed_patch_falls_back_to_a_full_reload(stream, vllm):
     assert vllm.state()["paused"] is False
 
 
+def test_vllm_timed_out_patch_is_followed_by_a_reload(stream, vllm):
+    """A patch that outlives the notifier's timeout (the engine still runs it): the version is
+    marked unknown, and reload_weights, queued behind the patch in the engine core, restores
+    the verified step; the engine ends bit-exact on it."""
+    target = f"vllm={vllm.url},patch=on,timeout=3"
+    stream.publish(0)
+    stream.agent(target)
+    stream.publish(1)
+    vllm.faults(clear_calls=True, patch_delay=4)
+    stream.agent(target)
+    methods = [b.get("method") or b.get("new_version") for b in
+               vllm.bodies("/collective_rpc") + vllm.bodies("/update_weight_version")]
+    assert methods == ["driftless_apply_patch", "reload_weights", "driftless-unknown", "1"], vllm.calls()
+    assert engine_matches_dir(vllm, os.path.realpath(stream.dir / "current"))
+    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": "1"}
+    assert vllm.state()["paused"] is False
+
+
 def test_vllm_patch_only_onto_its_base(stream, vllm):
     """An engine that does not report the agent's step (restarted, loaded elsewhere) is
     brought back to a known state by a full reload before any patch is applied onto it."""
