@@ -183,8 +183,8 @@ class StubAsyncLLM:
         return self.paused
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        # The engine core runs utility calls one at a time: a reload sent while a patch is
-        # still running waits for it.
+        # The engine core runs utility calls one at a time (`EngineCore.collective_rpc` blocks
+        # its loop): a reload sent while a patch is still running waits for it.
         async with self.rpc_lock:
             return await self._collective_rpc(method, kwargs or {})
 
@@ -217,10 +217,14 @@ class StubAsyncLLM:
         return True
 
     async def update_weight_version(self, new_version):
-        self.version = new_version
+        # set_weight_version / get_weight_version are engine-core utility calls too
+        # (vllm/v1/engine/core.py), queued behind a running collective_rpc.
+        async with self.rpc_lock:
+            self.version = new_version
 
     async def get_weight_version(self):
-        return self.version
+        async with self.rpc_lock:
+            return self.version
 
 
 def vllm_app(api_key: str | None):
