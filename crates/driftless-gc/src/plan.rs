@@ -11,9 +11,10 @@ use serde::Serialize;
 use crate::inventory::{Inventory, MarkerState, StepEntry, StepId};
 use crate::policy::GcPolicy;
 
-/// Why a step is kept. A step may have several reasons.
+/// Why a step is kept. A step may have several reasons. Spelled the same in the text report
+/// and in `--json` (kebab-case), so one grep finds both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "kebab-case")]
 pub enum KeepReason {
     /// One of the newest [`GcPolicy::keep_deltas`] ready deltas.
     NewestDelta,
@@ -375,5 +376,25 @@ impl fmt::Display for GcPlan {
             write!(f, "\nwarning: over max_bytes; grace and reachability of the newest step keep more")?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod reason_tests {
+    use super::KeepReason;
+
+    #[test]
+    fn reasons_are_spelled_alike_in_text_and_json() {
+        for r in [
+            KeepReason::NewestDelta,
+            KeepReason::NewestAnchor,
+            KeepReason::NeededForReachability,
+            KeepReason::WithinGrace,
+            KeepReason::NewestAnchorChain,
+            KeepReason::UnreadableMarker,
+            KeepReason::Leased,
+        ] {
+            assert_eq!(serde_json::to_value(r).unwrap(), serde_json::Value::String(r.as_str().into()));
+        }
     }
 }
