@@ -155,6 +155,11 @@ struct TableChunk {
 /// bytes `[header_len, size)` contiguously, each with a width of 1, 2, 4 or 8 dividing its
 /// length.
 fn read_table(t: &mut Cur<'_>, n: usize, header_len: u64, size: u64) -> Result<Vec<TableChunk>> {
+    // An entry takes at least 25 bytes (offset, length, width, one plane length): a count
+    // the table bytes cannot hold is refused before anything is reserved.
+    if n > t.b.len().saturating_sub(t.at) / 25 {
+        return Err(bad("chunk count exceeds the table"));
+    }
     let mut table = Vec::with_capacity(n);
     let mut expect = header_len;
     for _ in 0..n {
@@ -328,15 +333,20 @@ pub fn plan_shard(
     if header_len > size {
         return Err(bad("bad header length"));
     }
-    let mut chunks = Vec::with_capacity(n);
     let mut at = planes_start;
-    for c in read_table(&mut Cur { b: table, at: 0 }, n, header_len, size)? {
-        let start = at;
-        for &pl in &c.plane_lens {
-            at = at.checked_add(pl).filter(|&a| a <= tr.start).ok_or_else(|| bad("plane sizes overrun the table"))?;
-        }
-        chunks.push(ChunkPlan { out: c.at..c.at + c.len, width: c.width, stored: start..at, plane_lens: c.plane_lens });
-    }
+    let chunks = read_table(&mut Cur { b: table, at: 0 }, n, header_len, size)?
+        .into_iter()
+        .map(|c| {
+            let start = at;
+            for &pl in &c.plane_lens {
+                at = at
+                    .checked_add(pl)
+                    .filter(|&a| a <= tr.start)
+                    .ok_or_else(|| bad("plane sizes overrun the table"))?;
+            }
+            Ok(ChunkPlan { out: c.at..c.at + c.len, width: c.width, stored: start..at, plane_lens: c.plane_lens })
+        })
+        .collect::<Result<Vec<_>>>()?;
     if at != tr.start {
         return Err(bad("plane sizes do not add up to the table offset"));
     }

@@ -123,7 +123,7 @@ pub fn apply_and_hash_blocks(
         }
         pieces.extend(split(t, sizes[t] / metas[t].dtype.size() as u64, metas[t].dtype.size(), per, piece));
     }
-    pieces.sort_by_key(|p| std::cmp::Reverse(p.hi - p.lo));
+    pieces.sort_by_key(|p| std::cmp::Reverse((p.hi - p.lo) * metas[p.t].dtype.size() as u64));
     let left: Vec<std::sync::atomic::AtomicUsize> = (0..metas.len()).map(|_| 0.into()).collect();
     for p in &pieces {
         left[p.t].fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -136,6 +136,15 @@ pub struct PartDigest {
     pub tail: Vec<u8>,
 }
 
+/// Tensor sizes this module computes chunk boundaries for without overflow (any real tensor:
+/// 2^62 bytes).
+fn check_len(data_len: u64) -> Result<()> {
+    if data_len > 1 << 62 {
+        return Err(Error::invalid(format!("tensor of {data_len} bytes is too large")));
+    }
+    Ok(())
+}
+
 /// End of the chunk that starts at or contains `at`.
 fn chunk_end(at: u64, data_len: u64) -> u64 {
     ((at / CHUNK as u64 + 1) * CHUNK as u64).min(data_len)
@@ -145,6 +154,7 @@ fn chunk_end(at: u64, data_len: u64) -> u64 {
 /// hashed in parallel).
 pub fn part_digest(data_len: u64, start: u64, data: &[u8]) -> Result<PartDigest> {
     use rayon::prelude::*;
+    check_len(data_len)?;
     let end = start
         .checked_add(data.len() as u64)
         .filter(|&e| e <= data_len)
@@ -181,6 +191,7 @@ fn split(data_len: u64, start: u64, end: u64) -> (u64, u64, u64) {
 /// is an error.
 pub fn assemble(data_len: u64, parts: &[PartDigest]) -> Result<Vec<Digest>> {
     let bad = |d: String| Error::corrupt("tensor parts", d);
+    check_len(data_len)?;
     let mut order: Vec<&PartDigest> = parts.iter().collect();
     order.sort_by_key(|p| (p.start, p.len));
     let mut out = Vec::new();

@@ -158,3 +158,22 @@ proptest! {
         }
     }
 }
+
+/// A streamed shard whose footer claims 500 million chunks of a 10 GiB object while its table
+/// holds one entry: refused before anything is reserved for the claimed count (which would
+/// ask for tens of GB and abort the agent).
+#[test]
+fn a_chunk_count_the_table_cannot_hold_is_refused_before_allocating() {
+    let (file, _) = safetensors_file(3);
+    let enc = anchor::encode_shard(&file, 1).unwrap();
+    let stored = 10u64 << 30;
+    let body_end = stored - anchor::FOOTER_LEN;
+    let table = vec![0u8; 25];
+    let mut footer = enc[enc.len() - anchor::FOOTER_LEN as usize..].to_vec();
+    footer[..8].copy_from_slice(&(body_end - table.len() as u64).to_le_bytes());
+    footer[8..12].copy_from_slice(&500_000_000u32.to_le_bytes());
+    let prefix = &enc[..anchor::PREFIX_LEN as usize];
+    let e = anchor::plan_shard(prefix, &table, &footer, stored, file.len() as u64).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.to_string().contains("chunk count"), "{e}");
+}
