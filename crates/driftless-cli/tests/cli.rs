@@ -255,6 +255,13 @@ fn publish_watch_follows_a_directory() {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, [0, 1, 2, 3]);
+    // The state of a --watch entry links its files (no copy per step).
+    {
+        use std::os::unix::fs::MetadataExt;
+        let saved = std::fs::metadata(p("pstate/snap-3/model.safetensors")).unwrap();
+        let src = std::fs::metadata(p("ckpts/step_3/model.safetensors")).unwrap();
+        assert_eq!((saved.dev(), saved.ino()), (src.dev(), src.ino()), "the state is not a link of step_3");
+    }
     let o = bin()
         .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
         .arg(p("key.pub"))
@@ -404,6 +411,13 @@ fn small_stream(dir: &Path, n: u64) -> (String, RlChain) {
             .arg(p("key"))
             .arg(&d));
         assert_eq!(code, Some(0), "{err}");
+    }
+    // `--step CKPT` copies its state: a trainer may rewrite CKPT in place.
+    if n > 0 {
+        use std::os::unix::fs::MetadataExt;
+        let saved = std::fs::metadata(p(&format!("pstate/snap-{}/model.safetensors", n - 1))).unwrap();
+        let src = std::fs::metadata(p(&format!("ckpt{}/model.safetensors", n - 1))).unwrap();
+        assert_ne!((saved.dev(), saved.ino()), (src.dev(), src.ino()), "--step state must be a copy");
     }
     (url, chain)
 }
