@@ -640,8 +640,7 @@ impl Agent {
             if deltas.is_empty() { None } else { Some(Checkpoint::open(&wdir).map_err(Error::from)?.layout()) };
         let mut patch = match (&prev, route.anchor, &layout) {
             (Some(p), None, Some(l)) if self.cfg.notify.iter().any(Notifier::wants_patch) => {
-                let metas: Vec<_> = l.shards.iter().flat_map(|s| s.tensors.iter().cloned()).collect();
-                PatchBuilder::new(p.step, &metas).inspect_err(|e| warn!(error = %e, "no patch for this step")).ok()
+                PatchBuilder::new(p.step, l.tensors()).inspect_err(|e| warn!(error = %e, "no patch for this step")).ok()
             }
             _ => None,
         };

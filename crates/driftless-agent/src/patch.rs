@@ -74,9 +74,9 @@ pub struct PatchBuilder {
 impl PatchBuilder {
     /// A builder for a chain starting at verified step `base` of a checkpoint with tensors
     /// `metas` (the layout the chain keeps; a layout change ends the patch).
-    pub fn new(base: u64, metas: &[driftless_format::TensorMeta]) -> Result<Self> {
+    pub fn new<'m>(base: u64, metas: impl IntoIterator<Item = &'m driftless_format::TensorMeta>) -> Result<Self> {
         let numel = metas
-            .iter()
+            .into_iter()
             .map(|m| Ok((m.name.clone(), m.numel()?)))
             .collect::<driftless_format::Result<HashMap<_, _>>>()?;
         let limit = numel.values().sum::<u64>() / MAX_INDEX_FRACTION;

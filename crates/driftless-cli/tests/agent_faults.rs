@@ -7,11 +7,11 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use driftless_format::gen::{ModelSpec, RlChain};
-use driftless_format::{checkpoint, Checkpoint, Digest, Layout};
+use driftless_format::{Checkpoint, Digest};
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_driftless"))
-}
+mod common;
+
+use common::{bin, write};
 
 struct Env {
     t: tempfile::TempDir,
@@ -49,8 +49,7 @@ impl Env {
             self.chain.step();
         }
         let d = self.p(&format!("ckpt-{bucket}-{step}"));
-        let layout = Layout::for_tensors(self.chain.metas(), 2 << 20).unwrap();
-        checkpoint::write_checkpoint(&d, &layout, &self.chain.views()).unwrap();
+        write(&self.chain, &d, 2 << 20);
         self.roots.push(driftless_format::weights_root(&self.chain.views()).1);
         let st = bin()
             .args(["publish", "--bucket", &self.url(bucket), "--step", &step.to_string(), "--anchor-every"])

@@ -4,16 +4,11 @@ use std::path::Path;
 use std::process::Command;
 
 use driftless_format::gen::{ModelSpec, RlChain};
-use driftless_format::{checkpoint, Checkpoint, Layout};
+use driftless_format::Checkpoint;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_driftless"))
-}
+mod common;
 
-fn write(chain: &RlChain, dir: &Path, shard: u64) {
-    let layout = Layout::for_tensors(chain.metas(), shard).unwrap();
-    checkpoint::write_checkpoint(dir, &layout, &chain.views()).unwrap();
-}
+use common::{bin, seaweed, write};
 
 fn files_equal(a: &Path, b: &Path) {
     let mut n = 0;
@@ -784,20 +779,6 @@ fn unsigned_stream_with_a_trusted_key_gives_advice_that_can_be_followed() {
     let (code, _, err) = out(bin().arg("inspect").arg(p("d")).arg("--trust").arg(p("key.pub")));
     assert_eq!(code, Some(1), "{err}");
     advice_flags_exist("inspect", &err);
-}
-
-/// The SeaweedFS endpoint and bucket the CI started, if any.
-fn seaweed() -> Option<(String, String)> {
-    match std::env::var("DRIFTLESS_TEST_S3_SEAWEED") {
-        Ok(spec) => {
-            let mut it = spec.split_whitespace();
-            Some((it.next()?.to_string(), it.next()?.to_string()))
-        }
-        Err(_) if std::env::var("DRIFTLESS_REQUIRE_SERVERS").as_deref() == Ok("1") => {
-            panic!("DRIFTLESS_TEST_S3_SEAWEED not set")
-        }
-        Err(_) => None,
-    }
 }
 
 // Issue 13.3: S3 errors pasted the server's XML body (several lines, sometimes twice) into the

@@ -17,30 +17,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use driftless_format::gen::{ModelSpec, RlChain};
-use driftless_format::{checkpoint, Digest, Layout, StepKind, TrustSet};
+use driftless_format::{Digest, StepKind, TrustSet};
 use driftless_store::stream::StreamReader;
 use driftless_store::{Bucket, StoreOptions};
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_driftless"))
-}
+mod common;
 
-/// `(endpoint, bucket)` of SeaweedFS, or `None` (skip) unless DRIFTLESS_REQUIRE_SERVERS=1.
-fn seaweed() -> Option<(String, String)> {
-    match std::env::var("DRIFTLESS_TEST_S3_SEAWEED") {
-        Ok(v) => {
-            let mut it = v.split_whitespace();
-            Some((it.next()?.to_string(), it.next()?.to_string()))
-        }
-        Err(_) if std::env::var("DRIFTLESS_REQUIRE_SERVERS").as_deref() == Ok("1") => {
-            panic!("DRIFTLESS_TEST_S3_SEAWEED not set and DRIFTLESS_REQUIRE_SERVERS=1")
-        }
-        Err(_) => {
-            eprintln!("skipping: DRIFTLESS_TEST_S3_SEAWEED not set");
-            None
-        }
-    }
-}
+use common::{bin, seaweed, write};
 
 /// What the proxy does to writes (PUT and POST requests).
 #[derive(Default)]
@@ -208,8 +191,7 @@ impl Run {
             self.chain.step();
         }
         let d = self.p(&format!("ckpt/step_{step}"));
-        let layout = Layout::for_tensors(self.chain.metas(), 2 << 20).unwrap();
-        checkpoint::write_checkpoint(&d, &layout, &self.chain.views()).unwrap();
+        write(&self.chain, &d, 2 << 20);
         std::fs::write(d.join("config.json"), b"{\"model_type\":\"llama\"}").unwrap();
         self.roots.push(driftless_format::weights_root(&self.chain.views()).1);
         (step, d)

@@ -960,10 +960,7 @@ impl Pending {
     }
 
     fn views(&self) -> Vec<TensorView<'_>> {
-        self.tensors
-            .iter()
-            .map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d })
-            .collect()
+        crate::snapshot::views_of(&self.tensors)
     }
 }
 
@@ -973,15 +970,7 @@ async fn acquire_generation(bucket: &Bucket, stream_id: &str, ttl: Duration) -> 
     let list = bucket.list(layout::leases_prefix()).await?;
     let mut g = list.iter().filter_map(|o| layout::parse_claim_or_lease(&o.key)).max().map_or(1, |g| g + 1);
     for _ in 0..16 {
-        let l = upload::Lease {
-            kind: "lease".into(),
-            stream_id: stream_id.to_string(),
-            generation: g,
-            holder: format!("{}", std::process::id()),
-            renewed_at_ms: manifest::now_ms(),
-            ttl_ms: ttl.as_millis() as u64,
-        };
-        match bucket.put_create(&layout::lease(g), Bytes::from(serde_json::to_vec(&l).expect("serializes"))).await {
+        match bucket.put_create(&layout::lease(g), upload::lease_bytes(stream_id, g, ttl)).await {
             Ok(()) => return Ok(g),
             Err(e) if e.is_already_exists() => g += 1,
             Err(e) => return Err(e.into()),
@@ -994,7 +983,6 @@ async fn acquire_generation(bucket: &Bucket, stream_id: &str, ttl: Duration) -> 
 /// verifies the final root once (every result root is signed, so the final check proves the
 /// final state). Fails when the deltas do not chain from the snapshot to `newest` in place.
 async fn roll_forward(ctx: &Ctx, snap: &mut Snapshot, newest: u64) -> Result<()> {
-    let seed_err = |d: String| Error::Seed(d);
     let deltas = ctx.reader.ready_steps(StepKind::Delta, Some(snap.step)).await?;
     let mut expect_root = snap.root;
     for s in deltas.into_iter().filter(|&s| s <= newest) {
@@ -1003,7 +991,7 @@ async fn roll_forward(ctx: &Ctx, snap: &mut Snapshot, newest: u64) -> Result<()>
             continue;
         }
         if m.stream_id != ctx.stream_id || m.base_root != expect_root || ops::needs_rewrite(&snap.layout, &m) {
-            return Err(seed_err(format!(
+            return Err(Error::Seed(format!(
                 "committed delta {s} does not apply to the saved weights of step {}",
                 snap.step
             )));
@@ -1023,13 +1011,13 @@ async fn roll_forward(ctx: &Ctx, snap: &mut Snapshot, newest: u64) -> Result<()>
         info!(step = s, "applied committed delta to the saved weights");
     }
     if snap.step != newest {
-        return Err(seed_err(format!(
+        return Err(Error::Seed(format!(
             "the committed deltas do not lead from the saved weights to the newest committed step {newest}"
         )));
     }
     let (digests, root) = driftless_format::weights_root(&snap.views());
     if root != expect_root {
-        return Err(seed_err(format!("the saved weights brought to step {newest} do not match its signed root")));
+        return Err(Error::Seed(format!("the saved weights brought to step {newest} do not match its signed root")));
     }
     snap.root = root;
     snap.digests = digests;

@@ -25,10 +25,7 @@ impl Snapshot {
     }
 
     pub(crate) fn views(&self) -> Vec<TensorView<'_>> {
-        self.tensors
-            .iter()
-            .map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d })
-            .collect()
+        views_of(&self.tensors)
     }
 
     pub(crate) fn tensors_mut(&mut self) -> TensorsMut<'_> {
@@ -38,4 +35,9 @@ impl Snapshot {
         }
         tm
     }
+}
+
+/// Borrowed views of owned tensors (the snapshot's, a pending step's).
+pub(crate) fn views_of(tensors: &[(TensorMeta, Vec<u8>)]) -> Vec<TensorView<'_>> {
+    tensors.iter().map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d }).collect()
 }

@@ -318,17 +318,22 @@ pub struct Lease {
     pub ttl_ms: u64,
 }
 
+/// The lease object of `generation`, renewed now.
+pub(crate) fn lease_bytes(stream_id: &str, generation: u64, ttl: Duration) -> Bytes {
+    let l = Lease {
+        kind: "lease".into(),
+        stream_id: stream_id.to_string(),
+        generation,
+        holder: format!("{}:{}", hostname(), std::process::id()),
+        renewed_at_ms: now_ms(),
+        ttl_ms: ttl.as_millis() as u64,
+    };
+    Bytes::from(serde_json::to_vec(&l).expect("lease serializes"))
+}
+
 impl Ctx {
     pub(crate) fn lease_bytes(&self) -> Bytes {
-        let l = Lease {
-            kind: "lease".into(),
-            stream_id: self.stream_id.clone(),
-            generation: self.generation,
-            holder: format!("{}:{}", hostname(), std::process::id()),
-            renewed_at_ms: now_ms(),
-            ttl_ms: self.lease_ttl.as_millis() as u64,
-        };
-        Bytes::from(serde_json::to_vec(&l).expect("lease serializes"))
+        lease_bytes(&self.stream_id, self.generation, self.lease_ttl)
     }
 
     /// Fails unless this generation's lease is live (renewed within its TTL, with a margin of
