@@ -31,8 +31,10 @@
 
 mod error;
 mod publisher;
+mod sharded;
 mod snapshot;
 mod upload;
 
 pub use error::{Error, Result};
 pub use publisher::{Outcome, PublishReceipt, Publisher, PublisherBuilder, Status};
+pub use sharded::{PartKind, Shard, ShardedPublisher, ShardedReceipt, StepOutcome, MAX_WORLD_SIZE};

@@ -20,22 +20,22 @@ use crate::{Error, Result};
 /// Configuration of a [`Publisher`].
 #[derive(Debug, Clone)]
 pub struct PublisherBuilder {
-    url: String,
-    store: StoreOptions,
-    bucket: Option<Bucket>,
-    key: Option<Keypair>,
-    anchor_every: u64,
-    anchor_chain_fraction: f64,
-    delta: DeltaOptions,
-    anchor_encoding: AnchorEncoding,
-    anchor_zstd_level: i32,
-    queue_depth: usize,
-    new_stream: bool,
-    takeover: bool,
-    max_shard_bytes: u64,
-    spool_dir: Option<PathBuf>,
-    extra_files: Vec<(String, Vec<u8>)>,
-    lease_ttl: Duration,
+    pub(crate) url: String,
+    pub(crate) store: StoreOptions,
+    pub(crate) bucket: Option<Bucket>,
+    pub(crate) key: Option<Keypair>,
+    pub(crate) anchor_every: u64,
+    pub(crate) anchor_chain_fraction: f64,
+    pub(crate) delta: DeltaOptions,
+    pub(crate) anchor_encoding: AnchorEncoding,
+    pub(crate) anchor_zstd_level: i32,
+    pub(crate) queue_depth: usize,
+    pub(crate) new_stream: bool,
+    pub(crate) takeover: bool,
+    pub(crate) max_shard_bytes: u64,
+    pub(crate) spool_dir: Option<PathBuf>,
+    pub(crate) extra_files: Vec<(String, Vec<u8>)>,
+    pub(crate) lease_ttl: Duration,
 }
 
 impl PublisherBuilder {
@@ -167,7 +167,7 @@ impl PublisherBuilder {
         // marker (a killed predecessor's) carry that generation's names and collide with
         // nothing, so the step can be committed again.
         let last_step = last_delta.max(last_anchor);
-        let generation = rt.block_on(acquire_generation(&bucket, &stream_id, self.lease_ttl))?;
+        let generation = rt.block_on(acquire_generation(&bucket, &stream_id, self.lease_ttl, None))?;
         info!(stream_id, last_step, generation, url = bucket.url(), "publisher ready");
         let shared = Arc::new(Shared::default());
         shared.update(|s| {
@@ -186,6 +186,7 @@ impl PublisherBuilder {
             shared: shared.clone(),
             generation,
             lease_ttl: self.lease_ttl,
+            world_size: None,
             reader: StreamReader::new(bucket.clone(), trust),
             // Start the hint from what the bucket holds, so the first hint after a restart
             // does not forget the ready steps of the previous run.
@@ -214,7 +215,7 @@ impl PublisherBuilder {
         })
     }
 
-    async fn open_stream(&self, bucket: &Bucket) -> Result<String> {
+    pub(crate) async fn open_stream(&self, bucket: &Bucket) -> Result<String> {
         let mut trust = TrustSet::new().allow_unsigned(self.key.is_none());
         if let Some(k) = &self.key {
             trust = trust.with_key(k.public());
@@ -285,7 +286,7 @@ impl PublisherBuilder {
         }
     }
 
-    fn seal(&self, payload: &[u8]) -> Result<Vec<u8>> {
+    pub(crate) fn seal(&self, payload: &[u8]) -> Result<Vec<u8>> {
         Ok(match &self.key {
             Some(k) => k.seal(payload)?,
             None => driftless_format::sign::seal_unsigned(payload)?,
@@ -856,29 +857,55 @@ fn order<'a>(tensors: &[TensorView<'a>], layout: &Layout) -> Result<Vec<TensorVi
         .collect()
 }
 
-/// Writes the anchor's shards to spool files and maps them for upload.
-fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, generation: u64, snap: &Snapshot) -> Result<AnchorJob> {
-    let dir = match &cfg.spool_dir {
+/// A fresh spool directory for an anchor.
+pub(crate) fn spool_dir(cfg: &PublisherBuilder) -> Result<tempfile::TempDir> {
+    Ok(match &cfg.spool_dir {
         Some(d) => {
             std::fs::create_dir_all(d)?;
             tempfile::Builder::new().prefix("driftless-anchor-").tempdir_in(d)?
         }
         None => tempfile::Builder::new().prefix("driftless-anchor-").tempdir()?,
-    };
+    })
+}
+
+/// Writes the anchor's shards to spool files and maps them for upload.
+fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, generation: u64, snap: &Snapshot) -> Result<AnchorJob> {
+    let dir = spool_dir(cfg)?;
     let by: BTreeMap<&str, &[u8]> = snap.tensors.iter().map(|(m, d)| (m.name.as_str(), d.as_slice())).collect();
+    for shard in &snap.layout.shards {
+        let (header, _) = Layout::shard_header(shard)?;
+        let mut f = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(dir.path().join(&shard.file))?);
+        f.write_all(&header)?;
+        for t in &shard.tensors {
+            f.write_all(by.get(t.name.as_str()).expect("snapshot has every layout tensor"))?;
+        }
+        f.flush()?;
+    }
+    let step = SpooledStep { step: snap.step, root: snap.root, layout: &snap.layout, digests: &snap.digests };
+    encode_spooled(cfg, stream_id, generation, step, dir)
+}
+
+/// A step whose safetensors files lie in a spool directory.
+pub(crate) struct SpooledStep<'a> {
+    pub(crate) step: u64,
+    pub(crate) root: Digest,
+    pub(crate) layout: &'a Layout,
+    pub(crate) digests: &'a [Digest],
+}
+
+/// Turns the plain safetensors files of `step` in `dir` (one per layout shard) into an
+/// anchor job: encoded (streamed, bounded memory) and mapped for upload, manifest sealed.
+pub(crate) fn encode_spooled(
+    cfg: &PublisherBuilder,
+    stream_id: &str,
+    generation: u64,
+    step: SpooledStep<'_>,
+    dir: tempfile::TempDir,
+) -> Result<AnchorJob> {
     let mut objects = vec![];
     let mut refs = vec![];
-    for shard in &snap.layout.shards {
+    for shard in &step.layout.shards {
         let plain = dir.path().join(&shard.file);
-        {
-            let (header, _) = Layout::shard_header(shard)?;
-            let mut f = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&plain)?);
-            f.write_all(&header)?;
-            for t in &shard.tensors {
-                f.write_all(by.get(t.name.as_str()).expect("snapshot has every layout tensor"))?;
-            }
-            f.flush()?;
-        }
         let map = map_file(&plain)?;
         let decoded_size = map.len() as u64;
         let decoded_sha256 = Digest::of(&map);
@@ -915,18 +942,18 @@ fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, generation: u64, snap: 
         kind: "anchor".into(),
         version: manifest::FORMAT_VERSION,
         stream_id: stream_id.to_string(),
-        step: snap.step,
-        weights_root: snap.root,
+        step: step.step,
+        weights_root: step.root,
         encoding: cfg.anchor_encoding,
-        shards: manifest::shard_records(&snap.layout, &snap.digests)?,
+        shards: manifest::shard_records(step.layout, step.digests)?,
         objects: refs,
         files,
         created_at_ms: manifest::now_ms(),
     };
     let envelope = cfg.seal(&serde_json::to_vec(&m).expect("serializes"))?;
     Ok(AnchorJob {
-        step: snap.step,
-        root: snap.root,
+        step: step.step,
+        root: step.root,
         envelope: envelope.into(),
         objects,
         _spool: Some(dir),
@@ -966,11 +993,16 @@ impl Pending {
 
 /// Takes the next free publisher generation: one more than any lease in the bucket, created
 /// write-once so two starting publishers never share one.
-async fn acquire_generation(bucket: &Bucket, stream_id: &str, ttl: Duration) -> Result<u64> {
+pub(crate) async fn acquire_generation(
+    bucket: &Bucket,
+    stream_id: &str,
+    ttl: Duration,
+    world_size: Option<u64>,
+) -> Result<u64> {
     let list = bucket.list(layout::leases_prefix()).await?;
     let mut g = list.iter().filter_map(|o| layout::parse_claim_or_lease(&o.key)).max().map_or(1, |g| g + 1);
     for _ in 0..16 {
-        match bucket.put_create(&layout::lease(g), upload::lease_bytes(stream_id, g, ttl)).await {
+        match bucket.put_create(&layout::lease(g), upload::lease_bytes(stream_id, g, ttl, world_size)).await {
             Ok(()) => return Ok(g),
             Err(e) if e.is_already_exists() => g += 1,
             Err(e) => return Err(e.into()),

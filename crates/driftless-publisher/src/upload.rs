@@ -144,6 +144,9 @@ pub(crate) struct Commit<'a> {
     pub(crate) envelope: Bytes,
     /// (name, bytes); names carry this generation's prefix (the manifest names them so).
     pub(crate) objects: &'a [(String, Bytes)],
+    /// (name, size) of payload objects other processes uploaded (the ranks of a sharded
+    /// step): confirmed by the listing like the others, but never re-sent.
+    pub(crate) uploaded: &'a [(String, u64)],
 }
 
 /// Commits one step. Order: claim, payload objects (parallel, bounded), manifest, a listing
@@ -152,14 +155,15 @@ pub(crate) struct Commit<'a> {
 /// marker. Every object name carries this generation, so nothing collides with a killed
 /// predecessor's late writes; the claim and the marker are the only shared keys, and both
 /// accept an existing object that holds the same weights root (an idempotent re-commit).
-async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitError> {
+pub(crate) async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitError> {
     let bucket = &ctx.bucket;
     let g = ctx.generation;
     claim_step(ctx, c.step, c.root).await?;
     let conc = bucket.options().concurrency.max(1);
     let manifest_name = layout::generation_name(g, "manifest.json");
     let mut all: Vec<(String, Bytes)> = c.objects.to_vec();
-    let payload: u64 = all.iter().map(|(_, b)| b.len() as u64).sum();
+    let payload: u64 =
+        all.iter().map(|(_, b)| b.len() as u64).sum::<u64>() + c.uploaded.iter().map(|(_, n)| n).sum::<u64>();
     let env_sha = Digest::of(&c.envelope);
     // Payload first, the manifest after it, so a listed manifest implies its payload was sent.
     let mut pending: Vec<(String, Bytes)> = std::mem::take(&mut all);
@@ -172,6 +176,12 @@ async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitError> {
             .into_iter()
             .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n).map(|n| (n, o.size)))
             .collect();
+        if let Some((n, _)) = c.uploaded.iter().find(|(n, size)| listed.get(n) != Some(size)) {
+            return Err(CommitError::Unconfirmed(format!(
+                "step {}: {n} of a rank is not in the bucket with its size; not committed",
+                c.step
+            )));
+        }
         let expected = c.objects.iter().cloned();
         let missing: Vec<(String, Bytes)> = expected
             .chain(std::iter::once((manifest_name.clone(), c.envelope.clone())))
@@ -296,6 +306,8 @@ pub(crate) struct Ctx {
     pub(crate) lease_ttl: Duration,
     /// Reads this stream's own committed steps (idempotent re-commits, seeding).
     pub(crate) reader: StreamReader,
+    /// Ranks of a sharded publisher this generation commits for (`None`: a plain publisher).
+    pub(crate) world_size: Option<u64>,
     /// Serializes latest.json writes so an older hint never overwrites a newer one.
     pub(crate) latest: tokio::sync::Mutex<(Option<u64>, Option<u64>)>,
 }
@@ -316,10 +328,14 @@ pub struct Lease {
     pub renewed_at_ms: u64,
     /// How long it stays live after a renewal.
     pub ttl_ms: u64,
+    /// Set by the committer of a sharded publisher: the number of ranks whose parts make a
+    /// step. The other ranks of the group find their generation by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<u64>,
 }
 
 /// The lease object of `generation`, renewed now.
-pub(crate) fn lease_bytes(stream_id: &str, generation: u64, ttl: Duration) -> Bytes {
+pub(crate) fn lease_bytes(stream_id: &str, generation: u64, ttl: Duration, world_size: Option<u64>) -> Bytes {
     let l = Lease {
         kind: "lease".into(),
         stream_id: stream_id.to_string(),
@@ -327,13 +343,14 @@ pub(crate) fn lease_bytes(stream_id: &str, generation: u64, ttl: Duration) -> By
         holder: format!("{}:{}", hostname(), std::process::id()),
         renewed_at_ms: now_ms(),
         ttl_ms: ttl.as_millis() as u64,
+        world_size,
     };
     Bytes::from(serde_json::to_vec(&l).expect("lease serializes"))
 }
 
 impl Ctx {
     pub(crate) fn lease_bytes(&self) -> Bytes {
-        lease_bytes(&self.stream_id, self.generation, self.lease_ttl)
+        lease_bytes(&self.stream_id, self.generation, self.lease_ttl, self.world_size)
     }
 
     /// Fails unless this generation's lease is live (renewed within its TTL, with a margin of
@@ -369,7 +386,7 @@ impl Ctx {
         }
     }
 
-    async fn write_latest(&self, delta: Option<u64>, anchor: Option<u64>) {
+    pub(crate) async fn write_latest(&self, delta: Option<u64>, anchor: Option<u64>) {
         let mut cur = self.latest.lock().await;
         cur.0 = cur.0.max(delta);
         cur.1 = cur.1.max(anchor);
@@ -479,6 +496,7 @@ pub(crate) async fn delta_loop(ctx: Arc<Ctx>, mut rx: tokio::sync::mpsc::Receive
                     root: d.root,
                     envelope: d.envelope,
                     objects: &d.segments,
+                    uploaded: &[],
                 };
                 let r = commit_step(&ctx, c).instrument(span).await;
                 match r {
@@ -518,6 +536,7 @@ pub(crate) async fn anchor_upload(ctx: Arc<Ctx>, mut job: AnchorJob) {
         root: job.root,
         envelope: job.envelope.clone(),
         objects: &job.objects,
+        uploaded: &[],
     };
     let r = commit_step(&ctx, c).instrument(span).await;
     match r {

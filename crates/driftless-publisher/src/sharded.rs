@@ -1,0 +1,1016 @@
+//! Sharded publishing: every trainer rank publishes the slices of the model it holds, and one
+//! commit through the bucket makes a signed step that agents read like any other
+//! (`docs/sharded.md`).
+//!
+//! Per step `S`, with `G` the group's generation (the committer's lease) and `k` the rank:
+//!
+//! ```text
+//! deltas/S/gG-rk-seg-0000.dls   rank k's delta segments, positions in global coordinates
+//! deltas/S/gG-rk-edges.bin      the bytes of the root chunks rank k's runs only partly cover
+//! deltas/S/gG-rk-slices.bin     anchor steps: rank k's slice bytes
+//! deltas/S/gG-rk-part.json      rank k's signed part manifest (written after its objects)
+//! deltas/S/gG-manifest.json     the committer's delta manifest over all parts
+//! anchors/S/...                 anchor steps: the anchor the committer assembled
+//! deltas/S/gG-outcome.json      the committer's signed verdict, written last
+//! ```
+//!
+//! Rank 0 is the committer: it takes a generation with `world_size` in its lease; the other
+//! ranks find the group's generation as the newest lease naming their `world_size`. Every rank
+//! diffs its slices against its copy of the last *committed* step and uploads its part; the
+//! committer waits up to `commit_timeout` for all `world_size` parts, checks their
+//! signatures, that every part has the same kind and base, and that the slices cover every
+//! tensor exactly once (`slice::assemble`); it computes the weights root from the parts'
+//! chunk digests, writes the manifest and the ready marker through the same commit as the
+//! single-process publisher (claim, confirmation listing, lease check, marker), then the
+//! outcome. A step missing a part, or with parts that disagree, gets an outcome saying so and
+//! no ready marker; the next step is then an anchor (a rank that died lost its copy). The
+//! other ranks read the outcome of their previous step at the start of their next `publish`,
+//! so the commit overlaps the trainer's next step.
+//!
+//! Anchor steps are gathered by the committer through the bucket (each rank uploads its slice
+//! bytes; the committer assembles the safetensors files in a spool directory, checks them
+//! against the parts' digests and encodes the anchor). Anchors are the one place a sharded
+//! step costs a gather; deltas never do.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use driftless_format::delta::{encode_runs, DeltaStats, Run};
+use driftless_format::hash::{combine_root, finish_tensor};
+use driftless_format::manifest::{self, DeltaManifest, ObjectRef, SegmentRef, StepKind};
+use driftless_format::slice::{assemble, part_digest, PartDigest, Slice};
+use driftless_format::{CheckpointMut, DType, Digest, Layout, TensorMeta, TrustSet};
+use driftless_store::stream::StreamReader;
+use driftless_store::{layout, Bucket};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::publisher::{acquire_generation, encode_spooled, spool_dir, PublisherBuilder, SpooledStep};
+use crate::upload::{self, commit_step, Commit, CommitError, Ctx, Shared};
+use crate::{Error, Result};
+
+/// Largest number of ranks a step may have.
+pub const MAX_WORLD_SIZE: u64 = 1 << 16;
+/// Bytes of a slices object fetched per request when the committer gathers an anchor.
+const GATHER_WINDOW: u64 = 64 << 20;
+
+/// The part of a tensor a rank holds: the global tensor (name, dtype, shape) and the slice's
+/// elements in row-major order of the slice.
+#[derive(Debug, Clone)]
+pub struct Shard<'a> {
+    /// Global tensor name.
+    pub name: &'a str,
+    /// Element type.
+    pub dtype: DType,
+    /// Global shape of the tensor.
+    pub shape: &'a [u64],
+    /// Which part of the tensor: a block of `shape` ([`Slice::block`], or any hyper-rectangle)
+    /// or a flat range of the tensor viewed as 1-D ([`Slice::flat`]).
+    pub slice: Slice,
+    /// The slice's bytes, row-major within the slice.
+    pub data: &'a [u8],
+}
+
+/// What a rank's part of a step holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PartKind {
+    /// Delta segments against the last committed step.
+    Delta,
+    /// The slice bytes themselves.
+    Anchor,
+}
+
+/// One contiguous byte run of a rank's slice and its digest part (see `slice::PartDigest`);
+/// the head and tail bytes are in the part's edges object, in run order.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PartRun {
+    start: u64,
+    len: u64,
+    head: u64,
+    tail: u64,
+    chunks: Vec<Digest>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PartTensor {
+    name: String,
+    dtype: DType,
+    shape: Vec<u64>,
+    offsets: Vec<u64>,
+    lengths: Vec<u64>,
+    runs: Vec<PartRun>,
+}
+
+/// A rank's signed description of its part of a step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PartManifest {
+    kind: String,
+    version: u32,
+    stream_id: String,
+    step: u64,
+    generation: u64,
+    rank: u64,
+    world_size: u64,
+    part: PartKind,
+    /// The committed step and root a delta part was taken against.
+    base_step: Option<u64>,
+    base_root: Option<Digest>,
+    tensors: Vec<PartTensor>,
+    segments: Vec<SegmentRef>,
+    edges: ObjectRef,
+    slices: Option<ObjectRef>,
+    stats: DeltaStats,
+}
+
+/// The committer's verdict on a step, written last; ranks read it to know which copy of
+/// their slices is the committed one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepOutcome {
+    /// Step.
+    pub step: u64,
+    /// Whether the step was committed (has a ready marker).
+    pub committed: bool,
+    /// The kind it was committed as.
+    pub of: Option<StepKind>,
+    /// Its weights root.
+    pub root: Option<Digest>,
+    /// Why it was not committed.
+    pub reason: Option<String>,
+    /// Whether the next step must be an anchor (a part was missing or disagreed).
+    pub next_anchor: bool,
+}
+
+impl StepOutcome {
+    fn aborted(step: u64, reason: String, next_anchor: bool) -> Self {
+        StepOutcome { step, committed: false, of: None, root: None, reason: Some(reason), next_anchor }
+    }
+}
+
+/// Returned by [`ShardedPublisher::publish`].
+#[derive(Debug, Clone, Serialize)]
+pub struct ShardedReceipt {
+    /// Step.
+    pub step: u64,
+    /// What this rank's part holds.
+    pub part: PartKind,
+    /// Bytes this rank uploaded for the step.
+    pub part_bytes: u64,
+    /// Time in `publish` before the commit (diff, encode, digests, upload).
+    pub part_secs: f64,
+    /// The committer's outcome of this step (rank 0 only; other ranks learn it at their next
+    /// `publish` or `flush`).
+    pub outcome: Option<StepOutcome>,
+    /// Time the committer spent waiting for parts and committing.
+    pub commit_secs: f64,
+    /// The outcome of the previous step this rank published, learned at the start of this call
+    /// (ranks other than 0).
+    pub previous: Option<StepOutcome>,
+}
+
+/// A rank's copy of its slices at a step.
+struct Copy {
+    step: u64,
+    shards: Vec<(TensorMeta, Slice, Vec<u8>)>,
+}
+
+/// One rank of a sharded publisher. Build with [`PublisherBuilder::build_sharded`].
+pub struct ShardedPublisher {
+    cfg: PublisherBuilder,
+    rt: Option<tokio::runtime::Runtime>,
+    bucket: Bucket,
+    trust: TrustSet,
+    stream_id: String,
+    rank: u64,
+    world_size: u64,
+    commit_timeout: Duration,
+    /// The committer's context (rank 0).
+    ctx: Option<Arc<Ctx>>,
+    /// The group generation this rank last published under.
+    generation: Option<u64>,
+    /// The slices of the last committed step and its weights root.
+    committed: Option<(Copy, Digest)>,
+    /// A step sent and not yet resolved (other ranks), with its slices.
+    outstanding: Option<Copy>,
+    next_anchor: bool,
+    last_anchor: Option<u64>,
+    last_step: Option<u64>,
+    last_outcome: Option<StepOutcome>,
+}
+
+impl std::fmt::Debug for ShardedPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedPublisher").field("rank", &self.rank).field("world_size", &self.world_size).finish()
+    }
+}
+
+fn part_name(rank: u64, name: &str) -> String {
+    format!("r{rank:05}-{name}")
+}
+
+/// The rank of a part manifest named `g<gen>-r<rank>-part.json`.
+fn part_rank(name: &str, generation: u64) -> Option<u64> {
+    let rest = name.strip_prefix(&format!("g{generation}-r"))?.strip_suffix("-part.json")?;
+    (rest.len() == 5 && rest.bytes().all(|b| b.is_ascii_digit())).then(|| rest.parse().ok()).flatten()
+}
+
+impl PublisherBuilder {
+    /// Builds rank `rank` of a sharded publisher whose steps have `world_size` parts (see
+    /// [`ShardedPublisher`]). Rank 0 opens (or creates) the stream and commits; the others
+    /// wait up to `commit_timeout` for the stream to exist. Every rank of a step must pass
+    /// the same `world_size`; a data-parallel replica of a rank's slices is a rank of its own
+    /// that passes no shards (or `replica > 0` shards in Python, which are skipped).
+    pub fn build_sharded(self, rank: u64, world_size: u64, commit_timeout: Duration) -> Result<ShardedPublisher> {
+        if world_size == 0 || world_size > MAX_WORLD_SIZE || rank >= world_size {
+            return Err(Error::Refused(format!("rank {rank} of world size {world_size}")));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("driftless-upload")
+            .enable_all()
+            .build()?;
+        let bucket = match self.bucket.clone() {
+            Some(b) => b,
+            None => Bucket::open(&self.url, &self.store)?,
+        };
+        let mut trust = TrustSet::new().allow_unsigned(self.key.is_none());
+        if let Some(k) = &self.key {
+            trust = trust.with_key(k.public());
+        }
+        let reader = StreamReader::new(bucket.clone(), trust.clone());
+        let (stream_id, ctx) = if rank == 0 {
+            let stream_id = rt.block_on(self.open_stream(&bucket))?;
+            let g = rt.block_on(acquire_generation(&bucket, &stream_id, self.lease_ttl, Some(world_size)))?;
+            let shared = Arc::new(Shared::default());
+            shared.update(|s| s.lease_until = Some(Instant::now() + self.lease_ttl));
+            let (d, a) = rt.block_on(async {
+                let d = reader.ready_steps(StepKind::Delta, None).await?.last().copied();
+                let a = reader.ready_steps(StepKind::Anchor, None).await?.last().copied();
+                Ok::<_, driftless_store::stream::StreamError>((d, a))
+            })?;
+            let ctx = Arc::new(Ctx {
+                bucket: bucket.clone(),
+                stream_id: stream_id.clone(),
+                key: self.key.clone(),
+                shared,
+                generation: g,
+                lease_ttl: self.lease_ttl,
+                world_size: Some(world_size),
+                reader,
+                latest: tokio::sync::Mutex::new((d, a)),
+            });
+            rt.spawn(upload::lease_loop(ctx.clone()));
+            info!(stream_id, generation = g, world_size, "sharded publisher: committer ready");
+            (stream_id, Some(ctx))
+        } else {
+            let deadline = Instant::now() + commit_timeout;
+            let id = rt.block_on(async {
+                loop {
+                    match reader.descriptor().await {
+                        Ok(Some(d)) => return Ok(d.stream_id),
+                        Ok(None) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(200)).await,
+                        Ok(None) => {
+                            return Err(Error::Refused(format!(
+                                "no stream at {} after {commit_timeout:?}: rank 0 creates it",
+                                bucket.url()
+                            )))
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            })?;
+            (id, None)
+        };
+        Ok(ShardedPublisher {
+            cfg: self,
+            rt: Some(rt),
+            bucket,
+            trust,
+            stream_id,
+            rank,
+            world_size,
+            commit_timeout,
+            generation: ctx.as_ref().map(|c| c.generation),
+            ctx,
+            committed: None,
+            outstanding: None,
+            next_anchor: false,
+            last_anchor: None,
+            last_step: None,
+            last_outcome: None,
+        })
+    }
+}
+
+impl ShardedPublisher {
+    /// The stream id.
+    pub fn stream_id(&self) -> &str {
+        &self.stream_id
+    }
+
+    /// The group generation this rank publishes under (rank 0: its own).
+    pub fn generation(&self) -> Option<u64> {
+        self.generation
+    }
+
+    /// Publishes this rank's part of `step`; on rank 0, also commits the step (waiting up to
+    /// `commit_timeout` for the other parts). Blocks for the copy of `shards`, the diff, the
+    /// encode and the upload of this rank's objects.
+    pub fn publish(&mut self, step: u64, shards: &[Shard<'_>]) -> Result<ShardedReceipt> {
+        let t0 = Instant::now();
+        let previous = self.resolve()?;
+        if let Some(last) = self.last_step {
+            if step <= last {
+                return Err(Error::StepOrder { step, last });
+            }
+        }
+        let copy = copy_shards(step, shards)?;
+        let rt = self.rt.as_ref().ok_or(Error::Closed)?;
+        let g = match &self.ctx {
+            Some(c) => c.generation,
+            None => rt.block_on(group_generation(&self.bucket, self.world_size, self.commit_timeout))?,
+        };
+        if self.generation.is_some_and(|old| old != g) {
+            // A new committer: whatever this rank knew was committed under another generation.
+            info!(rank = self.rank, old = self.generation, new = g, "joined a new sharded publisher generation");
+            self.next_anchor = true;
+        }
+        self.generation = Some(g);
+        // A delta needs this rank's copy of the same slices at the committed base.
+        let base = self.committed.as_ref().filter(|(c, _)| {
+            c.shards.len() == copy.shards.len()
+                && c.shards.iter().zip(&copy.shards).all(|(a, b)| a.0 == b.0 && a.1 == b.1)
+        });
+        let anchor_due = self.last_anchor.is_none_or(|a| step >= a + self.cfg.anchor_every);
+        let kind = match base {
+            Some(_) if !self.next_anchor && !anchor_due => PartKind::Delta,
+            _ => PartKind::Anchor,
+        };
+        let built = build_part(&self.cfg, &self.stream_id, g, self.rank, self.world_size, &copy, base, kind)?;
+        let part_bytes = built.objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
+        rt.block_on(upload_part(&self.bucket, step, &built))?;
+        let part_secs = t0.elapsed().as_secs_f64();
+        info!(step, rank = self.rank, ?kind, bytes = part_bytes, secs = part_secs, "part uploaded");
+        self.last_step = Some(step);
+        let mut receipt =
+            ShardedReceipt { step, part: kind, part_bytes, part_secs, outcome: None, commit_secs: 0.0, previous };
+        match self.ctx.clone() {
+            Some(ctx) => {
+                let t1 = Instant::now();
+                let outcome = rt.block_on(commit(
+                    &self.cfg,
+                    &ctx,
+                    &self.trust,
+                    (step, self.world_size, self.commit_timeout),
+                    &self.committed,
+                ));
+                receipt.commit_secs = t1.elapsed().as_secs_f64();
+                self.settle(copy, &outcome);
+                receipt.outcome = Some(outcome);
+            }
+            None => self.outstanding = Some(copy),
+        }
+        Ok(receipt)
+    }
+
+    /// Waits for the outcome of the step this rank published last (ranks other than 0;
+    /// immediate on rank 0) and returns it. An error when it was not committed.
+    pub fn flush(&mut self) -> Result<StepOutcome> {
+        self.resolve()?;
+        match self.last_outcome.clone() {
+            Some(o) if o.committed => Ok(o),
+            Some(o) => Err(Error::Upload { step: o.step, detail: o.reason.unwrap_or_default() }),
+            None => Err(Error::Refused("nothing published yet".into())),
+        }
+    }
+
+    /// Flushes, then releases the committer's lease.
+    pub fn close(mut self) -> Result<()> {
+        let r = self.flush().map(|_| ());
+        self.shutdown();
+        r
+    }
+
+    fn shutdown(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            if let Some(ctx) = &self.ctx {
+                let (b, key) = (ctx.bucket.clone(), layout::lease(ctx.generation));
+                let _ = rt.block_on(async move { tokio::time::timeout(Duration::from_secs(5), b.delete(&key)).await });
+            }
+            rt.shutdown_timeout(Duration::from_secs(5));
+        }
+    }
+
+    /// Records an outcome: a committed step's slices become the base of the next delta.
+    fn settle(&mut self, copy: Copy, o: &StepOutcome) {
+        if o.committed {
+            if o.of == Some(StepKind::Anchor) {
+                self.last_anchor = Some(o.step);
+            }
+            self.committed = Some((copy, o.root.unwrap_or_default()));
+            self.next_anchor = false;
+        } else {
+            warn!(step = o.step, rank = self.rank, reason = o.reason.as_deref().unwrap_or(""), "step not committed");
+            self.next_anchor |= o.next_anchor;
+        }
+        self.last_outcome = Some(o.clone());
+    }
+
+    /// Learns the outcome of the outstanding step (ranks other than 0).
+    fn resolve(&mut self) -> Result<Option<StepOutcome>> {
+        let Some(copy) = self.outstanding.take() else { return Ok(None) };
+        let rt = self.rt.as_ref().ok_or(Error::Closed)?;
+        let g = self.generation.expect("published under a generation");
+        // The committer waits `commit_timeout` for parts, then commits: allow for both.
+        let deadline = Instant::now() + self.commit_timeout * 2 + Duration::from_secs(30);
+        let o = rt.block_on(wait_outcome(&self.bucket, &self.trust, copy.step, g, self.world_size, deadline));
+        self.settle(copy, &o);
+        Ok(Some(o))
+    }
+}
+
+impl Drop for ShardedPublisher {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn copy_shards(step: u64, shards: &[Shard<'_>]) -> Result<Copy> {
+    let mut names = BTreeSet::new();
+    for s in shards {
+        driftless_format::validate_tensor_name(s.name)?;
+        if !names.insert(s.name) {
+            return Err(Error::Refused(format!("tensor {} is passed twice", s.name)));
+        }
+        let n = driftless_format::numel(s.shape)?;
+        if s.slice.shape != s.shape && s.slice.shape != [n] {
+            return Err(driftless_format::Error::InvalidInput(format!(
+                "the slice of {} is over shape {:?}, the tensor's is {:?}",
+                s.name, s.slice.shape, s.shape
+            ))
+            .into());
+        }
+        let want = s.slice.numel().checked_mul(s.dtype.size() as u64);
+        if want != Some(s.data.len() as u64) {
+            return Err(driftless_format::Error::InvalidInput(format!(
+                "shard of {} holds {} bytes; its slice needs {want:?}",
+                s.name,
+                s.data.len()
+            ))
+            .into());
+        }
+    }
+    let shards = shards
+        .par_iter()
+        .map(|s| {
+            let meta = TensorMeta { name: s.name.to_string(), dtype: s.dtype, shape: s.shape.to_vec() };
+            (meta, s.slice.clone(), s.data.to_vec())
+        })
+        .collect();
+    Ok(Copy { step, shards })
+}
+
+struct BuiltPart {
+    /// (object name with generation, bytes); the part manifest last.
+    objects: Vec<(String, Bytes)>,
+}
+
+/// Diffs (or copies) a rank's slices and builds its objects and signed part manifest.
+#[allow(clippy::too_many_arguments)]
+fn build_part(
+    cfg: &PublisherBuilder,
+    stream_id: &str,
+    g: u64,
+    rank: u64,
+    world_size: u64,
+    copy: &Copy,
+    base: Option<&(Copy, Digest)>,
+    kind: PartKind,
+) -> Result<BuiltPart> {
+    let name = |n: &str| layout::generation_name(g, &part_name(rank, n));
+    // Runs of every shard: (shard index, byte offset in the tensor, offset in the slice data, length).
+    let mut runs: Vec<(usize, u64, usize, usize)> = vec![];
+    for (i, (m, sl, _)) in copy.shards.iter().enumerate() {
+        let mut at = 0usize;
+        for (start, len) in sl.byte_runs(m.dtype) {
+            runs.push((i, start, at, len as usize));
+            at += len as usize;
+        }
+    }
+    let digests: Vec<PartDigest> = runs
+        .par_iter()
+        .map(|&(i, start, at, len)| {
+            let (m, _, d) = &copy.shards[i];
+            part_digest(m.nbytes()?, start, &d[at..at + len])
+        })
+        .collect::<driftless_format::Result<_>>()?;
+    let mut edges = Vec::new();
+    for d in &digests {
+        edges.extend_from_slice(&d.head);
+        edges.extend_from_slice(&d.tail);
+    }
+    let mut objects: Vec<(String, Bytes)> = vec![];
+    let mut segments = vec![];
+    let mut stats = DeltaStats::default();
+    let mut slices = None;
+    match kind {
+        PartKind::Delta => {
+            let (b, _) = base.expect("a delta part has a base");
+            let delta_runs: Vec<Run<'_>> = runs
+                .iter()
+                .map(|&(i, start, at, len)| {
+                    let (m, _, d) = &copy.shards[i];
+                    Run {
+                        name: &m.name,
+                        dtype: m.dtype,
+                        at: start / m.dtype.size() as u64,
+                        base: Some(&b.shards[i].2[at..at + len]),
+                        target: &d[at..at + len],
+                    }
+                })
+                .collect();
+            let enc = encode_runs(&delta_runs, &cfg.delta)?;
+            stats = enc.stats;
+            for (i, s) in enc.segments.into_iter().enumerate() {
+                let n = name(&format!("seg-{i:04}.dls"));
+                segments.push(SegmentRef {
+                    object: ObjectRef { object: n.clone(), size: s.bytes.len() as u64, sha256: s.sha256 },
+                    raw_size: s.raw_size,
+                    entries: s.entries,
+                });
+                objects.push((n, Bytes::from(s.bytes)));
+            }
+        }
+        PartKind::Anchor => {
+            let mut all = Vec::with_capacity(copy.shards.iter().map(|s| s.2.len()).sum());
+            for (_, _, d) in &copy.shards {
+                all.extend_from_slice(d);
+            }
+            let n = name("slices.bin");
+            slices = Some(ObjectRef { object: n.clone(), size: all.len() as u64, sha256: Digest::of(&all) });
+            objects.push((n, Bytes::from(all)));
+        }
+    }
+    let edges_ref = ObjectRef { object: name("edges.bin"), size: edges.len() as u64, sha256: Digest::of(&edges) };
+    objects.push((edges_ref.object.clone(), Bytes::from(edges)));
+    let mut di = digests.into_iter();
+    let mut tensors: Vec<PartTensor> = copy
+        .shards
+        .iter()
+        .map(|(m, sl, _)| PartTensor {
+            name: m.name.clone(),
+            dtype: m.dtype,
+            shape: m.shape.clone(),
+            offsets: sl.offsets.clone(),
+            lengths: sl.lengths.clone(),
+            runs: vec![],
+        })
+        .collect();
+    for &(i, ..) in &runs {
+        let d = di.next().expect("one digest per run");
+        tensors[i].runs.push(PartRun {
+            start: d.start,
+            len: d.len,
+            head: d.head.len() as u64,
+            tail: d.tail.len() as u64,
+            chunks: d.chunks,
+        });
+    }
+    let m = PartManifest {
+        kind: "part".into(),
+        version: manifest::FORMAT_VERSION,
+        stream_id: stream_id.to_string(),
+        step: copy.step,
+        generation: g,
+        rank,
+        world_size,
+        part: kind,
+        base_step: base.filter(|_| kind == PartKind::Delta).map(|(c, _)| c.step),
+        base_root: base.filter(|_| kind == PartKind::Delta).map(|(_, r)| *r),
+        tensors,
+        segments,
+        edges: edges_ref,
+        slices,
+        stats,
+    };
+    let env = cfg.seal(&serde_json::to_vec(&m).expect("part serializes"))?;
+    objects.push((name("part.json"), Bytes::from(env)));
+    Ok(BuiltPart { objects })
+}
+
+/// Write-once uploads of a part's objects, the part manifest last.
+async fn upload_part(bucket: &Bucket, step: u64, part: &BuiltPart) -> Result<()> {
+    use futures::stream::{self, TryStreamExt};
+    let (manifest, payload) = part.objects.split_last().expect("a part has a manifest");
+    let conc = bucket.options().concurrency.max(1);
+    let put = |(n, b): &(String, Bytes)| {
+        let key = layout::object(StepKind::Delta, step, n);
+        let b = b.clone();
+        async move {
+            match bucket.put_create(&key, b.clone()).await {
+                Ok(()) => Ok(()),
+                // This generation's rank name: only a retried request of this process wrote it.
+                Err(e) if e.is_already_exists() => match bucket.head(&key).await {
+                    Ok(i) if i.size == b.len() as u64 => Ok(()),
+                    Ok(_) => Err(Error::Conflict { step, detail: format!("{key} exists with another size") }),
+                    Err(e) => Err(e.into()),
+                },
+                Err(e) => Err(e.into()),
+            }
+        }
+    };
+    stream::iter(payload.iter().map(Ok::<_, Error>)).try_for_each_concurrent(conc, put).await?;
+    put(manifest).await
+}
+
+/// The generation of the newest lease, which must be a sharded committer's with this world
+/// size; waits up to `timeout` for one (rank 0 may start later than this rank).
+async fn group_generation(bucket: &Bucket, world_size: u64, timeout: Duration) -> Result<u64> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let newest = bucket
+            .list(layout::leases_prefix())
+            .await?
+            .iter()
+            .filter_map(|o| layout::parse_claim_or_lease(&o.key))
+            .max();
+        if let Some(g) = newest {
+            let lease = bucket
+                .get_limited(&layout::lease(g), 64 << 10)
+                .await
+                .ok()
+                .and_then(|b| serde_json::from_slice::<upload::Lease>(&b).ok());
+            match lease.and_then(|l| l.world_size) {
+                Some(w) if w == world_size => return Ok(g),
+                Some(w) => {
+                    return Err(Error::Refused(format!(
+                        "the stream's committer (generation {g}) expects {w} ranks, this rank was given {world_size}"
+                    )))
+                }
+                None if Instant::now() >= deadline => {
+                    return Err(Error::Conflict {
+                        step: 0,
+                        detail: format!("the newest publisher generation {g} is not a sharded committer"),
+                    })
+                }
+                None => {}
+            }
+        } else if Instant::now() >= deadline {
+            return Err(Error::Refused(format!("no committer (rank 0) on the stream after {timeout:?}")));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn outcome_key(step: u64, g: u64) -> String {
+    layout::object(StepKind::Delta, step, &layout::generation_name(g, "outcome.json"))
+}
+
+/// Polls for the committer's outcome of `step`. No outcome by `deadline`, or a newer
+/// committer generation, means "not committed, anchor next": the only safe reading, since
+/// this rank cannot know which of its copies readers have.
+async fn wait_outcome(
+    bucket: &Bucket,
+    trust: &TrustSet,
+    step: u64,
+    g: u64,
+    world_size: u64,
+    deadline: Instant,
+) -> StepOutcome {
+    let key = outcome_key(step, g);
+    let mut wait = Duration::from_millis(50);
+    let mut checked_lease = Instant::now();
+    loop {
+        if let Ok(b) = bucket.get_limited(&key, 64 << 10).await {
+            match trust.open(&b).ok().and_then(|(p, _)| serde_json::from_slice::<StepOutcome>(&p).ok()) {
+                Some(o) if o.step == step => return o,
+                _ => return StepOutcome::aborted(step, format!("{key} is not a valid signed outcome"), true),
+            }
+        }
+        if Instant::now() >= deadline {
+            return StepOutcome::aborted(step, "no outcome from the committer in time".into(), true);
+        }
+        if checked_lease.elapsed() > Duration::from_secs(2) {
+            checked_lease = Instant::now();
+            if let Ok(newer) = group_generation(bucket, world_size, Duration::ZERO).await {
+                if newer != g {
+                    return StepOutcome::aborted(step, format!("a new committer (generation {newer}) took over"), true);
+                }
+            }
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// The committer: waits for every part, checks and assembles them, commits the step, and
+/// writes the outcome. Never errors: every failure is an outcome the ranks read.
+async fn commit(
+    cfg: &PublisherBuilder,
+    ctx: &Arc<Ctx>,
+    trust: &TrustSet,
+    (step, world_size, timeout): (u64, u64, Duration),
+    committed: &Option<(Copy, Digest)>,
+) -> StepOutcome {
+    let outcome = match try_commit(cfg, ctx, trust, (step, world_size, timeout), committed).await {
+        Ok(o) => o,
+        Err((reason, next_anchor)) => StepOutcome::aborted(step, reason, next_anchor),
+    };
+    let payload = serde_json::to_vec(&outcome).expect("outcome serializes");
+    match cfg.seal(&payload) {
+        Ok(env) => {
+            if let Err(e) = ctx.bucket.put_create(&outcome_key(step, ctx.generation), Bytes::from(env)).await {
+                // The ranks then time out and anchor: slower, never wrong.
+                warn!(step, error = %e, "could not write the step's outcome");
+            }
+        }
+        Err(e) => warn!(step, error = %e, "could not seal the step's outcome"),
+    }
+    if outcome.committed {
+        info!(step, of = ?outcome.of, "sharded step committed");
+    } else {
+        warn!(step, reason = outcome.reason.as_deref().unwrap_or(""), "sharded step not committed");
+    }
+    outcome
+}
+
+type Refusal = (String, bool);
+
+async fn try_commit(
+    cfg: &PublisherBuilder,
+    ctx: &Arc<Ctx>,
+    trust: &TrustSet,
+    (step, world_size, timeout): (u64, u64, Duration),
+    committed: &Option<(Copy, Digest)>,
+) -> std::result::Result<StepOutcome, Refusal> {
+    let g = ctx.generation;
+    let bucket = &ctx.bucket;
+    let store = |e: driftless_store::Error| (format!("bucket: {e}"), true);
+    // 1. Every rank's part manifest.
+    let deadline = Instant::now() + timeout;
+    let mut wait = Duration::from_millis(50);
+    let names: BTreeMap<u64, String> = loop {
+        let listed = bucket.list(&layout::delta_dir(step)).await.map_err(store)?;
+        let found: BTreeMap<u64, String> = listed
+            .iter()
+            .filter_map(|o| {
+                let (_, _, n) = layout::parse_step_key(&o.key)?;
+                let n = n?;
+                part_rank(&n, g).filter(|&r| r < world_size).map(|r| (r, n))
+            })
+            .collect();
+        if found.len() as u64 == world_size {
+            break found;
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<u64> = (0..world_size).filter(|r| !found.contains_key(r)).collect();
+            return Err((format!("step {step}: no part from ranks {missing:?} in time; not committed"), true));
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_millis(500));
+    };
+    let mut parts = Vec::with_capacity(names.len());
+    for (&r, n) in &names {
+        let b = bucket
+            .get_limited(&layout::object(StepKind::Delta, step, n), manifest::MAX_MANIFEST_BYTES as u64)
+            .await
+            .map_err(store)?;
+        let bad = |d: String| (format!("step {step}: part of rank {r}: {d}"), true);
+        let (payload, _) = trust.open(&b).map_err(|e| bad(e.to_string()))?;
+        let p: PartManifest = serde_json::from_slice(&payload).map_err(|e| bad(e.to_string()))?;
+        if p.kind != "part"
+            || p.version != manifest::FORMAT_VERSION
+            || p.stream_id != ctx.stream_id
+            || p.step != step
+            || p.generation != g
+            || p.rank != r
+            || p.world_size != world_size
+        {
+            return Err(bad("names another stream, step, generation or rank".into()));
+        }
+        parts.push(p);
+    }
+    // 2. One kind and one base for all parts.
+    let kind = parts[0].part;
+    if parts.iter().any(|p| p.part != kind) {
+        return Err((format!("step {step}: some ranks sent deltas, others anchors; the next step is an anchor"), true));
+    }
+    let base = match kind {
+        PartKind::Delta => {
+            let Some((c, root)) = committed else {
+                return Err((format!("step {step}: delta parts but no committed base"), true));
+            };
+            if parts.iter().any(|p| p.base_step != Some(c.step) || p.base_root != Some(*root)) {
+                return Err((format!("step {step}: parts were taken against different bases"), true));
+            }
+            Some((c.step, *root))
+        }
+        PartKind::Anchor => None,
+    };
+    // 3. Edges, then every tensor's chunk digests from all parts.
+    let mut per_tensor: BTreeMap<String, (DType, Vec<u64>, Vec<PartDigest>)> = BTreeMap::new();
+    for p in &parts {
+        let e = &p.edges;
+        let bytes = ctx
+            .reader
+            .object(StepKind::Delta, step, &e.object, e.size, e.sha256)
+            .await
+            .map_err(|x| (format!("step {step}: edges of rank {}: {x}", p.rank), true))?;
+        let mut at = 0usize;
+        let mut take = |n: u64| -> std::result::Result<Vec<u8>, Refusal> {
+            let end = usize::try_from(n).ok().and_then(|n| at.checked_add(n)).filter(|&x| x <= bytes.len());
+            let end = end.ok_or_else(|| (format!("step {step}: edges of rank {} are short", p.rank), false))?;
+            let v = bytes[at..end].to_vec();
+            at = end;
+            Ok(v)
+        };
+        for t in &p.tensors {
+            let entry = per_tensor.entry(t.name.clone()).or_insert_with(|| (t.dtype, t.shape.clone(), vec![]));
+            if entry.0 != t.dtype || entry.1 != t.shape {
+                return Err((format!("step {step}: ranks disagree on the dtype or shape of {}", t.name), false));
+            }
+            for run in &t.runs {
+                let head = take(run.head)?;
+                let tail = take(run.tail)?;
+                entry.2.push(PartDigest { start: run.start, len: run.len, head, chunks: run.chunks.clone(), tail });
+            }
+        }
+        if at != bytes.len() {
+            return Err((format!("step {step}: edges of rank {} are longer than its runs", p.rank), false));
+        }
+    }
+    let mut metas = vec![];
+    let mut digests: BTreeMap<String, Digest> = BTreeMap::new();
+    for (name, (dtype, shape, pd)) in &per_tensor {
+        let meta = TensorMeta { name: name.clone(), dtype: *dtype, shape: shape.clone() };
+        meta.validate().map_err(|e| (format!("step {step}: {e}"), false))?;
+        let len = meta.nbytes().map_err(|e| (format!("step {step}: {e}"), false))?;
+        let chunks = assemble(len, pd).map_err(|e| (format!("step {step}: tensor {name}: {e}"), false))?;
+        digests.insert(name.clone(), finish_tensor(name, *dtype, shape, len, &chunks));
+        metas.push(meta);
+    }
+    let root = combine_root(digests.iter().map(|(n, d)| (n.as_str(), *d)));
+    let layout = Layout::for_tensors(&metas, cfg.max_shard_bytes).map_err(|e| (format!("step {step}: {e}"), false))?;
+    let ordered: Vec<Digest> = layout.tensors().map(|m| digests[&m.name]).collect();
+    let shards = manifest::shard_records(&layout, &ordered).map_err(|e| (format!("step {step}: {e}"), false))?;
+    // 4. Commit.
+    let done = match base {
+        Some((base_step, base_root)) => {
+            let mut stats = DeltaStats::default();
+            let mut segments = vec![];
+            for p in &parts {
+                let s = &p.stats;
+                stats.elements += s.elements;
+                stats.dense_bytes += s.dense_bytes;
+                stats.changed += s.changed;
+                stats.dense_chunks += s.dense_chunks;
+                stats.new_tensors += s.new_tensors;
+                stats.payload_bytes += s.payload_bytes;
+                segments.extend(p.segments.iter().cloned());
+            }
+            let m = DeltaManifest {
+                kind: "delta".into(),
+                version: manifest::FORMAT_VERSION,
+                stream_id: ctx.stream_id.clone(),
+                step,
+                base_step,
+                base_root,
+                result_root: root,
+                value_mode: cfg.delta.values,
+                codec: cfg.delta.codec,
+                shards,
+                segments,
+                stats,
+                created_at_ms: manifest::now_ms(),
+            };
+            let env =
+                cfg.seal(&serde_json::to_vec(&m).expect("manifest serializes")).map_err(|e| (e.to_string(), true))?;
+            let uploaded: Vec<(String, u64)> =
+                m.segments.iter().map(|s| (s.object.object.clone(), s.object.size)).collect();
+            let c = Commit {
+                kind: StepKind::Delta,
+                step,
+                base_step: Some(base_step),
+                root,
+                envelope: env.into(),
+                objects: &[],
+                uploaded: &uploaded,
+            };
+            commit_step(ctx, c).await.map_err(|e| commit_refusal(step, e))?;
+            ctx.write_latest(Some(step), None).await;
+            StepKind::Delta
+        }
+        None => {
+            let job = gather_anchor(cfg, ctx, step, &parts, &layout, &ordered, root).await?;
+            let c = Commit {
+                kind: StepKind::Anchor,
+                step,
+                base_step: None,
+                root,
+                envelope: job.envelope.clone(),
+                objects: &job.objects,
+                uploaded: &[],
+            };
+            commit_step(ctx, c).await.map_err(|e| commit_refusal(step, e))?;
+            ctx.write_latest(None, Some(step)).await;
+            // The slice copies served their purpose; GC would remove them with the step.
+            for p in &parts {
+                if let Some(s) = &p.slices {
+                    let _ = bucket.delete(&layout::object(StepKind::Delta, step, &s.object)).await;
+                }
+            }
+            StepKind::Anchor
+        }
+    };
+    Ok(StepOutcome { step, committed: true, of: Some(done), root: Some(root), reason: None, next_anchor: false })
+}
+
+fn commit_refusal(step: u64, e: CommitError) -> Refusal {
+    (format!("step {step}: commit failed: {e}"), true)
+}
+
+/// Builds the anchor of an anchor step from the ranks' slice objects: the safetensors files
+/// are created in a spool directory, every slice is scattered into place window by window
+/// (bounded memory, each object's SHA-256 checked as it streams), and the files are hashed
+/// against the root the parts' digests gave before the anchor is encoded.
+async fn gather_anchor(
+    cfg: &PublisherBuilder,
+    ctx: &Ctx,
+    step: u64,
+    parts: &[PartManifest],
+    layout: &Layout,
+    digests: &[Digest],
+    root: Digest,
+) -> std::result::Result<upload::AnchorJob, Refusal> {
+    use sha2::Digest as _;
+    let local = |e: String| (format!("step {step}: gathering the anchor: {e}"), true);
+    let dir = spool_dir(cfg).map_err(|e| local(e.to_string()))?;
+    let files = dir.path().join("files");
+    let mut ck = CheckpointMut::create(&files, layout).map_err(|e| local(e.to_string()))?;
+    {
+        let tm = ck.tensors_mut();
+        for p in parts {
+            let Some(obj) = &p.slices else {
+                return Err((format!("step {step}: anchor part of rank {} has no slices", p.rank), true));
+            };
+            // (offset in the object, tensor, byte offset in the tensor, length), in object order.
+            let mut pieces = vec![];
+            let mut at = 0u64;
+            for t in &p.tensors {
+                for r in &t.runs {
+                    pieces.push((at, t.name.as_str(), r.start, r.len));
+                    at = at.saturating_add(r.len);
+                }
+            }
+            if at != obj.size {
+                return Err((format!("step {step}: slices of rank {} do not match its runs", p.rank), true));
+            }
+            let key = layout::object(StepKind::Delta, step, &obj.object);
+            let mut sha = sha2::Sha256::new();
+            let mut next = 0usize;
+            let mut w = 0u64;
+            while w < obj.size {
+                let end = (w + GATHER_WINDOW).min(obj.size);
+                let b = ctx.bucket.get_range_of(&key, w..end).await.map_err(|e| (format!("bucket: {e}"), true))?;
+                if b.len() as u64 != end - w {
+                    return Err((format!("step {step}: {key} is shorter than its part says"), true));
+                }
+                sha.update(&b);
+                // Pieces overlapping [w, end).
+                while next < pieces.len() {
+                    let (o, name, start, len) = pieces[next];
+                    let (s, e) = (o.max(w), (o + len).min(end));
+                    if s < e {
+                        let src = &b[(s - w) as usize..(e - w) as usize];
+                        tm.with_range_mut(name, start + (s - o), e - s, |dst| dst.copy_from_slice(src))
+                            .map_err(|e| local(e.to_string()))?;
+                    }
+                    if o + len > end {
+                        break;
+                    }
+                    next += 1;
+                }
+                w = end;
+            }
+            if Digest(sha.finalize().into()) != obj.sha256 {
+                return Err((format!("step {step}: {key} does not match its part's SHA-256"), true));
+            }
+        }
+    }
+    ck.flush().map_err(|e| local(e.to_string()))?;
+    let (_, got) = driftless_format::weights_root(&ck.views());
+    if got != root {
+        return Err((format!("step {step}: the ranks' slice bytes do not match their digests"), true));
+    }
+    drop(ck);
+    // The spooled files are in `files/`; the encoder wants them at the spool's top.
+    for s in &layout.shards {
+        std::fs::rename(files.join(&s.file), dir.path().join(&s.file)).map_err(|e| local(e.to_string()))?;
+    }
+    let spooled = SpooledStep { step, root, layout, digests };
+    let stream_id = ctx.stream_id.clone();
+    encode_spooled(cfg, &stream_id, ctx.generation, spooled, dir).map_err(|e| local(e.to_string()))
+}
