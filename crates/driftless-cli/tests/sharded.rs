@@ -248,6 +248,16 @@ fn a_missing_rank_leaves_no_ready_step_and_the_next_step_commits() {
     assert!(outs[2].committed && outs[2].of == Some(driftless_format::manifest::StepKind::Anchor));
     assert_eq!(ready_steps(td.path(), "anchors"), vec![1, 3]);
     assert_eq!(ready_steps(td.path(), "deltas"), Vec::<u64>::new());
+    // The dead rank's step left parts behind (and anchor steps leave their part manifests);
+    // with the group's lease released, GC removes them and keeps the ready anchors.
+    let step_dir = |kind: &str, s: u64| td.path().join(format!("bucket/{kind}/{s:012}"));
+    assert!(std::fs::read_dir(step_dir("deltas", 2)).unwrap().count() > 0);
+    let o = bin().args(["gc", "--grace", "0s", "--bucket", &url]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let left = |d: std::path::PathBuf| std::fs::read_dir(d).map(|it| it.count()).unwrap_or(0);
+    assert_eq!(left(step_dir("deltas", 2)), 0);
+    assert_eq!(left(step_dir("deltas", 3)), 0);
+    assert!(left(step_dir("anchors", 3)) > 0);
     let a = td.path().join("a");
     agent(&a, &url, &td.path().join("key.pub"));
     assert_bit_exact(&a, &chain[2]);
@@ -279,4 +289,66 @@ fn overlapping_slices_are_refused_at_commit() {
     let a = td.path().join("a");
     agent(&a, &url, &td.path().join("key.pub"));
     assert_bit_exact(&a, &chain[2]);
+}
+
+/// The gathered model as views for the single-process publisher.
+fn views(model: &Model) -> Vec<driftless_format::TensorView<'_>> {
+    model
+        .iter()
+        .map(|(n, s, d)| driftless_format::TensorView { name: n, dtype: DType::BF16, shape: s, data: d })
+        .collect()
+}
+
+#[test]
+fn mixed_stream_single_then_sharded_then_single() {
+    let td = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", td.path().join("bucket").display());
+    let key = Keypair::generate();
+    let key_pub = td.path().join("key.pub");
+    std::fs::write(&key_pub, key.public_pem().unwrap()).unwrap();
+    let chain = Arc::new(model_chain(6));
+    let follow = td.path().join("follow");
+    // Steps 1-2 from one process holding the whole model.
+    let mut p = builder(&url, &key).with_new_stream(true).build().unwrap();
+    for s in 0..2 {
+        p.publish(s as u64 + 1, &views(&chain[s])).unwrap();
+    }
+    p.close().unwrap();
+    agent(&follow, &url, &key_pub);
+    assert_bit_exact(&follow, &chain[1]);
+    // Steps 3-4 from 4 ranks (the ranks hold no copy yet: step 3 is an anchor, 4 a delta).
+    let handles: Vec<_> = (0..4u64)
+        .map(|r| {
+            let (chain, url, key) = (chain.clone(), url.clone(), key.clone());
+            std::thread::spawn(move || {
+                let mut p = builder(&url, &key).build_sharded(r, 4, Duration::from_secs(20)).unwrap();
+                let mut kinds = vec![];
+                for s in 2..4 {
+                    let cuts = rank_cuts(&chain[s], &slices_of(r));
+                    let rc = p.publish(s as u64 + 1, &shards(&cuts)).unwrap();
+                    if let Some(o) = rc.outcome {
+                        assert!(o.committed, "{:?}", o.reason);
+                    }
+                    kinds.push(rc.part);
+                }
+                p.close().unwrap();
+                kinds
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), vec![PartKind::Anchor, PartKind::Delta]);
+    }
+    agent(&follow, &url, &key_pub);
+    assert_bit_exact(&follow, &chain[3]);
+    // Steps 5-6 from one process again.
+    let mut p = builder(&url, &key).build().unwrap();
+    for s in 4..6 {
+        p.publish(s as u64 + 1, &views(&chain[s])).unwrap();
+    }
+    p.close().unwrap();
+    agent(&follow, &url, &key_pub);
+    assert_bit_exact(&follow, &chain[5]);
+    assert_eq!(ready_steps(td.path(), "anchors"), vec![1, 3, 5]);
+    assert_eq!(ready_steps(td.path(), "deltas"), vec![2, 4, 6]);
 }

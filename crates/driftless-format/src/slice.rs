@@ -36,6 +36,12 @@ pub struct Slice {
 }
 
 impl Slice {
+    /// Any hyper-rectangle: `offsets[d] .. offsets[d] + lengths[d]` of every dimension of
+    /// `shape` (checked).
+    pub fn new(shape: &[u64], offsets: &[u64], lengths: &[u64]) -> Result<Self> {
+        Slice { shape: shape.to_vec(), offsets: offsets.to_vec(), lengths: lengths.to_vec() }.checked()
+    }
+
     /// A flat range `[start, start + len)` of the tensor viewed as 1-D (FSDP's flat shards).
     pub fn flat(shape: &[u64], start: u64, len: u64) -> Result<Self> {
         let n = numel(shape)?;

@@ -212,11 +212,10 @@ impl PyFollower {
     /// Forgets what `apply_to` tracked (the next call loads an anchor into the arrays).
     fn reset(&self) -> PyResult<()> {
         crate::errors::guard(|| {
-            Ok({
-                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-                st.applied = None;
-                st.mirror = None;
-            })
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            st.applied = None;
+            st.mirror = None;
+            Ok(())
         })
     }
 

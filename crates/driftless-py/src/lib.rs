@@ -7,6 +7,7 @@
 mod errors;
 mod follower;
 mod publisher;
+mod sharded;
 mod tensors;
 
 use driftless_store::StoreOptions;
@@ -67,6 +68,7 @@ fn _panic_for_tests(message: &str) -> PyResult<()> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<publisher::PyPublisher>()?;
     m.add_class::<follower::PyFollower>()?;
+    m.add_class::<sharded::PyShardedPublisher>()?;
     m.add_function(wrap_pyfunction!(generate_key, m)?)?;
     m.add_function(wrap_pyfunction!(public_key, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;

@@ -213,6 +213,89 @@ class Follower(_native.Follower):
         return f"<driftless.Follower applied_step={self.applied_step} patch_step={self.patch_step}>"
 
 
+def shard(
+    data: Any,
+    shape: Sequence[int],
+    offsets: Optional[Sequence[int]] = None,
+    flat_offset: Optional[int] = None,
+    replica: int = 0,
+) -> Dict[str, Any]:
+    """Describes the part of a tensor a rank holds, for :meth:`ShardedPublisher.publish`.
+
+    Args:
+        data: the rank's local, C-contiguous CPU array (buffer protocol or ``__dlpack__``).
+        shape: the global shape of the tensor.
+        offsets: for a block (row block, column block, any hyper-rectangle), the global index
+            of the local array's first element in every dimension; the local array's shape
+            gives the lengths. Default: all zeros (the rank holds the tensor whole).
+        flat_offset: for an FSDP-style flat shard instead, the element offset of ``data``
+            (any shape; its element count is the length) in the tensor viewed as 1-D.
+        replica: data-parallel replica index of this shard; only replica 0 publishes
+            (replicas hold the same bytes), so other replicas' shards are skipped.
+    """
+    d: Dict[str, Any] = {"data": data, "shape": tuple(int(x) for x in shape), "replica": int(replica)}
+    if offsets is not None:
+        d["offsets"] = tuple(int(x) for x in offsets)
+    if flat_offset is not None:
+        d["flat_offset"] = int(flat_offset)
+    return d
+
+
+class ShardedPublisher(_native.ShardedPublisher):
+    """One rank of a trainer whose parameters are sharded: every rank publishes the slices it
+    holds, and rank 0 commits each step through the bucket (no gather of the model, no side
+    channel between ranks). Agents read the steps like any other.
+
+    Args:
+        bucket_url: as for :class:`Publisher`.
+        rank: this rank's index in ``range(world_size)``.
+        world_size: number of ranks whose parts make a step. Every rank calls ``publish`` for
+            every step, with whatever it holds (possibly nothing: a data-parallel replica
+            passes its shards with ``replica=1``, or none).
+        signing_key: the stream's signing key; all ranks use the same one.
+        anchor_every: a full checkpoint every this many steps (default 50).
+        commit_timeout: seconds rank 0 waits for the other ranks' parts (default 120); a step
+            missing a part after it is not committed, and the next step is an anchor.
+        new_stream, endpoint, allow_http, region, takeover, max_retries, retry_timeout,
+        spool_dir, max_shard_bytes: as for :class:`Publisher` (stream creation is rank 0's).
+
+    Rank 0 creates the stream and takes a publisher generation; the other ranks wait up to
+    ``commit_timeout`` for both. See ``docs/sharded.md`` for the protocol.
+    """
+
+    def publish(self, step: int, shards: Mapping[str, Dict[str, Any]]) -> Dict[str, Any]:
+        """Publishes this rank's shards of ``step`` (strictly increasing, the same step on
+        every rank). ``shards`` maps global tensor names to :func:`shard` descriptions.
+
+        Blocks while the shards are copied, diffed against this rank's copy of the last
+        committed step, encoded and uploaded; on rank 0 also while the step is committed.
+        Returns ``step``, ``part`` (``"delta"`` or ``"anchor"``), ``part_bytes``,
+        ``part_secs``, ``commit_secs``, ``outcome`` (rank 0: ``committed``, ``of``,
+        ``root``, ``reason``, ``next_anchor``) and ``previous`` (other ranks: the outcome of
+        their previous step).
+        """
+        return super().publish(step, shards)
+
+    def flush(self) -> Dict[str, Any]:
+        """Waits for the outcome of this rank's last step and returns it; raises
+        :class:`RetryableError` when that step was not committed."""
+        return super().flush()
+
+    def close(self) -> None:
+        """Flushes, then releases the rank. Idempotent."""
+        return super().close()
+
+    def __enter__(self) -> "ShardedPublisher":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except DriftlessError:
+            if exc_type is None:
+                raise
+
+
 _WIDTH = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -223,6 +306,8 @@ _UINT = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 __all__ = [
     "Publisher",
+    "ShardedPublisher",
+    "shard",
     "Follower",
     "generate_key",
     "public_key",

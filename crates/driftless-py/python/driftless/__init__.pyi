@@ -110,3 +110,38 @@ class Follower:
     def applied_step(self) -> Optional[int]: ...
     @property
     def patch_step(self) -> Optional[int]: ...
+
+def shard(
+    data: Any,
+    shape: Sequence[int],
+    offsets: Optional[Sequence[int]] = None,
+    flat_offset: Optional[int] = None,
+    replica: int = 0,
+) -> Dict[str, Any]: ...
+
+class ShardedPublisher:
+    def __init__(
+        self,
+        bucket_url: str,
+        rank: int,
+        world_size: int,
+        signing_key: Optional[str] = None,
+        anchor_every: int = 50,
+        commit_timeout: float = 120.0,
+        new_stream: bool = False,
+        endpoint: Optional[str] = None,
+        allow_http: bool = False,
+        region: Optional[str] = None,
+        takeover: bool = False,
+        max_retries: Optional[int] = None,
+        retry_timeout: Optional[float] = None,
+        spool_dir: Optional[str] = None,
+        max_shard_bytes: Optional[int] = None,
+    ) -> None: ...
+    def publish(self, step: int, shards: Mapping[str, Dict[str, Any]]) -> Dict[str, Any]: ...
+    def flush(self) -> Dict[str, Any]: ...
+    def close(self) -> None: ...
+    @property
+    def generation(self) -> Optional[int]: ...
+    def __enter__(self) -> "ShardedPublisher": ...
+    def __exit__(self, *args: Any) -> None: ...

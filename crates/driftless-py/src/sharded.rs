@@ -1,0 +1,204 @@
+//! `driftless._native.ShardedPublisher`: one rank of a sharded trainer.
+
+use std::sync::Mutex;
+
+use driftless_format::slice::Slice;
+use driftless_format::{numel, Keypair};
+use driftless_publisher::{PartKind, PublisherBuilder, Shard, ShardedPublisher, StepOutcome};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{invalid, BindError};
+use crate::publisher::{read_key, secs};
+use crate::store_options;
+use crate::tensors::{borrow, Borrowed};
+
+/// Low-level sharded publisher; use `driftless.ShardedPublisher`.
+#[pyclass(module = "driftless._native", name = "ShardedPublisher", subclass)]
+pub(crate) struct PyShardedPublisher {
+    inner: Mutex<Option<ShardedPublisher>>,
+}
+
+/// A shard as passed from Python: borrowed local data, global shape, its slice.
+struct PyShard {
+    data: Borrowed,
+    shape: Vec<u64>,
+    slice: Slice,
+}
+
+fn extract_shard(name: &str, spec: &Bound<'_, PyAny>) -> PyResult<Option<PyShard>> {
+    let d = spec.downcast::<PyDict>().map_err(|_| invalid(format!("shard {name}: use driftless.shard(...)")))?;
+    let get = |k: &str| d.get_item(k);
+    let replica: u64 = get("replica")?.map(|v| v.extract()).transpose()?.unwrap_or(0);
+    if replica > 0 {
+        // Replicas hold the same bytes as replica 0, which publishes them.
+        return Ok(None);
+    }
+    let data = get("data")?.ok_or_else(|| invalid(format!("shard {name}: no data")))?;
+    let data = borrow(name, &data, false)?;
+    let shape: Vec<u64> =
+        get("shape")?.ok_or_else(|| invalid(format!("shard {name}: no global shape")))?.extract()?;
+    let offsets: Option<Vec<u64>> = get("offsets")?.map(|v| v.extract()).transpose()?;
+    let flat: Option<u64> = get("flat_offset")?.map(|v| v.extract()).transpose()?;
+    let err = |e: driftless_format::Error| invalid(format!("shard {name}: {e}"));
+    let slice = match (offsets, flat) {
+        (Some(_), Some(_)) => return Err(invalid(format!("shard {name}: give offsets or flat_offset, not both"))),
+        (None, Some(start)) => {
+            let len = numel(&data.meta.shape).map_err(err)?;
+            Slice::flat(&shape, start, len).map_err(err)?
+        }
+        (offsets, None) => {
+            let offsets = offsets.unwrap_or_else(|| vec![0; shape.len()]);
+            if data.meta.shape.len() != shape.len() || offsets.len() != shape.len() {
+                return Err(invalid(format!(
+                    "shard {name}: local shape {:?} and offsets {offsets:?} must have one entry per dimension of {shape:?} (use flat_offset for a flat range)",
+                    data.meta.shape
+                )));
+            }
+            Slice::new(&shape, &offsets, &data.meta.shape).map_err(err)?
+        }
+    };
+    Ok(Some(PyShard { data, shape, slice }))
+}
+
+fn outcome_dict<'py>(py: Python<'py>, o: &StepOutcome) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("step", o.step)?;
+    d.set_item("committed", o.committed)?;
+    d.set_item("of", o.of.map(|k| format!("{k:?}").to_lowercase()))?;
+    d.set_item("root", o.root.map(|r| r.to_hex()))?;
+    d.set_item("reason", o.reason.clone())?;
+    d.set_item("next_anchor", o.next_anchor)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl PyShardedPublisher {
+    #[new]
+    #[pyo3(signature = (bucket_url, rank, world_size, signing_key=None, anchor_every=50, commit_timeout=120.0,
+        new_stream=false, endpoint=None, allow_http=false, region=None, takeover=false, max_retries=None,
+        retry_timeout=None, spool_dir=None, max_shard_bytes=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        bucket_url: String,
+        rank: u64,
+        world_size: u64,
+        signing_key: Option<String>,
+        anchor_every: u64,
+        commit_timeout: f64,
+        new_stream: bool,
+        endpoint: Option<String>,
+        allow_http: bool,
+        region: Option<String>,
+        takeover: bool,
+        max_retries: Option<usize>,
+        retry_timeout: Option<f64>,
+        spool_dir: Option<String>,
+        max_shard_bytes: Option<u64>,
+    ) -> PyResult<Self> {
+        crate::errors::guard(|| {
+            let opts = store_options(endpoint, allow_http, region, max_retries, retry_timeout)?;
+            let mut b = PublisherBuilder::new(bucket_url)
+                .with_store_options(opts)
+                .with_anchor_every(anchor_every)
+                .with_new_stream(new_stream)
+                .with_takeover(takeover);
+            if let Some(k) = signing_key {
+                let k: Keypair = read_key(&k)?;
+                b = b.with_key(k);
+            }
+            if let Some(d) = spool_dir {
+                b = b.with_spool_dir(d);
+            }
+            if let Some(n) = max_shard_bytes {
+                b = b.with_max_shard_bytes(n);
+            }
+            let timeout = secs(commit_timeout)?;
+            let p = py.allow_threads(|| b.build_sharded(rank, world_size, timeout)).map_err(BindError::from)?;
+            Ok(PyShardedPublisher { inner: Mutex::new(Some(p)) })
+        })
+    }
+
+    /// Publishes this rank's shards of `step`; returns the receipt as a dict.
+    fn publish<'py>(&self, py: Python<'py>, step: u64, shards: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+        crate::errors::guard(|| {
+            let items = shards
+                .call_method0("items")
+                .map_err(|_| invalid("shards must be a dict of name -> driftless.shard(...)"))?;
+            let mut parts: Vec<PyShard> = vec![];
+            for item in items.try_iter()? {
+                let (k, v): (String, Bound<'_, PyAny>) = item?.extract()?;
+                parts.extend(extract_shard(&k, &v)?);
+            }
+            // Plain data crosses `allow_threads`; the borrows stay in `parts` on this side.
+            let plain: Vec<(driftless_format::TensorMeta, Vec<u64>, Slice, crate::tensors::Raw)> =
+                parts.iter().map(|p| (p.data.meta.clone(), p.shape.clone(), p.slice.clone(), p.data.raw)).collect();
+            let r = py.allow_threads(|| {
+                // SAFETY: `parts` keeps every buffer borrowed until after this closure returns.
+                let views: Vec<Shard<'_>> = plain
+                    .iter()
+                    .map(|(m, shape, slice, raw)| Shard {
+                        name: &m.name,
+                        dtype: m.dtype,
+                        shape,
+                        slice: slice.clone(),
+                        data: unsafe { raw.slice() },
+                    })
+                    .collect();
+                let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                let p = g.as_mut().ok_or(driftless_publisher::Error::Closed)?;
+                p.publish(step, &views)
+            });
+            drop(parts);
+            let r = r.map_err(BindError::from)?;
+            let d = PyDict::new(py);
+            d.set_item("step", r.step)?;
+            d.set_item(
+                "part",
+                match r.part {
+                    PartKind::Delta => "delta",
+                    PartKind::Anchor => "anchor",
+                },
+            )?;
+            d.set_item("part_bytes", r.part_bytes)?;
+            d.set_item("part_secs", r.part_secs)?;
+            d.set_item("commit_secs", r.commit_secs)?;
+            d.set_item("outcome", r.outcome.as_ref().map(|o| outcome_dict(py, o)).transpose()?)?;
+            d.set_item("previous", r.previous.as_ref().map(|o| outcome_dict(py, o)).transpose()?)?;
+            Ok(d)
+        })
+    }
+
+    /// Waits for the outcome of this rank's last step; returns it, or raises when the step
+    /// was not committed.
+    fn flush<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        crate::errors::guard(|| {
+            let o = py
+                .allow_threads(|| {
+                    let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                    g.as_mut().ok_or(driftless_publisher::Error::Closed)?.flush()
+                })
+                .map_err(BindError::from)?;
+            outcome_dict(py, &o)
+        })
+    }
+
+    /// Flushes and releases the rank. Idempotent.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        crate::errors::guard(|| {
+            py.allow_threads(|| {
+                let p = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+                p.map_or(Ok(()), |p| p.close())
+            })
+            .map_err(BindError::from)?;
+            Ok(())
+        })
+    }
+
+    /// The group generation this rank publishes under.
+    #[getter]
+    fn generation(&self) -> Option<u64> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|p| p.generation())
+    }
+}
