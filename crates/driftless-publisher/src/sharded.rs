@@ -56,6 +56,9 @@ use crate::{Error, Result};
 pub const MAX_WORLD_SIZE: u64 = 1 << 16;
 /// Bytes of a slices object fetched per request when the committer gathers an anchor.
 const GATHER_WINDOW: u64 = 64 << 20;
+/// Bound on the part manifests of one step together (they list 1 MiB chunk digests: this
+/// covers models of several TB).
+const MAX_PARTS_BYTES: u64 = 256 << 20;
 
 /// The part of a tensor a rank holds: the global tensor (name, dtype, shape) and the slice's
 /// elements in row-major order of the slice.
@@ -773,11 +776,16 @@ async fn try_commit(
         wait = (wait * 2).min(Duration::from_millis(500));
     };
     let mut parts = Vec::with_capacity(names.len());
+    let mut total = 0u64;
     for (&r, n) in &names {
         let b = bucket
             .get_limited(&layout::object(StepKind::Delta, step, n), manifest::MAX_MANIFEST_BYTES as u64)
             .await
             .map_err(store)?;
+        total += b.len() as u64;
+        if total > MAX_PARTS_BYTES {
+            return Err((format!("step {step}: part manifests exceed {MAX_PARTS_BYTES} bytes together"), false));
+        }
         let bad = |d: String| (format!("step {step}: part of rank {r}: {d}"), true);
         let (payload, _) = trust.open(&b).map_err(|e| bad(e.to_string()))?;
         let p: PartManifest = serde_json::from_slice(&payload).map_err(|e| bad(e.to_string()))?;
@@ -791,6 +799,7 @@ async fn try_commit(
         {
             return Err(bad("names another stream, step, generation or rank".into()));
         }
+        check_part(&p).map_err(bad)?;
         parts.push(p);
     }
     // 2. One kind and one base for all parts.
@@ -928,6 +937,43 @@ async fn try_commit(
     Ok(StepOutcome { step, committed: true, of: Some(done), root: Some(root), reason: None, next_anchor: false })
 }
 
+/// Bounds on what a part declares, checked before anything it names is fetched: every run
+/// lies inside its tensor, its edge bytes are what a split at chunk boundaries leaves (under
+/// one chunk at each end), and the edges and slices objects are exactly as long as its runs
+/// say. Memory for the edges is then bounded by the tensors' sizes.
+fn check_part(p: &PartManifest) -> std::result::Result<(), String> {
+    let chunk = driftless_format::hash::CHUNK as u64;
+    let mut edges = 0u64;
+    let mut held = 0u64;
+    for t in &p.tensors {
+        let meta = TensorMeta { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() };
+        meta.validate().map_err(|e| e.to_string())?;
+        let len = meta.nbytes().map_err(|e| e.to_string())?;
+        let mut in_tensor = 0u64;
+        for r in &t.runs {
+            let inside = r.start.checked_add(r.len).is_some_and(|e| e <= len);
+            let whole = (r.chunks.len() as u64).checked_mul(chunk);
+            let fits = r.head < chunk && r.tail < chunk && whole.is_some_and(|w| r.head + r.tail + w >= r.len);
+            if !inside || !fits || r.head + r.tail > r.len {
+                return Err(format!("run {}+{} of {} is not a part of the tensor", r.start, r.len, t.name));
+            }
+            edges += r.head + r.tail;
+            in_tensor += r.len;
+            if in_tensor > len {
+                return Err(format!("runs of {} hold more than the tensor's {len} bytes", t.name));
+            }
+        }
+        held += in_tensor;
+    }
+    if p.edges.size != edges {
+        return Err(format!("edges object of {} bytes, runs say {edges}", p.edges.size));
+    }
+    if p.slices.as_ref().is_some_and(|s| s.size != held) {
+        return Err(format!("slices object does not hold the {held} bytes of its runs"));
+    }
+    Ok(())
+}
+
 fn commit_refusal(step: u64, e: CommitError) -> Refusal {
     (format!("step {step}: commit failed: {e}"), true)
 }
@@ -1013,4 +1059,75 @@ async fn gather_anchor(
     let spooled = SpooledStep { step, root, layout, digests };
     let stream_id = ctx.stream_id.clone();
     encode_spooled(cfg, &stream_id, ctx.generation, spooled, dir).map_err(|e| local(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(runs: Vec<PartRun>, edges: u64, slices: Option<u64>) -> PartManifest {
+        let obj = |size| ObjectRef { object: "x".into(), size, sha256: Digest::default() };
+        PartManifest {
+            kind: "part".into(),
+            version: manifest::FORMAT_VERSION,
+            stream_id: "s".into(),
+            step: 1,
+            generation: 1,
+            rank: 0,
+            world_size: 1,
+            part: PartKind::Anchor,
+            base_step: None,
+            base_root: None,
+            tensors: vec![PartTensor {
+                name: "w".into(),
+                dtype: DType::BF16,
+                shape: vec![3 << 20],
+                offsets: vec![0],
+                lengths: vec![3 << 20],
+                runs,
+            }],
+            segments: vec![],
+            edges: obj(edges),
+            slices: slices.map(obj),
+            stats: DeltaStats::default(),
+        }
+    }
+
+    fn run(start: u64, len: u64, head: u64, tail: u64, chunks: usize) -> PartRun {
+        PartRun { start, len, head, tail, chunks: vec![Digest::default(); chunks] }
+    }
+
+    #[test]
+    fn parts_are_bounded_before_anything_is_fetched() {
+        // A 6 MiB tensor; a run of bytes 1.5 MiB .. 4.5 MiB: half a chunk, 2 chunks, half a chunk.
+        let (m, h) = (1u64 << 20, 1u64 << 19);
+        let good = run(3 * h, 6 * h, h, h, 2);
+        assert_eq!(check_part(&part(vec![good.clone()], 2 * h, Some(6 * h))), Ok(()));
+        let e = check_part(&part(vec![good.clone(); 3], 6 * h, None)).unwrap_err();
+        assert!(e.contains("hold more than"), "{e}");
+        let e = check_part(&part(vec![good.clone()], 2 * h + 1, None)).unwrap_err();
+        assert!(e.contains("edges object"), "{e}");
+        let e = check_part(&part(vec![good], 2 * h, Some(u64::MAX))).unwrap_err();
+        assert!(e.contains("slices object"), "{e}");
+        for bad in [
+            run(6 * m, 1, 1, 0, 0),                   // outside the tensor
+            run(u64::MAX, 2, 1, 1, 0),                // offset overflow
+            run(0, 4 * m, m, 0, 3),                   // an edge of a whole chunk
+            run(0, 4 * m, 0, 0, 1),                   // too few chunks for its length
+            run(0, 4, u64::MAX / 2, u64::MAX / 2, 0), // edges longer than the run
+        ] {
+            let edges = bad.head.saturating_add(bad.tail);
+            assert!(check_part(&part(vec![bad.clone()], edges, None)).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn part_names_parse_only_for_their_generation() {
+        let n = layout::generation_name(7, &part_name(3, "part.json"));
+        assert_eq!(n, "g7-r00003-part.json");
+        assert_eq!(part_rank(&n, 7), Some(3));
+        assert_eq!(part_rank(&n, 8), None);
+        assert_eq!(part_rank("g7-r3-part.json", 7), None);
+        assert_eq!(part_rank("g7-r00003-seg-0000.dls", 7), None);
+    }
 }
