@@ -16,14 +16,22 @@ once, as in ``save_pretrained`` output.
 
 Parameters already in BF16 on the CPU are read in place. Others (FP32 master weights, GPU
 parameters) are converted into persistent CPU BF16 buffers allocated once, so each step costs
-one device-to-host copy of the model and no allocation. Under FSDP/ZeRO-3 the parameters are
-sharded: gather full parameters (``FSDP.summon_full_params`` on rank 0) before publishing, or
-publish from a process that holds them.
+one device-to-host copy of the model and no allocation.
+
+Sharded trainers (FSDP2, tensor parallel: parameters are ``DTensor``) publish without a
+gather: every rank attaches a :class:`driftless.ShardedPublisher` with
+:func:`attach_sharded`, which publishes each rank's local shard with the slice geometry
+taken from the ``DTensor`` placements (``Shard(d)``: a block of dimension ``d``;
+``Replicate()``: only the rank at coordinate 0 of that mesh dimension publishes)::
+
+    pub = driftless.ShardedPublisher(url, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                     signing_key="key.pem")
+    hook = driftless.torch.attach_sharded(pub, model, optimizer, start_step=global_step + 1)
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 _WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
@@ -71,13 +79,73 @@ class BF16View:
         return out
 
 
+def dtensor_geometry(p: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
+    """``(global offsets, local shape, replica)`` of this rank's local shard of ``DTensor``
+    ``p``. The offsets come from PyTorch's own ``compute_local_shape_and_global_offset``
+    (what ``to_local()`` holds, uneven shards included); ``replica`` is 0 when this rank is
+    at coordinate 0 of every mesh dimension the tensor is replicated over, else 1."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = p.device_mesh, p.placements
+    for pl in placements:
+        if not isinstance(pl, (Shard, Replicate)) or type(pl) not in (Shard, Replicate):
+            raise ValueError(f"placement {pl} is not supported (Shard(d) and Replicate() are)")
+    local_shape, offsets = compute_local_shape_and_global_offset(p.shape, mesh, placements)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("this rank is not part of the parameter's device mesh")
+    replica = int(any(c != 0 for c, pl in zip(coord, placements) if isinstance(pl, Replicate)))
+    return tuple(int(x) for x in offsets), tuple(int(x) for x in local_shape), replica
+
+
+class ShardedBF16View(BF16View):
+    """The BF16 CPU view of this rank's shards of a model's parameters, as
+    :func:`driftless.shard` descriptions (``DTensor`` parameters by their placements; plain
+    tensors are taken as replicated on every rank, published by global rank 0)."""
+
+    def shards(self) -> Dict[str, Any]:
+        import driftless
+
+        torch = self.torch
+        rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        out: Dict[str, Any] = {}
+        with torch.no_grad():
+            for name, p in self._items():
+                n = hf_name(name)
+                if hasattr(p, "to_local") and hasattr(p, "placements"):
+                    offsets, local_shape, replica = dtensor_geometry(p)
+                    t = p.to_local().detach()
+                    if tuple(t.shape) != local_shape:
+                        raise ValueError(f"{n}: local shard {tuple(t.shape)} is not the {local_shape} its placements give")
+                    shape = tuple(p.shape)
+                else:
+                    t, offsets, replica, shape = p.detach(), None, 0 if rank0 else 1, tuple(p.shape)
+                if replica:
+                    out[n] = driftless.shard(None, shape, replica=replica)
+                    continue
+                out[n] = driftless.shard(self._bf16(n, t), shape, offsets=offsets)
+        return out
+
+    def _bf16(self, n: str, t: Any) -> Any:
+        if t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous():
+            return t
+        buf = self._bufs.get(n)
+        if buf is None or buf.shape != t.shape:
+            buf = self.torch.empty(t.shape, dtype=self.dtype, device="cpu", pin_memory=t.is_cuda)
+            self._bufs[n] = buf
+        buf.copy_(t)
+        return buf
+
+
 class PublishHook:
     """Publishes after every ``every``-th optimizer step. Returned by :func:`attach`."""
 
     def __init__(self, publisher: Any, model: Any, every: int = 1, start_step: Optional[int] = None,
-                 dtype: Any = None, on_receipt: Optional[Callable[[Dict[str, Any]], None]] = None):
+                 dtype: Any = None, on_receipt: Optional[Callable[[Dict[str, Any]], None]] = None,
+                 sharded: bool = False):
         self.publisher = publisher
-        self.view = BF16View(model, dtype)
+        self.view = ShardedBF16View(model, dtype) if sharded else BF16View(model, dtype)
         self.every = max(1, int(every))
         self.step = publisher.status()["next_step"] if start_step is None else int(start_step)
         self.on_receipt = on_receipt
@@ -88,7 +156,8 @@ class PublishHook:
         self._calls += 1
         if self._calls % self.every:
             return
-        r = self.publisher.publish(self.step, self.view.tensors())
+        weights = self.view.shards() if isinstance(self.view, ShardedBF16View) else self.view.tensors()
+        r = self.publisher.publish(self.step, weights)
         self.step += 1
         if self.on_receipt is not None:
             self.on_receipt(r)
@@ -112,4 +181,16 @@ def attach(publisher: Any, model: Any, optimizer: Any, every: int = 1, start_ste
     return hook
 
 
-__all__ = ["attach", "PublishHook", "BF16View", "hf_name"]
+def attach_sharded(publisher: Any, model: Any, optimizer: Any, start_step: int, every: int = 1,
+                   dtype: Any = None, on_receipt: Optional[Callable[[Dict[str, Any]], None]] = None) -> PublishHook:
+    """Like :func:`attach`, for one rank of a sharded trainer and its
+    :class:`driftless.ShardedPublisher`: publishes this rank's local shards after every
+    ``every``-th ``optimizer.step()``. ``start_step`` is required: every rank must publish the
+    same step numbers (the trainer's global step is the natural choice)."""
+    hook = PublishHook(publisher, model, every=every, start_step=int(start_step), dtype=dtype,
+                       on_receipt=on_receipt, sharded=True)
+    hook._handle = optimizer.register_step_post_hook(hook)
+    return hook
+
+
+__all__ = ["attach", "attach_sharded", "PublishHook", "BF16View", "ShardedBF16View", "dtensor_geometry", "hf_name"]
