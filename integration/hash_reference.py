@@ -16,10 +16,12 @@ import os
 import struct
 import sys
 
+LEAF = 8 << 10
 CHUNK = 1 << 20
-CHUNK_DOMAIN = b"driftless.chunk.v2\0"
-TENSOR_DOMAIN = b"driftless.tensor.v2\0"
-ROOT_DOMAIN = b"driftless.root.v2\0"
+LEAF_DOMAIN = b"driftless.leaf.v3\0"
+CHUNK_DOMAIN = b"driftless.chunk.v3\0"
+TENSOR_DOMAIN = b"driftless.tensor.v3\0"
+ROOT_DOMAIN = b"driftless.root.v3\0"
 INDEX_FILE = "model.safetensors.index.json"
 
 # safetensors spellings, as the Python package may report them in another case.
@@ -31,6 +33,14 @@ DTYPES = {
 
 def u64(n):
     return struct.pack("<Q", n)
+
+
+def chunk_digest(chunk):
+    """SHA-256 over the domain and the digests of the chunk's 8 KiB leaves in order."""
+    h = hashlib.sha256(CHUNK_DOMAIN)
+    for off in range(0, len(chunk), LEAF):
+        h.update(hashlib.sha256(LEAF_DOMAIN + chunk[off:off + LEAF]).digest())
+    return h.digest()
 
 
 def tensor_digest(name, dtype, shape, data):
@@ -51,7 +61,7 @@ def tensor_digest(name, dtype, shape, data):
     h.update(u64(len(data)))
     view = memoryview(data)
     for off in range(0, len(data), CHUNK):
-        h.update(hashlib.sha256(CHUNK_DOMAIN + view[off:off + CHUNK]).digest())
+        h.update(chunk_digest(view[off:off + CHUNK]))
     return h.digest()
 
 

@@ -24,7 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hash_reference  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE_ROOT = "373036120d7486c9cee11a4ee7d50e5c10dc865ca82c73a1e4e3fb88428def5d"
+# The root of the worked example of schemas/weights-root.md, pinned once for Rust and Python.
+with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "crates", "driftless-format", "tests", "example_root.txt")) as _f:
+    EXAMPLE_ROOT = _f.read().strip()
 
 
 def rust_cmd():
@@ -154,13 +157,15 @@ def test_sharded_dir_equals_single_file(tmp_path):
 
 
 def test_multi_chunk_tensors(tmp_path):
-    """Tensors of exactly one chunk, one byte over, and several chunks with a short tail;
-    the root changes when a byte changes on either side of a chunk boundary."""
+    """Tensors of exactly one chunk, one byte over, one leaf and a byte, and several chunks
+    with a short tail; the root changes when a byte changes on either side of a leaf or a
+    chunk boundary."""
     rng = np.random.default_rng(4)
-    chunk = hash_reference.CHUNK
+    chunk, leaf = hash_reference.CHUNK, hash_reference.LEAF
     tensors = {
         "one": rng.integers(0, 255, chunk, dtype=np.uint8),
         "one_and_a_byte": rng.integers(0, 255, chunk + 1, dtype=np.uint8),
+        "leaf_and_a_byte": rng.integers(0, 255, leaf + 1, dtype=np.uint8),
         "several": rng.standard_normal((5, (chunk // 4) // 2 + 3)).astype(np.float32),
     }
     p = tmp_path / "big.safetensors"
@@ -168,7 +173,7 @@ def test_multi_chunk_tensors(tmp_path):
     want = hash_reference.weights_root(str(p))
     assert rust_root(p) == want
     seen = {want}
-    for off in (chunk - 1, chunk):
+    for off in (leaf - 1, leaf, chunk - 1, chunk):
         t = dict(tensors)
         b = bytearray(t["several"].tobytes())
         b[off] ^= 0x80

@@ -12,10 +12,11 @@ use crate::delta::{Codec, DeltaStats, ValueMode};
 use crate::tensor::validate_file_name;
 use crate::{DType, Digest, Error, Result, TensorMeta};
 
-/// Version of the format written by this crate. Version 2: roots are chunked (see
-/// [`crate::hash`] and `schemas/weights-root.md`); version 1 was never deployed and is
-/// refused with a clear error rather than verified against the wrong root definition.
-pub const FORMAT_VERSION: u32 = 2;
+/// Version of the format written by this crate. Version 3: chunk digests are made of 8 KiB
+/// leaf digests (see [`crate::hash`] and `schemas/weights-root.md`). Versions 1 and 2 (other
+/// root definitions) are refused with a clear error rather than verified against the wrong
+/// root definition.
+pub const FORMAT_VERSION: u32 = 3;
 /// Largest manifest accepted (bytes).
 pub const MAX_MANIFEST_BYTES: usize = 64 << 20;
 /// Largest step payload a ready marker may announce (1 PiB): far above any model, low enough

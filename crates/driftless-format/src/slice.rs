@@ -9,18 +9,20 @@
 //! a flat range, one per row for a column block.
 //!
 //! For each run the rank computes a [`PartDigest`]: the digests of the 1 MiB chunks (see
-//! [`crate::hash`]) wholly inside it, plus the bytes of the chunks it only partly covers (at
-//! most one at each end, so under 2 MiB). [`assemble`] checks that the parts of all ranks
-//! cover the tensor exactly once (a gap or an overlap is an error naming the byte offset),
-//! stitches the partial chunks and returns the tensor's chunk digests, from which
+//! [`crate::hash`]) wholly inside it; for the (at most two) chunks it only partly covers, the
+//! digests of the 8 KiB leaves it holds whole; and the bytes of the (at most two) leaves it
+//! only partly covers. [`assemble`] checks that the parts of all ranks cover the tensor
+//! exactly once (a gap or an overlap is an error naming the byte offset), stitches partial
+//! leaves and chunks and returns the tensor's chunk digests, from which
 //! [`crate::hash::finish_tensor`] gives the digest a single process would compute.
 //!
-//! Cost: a row block or flat range sends under 2 MiB of bytes per tensor per rank. A column
-//! block's runs are rows, usually shorter than a chunk, so nearly all its bytes travel as
-//! partial chunks: column-sharded tensors are hashed at commit from their bytes, which is a
-//! gather of those tensors (documented in `docs/sharded.md`).
+//! Cost: a row block or flat range sends under 16 KiB of bytes and 8 KiB of leaf digests per
+//! cut; a cut on a leaf boundary (row blocks of tensors whose rows are multiples of 8 KiB)
+//! sends no bytes. A column block's runs are rows, usually shorter than a leaf, so most of
+//! its bytes travel as partial leaves: column-sharded tensors are hashed at commit from their
+//! bytes, which is a gather of those tensors (documented in `docs/sharded.md`).
 
-use crate::hash::{chunk_digest, CHUNK};
+use crate::hash::{chunk_digest, chunk_of_leaves, leaf_digest, CHUNK, LEAF};
 use crate::{numel, DType, Digest, Error, Result};
 
 /// A hyper-rectangular part of a tensor: `offsets[d] .. offsets[d] + lengths[d]` in every
@@ -126,20 +128,40 @@ impl Slice {
 }
 
 /// What the holder of bytes `[start, start + len)` of a tensor of `data_len` bytes contributes
-/// to its digest.
+/// to its digest. In byte order: `head` bytes, `head_leaves`, `chunks`, `tail_leaves`, `tail`
+/// bytes (see [`split`] for where each ends).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PartDigest {
     /// Byte offset of the part in the tensor's data.
     pub start: u64,
     /// Byte length of the part.
     pub len: u64,
-    /// The part's bytes before its first whole chunk (all of them if it holds none).
+    /// The part's bytes before its first whole leaf (all of them if it holds none).
     pub head: Vec<u8>,
+    /// Digests of the whole leaves before its first whole chunk (all of them if it holds no
+    /// whole chunk).
+    pub head_leaves: Vec<Digest>,
     /// Digests of the chunks wholly inside the part, in order.
     pub chunks: Vec<Digest>,
-    /// The part's bytes after its last whole chunk (empty when it holds none or ends on a
-    /// chunk's end).
+    /// Digests of the whole leaves after its last whole chunk.
+    pub tail_leaves: Vec<Digest>,
+    /// The part's bytes after its last whole leaf.
     pub tail: Vec<u8>,
+}
+
+/// How many bytes, leaves, chunks, leaves and bytes [`part_digest`] makes of a part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Split {
+    /// Bytes before the first whole leaf.
+    pub head: u64,
+    /// Whole leaves before the first whole chunk.
+    pub head_leaves: u64,
+    /// Whole chunks.
+    pub chunks: u64,
+    /// Whole leaves after the last whole chunk.
+    pub tail_leaves: u64,
+    /// Bytes after the last whole leaf.
+    pub tail: u64,
 }
 
 /// Tensor sizes this module computes chunk boundaries for without overflow (any real tensor:
@@ -151,9 +173,58 @@ fn check_len(data_len: u64) -> Result<()> {
     Ok(())
 }
 
-/// End of the chunk that starts at or contains `at`.
-fn chunk_end(at: u64, data_len: u64) -> u64 {
-    ((at / CHUNK as u64 + 1) * CHUNK as u64).min(data_len)
+/// End of the unit (leaf or chunk, `unit` bytes) that starts at or contains `at`.
+fn unit_end(at: u64, unit: usize, data_len: u64) -> u64 {
+    ((at / unit as u64 + 1) * unit as u64).min(data_len)
+}
+
+/// How the part `[start, end)` of a tensor of `data_len` bytes is split. Leaves and chunks
+/// count as whole when the part holds all of their bytes (the tensor's last leaf and chunk
+/// may be short).
+pub fn split(data_len: u64, start: u64, end: u64) -> Split {
+    split_points(data_len, start, end).0
+}
+
+/// [`split`], with the byte offsets where the head leaves, the chunks, the tail leaves and
+/// the tail start.
+fn split_points(data_len: u64, start: u64, end: u64) -> (Split, [u64; 4]) {
+    let (l, c) = (LEAF as u64, CHUNK as u64);
+    // Callers pass parts inside the tensor; anything else is clamped so that every loop below
+    // advances (x < end <= data_len makes each leaf end lie past x).
+    let end = end.min(data_len);
+    let start = start.min(end);
+    let mut s = Split { head: 0, head_leaves: 0, chunks: 0, tail_leaves: 0, tail: 0 };
+    let first = start.div_ceil(l) * l;
+    if first >= end || unit_end(first, LEAF, data_len) > end {
+        s.head = end - start;
+        return (s, [end; 4]);
+    }
+    s.head = first - start;
+    let mut x = first;
+    // Whole leaves up to a chunk boundary (at most 127).
+    while x < end && x % c != 0 && unit_end(x, LEAF, data_len) <= end {
+        x = unit_end(x, LEAF, data_len);
+        s.head_leaves += 1;
+    }
+    let p2 = x;
+    if x % c == 0 && x < end {
+        let last = if end == data_len { end } else { end / c * c };
+        if last > x {
+            s.chunks = (last - x).div_ceil(c);
+            x = last;
+        }
+    }
+    let p3 = x;
+    // Whole leaves after the last whole chunk (only when the part holds whole chunks or
+    // reached a chunk boundary: otherwise the head leaves took them).
+    if p2 % c == 0 {
+        while x < end && unit_end(x, LEAF, data_len) <= end {
+            x = unit_end(x, LEAF, data_len);
+            s.tail_leaves += 1;
+        }
+    }
+    s.tail = end - x;
+    (s, [first, p2, p3, x])
 }
 
 /// The part of a tensor of `data_len` bytes whose bytes `data` start at byte `start` (chunks
@@ -165,30 +236,29 @@ pub fn part_digest(data_len: u64, start: u64, data: &[u8]) -> Result<PartDigest>
         .checked_add(data.len() as u64)
         .filter(|&e| e <= data_len)
         .ok_or_else(|| Error::invalid(format!("part {start}+{} beyond a tensor of {data_len} bytes", data.len())))?;
-    let (head, _, tail) = split(data_len, start, end);
-    let (head, rest) = data.split_at(head as usize);
-    let (whole, tail) = rest.split_at(rest.len() - tail as usize);
+    let (_, [p1, p2, p3, p4]) = split_points(data_len, start, end);
+    let at = |p: u64| (p - start) as usize;
     Ok(PartDigest {
         start,
         len: data.len() as u64,
-        head: head.to_vec(),
-        chunks: whole.par_chunks(CHUNK).map(chunk_digest).collect(),
-        tail: tail.to_vec(),
+        head: data[..at(p1)].to_vec(),
+        head_leaves: data[at(p1)..at(p2)].chunks(LEAF).map(leaf_digest).collect(),
+        chunks: data[at(p2)..at(p3)].par_chunks(CHUNK).map(chunk_digest).collect(),
+        tail_leaves: data[at(p3)..at(p4)].chunks(LEAF).map(leaf_digest).collect(),
+        tail: data[at(p4)..].to_vec(),
     })
 }
 
-/// How [`part_digest`] splits the part `[start, end)` of a tensor of `data_len` bytes:
-/// (head bytes, whole chunks, tail bytes). The whole chunks run from the first chunk
-/// boundary at or after `start` to the last chunk end at or before `end` (the tensor's last
-/// chunk may be short).
-fn split(data_len: u64, start: u64, end: u64) -> (u64, u64, u64) {
-    let c = CHUNK as u64;
-    let first = start.div_ceil(c) * c;
-    if first >= end || chunk_end(first, data_len) > end {
-        return (end - start, 0, 0);
+impl PartDigest {
+    fn split(&self) -> Split {
+        Split {
+            head: self.head.len() as u64,
+            head_leaves: self.head_leaves.len() as u64,
+            chunks: self.chunks.len() as u64,
+            tail_leaves: self.tail_leaves.len() as u64,
+            tail: self.tail.len() as u64,
+        }
     }
-    let last = if end == data_len { end } else { end / c * c };
-    (first - start, (last - first).div_ceil(c), end - last)
 }
 
 /// The chunk digests of a tensor of `data_len` bytes from parts that must cover it exactly
@@ -200,53 +270,83 @@ pub fn assemble(data_len: u64, parts: &[PartDigest]) -> Result<Vec<Digest>> {
     check_len(data_len)?;
     let mut order: Vec<&PartDigest> = parts.iter().collect();
     order.sort_by_key(|p| (p.start, p.len));
-    let mut out = Vec::new();
-    let mut pending: Vec<u8> = vec![];
-    let mut at = 0u64;
+    let mut st = Stitch { at: 0, data_len, bytes: vec![], leaves: vec![], out: vec![] };
     for p in order {
-        if p.start < at {
+        if p.start < st.at {
             return Err(bad(format!("parts overlap at byte {}", p.start)));
         }
-        if p.start > at {
-            return Err(bad(format!("no part holds bytes {at}..{}", p.start)));
+        if p.start > st.at {
+            return Err(bad(format!("no part holds bytes {}..{}", st.at, p.start)));
         }
         let end = p
             .start
             .checked_add(p.len)
             .filter(|&e| e <= data_len)
             .ok_or_else(|| bad(format!("part {}+{} beyond a tensor of {data_len} bytes", p.start, p.len)))?;
-        if split(data_len, p.start, end) != (p.head.len() as u64, p.chunks.len() as u64, p.tail.len() as u64) {
-            return Err(bad(format!("part at byte {} is not split at chunk boundaries", p.start)));
+        if split(data_len, p.start, end) != p.split() {
+            return Err(bad(format!("part at byte {} is not split at leaf and chunk boundaries", p.start)));
         }
-        feed(&mut pending, &p.head, &mut at, data_len, &mut out);
-        // Whole chunks start on a boundary with nothing pending (the split guarantees it).
+        // The split puts every leaf and chunk digest on its boundary with nothing pending.
+        st.bytes_in(&p.head);
+        for d in &p.head_leaves {
+            st.leaf(*d);
+        }
         for d in &p.chunks {
-            out.push(*d);
-            at = chunk_end(at, data_len);
+            st.out.push(*d);
+            st.at = unit_end(st.at, CHUNK, data_len);
         }
-        feed(&mut pending, &p.tail, &mut at, data_len, &mut out);
+        for d in &p.tail_leaves {
+            st.leaf(*d);
+        }
+        st.bytes_in(&p.tail);
     }
-    if at != data_len {
-        return Err(bad(format!("no part holds bytes {at}..{data_len}")));
+    if st.at != data_len {
+        return Err(bad(format!("no part holds bytes {}..{data_len}", st.at)));
     }
-    Ok(out)
+    Ok(st.out)
 }
 
-/// Adds bytes at offset `at`, emitting the digest of each chunk they complete.
-fn feed(pending: &mut Vec<u8>, mut bytes: &[u8], at: &mut u64, data_len: u64, out: &mut Vec<Digest>) {
-    while !bytes.is_empty() {
-        let need = (chunk_end(*at, data_len) - *at) as usize;
-        if need == 0 {
-            // Past the end: unreachable after the split check, never a loop.
-            return;
+/// Leaves and chunks being completed, in byte order.
+struct Stitch {
+    at: u64,
+    data_len: u64,
+    /// Bytes of the current leaf.
+    bytes: Vec<u8>,
+    /// Leaf digests of the current chunk.
+    leaves: Vec<Digest>,
+    out: Vec<Digest>,
+}
+
+impl Stitch {
+    /// A whole leaf ends at `at`'s leaf end; the chunk too if that is its end.
+    fn leaf(&mut self, d: Digest) {
+        self.leaves.push(d);
+        self.at = unit_end(self.at, LEAF, self.data_len);
+        if self.at == unit_end(self.at - 1, CHUNK, self.data_len) {
+            self.out.push(chunk_of_leaves(&self.leaves));
+            self.leaves.clear();
         }
-        let take = need.min(bytes.len());
-        pending.extend_from_slice(&bytes[..take]);
-        bytes = &bytes[take..];
-        *at += take as u64;
-        if take == need {
-            out.push(chunk_digest(pending));
-            pending.clear();
+    }
+
+    /// Bytes at `at`, completing leaves (and chunks) as they fill.
+    fn bytes_in(&mut self, mut b: &[u8]) {
+        while !b.is_empty() {
+            let need = (unit_end(self.at, LEAF, self.data_len) - self.at) as usize;
+            if need == 0 {
+                // Past the end: unreachable after the split check, never a loop.
+                return;
+            }
+            let take = need.min(b.len());
+            self.bytes.extend_from_slice(&b[..take]);
+            b = &b[take..];
+            if take == need {
+                let d = leaf_digest(&self.bytes);
+                self.bytes.clear();
+                // `leaf` advances `at` to this leaf's end.
+                self.leaf(d);
+            } else {
+                self.at += take as u64;
+            }
         }
     }
 }

@@ -103,9 +103,9 @@ pub fn other_documents(m: &driftless_format::DeltaManifest) -> Vec<serde_json::V
         .map(|(i, s)| json!({"file": s.file, "object": format!("shard-{i:05}.dla"), "size": 10, "sha256": m.result_root, "decoded_size": 20, "decoded_sha256": m.base_root}))
         .collect();
     vec![
-        json!({"kind": "anchor", "version": 2, "stream_id": "s", "step": 2, "weights_root": m.result_root, "encoding": "planes_zstd",
+        json!({"kind": "anchor", "version": 3, "stream_id": "s", "step": 2, "weights_root": m.result_root, "encoding": "planes_zstd",
                "shards": m.shards, "objects": objects, "files": [{"object": "config.json", "size": 3, "sha256": m.base_root}], "created_at_ms": 1}),
-        json!({"kind": "stream", "version": 2, "stream_id": "s", "trusted_keys": ["ed25519:00112233445566778899aabbccddeeff"], "created_at_ms": 5}),
+        json!({"kind": "stream", "version": 3, "stream_id": "s", "trusted_keys": ["ed25519:00112233445566778899aabbccddeeff"], "created_at_ms": 5}),
         json!({"kind": "ready", "stream_id": "s", "of": "delta", "step": 2, "base_step": 1, "manifest_sha256": m.base_root, "payload_bytes": 99}),
         json!({"kind": "latest", "stream_id": "s", "delta": 2, "anchor": null, "updated_at_ms": 7}),
     ]

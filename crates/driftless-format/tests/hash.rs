@@ -16,7 +16,7 @@ fn spec_root(ts: &[T]) -> [u8; 32] {
         .iter()
         .map(|t| {
             let mut h = Sha256::new();
-            h.update(b"driftless.tensor.v2\0");
+            h.update(b"driftless.tensor.v3\0");
             h.update(le(t.name.len()));
             h.update(t.name.as_bytes());
             let d = t.dtype.as_str();
@@ -28,14 +28,18 @@ fn spec_root(ts: &[T]) -> [u8; 32] {
             }
             h.update(le(t.data.len()));
             for c in t.data.chunks(1 << 20) {
-                h.update(Sha256::new().chain_update(b"driftless.chunk.v2\0").chain_update(c).finalize());
+                let mut ch = Sha256::new().chain_update(b"driftless.chunk.v3\0");
+                for leaf in c.chunks(8 << 10) {
+                    ch.update(Sha256::new().chain_update(b"driftless.leaf.v3\0").chain_update(leaf).finalize());
+                }
+                h.update(ch.finalize());
             }
             (t.name.as_bytes().to_vec(), h.finalize().into())
         })
         .collect();
     items.sort();
     let mut h = Sha256::new();
-    h.update(b"driftless.root.v2\0");
+    h.update(b"driftless.root.v3\0");
     h.update(le(items.len()));
     for (n, d) in items {
         h.update(le(n.len()));
@@ -72,8 +76,9 @@ fn matches_independent_implementation() {
     assert_eq!(root(&[]).0, spec_root(&[]));
 }
 
-/// Tensors around the chunk size: the parallel root, the streaming hasher fed in odd pieces
-/// and the spec agree, and a flipped bit on either side of a chunk boundary changes the root.
+/// Tensors around the chunk and leaf sizes: the parallel root, the streaming hasher fed in odd
+/// pieces and the spec agree, and a flipped bit on either side of a chunk or leaf boundary
+/// changes the root.
 #[test]
 fn chunked_tensors_match_the_spec_and_the_streaming_hasher() {
     let c = hash::CHUNK;
@@ -83,11 +88,12 @@ fn chunked_tensors_match_the_spec_and_the_streaming_hasher() {
         T::random("over", DType::U8, &[c as u64 + 1], &mut r),
         T::random("big", DType::BF16, &[3, (c as u64 / 2) + 5], &mut r),
         T::random("small", DType::F32, &[3], &mut r),
+        T::random("leaf_and_one", DType::U8, &[hash::LEAF as u64 + 1], &mut r),
     ];
     let (digests, got) = driftless_format::weights_root(&views(&ts));
     assert_eq!(got.0, spec_root(&ts));
     for (t, d) in ts.iter().zip(&digests) {
-        for piece in [1, 4093, c - 1, c, 3 * c] {
+        for piece in [1, 4093, hash::LEAF - 1, hash::LEAF + 1, c - 1, c, 3 * c] {
             let mut h = hash::TensorHasher::new(t.name.as_str(), t.dtype, &t.shape, t.data.len() as u64);
             // Uneven pieces: `piece`, then one byte, repeated.
             let mut rest = &t.data[..];
@@ -102,7 +108,7 @@ fn chunked_tensors_match_the_spec_and_the_streaming_hasher() {
         }
     }
     let mut roots = vec![got];
-    for at in [c - 1, c] {
+    for at in [hash::LEAF - 1, hash::LEAF, c - 1, c] {
         let mut flipped = ts.clone();
         flipped[2].data[at] ^= 1;
         let r = root(&flipped).0;

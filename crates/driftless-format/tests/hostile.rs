@@ -287,7 +287,7 @@ fn manifest_hostile_values() {
 
 fn anchor_doc(m: &DeltaManifest) -> serde_json::Value {
     let objects: Vec<_> = m.shards.iter().map(|s| serde_json::json!({"file": s.file, "object": "a.dla", "size": 1, "sha256": m.base_root, "decoded_size": 2, "decoded_sha256": m.base_root})).collect();
-    serde_json::json!({"kind": "anchor", "version": 2, "stream_id": "s", "step": 1, "weights_root": m.base_root, "encoding": "safetensors",
+    serde_json::json!({"kind": "anchor", "version": 3, "stream_id": "s", "step": 1, "weights_root": m.base_root, "encoding": "safetensors",
         "shards": m.shards, "objects": objects, "files": [{"object": "config.json", "size": 1, "sha256": m.base_root}], "created_at_ms": 0})
 }
 

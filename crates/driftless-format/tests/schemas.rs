@@ -68,7 +68,7 @@ fn anchors() -> Vec<AnchorManifest> {
             };
             AnchorManifest {
                 kind: "anchor".into(),
-                version: 2,
+                version: 3,
                 stream_id: "stream-1".into(),
                 step: 10,
                 weights_root: root,
@@ -99,7 +99,7 @@ fn others() -> (Vec<StreamDescriptor>, Vec<ReadyMarker>, Vec<LatestHint>) {
     let k = Keypair::from_seed([3; 32]);
     let s = StreamDescriptor {
         kind: "stream".into(),
-        version: 2,
+        version: 3,
         stream_id: "stream-1".into(),
         trusted_keys: vec![k.id().into()],
         created_at_ms: 1,

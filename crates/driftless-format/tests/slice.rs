@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use driftless_format::hash::{self, finish_tensor, CHUNK};
+use driftless_format::hash::{self, finish_tensor, CHUNK, LEAF};
 use driftless_format::slice::{assemble, part_digest, PartDigest, Slice};
 use driftless_format::{DType, ErrorKind};
 use rand::Rng;
@@ -121,9 +121,11 @@ fn ranks_assemble_the_whole_tensor_digest() {
             for layout in layouts {
                 let mut parts: Vec<PartDigest> = layout.iter().flat_map(|s| rank_parts(t, s)).collect();
                 assert_eq!(assembled_digest(t, &parts).unwrap(), want, "{} over {ranks} ranks: {layout:?}", t.name);
-                // Bytes that travel: under 2 chunks per run.
+                // Bytes that travel: under a leaf at each end of a run, and leaf digests of at
+                // most one chunk at each end.
                 for p in &parts {
-                    assert!(p.head.len() < CHUNK && p.tail.len() < CHUNK);
+                    assert!(p.head.len() < LEAF && p.tail.len() < LEAF);
+                    assert!(p.head_leaves.len() < CHUNK / LEAF && p.tail_leaves.len() < CHUNK / LEAF);
                 }
                 // Order of arrival does not matter.
                 parts.reverse();
@@ -141,9 +143,11 @@ fn random_contiguous_cuts_assemble() {
     let len = t.data.len() as u64;
     for _ in 0..20 {
         let mut cuts: Vec<u64> = (0..r.gen_range(0..6)).map(|_| r.gen_range(0..=len)).collect();
-        // Cuts exactly on and next to chunk boundaries too.
+        // Cuts exactly on and next to chunk and leaf boundaries too.
         cuts.push(CHUNK as u64 * r.gen_range(0..4u64));
         cuts.push((CHUNK as u64 + 1).min(len));
+        let leaf = LEAF as u64 * r.gen_range(0..len / LEAF as u64);
+        cuts.extend([leaf, leaf + 1, leaf.saturating_sub(1)]);
         cuts.extend([0, len]);
         cuts.sort_unstable();
         let parts: Vec<PartDigest> =
@@ -173,7 +177,12 @@ fn gaps_overlaps_and_bad_splits_are_refused() {
     let mut p = part(0, half);
     let b = p.tail.remove(0);
     p.head.push(b);
-    refused(vec![p, part(half, len)], "not split at chunk boundaries");
+    refused(vec![p, part(half, len)], "not split at leaf and chunk boundaries");
+    // A leaf digest moved into the chunk list.
+    let mut p = part(LEAF as u64, len);
+    let d = p.head_leaves.pop().unwrap();
+    p.chunks.insert(0, d);
+    refused(vec![part(0, LEAF as u64), p], "not split at leaf and chunk boundaries");
     // A part claiming bytes past the end.
     let mut p = part(half, len);
     p.len += 1;
@@ -295,4 +304,34 @@ fn ranks_encode_their_slices_into_one_delta() {
     let metas2 = ck2.metas();
     let e = fused::apply_and_hash(&ck2.tensors_mut(), &metas2, &[&twice], true, &|_| {}).unwrap_err();
     assert!(e.to_string().contains("overlapping writes"), "{e}");
+}
+
+/// Where a cut falls on a leaf boundary (row blocks of tensors whose rows are multiples of
+/// 8 KiB), no bytes travel at all: only leaf and chunk digests.
+#[test]
+fn leaf_aligned_cuts_send_no_bytes() {
+    let mut r = rng(5);
+    // 300 rows of 4096 BF16 (8 KiB each): a row block is leaf aligned wherever it is cut.
+    let t = T::random("w", DType::BF16, &[300, 4096], &mut r);
+    let want = hash::tensor_digest(&t.view());
+    let len = t.data.len() as u64;
+    let row = 8192u64;
+    let cuts = [0, 17, 150, 151, 299, 300].map(|x| x * row);
+    let parts: Vec<PartDigest> =
+        cuts.windows(2).map(|w| part_digest(len, w[0], &t.data[w[0] as usize..w[1] as usize]).unwrap()).collect();
+    for p in &parts {
+        assert!(p.head.is_empty() && p.tail.is_empty(), "bytes at a leaf-aligned cut {}", p.start);
+    }
+    assert_eq!(finish_tensor("w", DType::BF16, &t.shape, len, &assemble(len, &parts).unwrap()), want);
+}
+
+/// `split` is public: parts outside the tensor are clamped, never a loop or a panic.
+#[test]
+fn split_of_a_range_outside_the_tensor_terminates() {
+    use driftless_format::slice::split;
+    let len = 6u64 << 20;
+    for (a, b) in [(len + 1, len + 5), (12 << 19, (12 << 19) + 1), (5, 3), (0, u64::MAX), (u64::MAX, u64::MAX)] {
+        let s = split(len, a, b);
+        assert!(s.head + s.tail <= len, "{a}..{b}: {s:?}");
+    }
 }

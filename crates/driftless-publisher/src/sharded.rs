@@ -94,8 +94,12 @@ struct PartRun {
     start: u64,
     len: u64,
     head: u64,
-    tail: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    head_leaves: Vec<Digest>,
     chunks: Vec<Digest>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    tail_leaves: Vec<Digest>,
+    tail: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -578,8 +582,10 @@ fn build_part(
             start: d.start,
             len: d.len,
             head: d.head.len() as u64,
-            tail: d.tail.len() as u64,
+            head_leaves: d.head_leaves,
             chunks: d.chunks,
+            tail_leaves: d.tail_leaves,
+            tail: d.tail.len() as u64,
         });
     }
     let m = PartManifest {
@@ -844,7 +850,15 @@ async fn try_commit(
             for run in &t.runs {
                 let head = take(run.head)?;
                 let tail = take(run.tail)?;
-                entry.2.push(PartDigest { start: run.start, len: run.len, head, chunks: run.chunks.clone(), tail });
+                entry.2.push(PartDigest {
+                    start: run.start,
+                    len: run.len,
+                    head,
+                    head_leaves: run.head_leaves.clone(),
+                    chunks: run.chunks.clone(),
+                    tail_leaves: run.tail_leaves.clone(),
+                    tail,
+                });
             }
         }
         if at != bytes.len() {
@@ -938,11 +952,11 @@ async fn try_commit(
 }
 
 /// Bounds on what a part declares, checked before anything it names is fetched: every run
-/// lies inside its tensor, its edge bytes are what a split at chunk boundaries leaves (under
-/// one chunk at each end), and the edges and slices objects are exactly as long as its runs
-/// say. Memory for the edges is then bounded by the tensors' sizes.
+/// lies inside its tensor and is split as `slice::split` splits it (so its edge bytes are
+/// under a leaf at each end), the runs of a tensor hold no more than its bytes, and the edges
+/// and slices objects are exactly as long as the runs say. Memory for the edges is then
+/// bounded by the tensors' sizes.
 fn check_part(p: &PartManifest) -> std::result::Result<(), String> {
-    let chunk = driftless_format::hash::CHUNK as u64;
     let mut edges = 0u64;
     let mut held = 0u64;
     for t in &p.tensors {
@@ -951,11 +965,22 @@ fn check_part(p: &PartManifest) -> std::result::Result<(), String> {
         let len = meta.nbytes().map_err(|e| e.to_string())?;
         let mut in_tensor = 0u64;
         for r in &t.runs {
-            let inside = r.start.checked_add(r.len).is_some_and(|e| e <= len);
-            let whole = (r.chunks.len() as u64).checked_mul(chunk);
-            let fits = r.head < chunk && r.tail < chunk && whole.is_some_and(|w| r.head + r.tail + w >= r.len);
-            if !inside || !fits || r.head + r.tail > r.len {
+            let Some(end) = r.start.checked_add(r.len).filter(|&e| e <= len) else {
                 return Err(format!("run {}+{} of {} is not a part of the tensor", r.start, r.len, t.name));
+            };
+            let want = driftless_format::slice::split(len, r.start, end);
+            let got = driftless_format::slice::Split {
+                head: r.head,
+                head_leaves: r.head_leaves.len() as u64,
+                chunks: r.chunks.len() as u64,
+                tail_leaves: r.tail_leaves.len() as u64,
+                tail: r.tail,
+            };
+            if want != got {
+                return Err(format!(
+                    "run {}+{} of {} is not split at leaf and chunk boundaries",
+                    r.start, r.len, t.name
+                ));
             }
             edges += r.head + r.tail;
             in_tensor += r.len;
@@ -1093,31 +1118,53 @@ mod tests {
         }
     }
 
-    fn run(start: u64, len: u64, head: u64, tail: u64, chunks: usize) -> PartRun {
-        PartRun { start, len, head, tail, chunks: vec![Digest::default(); chunks] }
+    /// A run split as `slice::split` splits it.
+    fn run(start: u64, len: u64) -> PartRun {
+        let s = driftless_format::slice::split(6 << 20, start, start + len);
+        let d = |n: u64| vec![Digest::default(); n as usize];
+        PartRun {
+            start,
+            len,
+            head: s.head,
+            head_leaves: d(s.head_leaves),
+            chunks: d(s.chunks),
+            tail_leaves: d(s.tail_leaves),
+            tail: s.tail,
+        }
     }
 
     #[test]
     fn parts_are_bounded_before_anything_is_fetched() {
-        // A 6 MiB tensor; a run of bytes 1.5 MiB .. 4.5 MiB: half a chunk, 2 chunks, half a chunk.
-        let (m, h) = (1u64 << 20, 1u64 << 19);
-        let good = run(3 * h, 6 * h, h, h, 2);
-        assert_eq!(check_part(&part(vec![good.clone()], 2 * h, Some(6 * h))), Ok(()));
-        let e = check_part(&part(vec![good.clone(); 3], 6 * h, None)).unwrap_err();
+        // A 6 MiB tensor; a run of bytes 1.5 MiB + 100 .. 4.5 MiB + 7: edge bytes at both ends.
+        let (h, start, len) = (1u64 << 19, (3u64 << 19) + 100, (6u64 << 19) - 93);
+        let good = run(start, len);
+        let edges = good.head + good.tail;
+        assert!(good.head > 0 && good.tail > 0 && !good.head_leaves.is_empty() && good.chunks.len() == 2);
+        assert_eq!(check_part(&part(vec![good.clone()], edges, Some(len))), Ok(()));
+        let e = check_part(&part(vec![good.clone(); 3], 3 * edges, None)).unwrap_err();
         assert!(e.contains("hold more than"), "{e}");
-        let e = check_part(&part(vec![good.clone()], 2 * h + 1, None)).unwrap_err();
+        let e = check_part(&part(vec![good.clone()], edges + 1, None)).unwrap_err();
         assert!(e.contains("edges object"), "{e}");
-        let e = check_part(&part(vec![good], 2 * h, Some(u64::MAX))).unwrap_err();
+        let e = check_part(&part(vec![good.clone()], edges, Some(u64::MAX))).unwrap_err();
         assert!(e.contains("slices object"), "{e}");
-        for bad in [
-            run(6 * m, 1, 1, 0, 0),                   // outside the tensor
-            run(u64::MAX, 2, 1, 1, 0),                // offset overflow
-            run(0, 4 * m, m, 0, 3),                   // an edge of a whole chunk
-            run(0, 4 * m, 0, 0, 1),                   // too few chunks for its length
-            run(0, 4, u64::MAX / 2, u64::MAX / 2, 0), // edges longer than the run
-        ] {
-            let edges = bad.head.saturating_add(bad.tail);
-            assert!(check_part(&part(vec![bad.clone()], edges, None)).is_err(), "{bad:?}");
+        let mut bad = vec![];
+        let mut r = run(0, 1);
+        r.start = 12 * h; // outside the tensor
+        bad.push(r);
+        let mut r = run(0, 2);
+        r.start = u64::MAX; // offset overflow
+        bad.push(r);
+        let mut r = good.clone();
+        r.head += 1 << 20; // an edge of a whole chunk
+        bad.push(r);
+        let mut r = good.clone();
+        r.chunks.pop(); // too few chunks for its length
+        bad.push(r);
+        let mut r = good.clone();
+        r.tail_leaves.push(Digest::default()); // a leaf too many
+        bad.push(r);
+        for b in bad {
+            assert!(check_part(&part(vec![b.clone()], b.head.saturating_add(b.tail), None)).is_err(), "{b:?}");
         }
     }
 

@@ -1,0 +1,225 @@
+//! Sharded publishing next to the single-process publisher, on the same model and machine.
+//!
+//! ```text
+//! cargo run --release -p driftless-publisher --example sharded_bench -- [--mb 1024] [--ranks 4] [--steps 4]
+//! ```
+//!
+//! A Llama-shaped BF16 model (random weights, 1% of elements moved by one ulp per step) is
+//! sharded FSDP-style (every tensor in row blocks, `torch.chunk` sizes) over `--ranks` ranks.
+//! Each step, every rank's `publish()` runs alone on the machine, ranks 1.. first and rank 0
+//! (the committer) last, so each figure is what one rank costs on a host of this size; then
+//! the step's wall time on a cluster is about max(rank time) + commit. The baseline is the
+//! single-process `Publisher` on the gathered model in the same run: `publish()` plus
+//! `flush()` (until the ready marker). Buckets are `file://` in a temp dir. Step 1 is an
+//! anchor for both (the sharded committer gathers its anchor through the bucket), the rest
+//! deltas. Last, the weights root of a model whose one tensor holds half the bytes, on one
+//! core and on all cores.
+
+use std::time::{Duration, Instant};
+
+use driftless_format::gen::ModelSpec;
+use driftless_format::slice::Slice;
+use driftless_format::{DType, Keypair, TensorMeta, TensorView};
+use driftless_publisher::{PublisherBuilder, Shard};
+
+fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let a: Vec<String> = std::env::args().collect();
+    a.iter().position(|x| x == name).and_then(|i| a.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+/// BF16 weights of plausible magnitude (|w| < 0.05), as bytes.
+fn weights(metas: &[TensorMeta]) -> Vec<Vec<u8>> {
+    use rayon::prelude::*;
+    metas
+        .par_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let n = m.numel().unwrap() as usize;
+            let mut out = vec![0u8; n * 2];
+            out.par_chunks_mut(1 << 16).enumerate().for_each(|(c, ch)| {
+                let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ ((i as u64) << 32) ^ c as u64 | 1;
+                for e in ch.chunks_exact_mut(2) {
+                    let f = ((xorshift(&mut x) >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1;
+                    e.copy_from_slice(&driftless_format::gen::f32_to_bf16(f).to_le_bytes());
+                }
+            });
+            out
+        })
+        .collect()
+}
+
+/// Moves 1% of the elements of every tensor by one ulp.
+fn step(model: &mut [Vec<u8>], s: u64) {
+    use rayon::prelude::*;
+    model.par_iter_mut().enumerate().for_each(|(i, d)| {
+        let n = d.len() / 2;
+        let mut x = 0x1234_5678 ^ (s << 20) ^ i as u64 | 1;
+        for _ in 0..n / 100 {
+            let k = (xorshift(&mut x) % n as u64) as usize * 2;
+            let v = u16::from_le_bytes([d[k], d[k + 1]]).wrapping_add(1);
+            d[k..k + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    });
+}
+
+/// Rows `[start, start + len)` of dimension 0 that rank `r` of `ranks` holds (torch.chunk).
+fn rows(n: u64, ranks: u64, r: u64) -> (u64, u64) {
+    let per = n.div_ceil(ranks);
+    let start = (per * r).min(n);
+    (start, (start + per).min(n) - start)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mb: u64 = arg("--mb", 1024);
+    let ranks: u64 = arg("--ranks", 4);
+    let steps: u64 = arg("--steps", 4);
+    let metas = ModelSpec::with_bf16_bytes(mb << 20).metas();
+    let total: u64 = metas.iter().map(|m| m.nbytes().unwrap()).sum();
+    println!(
+        "model: {} tensors, {:.0} MiB BF16; {ranks} ranks (row blocks); {} cores",
+        metas.len(),
+        total as f64 / (1 << 20) as f64,
+        rayon::current_num_threads()
+    );
+    let mut model = weights(&metas);
+    let key = Keypair::generate();
+    let td = tempfile::tempdir()?;
+
+    // Sharded.
+    let url = format!("file://{}", td.path().join("sharded").display());
+    // Rank 0 first: it creates the stream and the generation the others join.
+    let mut pubs = vec![PublisherBuilder::new(url.clone()).with_key(key.clone()).with_new_stream(true).build_sharded(
+        0,
+        ranks,
+        Duration::from_secs(600),
+    )?];
+    for r in 1..ranks {
+        pubs.push(PublisherBuilder::new(url.clone()).with_key(key.clone()).build_sharded(
+            r,
+            ranks,
+            Duration::from_secs(600),
+        )?);
+    }
+    println!("\nsharded: step, kind, per-rank publish() s (ranks 1.., then rank 0 without its commit), max rank, commit s, bytes of all parts");
+    let mut sharded_rows = vec![];
+    for s in 1..=steps {
+        if s > 1 {
+            step(&mut model, s);
+        }
+        let mut secs = vec![0.0; ranks as usize];
+        let mut bytes = 0;
+        let mut commit = 0.0;
+        let mut kind = String::new();
+        for r in (1..ranks).chain([0]) {
+            let cuts: Vec<(usize, Slice, Vec<u8>)> = metas
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    let (start, len) = rows(m.shape[0], ranks, r);
+                    let sl = Slice::block(&m.shape, 0, start, len).unwrap();
+                    let row_bytes = m.nbytes().unwrap() / m.shape[0];
+                    let d = model[i][(start * row_bytes) as usize..((start + len) * row_bytes) as usize].to_vec();
+                    (i, sl, d)
+                })
+                .collect();
+            let shards: Vec<Shard<'_>> = cuts
+                .iter()
+                .map(|(i, sl, d)| Shard {
+                    name: &metas[*i].name,
+                    dtype: DType::BF16,
+                    shape: &metas[*i].shape,
+                    slice: sl.clone(),
+                    data: d,
+                })
+                .collect();
+            let rc = pubs[r as usize].publish(s, &shards)?;
+            secs[r as usize] = rc.part_secs;
+            bytes += rc.part_bytes;
+            if let Some(o) = rc.outcome {
+                assert!(o.committed, "step {s}: {:?}", o.reason);
+                commit = rc.commit_secs;
+                kind = format!("{:?}", o.of.unwrap()).to_lowercase();
+            }
+        }
+        let max = secs.iter().cloned().fold(0.0, f64::max);
+        println!(
+            "  {s}  {kind:6}  [{}]  max {max:.2}  commit {commit:.2}  {:.1} MB",
+            secs.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" "),
+            bytes as f64 / 1e6
+        );
+        sharded_rows.push((kind, max, commit));
+    }
+    for p in pubs.drain(1..) {
+        p.close()?;
+    }
+    pubs.pop().unwrap().close()?;
+
+    // Single process on the gathered model (same steps: regenerate).
+    let mut model = weights(&metas);
+    let url = format!("file://{}", td.path().join("single").display());
+    let mut p = PublisherBuilder::new(url).with_key(key.clone()).with_new_stream(true).build()?;
+    println!("\nsingle process on the gathered model: step, publish() s, flush() s (to ready), delta bytes");
+    let mut single_rows = vec![];
+    for s in 1..=steps {
+        if s > 1 {
+            step(&mut model, s);
+        }
+        let views: Vec<TensorView<'_>> = metas
+            .iter()
+            .zip(&model)
+            .map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d })
+            .collect();
+        let t = Instant::now();
+        let rc = p.publish(s, &views)?;
+        let publish = t.elapsed().as_secs_f64();
+        p.flush()?;
+        let ready = t.elapsed().as_secs_f64();
+        println!(
+            "  {s}  {:?}  publish {publish:.2}  to ready {ready:.2}  {:.1} MB",
+            rc.outcome,
+            rc.delta_bytes as f64 / 1e6
+        );
+        single_rows.push(ready);
+    }
+    p.close()?;
+    println!("\nstep to ready: sharded (max rank + commit) vs single process (publish + flush)");
+    for (i, ((kind, max, commit), single)) in sharded_rows.iter().zip(&single_rows).enumerate() {
+        println!("  step {} {kind:6}: sharded {:.2} s vs single {single:.2} s", i + 1, max + commit);
+    }
+    drop(model);
+
+    // Root with one tensor of half the bytes.
+    let half = (total / 2 / 2) as usize * 2;
+    let big = vec![0x3cu8; half];
+    let rest: Vec<Vec<u8>> = (0..63).map(|_| vec![0x3du8; (total as usize - half) / 63 / 2 * 2]).collect();
+    let names: Vec<String> = (0..64).map(|i| format!("t{i}")).collect();
+    let shapes: Vec<Vec<u64>> =
+        std::iter::once(vec![half as u64 / 2]).chain(rest.iter().map(|r| vec![r.len() as u64 / 2])).collect();
+    let views: Vec<TensorView<'_>> = std::iter::once(&big)
+        .chain(rest.iter())
+        .enumerate()
+        .map(|(i, d)| TensorView { name: &names[i], dtype: DType::BF16, shape: &shapes[i], data: d })
+        .collect();
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
+    let time = |f: &dyn Fn()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    let r1 = one.install(|| time(&|| drop(driftless_format::weights_root(&views))));
+    let rn = time(&|| drop(driftless_format::weights_root(&views)));
+    println!(
+        "\nweights root, one tensor = half of {:.0} MiB: one core {r1:.3} s, {} cores {rn:.3} s ({:.2}x)",
+        total as f64 / (1 << 20) as f64,
+        rayon::current_num_threads(),
+        r1 / rn
+    );
+    Ok(())
+}
