@@ -1,8 +1,13 @@
 //! Sharded publishing next to the single-process publisher, on the same model and machine.
 //!
 //! ```text
-//! cargo run --release -p driftless-publisher --example sharded_bench -- [--mb 1024] [--ranks 4] [--steps 4]
+//! cargo run --release -p driftless-publisher --example sharded_bench -- [--mb 1024] [--ranks 4] [--steps 4] [--tp]
 //! ```
+//!
+//! `--tp` shards the attention output and MLP down projections by columns instead
+//! (row-parallel layers of tensor parallelism, `Shard(1)`): their runs are rows of the slice,
+//! shorter than a leaf, so their bytes travel to the committer every step (the documented
+//! cost of column shards).
 //!
 //! A Llama-shaped BF16 model (random weights, 1% of elements moved by one ulp per step) is
 //! sharded FSDP-style (every tensor in row blocks, `torch.chunk` sizes) over `--ranks` ranks.
@@ -80,12 +85,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mb: u64 = arg("--mb", 1024);
     let ranks: u64 = arg("--ranks", 4);
     let steps: u64 = arg("--steps", 4);
+    let tp = std::env::args().any(|a| a == "--tp");
+    let by_cols = |m: &TensorMeta| tp && m.shape.len() == 2 && (m.name.contains("o_proj") || m.name.contains("down_proj"));
     let metas = ModelSpec::with_bf16_bytes(mb << 20).metas();
     let total: u64 = metas.iter().map(|m| m.nbytes().unwrap()).sum();
     println!(
-        "model: {} tensors, {:.0} MiB BF16; {ranks} ranks (row blocks); {} cores",
+        "model: {} tensors, {:.0} MiB BF16; {ranks} ranks ({}); {} cores",
         metas.len(),
         total as f64 / (1 << 20) as f64,
+        if tp { "o_proj/down_proj in column blocks, the rest in row blocks" } else { "row blocks" },
         rayon::current_num_threads()
     );
     let mut model = weights(&metas);
@@ -122,6 +130,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .iter()
                 .enumerate()
                 .map(|(i, m)| {
+                    if by_cols(m) {
+                        let (start, len) = rows(m.shape[1], ranks, r);
+                        let sl = Slice::block(&m.shape, 1, start, len).unwrap();
+                        let row = m.shape[1] as usize * 2;
+                        let (a, b) = (start as usize * 2, (start + len) as usize * 2);
+                        let d: Vec<u8> = model[i].chunks_exact(row).flat_map(|x| x[a..b].iter().copied()).collect();
+                        return (i, sl, d);
+                    }
                     let (start, len) = rows(m.shape[0], ranks, r);
                     let sl = Slice::block(&m.shape, 0, start, len).unwrap();
                     let row_bytes = m.nbytes().unwrap() / m.shape[0];
