@@ -86,7 +86,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ranks: u64 = arg("--ranks", 4);
     let steps: u64 = arg("--steps", 4);
     let tp = std::env::args().any(|a| a == "--tp");
-    let by_cols = |m: &TensorMeta| tp && m.shape.len() == 2 && (m.name.contains("o_proj") || m.name.contains("down_proj"));
+    let by_cols =
+        |m: &TensorMeta| tp && m.shape.len() == 2 && (m.name.contains("o_proj") || m.name.contains("down_proj"));
     let metas = ModelSpec::with_bf16_bytes(mb << 20).metas();
     let total: u64 = metas.iter().map(|m| m.nbytes().unwrap()).sum();
     println!(

@@ -805,6 +805,17 @@ async fn try_commit(
         {
             return Err(bad("names another stream, step, generation or rank".into()));
         }
+        // A part names only its own objects (a rank cannot make readers fetch another's).
+        let own = layout::generation_name(g, &part_name(r, ""));
+        let names = p
+            .segments
+            .iter()
+            .map(|s| &s.object.object)
+            .chain([&p.edges.object])
+            .chain(p.slices.as_ref().map(|s| &s.object));
+        if let Some(n) = names.into_iter().find(|n| !n.starts_with(&own)) {
+            return Err(bad(format!("names object {n}, which is not its own")));
+        }
         check_part(&p).map_err(bad)?;
         parts.push(p);
     }
