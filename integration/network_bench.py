@@ -63,6 +63,9 @@ def upload_tree(client, bucket, prefix, root, skip=()):
 
 def agent(binary, url, endpoint, key, d):
     env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_ALLOW_HTTP="true", AWS_REGION="us-east-1")
+    # Start each measurement without the previous one's dirty pages still being written back
+    # (a catch-up right after a cold start otherwise waits for the anchor's writeback).
+    os.sync()
     t = time.perf_counter()
     o = subprocess.run([binary, "agent", "--once", "--json", "--bucket", url, "--endpoint", endpoint,
                         "--allow-http", "--trust", key, "--dir", d], capture_output=True, text=True, env=env)
@@ -93,6 +96,7 @@ def main():
             upload_tree(direct, bucket, prefix, os.path.join(sb, "bucket"), skip=("latest.json",))
             work = tempfile.mkdtemp(prefix="netbench-")
             r = {}
+            os.sync()
             t = time.perf_counter()
             via.download_file(bucket, f"{prefix_ck}/model.safetensors", os.path.join(work, "full.safetensors"),
                               Config=TransferConfig(max_concurrency=8))
