@@ -352,3 +352,62 @@ fn mixed_stream_single_then_sharded_then_single() {
     assert_eq!(ready_steps(td.path(), "anchors"), vec![1, 3, 5]);
     assert_eq!(ready_steps(td.path(), "deltas"), vec![2, 4, 6]);
 }
+
+/// A rank that uploaded its part of a step and was restarted uploads the same step again (a
+/// trainer resuming from its checkpoint): the committer sees two parts of that rank, cannot
+/// know which is current, and commits neither; the step after is an anchor and commits.
+#[test]
+fn a_restarted_rank_next_to_its_predecessors_part_is_refused() {
+    let td = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", td.path().join("bucket").display());
+    let key = Keypair::generate();
+    std::fs::write(td.path().join("key.pub"), key.public_pem().unwrap()).unwrap();
+    let chain = Arc::new(model_chain(3));
+    // The other ranks upload step 2 only after both of rank 3's parts are there, so the
+    // committer always sees both (never commits the first alone).
+    let both_up = Arc::new(Barrier::new(4));
+    let handles: Vec<_> = (0..4u64)
+        .map(|r| {
+            let (chain, url, key, both_up) = (chain.clone(), url.clone(), key.clone(), both_up.clone());
+            std::thread::spawn(move || {
+                let start = || builder(&url, &key).with_new_stream(true).build_sharded(r, 4, Duration::from_secs(3));
+                let mut p = start().unwrap();
+                let mut outs = vec![];
+                for (i, model) in chain.iter().enumerate() {
+                    let step = i as u64 + 1;
+                    if r == 3 && step == 2 {
+                        // The first process uploads its part of step 2 and dies; the restarted
+                        // one publishes step 2 from other weights (step 3's).
+                        let cuts = rank_cuts(model, &slices_of(r));
+                        p.publish(step, &shards(&cuts)).unwrap();
+                        drop(p);
+                        p = start().unwrap();
+                        let cuts = rank_cuts(&chain[2], &slices_of(r));
+                        p.publish(step, &shards(&cuts)).unwrap();
+                        both_up.wait();
+                        continue;
+                    }
+                    if step == 2 {
+                        both_up.wait();
+                    }
+                    let cuts = rank_cuts(model, &slices_of(r));
+                    outs.extend(p.publish(step, &shards(&cuts)).unwrap().outcome);
+                }
+                if r != 0 {
+                    let _ = p.flush();
+                }
+                outs
+            })
+        })
+        .collect();
+    let outs: Vec<Vec<StepOutcome>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let o = &outs[0];
+    assert!(o[0].committed);
+    assert!(!o[1].committed && o[1].next_anchor, "{:?}", o[1]);
+    assert!(o[1].reason.as_deref().unwrap().contains("rank 3 has two parts"), "{:?}", o[1].reason);
+    assert!(o[2].committed && o[2].of == Some(driftless_format::manifest::StepKind::Anchor), "{:?}", o[2]);
+    assert_eq!(ready_steps(td.path(), "deltas"), Vec::<u64>::new());
+    let a = td.path().join("a");
+    agent(&a, &url, &td.path().join("key.pub"));
+    assert_bit_exact(&a, &chain[2]);
+}

@@ -56,6 +56,10 @@ use crate::{Error, Result};
 pub const MAX_WORLD_SIZE: u64 = 1 << 16;
 /// Bytes of a slices object fetched per request when the committer gathers an anchor.
 const GATHER_WINDOW: u64 = 64 << 20;
+/// Bound on the edge bytes of one step's parts together, checked before they are fetched
+/// (row and flat cuts send under a leaf per cut; column-sharded tensors send their bytes, so
+/// this is also the largest column-sharded share of a model a step can carry).
+const MAX_EDGE_BYTES: u64 = 4 << 30;
 /// Bound on the part manifests of one step together (they list 1 MiB chunk digests: this
 /// covers models of several TB).
 const MAX_PARTS_BYTES: u64 = 256 << 20;
@@ -149,11 +153,15 @@ pub struct StepOutcome {
     pub reason: Option<String>,
     /// Whether the next step must be an anchor (a part was missing or disagreed).
     pub next_anchor: bool,
+    /// SHA-256 of each rank's part manifest the commit used, by rank: a rank adopts its copy
+    /// as the new base only when its own part is listed (not a predecessor's of that step).
+    #[serde(default)]
+    pub parts: Vec<Digest>,
 }
 
 impl StepOutcome {
     fn aborted(step: u64, reason: String, next_anchor: bool) -> Self {
-        StepOutcome { step, committed: false, of: None, root: None, reason: Some(reason), next_anchor }
+        StepOutcome { step, committed: false, of: None, root: None, reason: Some(reason), next_anchor, parts: vec![] }
     }
 }
 
@@ -200,8 +208,11 @@ pub struct ShardedPublisher {
     generation: Option<u64>,
     /// The slices of the last committed step and its weights root.
     committed: Option<(Copy, Digest)>,
-    /// A step sent and not yet resolved (other ranks), with its slices.
-    outstanding: Option<Copy>,
+    /// A step sent and not yet resolved (other ranks), with its slices and the SHA-256 of the
+    /// part manifest sent.
+    outstanding: Option<(Copy, Digest)>,
+    /// This process's nonce in its object names.
+    nonce: u32,
     next_anchor: bool,
     last_anchor: Option<u64>,
     last_step: Option<u64>,
@@ -214,14 +225,21 @@ impl std::fmt::Debug for ShardedPublisher {
     }
 }
 
-fn part_name(rank: u64, name: &str) -> String {
-    format!("r{rank:05}-{name}")
+/// `r<rank>-<nonce>-<name>`: the nonce is drawn by each process, so a restarted rank never
+/// writes (or is taken for) its predecessor's objects of the same step.
+fn part_name(rank: u64, nonce: u32, name: &str) -> String {
+    format!("r{rank:05}-{nonce:08x}-{name}")
 }
 
-/// The rank of a part manifest named `g<gen>-r<rank>-part.json`.
+/// The rank of a part manifest named `g<gen>-r<rank>-<nonce>-part.json`.
 fn part_rank(name: &str, generation: u64) -> Option<u64> {
     let rest = name.strip_prefix(&format!("g{generation}-r"))?.strip_suffix("-part.json")?;
-    (rest.len() == 5 && rest.bytes().all(|b| b.is_ascii_digit())).then(|| rest.parse().ok()).flatten()
+    let (rank, nonce) = rest.split_once('-')?;
+    let ok = rank.len() == 5
+        && rank.bytes().all(|b| b.is_ascii_digit())
+        && nonce.len() == 8
+        && nonce.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
+    ok.then(|| rank.parse().ok()).flatten()
 }
 
 impl PublisherBuilder {
@@ -304,6 +322,7 @@ impl PublisherBuilder {
             ctx,
             committed: None,
             outstanding: None,
+            nonce: rand::random(),
             next_anchor: false,
             last_anchor: None,
             last_step: None,
@@ -356,7 +375,8 @@ impl ShardedPublisher {
             Some(_) if !self.next_anchor && !anchor_due => PartKind::Delta,
             _ => PartKind::Anchor,
         };
-        let built = build_part(&self.cfg, &self.stream_id, g, self.rank, self.world_size, &copy, base, kind)?;
+        let who = Who { g, rank: self.rank, nonce: self.nonce, world_size: self.world_size };
+        let built = build_part(&self.cfg, &self.stream_id, who, &copy, base, kind)?;
         let part_bytes = built.objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
         rt.block_on(upload_part(&self.bucket, step, &built))?;
         let part_secs = t0.elapsed().as_secs_f64();
@@ -375,10 +395,10 @@ impl ShardedPublisher {
                     &self.committed,
                 ));
                 receipt.commit_secs = t1.elapsed().as_secs_f64();
-                self.settle(copy, &outcome);
+                self.settle(copy, built.sha, &outcome);
                 receipt.outcome = Some(outcome);
             }
-            None => self.outstanding = Some(copy),
+            None => self.outstanding = Some((copy, built.sha)),
         }
         Ok(receipt)
     }
@@ -411,9 +431,19 @@ impl ShardedPublisher {
         }
     }
 
-    /// Records an outcome: a committed step's slices become the base of the next delta.
-    fn settle(&mut self, copy: Copy, o: &StepOutcome) {
-        if o.committed {
+    /// Records an outcome: a committed step's slices become the base of the next delta, when
+    /// the commit used this process's part (`sent`, its manifest's SHA-256).
+    fn settle(&mut self, copy: Copy, sent: Digest, o: &StepOutcome) {
+        let mine = o.parts.get(self.rank as usize) == Some(&sent);
+        if o.committed && !mine {
+            warn!(
+                step = o.step,
+                rank = self.rank,
+                "the step was committed with another part of this rank; next step is an anchor"
+            );
+            self.committed = None;
+            self.next_anchor = true;
+        } else if o.committed {
             if o.of == Some(StepKind::Anchor) {
                 self.last_anchor = Some(o.step);
             }
@@ -428,13 +458,13 @@ impl ShardedPublisher {
 
     /// Learns the outcome of the outstanding step (ranks other than 0).
     fn resolve(&mut self) -> Result<Option<StepOutcome>> {
-        let Some(copy) = self.outstanding.take() else { return Ok(None) };
+        let Some((copy, sent)) = self.outstanding.take() else { return Ok(None) };
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
         let g = self.generation.expect("published under a generation");
         // The committer waits `commit_timeout` for parts, then commits: allow for both.
         let deadline = Instant::now() + self.commit_timeout * 2 + Duration::from_secs(30);
         let o = rt.block_on(wait_outcome(&self.bucket, &self.trust, copy.step, g, self.world_size, deadline));
-        self.settle(copy, &o);
+        self.settle(copy, sent, &o);
         Ok(Some(o))
     }
 }
@@ -452,6 +482,8 @@ fn copy_shards(step: u64, shards: &[Shard<'_>]) -> Result<Copy> {
         if !names.insert(s.name) {
             return Err(Error::Refused(format!("tensor {} is passed twice", s.name)));
         }
+        // The fields are public: check them as the constructors do.
+        Slice::new(&s.slice.shape, &s.slice.offsets, &s.slice.lengths)?;
         let n = driftless_format::numel(s.shape)?;
         if s.slice.shape != s.shape && s.slice.shape != [n] {
             return Err(driftless_format::Error::InvalidInput(format!(
@@ -483,21 +515,30 @@ fn copy_shards(step: u64, shards: &[Shard<'_>]) -> Result<Copy> {
 struct BuiltPart {
     /// (object name with generation, bytes); the part manifest last.
     objects: Vec<(String, Bytes)>,
+    /// SHA-256 of the part manifest.
+    sha: Digest,
+}
+
+/// Which process of which group writes a part.
+#[derive(Clone, Copy)]
+struct Who {
+    g: u64,
+    rank: u64,
+    nonce: u32,
+    world_size: u64,
 }
 
 /// Diffs (or copies) a rank's slices and builds its objects and signed part manifest.
-#[allow(clippy::too_many_arguments)]
 fn build_part(
     cfg: &PublisherBuilder,
     stream_id: &str,
-    g: u64,
-    rank: u64,
-    world_size: u64,
+    who: Who,
     copy: &Copy,
     base: Option<&(Copy, Digest)>,
     kind: PartKind,
 ) -> Result<BuiltPart> {
-    let name = |n: &str| layout::generation_name(g, &part_name(rank, n));
+    let Who { g, rank, nonce, world_size } = who;
+    let name = |n: &str| layout::generation_name(g, &part_name(rank, nonce, n));
     // Runs of every shard: (shard index, byte offset in the tensor, offset in the slice data, length).
     let mut runs: Vec<(usize, u64, usize, usize)> = vec![];
     for (i, (m, sl, _)) in copy.shards.iter().enumerate() {
@@ -606,8 +647,9 @@ fn build_part(
         stats,
     };
     let env = cfg.seal(&serde_json::to_vec(&m).expect("part serializes"))?;
+    let sha = Digest::of(&env);
     objects.push((name("part.json"), Bytes::from(env)));
-    Ok(BuiltPart { objects })
+    Ok(BuiltPart { objects, sha })
 }
 
 /// Write-once uploads of a part's objects, the part manifest last.
@@ -621,7 +663,7 @@ async fn upload_part(bucket: &Bucket, step: u64, part: &BuiltPart) -> Result<()>
         async move {
             match bucket.put_create(&key, b.clone()).await {
                 Ok(()) => Ok(()),
-                // This generation's rank name: only a retried request of this process wrote it.
+                // This process's nonce is in the name: only a retried request of it wrote it.
                 Err(e) if e.is_already_exists() => match bucket.head(&key).await {
                     Ok(i) if i.size == b.len() as u64 => Ok(()),
                     Ok(_) => Err(Error::Conflict { step, detail: format!("{key} exists with another size") }),
@@ -763,14 +805,16 @@ async fn try_commit(
     let mut wait = Duration::from_millis(50);
     let names: BTreeMap<u64, String> = loop {
         let listed = bucket.list(&layout::delta_dir(step)).await.map_err(store)?;
-        let found: BTreeMap<u64, String> = listed
-            .iter()
-            .filter_map(|o| {
-                let (_, _, n) = layout::parse_step_key(&o.key)?;
-                let n = n?;
-                part_rank(&n, g).filter(|&r| r < world_size).map(|r| (r, n))
-            })
-            .collect();
+        let mut found: BTreeMap<u64, String> = BTreeMap::new();
+        for o in &listed {
+            let Some((_, _, Some(n))) = layout::parse_step_key(&o.key) else { continue };
+            let Some(r) = part_rank(&n, g).filter(|&r| r < world_size) else { continue };
+            if let Some(other) = found.insert(r, n.clone()) {
+                // A restarted rank next to its predecessor's part: which is current is not
+                // knowable, so neither is used.
+                return Err((format!("step {step}: rank {r} has two parts ({other}, {n}); not committed"), true));
+            }
+        }
         if found.len() as u64 == world_size {
             break found;
         }
@@ -782,6 +826,7 @@ async fn try_commit(
         wait = (wait * 2).min(Duration::from_millis(500));
     };
     let mut parts = Vec::with_capacity(names.len());
+    let mut shas = Vec::with_capacity(names.len());
     let mut total = 0u64;
     for (&r, n) in &names {
         let b = bucket
@@ -806,17 +851,18 @@ async fn try_commit(
             return Err(bad("names another stream, step, generation or rank".into()));
         }
         // A part names only its own objects (a rank cannot make readers fetch another's).
-        let own = layout::generation_name(g, &part_name(r, ""));
+        let own = n.strip_suffix("part.json").expect("a part manifest name");
         let names = p
             .segments
             .iter()
             .map(|s| &s.object.object)
             .chain([&p.edges.object])
             .chain(p.slices.as_ref().map(|s| &s.object));
-        if let Some(n) = names.into_iter().find(|n| !n.starts_with(&own)) {
+        if let Some(n) = names.into_iter().find(|n| !n.starts_with(own)) {
             return Err(bad(format!("names object {n}, which is not its own")));
         }
         check_part(&p).map_err(bad)?;
+        shas.push(Digest::of(&b));
         parts.push(p);
     }
     // 2. One kind and one base for all parts.
@@ -837,6 +883,13 @@ async fn try_commit(
         PartKind::Anchor => None,
     };
     // 3. Edges, then every tensor's chunk digests from all parts.
+    let edges: u64 = parts.iter().fold(0u64, |a, p| a.saturating_add(p.edges.size));
+    if edges > MAX_EDGE_BYTES {
+        return Err((
+            format!("step {step}: parts send {edges} edge bytes, over the committer's {MAX_EDGE_BYTES} (column-sharded tensors send all their bytes: shard them by rows)"),
+            false,
+        ));
+    }
     let mut per_tensor: BTreeMap<String, (DType, Vec<u64>, Vec<PartDigest>)> = BTreeMap::new();
     for p in &parts {
         let e = &p.edges;
@@ -896,13 +949,15 @@ async fn try_commit(
             let mut stats = DeltaStats::default();
             let mut segments = vec![];
             for p in &parts {
+                // Saturating: the numbers come from other processes through the bucket.
                 let s = &p.stats;
-                stats.elements += s.elements;
-                stats.dense_bytes += s.dense_bytes;
-                stats.changed += s.changed;
-                stats.dense_chunks += s.dense_chunks;
-                stats.new_tensors += s.new_tensors;
-                stats.payload_bytes += s.payload_bytes;
+                stats.elements = stats.elements.saturating_add(s.elements);
+                stats.dense_bytes = stats.dense_bytes.saturating_add(s.dense_bytes);
+                stats.changed = stats.changed.saturating_add(s.changed);
+                stats.dense_chunks = stats.dense_chunks.saturating_add(s.dense_chunks);
+                stats.new_tensors = stats.new_tensors.saturating_add(s.new_tensors);
+                stats.removed_tensors = stats.removed_tensors.saturating_add(s.removed_tensors);
+                stats.payload_bytes = stats.payload_bytes.saturating_add(s.payload_bytes);
                 segments.extend(p.segments.iter().cloned());
             }
             let m = DeltaManifest {
@@ -959,7 +1014,15 @@ async fn try_commit(
             StepKind::Anchor
         }
     };
-    Ok(StepOutcome { step, committed: true, of: Some(done), root: Some(root), reason: None, next_anchor: false })
+    Ok(StepOutcome {
+        step,
+        committed: true,
+        of: Some(done),
+        root: Some(root),
+        reason: None,
+        next_anchor: false,
+        parts: shas,
+    })
 }
 
 /// Bounds on what a part declares, checked before anything it names is fetched: every run
@@ -1181,11 +1244,13 @@ mod tests {
 
     #[test]
     fn part_names_parse_only_for_their_generation() {
-        let n = layout::generation_name(7, &part_name(3, "part.json"));
-        assert_eq!(n, "g7-r00003-part.json");
+        let n = layout::generation_name(7, &part_name(3, 0xab, "part.json"));
+        assert_eq!(n, "g7-r00003-000000ab-part.json");
         assert_eq!(part_rank(&n, 7), Some(3));
         assert_eq!(part_rank(&n, 8), None);
-        assert_eq!(part_rank("g7-r3-part.json", 7), None);
-        assert_eq!(part_rank("g7-r00003-seg-0000.dls", 7), None);
+        assert_eq!(part_rank("g7-r3-000000ab-part.json", 7), None);
+        assert_eq!(part_rank("g7-r00003-part.json", 7), None);
+        assert_eq!(part_rank("g7-r00003-000000AB-part.json", 7), None);
+        assert_eq!(part_rank("g7-r00003-000000ab-seg-0000.dls", 7), None);
     }
 }

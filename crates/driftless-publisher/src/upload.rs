@@ -162,8 +162,12 @@ pub(crate) async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitE
     let conc = bucket.options().concurrency.max(1);
     let manifest_name = layout::generation_name(g, "manifest.json");
     let mut all: Vec<(String, Bytes)> = c.objects.to_vec();
-    let payload: u64 =
-        all.iter().map(|(_, b)| b.len() as u64).sum::<u64>() + c.uploaded.iter().map(|(_, n)| n).sum::<u64>();
+    // Saturating: the sizes of `uploaded` come from other processes through the bucket.
+    let payload: u64 = all
+        .iter()
+        .map(|(_, b)| b.len() as u64)
+        .chain(c.uploaded.iter().map(|(_, n)| *n))
+        .fold(0u64, u64::saturating_add);
     let env_sha = Digest::of(&c.envelope);
     // Payload first, the manifest after it, so a listed manifest implies its payload was sent.
     let mut pending: Vec<(String, Bytes)> = std::mem::take(&mut all);
@@ -237,7 +241,7 @@ pub(crate) async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitE
         }
         Err(e) => return Err(e.into()),
     }
-    Ok(payload + c.envelope.len() as u64)
+    Ok(payload.saturating_add(c.envelope.len() as u64))
 }
 
 fn kind_name(k: StepKind) -> &'static str {
