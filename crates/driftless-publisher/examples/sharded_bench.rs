@@ -17,7 +17,7 @@
 //! single-process `Publisher` on the gathered model in the same run: `publish()` plus
 //! `flush()` (until the ready marker). Buckets are `file://` in a temp dir. Step 1 is an
 //! anchor for both (the sharded committer gathers its anchor through the bucket), the rest
-//! deltas. Last, the weights root of a model whose one tensor holds half the bytes, on one
+//! deltas. Every figure starts after a `sync`. Last, the weights root of a model whose one tensor holds half the bytes, on one
 //! core and on all cores.
 
 use std::time::{Duration, Instant};
@@ -81,6 +81,12 @@ fn rows(n: u64, ranks: u64, r: u64) -> (u64, u64) {
     (start, (start + per).min(n) - start)
 }
 
+/// `sync`: flushes dirty pages so that writeback from the previous figure does not land in
+/// the next one.
+fn settle() {
+    let _ = std::process::Command::new("sync").status();
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mb: u64 = arg("--mb", 1024);
     let ranks: u64 = arg("--ranks", 4);
@@ -116,17 +122,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Duration::from_secs(600),
         )?);
     }
-    println!("\nsharded: step, kind, per-rank publish() s (ranks 1.., then rank 0 without its commit), max rank, commit s, bytes of all parts");
+    println!("\nsharded: step, kind, per-rank publish() s (ranks 1.., then rank 0 without its commit), max rank, commit s, per-rank MB, all parts MB");
     let mut sharded_rows = vec![];
     for s in 1..=steps {
         if s > 1 {
             step(&mut model, s);
         }
         let mut secs = vec![0.0; ranks as usize];
+        let mut rank_bytes = vec![0u64; ranks as usize];
         let mut bytes = 0;
         let mut commit = 0.0;
         let mut kind = String::new();
         for r in (1..ranks).chain([0]) {
+            // Each figure starts without the previous one's dirty pages being written back.
+            settle();
             let cuts: Vec<(usize, Slice, Vec<u8>)> = metas
                 .iter()
                 .enumerate()
@@ -158,6 +167,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .collect();
             let rc = pubs[r as usize].publish(s, &shards)?;
             secs[r as usize] = rc.part_secs;
+            rank_bytes[r as usize] = rc.part_bytes;
             bytes += rc.part_bytes;
             if let Some(o) = rc.outcome {
                 assert!(o.committed, "step {s}: {:?}", o.reason);
@@ -167,8 +177,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let max = secs.iter().cloned().fold(0.0, f64::max);
         println!(
-            "  {s}  {kind:6}  [{}]  max {max:.2}  commit {commit:.2}  {:.1} MB",
+            "  {s}  {kind:6}  [{}]  max {max:.2}  commit {commit:.2}  [{}] MB  {:.1} MB",
             secs.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" "),
+            rank_bytes.iter().map(|x| format!("{:.1}", *x as f64 / 1e6)).collect::<Vec<_>>().join(" "),
             bytes as f64 / 1e6
         );
         sharded_rows.push((kind, max, commit));
@@ -193,6 +204,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .zip(&model)
             .map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d })
             .collect();
+        settle();
         let t = Instant::now();
         let rc = p.publish(s, &views)?;
         let publish = t.elapsed().as_secs_f64();
