@@ -2,13 +2,14 @@
 //! commit through the bucket makes a signed step that agents read like any other
 //! (`docs/sharded.md`).
 //!
-//! Per step `S`, with `G` the group's generation (the committer's lease) and `k` the rank:
+//! Per step `S`, with `G` the group's generation (the committer's lease), `k` the rank and `N`
+//! the rank process's nonce:
 //!
 //! ```text
-//! deltas/S/gG-rk-seg-0000.dls   rank k's delta segments, positions in global coordinates
-//! deltas/S/gG-rk-edges.bin      the bytes of the root chunks rank k's runs only partly cover
-//! deltas/S/gG-rk-slices.bin     anchor steps: rank k's slice bytes
-//! deltas/S/gG-rk-part.json      rank k's signed part manifest (written after its objects)
+//! deltas/S/gG-rk-N-seg-0000.dls rank k's delta segments, positions in global coordinates
+//! deltas/S/gG-rk-N-edges.bin    the bytes of the leaves rank k's runs only partly cover
+//! deltas/S/gG-rk-N-slices.bin   anchor steps: rank k's slice bytes
+//! deltas/S/gG-rk-N-part.json    rank k's signed part manifest (written after its objects)
 //! deltas/S/gG-manifest.json     the committer's delta manifest over all parts
 //! anchors/S/...                 anchor steps: the anchor the committer assembled
 //! deltas/S/gG-outcome.json      the committer's signed verdict, written last
@@ -23,7 +24,8 @@
 //! chunk digests, writes the manifest and the ready marker through the same commit as the
 //! single-process publisher (claim, confirmation listing, lease check, marker), then the
 //! outcome. A step missing a part, or with parts that disagree, gets an outcome saying so and
-//! no ready marker; the next step is then an anchor (a rank that died lost its copy). The
+//! no ready marker; after a missing part, two parts of one rank, or a kind or base
+//! disagreement the next step is an anchor (a rank that died lost its copy). The
 //! other ranks read the outcome of their previous step at the start of their next `publish`,
 //! so the commit overlaps the trainer's next step.
 //!
