@@ -1255,4 +1255,85 @@ mod tests {
         assert_eq!(part_rank("g7-r00003-000000AB-part.json", 7), None);
         assert_eq!(part_rank("g7-r00003-000000ab-seg-0000.dls", 7), None);
     }
+
+    /// A committer with world size 2 and a forged part of rank 1 (signed with the stream's key,
+    /// so only the committer's own checks stand between it and a commit).
+    fn commit_against(forge: impl FnOnce(&mut PartManifest, &str)) -> StepOutcome {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let key = driftless_format::Keypair::generate();
+        let cfg = PublisherBuilder::new(url).with_key(key).with_new_stream(true);
+        let mut p0 = cfg.clone().build_sharded(0, 2, Duration::from_secs(2)).unwrap();
+        let g = p0.generation().unwrap();
+        let data = vec![7u8; 4 << 20];
+        let shape = [2u64 << 20];
+        let shard = |start: u64| Shard {
+            name: "w",
+            dtype: DType::BF16,
+            shape: &shape,
+            slice: Slice::flat(&shape, start, 1 << 20).unwrap(),
+            data: &data[..2 << 20],
+        };
+        // Rank 1's honest part of step 1, then forged and signed again.
+        let copy = copy_shards(1, &[shard(1 << 20)]).unwrap();
+        let who = Who { g, rank: 1, nonce: 9, world_size: 2 };
+        let built = build_part(&cfg, p0.stream_id(), who, &copy, None, PartKind::Anchor).unwrap();
+        let (name, env) = built.objects.last().unwrap().clone();
+        let e: driftless_format::sign::Envelope = serde_json::from_slice(&env).unwrap();
+        let mut m: PartManifest = serde_json::from_str(&e.payload).unwrap();
+        let own = name.strip_suffix("part.json").unwrap().to_string();
+        forge(&mut m, &own);
+        let forged = cfg.seal(&serde_json::to_vec(&m).unwrap()).unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let bucket = Bucket::open(&cfg.url, &cfg.store).unwrap();
+        rt.block_on(async {
+            for (n, b) in &built.objects[..built.objects.len() - 1] {
+                bucket.put(&layout::object(StepKind::Delta, 1, n), b.clone()).await.unwrap();
+            }
+            bucket.put(&layout::object(StepKind::Delta, 1, &name), Bytes::from(forged)).await.unwrap();
+        });
+        p0.publish(1, &[shard(0)]).unwrap().outcome.unwrap()
+    }
+
+    #[test]
+    fn an_honest_pair_of_parts_commits() {
+        let o = commit_against(|_, _| {});
+        assert!(o.committed, "{:?}", o.reason);
+    }
+
+    #[test]
+    fn a_part_naming_another_ranks_object_is_refused() {
+        let o = commit_against(|m, own| {
+            let other = own.replace("-r00001-", "-r00000-");
+            m.slices.as_mut().unwrap().object = format!("{other}slices.bin");
+        });
+        assert!(!o.committed);
+        assert!(o.reason.as_deref().unwrap().contains("which is not its own"), "{:?}", o.reason);
+    }
+
+    #[test]
+    fn edge_bytes_over_the_cap_are_refused_before_any_is_fetched() {
+        // 2^19 runs of 16382 bytes, each only edge bytes (no whole leaf): 8 GiB declared by a
+        // manifest of a few tens of MB, over a tensor declared large enough to hold them.
+        let o = commit_against(|m, _| {
+            let t = &mut m.tensors[0];
+            t.shape = vec![1 << 40];
+            t.lengths = vec![1 << 40];
+            t.runs = (0..1u64 << 19)
+                .map(|k| PartRun {
+                    start: 1 + k * 16384,
+                    len: 16382,
+                    head: 16382,
+                    head_leaves: vec![],
+                    chunks: vec![],
+                    tail_leaves: vec![],
+                    tail: 0,
+                })
+                .collect();
+            m.edges.size = (1u64 << 19) * 16382;
+            m.slices = None;
+        });
+        assert!(!o.committed);
+        assert!(o.reason.as_deref().unwrap().contains("edge bytes, over the committer's"), "{:?}", o.reason);
+    }
 }
