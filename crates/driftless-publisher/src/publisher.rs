@@ -141,57 +141,20 @@ impl PublisherBuilder {
         for (n, _) in &self.extra_files {
             driftless_format::validate_file_name(n)?;
         }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("driftless-upload")
-            .enable_all()
-            .build()?;
-        let bucket = match self.bucket.clone() {
-            Some(b) => b,
-            None => Bucket::open(&self.url, &self.store)?,
-        };
+        let (rt, bucket) = self.start()?;
         if !bucket.supports_conditional_create() {
             warn!(
                 url = bucket.url(),
                 "backend has no conditional create: two publishers on this stream would not be detected"
             );
         }
-        let stream_id = rt.block_on(self.open_stream(&bucket))?;
-        let (last_delta, last_anchor) = rt.block_on(async {
-            let r = StreamReader::new(bucket.clone(), TrustSet::new().allow_unsigned(true));
-            let d = r.ready_steps(StepKind::Delta, None).await?.last().copied();
-            let a = r.ready_steps(StepKind::Anchor, None).await?.last().copied();
-            Ok::<_, driftless_store::stream::StreamError>((d, a))
-        })?;
+        let (ctx, last_delta, last_anchor) = self.context(&rt, &bucket, None)?;
+        let (stream_id, generation, shared) = (ctx.stream_id.clone(), ctx.generation, ctx.shared.clone());
         // Numbering resumes after the newest *committed* step: objects of a step without a
         // marker (a killed predecessor's) carry that generation's names and collide with
         // nothing, so the step can be committed again.
         let last_step = last_delta.max(last_anchor);
-        let generation = rt.block_on(acquire_generation(&bucket, &stream_id, self.lease_ttl, None))?;
         info!(stream_id, last_step, generation, url = bucket.url(), "publisher ready");
-        let shared = Arc::new(Shared::default());
-        shared.update(|s| {
-            s.last_delta = last_delta;
-            s.last_anchor = last_anchor;
-            s.lease_until = Some(Instant::now() + self.lease_ttl);
-        });
-        let mut trust = TrustSet::new().allow_unsigned(self.key.is_none());
-        if let Some(k) = &self.key {
-            trust = trust.with_key(k.public());
-        }
-        let ctx = Arc::new(Ctx {
-            bucket: bucket.clone(),
-            stream_id: stream_id.clone(),
-            key: self.key.clone(),
-            shared: shared.clone(),
-            generation,
-            lease_ttl: self.lease_ttl,
-            world_size: None,
-            reader: StreamReader::new(bucket.clone(), trust),
-            // Start the hint from what the bucket holds, so the first hint after a restart
-            // does not forget the ready steps of the previous run.
-            latest: tokio::sync::Mutex::new((last_delta, last_anchor)),
-        });
         rt.block_on(bucket.put(&layout::lease(generation), ctx.lease_bytes()))?;
         let (tx, rx) = tokio::sync::mpsc::channel(self.queue_depth);
         rt.spawn(upload::delta_loop(ctx.clone(), rx));
@@ -215,12 +178,69 @@ impl PublisherBuilder {
         })
     }
 
-    pub(crate) async fn open_stream(&self, bucket: &Bucket) -> Result<String> {
-        let mut trust = TrustSet::new().allow_unsigned(self.key.is_none());
-        if let Some(k) = &self.key {
-            trust = trust.with_key(k.public());
+    /// The runtime uploads run on, and the bucket.
+    pub(crate) fn start(&self) -> Result<(tokio::runtime::Runtime, Bucket)> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("driftless-upload")
+            .enable_all()
+            .build()?;
+        let bucket = match self.bucket.clone() {
+            Some(b) => b,
+            None => Bucket::open(&self.url, &self.store)?,
+        };
+        Ok((rt, bucket))
+    }
+
+    /// The keys this publisher reads its own stream back with.
+    pub(crate) fn trust(&self) -> TrustSet {
+        let trust = TrustSet::new().allow_unsigned(self.key.is_none());
+        match &self.key {
+            Some(k) => trust.with_key(k.public()),
+            None => trust,
         }
-        let reader = StreamReader::new(bucket.clone(), trust);
+    }
+
+    /// Opens (or creates) the stream and takes a publisher generation (`world_size`: a
+    /// sharded committer's); returns the upload context and the newest ready delta and anchor.
+    pub(crate) fn context(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        bucket: &Bucket,
+        world_size: Option<u64>,
+    ) -> Result<(Arc<Ctx>, Option<u64>, Option<u64>)> {
+        let stream_id = rt.block_on(self.open_stream(bucket))?;
+        let (last_delta, last_anchor) = rt.block_on(async {
+            let r = StreamReader::new(bucket.clone(), TrustSet::new().allow_unsigned(true));
+            let d = r.ready_steps(StepKind::Delta, None).await?.last().copied();
+            let a = r.ready_steps(StepKind::Anchor, None).await?.last().copied();
+            Ok::<_, driftless_store::stream::StreamError>((d, a))
+        })?;
+        let generation = rt.block_on(acquire_generation(bucket, &stream_id, self.lease_ttl, world_size))?;
+        let shared = Arc::new(Shared::default());
+        shared.update(|s| {
+            s.last_delta = last_delta;
+            s.last_anchor = last_anchor;
+            s.lease_until = Some(Instant::now() + self.lease_ttl);
+        });
+        let ctx = Arc::new(Ctx {
+            bucket: bucket.clone(),
+            stream_id,
+            key: self.key.clone(),
+            shared,
+            generation,
+            lease_ttl: self.lease_ttl,
+            world_size,
+            reader: StreamReader::new(bucket.clone(), self.trust()),
+            // Start the hint from what the bucket holds, so the first hint after a restart
+            // does not forget the ready steps of the previous run.
+            latest: tokio::sync::Mutex::new((last_delta, last_anchor)),
+        });
+        Ok((ctx, last_delta, last_anchor))
+    }
+
+    pub(crate) async fn open_stream(&self, bucket: &Bucket) -> Result<String> {
+        let reader = StreamReader::new(bucket.clone(), self.trust());
         let my_id = self.key.as_ref().map(|k| k.id().to_string());
         // Stream id of a descriptor taken over: kept, so the chain stays one stream.
         let mut taken_id = None;
@@ -993,12 +1013,7 @@ impl Pending {
 
 /// Takes the next free publisher generation: one more than any lease in the bucket, created
 /// write-once so two starting publishers never share one.
-pub(crate) async fn acquire_generation(
-    bucket: &Bucket,
-    stream_id: &str,
-    ttl: Duration,
-    world_size: Option<u64>,
-) -> Result<u64> {
+async fn acquire_generation(bucket: &Bucket, stream_id: &str, ttl: Duration, world_size: Option<u64>) -> Result<u64> {
     let list = bucket.list(layout::leases_prefix()).await?;
     let mut g = list.iter().filter_map(|o| layout::parse_claim_or_lease(&o.key)).max().map_or(1, |g| g + 1);
     for _ in 0..16 {

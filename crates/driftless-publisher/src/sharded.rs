@@ -50,8 +50,8 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::publisher::{acquire_generation, encode_spooled, spool_dir, PublisherBuilder, SpooledStep};
-use crate::upload::{self, commit_step, Commit, CommitError, Ctx, Shared};
+use crate::publisher::{encode_spooled, spool_dir, PublisherBuilder, SpooledStep};
+use crate::upload::{self, commit_step, Commit, CommitError, Ctx};
 use crate::{Error, Result};
 
 /// Largest number of ranks a step may have.
@@ -254,44 +254,19 @@ impl PublisherBuilder {
         if world_size == 0 || world_size > MAX_WORLD_SIZE || rank >= world_size {
             return Err(Error::Refused(format!("rank {rank} of world size {world_size}")));
         }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("driftless-upload")
-            .enable_all()
-            .build()?;
-        let bucket = match self.bucket.clone() {
-            Some(b) => b,
-            None => Bucket::open(&self.url, &self.store)?,
-        };
-        let mut trust = TrustSet::new().allow_unsigned(self.key.is_none());
-        if let Some(k) = &self.key {
-            trust = trust.with_key(k.public());
-        }
+        let (rt, bucket) = self.start()?;
+        let trust = self.trust();
         let reader = StreamReader::new(bucket.clone(), trust.clone());
         let (stream_id, ctx) = if rank == 0 {
-            let stream_id = rt.block_on(self.open_stream(&bucket))?;
-            let g = rt.block_on(acquire_generation(&bucket, &stream_id, self.lease_ttl, Some(world_size)))?;
-            let shared = Arc::new(Shared::default());
-            shared.update(|s| s.lease_until = Some(Instant::now() + self.lease_ttl));
-            let (d, a) = rt.block_on(async {
-                let d = reader.ready_steps(StepKind::Delta, None).await?.last().copied();
-                let a = reader.ready_steps(StepKind::Anchor, None).await?.last().copied();
-                Ok::<_, driftless_store::stream::StreamError>((d, a))
-            })?;
-            let ctx = Arc::new(Ctx {
-                bucket: bucket.clone(),
-                stream_id: stream_id.clone(),
-                key: self.key.clone(),
-                shared,
-                generation: g,
-                lease_ttl: self.lease_ttl,
-                world_size: Some(world_size),
-                reader,
-                latest: tokio::sync::Mutex::new((d, a)),
-            });
+            let (ctx, _, _) = self.context(&rt, &bucket, Some(world_size))?;
             rt.spawn(upload::lease_loop(ctx.clone()));
-            info!(stream_id, generation = g, world_size, "sharded publisher: committer ready");
-            (stream_id, Some(ctx))
+            info!(
+                stream_id = ctx.stream_id,
+                generation = ctx.generation,
+                world_size,
+                "sharded publisher: committer ready"
+            );
+            (ctx.stream_id.clone(), Some(ctx))
         } else {
             let deadline = Instant::now() + commit_timeout;
             let id = rt.block_on(async {
@@ -656,27 +631,20 @@ fn build_part(
 
 /// Write-once uploads of a part's objects, the part manifest last.
 async fn upload_part(bucket: &Bucket, step: u64, part: &BuiltPart) -> Result<()> {
-    use futures::stream::{self, TryStreamExt};
+    // The same write-once puts as a step's own objects: this process's nonce is in every
+    // name, so an existing object of the right size is a retried request of this process.
     let (manifest, payload) = part.objects.split_last().expect("a part has a manifest");
     let conc = bucket.options().concurrency.max(1);
-    let put = |(n, b): &(String, Bytes)| {
-        let key = layout::object(StepKind::Delta, step, n);
-        let b = b.clone();
-        async move {
-            match bucket.put_create(&key, b.clone()).await {
-                Ok(()) => Ok(()),
-                // This process's nonce is in the name: only a retried request of it wrote it.
-                Err(e) if e.is_already_exists() => match bucket.head(&key).await {
-                    Ok(i) if i.size == b.len() as u64 => Ok(()),
-                    Ok(_) => Err(Error::Conflict { step, detail: format!("{key} exists with another size") }),
-                    Err(e) => Err(e.into()),
-                },
-                Err(e) => Err(e.into()),
-            }
-        }
+    let put = |objects| upload::put_own(bucket, StepKind::Delta, step, objects, conc);
+    let r = match put(payload).await {
+        Ok(()) => put(std::slice::from_ref(manifest)).await,
+        Err(e) => Err(e),
     };
-    stream::iter(payload.iter().map(Ok::<_, Error>)).try_for_each_concurrent(conc, put).await?;
-    put(manifest).await
+    r.map_err(|e| match e {
+        CommitError::Store(e) => Error::Store(e),
+        CommitError::Conflict(detail) => Error::Conflict { step, detail },
+        CommitError::Unconfirmed(detail) => Error::Upload { step, detail },
+    })
 }
 
 /// The generation of the newest lease, which must be a sharded committer's with this world

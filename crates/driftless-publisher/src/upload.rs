@@ -254,7 +254,7 @@ fn kind_name(k: StepKind) -> &'static str {
 /// Write-once puts of this generation's objects. An object that already exists carries this
 /// generation's name, so only this process wrote it (a retried request that landed): it is
 /// accepted when its size matches.
-async fn put_own(
+pub(crate) async fn put_own(
     bucket: &Bucket,
     kind: StepKind,
     step: u64,

@@ -196,7 +196,11 @@ impl PyFollower {
             drop(borrowed);
             match r? {
                 Some((s, root, route, bytes, n)) => Ok(outcome_dict(py, s, root, route, bytes, n)?),
-                None => Err(BindError::NothingReady("nothing to sync yet: no stream or no ready anchor at this URL (not published yet, or a wrong URL)".into()).into()),
+                None => Err(BindError::NothingReady(
+                    "nothing to sync yet: no stream or no ready anchor at this URL (not published yet, or a wrong URL)"
+                        .into(),
+                )
+                .into()),
             }
         })
     }
@@ -340,7 +344,10 @@ impl PyFollower {
             ))),
             Some(_) => Ok(None),
             None if local.is_some() => Ok(None),
-            None => Err(BindError::NothingReady("nothing to sync yet: no stream or no ready anchor at this URL (not published yet, or a wrong URL)".into())),
+            None => Err(BindError::NothingReady(
+                "nothing to sync yet: no stream or no ready anchor at this URL (not published yet, or a wrong URL)"
+                    .into(),
+            )),
         }
     }
 

@@ -20,6 +20,38 @@ pub(crate) fn read_key(s: &str) -> Result<Keypair, BindError> {
     r.map_err(|e| BindError::Input(format!("signing key: {e}")))
 }
 
+/// The arguments both publisher classes take.
+pub(crate) struct Common {
+    pub(crate) bucket_url: String,
+    pub(crate) signing_key: Option<String>,
+    pub(crate) anchor_every: u64,
+    pub(crate) new_stream: bool,
+    pub(crate) takeover: bool,
+    pub(crate) spool_dir: Option<String>,
+    pub(crate) max_shard_bytes: Option<u64>,
+}
+
+impl Common {
+    /// A publisher builder from the common arguments and store options.
+    pub(crate) fn builder(self, opts: driftless_store::StoreOptions) -> Result<PublisherBuilder, BindError> {
+        let mut b = PublisherBuilder::new(self.bucket_url)
+            .with_store_options(opts)
+            .with_anchor_every(self.anchor_every)
+            .with_new_stream(self.new_stream)
+            .with_takeover(self.takeover);
+        if let Some(k) = self.signing_key {
+            b = b.with_key(read_key(&k)?);
+        }
+        if let Some(d) = self.spool_dir {
+            b = b.with_spool_dir(d);
+        }
+        if let Some(n) = self.max_shard_bytes {
+            b = b.with_max_shard_bytes(n);
+        }
+        Ok(b)
+    }
+}
+
 /// Low-level publisher; use `driftless.Publisher`.
 #[pyclass(module = "driftless._native", name = "Publisher", subclass)]
 pub(crate) struct PyPublisher {
@@ -56,24 +88,12 @@ impl PyPublisher {
     ) -> PyResult<Self> {
         crate::errors::guard(|| {
             let opts = store_options(endpoint, allow_http, region, max_retries, retry_timeout)?;
-            let mut b = PublisherBuilder::new(bucket_url)
-                .with_store_options(opts)
-                .with_anchor_every(anchor_every)
-                .with_queue_depth(queue_depth)
-                .with_new_stream(new_stream)
-                .with_takeover(takeover);
-            if let Some(k) = signing_key {
-                b = b.with_key(read_key(&k)?);
-            }
-            if let Some(d) = spool_dir {
-                b = b.with_spool_dir(d);
-            }
+            let common =
+                Common { bucket_url, signing_key, anchor_every, new_stream, takeover, spool_dir, max_shard_bytes };
+            let mut b = common.builder(opts)?.with_queue_depth(queue_depth);
             if let Some(v) = value_mode {
                 let mode: ValueMode = v.parse().map_err(BindError::Format)?;
                 b = b.with_delta_options(driftless_format::DeltaOptions { values: mode, ..Default::default() });
-            }
-            if let Some(n) = max_shard_bytes {
-                b = b.with_max_shard_bytes(n);
             }
             if let Some(f) = anchor_chain_fraction {
                 b = b.with_anchor_chain_fraction(f);

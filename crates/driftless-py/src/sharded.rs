@@ -2,14 +2,14 @@
 
 use std::sync::Mutex;
 
+use driftless_format::numel;
 use driftless_format::slice::Slice;
-use driftless_format::{numel, Keypair};
-use driftless_publisher::{PartKind, PublisherBuilder, Shard, ShardedPublisher, StepOutcome};
+use driftless_publisher::{PartKind, Shard, ShardedPublisher, StepOutcome};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::{invalid, BindError};
-use crate::publisher::{read_key, secs};
+use crate::publisher::{secs, Common};
 use crate::store_options;
 use crate::tensors::{borrow, Borrowed};
 
@@ -36,8 +36,7 @@ fn extract_shard(name: &str, spec: &Bound<'_, PyAny>) -> PyResult<Option<PyShard
     }
     let data = get("data")?.ok_or_else(|| invalid(format!("shard {name}: no data")))?;
     let data = borrow(name, &data, false)?;
-    let shape: Vec<u64> =
-        get("shape")?.ok_or_else(|| invalid(format!("shard {name}: no global shape")))?.extract()?;
+    let shape: Vec<u64> = get("shape")?.ok_or_else(|| invalid(format!("shard {name}: no global shape")))?.extract()?;
     let offsets: Option<Vec<u64>> = get("offsets")?.map(|v| v.extract()).transpose()?;
     let flat: Option<u64> = get("flat_offset")?.map(|v| v.extract()).transpose()?;
     let err = |e: driftless_format::Error| invalid(format!("shard {name}: {e}"));
@@ -99,21 +98,9 @@ impl PyShardedPublisher {
     ) -> PyResult<Self> {
         crate::errors::guard(|| {
             let opts = store_options(endpoint, allow_http, region, max_retries, retry_timeout)?;
-            let mut b = PublisherBuilder::new(bucket_url)
-                .with_store_options(opts)
-                .with_anchor_every(anchor_every)
-                .with_new_stream(new_stream)
-                .with_takeover(takeover);
-            if let Some(k) = signing_key {
-                let k: Keypair = read_key(&k)?;
-                b = b.with_key(k);
-            }
-            if let Some(d) = spool_dir {
-                b = b.with_spool_dir(d);
-            }
-            if let Some(n) = max_shard_bytes {
-                b = b.with_max_shard_bytes(n);
-            }
+            let common =
+                Common { bucket_url, signing_key, anchor_every, new_stream, takeover, spool_dir, max_shard_bytes };
+            let b = common.builder(opts)?;
             let timeout = secs(commit_timeout)?;
             let p = py.allow_threads(|| b.build_sharded(rank, world_size, timeout)).map_err(BindError::from)?;
             Ok(PyShardedPublisher { inner: Mutex::new(Some(p)) })
