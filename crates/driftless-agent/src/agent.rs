@@ -15,7 +15,7 @@ use bytes::Bytes;
 use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
 use driftless_format::manifest::{now_ms, DeltaManifest, LatestHint, ReadyMarker, StepKind};
-use driftless_format::{anchor, fused, ops, AnchorEncoding, Checkpoint, CheckpointMut, Digest, TrustSet};
+use driftless_format::{anchor, fused, ops, AnchorEncoding, Checkpoint, CheckpointFiles, Digest, TrustSet};
 use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
@@ -595,6 +595,8 @@ impl Agent {
         }
         let mut bytes = 0u64;
         let mut rebuilt = false;
+        // The slot the work slot is rebuilt from, by its first pass (`apply_group`).
+        let mut seed: Option<PathBuf> = None;
         // (step, root) the work slot holds as the chain starts.
         let (mut at, deltas): (Held, Vec<u64>) = match route.anchor {
             Some(a) => {
@@ -620,7 +622,9 @@ impl Agent {
                         (h, d)
                     }
                     None => {
-                        self.copy_active(&wdir).await?;
+                        // The first pass reads the active slot and writes the work slot (no
+                        // separate copy: the model is read once and written once).
+                        seed = Some(self.dir.slot(prev.as_ref().expect("local state").active));
                         rebuilt = true;
                         self.metrics.slot_rebuilds.fetch_add(1, Relaxed);
                         (base, route.deltas.clone())
@@ -636,8 +640,11 @@ impl Agent {
         // Consecutive deltas of one layout are applied together in one pass over the model,
         // verified once at the end (every result root is signed, so the final check proves the final state;
         // a mismatch is retried `careful`ly, one verified delta at a time, to name the step).
-        let mut layout =
-            if deltas.is_empty() { None } else { Some(Checkpoint::open(&wdir).map_err(Error::from)?.layout()) };
+        let mut layout = if deltas.is_empty() {
+            None
+        } else {
+            Some(Checkpoint::open(seed.as_deref().unwrap_or(&wdir)).map_err(Error::from)?.layout())
+        };
         let mut patch = match (&prev, route.anchor, &layout) {
             (Some(p), None, Some(l)) if self.cfg.notify.iter().any(Notifier::wants_patch) => {
                 PatchBuilder::new(p.step, l.tensors()).inspect_err(|e| warn!(error = %e, "no patch for this step")).ok()
@@ -673,7 +680,11 @@ impl Agent {
             if layout.as_ref().is_some_and(|l| ops::needs_rewrite(l, &m)) {
                 let pending = std::mem::take(&mut group);
                 group_raw = 0;
-                self.apply_group(&wdir, pending, false, careful).await?;
+                let from = if pending.is_empty() { None } else { seed.take() };
+                self.apply_group(&wdir, pending, false, careful, from).await?;
+                if seed.take().is_some() {
+                    self.copy_active(&wdir).await?;
+                }
                 drop(segs);
                 // A layout change is no patch: the engine reloads from the directory.
                 patch = None;
@@ -685,10 +696,13 @@ impl Agent {
                 if verify || group_raw > GROUP_RAW_BYTES {
                     let pending = std::mem::take(&mut group);
                     group_raw = 0;
-                    self.apply_group(&wdir, pending, verify, pinpoint).await?;
+                    self.apply_group(&wdir, pending, verify, pinpoint, seed.take()).await?;
                 }
             }
             self.cached.push((d, shas));
+        }
+        if seed.take().is_some() {
+            self.copy_active(&wdir).await?;
         }
         self.metrics.apply_ms.store(t.elapsed().as_millis() as u64, Relaxed);
         // Durable before announced: data, then state, then the link, then notify.
@@ -1068,13 +1082,16 @@ impl Agent {
     /// Applies a group of consecutive same-layout deltas in place onto the work slot in one
     /// pass over the model ([`fused::apply_and_hash`]: each region is applied by every delta of
     /// the group and hashed while it is in cache) and, when `verify`, checks the root of the
-    /// result against the last delta's signed result root. The maps are msync'ed.
+    /// result against the last delta's signed result root. The writes are made durable (fdatasync).
+    /// With `seed`, the work slot is first replaced by a frame of that slot and the pass reads
+    /// `seed` and writes every block of the work slot (a rebuild and an apply in one pass).
     async fn apply_group(
         &mut self,
         wdir: &Path,
         group: Vec<(DeltaManifest, Vec<DecodedSegment>)>,
         verify: bool,
         pinpoint: bool,
+        seed: Option<PathBuf>,
     ) -> Result<(), BuildError> {
         let Some(last) = group.last().map(|(m, _)| m.clone()) else { return Ok(()) };
         // Several unverified deltas in one pass: a fault names no single step (retried carefully).
@@ -1083,25 +1100,44 @@ impl Agent {
         let t = Instant::now();
         let n = group.len();
         let verify_ms = tokio::task::spawn_blocking(move || -> Result<u64> {
-            let mut ck = CheckpointMut::open(&dir)?;
-            let metas = ck.metas();
-            // No writeback while the pass runs: cleaning pages of the shared mapping while
-            // other threads still write it costs a TLB shootdown (an IPI to every core
-            // running the pass) per batch of pages. `speed_bench proc`, 1 GiB model, 2 cores:
-            // pass + msync 1.12 s with each finished tensor's writeback started at once
-            // (`Writeback`), 0.59 s with one msync after the pass (hash alone 0.32 s).
+            // Blocks are read, changed and written back with pread/pwrite (no writable map),
+            // and each finished piece's writeback starts at once, so that the disk writes
+            // while the pass goes on and the fdatasync after it waits for the tail only.
+            // `speed_bench proc`, 1 GiB model, 2 cores: hash alone 0.32 s; the pass on a
+            // writable map then msync 0.59 s (writeback could not start earlier there: see
+            // `CheckpointFiles`); this way 0.40 s.
+            // With a seed (the active slot, when the work slot cannot be brought forward), the
+            // pass reads the seed and writes every block into a fresh frame of it: the rebuild
+            // and the apply are one pass, not a copy then a pass.
+            let source = match &seed {
+                Some(from) => {
+                    let src = CheckpointFiles::open_read_only(from)?;
+                    if dir.exists() {
+                        std::fs::remove_dir_all(&dir)?;
+                    }
+                    let to = src.frame_copy(&dir)?;
+                    Some((src, to))
+                }
+                None => None,
+            };
+            let opened;
+            let (files, target) = match &source {
+                Some((from, to)) => (to, fused::Target::Copy { from, to }),
+                None => {
+                    opened = CheckpointFiles::open(&dir)?;
+                    (&opened, fused::Target::Files(&opened))
+                }
+            };
+            let metas = files.metas();
             let tv = Instant::now();
             let chain: Vec<&[DecodedSegment]> = group.iter().map(|(_, s)| &s[..]).collect();
-            let digests = {
-                let tm = ck.tensors_mut();
-                fused::apply_and_hash(&tm, &metas, &chain, verify, &|_| {})?
-            };
+            let digests = fused::apply_and_hash(target, &metas, &chain, verify)?;
             if let Some(d) = digests {
                 ops::check_root(&metas, &d, &last.shards, last.result_root)?;
             }
             let verified = tv.elapsed();
             let tf = Instant::now();
-            ck.flush()?;
+            files.sync()?;
             debug!(pass_secs = verified.as_secs_f64(), flush_secs = tf.elapsed().as_secs_f64(), "pass and flush");
             Ok(verified.as_millis() as u64)
         })

@@ -375,7 +375,7 @@ fn durability_order_in_a_syscall_trace() {
         "-f",
         "-qq",
         "-e",
-        "trace=fsync,fdatasync,msync,rename,renameat,renameat2,unlink,unlinkat,symlink,symlinkat,openat",
+        "trace=fsync,fdatasync,msync,rename,renameat,renameat2,unlink,unlinkat,symlink,symlinkat,openat,close",
         "-o",
     ])
     .arg(&trace)
@@ -397,16 +397,49 @@ fn durability_order_in_a_syscall_trace() {
     let first = |pat: &dyn Fn(&str) -> bool| lines.iter().position(|l| pat(l));
     let state_rename = first(&|l| l.contains("rename") && l.contains("state.json.tmp")).expect("state.json renamed");
     let link_rename = first(&|l| l.contains("rename") && l.contains("current.tmp")).expect("current re-pointed");
-    // The new slot's shard files: msync'ed (in-place writes) and each fsync'ed, before the
-    // state names the slot.
+    // The new slot's shard files: each one opened for writing (blocks written in place with
+    // pwrite) is synced (fsync or fdatasync through any descriptor of it) after that open and
+    // before the state names the slot. Descriptors are process-wide: follow openat and close.
     let before = &lines[..state_rename];
-    let msyncs = before.iter().filter(|l| l.contains("msync(") && l.contains("MS_SYNC")).count();
+    let ret = |l: &str| l.rsplit("= ").next().and_then(|r| r.split_whitespace().next()).map(str::to_string);
+    let path = |l: &str| l.split('"').nth(1).map(str::to_string);
+    let mut open: std::collections::HashMap<String, String> = Default::default();
+    let mut written: Vec<(usize, String)> = vec![];
+    let mut synced: Vec<(usize, String)> = vec![];
+    for (i, l) in before.iter().enumerate() {
+        if l.contains("openat(") {
+            if let (Some(fd), Some(p)) = (ret(l), path(l)) {
+                if p.contains("/slots/") && p.ends_with(".safetensors") && l.contains("O_RDWR") {
+                    written.push((i, p.clone()));
+                }
+                open.insert(fd, p);
+            }
+        } else if let Some(fd) = l.split("close(").nth(1).and_then(|r| r.split(')').next()) {
+            open.remove(fd);
+        } else if let Some(fd) = l.split("sync(").nth(1).and_then(|r| r.split(')').next()) {
+            if let Some(p) = open.get(fd) {
+                synced.push((i, p.clone()));
+            }
+        }
+    }
+    assert!(written.len() >= 2, "the fast path did not open the slot's shard files for writing");
+    // The served (old) slot is only ever read.
+    let new_slot = lines[link_rename..]
+        .iter()
+        .chain(&lines[..link_rename])
+        .find_map(|l| l.split("symlink(\"slots/").nth(1).and_then(|r| r.split('"').next()))
+        .expect("the symlink to the new slot");
+    for (_, p) in &written {
+        assert!(p.contains(&format!("/slots/{new_slot}/")), "{p} of the served slot opened for writing");
+    }
+    for (i, p) in &written {
+        assert!(synced.iter().any(|(j, q)| j > i && q == p), "{p} written but not synced before the state write");
+    }
     let slot_fsyncs = before
         .windows(2)
         .filter(|w| w[0].contains("openat") && w[0].contains("/slots/") && w[1].contains("fsync("))
         .count();
-    let data_flush = (msyncs > 0 && slot_fsyncs >= 2).then_some(());
-    assert!(data_flush.is_some(), "no data flush before the state write");
+    assert!(slot_fsyncs >= 2, "no data flush before the state write");
     // The slot's shard files were opened and fsync'ed before the state rename.
     let slot_open = first(&|l| l.contains("openat") && l.contains("/slots/") && l.contains(".safetensors"));
     assert!(slot_open.is_some_and(|i| i < state_rename), "slot files not flushed before the state");

@@ -126,11 +126,10 @@ fn main() {
                 }
                 let t = Instant::now();
                 let d = driftless_format::fused::apply_and_hash_blocks(
-                    &tm,
+                    driftless_format::fused::Target::Memory(&tm),
                     &metas,
                     &[&segs],
                     true,
-                    &|_| {},
                     driftless_format::fused::BLOCK,
                     piece,
                 )

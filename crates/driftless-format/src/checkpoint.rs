@@ -2,7 +2,8 @@
 //!
 //! A [`Checkpoint`] is read-only (publisher snapshots, `driftless diff`, hashing). A
 //! [`CheckpointMut`] maps the same files writable so deltas are applied in place, or creates a
-//! fresh checkpoint of a given [`Layout`] (anchor decode, layout-changing deltas).
+//! fresh checkpoint of a given [`Layout`] (anchor decode, layout-changing deltas). A
+//! [`CheckpointFiles`] opens them for block-wise `pread`/`pwrite` (the agent's fast path).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions};
@@ -10,8 +11,6 @@ use std::marker::PhantomData;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-
-use std::os::fd::FromRawFd;
 
 use memmap2::{Mmap, MmapMut};
 use serde::{Deserialize, Serialize};
@@ -472,7 +471,6 @@ impl Default for TensorsMut<'_> {
 
 struct ShardMut {
     path: PathBuf,
-    file: File,
     map: MmapMut,
     data_start: usize,
     tensors: Vec<(TensorMeta, Range<usize>)>,
@@ -505,33 +503,167 @@ pub fn allocate_file(path: &Path, len: u64) -> Result<File> {
     }
 }
 
-/// Starts the writeback of tensors whose writes are finished (`sync_file_range` with
-/// `SYNC_FILE_RANGE_WRITE`: asynchronous, waits for nothing), so that the disk writes while the
-/// rest of the model is still being applied and hashed, and the final msync/fsync only waits
-/// for the tail. Durability still comes from that msync/fsync; this only moves I/O earlier.
+/// A checkpoint directory opened for block-wise reads and writes with `pread`/`pwrite`, no
+/// writable map: the agent's fast path ([`crate::fused::Target::Files`]).
 ///
-/// The agent does not use it: while other threads still write the mapping, cleaning its pages
-/// costs TLB shootdowns that outweigh the overlap (measured in `speed_bench proc`, which keeps
-/// both variants side by side).
+/// Why not the writable map: at 1% density every 4 KiB page of a BF16 model changes, so the
+/// whole model is dirtied and must reach the disk before the step is announced. Through a
+/// shared writable map every page costs a write fault, and starting writeback while other
+/// threads still write the map makes the kernel write-protect pages that are mapped writable,
+/// a TLB shootdown (an IPI to every core running the pass) per batch; so the map's writeback
+/// could only start after the pass, serially (msync). Written with `pwrite`, pages are never
+/// mapped writable: a finished range's writeback is started at once ([`Self::start_writeback`])
+/// and overlaps the rest of the pass, and the final [`Self::sync`] waits for little.
+/// `speed_bench proc` keeps both variants side by side.
 #[derive(Debug)]
-pub struct Writeback {
-    ranges: Vec<(Option<std::sync::Arc<std::os::fd::OwnedFd>>, u64, u64)>,
+pub struct CheckpointFiles {
+    dir: PathBuf,
+    /// (path, file, length)
+    files: Vec<(PathBuf, File, u64)>,
+    metas: Vec<TensorMeta>,
+    /// name -> (file index, absolute byte offset, dtype, byte length)
+    tensors: HashMap<String, (usize, u64, DType, u64)>,
 }
 
-impl Writeback {
-    /// Starts writing back tensor `t` (best effort: errors show up at the final fsync).
-    pub fn start(&self, t: usize) {
-        if let Some((Some(fd), off, len)) = self.ranges.get(t) {
-            // SAFETY: plain syscall on a descriptor we own.
+impl CheckpointFiles {
+    /// Opens an existing checkpoint directory (or single file) for reading and writing.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with(path.as_ref(), true)
+    }
+
+    /// Opens an existing checkpoint directory (or single file) for reading only (the source of
+    /// a [`crate::fused::Target::Copy`]: the agent's active slot is never opened for writing).
+    pub fn open_read_only(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with(path.as_ref(), false)
+    }
+
+    fn open_with(path: &Path, write: bool) -> Result<Self> {
+        let (mut files, mut metas, mut tensors) = (vec![], vec![], HashMap::new());
+        for (dir, file) in shard_files(path)? {
+            let p = dir.join(&file);
+            let f = OpenOptions::new().read(true).write(write).open(&p).map_err(|e| Error::io(&p, e))?;
+            // The header is parsed from a read-only map that is dropped right after: parsing
+            // checks every offset against the file's length, and touches only the header.
+            // SAFETY: the agent owns its directory; nobody else writes these files.
+            let map = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(&p, e))?;
+            let (data_start, ts, _) = parse_safetensors_header(&map)?;
+            let len = map.len() as u64;
+            drop(map);
+            for (t, r) in ts {
+                let at = (data_start + r.start) as u64;
+                tensors.insert(t.name.clone(), (files.len(), at, t.dtype, r.len() as u64));
+                metas.push(t);
+            }
+            files.push((p, f, len));
+        }
+        Ok(CheckpointFiles { dir: path.to_path_buf(), files, metas, tensors })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Metadata of all tensors, shard by shard in data order (as [`CheckpointMut::metas`]).
+    pub fn metas(&self) -> Vec<TensorMeta> {
+        self.metas.clone()
+    }
+
+    /// Dtype and byte length of a tensor.
+    pub fn info(&self, name: &str) -> Option<(DType, usize)> {
+        self.tensors.get(name).map(|&(_, _, dt, len)| (dt, len as usize))
+    }
+
+    /// The file and absolute offset of bytes `[start, start + len)` of a tensor, checked.
+    fn locate(&self, name: &str, start: u64, len: u64) -> Result<(&Path, &File, u64)> {
+        let &(f, at, _, n) =
+            self.tensors.get(name).ok_or_else(|| Error::corrupt("delta", format!("unknown tensor {name}")))?;
+        if start.checked_add(len).is_none_or(|e| e > n) {
+            return Err(Error::corrupt("delta", format!("range {start}+{len} outside tensor {name} of {n} bytes")));
+        }
+        let (p, file, _) = &self.files[f];
+        Ok((p, file, at + start))
+    }
+
+    /// Reads bytes `[start, start + buf.len())` of a tensor into `buf`.
+    pub fn read_at(&self, name: &str, start: u64, buf: &mut [u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let (p, f, at) = self.locate(name, start, buf.len() as u64)?;
+        f.read_exact_at(buf, at).map_err(|e| Error::io(p, e))
+    }
+
+    /// Writes `buf` over bytes `[start, start + buf.len())` of a tensor.
+    pub fn write_at(&self, name: &str, start: u64, buf: &[u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let (p, f, at) = self.locate(name, start, buf.len() as u64)?;
+        f.write_all_at(buf, at).map_err(|e| Error::io(p, e))
+    }
+
+    /// Starts writing bytes `[start, start + len)` of a tensor back to disk
+    /// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`: asynchronous, waits for nothing). Best effort:
+    /// durability comes from [`Self::sync`], whose errors are the ones that count.
+    pub fn start_writeback(&self, name: &str, start: u64, len: u64) {
+        if let Ok((_, f, at)) = self.locate(name, start, len) {
+            // SAFETY: plain syscall on a descriptor owned by `f`.
             unsafe {
                 libc::sync_file_range(
-                    std::os::fd::AsRawFd::as_raw_fd(&**fd),
-                    *off as i64,
-                    *len as i64,
+                    std::os::fd::AsRawFd::as_raw_fd(f),
+                    at as i64,
+                    len as i64,
                     libc::SYNC_FILE_RANGE_WRITE,
                 );
             }
         }
+    }
+
+    /// Makes every write durable (`fdatasync` of each file).
+    pub fn sync(&self) -> Result<()> {
+        for (p, f, _) in &self.files {
+            f.sync_data().map_err(|e| Error::io(p, e))?;
+        }
+        Ok(())
+    }
+
+    /// Creates directory `to` as the frame of a copy of this checkpoint, for a pass that reads
+    /// this one and writes the copy ([`crate::fused::Target::Copy`]): every shard file
+    /// allocated at its size with every byte outside the tensors (header, gaps) copied, every
+    /// other file of the directory (index, configuration) copied whole. The tensor bytes are
+    /// left for the pass: the model is read once and written once, no separate copy.
+    pub fn frame_copy(&self, to: &Path) -> Result<CheckpointFiles> {
+        use std::os::unix::fs::FileExt;
+        fs::create_dir_all(to).map_err(|e| Error::io(to, e))?;
+        let mut shard_names = std::collections::HashSet::new();
+        for (i, (p, f, len)) in self.files.iter().enumerate() {
+            let name = p.file_name().ok_or_else(|| Error::invalid(format!("{}: no file name", p.display())))?;
+            shard_names.insert(name.to_os_string());
+            let dst_path = to.join(name);
+            let dst = allocate_file(&dst_path, *len)?;
+            let mut ranges: Vec<(u64, u64)> =
+                self.tensors.values().filter(|t| t.0 == i).map(|&(_, at, _, n)| (at, at + n)).collect();
+            ranges.sort_unstable();
+            let copy = |a: u64, b: u64| -> Result<()> {
+                let mut buf = vec![0u8; (b - a) as usize];
+                f.read_exact_at(&mut buf, a).map_err(|e| Error::io(p, e))?;
+                dst.write_all_at(&buf, a).map_err(|e| Error::io(&dst_path, e))
+            };
+            let mut at = 0u64;
+            for (a, b) in ranges.into_iter().chain([(*len, *len)]) {
+                if a > at {
+                    copy(at, a)?;
+                }
+                at = at.max(b);
+            }
+        }
+        if self.dir.is_dir() {
+            for e in fs::read_dir(&self.dir).map_err(|e| Error::io(&self.dir, e))? {
+                let e = e.map_err(|e| Error::io(&self.dir, e))?;
+                let is_file = e.file_type().map_err(|err| Error::io(e.path(), err))?.is_file();
+                if is_file && !shard_names.contains(&e.file_name()) {
+                    fs::copy(e.path(), to.join(e.file_name())).map_err(|err| Error::io(e.path(), err))?;
+                }
+            }
+        }
+        CheckpointFiles::open(to)
     }
 }
 
@@ -552,7 +684,7 @@ impl CheckpointMut {
             // SAFETY: the agent owns its directory; nobody else writes these files.
             let map = unsafe { MmapMut::map_mut(&f) }.map_err(|e| Error::io(&p, e))?;
             let (data_start, tensors, _) = parse_safetensors_header(&map)?;
-            shards.push(ShardMut { path: p, file: f, map, data_start, tensors });
+            shards.push(ShardMut { path: p, map, data_start, tensors });
         }
         Ok(CheckpointMut { dir: path.to_path_buf(), shards })
     }
@@ -574,7 +706,7 @@ impl CheckpointMut {
             map[..header.len()].copy_from_slice(&header);
             let tensors =
                 s.tensors.iter().cloned().zip(ranges.into_iter().map(|r| r.start as usize..r.end as usize)).collect();
-            shards.push(ShardMut { path: p, file: f, map, data_start: header.len(), tensors });
+            shards.push(ShardMut { path: p, map, data_start: header.len(), tensors });
         }
         write_index(dir, layout)?;
         Ok(CheckpointMut { dir: dir.to_path_buf(), shards })
@@ -619,21 +751,6 @@ impl CheckpointMut {
     /// Metadata of all tensors, shard by shard in data order (the order of [`Self::views`]).
     pub fn metas(&self) -> Vec<TensorMeta> {
         self.shards.iter().flat_map(|s| s.tensors.iter().map(|(t, _)| t.clone())).collect()
-    }
-
-    /// Starts writing tensors back to disk early (see [`Writeback`]), in the order of
-    /// [`Self::metas`].
-    pub fn writeback(&self) -> Writeback {
-        let mut ranges = vec![];
-        for s in &self.shards {
-            // SAFETY: dup of a descriptor we own; the duplicate is owned by the Writeback.
-            let fd = unsafe { libc::dup(std::os::fd::AsRawFd::as_raw_fd(&s.file)) };
-            let fd = (fd >= 0).then(|| std::sync::Arc::new(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }));
-            for (_, r) in &s.tensors {
-                ranges.push((fd.clone(), (s.data_start + r.start) as u64, r.len() as u64));
-            }
-        }
-        Writeback { ranges }
     }
 
     /// The layout of the mapped files.

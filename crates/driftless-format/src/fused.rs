@@ -19,12 +19,18 @@
 //! of delta `d` are applied before those of delta `d + 1`: each block is finished by every
 //! delta before the next block is started, and an entry only writes inside the current block.
 //!
+//! The bytes are reached through a [`Target`]: buffers in memory changed in place, or a
+//! checkpoint's files ([`CheckpointFiles`]), where each block is read with `pread` into a
+//! per-piece buffer, changed, hashed and written back with `pwrite` (only when an entry
+//! touches it), and each finished piece's writeback is started at once, so that the disk
+//! writes while the pass goes on (see [`CheckpointFiles`] for why not a writable map).
+//!
 //! Safety against hostile deltas is that of [`crate::delta::apply_segment`]: entries name
 //! known tensors with their dtype, stay in bounds, and entries of one delta never overlap
 //! (checked up front, per tensor, after sorting); positions are checked one by one as they are
 //! decoded.
 
-use crate::checkpoint::TensorsMut;
+use crate::checkpoint::{CheckpointFiles, TensorsMut};
 use crate::delta::{bad, DecodedSegment, EntryInfo, ValueMode, Word};
 use crate::{hash, varint, DType, Digest, Result, TensorMeta};
 use rayon::prelude::*;
@@ -38,36 +44,58 @@ pub const PIECE: usize = 8 * hash::CHUNK;
 /// One delta's entries for one tensor, sorted by start.
 type Work<'s> = Vec<(&'s DecodedSegment, &'s EntryInfo)>;
 
-/// Applies `chain` (deltas in order, each a list of decoded segments) in place onto `tensors`
-/// and, when `hash` is set, returns the per-tensor digests of the result in the order of
-/// `metas`, which must list the tensors of `tensors` (e.g. [`CheckpointMut::metas`]).
-///
-/// [`CheckpointMut::metas`]: crate::CheckpointMut::metas
-///
-/// `done(t)` is called once tensor `t` (an index into `metas`) is written and hashed, from
-/// a worker thread.
+/// Where the pass finds the tensors' bytes.
+#[derive(Clone, Copy)]
+pub enum Target<'t, 'a> {
+    /// Buffers in memory (or a writable map), changed in place.
+    Memory(&'t TensorsMut<'a>),
+    /// A checkpoint's files, read and written block by block (`pread`/`pwrite`), each
+    /// finished piece's writeback started at once. The caller makes the writes durable
+    /// ([`CheckpointFiles::sync`]).
+    Files(&'t CheckpointFiles),
+    /// Read from `from`, written to `to` (a frame made by [`CheckpointFiles::frame_copy`]):
+    /// every block of every tensor is written, changed or not, so the pass is also the copy.
+    Copy {
+        /// The checkpoint read (the agent's active slot: never written).
+        from: &'t CheckpointFiles,
+        /// The checkpoint written.
+        to: &'t CheckpointFiles,
+    },
+}
+
+impl Target<'_, '_> {
+    fn info(&self, name: &str) -> Option<(DType, usize)> {
+        match self {
+            Target::Memory(t) => t.info(name),
+            Target::Files(f) => f.info(name),
+            Target::Copy { from, to } => from.info(name).filter(|i| to.info(name) == Some(*i)),
+        }
+    }
+}
+
+/// Applies `chain` (deltas in order, each a list of decoded segments) onto `target` and, when
+/// `hash` is set, returns the per-tensor digests of the result in the order of `metas`, which
+/// must list the tensors of `target` (e.g. [`CheckpointFiles::metas`]).
 ///
 /// On error some changes may already be written: the caller owns a scratch copy (the agent's
 /// inactive slot), never the served one.
 pub fn apply_and_hash(
-    tensors: &TensorsMut<'_>,
+    target: Target<'_, '_>,
     metas: &[TensorMeta],
     chain: &[&[DecodedSegment]],
     hash: bool,
-    done: &(dyn Fn(usize) + Sync),
 ) -> Result<Option<Vec<Digest>>> {
-    apply_and_hash_blocks(tensors, metas, chain, hash, done, BLOCK, PIECE)
+    apply_and_hash_blocks(target, metas, chain, hash, BLOCK, PIECE)
 }
 
 /// [`apply_and_hash`] with another block size and smallest piece in bytes (tests use tiny
 /// blocks so that entries and changes straddle block boundaries, and one-chunk pieces).
 #[doc(hidden)]
 pub fn apply_and_hash_blocks(
-    tensors: &TensorsMut<'_>,
+    target: Target<'_, '_>,
     metas: &[TensorMeta],
     chain: &[&[DecodedSegment]],
     hash: bool,
-    done: &(dyn Fn(usize) + Sync),
     block: usize,
     piece: usize,
 ) -> Result<Option<Vec<Digest>>> {
@@ -77,7 +105,7 @@ pub fn apply_and_hash_blocks(
         metas.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
     let sizes: Vec<u64> = metas
         .iter()
-        .map(|m| match tensors.info(&m.name) {
+        .map(|m| match target.info(&m.name) {
             Some((dt, len)) if dt == m.dtype && m.nbytes().ok() == Some(len as u64) => Ok(len as u64),
             _ => Err(crate::Error::invalid(format!("tensor {} differs from its metadata", m.name))),
         })
@@ -118,16 +146,12 @@ pub fn apply_and_hash_blocks(
     let mut pieces: Vec<Piece> = vec![];
     for (t, per) in work.iter().enumerate() {
         let untouched = per.iter().all(|l| l.is_empty());
-        if untouched && !hash {
+        if untouched && !hash && !matches!(target, Target::Copy { .. }) {
             continue;
         }
         pieces.extend(split(t, sizes[t] / metas[t].dtype.size() as u64, metas[t].dtype.size(), per, piece));
     }
     pieces.sort_by_key(|p| std::cmp::Reverse((p.hi - p.lo) * metas[p.t].dtype.size() as u64));
-    let left: Vec<std::sync::atomic::AtomicUsize> = (0..metas.len()).map(|_| 0.into()).collect();
-    for p in &pieces {
-        left[p.t].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    }
     let out: Vec<(usize, u64, Vec<Digest>)> = pieces
         .par_iter()
         .with_max_len(1)
@@ -136,13 +160,27 @@ pub fn apply_and_hash_blocks(
             let w = m.dtype.size() as u64;
             let lists: Vec<&[(&DecodedSegment, &EntryInfo)]> =
                 work[p.t].iter().zip(&p.entries).map(|(l, r)| &l[r.clone()]).collect();
-            let chunks = tensors.with_range_mut(&m.name, p.lo * w, (p.hi - p.lo) * w, |data| {
-                one_piece(m, data, p.lo, &lists, hash, block)
-            })??;
-            let touched = work[p.t].iter().any(|l| !l.is_empty());
-            if touched && left[p.t].fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
-                done(p.t);
-            }
+            let (at, len) = (p.lo * w, (p.hi - p.lo) * w);
+            let chunks = match target {
+                Target::Memory(tm) => tm.with_range_mut(&m.name, at, len, |data| {
+                    one_piece(m, &mut InMemory(data), p.lo, p.hi, &lists, hash, block)
+                })??,
+                Target::Files(files) => {
+                    let mut io =
+                        InFile { from: files, to: files, name: &m.name, at, buf: vec![], copy: false, wrote: false };
+                    let chunks = one_piece(m, &mut io, p.lo, p.hi, &lists, hash, block)?;
+                    if io.wrote {
+                        files.start_writeback(&m.name, at, len);
+                    }
+                    chunks
+                }
+                Target::Copy { from, to } => {
+                    let mut io = InFile { from, to, name: &m.name, at, buf: vec![], copy: true, wrote: false };
+                    let chunks = one_piece(m, &mut io, p.lo, p.hi, &lists, hash, block)?;
+                    to.start_writeback(&m.name, at, len);
+                    chunks
+                }
+            };
             Ok((p.t, p.lo, chunks))
         })
         .collect::<Result<_>>()?;
@@ -227,30 +265,95 @@ struct Cursor {
     pending: Option<u64>,
 }
 
-/// Applies the entries `per` (one sorted list per delta, all inside the piece) to `data`, the
-/// piece's bytes starting at element `off` of tensor `m`, block by block; returns the chunk
-/// digests of the piece when hashing (`off` is on a chunk boundary).
+/// How [`one_piece`] reaches the bytes of its piece, block by block (offsets in bytes from the
+/// piece's start).
+trait Blocks {
+    /// Whether every block must be stored, changed or not (a copy).
+    fn copies(&self) -> bool {
+        false
+    }
+    /// The bytes `[a, b)`, to read and change.
+    fn load(&mut self, a: usize, b: usize) -> Result<&mut [u8]>;
+    /// Keeps the changes made to the block just loaded.
+    fn store(&mut self, a: usize, b: usize) -> Result<()>;
+}
+
+/// A piece in memory: blocks are changed in place.
+struct InMemory<'d>(&'d mut [u8]);
+
+impl Blocks for InMemory<'_> {
+    fn load(&mut self, a: usize, b: usize) -> Result<&mut [u8]> {
+        Ok(&mut self.0[a..b])
+    }
+    fn store(&mut self, _: usize, _: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A piece in files, from byte `at` of its tensor: blocks are read from `from` into `buf` and
+/// written to `to` (the same files, or a copy's frame).
+struct InFile<'f> {
+    from: &'f CheckpointFiles,
+    to: &'f CheckpointFiles,
+    name: &'f str,
+    at: u64,
+    buf: Vec<u8>,
+    copy: bool,
+    wrote: bool,
+}
+
+impl Blocks for InFile<'_> {
+    fn copies(&self) -> bool {
+        self.copy
+    }
+    fn load(&mut self, a: usize, b: usize) -> Result<&mut [u8]> {
+        self.buf.resize(b - a, 0);
+        self.from.read_at(self.name, self.at + a as u64, &mut self.buf)?;
+        Ok(&mut self.buf)
+    }
+    fn store(&mut self, a: usize, b: usize) -> Result<()> {
+        self.wrote = true;
+        self.to.write_at(self.name, self.at + a as u64, &self.buf[..b - a])
+    }
+}
+
+/// Applies the entries `per` (one sorted list per delta, all inside the piece) to the piece of
+/// tensor `m` that starts at element `off`, block by block; returns the chunk digests of the
+/// piece when hashing (`off` is on a chunk boundary). A block is stored back only when an
+/// entry overlaps it.
 fn one_piece(
     m: &TensorMeta,
-    data: &mut [u8],
+    io: &mut impl Blocks,
     off: u64,
+    end: u64,
     per: &[&[(&DecodedSegment, &EntryInfo)]],
     hash: bool,
     block: usize,
 ) -> Result<Vec<Digest>> {
     let w = m.dtype.size();
-    let n = off + (data.len() / w) as u64;
-    let mut h = hash.then(|| hash::ChunkHasher::new(data.len() as u64));
+    let mut h = hash.then(|| hash::ChunkHasher::new((end - off) * w as u64));
     let mut cursors: Vec<Cursor> = per.iter().map(|_| Cursor::default()).collect();
-    let per_block = if hash { (block / w).max(1) as u64 } else { (n - off).max(1) };
+    let per_block = (block / w).max(1) as u64;
     let mut lo = off;
-    while lo < n {
-        let hi = (lo + per_block).min(n);
-        for (list, c) in per.iter().zip(cursors.iter_mut()) {
-            advance(list, c, m.dtype, data, off, lo, hi)?;
-        }
-        if let Some(h) = &mut h {
-            h.update(&data[(lo - off) as usize * w..(hi - off) as usize * w]);
+    while lo < end {
+        let hi = (lo + per_block).min(end);
+        // Entries before `lo` are finished: one whose start is below `hi` overlaps the block.
+        let touched = per.iter().zip(&cursors).any(|(l, c)| l.get(c.entry).is_some_and(|(_, e)| e.start < hi));
+        let store = touched || io.copies();
+        if store || hash {
+            let (a, b) = ((lo - off) as usize * w, (hi - off) as usize * w);
+            let win = io.load(a, b)?;
+            if touched {
+                for (list, c) in per.iter().zip(cursors.iter_mut()) {
+                    advance(list, c, m.dtype, win, lo, hi)?;
+                }
+            }
+            if let Some(h) = &mut h {
+                h.update(win);
+            }
+            if store {
+                io.store(a, b)?;
+            }
         }
         lo = hi;
     }
@@ -262,14 +365,13 @@ fn one_piece(
     Ok(h.map(hash::ChunkHasher::finish).unwrap_or_default())
 }
 
-/// Applies the changes of one delta's entries that fall in elements `[lo, hi)`; `data` holds
-/// the tensor's elements from `off` on.
+/// Applies the changes of one delta's entries that fall in elements `[lo, hi)`; `win` holds
+/// exactly those elements.
 fn advance(
     list: &[(&DecodedSegment, &EntryInfo)],
     c: &mut Cursor,
     dtype: DType,
-    data: &mut [u8],
-    off: u64,
+    win: &mut [u8],
     lo: u64,
     hi: u64,
 ) -> Result<()> {
@@ -279,19 +381,19 @@ fn advance(
             return Ok(());
         }
         let end = e.start + e.len;
-        let dst = &mut data[(e.start - off) as usize * w..(end - off) as usize * w];
         let (pos, vals) = seg.entry_blocks(e);
         if e.dense {
+            // Elements [a, b) of the entry, relative to its start.
             let a = lo.max(e.start) - e.start;
             let b = hi.min(end) - e.start;
+            let dst = &mut win[(e.start + a - lo) as usize * w..(e.start + b - lo) as usize * w];
             dense_range(vals, w, e.count as usize, a as usize, b as usize, dst);
         } else {
-            let limit = hi - e.start;
             match w {
-                1 => sparse::<u8>(dst, e, pos, vals, seg.mode, c, limit)?,
-                2 => sparse::<u16>(dst, e, pos, vals, seg.mode, c, limit)?,
-                4 => sparse::<u32>(dst, e, pos, vals, seg.mode, c, limit)?,
-                _ => sparse::<u64>(dst, e, pos, vals, seg.mode, c, limit)?,
+                1 => sparse::<u8>(win, e, pos, vals, seg.mode, c, lo, hi)?,
+                2 => sparse::<u16>(win, e, pos, vals, seg.mode, c, lo, hi)?,
+                4 => sparse::<u32>(win, e, pos, vals, seg.mode, c, lo, hi)?,
+                _ => sparse::<u64>(win, e, pos, vals, seg.mode, c, lo, hi)?,
             }
         }
         if end > hi {
@@ -306,28 +408,31 @@ fn advance(
 }
 
 /// Elements `[a, b)` (relative to the entry) of a dense entry of `count` elements in byte
-/// planes.
+/// planes, into `dst` (exactly those elements).
 fn dense_range(planes: &[u8], w: usize, count: usize, a: usize, b: usize, dst: &mut [u8]) {
     for i in a..b {
         for p in 0..w {
-            dst[i * w + p] = planes[p * count + i];
+            dst[(i - a) * w + p] = planes[p * count + i];
         }
     }
 }
 
-/// Applies the changes of a sparse entry at relative positions below `limit`; checks the
-/// entry's trailing bytes once all its changes are applied.
+/// Applies the changes of a sparse entry at tensor elements `[lo, hi)` into `win` (exactly
+/// those elements); checks the entry's trailing bytes once all its changes are applied.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 fn sparse<T: Word>(
-    dst: &mut [u8],
+    win: &mut [u8],
     e: &EntryInfo,
     pos: &[u8],
     vals: &[u8],
     mode: ValueMode,
     c: &mut Cursor,
-    limit: u64,
+    lo: u64,
+    hi: u64,
 ) -> Result<()> {
     let w = T::W;
+    let limit = hi - e.start;
     let planes = e.count as usize;
     loop {
         let idx = match c.pending.take() {
@@ -346,8 +451,9 @@ fn sparse<T: Word>(
             c.pending = Some(idx);
             return Ok(());
         }
-        let at = idx as usize * w;
-        let cell = &mut dst[at..at + w];
+        // Positions are decoded in order and those below `lo` went to earlier blocks.
+        let at = (e.start + idx).checked_sub(lo).ok_or_else(|| bad("position out of order"))? as usize * w;
+        let cell = &mut win[at..at + w];
         match mode {
             ValueMode::Ulp => {
                 let zz = varint::get(vals, &mut c.vp)?;

@@ -48,7 +48,7 @@ pub mod slice;
 mod tensor;
 pub mod varint;
 
-pub use checkpoint::{Checkpoint, CheckpointMut, Layout, ShardLayout, TensorsMut};
+pub use checkpoint::{Checkpoint, CheckpointFiles, CheckpointMut, Layout, ShardLayout, TensorsMut};
 pub use delta::{encode_delta, Codec, DeltaOptions, ValueMode};
 pub use dtype::DType;
 pub use error::{Error, ErrorKind, Result};

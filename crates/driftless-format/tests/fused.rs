@@ -7,7 +7,10 @@ mod common;
 
 use common::*;
 use driftless_format::delta::{decode_segment, DecodedSegment};
-use driftless_format::{fused, CheckpointMut, DType, DeltaOptions, ErrorKind, Layout, ValueMode};
+use driftless_format::fused::Target;
+use driftless_format::{
+    fused, Checkpoint, CheckpointFiles, CheckpointMut, DType, DeltaOptions, ErrorKind, Layout, ValueMode,
+};
 
 fn decode(enc: &driftless_format::delta::EncodedDelta) -> Vec<DecodedSegment> {
     enc.segments.iter().map(|s| decode_segment(&s.bytes, s.raw_size).unwrap()).collect()
@@ -30,26 +33,76 @@ fn fused_run(base: &[T], chain: &[Vec<DecodedSegment>], block: usize) -> driftle
     fused_run_pieces(base, chain, block, fused::PIECE)
 }
 
-/// [`fused_run`] with tensors cut into pieces of at least `piece` bytes.
+/// [`fused_run`] with tensors cut into pieces of at least `piece` bytes. The pass runs twice,
+/// on two copies of `base`: in memory (a writable map) and on the files (`pread`/`pwrite`,
+/// the agent's way); both must give the same bytes and digests.
 fn fused_run_pieces(
     base: &[T],
     chain: &[Vec<DecodedSegment>],
     block: usize,
     piece: usize,
 ) -> driftless_format::Result<(Vec<T>, Layout)> {
+    let refs: Vec<&[DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
+    let fdir = tempfile::tempdir().unwrap();
+    write(fdir.path(), base, 4096);
+    let files = CheckpointFiles::open(fdir.path()).unwrap();
+    let on_files = fused::apply_and_hash_blocks(Target::Files(&files), &files.metas(), &refs, true, block, piece);
+    // The copying pass: the source is read, a frame of it written.
+    let src_dir = tempfile::tempdir().unwrap();
+    write(src_dir.path(), base, 4096);
+    let copy_dir = tempfile::tempdir().unwrap();
+    let src = CheckpointFiles::open_read_only(src_dir.path()).unwrap();
+    let dst = src.frame_copy(&copy_dir.path().join("slot")).unwrap();
+    let copied =
+        fused::apply_and_hash_blocks(Target::Copy { from: &src, to: &dst }, &src.metas(), &refs, true, block, piece);
     let dir = tempfile::tempdir().unwrap();
     let layout = write(dir.path(), base, 4096);
     let mut ck = CheckpointMut::open(dir.path()).unwrap();
     let metas = ck.metas();
-    let refs: Vec<&[DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
+    assert_eq!(files.metas(), metas);
     let digests = {
         let tm = ck.tensors_mut();
-        fused::apply_and_hash_blocks(&tm, &metas, &refs, true, &|_| {}, block, piece)?.unwrap()
+        match fused::apply_and_hash_blocks(Target::Memory(&tm), &metas, &refs, true, block, piece) {
+            Ok(d) => d.unwrap(),
+            Err(e) => {
+                let f = on_files.expect_err("the files target accepted what the memory target refused");
+                assert_eq!(f.kind(), e.kind(), "{f} against {e}");
+                let c = copied.expect_err("the copy target accepted what the memory target refused");
+                assert_eq!(c.kind(), e.kind(), "{c} against {e}");
+                return Err(e);
+            }
+        }
     };
     let got: Vec<T> = ck.views().iter().map(|v| T::new(v.name, v.dtype, v.shape, v.data.to_vec())).collect();
     for (t, d) in got.iter().zip(&digests) {
         assert_eq!(*d, driftless_format::hash::tensor_digest(&t.view()), "digest of {} is not of its bytes", t.name);
     }
+    let fdigests = on_files.expect("the memory target accepted what the files target refused").unwrap();
+    files.sync().unwrap();
+    let on_disk = Checkpoint::open(fdir.path()).unwrap();
+    assert_same_tensors(&on_disk.views(), &got, "files target against the memory target");
+    assert_eq!(fdigests, digests, "digests of the files target");
+    // The copy: same digests, every file of the directory byte for byte what the in-place
+    // pass left, and the source untouched.
+    assert_eq!(copied.expect("the copy target refused what the memory target accepted").unwrap(), digests);
+    dst.sync().unwrap();
+    ck.flush().unwrap();
+    let listing = |d: &std::path::Path| {
+        let mut v: Vec<(std::ffi::OsString, Vec<u8>)> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .map(|e| (e.file_name(), std::fs::read(e.path()).unwrap()))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        listing(&copy_dir.path().join("slot")),
+        listing(dir.path()),
+        "the copy's files differ from the in-place result"
+    );
+    let untouched = Checkpoint::open(src_dir.path()).unwrap();
+    assert_same_tensors(&untouched.views(), base, "the copy's source");
     Ok((got, layout))
 }
 
@@ -85,8 +138,7 @@ fn chains_match_the_target_in_every_dtype_and_mode() {
 /// Tensors of several root chunks cut into pieces (cuts only where no entry of any delta
 /// straddles; where they fall is checked in `fused::tests`): entries of one and two chunks,
 /// a dense delta, and chains whose deltas cut entries at different places.
-/// The result and every digest equal the plain apply followed by the weights root; and with
-/// `done` every touched tensor is reported exactly once.
+/// The result and every digest equal the plain apply followed by the weights root.
 #[test]
 fn tensors_cut_into_pieces_match_the_plain_apply() {
     let c = driftless_format::hash::CHUNK as u64;
@@ -120,18 +172,6 @@ fn tensors_cut_into_pieces_match_the_plain_apply() {
             assert_same_tensors(&views(&got), &states[k], &format!("{k} deltas, pieces of {piece}"));
         }
     }
-    // `done` once per touched tensor, however many pieces.
-    let dir = tempfile::tempdir().unwrap();
-    write(dir.path(), &base, 4096);
-    let mut ck = CheckpointMut::open(dir.path()).unwrap();
-    let metas = ck.metas();
-    let seen = std::sync::Mutex::new(vec![]);
-    let refs: Vec<&[DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
-    fused::apply_and_hash_blocks(&ck.tensors_mut(), &metas, &refs, true, &|t| seen.lock().unwrap().push(t), 1 << 16, 1)
-        .unwrap();
-    let mut seen = seen.into_inner().unwrap();
-    seen.sort_unstable();
-    assert_eq!(seen, vec![0, 1, 2]);
 }
 
 #[test]

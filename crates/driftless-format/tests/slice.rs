@@ -203,7 +203,7 @@ fn gaps_overlaps_and_bad_splits_are_refused() {
 #[test]
 fn ranks_encode_their_slices_into_one_delta() {
     use driftless_format::delta::{decode_segment, encode_runs, DecodedSegment, Run};
-    use driftless_format::{fused, CheckpointMut, DeltaOptions};
+    use driftless_format::{fused, Checkpoint, CheckpointFiles, DeltaOptions};
 
     let mut r = rng(21);
     let ranks = 4u64;
@@ -275,9 +275,10 @@ fn ranks_encode_their_slices_into_one_delta() {
     // Apply every rank's segments as one delta onto the gathered base, hashing as the agent does.
     let dir = tempfile::tempdir().unwrap();
     write(dir.path(), &base, u64::MAX);
-    let mut ck = CheckpointMut::open(dir.path()).unwrap();
-    let metas = ck.metas();
-    let digests = fused::apply_and_hash(&ck.tensors_mut(), &metas, &[&segments], true, &|_| {}).unwrap().unwrap();
+    let files = CheckpointFiles::open(dir.path()).unwrap();
+    let metas = files.metas();
+    let digests = fused::apply_and_hash(fused::Target::Files(&files), &metas, &[&segments], true).unwrap().unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
     assert_same_tensors(&ck.views(), &target, "sharded step applied");
     // The root from the ranks' parts, without the bytes, is the gathered target's root.
     let from_parts: Vec<(&str, driftless_format::Digest)> = target
@@ -300,9 +301,9 @@ fn ranks_encode_their_slices_into_one_delta() {
     let twice: Vec<DecodedSegment> = segments.iter().chain(segments.iter()).cloned().collect();
     let dir2 = tempfile::tempdir().unwrap();
     write(dir2.path(), &base, u64::MAX);
-    let mut ck2 = CheckpointMut::open(dir2.path()).unwrap();
-    let metas2 = ck2.metas();
-    let e = fused::apply_and_hash(&ck2.tensors_mut(), &metas2, &[&twice], true, &|_| {}).unwrap_err();
+    let files2 = CheckpointFiles::open(dir2.path()).unwrap();
+    let metas2 = files2.metas();
+    let e = fused::apply_and_hash(fused::Target::Files(&files2), &metas2, &[&twice], true).unwrap_err();
     assert!(e.to_string().contains("overlapping writes"), "{e}");
 }
 
