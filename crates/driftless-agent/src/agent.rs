@@ -21,6 +21,7 @@ use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
+use crate::anchor_stream::{stream_shard, FileSink};
 use crate::metrics::Metrics;
 use crate::notify::Notifier;
 use crate::patch::{PatchBuilder, PatchFile};
@@ -225,7 +226,7 @@ fn attribute(kind: StepKind, step: u64) -> impl Fn(Error) -> BuildError {
     }
 }
 
-fn corrupt(what: &'static str, detail: impl Into<String>) -> Error {
+pub(crate) fn corrupt(what: &'static str, detail: impl Into<String>) -> Error {
     driftless_format::Error::Corrupt { what, detail: detail.into() }.into()
 }
 
@@ -868,104 +869,22 @@ impl Agent {
         Ok((bytes, Held { step, root: m.weights_root }))
     }
 
-    /// Streams one byte-plane anchor shard into `wdir/<file>`: ranged GETs of its footer,
-    /// prefix, table and header, then one ranged GET per chunk, `anchor_parts` in flight, each
-    /// decoded on the blocking pool and written once at its offset (`pwrite` into a file whose
-    /// space is allocated first: no page-cache zeroing, no SIGBUS). The object's SHA-256 is
-    /// computed over the parts in order and checked against the manifest at the end; bytes
-    /// decoded before that check only ever reach the inactive slot, which is not trusted until
-    /// its weights root is verified. Returns the bytes read.
+    /// Streams one byte-plane anchor shard into `wdir/<file>` ([`stream_shard`]), written
+    /// once with `pwrite` into a file whose space is allocated first (no page-cache zeroing, no
+    /// SIGBUS). Bytes decoded before the object's SHA-256 is checked only ever reach the
+    /// inactive slot, which is not trusted until its weights root is verified. Returns the
+    /// bytes read.
     async fn stream_shard(
         &self,
         step: u64,
         o: &driftless_format::manifest::AnchorShardRef,
         wdir: &Path,
     ) -> Result<u64> {
-        use sha2::Digest as _;
-        use std::os::unix::fs::FileExt;
         if o.decoded_size > anchor::MAX_SHARD {
             return Err(corrupt("anchor manifest", "shard too large"));
         }
-        let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
-        let size = o.object.size;
-        if size < 48 {
-            return Err(corrupt("anchor shard", "truncated"));
-        }
-        let bucket = self.reader.bucket().clone();
-        // A truncated or swapped object is an integrity failure, as for whole-object reads
-        // (ranged reads past its end would look like a storage error).
-        let head = match bucket.head(&key).await {
-            Ok(h) => h,
-            Err(e) if e.is_not_found() => {
-                return Err(StreamError::NotReady { step, detail: format!("{key} missing") }.into())
-            }
-            Err(e) => return Err(e.into()),
-        };
-        if head.size != size {
-            return Err(driftless_format::Error::Corrupt {
-                what: "object",
-                detail: format!("{key} does not match its manifest (size or SHA-256)"),
-            }
-            .into());
-        }
-        let footer = bucket.get_range_of(&key, size - anchor::FOOTER_LEN..size).await?;
-        let tr = anchor::table_range(&footer, size)?;
-        let (table, prefix) =
-            futures::try_join!(bucket.get_range_of(&key, tr), bucket.get_range_of(&key, 0..anchor::PREFIX_LEN))?;
-        let plan = anchor::plan_shard(&prefix, &table, &footer, size, o.decoded_size)?;
-        let hz = bucket.get_range_of(&key, plan.header.clone()).await?;
-        let path = wdir.join(&o.file);
-        let file = Arc::new(driftless_format::checkpoint::allocate_file(&path, o.decoded_size)?);
-        let mut head = vec![0u8; plan.header_len as usize];
-        anchor::decode_header(&hz, &mut head)?;
-        file.write_all_at(&head, 0)?;
-        // Output and plane buffers of the chunk decoders (16 MiB each per part in flight),
-        // reused from chunk to chunk so their pages are faulted in once.
-        type Buffers = std::sync::Mutex<Vec<(Vec<u8>, Vec<u8>)>>;
-        let pool: Arc<Buffers> = Arc::default();
-        let mut sha = sha2::Sha256::new();
-        sha.update(&prefix);
-        sha.update(&hz);
-        let mut parts = futures::stream::iter(plan.chunks)
-            .map(|c| {
-                let (bucket, key, file, pool) = (bucket.clone(), key.clone(), file.clone(), &pool);
-                async move {
-                    let b = bucket.get_range_of(&key, c.stored.clone()).await?;
-                    let stored = b.clone();
-                    let pool = pool.clone();
-                    tokio::task::spawn_blocking(move || -> Result<()> {
-                        // At most `anchor_parts` decodes run at once, so the pool never holds
-                        // more buffers than that.
-                        let (mut out, mut scratch) = pool.lock().expect("buffer pool").pop().unwrap_or_default();
-                        let n = (c.out.end - c.out.start) as usize;
-                        if out.len() < n {
-                            out.resize(n, 0);
-                        }
-                        let r = anchor::decode_chunk_with(&c, &stored, &mut out[..n], &mut scratch)
-                            .map_err(Error::from)
-                            .and_then(|()| Ok(file.write_all_at(&out[..n], c.out.start)?));
-                        pool.lock().expect("buffer pool").push((out, scratch));
-                        r
-                    })
-                    .await
-                    .map_err(|e| Error::Io(std::io::Error::other(format!("decode task: {e}"))))??;
-                    Ok::<Bytes, Error>(b)
-                }
-            })
-            .buffered(self.cfg.anchor_parts.max(1));
-        while let Some(b) = parts.next().await {
-            sha.update(&b?);
-        }
-        sha.update(&table);
-        sha.update(&footer);
-        if Digest(sha.finalize().into()) != o.object.sha256 {
-            return Err(driftless_format::Error::Corrupt {
-                what: "object",
-                detail: format!("{key} does not match its manifest (size or SHA-256)"),
-            }
-            .into());
-        }
-        Ok(size)
+        let file = driftless_format::checkpoint::allocate_file(&wdir.join(&o.file), o.decoded_size)?;
+        stream_shard(self.reader.bucket(), step, o, self.cfg.anchor_parts, Arc::new(FileSink(file))).await
     }
 
     /// Starts downloading delta `step` in the background: its manifest, then its segments

@@ -10,6 +10,8 @@
 //!   verifies every signature and object hash before applying and the weights root after,
 //!   makes it durable, switches `DIR/current` to it atomically, then notifies. A step that
 //!   fails in any way is refused and planned around; the verified weights are kept.
+//! - [`anchor_stream`]: an anchor shard streamed out of the bucket (ranged GETs, decoded as
+//!   they arrive, memory bounded by the parts in flight); shared with the Python `Follower`.
 //! - [`state`]: the directory layout (two slots, the `current` symlink, the lock, the state
 //!   file) and the durability order.
 //! - [`notify`]: sglang, vllm, http and exec adapters; [`server`]: `/healthz`, `/readyz`,
@@ -18,6 +20,7 @@
 #![warn(missing_docs)]
 
 mod agent;
+pub mod anchor_stream;
 mod error;
 pub mod metrics;
 pub mod notify;

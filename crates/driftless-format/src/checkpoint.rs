@@ -173,17 +173,31 @@ pub type ParsedHeader = (usize, Vec<(TensorMeta, Range<usize>)>, Option<BTreeMap
 /// Parses a safetensors header from the start of `buf` (see [`ParsedHeader`]). Every offset is
 /// checked against the buffer, so a hostile file cannot point outside it.
 pub fn parse_safetensors_header(buf: &[u8]) -> Result<ParsedHeader> {
+    parse_safetensors_head(buf, buf.len() as u64)
+}
+
+/// [`parse_safetensors_header`] from the first bytes of a file of `file_len` bytes (at least
+/// its header: a streamed anchor shard is parsed before its data arrives). Every offset is
+/// checked against `file_len`; the tensors must fill the data exactly, as the safetensors
+/// crate requires.
+pub fn parse_safetensors_head(buf: &[u8], file_len: u64) -> Result<ParsedHeader> {
     let bad = |d: String| Error::corrupt("safetensors file", d);
-    if buf.len() < 8 {
+    if buf.len() < 8 || file_len < buf.len() as u64 {
         return Err(bad("shorter than 8 bytes".into()));
     }
     let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
     if n > MAX_HEADER as u64 || 8 + n as usize > buf.len() {
         return Err(bad(format!("header length {n} out of range")));
     }
-    let (_, meta) = safetensors::SafeTensors::read_metadata(buf).map_err(|e| bad(e.to_string()))?;
+    // Deserializing checks what the safetensors crate checks: offsets contiguous from 0, each
+    // tensor's size that of its dtype and shape.
+    let meta: safetensors::tensor::Metadata =
+        serde_json::from_slice(&buf[8..8 + n as usize]).map_err(|e| bad(e.to_string()))?;
+    if (8 + n).checked_add(meta.data_len() as u64) != Some(file_len) {
+        return Err(bad(format!("tensors cover {} bytes, the file has {}", meta.data_len(), file_len - 8 - n)));
+    }
     let start = 8 + n as usize;
-    let data_len = buf.len() - start;
+    let data_len = (file_len - start as u64) as usize;
     let mut v = Vec::new();
     for (name, info) in meta.tensors() {
         let dtype = DType::from_safetensors(info.dtype)?;

@@ -5,13 +5,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
+use driftless_agent::anchor_stream::{stream_shard, ShardSink};
 use driftless_agent::{plan, Agent, AgentConfig};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
 use driftless_format::{
-    anchor, delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
+    delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
 };
 use driftless_store::stream::StreamReader;
 use driftless_store::Bucket;
@@ -351,52 +352,49 @@ impl PyFollower {
         }
     }
 
-    /// Downloads an anchor's shard objects (checked against the manifest) and decodes them:
-    /// returns the decoded safetensors files.
-    async fn fetch_anchor(&self, step: u64) -> BindResult<(AnchorManifest, Vec<Vec<u8>>, u64)> {
-        let (m, _) = self.reader.anchor(step).await?;
-        let r = &self.reader;
-        let objs: Vec<Bytes> = futures::stream::iter(m.objects.iter())
-            .map(|o| r.object(StepKind::Anchor, step, &o.object.object, o.object.size, o.object.sha256))
-            .buffered(4)
-            .try_collect()
-            .await?;
-        let bytes = objs.iter().map(|b| b.len() as u64).sum();
-        let m2 = m.clone();
-        let files = tokio::task::spawn_blocking(move || -> BindResult<Vec<Vec<u8>>> {
-            m2.objects
-                .iter()
-                .zip(&objs)
-                .map(|(o, b)| {
-                    let file = match m2.encoding {
-                        AnchorEncoding::Safetensors => b.to_vec(),
-                        AnchorEncoding::PlanesZstd => {
-                            if o.decoded_size > anchor::MAX_SHARD {
-                                return Err(driftless_format::Error::Corrupt {
-                                    what: "anchor manifest",
-                                    detail: "shard too large".into(),
-                                }
-                                .into());
-                            }
-                            let mut out = vec![0u8; o.decoded_size as usize];
-                            anchor::decode_shard(b, &mut out)?;
-                            out
-                        }
-                    };
-                    if Digest::of(&file) != o.decoded_sha256 {
-                        return Err(driftless_format::Error::Corrupt {
-                            what: "anchor shard",
-                            detail: format!("{} does not match its decoded SHA-256", o.file),
-                        }
-                        .into());
+    /// Loads anchor `step` (manifest `m`) into the arrays `by` (already checked to be exactly
+    /// the layout's tensors): byte-plane shards stream as for the agent
+    /// ([`driftless_agent::anchor_stream`]: ranged GETs decoded as they arrive, written once
+    /// into the arrays, memory bounded by the parts in flight); plain safetensors shards are
+    /// read whole. The caller verifies the weights root. Returns the bytes read.
+    async fn stream_anchor(&self, step: u64, m: &AnchorManifest, by: &HashMap<&str, Raw>) -> BindResult<u64> {
+        let layout = m.layout();
+        if m.objects.len() != layout.shards.len() {
+            return Err(corrupt("anchor", "shard count differs from the manifest"));
+        }
+        let mut bytes = 0;
+        for (o, shard) in m.objects.iter().zip(&layout.shards) {
+            if o.file != shard.file {
+                return Err(corrupt("anchor", format!("shard {} is not the manifest's {}", o.file, shard.file)));
+            }
+            let sink = Arc::new(ArraySink {
+                size: o.decoded_size,
+                file: shard.file.clone(),
+                expect: shard.tensors.clone(),
+                by: shard.tensors.iter().filter_map(|t| Some((t.name.clone(), *by.get(t.name.as_str())?))).collect(),
+                ranges: OnceLock::new(),
+            });
+            bytes += match m.encoding {
+                AnchorEncoding::PlanesZstd => {
+                    stream_shard(self.reader.bucket(), step, o, ANCHOR_PARTS, sink.clone()).await?
+                }
+                AnchorEncoding::Safetensors => {
+                    let b = self
+                        .reader
+                        .object(StepKind::Anchor, step, &o.object.object, o.object.size, o.object.sha256)
+                        .await?;
+                    if b.len() as u64 != o.decoded_size {
+                        return Err(corrupt("anchor", format!("{} is not of its decoded size", o.file)));
                     }
-                    Ok(file)
-                })
-                .collect()
-        })
-        .await
-        .expect("anchor decode task")?;
-        Ok((m, files, bytes))
+                    sink.write_at(0, &b)?;
+                    b.len() as u64
+                }
+            };
+            if sink.ranges.get().is_none() {
+                return Err(corrupt("anchor", format!("{} has no header", o.file)));
+            }
+        }
+        Ok(bytes)
     }
 
     async fn fetch_delta(&self, step: u64) -> BindResult<(DeltaManifest, Vec<Bytes>, u64)> {
@@ -428,12 +426,11 @@ impl PyFollower {
         let mut shards_for_verify = None;
         let by: HashMap<&str, Raw> = parts.iter().map(|(m, r)| (m.name.as_str(), *r)).collect();
         if let Some(a) = anchor_step {
-            let (m, files, b) = self.fetch_anchor(a).await?;
-            bytes += b;
+            let (m, _) = self.reader.anchor(a).await?;
             let layout = m.layout();
             check_set(&layout, parts, a)?;
             *touched = true;
-            copy_anchor(&layout, &files, &by)?;
+            bytes += self.stream_anchor(a, &m, &by).await?;
             cur = Tracked { step: a, root: m.weights_root, layout };
             shards_for_verify = Some((m.shards.clone(), m.weights_root));
         } else {
@@ -517,7 +514,7 @@ impl PyFollower {
         };
         let full = anchor_step.is_some();
         if let Some(a) = anchor_step {
-            let (m, files, _) = self.fetch_anchor(a).await?;
+            let (m, _) = self.reader.anchor(a).await?;
             let layout = m.layout();
             *touched = true;
             let tensors: Vec<(TensorMeta, Vec<u8>)> = layout
@@ -531,7 +528,7 @@ impl PyFollower {
                 .iter_mut()
                 .map(|(t, d)| (t.name.as_str(), Raw { addr: d.as_mut_ptr() as usize, len: d.len() }))
                 .collect();
-            copy_anchor(&layout, &files, &by)?;
+            self.stream_anchor(a, &m, &by).await?;
             let views: Vec<TensorView<'_>> = mm
                 .tensors
                 .iter()
@@ -597,48 +594,82 @@ impl PyFollower {
     }
 }
 
-/// Copies every tensor of decoded anchor shard files into the buffers `by` (already checked to
-/// be exactly the layout's tensors).
-fn copy_anchor(layout: &Layout, files: &[Vec<u8>], by: &HashMap<&str, Raw>) -> BindResult<()> {
-    if files.len() != layout.shards.len() {
-        return Err(driftless_format::Error::Corrupt {
-            what: "anchor",
-            detail: "shard count differs from the manifest".into(),
+/// Anchor parts in flight per shard (as the agent's default `anchor_parts`).
+const ANCHOR_PARTS: usize = 4;
+
+fn corrupt(what: &'static str, detail: impl Into<String>) -> BindError {
+    driftless_format::Error::Corrupt { what, detail: detail.into() }.into()
+}
+
+/// One anchor shard going into arrays: its header (the first write) must list exactly the
+/// manifest's tensors of that shard and says where each lies in the file; every later byte is
+/// copied into the array whose range holds it (header bytes are not kept).
+struct ArraySink {
+    file: String,
+    size: u64,
+    expect: Vec<TensorMeta>,
+    by: HashMap<String, Raw>,
+    /// (start, end) of each tensor in the file, with its array; set by the header.
+    ranges: OnceLock<Vec<(u64, u64, Raw)>>,
+}
+
+impl ArraySink {
+    fn map_header(&self, head: &[u8]) -> driftless_agent::Result<Vec<(u64, u64, Raw)>> {
+        let bad = |d: String| -> driftless_agent::Error {
+            driftless_format::Error::Corrupt { what: "anchor", detail: d }.into()
+        };
+        let (start, tensors, _) = driftless_format::checkpoint::parse_safetensors_head(head, self.size)?;
+        if tensors.len() != self.expect.len() {
+            return Err(bad(format!("{} has other tensors than its manifest", self.file)));
         }
-        .into());
+        tensors
+            .into_iter()
+            .map(|(meta, r)| {
+                if !self.expect.contains(&meta) {
+                    return Err(bad(format!("{}: tensor {} not in its manifest", self.file, meta.name)));
+                }
+                // The arrays were checked against the manifest's tensors (`check_set`).
+                let dst = *self.by.get(&meta.name).ok_or_else(|| bad(format!("no array for tensor {}", meta.name)))?;
+                if dst.len != r.len() {
+                    return Err(bad(format!("tensor {} has {} bytes, its array {}", meta.name, r.len(), dst.len)));
+                }
+                Ok(((start + r.start) as u64, (start + r.end) as u64, dst))
+            })
+            .collect()
     }
-    for (shard, file) in layout.shards.iter().zip(files) {
-        let (start, tensors, _) = driftless_format::checkpoint::parse_safetensors_header(file)?;
-        if tensors.len() != shard.tensors.len() {
-            return Err(driftless_format::Error::Corrupt {
-                what: "anchor",
-                detail: format!("{} has other tensors than its manifest", shard.file),
+}
+
+impl ShardSink for ArraySink {
+    fn write_at(&self, at: u64, bytes: &[u8]) -> driftless_agent::Result<()> {
+        let ranges = match self.ranges.get() {
+            Some(r) => r,
+            None if at == 0 => {
+                // The header comes alone, before any chunk (or with the whole file).
+                let r = self.map_header(bytes)?;
+                self.ranges.get_or_init(|| r)
             }
-            .into());
-        }
-        for (meta, range) in tensors {
-            if !shard.tensors.contains(&meta) {
+            None => {
                 return Err(driftless_format::Error::Corrupt {
                     what: "anchor",
-                    detail: format!("{}: tensor {} not in its manifest", shard.file, meta.name),
+                    detail: "data before the header".into(),
                 }
-                .into());
+                .into())
             }
-            let dst = by
-                .get(meta.name.as_str())
-                .ok_or_else(|| BindError::Input(format!("no array for tensor {}", meta.name)))?;
-            let src = &file[start + range.start..start + range.end];
-            if src.len() != dst.len {
-                return Err(BindError::Input(format!(
-                    "array {} has {} bytes, the stream has {}",
-                    meta.name,
-                    dst.len,
-                    src.len()
-                )));
+        };
+        let end = at + bytes.len() as u64;
+        for &(a, b, dst) in ranges {
+            let (lo, hi) = (a.max(at), b.min(end));
+            if lo < hi {
+                let src = &bytes[(lo - at) as usize..(hi - at) as usize];
+                // SAFETY: `dst` is borrowed writable for the whole load; [lo - a, hi - a) lies
+                // inside it (a tensor's range is its array's length, checked above), and chunks
+                // never overlap, so no two writers touch the same bytes. Raw pointers, not
+                // slices of the whole array: several threads write one array at once.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), (dst.addr as *mut u8).add((lo - a) as usize), src.len())
+                };
             }
-            // SAFETY: the destination is a borrowed writable buffer of exactly this length.
-            unsafe { dst.slice_mut() }.copy_from_slice(src);
         }
+        Ok(())
     }
-    Ok(())
 }

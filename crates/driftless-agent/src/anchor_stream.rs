@@ -1,0 +1,123 @@
+//! Streaming one byte-plane anchor shard out of the bucket, shared by the agent (into a file
+//! of its work slot) and the Python `Follower` (into the caller's arrays): ranged GETs of the
+//! object's footer, prefix, table and header, then one ranged GET per chunk (16 MiB of
+//! decoded bytes), `parts` in flight, each decoded on the blocking pool and handed to a
+//! [`ShardSink`] once. Memory is bounded by the parts in flight, whatever the model's size.
+//! The object's SHA-256 is computed over the parts in order and checked against the manifest
+//! at the end: a sink receives bytes before that check, so it must write only where nothing
+//! is trusted until a weights root is verified.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use driftless_format::manifest::{AnchorShardRef, StepKind};
+use driftless_format::{anchor, Digest};
+use driftless_store::stream::StreamError;
+use driftless_store::Bucket;
+use futures::StreamExt;
+
+use crate::agent::corrupt;
+use crate::{Error, Result};
+
+/// Where the decoded bytes of a shard go.
+pub trait ShardSink: Send + Sync + 'static {
+    /// Bytes `[at, at + bytes.len())` of the decoded shard file (a safetensors file). The
+    /// header comes first, alone, at 0; then every chunk once, from blocking threads, in any
+    /// order, never overlapping.
+    fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()>;
+}
+
+/// A file allocated at the shard's decoded size (the agent's work slot).
+pub(crate) struct FileSink(pub(crate) std::fs::File);
+
+impl ShardSink for FileSink {
+    fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()> {
+        Ok(std::os::unix::fs::FileExt::write_all_at(&self.0, bytes, at)?)
+    }
+}
+
+/// Streams shard `o` of anchor `step` into `sink` (see the module docs), `parts` chunks in
+/// flight. Returns the bytes read.
+pub async fn stream_shard(
+    bucket: &Bucket,
+    step: u64,
+    o: &AnchorShardRef,
+    parts: usize,
+    sink: Arc<dyn ShardSink>,
+) -> Result<u64> {
+    use sha2::Digest as _;
+    if o.decoded_size > anchor::MAX_SHARD {
+        return Err(corrupt("anchor manifest", "shard too large"));
+    }
+    let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
+    let size = o.object.size;
+    if size < 48 {
+        return Err(corrupt("anchor shard", "truncated"));
+    }
+    let bucket = bucket.clone();
+    // A truncated or swapped object is an integrity failure, as for whole-object reads
+    // (ranged reads past its end would look like a storage error).
+    let head = match bucket.head(&key).await {
+        Ok(h) => h,
+        Err(e) if e.is_not_found() => {
+            return Err(StreamError::NotReady { step, detail: format!("{key} missing") }.into())
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let mismatch = || corrupt("object", format!("{key} does not match its manifest (size or SHA-256)"));
+    if head.size != size {
+        return Err(mismatch());
+    }
+    let footer = bucket.get_range_of(&key, size - anchor::FOOTER_LEN..size).await?;
+    let tr = anchor::table_range(&footer, size)?;
+    let (table, prefix) =
+        futures::try_join!(bucket.get_range_of(&key, tr), bucket.get_range_of(&key, 0..anchor::PREFIX_LEN))?;
+    let plan = anchor::plan_shard(&prefix, &table, &footer, size, o.decoded_size)?;
+    let hz = bucket.get_range_of(&key, plan.header.clone()).await?;
+    let mut head = vec![0u8; plan.header_len as usize];
+    anchor::decode_header(&hz, &mut head)?;
+    sink.write_at(0, &head)?;
+    // Output and plane buffers of the chunk decoders (16 MiB each per part in flight),
+    // reused from chunk to chunk so their pages are faulted in once.
+    type Buffers = std::sync::Mutex<Vec<(Vec<u8>, Vec<u8>)>>;
+    let pool: Arc<Buffers> = Arc::default();
+    let mut sha = sha2::Sha256::new();
+    sha.update(&prefix);
+    sha.update(&hz);
+    let mut chunks = futures::stream::iter(plan.chunks)
+        .map(|c| {
+            let (bucket, key, sink, pool) = (bucket.clone(), key.clone(), sink.clone(), &pool);
+            async move {
+                let b = bucket.get_range_of(&key, c.stored.clone()).await?;
+                let stored = b.clone();
+                let pool = pool.clone();
+                tokio::task::spawn_blocking(move || -> Result<()> {
+                    // At most `parts` decodes run at once, so the pool never holds more
+                    // buffers than that.
+                    let (mut out, mut scratch) = pool.lock().expect("buffer pool").pop().unwrap_or_default();
+                    let n = (c.out.end - c.out.start) as usize;
+                    if out.len() < n {
+                        out.resize(n, 0);
+                    }
+                    let r = anchor::decode_chunk_with(&c, &stored, &mut out[..n], &mut scratch)
+                        .map_err(Error::from)
+                        .and_then(|()| sink.write_at(c.out.start, &out[..n]));
+                    pool.lock().expect("buffer pool").push((out, scratch));
+                    r
+                })
+                .await
+                .map_err(|e| Error::Io(std::io::Error::other(format!("decode task: {e}"))))??;
+                Ok::<Bytes, Error>(b)
+            }
+        })
+        .buffered(parts.max(1));
+    while let Some(b) = chunks.next().await {
+        sha.update(&b?);
+    }
+    sha.update(&table);
+    sha.update(&footer);
+    if Digest(sha.finalize().into()) != o.object.sha256 {
+        return Err(mismatch());
+    }
+    Ok(size)
+}
