@@ -158,7 +158,9 @@ class Follower(_native.Follower):
         first call (or after :meth:`reset`, or with arrays of another shape) loads the newest
         anchor into them and applies the deltas after it; later calls apply only the deltas
         since. The weights root of the result is checked before returning, so a call that
-        returns has produced exactly the publisher's bits.
+        returns has produced exactly the publisher's bits. An anchor is streamed into the
+        arrays as it downloads (ranged GETs decoded as they arrive, a few 16 MiB parts in
+        flight), so memory beyond the arrays does not grow with the model.
 
         On failure the arrays may be partially modified: the exception says so by existing
         (a download or signature failure before the first write leaves them untouched and
