@@ -163,3 +163,38 @@ def test_extra_files_and_idempotent_republish(bucket, keys, tmp_path):
     assert out["step"] == 2
     assert (tmp_path / "agent" / "current" / "config.json").read_bytes() == b'{"model_type": "llama", "v": 2}'
     assert (tmp_path / "agent" / "current" / "tokenizer.json").read_bytes() == b"{}"
+
+
+def test_follower_streams_an_anchor_into_arrays_and_refuses_a_corrupt_one(file_bucket, keys, tmp_path):
+    """apply_to streams a byte-plane anchor into the arrays (a 21 MB tensor: two 16 MiB parts
+    written into one array at once); a flipped byte or a truncated object is a CorruptError,
+    and the restored object loads bit for bit."""
+    url, _ = file_bucket
+    private, public = keys
+    rng = np.random.default_rng(5)
+    tensors = {
+        "a.big": rng.integers(0, 1 << 16, size=(5000, 2100), dtype=np.uint16).view(BF16),
+        "b.small": rng.integers(0, 1 << 16, size=(64,), dtype=np.uint16).view(BF16),
+    }
+    with driftless.Publisher(url, signing_key=private) as pub:
+        assert pub.publish(0, tensors)["outcome"] == "anchor"
+    root = url.removeprefix("file://")
+    shards = [p for p in glob.glob(f"{root}/anchors/**/*", recursive=True) if os.path.isfile(p)]
+    obj = max(shards, key=os.path.getsize)
+    good = open(obj, "rb").read()
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {n: np.zeros_like(a) for n, a in tensors.items()}
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    for broken in (bytes(bad), good[:-100]):
+        with open(obj, "wb") as fh:
+            fh.write(broken)
+        with pytest.raises(driftless.CorruptError):
+            f.apply_to(arrays)
+        assert f.applied_step is None
+    with open(obj, "wb") as fh:
+        fh.write(good)
+    o = f.apply_to(arrays)
+    assert o["route"] == "anchor" and o["step"] == 0
+    for n, a in tensors.items():
+        assert np.array_equal(bits(arrays[n]), bits(a)), n
