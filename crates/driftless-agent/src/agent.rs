@@ -805,6 +805,7 @@ impl Agent {
             std::fs::remove_dir_all(wdir)?;
         }
         std::fs::create_dir_all(wdir)?;
+        let t0 = Instant::now();
         let r = &self.reader;
         // Owned keys: closures over borrowed items make the future not provably `Send`.
         let keys: Vec<(String, u64, Digest)> =
@@ -838,6 +839,7 @@ impl Agent {
             .await
             .map_err(|e| at(e.into()))?;
         let bytes: u64 = streamed + objs.iter().chain(&files).map(|b| b.len() as u64).sum::<u64>();
+        debug!(step, secs = t0.elapsed().as_secs_f64(), "anchor objects read");
         let dir = wdir.to_path_buf();
         let m2 = m.clone();
         let tv = Instant::now();
@@ -865,7 +867,7 @@ impl Agent {
         .map_err(|e| Error::Io(std::io::Error::other(format!("anchor task: {e}"))))?
         .map_err(&at)?;
         self.metrics.record_verify(tv.elapsed());
-        info!(step, bytes, verified = verify, "anchor loaded");
+        info!(step, bytes, verified = verify, verify_secs = tv.elapsed().as_secs_f64(), "anchor loaded");
         Ok((bytes, Held { step, root: m.weights_root }))
     }
 

@@ -27,12 +27,25 @@ pub trait ShardSink: Send + Sync + 'static {
     fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()>;
 }
 
-/// A file allocated at the shard's decoded size (the agent's work slot).
+/// A file allocated at the shard's decoded size (the agent's work slot). Each write's
+/// writeback is started at once (`sync_file_range`, asynchronous), so that the disk writes
+/// while the stream goes on and the fsync before the state is written waits for the tail only.
 pub(crate) struct FileSink(pub(crate) std::fs::File);
 
 impl ShardSink for FileSink {
     fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()> {
-        Ok(std::os::unix::fs::FileExt::write_all_at(&self.0, bytes, at)?)
+        std::os::unix::fs::FileExt::write_all_at(&self.0, bytes, at)?;
+        // SAFETY: plain syscall on a descriptor owned by the file. Best effort: durability
+        // comes from the fsync of the slot, whose errors are the ones that count.
+        unsafe {
+            libc::sync_file_range(
+                std::os::fd::AsRawFd::as_raw_fd(&self.0),
+                at as i64,
+                bytes.len() as i64,
+                libc::SYNC_FILE_RANGE_WRITE,
+            );
+        }
+        Ok(())
     }
 }
 
