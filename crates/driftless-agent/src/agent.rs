@@ -708,7 +708,8 @@ impl Agent {
         self.metrics.apply_ms.store(t.elapsed().as_millis() as u64, Relaxed);
         // Durable before announced: data, then state, then the link, then notify.
         let w2 = wdir.clone();
-        tokio::task::spawn_blocking(move || sync_tree(&w2))
+        // The slot directory may be new (an anchor, a rebuild): its entry in `slots/` too.
+        tokio::task::spawn_blocking(move || sync_tree(&w2).and_then(|()| w2.parent().map_or(Ok(()), sync_dir)))
             .await
             .map_err(|e| Error::Io(std::io::Error::other(format!("sync task: {e}"))))??;
         let inactive = prev.as_ref().filter(|s| self.active_ok && s.stream_id == sid).map(|s| s.held());
@@ -872,8 +873,8 @@ impl Agent {
     }
 
     /// Streams one byte-plane anchor shard into `wdir/<file>` ([`stream_shard`]), written
-    /// once with `pwrite` into a file whose space is allocated first (no page-cache zeroing, no
-    /// SIGBUS). Bytes decoded before the object's SHA-256 is checked only ever reach the
+    /// once with `pwrite` into a file whose space is allocated when its header arrives (no
+    /// page-cache zeroing, no SIGBUS). Bytes decoded before the object's SHA-256 is checked only ever reach the
     /// inactive slot, which is not trusted until its weights root is verified. Returns the
     /// bytes read.
     async fn stream_shard(
@@ -885,8 +886,8 @@ impl Agent {
         if o.decoded_size > anchor::MAX_SHARD {
             return Err(corrupt("anchor manifest", "shard too large"));
         }
-        let file = driftless_format::checkpoint::allocate_file(&wdir.join(&o.file), o.decoded_size)?;
-        stream_shard(self.reader.bucket(), step, o, self.cfg.anchor_parts, Arc::new(FileSink(file))).await
+        let sink = Arc::new(FileSink::new(wdir.join(&o.file), o.decoded_size));
+        stream_shard(self.reader.bucket(), step, o, self.cfg.anchor_parts, sink).await
     }
 
     /// Starts downloading delta `step` in the background: its manifest, then its segments

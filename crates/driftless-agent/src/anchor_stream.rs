@@ -20,6 +20,12 @@ use crate::agent::corrupt;
 use crate::{Error, Result};
 
 /// Where the decoded bytes of a shard go.
+///
+/// [`stream_shard`] returns, with its result or its first error, only once every write it
+/// started has finished: a sink may borrow memory for the duration of the call. (Its future
+/// must then be run to completion: dropped early, decode tasks already on the blocking pool
+/// finish on their own; they check a stop flag before writing, which narrows but cannot close
+/// that window.)
 pub trait ShardSink: Send + Sync + 'static {
     /// Bytes `[at, at + bytes.len())` of the decoded shard file (a safetensors file). The
     /// header comes first, alone, at 0; then every chunk once, from blocking threads, in any
@@ -27,25 +33,57 @@ pub trait ShardSink: Send + Sync + 'static {
     fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()>;
 }
 
-/// A file allocated at the shard's decoded size (the agent's work slot). Each write's
-/// writeback is started at once (`sync_file_range`, asynchronous), so that the disk writes
-/// while the stream goes on and the fsync before the state is written waits for the tail only.
-pub(crate) struct FileSink(pub(crate) std::fs::File);
+/// A file of the agent's work slot, created and allocated at the shard's decoded size on the
+/// header's write (so that a missing object is reported as such, before any disk space is
+/// taken). Each write's writeback is started at once (`sync_file_range`, asynchronous), so
+/// that the disk writes while the stream goes on and the fsync before the state is written
+/// waits for the tail only.
+pub(crate) struct FileSink {
+    path: std::path::PathBuf,
+    size: u64,
+    file: std::sync::OnceLock<std::fs::File>,
+}
+
+impl FileSink {
+    pub(crate) fn new(path: std::path::PathBuf, size: u64) -> Self {
+        FileSink { path, size, file: std::sync::OnceLock::new() }
+    }
+}
 
 impl ShardSink for FileSink {
     fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()> {
-        std::os::unix::fs::FileExt::write_all_at(&self.0, bytes, at)?;
-        // SAFETY: plain syscall on a descriptor owned by the file. Best effort: durability
-        // comes from the fsync of the slot, whose errors are the ones that count.
-        unsafe {
-            libc::sync_file_range(
-                std::os::fd::AsRawFd::as_raw_fd(&self.0),
-                at as i64,
-                bytes.len() as i64,
-                libc::SYNC_FILE_RANGE_WRITE,
-            );
+        let file = match self.file.get() {
+            Some(f) => f,
+            None => {
+                // The header's write: it comes alone, before any chunk's.
+                let f = driftless_format::checkpoint::allocate_file(&self.path, self.size)?;
+                self.file.get_or_init(|| f)
+            }
+        };
+        std::os::unix::fs::FileExt::write_all_at(file, bytes, at)?;
+        if !bytes.is_empty() {
+            // SAFETY: plain syscall on a descriptor owned by the file. Best effort: durability
+            // comes from the fsync of the slot, whose errors are the ones that count.
+            unsafe {
+                libc::sync_file_range(
+                    std::os::fd::AsRawFd::as_raw_fd(file),
+                    at as i64,
+                    bytes.len() as i64,
+                    libc::SYNC_FILE_RANGE_WRITE,
+                );
+            }
         }
         Ok(())
+    }
+}
+
+/// Set on the first error and when [`stream_shard`]'s future is dropped: parts not yet
+/// fetched are skipped, decodes not yet written are not written.
+struct Stop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for Stop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -97,10 +135,14 @@ pub async fn stream_shard(
     let mut sha = sha2::Sha256::new();
     sha.update(&prefix);
     sha.update(&hz);
+    let stop = Stop(Arc::default());
     let mut chunks = futures::stream::iter(plan.chunks)
         .map(|c| {
-            let (bucket, key, sink, pool) = (bucket.clone(), key.clone(), sink.clone(), &pool);
+            let (bucket, key, sink, pool, stop) = (bucket.clone(), key.clone(), sink.clone(), &pool, stop.0.clone());
             async move {
+                if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Ok(Bytes::new());
+                }
                 let b = bucket.get_range_of(&key, c.stored.clone()).await?;
                 let stored = b.clone();
                 let pool = pool.clone();
@@ -114,7 +156,10 @@ pub async fn stream_shard(
                     }
                     let r = anchor::decode_chunk_with(&c, &stored, &mut out[..n], &mut scratch)
                         .map_err(Error::from)
-                        .and_then(|()| sink.write_at(c.out.start, &out[..n]));
+                        .and_then(|()| match stop.load(std::sync::atomic::Ordering::SeqCst) {
+                            true => Ok(()),
+                            false => sink.write_at(c.out.start, &out[..n]),
+                        });
                     pool.lock().expect("buffer pool").push((out, scratch));
                     r
                 })
@@ -124,8 +169,21 @@ pub async fn stream_shard(
             }
         })
         .buffered(parts.max(1));
+    // On the first error, stop: skip the parts not yet fetched and wait for those in flight
+    // (their decode tasks would otherwise write after this call returned).
+    let mut first_err = None;
     while let Some(b) = chunks.next().await {
-        sha.update(&b?);
+        match b {
+            Ok(b) if first_err.is_none() => sha.update(&b),
+            Ok(_) => {}
+            Err(e) => {
+                stop.0.store(true, std::sync::atomic::Ordering::SeqCst);
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
     }
     sha.update(&table);
     sha.update(&footer);

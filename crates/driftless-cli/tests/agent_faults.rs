@@ -361,15 +361,25 @@ fn disk_full_is_an_error_not_a_signal() {
 
 // Issue 9.3/9.4: the durability order of a switch, read from the agent's own system calls:
 // the new slot's files are flushed, then state.json is renamed into place, then the directory
-// is synced, then `current` is re-pointed (rename of the temp symlink), then synced again.
+// is synced, then `current` is re-pointed (rename of the temp symlink), then synced again; the
+// served slot is only ever read. Two switches are traced: the first after a cold start (the
+// inactive slot rebuilt from the active one by the pass) and a steady one (brought forward in
+// place).
 #[test]
 fn durability_order_in_a_syscall_trace() {
     let mut e = Env::new();
     e.publish();
     e.publish();
     assert!(run_bounded(e.agent("a"), 60).status.success());
-    e.publish();
-    let trace = e.p("trace");
+    for round in ["rebuild", "steady"] {
+        e.publish();
+        check_switch_trace(&e, round);
+    }
+}
+
+/// Runs `agent --once` on `a` under strace and checks the order of one switch.
+fn check_switch_trace(e: &Env, round: &str) {
+    let trace = e.p(&format!("trace-{round}"));
     let mut c = Command::new("strace");
     c.args([
         "-f",
@@ -390,13 +400,30 @@ fn durability_order_in_a_syscall_trace() {
         "strace or the agent failed (is strace installed?): {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let lines: Vec<String> = std::fs::read_to_string(&trace).unwrap().lines().map(str::to_string).collect();
+    let lines = merged_trace(&std::fs::read_to_string(&trace).unwrap());
     if std::env::var_os("DRIFTLESS_DUMP_TRACE").is_some() {
         eprintln!("{}", lines.join("\n"));
     }
     let first = |pat: &dyn Fn(&str) -> bool| lines.iter().position(|l| pat(l));
-    let state_rename = first(&|l| l.contains("rename") && l.contains("state.json.tmp")).expect("state.json renamed");
     let link_rename = first(&|l| l.contains("rename") && l.contains("current.tmp")).expect("current re-pointed");
+    // The state that names the new slot: the last one written before the switch (a steady
+    // step first records that the inactive slot holds nothing verified any more).
+    let state_rename = lines[..link_rename]
+        .iter()
+        .rposition(|l| l.contains("rename") && l.contains("state.json.tmp"))
+        .expect("state.json renamed");
+    let new_slot = lines
+        .iter()
+        .find_map(|l| l.split("symlink(\"slots/").nth(1).and_then(|r| r.split('"').next()))
+        .expect("the symlink to the new slot")
+        .to_string();
+    let served = format!("/slots/{}/", if new_slot == "a" { "b" } else { "a" });
+    // The served (old) slot is only ever read: no open for writing, no unlink, no rename.
+    for l in &lines {
+        let writes = ["O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC"].iter().any(|f| l.contains(f));
+        let touches = (l.contains("openat(") && writes) || l.contains("unlink") || l.contains("rename");
+        assert!(!(touches && l.contains(&served)), "{round}: the served slot written: {l}");
+    }
     // The new slot's shard files: each one opened for writing (blocks written in place with
     // pwrite) is synced (fsync or fdatasync through any descriptor of it) after that open and
     // before the state names the slot. Descriptors are process-wide: follow openat and close.
@@ -422,32 +449,46 @@ fn durability_order_in_a_syscall_trace() {
             }
         }
     }
-    assert!(written.len() >= 2, "the fast path did not open the slot's shard files for writing");
-    // The served (old) slot is only ever read.
-    let new_slot = lines[link_rename..]
-        .iter()
-        .chain(&lines[..link_rename])
-        .find_map(|l| l.split("symlink(\"slots/").nth(1).and_then(|r| r.split('"').next()))
-        .expect("the symlink to the new slot");
-    for (_, p) in &written {
-        assert!(p.contains(&format!("/slots/{new_slot}/")), "{p} of the served slot opened for writing");
-    }
+    assert!(written.len() >= 2, "{round}: the pass did not open the new slot's shard files for writing");
     for (i, p) in &written {
-        assert!(synced.iter().any(|(j, q)| j > i && q == p), "{p} written but not synced before the state write");
+        assert!(p.contains(&format!("/slots/{new_slot}/")), "{round}: {p} opened for writing");
+        assert!(synced.iter().any(|(j, q)| j > i && q == p), "{round}: {p} written but not synced before the state");
     }
     let slot_fsyncs = before
         .windows(2)
         .filter(|w| w[0].contains("openat") && w[0].contains("/slots/") && w[1].contains("fsync("))
         .count();
-    assert!(slot_fsyncs >= 2, "no data flush before the state write");
+    assert!(slot_fsyncs >= 2, "{round}: no data flush before the state write");
     // The slot's shard files were opened and fsync'ed before the state rename.
     let slot_open = first(&|l| l.contains("openat") && l.contains("/slots/") && l.contains(".safetensors"));
-    assert!(slot_open.is_some_and(|i| i < state_rename), "slot files not flushed before the state");
-    assert!(state_rename < link_rename, "state must be durable before current is switched");
+    assert!(slot_open.is_some_and(|i| i < state_rename), "{round}: slot files not flushed before the state");
+    assert!(state_rename < link_rename, "{round}: state must be durable before current is switched");
     let fsync_between = lines[state_rename..link_rename].iter().any(|l| l.contains("fsync("));
-    assert!(fsync_between, "DIR fsync after the state rename, before the switch");
+    assert!(fsync_between, "{round}: DIR fsync after the state rename, before the switch");
     let fsync_after = lines[link_rename..].iter().any(|l| l.contains("fsync("));
-    assert!(fsync_after, "DIR fsync after the switch");
+    assert!(fsync_after, "{round}: DIR fsync after the switch");
+}
+
+/// strace -f output with each call split by a thread switch (`<unfinished ...>`, then
+/// `<... NAME resumed>`) joined back into one line, in the order the calls started.
+fn merged_trace(raw: &str) -> Vec<String> {
+    let mut out: Vec<String> = vec![];
+    let mut pending: std::collections::HashMap<String, usize> = Default::default();
+    for l in raw.lines() {
+        let pid = l.split_whitespace().next().unwrap_or("").to_string();
+        if let Some(head) = l.strip_suffix("<unfinished ...>") {
+            pending.insert(pid, out.len());
+            out.push(head.trim_end().to_string());
+        } else if let Some(rest) = l.split("resumed>").nth(1).filter(|_| l.contains("<... ")) {
+            match pending.remove(&pid) {
+                Some(i) => out[i].push_str(rest),
+                None => out.push(l.to_string()),
+            }
+        } else {
+            out.push(l.to_string());
+        }
+    }
+    out
 }
 
 /// An "S3 endpoint" that accepts connections and never answers: a bucket that hangs (each

@@ -565,7 +565,9 @@ impl CheckpointFiles {
             drop(map);
             for (t, r) in ts {
                 let at = (data_start + r.start) as u64;
-                tensors.insert(t.name.clone(), (files.len(), at, t.dtype, r.len() as u64));
+                if tensors.insert(t.name.clone(), (files.len(), at, t.dtype, r.len() as u64)).is_some() {
+                    return Err(Error::invalid(format!("tensor {} appears in two shards", t.name)));
+                }
                 metas.push(t);
             }
             files.push((p, f, len));
@@ -617,6 +619,10 @@ impl CheckpointFiles {
     /// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`: asynchronous, waits for nothing). Best effort:
     /// durability comes from [`Self::sync`], whose errors are the ones that count.
     pub fn start_writeback(&self, name: &str, start: u64, len: u64) {
+        if len == 0 {
+            // 0 means "to the end of the file" to sync_file_range.
+            return;
+        }
         if let Ok((_, f, at)) = self.locate(name, start, len) {
             // SAFETY: plain syscall on a descriptor owned by `f`.
             unsafe {

@@ -103,6 +103,44 @@ fn fused_run_pieces(
     );
     let untouched = Checkpoint::open(src_dir.path()).unwrap();
     assert_same_tensors(&untouched.views(), base, "the copy's source");
+    // Without hashing (an intermediate group of a long chain): untouched tensors are skipped
+    // in place, yet copied whole by a copy; the same bytes on every target.
+    for target in ["memory", "files", "copy"] {
+        let d = tempfile::tempdir().unwrap();
+        write(d.path(), base, 4096);
+        let out = d.path().join("out");
+        match target {
+            "memory" => {
+                let mut m = CheckpointMut::open(d.path()).unwrap();
+                let metas = m.metas();
+                let tm = m.tensors_mut();
+                assert!(
+                    fused::apply_and_hash_blocks(Target::Memory(&tm), &metas, &refs, false, block, piece)?.is_none()
+                );
+                drop(tm);
+                m.flush().unwrap();
+                std::fs::create_dir_all(&out).unwrap();
+                for e in std::fs::read_dir(d.path()).unwrap().map(|e| e.unwrap()).filter(|e| e.path().is_file()) {
+                    std::fs::copy(e.path(), out.join(e.file_name())).unwrap();
+                }
+            }
+            "files" => {
+                let f = CheckpointFiles::open(d.path()).unwrap();
+                assert!(fused::apply_and_hash_blocks(Target::Files(&f), &metas, &refs, false, block, piece)?.is_none());
+                std::fs::create_dir_all(&out).unwrap();
+                for e in std::fs::read_dir(d.path()).unwrap().map(|e| e.unwrap()).filter(|e| e.path().is_file()) {
+                    std::fs::copy(e.path(), out.join(e.file_name())).unwrap();
+                }
+            }
+            _ => {
+                let from = CheckpointFiles::open_read_only(d.path()).unwrap();
+                let to = from.frame_copy(&out).unwrap();
+                let t = Target::Copy { from: &from, to: &to };
+                assert!(fused::apply_and_hash_blocks(t, &metas, &refs, false, block, piece)?.is_none());
+            }
+        }
+        assert_eq!(listing(&out), listing(dir.path()), "{target} without hashing");
+    }
     Ok((got, layout))
 }
 
@@ -219,4 +257,20 @@ fn hostile_entries_are_errors() {
         assert_eq!(err.kind(), ErrorKind::Corrupt, "{what}: {err}");
     }
     let _ = d;
+}
+
+/// A tensor no delta of the chain touches: skipped in place when nothing is hashed, yet
+/// copied whole into a copy (`fused_run` checks every target, with and without hashing).
+#[test]
+fn a_tensor_no_delta_touches_is_kept_by_every_target() {
+    let mut r = rng(41);
+    let base =
+        vec![T::random("changed", DType::BF16, &[4000], &mut r), T::random("same", DType::BF16, &[3000], &mut r)];
+    let next = vec![mutate(&base[0], 0.05, &mut r), base[1].clone()];
+    let layout = Layout::for_tensors(&metas(&base), u64::MAX).unwrap();
+    let chain = vec![decode(&make(&base, &next, &layout, &DeltaOptions::default()).1)];
+    for block in [64, 1 << 20] {
+        let (got, _) = fused_run(&base, &chain, block).unwrap();
+        assert_same_tensors(&views(&got), &next, &format!("block {block}"));
+    }
 }
