@@ -15,13 +15,13 @@ use bytes::Bytes;
 use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
 use driftless_format::manifest::{now_ms, DeltaManifest, LatestHint, ReadyMarker, StepKind};
-use driftless_format::{anchor, fused, ops, AnchorEncoding, Checkpoint, CheckpointFiles, Digest, TrustSet};
+use driftless_format::{anchor, fused, ops, AnchorEncoding, Checkpoint, CheckpointFiles, Digest, TensorMeta, TrustSet};
 use driftless_store::stream::{StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::anchor_stream::{stream_shard, FileSink};
+use crate::anchor_stream::{stream_shard, FileSink, Hashing};
 use crate::metrics::Metrics;
 use crate::notify::Notifier;
 use crate::patch::{PatchBuilder, PatchFile};
@@ -814,13 +814,19 @@ impl Agent {
         // Byte-plane shards stream (ranged GETs, decoded and written as they arrive, memory
         // bounded by the parts in flight); plain safetensors objects are read whole.
         let mut streamed = 0u64;
+        // Streamed shards are hashed as they are written (when the anchor is verified on its
+        // own): the model is not read back.
+        let mut digests: Vec<(TensorMeta, Digest)> = vec![];
+        let hashed = verify && m.encoding == AnchorEncoding::PlanesZstd;
         let objs: Vec<Bytes> = if m.encoding == AnchorEncoding::PlanesZstd {
             for o in &m.objects {
-                streamed += self
-                    .stream_shard(step, o, wdir)
+                let (n, d) = self
+                    .stream_shard(step, o, wdir, hashed)
                     .instrument(info_span!("stream_anchor_shard", step, file = %o.file))
                     .await
                     .map_err(&at)?;
+                streamed += n;
+                digests.extend(d);
             }
             vec![]
         } else {
@@ -859,7 +865,10 @@ impl Agent {
             if ck.layout() != m2.layout() {
                 return Err(corrupt("anchor", "decoded files do not match the manifest layout"));
             }
-            if verify {
+            if hashed {
+                let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = digests.into_iter().unzip();
+                ops::check_root(&metas, &d, &m2.shards, m2.weights_root)?;
+            } else if verify {
                 ops::verify_views(&ck.views(), &m2.shards, m2.weights_root)?;
             }
             Ok(())
@@ -882,12 +891,20 @@ impl Agent {
         step: u64,
         o: &driftless_format::manifest::AnchorShardRef,
         wdir: &Path,
-    ) -> Result<u64> {
+        hash: bool,
+    ) -> Result<(u64, Vec<(TensorMeta, Digest)>)> {
         if o.decoded_size > anchor::MAX_SHARD {
             return Err(corrupt("anchor manifest", "shard too large"));
         }
-        let sink = Arc::new(FileSink::new(wdir.join(&o.file), o.decoded_size));
-        stream_shard(self.reader.bucket(), step, o, self.cfg.anchor_parts, sink).await
+        let (bucket, parts) = (self.reader.bucket(), self.cfg.anchor_parts);
+        let file = FileSink::new(wdir.join(&o.file), o.decoded_size);
+        if hash {
+            let sink = Arc::new(Hashing::new(file, o.decoded_size));
+            let n = stream_shard(bucket, step, o, parts, sink.clone()).await?;
+            Ok((n, sink.digests()?))
+        } else {
+            Ok((stream_shard(bucket, step, o, parts, Arc::new(file)).await?, vec![]))
+        }
     }
 
     /// Starts downloading delta `step` in the background: its manifest, then its segments

@@ -7,11 +7,13 @@
 //! at the end: a sink receives bytes before that check, so it must write only where nothing
 //! is trusted until a weights root is verified.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
+use driftless_format::checkpoint::parse_safetensors_head;
 use driftless_format::manifest::{AnchorShardRef, StepKind};
-use driftless_format::{anchor, Digest};
+use driftless_format::slice::{self, PartDigest};
+use driftless_format::{anchor, hash, Digest, TensorMeta};
 use driftless_store::stream::StreamError;
 use driftless_store::Bucket;
 use futures::StreamExt;
@@ -73,6 +75,72 @@ impl ShardSink for FileSink {
                 );
             }
         }
+        Ok(())
+    }
+}
+
+/// Wraps a sink and computes the weights-root digest of every tensor of the shard from the
+/// bytes as they pass (each chunk hashed on its decode thread while it is in cache), so that
+/// a verified cold start never reads the model back: per chunk and tensor a
+/// [`slice::part_digest`] (chunk and leaf digests, the bytes of at most two partial leaves),
+/// stitched by [`slice::assemble`] at the end, as the sharded commit does with ranks' parts.
+pub struct Hashing<S> {
+    inner: S,
+    size: u64,
+    /// (tensor, start and end in the file) from the header.
+    tensors: OnceLock<Vec<(TensorMeta, u64, u64)>>,
+    parts: Mutex<Vec<(usize, PartDigest)>>,
+}
+
+impl<S: ShardSink> Hashing<S> {
+    /// Hashes what goes to `inner`, a shard file of `size` decoded bytes.
+    pub fn new(inner: S, size: u64) -> Self {
+        Hashing { inner, size, tensors: OnceLock::new(), parts: Mutex::default() }
+    }
+
+    /// The digest of every tensor of the shard (in header order), once every byte passed.
+    /// An error when the parts do not cover a tensor exactly (a stream that did not finish).
+    pub fn digests(&self) -> Result<Vec<(TensorMeta, Digest)>> {
+        let tensors = self.tensors.get().ok_or_else(|| corrupt("anchor shard", "no header"))?;
+        let mut by: Vec<Vec<PartDigest>> = vec![vec![]; tensors.len()];
+        for (t, p) in std::mem::take(&mut *self.parts.lock().expect("parts lock")) {
+            by[t].push(p);
+        }
+        tensors
+            .iter()
+            .zip(by)
+            .map(|((m, a, b), parts)| {
+                let len = b - a;
+                let chunks = if len == 0 { vec![] } else { slice::assemble(len, &parts)? };
+                Ok((m.clone(), hash::finish_tensor(&m.name, m.dtype, &m.shape, len, &chunks)))
+            })
+            .collect()
+    }
+}
+
+impl<S: ShardSink> ShardSink for Hashing<S> {
+    fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()> {
+        self.inner.write_at(at, bytes)?;
+        let tensors = match self.tensors.get() {
+            Some(t) => t,
+            None if at == 0 => {
+                // The header's write: alone, before any chunk's (or with the whole file).
+                let (start, ts, _) = parse_safetensors_head(bytes, self.size)?;
+                let ts = ts.into_iter().map(|(m, r)| (m, (start + r.start) as u64, (start + r.end) as u64)).collect();
+                self.tensors.get_or_init(|| ts)
+            }
+            None => return Err(corrupt("anchor shard", "data before the header")),
+        };
+        let end = at + bytes.len() as u64;
+        let mut mine = vec![];
+        for (i, (_, a, b)) in tensors.iter().enumerate() {
+            let (lo, hi) = ((*a).max(at), (*b).min(end));
+            if lo < hi {
+                let part = slice::part_digest(b - a, lo - a, &bytes[(lo - at) as usize..(hi - at) as usize])?;
+                mine.push((i, part));
+            }
+        }
+        self.parts.lock().expect("parts lock").extend(mine);
         Ok(())
     }
 }

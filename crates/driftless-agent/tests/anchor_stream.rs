@@ -1,5 +1,6 @@
 //! Streaming an anchor shard (`anchor_stream::stream_shard`, shared by the agent and the
-//! Python `Follower`, whose sink writes into the caller's arrays): when one part fails, the
+//! Python `Follower`, whose sink writes into the caller's arrays): hashed as it passes
+//! (`Hashing`), every tensor's digest is that of the published bytes; when one part fails, the
 //! call returns its error only after the parts in flight are done, so no write lands after it
 //! returned (the arrays may be released or reused by then), and parts after the error are not
 //! written at all.
@@ -11,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use driftless_agent::anchor_stream::{stream_shard, ShardSink};
+use driftless_agent::anchor_stream::{stream_shard, Hashing, ShardSink};
 use driftless_format::gen::{ModelSpec, RlChain};
 use driftless_format::{anchor, Keypair, TrustSet};
 use driftless_publisher::PublisherBuilder;
@@ -39,14 +40,14 @@ impl ShardSink for Counting {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_part_stops_the_stream_and_no_write_lands_after_it_returned() {
+async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write_after_it_returned() {
     let tb = file_bucket();
     let key = Keypair::from_seed([9; 32]);
     let trust = TrustSet::new().with_key(key.public());
     let (b, k) = (tb.bucket.clone(), key.clone());
+    // 48 MiB: three 16 MiB parts, all in flight at once.
+    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(48 << 20), 2e-6, 3);
     tokio::task::block_in_place(|| {
-        // 48 MiB: three 16 MiB parts, all in flight at once.
-        let chain = RlChain::new(&ModelSpec::with_bf16_bytes(48 << 20), 2e-6, 3);
         let mut p = PublisherBuilder::new("unused").with_bucket(b).with_key(k).build().unwrap();
         p.publish(0, &chain.views()).unwrap();
         p.close().unwrap();
@@ -55,11 +56,23 @@ async fn a_failed_part_stops_the_stream_and_no_write_lands_after_it_returned() {
     let (m, _) = reader.anchor(0).await.unwrap();
     let o = m.objects.iter().max_by_key(|o| o.object.size).unwrap().clone();
 
-    // Intact: every part written once (plus the header), nothing after the call.
-    let sink = Arc::new(Counting::default());
+    // Intact: every part written once (plus the header), nothing after the call; hashed as
+    // it passes, every tensor's digest is that of the published bytes.
+    let counting = Counting::default();
+    let sink = Arc::new(Hashing::new(counting, o.decoded_size));
     let n = stream_shard(&tb.bucket, 0, &o, 4, sink.clone()).await.unwrap();
     assert_eq!(n, o.object.size);
-    let parts = sink.writes.load(SeqCst) - 1;
+    let got: std::collections::HashMap<String, driftless_format::Digest> =
+        sink.digests().unwrap().into_iter().map(|(m, d)| (m.name, d)).collect();
+    let views = chain.views();
+    let (want, _) = driftless_format::weights_root(&views);
+    assert_eq!(got.len(), views.len());
+    for (v, d) in views.iter().zip(want) {
+        assert_eq!(got[v.name], d, "digest of {} hashed while streaming", v.name);
+    }
+    let writes = Arc::new(Counting::default());
+    stream_shard(&tb.bucket, 0, &o, 4, writes.clone()).await.unwrap();
+    let parts = writes.writes.load(SeqCst) - 1;
     assert!(parts >= 3, "{parts} parts: the model should span several");
 
     // The first part's first plane no longer a zstd frame: its decode fails at once.
@@ -89,4 +102,41 @@ async fn a_failed_part_stops_the_stream_and_no_write_lands_after_it_returned() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(sink.late.load(SeqCst), 0, "writes landed after stream_shard returned its error");
     assert!(sink.writes.load(SeqCst) <= parts, "parts after the error were written");
+}
+
+/// A cold start verifies a streamed anchor through the digests hashed as it was written: an
+/// anchor whose manifest is signed with the stream's key but names another weights root than
+/// its bytes have is refused, and nothing becomes current.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signed_anchor_whose_bytes_are_not_its_root_is_refused() {
+    use driftless_format::manifest::{AnchorManifest, ReadyMarker};
+    use driftless_format::StepKind;
+    let tb = file_bucket();
+    let key = Keypair::from_seed([10; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let (b, k) = (tb.bucket.clone(), key.clone());
+    tokio::task::block_in_place(|| {
+        let chain = RlChain::new(&ModelSpec::with_bf16_bytes(20 << 20), 2e-6, 4);
+        let mut p = PublisherBuilder::new("unused").with_bucket(b).with_key(k).build().unwrap();
+        p.publish(0, &chain.views()).unwrap();
+        p.close().unwrap();
+    });
+    let root = tb.root.clone().unwrap();
+    let marker_path = root.join(layout::ready(StepKind::Anchor, 0));
+    let mut marker: ReadyMarker = serde_json::from_slice(&std::fs::read(&marker_path).unwrap()).unwrap();
+    let env_path = root.join(layout::object(StepKind::Anchor, 0, marker.manifest_name()));
+    let (payload, _) = trust.open(&std::fs::read(&env_path).unwrap()).unwrap();
+    let mut m: AnchorManifest = serde_json::from_slice(&payload).unwrap();
+    m.weights_root = driftless_format::Digest::of(b"another model");
+    let env = key.seal(&serde_json::to_vec(&m).unwrap()).unwrap();
+    std::fs::write(&env_path, &env).unwrap();
+    marker.manifest_sha256 = driftless_format::Digest::of(&env);
+    std::fs::write(&marker_path, serde_json::to_vec(&marker).unwrap()).unwrap();
+
+    let mut a = driftless_agent::Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust)).unwrap();
+    let r = a.sync_once().await;
+    assert!(a.state().is_none(), "a cold start took an anchor whose bytes are not its root: {r:?}");
+    assert!(!tb.dir.path().join("a").join("current").exists(), "current names an unverified slot");
+    let refused = format!("{r:?}");
+    assert!(refused.contains("weights root"), "{refused}");
 }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
-use driftless_agent::anchor_stream::{stream_shard, ShardSink};
+use driftless_agent::anchor_stream::{stream_shard, Hashing, ShardSink};
 use driftless_agent::{plan, Agent, AgentConfig};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
 use driftless_format::{
@@ -356,24 +356,39 @@ impl PyFollower {
     /// the layout's tensors): byte-plane shards stream as for the agent
     /// ([`driftless_agent::anchor_stream`]: ranged GETs decoded as they arrive, written once
     /// into the arrays, memory bounded by the parts in flight); plain safetensors shards are
-    /// read whole. The caller verifies the weights root. Returns the bytes read.
-    async fn stream_anchor(&self, step: u64, m: &AnchorManifest, by: &HashMap<&str, Raw>) -> BindResult<u64> {
+    /// read whole. With `hash` (the anchor is the result, checked alone) every tensor is hashed
+    /// as it is written (`Hashing`: the arrays are not read back); otherwise the root of the
+    /// chain's result checks it. Returns the bytes read and the digests (empty without `hash`).
+    async fn stream_anchor(
+        &self,
+        step: u64,
+        m: &AnchorManifest,
+        by: &HashMap<&str, Raw>,
+        hash: bool,
+    ) -> BindResult<(u64, Vec<(TensorMeta, Digest)>)> {
         let layout = m.layout();
         if m.objects.len() != layout.shards.len() {
             return Err(corrupt("anchor", "shard count differs from the manifest"));
         }
-        let mut bytes = 0;
+        let (mut bytes, mut digests) = (0, vec![]);
         for (o, shard) in m.objects.iter().zip(&layout.shards) {
             if o.file != shard.file {
                 return Err(corrupt("anchor", format!("shard {} is not the manifest's {}", o.file, shard.file)));
             }
-            let sink = Arc::new(ArraySink {
+            let arrays = ArraySink {
                 size: o.decoded_size,
                 file: shard.file.clone(),
                 expect: shard.tensors.clone(),
                 by: shard.tensors.iter().filter_map(|t| Some((t.name.clone(), *by.get(t.name.as_str())?))).collect(),
                 ranges: OnceLock::new(),
-            });
+            };
+            type Hashed = Arc<Hashing<ArraySink>>;
+            let (sink, hashing): (Arc<dyn ShardSink>, Option<Hashed>) = if hash {
+                let h = Arc::new(Hashing::new(arrays, o.decoded_size));
+                (h.clone(), Some(h))
+            } else {
+                (Arc::new(arrays), None)
+            };
             bytes += match m.encoding {
                 AnchorEncoding::PlanesZstd => {
                     stream_shard(self.reader.bucket(), step, o, ANCHOR_PARTS, sink.clone()).await?
@@ -390,11 +405,11 @@ impl PyFollower {
                     b.len() as u64
                 }
             };
-            if sink.ranges.get().is_none() {
-                return Err(corrupt("anchor", format!("{} has no header", o.file)));
+            if let Some(h) = hashing {
+                digests.extend(h.digests()?);
             }
         }
-        Ok(bytes)
+        Ok((bytes, digests))
     }
 
     async fn fetch_delta(&self, step: u64) -> BindResult<(DeltaManifest, Vec<Bytes>, u64)> {
@@ -423,16 +438,17 @@ impl PyFollower {
         };
         let mut bytes = 0;
         let mut cur: Tracked;
-        let mut shards_for_verify = None;
+        let mut anchor_digests = None;
         let by: HashMap<&str, Raw> = parts.iter().map(|(m, r)| (m.name.as_str(), *r)).collect();
         if let Some(a) = anchor_step {
             let (m, _) = self.reader.anchor(a).await?;
             let layout = m.layout();
             check_set(&layout, parts, a)?;
             *touched = true;
-            bytes += self.stream_anchor(a, &m, &by).await?;
+            let (b, d) = self.stream_anchor(a, &m, &by, chain.is_empty()).await?;
+            bytes += b;
             cur = Tracked { step: a, root: m.weights_root, layout };
-            shards_for_verify = Some((m.shards.clone(), m.weights_root));
+            anchor_digests = Some((d, m.shards.clone(), m.weights_root));
         } else {
             cur = local.expect("a delta route starts from a local state").clone();
             check_set(&cur.layout, parts, cur.step)?;
@@ -484,8 +500,10 @@ impl PyFollower {
             match &last {
                 Some(m) => ops::verify_result(&views, m)?,
                 None => {
-                    let (shards, root) = shards_for_verify.as_ref().expect("anchor route");
-                    ops::verify_views(&views, shards, *root)?
+                    // The anchor alone: its digests were computed as it was written.
+                    let (d, shards, root) = anchor_digests.take().expect("anchor route");
+                    let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
+                    ops::check_root(&metas, &d, &shards, root)?
                 }
             };
             Ok(())
@@ -528,13 +546,9 @@ impl PyFollower {
                 .iter_mut()
                 .map(|(t, d)| (t.name.as_str(), Raw { addr: d.as_mut_ptr() as usize, len: d.len() }))
                 .collect();
-            self.stream_anchor(a, &m, &by).await?;
-            let views: Vec<TensorView<'_>> = mm
-                .tensors
-                .iter()
-                .map(|(t, d)| TensorView { name: &t.name, dtype: t.dtype, shape: &t.shape, data: d })
-                .collect();
-            ops::verify_views(&views, &m.shards, m.weights_root)?;
+            let (_, d) = self.stream_anchor(a, &m, &by, true).await?;
+            let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
+            ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
         }
         let mm = mirror.as_mut().expect("a mirror to apply onto");
         let mut cur = mm.at.clone();
