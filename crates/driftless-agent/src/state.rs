@@ -16,7 +16,8 @@
 //! ```
 //!
 //! Durability order of a switch (tested by tracing system calls): the new slot's data is
-//! flushed (msync, fsync of every file and of the slot directory) → `state.json` names it
+//! flushed (fdatasync of every file the pass wrote, fsync of every file, of the slot directory
+//! and of `slots/`; the served slot is only ever opened read-only) → `state.json` names it
 //! (written to a temp file, fsync, rename, fsync of `DIR`) → `current` is re-pointed (symlink
 //! to a temp name, rename over `current`, fsync of `DIR`) → the inference server is notified.
 //! A crash between the state write and the link switch is finished at the next start
