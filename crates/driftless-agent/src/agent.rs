@@ -897,7 +897,7 @@ impl Agent {
             return Err(corrupt("anchor manifest", "shard too large"));
         }
         let (bucket, parts) = (self.reader.bucket(), self.cfg.anchor_parts);
-        let file = FileSink::new(wdir.join(&o.file), o.decoded_size);
+        let file = FileSink::new(wdir.join(&o.file), o.decoded_size, hash);
         if hash {
             let sink = Arc::new(Hashing::new(file, o.decoded_size));
             let n = stream_shard(bucket, step, o, parts, sink.clone()).await?;

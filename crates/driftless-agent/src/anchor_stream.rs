@@ -44,11 +44,15 @@ pub(crate) struct FileSink {
     path: std::path::PathBuf,
     size: u64,
     file: std::sync::OnceLock<std::fs::File>,
+    writeback: bool,
 }
 
 impl FileSink {
-    pub(crate) fn new(path: std::path::PathBuf, size: u64) -> Self {
-        FileSink { path, size, file: std::sync::OnceLock::new() }
+    /// `writeback`: start each write's writeback at once (when the anchor is the result: with
+    /// deltas after it, the pass rewrites every page, so writing them back now would write
+    /// the model twice and make the pass wait for pages under writeback).
+    pub(crate) fn new(path: std::path::PathBuf, size: u64, writeback: bool) -> Self {
+        FileSink { path, size, file: std::sync::OnceLock::new(), writeback }
     }
 }
 
@@ -63,7 +67,7 @@ impl ShardSink for FileSink {
             }
         };
         std::os::unix::fs::FileExt::write_all_at(file, bytes, at)?;
-        if !bytes.is_empty() {
+        if self.writeback && !bytes.is_empty() {
             // SAFETY: plain syscall on a descriptor owned by the file. Best effort: durability
             // comes from the fsync of the slot, whose errors are the ones that count.
             unsafe {
