@@ -603,7 +603,8 @@ impl Agent {
             Some(a) => {
                 // With deltas after it, the anchor's root is not checked on its own: the final
                 // root (signed) proves the result; a mismatch is retried carefully, anchor first.
-                let (b, h) = self.load_anchor(sid, a, &wdir, careful || route.deltas.is_empty()).await?;
+                let alone = route.deltas.is_empty();
+                let (b, h) = self.load_anchor(sid, a, &wdir, careful || alone, alone).await?;
                 bytes += b;
                 self.metrics.anchor_downloads.fetch_add(1, Relaxed);
                 (h, route.deltas.clone())
@@ -796,6 +797,7 @@ impl Agent {
         step: u64,
         wdir: &Path,
         verify: bool,
+        alone: bool,
     ) -> Result<(u64, Held), BuildError> {
         let at = attribute(StepKind::Anchor, step);
         let (m, _) = self.reader.anchor(step).await.map_err(|e| at(e.into()))?;
@@ -818,10 +820,13 @@ impl Agent {
         // own): the model is not read back.
         let mut digests: Vec<(TensorMeta, Digest)> = vec![];
         let hashed = verify && m.encoding == AnchorEncoding::PlanesZstd;
+        // Early writeback only when the anchor is the result (`alone`): with deltas after it,
+        // the pass rewrites every page (a careful retry verifies the anchor, then applies).
+        let route_alone = alone;
         let objs: Vec<Bytes> = if m.encoding == AnchorEncoding::PlanesZstd {
             for o in &m.objects {
                 let (n, d) = self
-                    .stream_shard(step, o, wdir, hashed)
+                    .stream_shard(step, o, wdir, hashed, route_alone)
                     .instrument(info_span!("stream_anchor_shard", step, file = %o.file))
                     .await
                     .map_err(&at)?;
@@ -854,15 +859,20 @@ impl Agent {
             for (o, b) in m2.objects.iter().zip(&objs) {
                 std::fs::write(dir.join(&o.file), b)?;
             }
+            let layout = m2.layout();
             for (o, b) in m2.files.iter().zip(&files) {
                 let bare = driftless_store::layout::strip_generation(&o.object);
                 let name = bare.strip_prefix("extra-").unwrap_or(bare);
                 driftless_format::validate_file_name(name)?;
+                // An extra file must not replace a shard (hashed as it was streamed) or the index.
+                if name == driftless_format::checkpoint::INDEX_FILE || layout.shards.iter().any(|s| s.file == name) {
+                    return Err(corrupt("anchor manifest", format!("extra file {name} would replace a shard")));
+                }
                 std::fs::write(dir.join(name), b)?;
             }
-            write_index(&dir, &m2.layout())?;
+            write_index(&dir, &layout)?;
             let ck = Checkpoint::open(&dir)?;
-            if ck.layout() != m2.layout() {
+            if ck.layout() != layout {
                 return Err(corrupt("anchor", "decoded files do not match the manifest layout"));
             }
             if hashed {
@@ -892,12 +902,13 @@ impl Agent {
         o: &driftless_format::manifest::AnchorShardRef,
         wdir: &Path,
         hash: bool,
+        writeback: bool,
     ) -> Result<(u64, Vec<(TensorMeta, Digest)>)> {
         if o.decoded_size > anchor::MAX_SHARD {
             return Err(corrupt("anchor manifest", "shard too large"));
         }
         let (bucket, parts) = (self.reader.bucket(), self.cfg.anchor_parts);
-        let file = FileSink::new(wdir.join(&o.file), o.decoded_size, hash);
+        let file = FileSink::new(wdir.join(&o.file), o.decoded_size, writeback);
         if hash {
             let sink = Arc::new(Hashing::new(file, o.decoded_size));
             let n = stream_shard(bucket, step, o, parts, sink.clone()).await?;

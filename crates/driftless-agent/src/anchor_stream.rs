@@ -94,12 +94,14 @@ pub struct Hashing<S> {
     /// (tensor, start and end in the file) from the header.
     tensors: OnceLock<Vec<(TensorMeta, u64, u64)>>,
     parts: Mutex<Vec<(usize, PartDigest)>>,
+    /// Bytes the parts keep (partial leaves, leaf digests), bounded by [`MAX_KEPT`].
+    kept: std::sync::atomic::AtomicU64,
 }
 
 impl<S: ShardSink> Hashing<S> {
     /// Hashes what goes to `inner`, a shard file of `size` decoded bytes.
     pub fn new(inner: S, size: u64) -> Self {
-        Hashing { inner, size, tensors: OnceLock::new(), parts: Mutex::default() }
+        Hashing { inner, size, tensors: OnceLock::new(), parts: Mutex::default(), kept: Default::default() }
     }
 
     /// The digest of every tensor of the shard (in header order), once every byte passed.
@@ -124,6 +126,11 @@ impl<S: ShardSink> Hashing<S> {
 
 impl<S: ShardSink> ShardSink for Hashing<S> {
     fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()> {
+        let end = at.checked_add(bytes.len() as u64).filter(|&e| e <= self.size);
+        let end = end.ok_or_else(|| corrupt("anchor shard", "a part beyond the shard"))?;
+        if self.tensors.get().is_some_and(|t| t.first().is_some_and(|(_, a, _)| at < *a)) {
+            return Err(corrupt("anchor shard", "a part inside the header"));
+        }
         self.inner.write_at(at, bytes)?;
         let tensors = match self.tensors.get() {
             Some(t) => t,
@@ -135,19 +142,34 @@ impl<S: ShardSink> ShardSink for Hashing<S> {
             }
             None => return Err(corrupt("anchor shard", "data before the header")),
         };
-        let end = at + bytes.len() as u64;
+        // Tensors tile the data in order: start at the first one that ends after `at`.
+        let first = tensors.partition_point(|(_, _, b)| *b <= at);
         let mut mine = vec![];
-        for (i, (_, a, b)) in tensors.iter().enumerate() {
+        let mut kept = 0u64;
+        for (i, (_, a, b)) in tensors.iter().enumerate().skip(first) {
+            if *a >= end {
+                break;
+            }
             let (lo, hi) = ((*a).max(at), (*b).min(end));
             if lo < hi {
                 let part = slice::part_digest(b - a, lo - a, &bytes[(lo - at) as usize..(hi - at) as usize])?;
+                kept += (part.head.len() + part.tail.len()) as u64
+                    + 32 * (part.head_leaves.len() + part.tail_leaves.len()) as u64;
                 mine.push((i, part));
             }
+        }
+        // An honest plan cuts tensors on chunk boundaries, so parts keep next to nothing; a
+        // hostile one cut off the leaf grid could make every byte a partial leaf.
+        if self.kept.fetch_add(kept, std::sync::atomic::Ordering::Relaxed) + kept > MAX_KEPT {
+            return Err(corrupt("anchor shard", "parts not cut on leaf boundaries"));
         }
         self.parts.lock().expect("parts lock").extend(mine);
         Ok(())
     }
 }
+
+/// Bytes of partial leaves and leaf digests a [`Hashing`] keeps for one shard at most.
+const MAX_KEPT: u64 = 64 << 20;
 
 /// Set on the first error and when [`stream_shard`]'s future is dropped: parts not yet
 /// fetched are skipped, decodes not yet written are not written.

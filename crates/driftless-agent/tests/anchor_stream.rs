@@ -140,3 +140,68 @@ async fn a_signed_anchor_whose_bytes_are_not_its_root_is_refused() {
     let refused = format!("{r:?}");
     assert!(refused.contains("weights root"), "{refused}");
 }
+
+/// `Hashing` against the weights root on parts cut anywhere: 4097-byte writes in any order
+/// (partial leaves stitched across parts), the whole file in one write (header and data
+/// together, as a plain safetensors anchor is), a zero-size tensor; a missing or repeated part
+/// is an error, never a digest.
+#[test]
+fn hashing_sees_every_byte_once_however_the_parts_are_cut() {
+    use driftless_format::{DType, Layout, TensorMeta, TensorView};
+    struct Null;
+    impl ShardSink for Null {
+        fn write_at(&self, _: u64, _: &[u8]) -> driftless_agent::Result<()> {
+            Ok(())
+        }
+    }
+    let metas = vec![
+        TensorMeta { name: "a".into(), dtype: DType::BF16, shape: vec![1_572_867] },
+        TensorMeta { name: "empty".into(), dtype: DType::F32, shape: vec![0, 3] },
+        TensorMeta { name: "z".into(), dtype: DType::U8, shape: vec![10_001] },
+    ];
+    let layout = Layout::for_tensors(&metas, u64::MAX).unwrap();
+    let (header, ranges) = Layout::shard_header(&layout.shards[0]).unwrap();
+    let data: Vec<u8> = (0..ranges.last().unwrap().end).map(|i| (i * 7 + i / 4099) as u8).collect();
+    let mut file = header.clone();
+    file.extend_from_slice(&data);
+    let views: Vec<TensorView<'_>> = layout.shards[0]
+        .tensors
+        .iter()
+        .zip(&ranges)
+        .map(|(m, r)| TensorView {
+            name: &m.name,
+            dtype: m.dtype,
+            shape: &m.shape,
+            data: &data[r.start as usize..r.end as usize],
+        })
+        .collect();
+    let (want, _) = driftless_format::weights_root(&views);
+    let size = file.len() as u64;
+    let h0 = header.len();
+    let pieces: Vec<(u64, &[u8])> =
+        file[h0..].chunks(4097).enumerate().map(|(i, c)| ((h0 + i * 4097) as u64, c)).collect();
+    let digests = |writes: &[(u64, &[u8])]| {
+        let h = Hashing::new(Null, size);
+        for (at, b) in writes {
+            h.write_at(*at, b)?;
+        }
+        h.digests().map(|d| d.into_iter().map(|(_, d)| d).collect::<Vec<_>>())
+    };
+    // Header alone, then the parts from the end backwards.
+    let mut w = vec![(0u64, &file[..h0])];
+    w.extend(pieces.iter().rev().copied());
+    assert_eq!(digests(&w).unwrap(), want);
+    // The whole file in one write.
+    assert_eq!(digests(&[(0, &file[..])]).unwrap(), want);
+    // A part missing, or one given twice.
+    let mut missing = w.clone();
+    missing.remove(7);
+    assert!(digests(&missing).is_err(), "a missing part gave digests");
+    let mut twice = w.clone();
+    twice.push(w[9]);
+    assert!(digests(&twice).is_err(), "a repeated part gave digests");
+    // A part before the header, inside it, or beyond the shard.
+    assert!(digests(&[(h0 as u64, &file[h0..])]).is_err());
+    assert!(digests(&[(0, &file[..h0]), (2, &file[2..10])]).is_err());
+    assert!(digests(&[(0, &file[..h0]), (size - 2, &file[..8])]).is_err());
+}

@@ -304,6 +304,14 @@ fn same_set(layout: &Layout, parts: &[(TensorMeta, Raw)]) -> bool {
 }
 
 fn check_set(layout: &Layout, parts: &[(TensorMeta, Raw)], step: u64) -> BindResult<()> {
+    // Arrays that share memory (tied weights passed under two names) would be written by
+    // several threads at once and hold only the last write.
+    let mut spans: Vec<(usize, usize, &str)> =
+        parts.iter().filter(|(_, r)| r.len > 0).map(|(m, r)| (r.addr, r.addr + r.len, m.name.as_str())).collect();
+    spans.sort_unstable();
+    if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+        return Err(BindError::Input(format!("arrays {} and {} share memory; pass each tensor once", w[0].2, w[1].2)));
+    }
     if same_set(layout, parts) {
         return Ok(());
     }
