@@ -346,3 +346,19 @@ def test_a_panic_is_a_driftless_error():
         driftless._native._panic_for_tests("boom")
     assert isinstance(e.value, driftless.DriftlessError)
     assert isinstance(e.value, Exception)
+
+
+def test_arrays_that_share_memory_are_refused(file_bucket, keys):
+    """Tied weights passed under two names would be written by several threads at once and
+    hold only the last write: refused before anything is written."""
+    url, _ = file_bucket
+    private, public = keys
+    with driftless.Publisher(url, signing_key=private) as pub:
+        pub.publish(0, {"a": np.arange(64, dtype=np.float32), "b": np.arange(64, dtype=np.float32) + 1})
+    x = np.zeros(64, dtype=np.float32)
+    f = driftless.Follower(url, trusted_keys=[public])
+    with pytest.raises(driftless.InvalidInputError, match="share memory"):
+        f.apply_to({"a": x, "b": x})
+    assert f.applied_step is None and not x.any()
+    y = np.zeros(64, dtype=np.float32)
+    assert f.apply_to({"a": x, "b": y})["step"] == 0
