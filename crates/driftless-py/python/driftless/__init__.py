@@ -172,7 +172,8 @@ class Follower(_native.Follower):
 
         Raises :class:`NothingReadyError` when nothing is reachable yet,
         :class:`InvalidInputError` when the arrays are not the stream's tensors (names, dtypes,
-        shapes), :class:`LayoutChangedError` when the stream's tensor set changed,
+        shapes) or two of them share memory (tied weights: pass each tensor once),
+        :class:`LayoutChangedError` when the stream's tensor set changed,
         :class:`CorruptError` / :class:`UntrustedError` / :class:`WrongBaseError` on bad data,
         :class:`RetryableError` on storage trouble.
         """
