@@ -67,17 +67,8 @@ impl ShardSink for FileSink {
             }
         };
         std::os::unix::fs::FileExt::write_all_at(file, bytes, at)?;
-        if self.writeback && !bytes.is_empty() {
-            // SAFETY: plain syscall on a descriptor owned by the file. Best effort: durability
-            // comes from the fsync of the slot, whose errors are the ones that count.
-            unsafe {
-                libc::sync_file_range(
-                    std::os::fd::AsRawFd::as_raw_fd(file),
-                    at as i64,
-                    bytes.len() as i64,
-                    libc::SYNC_FILE_RANGE_WRITE,
-                );
-            }
+        if self.writeback {
+            driftless_format::checkpoint::start_writeback(file, at, bytes.len() as u64);
         }
         Ok(())
     }

@@ -490,6 +490,26 @@ struct ShardMut {
     tensors: Vec<(TensorMeta, Range<usize>)>,
 }
 
+/// Starts writing bytes `[at, at + len)` of `file` back to disk
+/// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`: asynchronous, waits for nothing), so that the
+/// disk writes while the caller goes on and its final fsync waits for the tail only. Best
+/// effort: durability comes from that fsync, whose errors are the ones that count.
+pub fn start_writeback(file: &File, at: u64, len: u64) {
+    if len == 0 {
+        // 0 means "to the end of the file" to sync_file_range.
+        return;
+    }
+    // SAFETY: plain syscall on a descriptor owned by `file`.
+    unsafe {
+        libc::sync_file_range(
+            std::os::fd::AsRawFd::as_raw_fd(file),
+            at as i64,
+            len as i64,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
+    }
+}
+
 /// Creates (truncating) `path` with `len` bytes really allocated on disk (`posix_fallocate`),
 /// so that running out of space is an error here, not a SIGBUS when a map of the file is
 /// written later. Filesystems without fallocate support fall back to a sized sparse file.
@@ -619,20 +639,8 @@ impl CheckpointFiles {
     /// (`sync_file_range(SYNC_FILE_RANGE_WRITE)`: asynchronous, waits for nothing). Best effort:
     /// durability comes from [`Self::sync`], whose errors are the ones that count.
     pub fn start_writeback(&self, name: &str, start: u64, len: u64) {
-        if len == 0 {
-            // 0 means "to the end of the file" to sync_file_range.
-            return;
-        }
         if let Ok((_, f, at)) = self.locate(name, start, len) {
-            // SAFETY: plain syscall on a descriptor owned by `f`.
-            unsafe {
-                libc::sync_file_range(
-                    std::os::fd::AsRawFd::as_raw_fd(f),
-                    at as i64,
-                    len as i64,
-                    libc::SYNC_FILE_RANGE_WRITE,
-                );
-            }
+            start_writeback(f, at, len);
         }
     }
 
