@@ -822,11 +822,10 @@ impl Agent {
         let hashed = verify && m.encoding == AnchorEncoding::PlanesZstd;
         // Early writeback only when the anchor is the result (`alone`): with deltas after it,
         // the pass rewrites every page (a careful retry verifies the anchor, then applies).
-        let route_alone = alone;
         let objs: Vec<Bytes> = if m.encoding == AnchorEncoding::PlanesZstd {
             for o in &m.objects {
                 let (n, d) = self
-                    .stream_shard(step, o, wdir, hashed, route_alone)
+                    .stream_shard(step, o, wdir, hashed, alone)
                     .instrument(info_span!("stream_anchor_shard", step, file = %o.file))
                     .await
                     .map_err(&at)?;
