@@ -36,7 +36,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     with driftless.Publisher(url, signing_key=key, anchor_every=50) as pub:
         hook = driftless.torch.attach(pub, model, opt, on_receipt=lambda r: print(
-            f"step {r['step']}: {r['outcome']} {r['delta_bytes']} B ratio {r['ratio']:.1f}x in {r['encode_secs']:.3f} s"))
+            f"step {r['step']}: {r['outcome']}, {100 * r['density']:.3f}% changed, publish() {r['encode_secs']:.3f} s"))
         for _ in range(5):
             x = torch.randn(8, 256)
             out = model(x) if isinstance(model, torch.nn.Sequential) else model(torch.randint(0, 1024, (2, 16))).logits

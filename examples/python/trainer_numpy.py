@@ -48,12 +48,13 @@ def main():
                     v[n] = 0.999 * v[n] + 0.001 * g * g
                     w -= lr * (m[n] / (1 - 0.9**step)) / (np.sqrt(v[n] / (1 - 0.999**step)) + 1e-8)
                     bf16[n][...] = w.astype(ml_dtypes.bfloat16)
-            r = pub.publish(step, bf16)  # returns once encoded; uploads in the background
+            r = pub.publish(step, bf16)  # returns after the diff; encodes and uploads in the background
             pub.flush()  # only so the follower below sees it at once
+            st = pub.status()  # flushed: the delta's size is known
             o = follower.apply_to(mine)
             same = all(np.array_equal(mine[n].view(np.uint16), bf16[n].view(np.uint16)) for n in bf16)
             print(
-                f"step {step}: {r['outcome']:>16} {r['delta_bytes']:>8} B (ratio {r['ratio']:6.1f}x) "
+                f"step {step}: {r['outcome']:>16} {st['last_delta_bytes']:>8} B (ratio {st['last_ratio']:6.1f}x) "
                 f"-> follower {o['route']:>6} step {o['step']} bit-exact={same}"
             )
             assert same

@@ -176,8 +176,9 @@ enum Kind {
 }
 
 /// An encoded entry before packing.
-struct Entry<'a> {
-    name: &'a str,
+struct Entry {
+    /// Shared by the entries of a tensor's chunks (one allocation per tensor, not per chunk).
+    name: std::sync::Arc<str>,
     kind: Kind,
     dtype: DType,
     start: u64,
@@ -279,7 +280,11 @@ pub(crate) fn from_planes(planes: &[u8], w: usize, dst: &mut [u8]) {
 /// The scan works on blocks of 32 elements: the block is XORed as u64 words (vectorized),
 /// unchanged blocks are skipped after that one pass, and in changed blocks only the lanes of
 /// nonzero words are visited.
-fn diff_chunk<T: Word>(old: &[u8], new: &[u8], mode: ValueMode) -> Option<(u64, Vec<u8>, Vec<u8>)> {
+///
+/// With a writable base ([`Base`] for `&mut [u8]`) the base is made equal to `new` in the same
+/// pass: each changed 8-byte word is copied as it is found, and a chunk that goes dense is
+/// copied whole. The unchanged words (~99% on RL steps) are only read.
+fn diff_chunk<T: Word, B: Base>(mut old: B, new: &[u8], mode: ValueMode) -> Option<(u64, Vec<u8>, Vec<u8>)> {
     let w = T::W;
     let dense = new.len();
     let mut pos = Vec::new();
@@ -303,43 +308,46 @@ fn diff_chunk<T: Word>(old: &[u8], new: &[u8], mode: ValueMode) -> Option<(u64, 
         }
     };
     let full = n_elems / LANES;
-    let lane_bits = w * 8;
-    let lane_mask: u64 = if w == 8 { u64::MAX } else { (1u64 << lane_bits) - 1 };
     for blk in 0..full {
-        let o = &old[blk * block..(blk + 1) * block];
-        let nw = &new[blk * block..(blk + 1) * block];
+        let at0 = blk * block;
+        let nw = &new[at0..at0 + block];
         // XOR the block as u64 words and OR them together: one vectorizable pass decides that
-        // most blocks are unchanged. Only words with a nonzero XOR are looked at lane by lane.
+        // most blocks are unchanged.
         let mut any = 0u64;
-        for (a, b) in o.chunks_exact(8).zip(nw.chunks_exact(8)) {
+        for (a, b) in old.bytes()[at0..at0 + block].chunks_exact(8).zip(nw.chunks_exact(8)) {
             any |= u64::from_le_bytes(a.try_into().expect("8")) ^ u64::from_le_bytes(b.try_into().expect("8"));
         }
         if any == 0 {
             continue;
         }
-        for (k, (a, b)) in o.chunks_exact(8).zip(nw.chunks_exact(8)).enumerate() {
+        // One bit per changed element of the block, without a branch per word or lane: the
+        // changes of RL steps are scattered, so such branches mispredict.
+        let mut changed = 0u32;
+        for (k, (a, b)) in old.bytes()[at0..at0 + block].chunks_exact(8).zip(nw.chunks_exact(8)).enumerate() {
             let x = u64::from_le_bytes(a.try_into().expect("8")) ^ u64::from_le_bytes(b.try_into().expect("8"));
-            if x == 0 {
-                continue;
-            }
-            for l in 0..8 / w {
-                if (x >> (l * lane_bits)) & lane_mask != 0 {
-                    let at = k * 8 + l * w;
-                    emit(blk * LANES + at / w, T::load(&o[at..]), T::load(&nw[at..]), &mut pos, &mut vals);
-                }
-            }
+            changed |= lane_bits(x, w) << (k * (8 / w));
         }
+        while changed != 0 {
+            let i = changed.trailing_zeros() as usize;
+            changed &= changed - 1;
+            emit(blk * LANES + i, T::load(&old.bytes()[at0 + i * w..]), T::load(&nw[i * w..]), &mut pos, &mut vals);
+        }
+        // The block's cache line is dirtied by any change: copying it whole costs no more.
+        old.put(at0, nw);
         if pos.len() + vals.len() >= dense {
+            old.put(0, new);
             return None;
         }
     }
     for idx in full * LANES..n_elems {
-        let (a, b) = (T::load(&old[idx * w..]), T::load(&new[idx * w..]));
+        let (a, b) = (T::load(&old.bytes()[idx * w..]), T::load(&new[idx * w..]));
         if a != b {
             emit(idx, a, b, &mut pos, &mut vals);
+            old.put(idx * w, &new[idx * w..(idx + 1) * w]);
         }
     }
     if pos.len() + vals.len() >= dense && dense > 0 {
+        old.put(0, new);
         return None;
     }
     if mode == ValueMode::Overwrite && w > 1 {
@@ -350,12 +358,65 @@ fn diff_chunk<T: Word>(old: &[u8], new: &[u8], mode: ValueMode) -> Option<(u64, 
     Some((count, pos, vals))
 }
 
-fn diff_dispatch(dtype: DType, old: &[u8], new: &[u8], mode: ValueMode) -> Option<(u64, Vec<u8>, Vec<u8>)> {
+fn diff_dispatch<B: Base>(dtype: DType, old: B, new: &[u8], mode: ValueMode) -> Option<(u64, Vec<u8>, Vec<u8>)> {
     match dtype.size() {
-        1 => diff_chunk::<u8>(old, new, mode),
-        2 => diff_chunk::<u16>(old, new, mode),
-        4 => diff_chunk::<u32>(old, new, mode),
-        _ => diff_chunk::<u64>(old, new, mode),
+        1 => diff_chunk::<u8, B>(old, new, mode),
+        2 => diff_chunk::<u16, B>(old, new, mode),
+        4 => diff_chunk::<u32, B>(old, new, mode),
+        _ => diff_chunk::<u64, B>(old, new, mode),
+    }
+}
+
+/// One bit per nonzero `w`-byte lane of `x` (lane 0 is bit 0), without branches: each lane's
+/// high bit is set if the lane is nonzero (the add cannot carry across lanes, the lane's own
+/// high bit being masked off first), then the high bits are gathered by a multiply.
+#[inline(always)]
+fn lane_bits(x: u64, w: usize) -> u32 {
+    match w {
+        1 => {
+            let hi = 0x8080_8080_8080_8080u64;
+            let hb = (((x & !hi) + !hi) | x) & hi;
+            ((hb >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56) as u32
+        }
+        2 => {
+            let hi = 0x8000_8000_8000_8000u64;
+            let hb = (((x & !hi) + !hi) | x) & hi;
+            (((hb >> 15).wrapping_mul((1 << 48) | (1 << 33) | (1 << 18) | (1 << 3)) >> 48) & 0xf) as u32
+        }
+        4 => {
+            let hi = 0x8000_0000_8000_0000u64;
+            let hb = (((x & !hi) + !hi) | x) & hi;
+            (((hb >> 31) | (hb >> 62)) & 3) as u32
+        }
+        _ => u32::from(x != 0),
+    }
+}
+
+/// The base bytes a diff reads: read-only (`encode_delta`), or writable and brought up to the
+/// target as the diff goes (`diff_update`). One scan loop serves both.
+trait Base {
+    fn bytes(&self) -> &[u8];
+    /// Copies `src` to `at` (a no-op for a read-only base).
+    fn put(&mut self, at: usize, src: &[u8]);
+}
+
+impl Base for &[u8] {
+    #[inline(always)]
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    #[inline(always)]
+    fn put(&mut self, _: usize, _: &[u8]) {}
+}
+
+impl Base for &mut [u8] {
+    #[inline(always)]
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    #[inline(always)]
+    fn put(&mut self, at: usize, src: &[u8]) {
+        self[at..at + src.len()].copy_from_slice(src);
     }
 }
 
@@ -424,81 +485,158 @@ pub fn encode_runs(runs: &[Run<'_>], opts: &DeltaOptions) -> Result<EncodedDelta
     encode(runs, opts, stats)
 }
 
-fn encode(runs: &[Run<'_>], opts: &DeltaOptions, mut stats: DeltaStats) -> Result<EncodedDelta> {
-    // Work items: (run, start element in the run, element count).
+fn encode(runs: &[Run<'_>], opts: &DeltaOptions, stats: DeltaStats) -> Result<EncodedDelta> {
+    // Work items: (run, its name, start element in the run, element count).
     let mut work = Vec::new();
     for r in runs {
+        let name: std::sync::Arc<str> = r.name.into();
         let w = r.dtype.size();
         let n = (r.target.len() / w) as u64;
         let per = (opts.chunk_bytes / w).max(1) as u64;
         let mut s = 0;
         while s < n {
             let l = per.min(n - s);
-            work.push((r, s, l));
+            work.push((r, name.clone(), s, l));
             s += l;
         }
     }
     let mode = opts.values;
-    let entries: Vec<Entry<'_>> = work
-        .par_iter()
-        .map(|&(t, s, l)| {
-            let w = t.dtype.size();
-            let r = (s as usize * w)..((s + l) as usize * w);
+    let entries: Vec<Entry> = work
+        .into_par_iter()
+        .map(|(t, name, s, l)| {
+            let r = (s as usize * t.dtype.size())..((s + l) as usize * t.dtype.size());
             let new = &t.target[r.clone()];
             let sparse = t.base.and_then(|b| diff_dispatch(t.dtype, &b[r], new, mode));
-            match sparse {
-                Some((count, positions, values)) => Entry {
-                    name: t.name,
-                    kind: Kind::Sparse,
-                    dtype: t.dtype,
-                    start: t.at + s,
-                    len: l,
-                    count,
-                    positions,
-                    values,
-                },
-                None => {
-                    let mut values = Vec::with_capacity(new.len());
-                    to_planes(new, w, &mut values);
-                    Entry {
-                        name: t.name,
-                        kind: Kind::Dense,
-                        dtype: t.dtype,
-                        start: t.at + s,
-                        len: l,
-                        count: l,
-                        positions: vec![],
-                        values,
-                    }
-                }
-            }
+            chunk_entry(name, t.dtype, t.at + s, l, new, sparse)
         })
         .collect();
-    for e in &entries {
-        stats.changed += e.count;
-        if e.kind == Kind::Dense {
-            stats.dense_chunks += 1;
-        }
-    }
-    // Pack entries into segments; unchanged sparse chunks carry no entry at all.
-    let mut groups: Vec<Vec<&Entry<'_>>> = vec![];
-    let mut cur = 0usize;
-    for e in entries.iter().filter(|e| e.count > 0) {
-        let size = e.positions.len() + e.values.len() + e.name.len() + 32;
-        if groups.is_empty() || (cur > 0 && cur + size > opts.segment_target) {
-            groups.push(vec![]);
-            cur = 0;
-        }
-        groups.last_mut().expect("pushed").push(e);
-        cur += size;
-    }
-    let segments: Vec<EncodedSegment> =
-        groups.par_iter().map(|g| write_segment(g, mode, opts.codec)).collect::<Result<_>>()?;
-    stats.payload_bytes = segments.iter().map(|s| s.bytes.len() as u64).sum();
-    Ok(EncodedDelta { segments, stats })
+    DeltaDiff { entries, stats, opts: *opts }.encode()
 }
 
-fn write_segment(entries: &[&Entry<'_>], mode: ValueMode, codec: Codec) -> Result<EncodedSegment> {
+/// The entry of one scanned chunk: sparse when the scan found it worth it, else dense.
+fn chunk_entry(
+    name: std::sync::Arc<str>,
+    dtype: DType,
+    start: u64,
+    len: u64,
+    new: &[u8],
+    sparse: Option<(u64, Vec<u8>, Vec<u8>)>,
+) -> Entry {
+    match sparse {
+        Some((count, positions, values)) => {
+            Entry { name, kind: Kind::Sparse, dtype, start, len, count, positions, values }
+        }
+        None => {
+            let mut values = Vec::with_capacity(new.len());
+            to_planes(new, dtype.size(), &mut values);
+            Entry { name, kind: Kind::Dense, dtype, start, len, count: len, positions: vec![], values }
+        }
+    }
+}
+
+/// The changes of a step found by [`diff_update`], not yet packed into segments: owned, so
+/// the packing and compression can run on another thread after the caller's tensors have
+/// moved on.
+pub struct DeltaDiff {
+    entries: Vec<Entry>,
+    stats: DeltaStats,
+    opts: DeltaOptions,
+}
+
+impl std::fmt::Debug for DeltaDiff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeltaDiff").field("entries", &self.entries.len()).field("stats", &self.stats()).finish()
+    }
+}
+
+impl DeltaDiff {
+    /// What the diff found (`payload_bytes` is 0 until [`DeltaDiff::encode`]).
+    pub fn stats(&self) -> DeltaStats {
+        let mut st = self.stats.clone();
+        for e in &self.entries {
+            st.changed += e.count;
+            st.dense_chunks += u64::from(e.kind == Kind::Dense);
+        }
+        st
+    }
+
+    /// Packs the entries into segments and compresses them (in parallel).
+    pub fn encode(self) -> Result<EncodedDelta> {
+        let mut stats = self.stats();
+        // Pack entries into segments; unchanged sparse chunks carry no entry at all.
+        let mut groups: Vec<Vec<&Entry>> = vec![];
+        let mut cur = 0usize;
+        for e in self.entries.iter().filter(|e| e.count > 0) {
+            let size = e.positions.len() + e.values.len() + e.name.len() + 32;
+            if groups.is_empty() || (cur > 0 && cur + size > self.opts.segment_target) {
+                groups.push(vec![]);
+                cur = 0;
+            }
+            groups.last_mut().expect("pushed").push(e);
+            cur += size;
+        }
+        let (mode, codec) = (self.opts.values, self.opts.codec);
+        let segments: Vec<EncodedSegment> =
+            groups.par_iter().map(|g| write_segment(g, mode, codec)).collect::<Result<_>>()?;
+        stats.payload_bytes = segments.iter().map(|s| s.bytes.len() as u64).sum();
+        Ok(EncodedDelta { segments, stats })
+    }
+}
+
+/// Diffs `target` against `base` and makes `base` equal to `target` in the same pass.
+///
+/// `base[i]` is the previous bytes of `target[i]` (same order, same length): a publisher's
+/// snapshot of the last published step. Each chunk is read once from both sides; only
+/// changed words are written, so the pass costs about one read of the two models, less than
+/// a copy. The result encodes to exactly what [`encode_delta`] gives for the same inputs.
+/// Everything is checked before the first byte is written: on an error `base` is unchanged.
+pub fn diff_update(base: &mut [&mut [u8]], target: &[TensorView<'_>], opts: &DeltaOptions) -> Result<DeltaDiff> {
+    if base.len() != target.len() {
+        return Err(Error::invalid(format!(
+            "diff_update: {} base tensors for {} target tensors",
+            base.len(),
+            target.len()
+        )));
+    }
+    let mut stats = DeltaStats::default();
+    let mut names = std::collections::HashSet::new();
+    for (b, t) in base.iter().zip(target) {
+        validate_tensor_name(t.name)?;
+        if !names.insert(t.name) {
+            return Err(Error::invalid("target has duplicate tensor names"));
+        }
+        if b.len() != t.data.len() || t.data.len() % t.dtype.size() != 0 {
+            return Err(Error::invalid(format!(
+                "diff_update: {} has {} base bytes for {}",
+                t.name,
+                b.len(),
+                t.data.len()
+            )));
+        }
+        stats.elements += (t.data.len() / t.dtype.size()) as u64;
+        stats.dense_bytes += t.data.len() as u64;
+    }
+    let mut work = Vec::new();
+    for (b, t) in base.iter_mut().zip(target) {
+        let name: std::sync::Arc<str> = t.name.into();
+        let w = t.dtype.size();
+        let per = (opts.chunk_bytes / w).max(1) * w;
+        for (i, (old, new)) in b.chunks_mut(per).zip(t.data.chunks(per)).enumerate() {
+            work.push((name.clone(), t.dtype, (i * per / w) as u64, old, new));
+        }
+    }
+    let mode = opts.values;
+    let entries: Vec<Entry> = work
+        .into_par_iter()
+        .map(|(name, dtype, start, old, new)| {
+            let sparse = diff_dispatch(dtype, old, new, mode);
+            chunk_entry(name, dtype, start, (new.len() / dtype.size()) as u64, new, sparse)
+        })
+        .collect();
+    Ok(DeltaDiff { entries, stats, opts: *opts })
+}
+
+fn write_segment(entries: &[&Entry], mode: ValueMode, codec: Codec) -> Result<EncodedSegment> {
     let mut headers = Vec::new();
     let mut pos_len = 0;
     let mut val_len = 0;
@@ -830,12 +968,12 @@ pub fn apply_segment(seg: &DecodedSegment, tensors: &TensorsMut<'_>) -> Result<(
 /// from the current, not yet modified base), encoded raw. Applying it is idempotent, so it can
 /// be replayed after a crash in the middle of applying the segment.
 pub fn to_redo(seg: &DecodedSegment, tensors: &TensorsMut<'_>) -> Result<Vec<u8>> {
-    let owned: Vec<Entry<'_>> = seg.entries.par_iter().map(|e| redo_entry(seg, e, tensors)).collect::<Result<_>>()?;
-    let refs: Vec<&Entry<'_>> = owned.iter().collect();
+    let owned: Vec<Entry> = seg.entries.par_iter().map(|e| redo_entry(seg, e, tensors)).collect::<Result<_>>()?;
+    let refs: Vec<&Entry> = owned.iter().collect();
     Ok(write_segment(&refs, ValueMode::Overwrite, Codec::Raw)?.bytes)
 }
 
-fn redo_entry<'s>(seg: &'s DecodedSegment, e: &'s EntryInfo, tensors: &TensorsMut<'_>) -> Result<Entry<'s>> {
+fn redo_entry<'s>(seg: &'s DecodedSegment, e: &'s EntryInfo, tensors: &TensorsMut<'_>) -> Result<Entry> {
     {
         let (start, len) = entry_bytes(e, tensors)?;
         let base = tensors.read_range(&e.name, start, len)?;
@@ -873,7 +1011,7 @@ fn redo_entry<'s>(seg: &'s DecodedSegment, e: &'s EntryInfo, tensors: &TensorsMu
             (pos.to_vec(), planes)
         };
         Ok(Entry {
-            name: &e.name,
+            name: e.name.as_str().into(),
             kind: if e.dense { Kind::Dense } else { Kind::Sparse },
             dtype: e.dtype,
             start: e.start,
@@ -892,4 +1030,35 @@ pub fn apply_all(segments: &[(&[u8], u64)], tensors: &TensorsMut<'_>) -> Result<
         let seg = decode_segment(b, *raw)?;
         apply_segment(&seg, tensors)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lane_bits;
+
+    /// The branchless lane mask against a lane-by-lane loop, for every width, on words with
+    /// lanes that are zero, one, only the high bit, and everything set.
+    #[test]
+    fn lane_bits_matches_lane_by_lane() {
+        let mut x = 0x243f_6a88_85a3_08d3u64;
+        let mut words = vec![0u64, 1, u64::MAX, 1 << 63, 0x8000_0000_0000_0000 | 1, 0x0100_0000_0080_0000];
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Sparse words: keep a random subset of bytes.
+            words.push(x & (x >> 3).rotate_left(17) & 0xff00_00ff_0000_ff00u64.rotate_left((x % 64) as u32));
+            words.push(x);
+        }
+        for &w in &[1usize, 2, 4, 8] {
+            for &v in &words {
+                let mut want = 0u32;
+                for l in 0..8 / w {
+                    let lane = if w == 8 { v } else { (v >> (l * w * 8)) & ((1u64 << (w * 8)) - 1) };
+                    want |= u32::from(lane != 0) << l;
+                }
+                assert_eq!(lane_bits(v, w), want, "w {w} x {v:#018x}");
+            }
+        }
+    }
 }

@@ -63,7 +63,22 @@ pub fn make_delta(
         },
     );
     let encoded = encoded?;
-    let m = DeltaManifest {
+    let m = delta_manifest(spec, base_root, result_root, &digests, &encoded, opts)?;
+    Ok((m, encoded))
+}
+
+/// The manifest of an encoded delta (`digests`: the result's tensor digests in layout order,
+/// `result_root` their root). Shared by [`make_delta`] and the publisher's deferred encode
+/// (`diff_update`, then this on another thread).
+pub fn delta_manifest(
+    spec: DeltaSpec<'_>,
+    base_root: Digest,
+    result_root: Digest,
+    digests: &[Digest],
+    encoded: &delta::EncodedDelta,
+    opts: &DeltaOptions,
+) -> Result<DeltaManifest> {
+    Ok(DeltaManifest {
         kind: "delta".into(),
         version: manifest::FORMAT_VERSION,
         stream_id: spec.stream_id.to_string(),
@@ -73,7 +88,7 @@ pub fn make_delta(
         result_root,
         value_mode: opts.values,
         codec: opts.codec,
-        shards: manifest::shard_records(spec.layout, &digests)?,
+        shards: manifest::shard_records(spec.layout, digests)?,
         segments: encoded
             .segments
             .iter()
@@ -86,8 +101,7 @@ pub fn make_delta(
             .collect(),
         stats: encoded.stats.clone(),
         created_at_ms: manifest::now_ms(),
-    };
-    Ok((m, encoded))
+    })
 }
 
 /// Applies segments of one delta onto writable tensors, segment by segment, in any order and

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use driftless_format::{ops, Codec, DType, DeltaOptions, Layout, ValueMode};
+use driftless_format::{diff_update, encode_delta, ops, Codec, DType, DeltaOptions, Layout, ValueMode};
 use proptest::prelude::*;
 
 const DENSITIES: [f64; 5] = [0.0, 1e-6, 1e-2, 0.5, 1.0];
@@ -274,6 +274,76 @@ fn dense_fallback() {
     }
 }
 
+/// `diff_update` (the publisher's one pass over its snapshot) against `encode_delta` of the
+/// same inputs: byte-identical segments and stats, and the base left equal to the target.
+fn check_diff_update(base: &[T], target: &[T], opts: &DeltaOptions, ctx: &str) {
+    let want = encode_delta(&views(base), &views(target), opts).unwrap();
+    let mut snap: Vec<Vec<u8>> = base.iter().map(|t| t.data.clone()).collect();
+    let diff = {
+        let mut bufs: Vec<&mut [u8]> = snap.iter_mut().map(|d| &mut d[..]).collect();
+        diff_update(&mut bufs, &views(target), opts).unwrap()
+    };
+    for (s, t) in snap.iter().zip(target) {
+        assert!(s == &t.data, "{ctx}: {} not brought up to the target", t.name);
+    }
+    let got = diff.encode().unwrap();
+    assert_eq!(got.stats, want.stats, "{ctx}");
+    assert_eq!(got.segments.len(), want.segments.len(), "{ctx}");
+    for (g, w) in got.segments.iter().zip(&want.segments) {
+        assert!(g.bytes == w.bytes, "{ctx}: segment bytes differ");
+    }
+}
+
+#[test]
+fn diff_update_matches_encode_delta() {
+    let mut r = rng(21);
+    for &dtype in DType::ALL.iter() {
+        let base = tensors_of(dtype, 300);
+        for density in DENSITIES {
+            let target: Vec<T> = base.iter().map(|t| mutate(t, density, &mut r)).collect();
+            for values in [ValueMode::Ulp, ValueMode::Overwrite] {
+                for opts in [
+                    DeltaOptions { values, ..Default::default() },
+                    DeltaOptions { values, codec: Codec::Raw, segment_target: 64, chunk_bytes: 40 },
+                ] {
+                    check_diff_update(
+                        &base,
+                        &target,
+                        &opts,
+                        &format!("{dtype:?} {density} {values:?} {}", opts.chunk_bytes),
+                    );
+                }
+            }
+        }
+    }
+    // Every byte changed: chunks go dense part way through the scan, and must still be copied whole.
+    let base = tensors_of(DType::BF16, 301);
+    let target: Vec<T> = base
+        .iter()
+        .map(|t| {
+            T::new(&t.name, t.dtype, &t.shape, t.data.iter().enumerate().map(|(i, b)| b ^ ((i as u8) | 0x11)).collect())
+        })
+        .collect();
+    check_diff_update(&base, &target, &DeltaOptions { chunk_bytes: 256, ..Default::default() }, "dense");
+}
+
+/// A mismatched call is refused before anything is written.
+#[test]
+fn diff_update_refuses_mismatch_untouched() {
+    let mut r = rng(22);
+    let base = tensors_of(DType::F32, 302);
+    let target: Vec<T> = base.iter().map(|t| mutate(t, 0.5, &mut r)).collect();
+    let mut snap: Vec<Vec<u8>> = base.iter().map(|t| t.data.clone()).collect();
+    snap[2].push(0);
+    let mut bufs: Vec<&mut [u8]> = snap.iter_mut().map(|d| &mut d[..]).collect();
+    let e = diff_update(&mut bufs, &views(&target), &DeltaOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), driftless_format::ErrorKind::InvalidInput, "{e}");
+    snap[2].pop();
+    for (s, t) in snap.iter().zip(&base) {
+        assert!(s == &t.data, "{} was written", t.name);
+    }
+}
+
 fn dtype_strategy() -> impl Strategy<Value = DType> {
     (0..DType::ALL.len()).prop_map(|i| DType::ALL[i])
 }
@@ -308,6 +378,7 @@ proptest! {
             chunk_bytes,
         };
         roundtrip(&base, &layout, &target, &layout, &opts, "prop");
+        check_diff_update(&base, &target, &opts, "prop");
     }
 
     /// Random layout changes between steps: never an error, result equals the target.

@@ -213,7 +213,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!(
             "  {s}  {:?}  publish {publish:.2}  to ready {ready:.2}  {:.1} MB",
             rc.outcome,
-            rc.delta_bytes as f64 / 1e6
+            rc.delta_bytes.unwrap_or(p.status().last_delta_bytes) as f64 / 1e6
         );
         single_rows.push(ready);
     }

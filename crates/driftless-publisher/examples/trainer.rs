@@ -16,7 +16,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let first = p.next_step();
     for step in first..first + steps {
         let r = p.publish(step, &chain.views())?;
-        println!("step {step}: {:?} {} bytes ({:.1}x)", r.outcome, r.delta_bytes, r.ratio);
+        // A delta's size is known once its background encode is done: the next step reports it.
+        println!(
+            "step {step}: {:?}, {:.2}% changed; last delta {} bytes",
+            r.outcome,
+            100.0 * r.density,
+            p.status().last_delta_bytes
+        );
         chain.step(); // the optimizer step
     }
     p.close()?;

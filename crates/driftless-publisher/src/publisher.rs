@@ -174,7 +174,7 @@ impl PublisherBuilder {
             chain_bytes: 0,
             published: 0,
             coalesced: 0,
-            last_ratio: 0.0,
+            encoding: None,
         })
     }
 
@@ -339,13 +339,15 @@ pub struct PublishReceipt {
     pub step: u64,
     /// What was done.
     pub outcome: Outcome,
-    /// Delta payload bytes (0 without a delta).
-    pub delta_bytes: u64,
-    /// Dense BF16 bytes / delta bytes.
-    pub ratio: f64,
+    /// Delta payload bytes, when known as `publish` returns: `None` without a delta, and for
+    /// a delta whose encoding runs after `publish` returned (every step in the snapshot's
+    /// layout that starts no anchor). [`Status::last_delta_bytes`] has it once encoded.
+    pub delta_bytes: Option<u64>,
+    /// Dense bytes / delta bytes, when known (as `delta_bytes`; see [`Status::last_ratio`]).
+    pub ratio: Option<f64>,
     /// Changed elements / elements.
     pub density: f64,
-    /// Time spent in `publish` (diff, encode, snapshot update).
+    /// Time `publish` blocked the caller.
     pub encode_secs: f64,
 }
 
@@ -372,8 +374,10 @@ pub struct Status {
     pub failures: u64,
     /// Last failure.
     pub last_error: Option<String>,
-    /// Ratio of the last delta.
+    /// Dense bytes / payload bytes of the newest encoded delta.
     pub last_ratio: f64,
+    /// Payload bytes of the newest encoded delta.
+    pub last_delta_bytes: u64,
 }
 
 /// The publisher. See the crate docs.
@@ -395,7 +399,8 @@ pub struct Publisher {
     chain_bytes: u64,
     published: u64,
     coalesced: u64,
-    last_ratio: f64,
+    /// The delta being encoded after `publish` returned (see [`Publisher::publish`]).
+    encoding: Option<std::thread::JoinHandle<Option<Encoded>>>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -425,6 +430,7 @@ impl Publisher {
     /// error and leaves the publisher unseeded: its next publish is an anchor, never a delta
     /// on a base readers do not have.
     pub fn seed(&mut self, step: u64, tensors: &[TensorView<'_>], layout: &Layout) -> Result<()> {
+        self.finish_encoding();
         let ordered = order(tensors, layout)?;
         let mut snap = Snapshot::copy_from(step, layout.clone(), &ordered);
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
@@ -501,6 +507,7 @@ impl Publisher {
         if self.tx.is_none() {
             return Err(Error::Closed);
         }
+        self.finish_encoding();
         self.check_conflict()?;
         layout.validate()?;
         if let Some(last) = self.last_step {
@@ -524,7 +531,9 @@ impl Publisher {
         let Some(snap) = self.snapshot.clone() else {
             return self.anchor_only(step, tensors, layout, t0);
         };
-        if need_anchor || self.extra_changed {
+        // An all-zero root: a background encode did not finish (it records the failure and
+        // sets need_anchor too); the snapshot's step never reached the bucket.
+        if need_anchor || self.extra_changed || snap.root == Digest::default() {
             drop(snap);
             return self.anchor_only(step, tensors, layout, t0);
         }
@@ -537,11 +546,16 @@ impl Publisher {
             return Ok(PublishReceipt {
                 step,
                 outcome: Outcome::Coalesced,
-                delta_bytes: 0,
-                ratio: 0.0,
+                delta_bytes: None,
+                ratio: None,
                 density: 0.0,
                 encode_secs: t0.elapsed().as_secs_f64(),
             });
+        }
+        let dense: u64 = snap.tensors.iter().map(|(_, d)| d.len() as u64).sum();
+        if snap.layout == *layout && !self.anchor_due(step, dense) {
+            drop(snap);
+            return self.deferred_delta(step, tensors, t0);
         }
         let spec = ops::DeltaSpec {
             stream_id: &self.stream_id,
@@ -594,11 +608,12 @@ impl Publisher {
         self.last_step = Some(step);
         self.published += 1;
         let dense = m.stats.dense_bytes;
-        self.last_ratio = dense as f64 / delta_bytes.max(1) as f64;
-        let anchor_due = self.last_anchor_step.is_none_or(|a| step >= a + self.cfg.anchor_every)
-            || self.chain_bytes as f64 > self.cfg.anchor_chain_fraction * dense as f64;
-        let in_flight = self.shared.state.lock().expect("state lock").anchors_in_flight;
-        let outcome = if anchor_due && in_flight == 0 {
+        let ratio = dense as f64 / delta_bytes.max(1) as f64;
+        self.shared.update(|s| {
+            s.last_ratio = ratio;
+            s.last_delta_bytes = delta_bytes;
+        });
+        let outcome = if self.anchor_due(step, dense) {
             self.start_anchor(None)?;
             Outcome::DeltaAndAnchor
         } else {
@@ -607,13 +622,98 @@ impl Publisher {
         let r = PublishReceipt {
             step,
             outcome,
-            delta_bytes,
-            ratio: self.last_ratio,
+            delta_bytes: Some(delta_bytes),
+            ratio: Some(ratio),
             density: m.stats.changed as f64 / m.stats.elements.max(1) as f64,
             encode_secs: t0.elapsed().as_secs_f64(),
         };
-        info!(step, bytes = delta_bytes, ratio = r.ratio, secs = r.encode_secs, "delta encoded");
+        info!(step, bytes = delta_bytes, ratio, secs = r.encode_secs, "delta encoded");
         Ok(r)
+    }
+
+    /// Whether `step` should start an anchor: `anchor_every` steps since the last one, or the
+    /// deltas since then past `anchor_chain_fraction` of the model (`dense` bytes), and no
+    /// anchor already encoding.
+    fn anchor_due(&self, step: u64, dense: u64) -> bool {
+        let due = self.last_anchor_step.is_none_or(|a| step >= a + self.cfg.anchor_every)
+            || self.chain_bytes as f64 > self.cfg.anchor_chain_fraction * dense as f64;
+        due && self.shared.state.lock().expect("state lock").anchors_in_flight == 0
+    }
+
+    /// The common delta step: one pass over the caller's tensors and the snapshot finds the
+    /// changes and brings the snapshot to this step ([`driftless_format::diff_update`]:
+    /// it reads both models once and writes only changed words, less than one copy), then
+    /// returns. Packing, compression, the hash of the new state, the manifest and its
+    /// signature run on a background thread that reads only the snapshot and the found
+    /// changes, never the caller's tensors, so the trainer may change them at once. The next
+    /// `publish` (or `flush`) waits for that thread first. A failure there counts as a failed
+    /// upload: the step never gets a marker and the next publish is an anchor.
+    fn deferred_delta(&mut self, step: u64, tensors: &[TensorView<'_>], t0: Instant) -> Result<PublishReceipt> {
+        let tx = self.tx.clone().ok_or(Error::Closed)?;
+        let opts = self.cfg.delta;
+        let snap = self.snapshot_mut();
+        let ordered = order(tensors, &snap.layout)?;
+        let (base_step, base_root) = (snap.step, snap.root);
+        let diff = {
+            let _s = info_span!("diff_update").entered();
+            let mut bufs: Vec<&mut [u8]> = snap.tensors.iter_mut().map(|(_, d)| d.as_mut_slice()).collect();
+            driftless_format::diff_update(&mut bufs, &ordered, &opts)?
+        };
+        // The snapshot now holds this step; its root is known once the background hash is
+        // done (finish_encoding). No step has the all-zero root.
+        snap.step = step;
+        snap.root = Digest::default();
+        snap.digests.clear();
+        let stats = diff.stats();
+        let job = EncodeJob {
+            cfg: self.cfg.clone(),
+            stream_id: self.stream_id.clone(),
+            generation: self.ctx.generation,
+            shared: self.shared.clone(),
+            tx,
+            snap: self.snapshot.clone().expect("present"),
+            step,
+            base_step,
+            base_root,
+        };
+        self.shared.update(|s| s.queued += 1);
+        let spawned = std::thread::Builder::new().name("driftless-encode".into()).spawn(move || job.run(diff));
+        match spawned {
+            Ok(h) => self.encoding = Some(h),
+            Err(e) => {
+                self.shared.update(|s| {
+                    s.queued -= 1;
+                    s.need_anchor = true;
+                });
+                return Err(e.into());
+            }
+        }
+        self.last_step = Some(step);
+        self.published += 1;
+        let r = PublishReceipt {
+            step,
+            outcome: Outcome::Delta,
+            delta_bytes: None,
+            ratio: None,
+            density: stats.changed as f64 / stats.elements.max(1) as f64,
+            encode_secs: t0.elapsed().as_secs_f64(),
+        };
+        info!(step, changed = stats.changed, secs = r.encode_secs, "delta diffed; encoding in the background");
+        Ok(r)
+    }
+
+    /// Waits for the background encode of the last deferred delta and takes its root into
+    /// the snapshot (and its size into the anchor schedule).
+    fn finish_encoding(&mut self) {
+        let Some(h) = self.encoding.take() else { return };
+        // The job catches its own panics, so join only fails if it could not even start.
+        let Ok(Some(done)) = h.join() else { return };
+        self.chain_bytes += done.delta_bytes;
+        let snap = self.snapshot_mut();
+        if snap.step == done.step {
+            snap.root = done.root;
+            snap.digests = done.digests;
+        }
     }
 
     /// `publish` of a step at or before the newest one: a no-op success when that step is
@@ -656,8 +756,8 @@ impl Publisher {
                 Ok(PublishReceipt {
                     step,
                     outcome: Outcome::AlreadyPublished,
-                    delta_bytes: 0,
-                    ratio: 0.0,
+                    delta_bytes: None,
+                    ratio: None,
                     density: 0.0,
                     encode_secs: t0.elapsed().as_secs_f64(),
                 })
@@ -696,8 +796,8 @@ impl Publisher {
         Ok(PublishReceipt {
             step,
             outcome: Outcome::Anchor,
-            delta_bytes: 0,
-            ratio: 0.0,
+            delta_bytes: None,
+            ratio: None,
             density: 0.0,
             encode_secs: t0.elapsed().as_secs_f64(),
         })
@@ -773,6 +873,7 @@ impl Publisher {
     /// every queued step and anchor is in the bucket. Errors with the last failure when one
     /// happened since the previous flush.
     pub fn flush(&mut self) -> Result<()> {
+        self.finish_encoding();
         if let Some(p) = self.pending.take() {
             {
                 let mut s = self.shared.state.lock().expect("state lock");
@@ -819,6 +920,10 @@ impl Publisher {
     }
 
     fn shutdown(&mut self) {
+        // A delta still encoding sends its job on the runtime's channel: let it finish first.
+        if let Some(h) = self.encoding.take() {
+            let _ = h.join();
+        }
         self.tx = None;
         if let Some(rt) = self.rt.take() {
             // Release the lease: GC may then clean up after this generation at once.
@@ -843,7 +948,8 @@ impl Publisher {
             coalesced: self.coalesced,
             failures: s.failures,
             last_error: s.last_error.clone(),
-            last_ratio: self.last_ratio,
+            last_ratio: s.last_ratio,
+            last_delta_bytes: s.last_delta_bytes,
         }
     }
 }
@@ -992,6 +1098,93 @@ async fn unverified_stream_id(bucket: &Bucket) -> Option<String> {
     let b = bucket.get_limited(layout::STREAM, manifest::MAX_MANIFEST_BYTES as u64).await.ok()?;
     let env: driftless_format::sign::Envelope = serde_json::from_slice(&b).ok()?;
     StreamDescriptor::from_slice(env.payload.as_bytes()).ok().map(|d| d.stream_id)
+}
+
+/// What a deferred delta's background thread needs: it owns everything it reads.
+struct EncodeJob {
+    cfg: PublisherBuilder,
+    stream_id: String,
+    generation: u64,
+    shared: Arc<Shared>,
+    tx: tokio::sync::mpsc::Sender<Job>,
+    snap: Arc<Snapshot>,
+    step: u64,
+    base_step: u64,
+    base_root: Digest,
+}
+
+/// A deferred delta's results the publisher keeps.
+struct Encoded {
+    step: u64,
+    root: Digest,
+    digests: Vec<Digest>,
+    delta_bytes: u64,
+}
+
+impl EncodeJob {
+    /// Encodes, hashes, seals and queues the delta. A failure (or a panic) is recorded like a
+    /// failed upload: the step gets no marker and the next publish is an anchor.
+    fn run(self, diff: driftless_format::DeltaDiff) -> Option<Encoded> {
+        let _s = info_span!("encode_delta", step = self.step).entered();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.encode(diff)))
+            .unwrap_or_else(|_| Err(Error::Upload { step: self.step, detail: "delta encoding panicked".into() }));
+        let (step, shared) = (self.step, self.shared.clone());
+        // Let the publisher's next snapshot_mut see this thread's reference gone.
+        drop(self);
+        match r {
+            Ok(done) => {
+                shared.changed.notify_all();
+                Some(done)
+            }
+            Err(e) => {
+                warn!(step, error = %e, "delta encoding failed; next publish will anchor");
+                shared.update(|s| {
+                    s.queued -= 1;
+                    s.need_anchor = true;
+                    s.failures += 1;
+                    s.last_error = Some(format!("delta {step}: {e}"));
+                });
+                None
+            }
+        }
+    }
+
+    fn encode(&self, diff: driftless_format::DeltaDiff) -> Result<Encoded> {
+        let snap = &self.snap;
+        let opts = self.cfg.delta;
+        let (enc, (digests, root)) = rayon::join(|| diff.encode(), || driftless_format::weights_root(&snap.views()));
+        let enc = enc?;
+        let spec = ops::DeltaSpec {
+            stream_id: &self.stream_id,
+            step: self.step,
+            base_step: self.base_step,
+            base_root: Some(self.base_root),
+            layout: &snap.layout,
+        };
+        let mut m = ops::delta_manifest(spec, self.base_root, root, &digests, &enc, &opts)?;
+        for r in &mut m.segments {
+            r.object.object = layout::generation_name(self.generation, &r.object.object);
+        }
+        let envelope = self.cfg.seal(&serde_json::to_vec(&m).expect("manifest serializes"))?;
+        let segments: Vec<(String, Bytes)> =
+            m.segments.iter().zip(enc.segments).map(|(r, s)| (r.object.object.clone(), Bytes::from(s.bytes))).collect();
+        let delta_bytes = m.payload_bytes();
+        let ratio = m.stats.dense_bytes as f64 / delta_bytes.max(1) as f64;
+        let job = Job::Delta(DeltaJob {
+            step: self.step,
+            base_step: self.base_step,
+            root,
+            envelope: envelope.into(),
+            segments,
+        });
+        self.tx.blocking_send(job).map_err(|_| Error::Closed)?;
+        self.shared.update(|s| {
+            s.last_ratio = ratio;
+            s.last_delta_bytes = delta_bytes;
+        });
+        info!(step = self.step, bytes = delta_bytes, ratio, "delta encoded");
+        Ok(Encoded { step: self.step, root, digests, delta_bytes })
+    }
 }
 
 /// A coalesced step's weights, copied in layout order.

@@ -59,6 +59,9 @@ pub(crate) struct State {
     pub(crate) failures: u64,
     pub(crate) dropped: u64,
     pub(crate) last_error: Option<String>,
+    /// Dense bytes / payload bytes of the newest encoded delta, and its payload bytes.
+    pub(crate) last_ratio: f64,
+    pub(crate) last_delta_bytes: u64,
     /// Set on a conflict: another writer owns the stream; the publisher stops.
     pub(crate) conflict: Option<(u64, String)>,
     /// Until when the lease is known to be live (last successful renewal + TTL).

@@ -769,6 +769,64 @@ fn tensors_that_change_shape_or_set_are_carried_densely() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The deferred encode: publish() returns after the diff
+
+/// `publish` returns after one pass that diffs and updates the snapshot; the delta is encoded,
+/// hashed and signed in the background. The trainer overwrites its tensors the moment each
+/// call returns (and publishes the next step without a flush in between): every step in the
+/// bucket must still be exactly what was passed, anchors included.
+#[test]
+fn tensors_changed_right_after_publish_returns_do_not_leak_into_the_step() {
+    for be in backends("deferred", false) {
+        let ctx = be.name.clone();
+        let (_, b) = be.bucket();
+        let mut p = PublisherBuilder::new("x")
+            .with_bucket(b.clone())
+            .with_key(key())
+            .with_anchor_every(4)
+            .with_anchor_chain_fraction(1e9)
+            .build()
+            .unwrap();
+        let mut c = chain();
+        let mut t = Trainer::default();
+        let mut buf: Tensors = c.views().iter().map(|v| (v.meta(), v.data.to_vec())).collect();
+        let mut deferred = 0;
+        for step in 0..=9u64 {
+            for ((_, d), v) in buf.iter_mut().zip(c.views()) {
+                d.copy_from_slice(v.data);
+            }
+            t.published.insert(step, root_of(&views(&buf)));
+            let r = p.publish(step, &views(&buf)).unwrap_or_else(|e| panic!("{ctx}: step {step}: {e}"));
+            // What a trainer does next: its optimizer writes the same memory.
+            for (_, d) in buf.iter_mut() {
+                d.iter_mut().for_each(|x| *x = x.wrapping_add(0x5b));
+            }
+            match r.outcome {
+                Outcome::Delta => {
+                    assert!(r.delta_bytes.is_none() && r.ratio.is_none(), "{ctx}: step {step}: {r:?}");
+                    assert!(r.density > 0.0, "{ctx}: step {step}: {r:?}");
+                    deferred += 1;
+                }
+                Outcome::DeltaAndAnchor => assert!(r.delta_bytes.is_some_and(|n| n > 0), "{ctx}: {r:?}"),
+                Outcome::Anchor => assert_eq!(step, 0, "{ctx}"),
+                o => panic!("{ctx}: step {step}: unexpected {o:?}"),
+            }
+            c.step();
+        }
+        p.flush().unwrap();
+        let st = p.status();
+        assert!(st.last_delta_bytes > 0 && st.last_ratio > 1.0, "{ctx}: {st:?}");
+        p.close().unwrap();
+        assert!(deferred >= 6, "{ctx}: only {deferred} deferred steps");
+        let s = scan(&b, &trust());
+        t.check(&s, &ctx);
+        assert_eq!(s.ready_deltas.keys().copied().collect::<Vec<_>>(), (1..=9).collect::<Vec<_>>(), "{ctx}");
+        assert_eq!(s.ready_anchors.iter().copied().collect::<Vec<_>>(), vec![0, 4, 8], "{ctx}");
+        assert_eq!(s.roots.len(), 10, "{ctx}: every step reachable and checked");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Backpressure
 
 /// Peak anonymous memory of this process so far is not measurable per publisher in a test

@@ -88,9 +88,10 @@ def main():
             pub.flush()
             up = time.perf_counter() - t1
             rows.append((call, up))
+            st = pub.status()  # flushed: the delta's size is known
             print(
-                f"step {step}: publish() {call:.3f} s, upload after return {up:.3f} s, "
-                f"delta {r['delta_bytes'] / 1e6:.1f} MB (ratio {r['ratio']:.1f}x), outcome {r['outcome']}"
+                f"step {step}: publish() {call:.3f} s, encode+upload after return {up:.3f} s, "
+                f"delta {st['last_delta_bytes'] / 1e6:.1f} MB (ratio {st['last_ratio']:.1f}x), outcome {r['outcome']}"
             )
         calls = np.array([c for c, _ in rows])
         ups = np.array([u for _, u in rows])

@@ -215,6 +215,7 @@ impl PyPublisher {
             d.set_item("failures", s.failures)?;
             d.set_item("last_error", s.last_error)?;
             d.set_item("last_ratio", s.last_ratio)?;
+            d.set_item("last_delta_bytes", s.last_delta_bytes)?;
             Ok(d)
         })
     }

@@ -8,7 +8,7 @@ use anyhow::{ensure, Result};
 use driftless_agent::{Agent, AgentConfig};
 use driftless_format::gen::{ModelSpec, RlChain};
 use driftless_format::{Checkpoint, Keypair, TrustSet};
-use driftless_publisher::PublisherBuilder;
+use driftless_publisher::{Outcome, PublisherBuilder};
 use driftless_store::{Bucket, StoreOptions};
 
 #[derive(clap::Args, Debug)]
@@ -93,7 +93,11 @@ pub fn run(a: Args) -> Result<()> {
             super::snake(&r.outcome),
             size(uploaded),
             full as f64 / uploaded.max(1) as f64,
-            if r.delta_bytes > 0 { format!("{:.3}%", 100.0 * r.density) } else { "-".into() },
+            if matches!(r.outcome, Outcome::Delta | Outcome::DeltaAndAnchor) {
+                format!("{:.3}%", 100.0 * r.density)
+            } else {
+                "-".into()
+            },
             super::snake(&o.route),
             size(o.bytes),
             t.elapsed().as_secs_f64()

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use driftless_format::Checkpoint;
-use driftless_publisher::PublisherBuilder;
+use driftless_publisher::{Outcome, PublisherBuilder};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -96,8 +96,13 @@ pub fn run(a: Args) -> Result<()> {
         let ck = super::open(ckpt)?;
         p.set_extra_files(extra_files(ckpt))?;
         let before = p.status().bytes_uploaded;
-        let r = p.publish_with_layout(step, &ck.views(), &stable_layout(&ck, ckpt))?;
+        let mut r = p.publish_with_layout(step, &ck.views(), &stable_layout(&ck, ckpt))?;
         flush_with_progress(p, a.json)?;
+        if r.delta_bytes.is_none() && r.outcome == Outcome::Delta {
+            // Encoded after publish() returned; flushed, so the status has this step's size.
+            let st = p.status();
+            (r.delta_bytes, r.ratio) = (Some(st.last_delta_bytes), Some(st.last_ratio));
+        }
         // Everything this step put in the bucket (delta, anchor, markers): an anchor's size
         // is only known once its background upload is done.
         let uploaded = p.status().bytes_uploaded.saturating_sub(before);
@@ -116,11 +121,9 @@ pub fn run(a: Args) -> Result<()> {
             let mut data = serde_json::to_value(&r)?;
             data["bytes_uploaded"] = uploaded.into();
             println!("{}", serde_json::json!({"type": "published", "data": data}));
-        } else if r.delta_bytes > 0 {
+        } else if let (Some(bytes), Some(ratio)) = (r.delta_bytes, r.ratio) {
             println!(
-                "step {step}: {outcome}, {uploaded} bytes uploaded (delta {} bytes, {:.1}x smaller than dense, {:.3}% changed)",
-                r.delta_bytes,
-                r.ratio,
+                "step {step}: {outcome}, {uploaded} bytes uploaded (delta {bytes} bytes, {ratio:.1}x smaller than dense, {:.3}% changed)",
                 100.0 * r.density
             );
         } else {

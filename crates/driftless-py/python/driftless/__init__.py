@@ -73,12 +73,18 @@ class Publisher(_native.Publisher):
 
         ``tensors`` maps checkpoint names to C-contiguous CPU arrays (buffer protocol or
         ``__dlpack__``). They are read in place, without a copy, with the GIL released; do not
-        modify them until the call returns. The tensor set may change between steps (new or
+        modify them until the call returns. On a delta step the call is one pass over them and
+        the publisher's snapshot (it finds the changes and updates the snapshot); packing,
+        compression, hashing and signing run in the background after it returns and never
+        read ``tensors`` again, so the trainer may change them at once. The tensor set may change between steps (new or
         reshaped tensors travel dense). The order of the mapping is the checkpoint's order.
 
         Returns a receipt: ``step``, ``outcome`` (``"delta"``, ``"delta_and_anchor"``,
-        ``"anchor"``, or ``"coalesced"`` when uploads are behind), ``delta_bytes``,
-        ``ratio`` (dense/delta bytes), ``density`` (changed fraction), ``encode_secs``.
+        ``"anchor"``, or ``"coalesced"`` when uploads are behind), ``delta_bytes``
+        and ``ratio`` (dense/delta bytes; ``None`` when not known as the call returns, which
+        is the case for a delta encoded in the background: ``status()["last_delta_bytes"]``
+        and ``["last_ratio"]`` have them once it is encoded), ``density`` (changed fraction),
+        ``encode_secs`` (time the call blocked).
 
         Raises TypeError (not an array, unsupported dtype), ValueError (non-contiguous, not on
         the CPU), InvalidInputError (step not after the last one, bad names), ClosedError.

@@ -21,8 +21,8 @@ __version__: str
 class PublishReceipt(TypedDict):
     step: int
     outcome: str  # "delta" | "delta_and_anchor" | "anchor" | "coalesced" | "already_published"
-    delta_bytes: int
-    ratio: float
+    delta_bytes: Optional[int]  # None until encoded (see publish())
+    ratio: Optional[float]
     density: float
     encode_secs: float
 
@@ -39,6 +39,7 @@ class PublisherStatus(TypedDict):
     failures: int
     last_error: Optional[str]
     last_ratio: float
+    last_delta_bytes: int
 
 class SyncResult(TypedDict, total=False):
     step: int
