@@ -15,6 +15,13 @@
 //! BENCH_BYTES=268435456 ...   # another model size (gen)
 //! ```
 //!
+//! `rewrite DIR BIN` builds its own stream in DIR (removed first): an anchor, then
+//! `BENCH_DELTAS` (default 4) steps. Step 1 adds a 4 MiB tensor, so its delta changes the
+//! layout and the agent takes the rewrite route; the next step brings the other slot over the
+//! same change; after that the steps are the fast path again. With `BENCH_ALTERNATE=1` every
+//! step adds or removes the tensor (two rewrite passes per step, the worst case). Each step is
+//! timed next to a hash.
+//!
 //! `gen` publishes the whole chain, then moves the delta ready markers aside (`held/`); `run`
 //! reveals them one at a time, so every step is measured as a follower sees it live.
 
@@ -37,7 +44,8 @@ fn main() {
         Some("gen") => gen(Path::new(&args[2])),
         Some("run") => run(Path::new(&args[2]), Path::new(&args[3])),
         Some("proc") => processing(Path::new(&args[2])),
-        _ => eprintln!("usage: speed_bench gen DIR | run DIR DRIFTLESS_BIN | proc DIR"),
+        Some("rewrite") => rewrite(Path::new(&args[2]), Path::new(&args[3])),
+        _ => eprintln!("usage: speed_bench gen DIR | run DIR DRIFTLESS_BIN | proc DIR | rewrite DIR DRIFTLESS_BIN"),
     }
 }
 
@@ -180,6 +188,62 @@ impl Ctx {
         }
         assert!(n > 0);
         t.elapsed().as_secs_f64()
+    }
+}
+
+/// The rewrite route (a real layout change) next to a hash of the result: see the module docs.
+fn rewrite(dir: &Path, bin: &Path) {
+    let bytes: u64 = env("BENCH_BYTES", 1u64 << 30);
+    let n: u64 = env("BENCH_DELTAS", 4);
+    let lr: f32 = env("BENCH_LR", 4e-7);
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    let key = Keypair::from_seed([3; 32]);
+    std::fs::write(dir.join("key.pub"), key.public_pem().unwrap()).unwrap();
+    let url = format!("file://{}", dir.join("bucket").display());
+    let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(bytes), lr, 11);
+    let extra: Vec<u8> = (0..4u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let shape = [2u64 << 20];
+    let mut p =
+        PublisherBuilder::new("unused").with_bucket(bucket).with_key(key).with_anchor_every(1_000_000).build().unwrap();
+    for s in 0..=n {
+        if s > 0 {
+            chain.step();
+        }
+        let mut views = chain.views();
+        let alternate = std::env::var_os("BENCH_ALTERNATE").is_some();
+        if (alternate && s % 2 == 1) || (!alternate && s >= 1) {
+            views.push(
+                driftless_format::TensorView::new("zz.extra.weight", driftless_format::DType::BF16, &shape, &extra)
+                    .unwrap(),
+            );
+        }
+        let r = p.publish(s, &views).unwrap();
+        p.flush().unwrap();
+        eprintln!("published step {s}: {:?}", r.outcome);
+    }
+    p.close().unwrap();
+    // The generator holds several times the model (FP32 weights and Adam moments): free it
+    // before the agent runs, as `gen` and `run` are separate processes.
+    drop(chain);
+    hide(dir, n);
+    let cx = Ctx { dir: dir.to_path_buf(), bin: bin.to_path_buf(), url };
+    println!("| operation (CLI) | s | baseline (same run) | s | ratio |\n|---|---|---|---|---|");
+    cx.agent("A");
+    for s in 1..=n {
+        reveal(dir, s);
+        let perf = std::env::var("BENCH_PERF").ok().filter(|_| s == env("BENCH_PERF_STEP", 3));
+        let (t, out) = cx.agent_perf("A", perf.as_deref());
+        let (h, _) = cx.hash("A");
+        let what = match (std::env::var_os("BENCH_ALTERNATE").is_some(), s) {
+            (true, _) => "layout change every step",
+            (false, 1) => "layout change (rewrite from the served slot)",
+            (false, 2) => "next step (work slot rewritten + 1 delta)",
+            _ => "fast path after the change",
+        };
+        row(&format!("{what}, step {s}"), t, "driftless hash of A/current", h);
+        eprintln!("  {out}");
     }
 }
 

@@ -662,10 +662,16 @@ impl Agent {
         let marker = |d: u64| cands.marker(StepKind::Delta, d).cloned();
         let mut ahead: std::collections::VecDeque<Fetch> =
             deltas.iter().take(FETCH_AHEAD).map(|&d| self.start_fetch(d, marker(d))).collect();
+        // Deltas at or before this step are skipped: the served slot already holds it and the
+        // work slot is rebuilt from there (see the layout change below).
+        let mut skip_to = None;
         for (k, &d) in deltas.iter().enumerate() {
             let fetch = ahead.pop_front().expect("a fetch per delta");
             if let Some(&d) = deltas.get(k + FETCH_AHEAD) {
                 ahead.push_back(self.start_fetch(d, marker(d)));
+            }
+            if skip_to.is_some_and(|s| d <= s) {
+                continue;
             }
             let last = k + 1 == n;
             let verify = careful || last;
@@ -680,17 +686,33 @@ impl Agent {
             at = Held { step: d, root: m.result_root };
             let shas: Vec<Digest> = m.segments.iter().map(|s| s.object.sha256).collect();
             if layout.as_ref().is_some_and(|l| ops::needs_rewrite(l, &m)) {
+                let served = prev.as_ref().filter(|p| route.anchor.is_none() && seed.is_none() && d <= p.step);
+                if let Some(p) = served {
+                    // Bringing the work slot over a layout change the served slot already
+                    // holds: rebuild it from the served slot instead (one pass that reads it
+                    // and applies the deltas after it), not a rewrite and then a catch-up.
+                    let from = self.dir.slot(p.active);
+                    layout = Some(Checkpoint::open(&from).map_err(Error::from)?.layout());
+                    seed = Some(from);
+                    group.clear();
+                    group_raw = 0;
+                    at = p.held();
+                    skip_to = Some(p.step);
+                    rebuilt = true;
+                    self.metrics.slot_rebuilds.fetch_add(1, Relaxed);
+                    self.cached.push((d, shas));
+                    continue;
+                }
                 let pending = std::mem::take(&mut group);
                 group_raw = 0;
-                let from = if pending.is_empty() { None } else { seed.take() };
-                self.apply_group(&wdir, pending, false, careful, from).await?;
-                if seed.take().is_some() {
-                    self.copy_active(&wdir).await?;
+                if !pending.is_empty() {
+                    self.apply_group(&wdir, pending, false, careful, seed.take()).await?;
                 }
-                drop(segs);
                 // A layout change is no patch: the engine reloads from the directory.
                 patch = None;
-                self.rewrite_delta(&wdir, &m, verify, pinpoint).await?;
+                // Still unbuilt, the work slot is written from the active slot by the
+                // rewrite pass itself.
+                self.rewrite_delta(&wdir, seed.take(), &m, segs, verify, pinpoint).await?;
                 layout = Some(m.layout());
             } else {
                 group_raw += m.segments.iter().map(|s| s.raw_size).sum::<u64>();
@@ -1106,48 +1128,32 @@ impl Agent {
         Ok(())
     }
 
-    /// Applies a layout-changing delta by rebuilding the work slot beside it (rare).
+    /// Applies a layout-changing delta (tensors added, removed, reshaped or retyped): one
+    /// pass reads the source (`seed`, the active slot, when the work slot is still unbuilt;
+    /// else the work slot itself) and writes every tensor of the new layout into a fresh frame,
+    /// applying the delta and hashing each block while it is in cache, as the fast path does
+    /// (`fused::Target::Copy`). From the work slot, the frame is built beside it and replaces it.
     async fn rewrite_delta(
         &mut self,
         wdir: &Path,
+        seed: Option<PathBuf>,
         m: &DeltaManifest,
+        segs: Vec<DecodedSegment>,
         verify: bool,
         pinpoint: bool,
     ) -> Result<(), BuildError> {
-        let att = attribute(StepKind::Delta, m.step);
-        let raw = self.fetch_raw(m).await.map_err(&att)?;
         let dir = wdir.to_path_buf();
         let m2 = m.clone();
         let step = m.step;
-        let verify_ms = tokio::task::spawn_blocking(move || -> Result<u64> { rewrite_slot(&dir, &m2, &raw, verify) })
-            .await
-            .map_err(|e| Error::Io(std::io::Error::other(format!("rewrite task: {e}"))))?
-            .map_err(|e| classify_apply(e, step, pinpoint))?;
+        let verify_ms =
+            tokio::task::spawn_blocking(move || -> Result<u64> { rewrite_slot(&dir, seed, &m2, &segs, verify) })
+                .await
+                .map_err(|e| Error::Io(std::io::Error::other(format!("rewrite task: {e}"))))?
+                .map_err(|e| classify_apply(e, step, pinpoint))?;
         if verify {
             self.metrics.record_verify(Duration::from_millis(verify_ms.max(1)));
         }
         Ok(())
-    }
-
-    async fn fetch_raw(&self, m: &DeltaManifest) -> Result<Vec<Bytes>> {
-        let r = &self.reader;
-        let step = m.step;
-        let keys: Vec<(String, u64, Digest)> =
-            m.segments.iter().map(|s| (s.object.object.clone(), s.object.size, s.object.sha256)).collect();
-        let cache = self.dir.cache();
-        Ok(futures::stream::iter(keys)
-            .map(|(k, n, sha)| {
-                let cache = cache.clone();
-                async move {
-                    if let Some(b) = cached_object(&cache, n, sha) {
-                        return Ok(b);
-                    }
-                    r.object(StepKind::Delta, step, &k, n, sha).await
-                }
-            })
-            .buffered(self.cfg.download_concurrency.max(1))
-            .try_collect()
-            .await?)
     }
 
     /// Keeps in `cache/` only the segments of deltas the inactive slot may still need.
@@ -1340,48 +1346,50 @@ fn classify_apply(e: Error, step: u64, pinpoint: bool) -> BuildError {
     }
 }
 
-/// Builds the result of a layout-changing delta beside the slot, carries the slot's extra
-/// files over, and replaces the slot with it (the slot is inactive: nobody serves it).
-fn rewrite_slot(dir: &Path, m: &DeltaManifest, raw: &[Bytes], verify: bool) -> Result<u64> {
-    let new = dir.with_extension("new");
-    if new.exists() {
-        std::fs::remove_dir_all(&new)?;
+/// The pass of [`Agent::rewrite_delta`]. Returns the milliseconds of the pass.
+fn rewrite_slot(
+    dir: &Path,
+    seed: Option<PathBuf>,
+    m: &DeltaManifest,
+    segs: &[DecodedSegment],
+    verify: bool,
+) -> Result<u64> {
+    let (src, out) = match seed {
+        Some(active) => (active, dir.to_path_buf()),
+        None => (dir.to_path_buf(), dir.with_extension("new")),
+    };
+    if out.exists() {
+        std::fs::remove_dir_all(&out)?;
     }
-    // `apply_rewrite` allocates the new files (posix_fallocate) before mapping them.
-    let tv;
+    let tv = Instant::now();
     {
-        let base = Checkpoint::open(dir)?;
-        let segs: Vec<&[u8]> = raw.iter().map(|b| &b[..]).collect();
-        tv = Instant::now();
-        let r = ops::apply_rewrite(&base.views(), m, &segs, &new);
-        match r {
-            Ok(_) => {}
-            Err(driftless_format::Error::Corrupt { what: "result", .. }) if !verify => {}
-            Err(e) => return Err(e.into()),
+        // The source is never written: the active slot is served.
+        let from = CheckpointFiles::open_read_only(&src)?;
+        let to = from.frame_layout(&out, &m.layout())?;
+        let framed = tv.elapsed();
+        let metas = to.metas();
+        let digests = fused::apply_and_hash(fused::Target::Copy { from: &from, to: &to }, &metas, &[segs], verify)?;
+        if let Some(d) = digests {
+            ops::check_root(&metas, &d, &m.shards, m.result_root)?;
         }
-        let layout_files: std::collections::HashSet<String> = m
-            .layout()
-            .shards
-            .iter()
-            .map(|s| s.file.clone())
-            .chain([driftless_format::checkpoint::INDEX_FILE.to_string()])
-            .collect();
-        let old_files: std::collections::HashSet<String> =
-            base.layout().shards.iter().map(|s| s.file.clone()).collect();
-        for e in std::fs::read_dir(dir)? {
-            let e = e?;
-            let name = e.file_name().to_string_lossy().to_string();
-            if e.file_type()?.is_file() && !layout_files.contains(&name) && !old_files.contains(&name) {
-                std::fs::copy(e.path(), new.join(&name))?;
-            }
+        let passed = tv.elapsed();
+        to.sync()?;
+        debug!(
+            frame_secs = framed.as_secs_f64(),
+            pass_secs = (passed - framed).as_secs_f64(),
+            flush_secs = (tv.elapsed() - passed).as_secs_f64(),
+            "layout rewritten"
+        );
+    }
+    let ms = tv.elapsed().as_millis() as u64;
+    if out != dir {
+        std::fs::remove_dir_all(dir)?;
+        std::fs::rename(&out, dir)?;
+        if let Some(p) = dir.parent() {
+            sync_dir(p)?;
         }
     }
-    std::fs::remove_dir_all(dir)?;
-    std::fs::rename(&new, dir)?;
-    if let Some(p) = dir.parent() {
-        sync_dir(p)?;
-    }
-    Ok(tv.elapsed().as_millis() as u64)
+    Ok(ms)
 }
 
 fn cached_object(cache: &Path, size: u64, sha: Digest) -> Option<Bytes> {

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use driftless_agent::{Agent, AgentConfig, SyncPath};
 use driftless_format::gen::{ModelSpec, RlChain};
-use driftless_format::{Checkpoint, Keypair, TrustSet};
+use driftless_format::{Checkpoint, DType, Keypair, TensorView, TrustSet};
 use driftless_publisher::PublisherBuilder;
 use driftless_store::{Bucket, StoreOptions};
 
@@ -186,4 +186,117 @@ async fn corrupt_and_forged_objects_never_reach_the_checkpoint() {
     assert_same(&a, &chain);
     tokio::task::block_in_place(|| p.close().unwrap());
     let _ = Duration::from_secs(0);
+}
+
+/// One step's weights as the trainer handed them over: (name, shape, bytes).
+type StepWeights = Vec<(String, Vec<u64>, Vec<u8>)>;
+
+/// The agent's checkpoint holds exactly these tensors (names, shapes, bytes), the extra file
+/// shipped with the anchor, and the root it recorded.
+fn assert_step(agent: &Agent, want: &StepWeights, ctx: &str) {
+    let ck = Checkpoint::open(agent.current_dir()).unwrap();
+    let got = ck.views();
+    let mut names: Vec<&str> = got.iter().map(|g| g.name).collect();
+    names.sort();
+    let mut want_names: Vec<&str> = want.iter().map(|w| w.0.as_str()).collect();
+    want_names.sort();
+    assert_eq!(names, want_names, "{ctx}: tensor set");
+    for (n, shape, data) in want {
+        let g = got.iter().find(|g| g.name == n).unwrap();
+        assert_eq!(g.shape, shape.as_slice(), "{ctx}: shape of {n}");
+        assert!(g.data == data.as_slice(), "{ctx}: bytes of {n}");
+    }
+    assert_eq!(driftless_format::weights_root(&got).1, agent.state().unwrap().root, "{ctx}: root");
+    let cfg = std::fs::read(agent.current_dir().join("config.json")).expect("config.json carried over");
+    assert_eq!(cfg, b"{\"model_type\": \"test\"}", "{ctx}");
+}
+
+/// Steps that add, remove and reshape tensors take the rewrite route: from the served slot
+/// when the work slot is not built yet, from the work slot when it is brought forward over a
+/// layout change, for an agent on every step and for agents that skip steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layout_changes_reach_the_agent_bit_for_bit() {
+    for (url, bucket, dir) in buckets() {
+        let key = Keypair::from_seed([8; 32]);
+        let trust = TrustSet::new().with_key(key.public());
+        let (b2, k2) = (bucket.clone(), key.clone());
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<(u64, StepWeights)>(64);
+        let (ack_tx, ack_rx) = std::sync::mpsc::channel::<()>();
+        let steps = 9u64;
+        let publisher = std::thread::spawn(move || {
+            let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-5, 5);
+            let mut p = PublisherBuilder::new("unused")
+                .with_bucket(b2)
+                .with_key(k2)
+                .with_anchor_every(1000)
+                .with_anchor_chain_fraction(1e9)
+                .with_extra_files(vec![("config.json".into(), b"{\"model_type\": \"test\"}".to_vec())])
+                .build()
+                .unwrap();
+            let new: Vec<u8> = (0..2048u32).map(|i| (i * 7 + 3) as u8).collect();
+            for step in 0..steps {
+                if step > 0 {
+                    chain.step();
+                }
+                let mut w: StepWeights =
+                    chain.views().iter().map(|v| (v.name.to_string(), v.shape.to_vec(), v.data.to_vec())).collect();
+                // 2: a tensor is added; 3: it changes a little; 4: removed; 5: back with
+                // another shape; 6-7: same set; 8: the first tensor is reshaped.
+                match step {
+                    2 => w.push(("zz.new".into(), vec![1024], new.clone())),
+                    3 => w.push(("zz.new".into(), vec![1024], new.iter().map(|b| b ^ 1).collect())),
+                    5..=8 => w.push(("zz.new".into(), vec![32, 32], new.clone())),
+                    _ => {}
+                }
+                if step == 8 {
+                    let n = w[0].2.len() as u64 / 2;
+                    w[0].1 = vec![n];
+                }
+                let views: Vec<TensorView<'_>> =
+                    w.iter().map(|(n, s, d)| TensorView::new(n, DType::BF16, s, d).unwrap()).collect();
+                p.publish(step, &views).unwrap();
+                p.flush().unwrap();
+                tx.blocking_send((step, w)).unwrap();
+                ack_rx.recv().unwrap();
+            }
+            p.close().unwrap();
+        });
+        let mk =
+            |name: &str| Agent::new(bucket.clone(), AgentConfig::new(dir.path().join(name), trust.clone())).unwrap();
+        // a: every step; b: every other step; c: step 1, then the end.
+        let (mut a, mut b, mut c) = (mk("a"), mk("b"), mk("c"));
+        let mut last = None;
+        while let Some((step, want)) = rx.recv().await {
+            let o = a.sync_once().await.unwrap();
+            assert_eq!(o.step, step, "{url}: a");
+            assert_step(&a, &want, &format!("{url}: a at step {step} ({:?})", o.route));
+            if step % 2 == 1 {
+                let o = b.sync_once().await.unwrap();
+                assert_step(&b, &want, &format!("{url}: b at step {step} ({:?})", o.route));
+            }
+            if step == 1 {
+                c.sync_once().await.unwrap();
+            }
+            last = Some(want);
+            ack_tx.send(()).unwrap();
+        }
+        publisher.join().unwrap();
+        // a rebuilds its work slot from the served one after the cold start, and each time
+        // the step it must bring that slot over changed the layout (steps 2, 4 and 5), never
+        // rewriting it to a step the served slot already holds.
+        let rebuilds = a.metrics().slot_rebuilds.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(rebuilds, 4, "{url}: slot rebuilds of a");
+        let want = last.unwrap();
+        for (n, ag) in [("b", &mut b), ("c", &mut c)] {
+            let o = ag.sync_once().await.unwrap();
+            assert_eq!(o.step, steps - 1, "{url}: {n}");
+            assert_step(ag, &want, &format!("{url}: {n} at the end ({:?})", o.route));
+        }
+        // Served slots are the agent's only two directories besides its state: no frame left.
+        let slots: Vec<String> = std::fs::read_dir(dir.path().join("a").join("slots"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .collect();
+        assert!(slots.iter().all(|s| !s.ends_with(".new")), "{url}: leftover {slots:?}");
+    }
 }

@@ -693,6 +693,40 @@ impl CheckpointFiles {
         }
         CheckpointFiles::open(to)
     }
+
+    /// Creates directory `to` as the frame of a checkpoint with another `layout`, for a pass
+    /// that reads this one and writes the new one ([`crate::fused::Target::Copy`]; a delta
+    /// that adds, removes, reshapes or retypes tensors): every shard file of `layout`
+    /// allocated at its size with its header written, the index written when there are
+    /// several shards, and every other file of this directory (configuration, tokenizer)
+    /// copied, except this layout's shard files and index. Tensor bytes are left for the pass.
+    pub fn frame_layout(&self, to: &Path, layout: &Layout) -> Result<CheckpointFiles> {
+        use std::os::unix::fs::FileExt;
+        layout.validate()?;
+        fs::create_dir_all(to).map_err(|e| Error::io(to, e))?;
+        let mut skip: std::collections::HashSet<std::ffi::OsString> =
+            self.files.iter().filter_map(|(p, _, _)| p.file_name().map(|n| n.to_os_string())).collect();
+        skip.insert(INDEX_FILE.into());
+        for s in &layout.shards {
+            skip.insert(s.file.clone().into());
+            let (header, ranges) = Layout::shard_header(s)?;
+            let total = header.len() as u64 + ranges.last().map(|r| r.end).unwrap_or(0);
+            let p = to.join(&s.file);
+            let f = allocate_file(&p, total)?;
+            f.write_all_at(&header, 0).map_err(|e| Error::io(&p, e))?;
+        }
+        write_index(to, layout)?;
+        if self.dir.is_dir() {
+            for e in fs::read_dir(&self.dir).map_err(|e| Error::io(&self.dir, e))? {
+                let e = e.map_err(|e| Error::io(&self.dir, e))?;
+                let is_file = e.file_type().map_err(|err| Error::io(e.path(), err))?.is_file();
+                if is_file && !skip.contains(&e.file_name()) {
+                    fs::copy(e.path(), to.join(e.file_name())).map_err(|err| Error::io(e.path(), err))?;
+                }
+            }
+        }
+        CheckpointFiles::open(to)
+    }
 }
 
 /// A checkpoint directory mapped writable.

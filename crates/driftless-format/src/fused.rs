@@ -53,8 +53,11 @@ pub enum Target<'t, 'a> {
     /// finished piece's writeback started at once. The caller makes the writes durable
     /// ([`CheckpointFiles::sync`]).
     Files(&'t CheckpointFiles),
-    /// Read from `from`, written to `to` (a frame made by [`CheckpointFiles::frame_copy`]):
-    /// every block of every tensor is written, changed or not, so the pass is also the copy.
+    /// Read from `from`, written to `to` (a frame made by [`CheckpointFiles::frame_copy`], or
+    /// by [`CheckpointFiles::frame_layout`] for a delta that changes the layout): every block
+    /// of every tensor of `to` is written, changed or not, so the pass is also the copy. A
+    /// tensor of `to` that `from` lacks (or holds with another dtype or size) starts as zeros:
+    /// a delta carries such a tensor dense, and the root check proves it was whole.
     Copy {
         /// The checkpoint read (the agent's active slot: never written).
         from: &'t CheckpointFiles,
@@ -68,7 +71,7 @@ impl Target<'_, '_> {
         match self {
             Target::Memory(t) => t.info(name),
             Target::Files(f) => f.info(name),
-            Target::Copy { from, to } => from.info(name).filter(|i| to.info(name) == Some(*i)),
+            Target::Copy { to, .. } => to.info(name),
         }
     }
 }
@@ -166,8 +169,15 @@ pub fn apply_and_hash_blocks(
                     one_piece(m, &mut InMemory(data), p.lo, p.hi, &lists, hash, block)
                 })??,
                 Target::Files(files) => {
-                    let mut io =
-                        InFile { from: files, to: files, name: &m.name, at, buf: vec![], copy: false, wrote: false };
+                    let mut io = InFile {
+                        from: Some(files),
+                        to: files,
+                        name: &m.name,
+                        at,
+                        buf: vec![],
+                        copy: false,
+                        wrote: false,
+                    };
                     let chunks = one_piece(m, &mut io, p.lo, p.hi, &lists, hash, block)?;
                     if io.wrote {
                         files.start_writeback(&m.name, at, len);
@@ -175,6 +185,8 @@ pub fn apply_and_hash_blocks(
                     chunks
                 }
                 Target::Copy { from, to } => {
+                    // No source tensor of the same dtype and size: the piece starts as zeros.
+                    let from = Some(from).filter(|f| f.info(&m.name) == to.info(&m.name));
                     let mut io = InFile { from, to, name: &m.name, at, buf: vec![], copy: true, wrote: false };
                     let chunks = one_piece(m, &mut io, p.lo, p.hi, &lists, hash, block)?;
                     to.start_writeback(&m.name, at, len);
@@ -293,7 +305,8 @@ impl Blocks for InMemory<'_> {
 /// A piece in files, from byte `at` of its tensor: blocks are read from `from` into `buf` and
 /// written to `to` (the same files, or a copy's frame).
 struct InFile<'f> {
-    from: &'f CheckpointFiles,
+    /// Where blocks are read; `None`: they start as zeros.
+    from: Option<&'f CheckpointFiles>,
     to: &'f CheckpointFiles,
     name: &'f str,
     at: u64,
@@ -308,7 +321,10 @@ impl Blocks for InFile<'_> {
     }
     fn load(&mut self, a: usize, b: usize) -> Result<&mut [u8]> {
         self.buf.resize(b - a, 0);
-        self.from.read_at(self.name, self.at + a as u64, &mut self.buf)?;
+        match self.from {
+            Some(f) => f.read_at(self.name, self.at + a as u64, &mut self.buf)?,
+            None => self.buf.fill(0),
+        }
         Ok(&mut self.buf)
     }
     fn store(&mut self, a: usize, b: usize) -> Result<()> {
