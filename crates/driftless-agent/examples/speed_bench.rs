@@ -22,6 +22,11 @@
 //! step adds or removes the tensor (two rewrite passes per step, the worst case). Each step is
 //! timed next to a hash.
 //!
+//! `coldmem DIR BIN` publishes an anchor of a 1 GiB and of a 4 GiB model (`BENCH_SIZES_GIB`,
+//! default `1,4`; synthetic BF16-like bytes, so no generator holding several times the model)
+//! and cold-starts an agent on each: the agent's peak anonymous memory must not grow with
+//! the model (anchor parts are streamed into the slot, a few in flight).
+//!
 //! `gen` publishes the whole chain, then moves the delta ready markers aside (`held/`); `run`
 //! reveals them one at a time, so every step is measured as a follower sees it live.
 
@@ -45,7 +50,10 @@ fn main() {
         Some("run") => run(Path::new(&args[2]), Path::new(&args[3])),
         Some("proc") => processing(Path::new(&args[2])),
         Some("rewrite") => rewrite(Path::new(&args[2]), Path::new(&args[3])),
-        _ => eprintln!("usage: speed_bench gen DIR | run DIR DRIFTLESS_BIN | proc DIR | rewrite DIR DRIFTLESS_BIN"),
+        Some("coldmem") => cold_memory(Path::new(&args[2]), Path::new(&args[3])),
+        _ => eprintln!(
+            "usage: speed_bench gen DIR | run DIR DRIFTLESS_BIN | proc DIR | rewrite DIR DRIFTLESS_BIN | coldmem DIR DRIFTLESS_BIN"
+        ),
     }
 }
 
@@ -244,6 +252,63 @@ fn rewrite(dir: &Path, bin: &Path) {
         };
         row(&format!("{what}, step {s}"), t, "driftless hash of A/current", h);
         eprintln!("  {out}");
+    }
+}
+
+/// Cold-start memory against model size: see the module docs.
+fn cold_memory(dir: &Path, bin: &Path) {
+    let sizes: Vec<u64> = std::env::var("BENCH_SIZES_GIB")
+        .unwrap_or_else(|_| "1,4".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    println!("| operation (CLI) | s | baseline (same run) | s | ratio |\n|---|---|---|---|---|");
+    for gib in sizes {
+        let d = dir.join(format!("g{gib}"));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let key = Keypair::from_seed([3; 32]);
+        std::fs::write(d.join("key.pub"), key.public_pem().unwrap()).unwrap();
+        let url = format!("file://{}", d.join("bucket").display());
+        {
+            // 64 tensors of BF16-like values: a narrow high byte (sign and exponent of small
+            // weights), a random low byte; compresses about as real weights do.
+            let per = (gib << 30) / 64;
+            let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ gib;
+            let tensors: Vec<Vec<u8>> = (0..64)
+                .map(|_| {
+                    (0..per / 8)
+                        .flat_map(|_| {
+                            x ^= x << 13;
+                            x ^= x >> 7;
+                            x ^= x << 17;
+                            let b = x.to_le_bytes();
+                            [b[0], 0x3c | (b[1] & 0x81), b[2], 0xbc ^ (b[3] & 0x01), b[4], 0x3b, b[6], 0x3c]
+                        })
+                        .collect()
+                })
+                .collect();
+            let names: Vec<String> = (0..64).map(|i| format!("model.layers.{i:02}.weight")).collect();
+            let shape = [per / 2];
+            let views: Vec<driftless_format::TensorView<'_>> = tensors
+                .iter()
+                .zip(&names)
+                .map(|(t, n)| driftless_format::TensorView::new(n, driftless_format::DType::BF16, &shape, t).unwrap())
+                .collect();
+            let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
+            let mut p = PublisherBuilder::new("unused").with_bucket(bucket).with_key(key).build().unwrap();
+            p.publish(0, &views).unwrap();
+            p.close().unwrap();
+        }
+        let cx = Ctx { dir: d.clone(), bin: bin.to_path_buf(), url };
+        cx.read_anchor();
+        let (t, _) = cx.agent("A");
+        let anon = PEAK_ANON_KIB.load(std::sync::atomic::Ordering::Relaxed);
+        let ra = cx.read_anchor();
+        let (h, _) = cx.hash("A");
+        row(&format!("cold start, anchor only, {gib} GiB"), t, "max(read anchor, hash)", ra.max(h));
+        println!("|   peak anonymous memory of the agent: {} MiB | | | | |", anon >> 10);
+        let _ = std::fs::remove_dir_all(&d);
     }
 }
 
