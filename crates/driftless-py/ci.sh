@@ -16,7 +16,7 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target}
 cd "$root"
 echo "== pip install ./crates/driftless-py (${DRIFTLESS_PY_PROFILE:-release} build)"
 start=$(date +%s)
-"$venv/bin/pip" install --disable-pip-version-check -q pytest "numpy>=1.22" ml_dtypes safetensors
+"$venv/bin/pip" install --disable-pip-version-check -q pytest "numpy>=1.22" ml_dtypes safetensors cryptography
 # DRIFTLESS_PY_PROFILE=dev (what .ci/run sets) builds the extension with the dev profile, which
 # mirrors the workspace's (dependencies at opt-level 2): CI then reuses most of the artifacts
 # of its debug build instead of compiling every dependency again in release. A plain

@@ -74,6 +74,64 @@ impl ShardSink for FileSink {
     }
 }
 
+/// The tensors of a streamed shard file as its header places them, for sinks that route each
+/// decoded chunk to tensors ([`Hashing`], the Python `Follower`'s arrays).
+#[derive(Debug)]
+pub struct ShardTensors {
+    /// (tensor, start, end) in the file, in data order: they tile the data exactly (checked
+    /// by [`parse_safetensors_head`]).
+    tensors: Vec<(TensorMeta, u64, u64)>,
+}
+
+impl ShardTensors {
+    /// Parses the header's write (the first bytes of a file of `size` bytes).
+    pub fn parse(head: &[u8], size: u64) -> Result<Self> {
+        let (start, ts, _) = parse_safetensors_head(head, size)?;
+        let tensors = ts.into_iter().map(|(m, r)| (m, (start + r.start) as u64, (start + r.end) as u64)).collect();
+        Ok(ShardTensors { tensors })
+    }
+
+    /// (tensor, start, end) in the file, in data order.
+    pub fn tensors(&self) -> &[(TensorMeta, u64, u64)] {
+        &self.tensors
+    }
+
+    /// The tensors a write of `[at, end)` covers: (index, `[lo, hi)` of the write inside the
+    /// tensor, in file offsets), found by binary search (a hostile header may list millions
+    /// of tensors).
+    pub fn overlaps(&self, at: u64, end: u64) -> impl Iterator<Item = (usize, u64, u64)> + '_ {
+        let first = self.tensors.partition_point(|(_, _, b)| *b <= at);
+        self.tensors[first..]
+            .iter()
+            .enumerate()
+            .take_while(move |(_, (_, a, _))| *a < end)
+            .map(move |(i, (_, a, b))| (first + i, (*a).max(at), (*b).min(end)))
+            .filter(|(_, lo, hi)| lo < hi)
+    }
+}
+
+/// The tensors of a sink's shard, set by the header's write (which comes alone, at 0, before
+/// any chunk's, or with the whole file); an error for data before it, and for a chunk that
+/// starts inside the header.
+pub fn shard_tensors<'a>(
+    cell: &'a OnceLock<ShardTensors>,
+    at: u64,
+    bytes: &[u8],
+    size: u64,
+) -> Result<&'a ShardTensors> {
+    match cell.get() {
+        Some(t) if t.tensors.first().is_some_and(|(_, a, _)| at < *a) => {
+            Err(corrupt("anchor shard", "a part inside the header"))
+        }
+        Some(t) => Ok(t),
+        None if at == 0 => {
+            let t = ShardTensors::parse(bytes, size)?;
+            Ok(cell.get_or_init(|| t))
+        }
+        None => Err(corrupt("anchor shard", "data before the header")),
+    }
+}
+
 /// Wraps a sink and computes the weights-root digest of every tensor of the shard from the
 /// bytes as they pass (each chunk hashed on its decode thread while it is in cache), so that
 /// a verified cold start never reads the model back: per chunk and tensor a
@@ -82,8 +140,8 @@ impl ShardSink for FileSink {
 pub struct Hashing<S> {
     inner: S,
     size: u64,
-    /// (tensor, start and end in the file) from the header.
-    tensors: OnceLock<Vec<(TensorMeta, u64, u64)>>,
+    /// From the header.
+    tensors: OnceLock<ShardTensors>,
     parts: Mutex<Vec<(usize, PartDigest)>>,
     /// Bytes the parts keep (partial leaves, leaf digests), bounded by [`MAX_KEPT`].
     kept: std::sync::atomic::AtomicU64,
@@ -98,7 +156,7 @@ impl<S: ShardSink> Hashing<S> {
     /// The digest of every tensor of the shard (in header order), once every byte passed.
     /// An error when the parts do not cover a tensor exactly (a stream that did not finish).
     pub fn digests(&self) -> Result<Vec<(TensorMeta, Digest)>> {
-        let tensors = self.tensors.get().ok_or_else(|| corrupt("anchor shard", "no header"))?;
+        let tensors = self.tensors.get().ok_or_else(|| corrupt("anchor shard", "no header"))?.tensors();
         let mut by: Vec<Vec<PartDigest>> = vec![vec![]; tensors.len()];
         for (t, p) in std::mem::take(&mut *self.parts.lock().expect("parts lock")) {
             by[t].push(p);
@@ -119,35 +177,17 @@ impl<S: ShardSink> ShardSink for Hashing<S> {
     fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()> {
         let end = at.checked_add(bytes.len() as u64).filter(|&e| e <= self.size);
         let end = end.ok_or_else(|| corrupt("anchor shard", "a part beyond the shard"))?;
-        if self.tensors.get().is_some_and(|t| t.first().is_some_and(|(_, a, _)| at < *a)) {
-            return Err(corrupt("anchor shard", "a part inside the header"));
-        }
+        // Before the inner sink writes anything: a chunk inside the header is refused.
+        let tensors = shard_tensors(&self.tensors, at, bytes, self.size)?;
         self.inner.write_at(at, bytes)?;
-        let tensors = match self.tensors.get() {
-            Some(t) => t,
-            None if at == 0 => {
-                // The header's write: alone, before any chunk's (or with the whole file).
-                let (start, ts, _) = parse_safetensors_head(bytes, self.size)?;
-                let ts = ts.into_iter().map(|(m, r)| (m, (start + r.start) as u64, (start + r.end) as u64)).collect();
-                self.tensors.get_or_init(|| ts)
-            }
-            None => return Err(corrupt("anchor shard", "data before the header")),
-        };
-        // Tensors tile the data in order: start at the first one that ends after `at`.
-        let first = tensors.partition_point(|(_, _, b)| *b <= at);
         let mut mine = vec![];
         let mut kept = 0u64;
-        for (i, (_, a, b)) in tensors.iter().enumerate().skip(first) {
-            if *a >= end {
-                break;
-            }
-            let (lo, hi) = ((*a).max(at), (*b).min(end));
-            if lo < hi {
-                let part = slice::part_digest(b - a, lo - a, &bytes[(lo - at) as usize..(hi - at) as usize])?;
-                kept += (part.head.len() + part.tail.len()) as u64
-                    + 32 * (part.head_leaves.len() + part.tail_leaves.len()) as u64;
-                mine.push((i, part));
-            }
+        for (i, lo, hi) in tensors.overlaps(at, end) {
+            let (_, a, b) = &tensors.tensors()[i];
+            let part = slice::part_digest(b - a, lo - a, &bytes[(lo - at) as usize..(hi - at) as usize])?;
+            kept += (part.head.len() + part.tail.len()) as u64
+                + 32 * (part.head_leaves.len() + part.tail_leaves.len()) as u64;
+            mine.push((i, part));
         }
         // An honest plan cuts tensors on chunk boundaries, so parts keep next to nothing; a
         // hostile one cut off the leaf grid could make every byte a partial leaf.

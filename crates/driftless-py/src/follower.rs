@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
-use driftless_agent::anchor_stream::{stream_shard, Hashing, ShardSink};
+use driftless_agent::anchor_stream::{shard_tensors, stream_shard, Hashing, ShardSink, ShardTensors};
 use driftless_agent::{plan, Agent, AgentConfig};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
 use driftless_format::{
@@ -388,7 +388,8 @@ impl PyFollower {
                 file: shard.file.clone(),
                 expect: shard.tensors.clone(),
                 by: shard.tensors.iter().filter_map(|t| Some((t.name.clone(), *by.get(t.name.as_str())?))).collect(),
-                ranges: OnceLock::new(),
+                tensors: OnceLock::new(),
+                arrays: OnceLock::new(),
             };
             type Hashed = Arc<Hashing<ArraySink>>;
             let (sink, hashing): (Arc<dyn ShardSink>, Option<Hashed>) = if hash {
@@ -631,31 +632,34 @@ struct ArraySink {
     size: u64,
     expect: Vec<TensorMeta>,
     by: HashMap<String, Raw>,
-    /// (start, end) of each tensor in the file, with its array; set by the header.
-    ranges: OnceLock<Vec<(u64, u64, Raw)>>,
+    /// The shard's tensors, set by the header.
+    tensors: OnceLock<ShardTensors>,
+    /// The array of each of them, in the same order, set with them.
+    arrays: OnceLock<Vec<Raw>>,
 }
 
 impl ArraySink {
-    fn map_header(&self, head: &[u8]) -> driftless_agent::Result<Vec<(u64, u64, Raw)>> {
+    /// The array of every tensor of the header, checked against the manifest's tensors.
+    fn map_arrays(&self, tensors: &ShardTensors) -> driftless_agent::Result<Vec<Raw>> {
         let bad = |d: String| -> driftless_agent::Error {
             driftless_format::Error::Corrupt { what: "anchor", detail: d }.into()
         };
-        let (start, tensors, _) = driftless_format::checkpoint::parse_safetensors_head(head, self.size)?;
-        if tensors.len() != self.expect.len() {
+        if tensors.tensors().len() != self.expect.len() {
             return Err(bad(format!("{} has other tensors than its manifest", self.file)));
         }
         tensors
-            .into_iter()
-            .map(|(meta, r)| {
-                if !self.expect.contains(&meta) {
+            .tensors()
+            .iter()
+            .map(|(meta, a, b)| {
+                if !self.expect.contains(meta) {
                     return Err(bad(format!("{}: tensor {} not in its manifest", self.file, meta.name)));
                 }
                 // The arrays were checked against the manifest's tensors (`check_set`).
                 let dst = *self.by.get(&meta.name).ok_or_else(|| bad(format!("no array for tensor {}", meta.name)))?;
-                if dst.len != r.len() {
-                    return Err(bad(format!("tensor {} has {} bytes, its array {}", meta.name, r.len(), dst.len)));
+                if dst.len as u64 != b - a {
+                    return Err(bad(format!("tensor {} has {} bytes, its array {}", meta.name, b - a, dst.len)));
                 }
-                Ok(((start + r.start) as u64, (start + r.end) as u64, dst))
+                Ok(dst)
             })
             .collect()
     }
@@ -663,34 +667,24 @@ impl ArraySink {
 
 impl ShardSink for ArraySink {
     fn write_at(&self, at: u64, bytes: &[u8]) -> driftless_agent::Result<()> {
-        let ranges = match self.ranges.get() {
-            Some(r) => r,
-            None if at == 0 => {
-                // The header comes alone, before any chunk (or with the whole file).
-                let r = self.map_header(bytes)?;
-                self.ranges.get_or_init(|| r)
-            }
+        let tensors = shard_tensors(&self.tensors, at, bytes, self.size)?;
+        let arrays = match self.arrays.get() {
+            Some(a) => a,
             None => {
-                return Err(driftless_format::Error::Corrupt {
-                    what: "anchor",
-                    detail: "data before the header".into(),
-                }
-                .into())
+                let a = self.map_arrays(tensors)?;
+                self.arrays.get_or_init(|| a)
             }
         };
-        let end = at + bytes.len() as u64;
-        for &(a, b, dst) in ranges {
-            let (lo, hi) = (a.max(at), b.min(end));
-            if lo < hi {
-                let src = &bytes[(lo - at) as usize..(hi - at) as usize];
-                // SAFETY: `dst` is borrowed writable for the whole load; [lo - a, hi - a) lies
-                // inside it (a tensor's range is its array's length, checked above), and chunks
-                // never overlap, so no two writers touch the same bytes. Raw pointers, not
-                // slices of the whole array: several threads write one array at once.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), (dst.addr as *mut u8).add((lo - a) as usize), src.len())
-                };
-            }
+        for (i, lo, hi) in tensors.overlaps(at, at + bytes.len() as u64) {
+            let (a, dst) = (tensors.tensors()[i].1, arrays[i]);
+            let src = &bytes[(lo - at) as usize..(hi - at) as usize];
+            // SAFETY: `dst` is borrowed writable for the whole load; [lo - a, hi - a) lies
+            // inside it (a tensor's range is its array's length, checked above), and chunks
+            // never overlap, so no two writers touch the same bytes. Raw pointers, not
+            // slices of the whole array: several threads write one array at once.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.as_ptr(), (dst.addr as *mut u8).add((lo - a) as usize), src.len())
+            };
         }
         Ok(())
     }

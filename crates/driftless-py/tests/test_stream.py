@@ -198,3 +198,47 @@ def test_follower_streams_an_anchor_into_arrays_and_refuses_a_corrupt_one(file_b
     assert o["route"] == "anchor" and o["step"] == 0
     for n, a in tensors.items():
         assert np.array_equal(bits(arrays[n]), bits(a)), n
+
+
+def test_follower_refuses_a_signed_anchor_whose_bytes_are_not_its_root(file_bucket, keys):
+    """A manifest signed by the trusted key, with object hashes that match, but a weights root
+    that is not its bytes' root (a publisher bug, or a stolen key): the Follower hashes the
+    anchor as it streams it into the arrays and refuses it (CorruptError, nothing applied)."""
+    import base64
+    import hashlib
+    import json
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    url, _ = file_bucket
+    private, public = keys
+    rng = np.random.default_rng(9)
+    tensors = {"a.w": rng.integers(0, 1 << 16, size=(3000, 1500), dtype=np.uint16).view(BF16)}
+    with driftless.Publisher(url, signing_key=private) as pub:
+        assert pub.publish(0, tensors)["outcome"] == "anchor"
+    root = url.removeprefix("file://")
+    marker_path = os.path.join(root, "ready", "anchors", "000000000000")
+    marker = json.load(open(marker_path))
+    env_path = os.path.join(root, "anchors", "000000000000", marker.get("manifest", "manifest.json"))
+    env = json.load(open(env_path))
+    m = json.loads(env["payload"])
+    m["weights_root"] = hashlib.sha256(b"another model").hexdigest()
+    payload = json.dumps(m, separators=(",", ":"))
+    # The envelope as driftless seals it: Ed25519 over a domain tag and the payload text.
+    # The key's PKCS#8 (v2, with the public key, which `cryptography` does not parse): the
+    # 32-byte seed follows the OCTET STRING tags 04 22 04 20.
+    der = base64.b64decode("".join(l for l in private.splitlines() if not l.startswith("-----")))
+    seed = der[der.index(b"\x04\x22\x04\x20") + 4 :][:32]
+    sig = Ed25519PrivateKey.from_private_bytes(seed).sign(b"driftless.manifest.v1\0" + payload.encode())
+    forged = json.dumps(
+        {"payload": payload, "signatures": [{"key_id": env["signatures"][0]["key_id"], "sig": base64.b64encode(sig).decode()}]}
+    ).encode()
+    open(env_path, "wb").write(forged)
+    marker["manifest_sha256"] = hashlib.sha256(forged).hexdigest()
+    open(marker_path, "w").write(json.dumps(marker))
+
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {n: np.zeros_like(a) for n, a in tensors.items()}
+    with pytest.raises(driftless.CorruptError, match="weights root"):
+        f.apply_to(arrays)
+    assert f.applied_step is None
