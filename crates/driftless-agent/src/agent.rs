@@ -1080,35 +1080,26 @@ impl Agent {
             // With a seed (the active slot, when the work slot cannot be brought forward), the
             // pass reads the seed and writes every block into a fresh frame of it: the rebuild
             // and the apply are one pass, not a copy then a pass.
-            let source = match &seed {
+            let files = match &seed {
                 Some(from) => {
-                    let src = CheckpointFiles::open_read_only(from)?;
+                    let from = CheckpointFiles::open_read_only(from)?;
                     if dir.exists() {
                         std::fs::remove_dir_all(&dir)?;
                     }
-                    let to = src.frame_copy(&dir)?;
-                    Some((src, to))
+                    PassFiles::Copy { to: from.frame_copy(&dir)?, from }
                 }
-                None => None,
+                None => PassFiles::InPlace(CheckpointFiles::open(&dir)?),
             };
-            let opened;
-            let (files, target) = match &source {
-                Some((from, to)) => (to, fused::Target::Copy { from, to }),
-                None => {
-                    opened = CheckpointFiles::open(&dir)?;
-                    (&opened, fused::Target::Files(&opened))
-                }
-            };
-            let metas = files.metas();
+            let metas = files.written().metas();
             let tv = Instant::now();
             let chain: Vec<&[DecodedSegment]> = group.iter().map(|(_, s)| &s[..]).collect();
-            let digests = fused::apply_and_hash(target, &metas, &chain, verify)?;
+            let digests = fused::apply_and_hash(files.target(), &metas, &chain, verify)?;
             if let Some(d) = digests {
                 ops::check_root(&metas, &d, &last.shards, last.result_root)?;
             }
             let verified = tv.elapsed();
             let tf = Instant::now();
-            files.sync()?;
+            files.written().sync()?;
             debug!(pass_secs = verified.as_secs_f64(), flush_secs = tf.elapsed().as_secs_f64(), "pass and flush");
             Ok(verified.as_millis() as u64)
         })
@@ -1346,6 +1337,29 @@ fn classify_apply(e: Error, step: u64, pinpoint: bool) -> BuildError {
     }
 }
 
+/// The files a fused pass works on: the work slot changed in place, or a source (opened
+/// read-only) read into a fresh frame written whole.
+enum PassFiles {
+    InPlace(CheckpointFiles),
+    Copy { from: CheckpointFiles, to: CheckpointFiles },
+}
+
+impl PassFiles {
+    fn target(&self) -> fused::Target<'_, '_> {
+        match self {
+            PassFiles::InPlace(f) => fused::Target::Files(f),
+            PassFiles::Copy { from, to } => fused::Target::Copy { from, to },
+        }
+    }
+
+    /// The files the pass writes (to hash, check and sync).
+    fn written(&self) -> &CheckpointFiles {
+        match self {
+            PassFiles::InPlace(f) | PassFiles::Copy { to: f, .. } => f,
+        }
+    }
+}
+
 /// The pass of [`Agent::rewrite_delta`]. Returns the milliseconds of the pass.
 fn rewrite_slot(
     dir: &Path,
@@ -1365,15 +1379,15 @@ fn rewrite_slot(
     {
         // The source is never written: the active slot is served.
         let from = CheckpointFiles::open_read_only(&src)?;
-        let to = from.frame_layout(&out, &m.layout())?;
+        let files = PassFiles::Copy { to: from.frame_layout(&out, &m.layout())?, from };
         let framed = tv.elapsed();
-        let metas = to.metas();
-        let digests = fused::apply_and_hash(fused::Target::Copy { from: &from, to: &to }, &metas, &[segs], verify)?;
+        let metas = files.written().metas();
+        let digests = fused::apply_and_hash(files.target(), &metas, &[segs], verify)?;
         if let Some(d) = digests {
             ops::check_root(&metas, &d, &m.shards, m.result_root)?;
         }
         let passed = tv.elapsed();
-        to.sync()?;
+        files.written().sync()?;
         debug!(
             frame_secs = framed.as_secs_f64(),
             pass_secs = (passed - framed).as_secs_f64(),
