@@ -1,9 +1,10 @@
 //! # driftless-publisher
 //!
 //! The library a trainer embeds. After each optimizer step call
-//! [`Publisher::publish`] with the named tensors of the BF16 view; it diffs them against its
-//! snapshot of the last published state, encodes a delta and returns. Uploads run in the
-//! background on the publisher's own tokio runtime, never on the trainer's threads.
+//! [`Publisher::publish`] with the named tensors of the BF16 view; in one pass it finds what
+//! changed since its snapshot of the last published state and updates the snapshot, then
+//! returns. Encoding, hashing and signing run on a background thread, uploads on the
+//! publisher's own tokio runtime, never on the trainer's threads.
 //!
 //! Per step the bucket sees, in this order: segments, signed manifest, ready marker, then the
 //! `latest.json` hint. Anchors (full checkpoints) go out every `anchor_every` steps, early when
