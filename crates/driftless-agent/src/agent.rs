@@ -692,7 +692,14 @@ impl Agent {
                     // holds: rebuild it from the served slot instead (one pass that reads it
                     // and applies the deltas after it), not a rewrite and then a catch-up.
                     let from = self.dir.slot(p.active);
-                    layout = Some(Checkpoint::open(&from).map_err(Error::from)?.layout());
+                    let served_layout = Checkpoint::open(&from).map_err(Error::from)?.layout();
+                    // A patch is relative to the served step: its tensors are the served slot's.
+                    if patch.is_some() {
+                        patch = PatchBuilder::new(p.step, served_layout.tensors())
+                            .inspect_err(|e| warn!(error = %e, "no patch for this step"))
+                            .ok();
+                    }
+                    layout = Some(served_layout);
                     seed = Some(from);
                     group.clear();
                     group_raw = 0;
@@ -884,11 +891,11 @@ impl Agent {
             for (o, b) in m2.files.iter().zip(&files) {
                 let bare = driftless_store::layout::strip_generation(&o.object);
                 let name = bare.strip_prefix("extra-").unwrap_or(bare);
-                driftless_format::validate_file_name(name)?;
-                // An extra file must not replace a shard (hashed as it was streamed) or the index.
-                if name == driftless_format::checkpoint::INDEX_FILE || layout.shards.iter().any(|s| s.file == name) {
-                    return Err(corrupt("anchor manifest", format!("extra file {name} would replace a shard")));
-                }
+                // An extra file must not replace a shard (hashed as it was streamed) or the
+                // index, nor be read as weights later (a `*.safetensors` file left in a slot
+                // whose next layout has no index would be taken for a shard).
+                driftless_format::validate_extra_file_name(name)
+                    .map_err(|e| corrupt("anchor manifest", e.to_string()))?;
                 std::fs::write(dir.join(name), b)?;
             }
             write_index(&dir, &layout)?;

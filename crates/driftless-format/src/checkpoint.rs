@@ -720,7 +720,9 @@ impl CheckpointFiles {
             for e in fs::read_dir(&self.dir).map_err(|e| Error::io(&self.dir, e))? {
                 let e = e.map_err(|e| Error::io(&self.dir, e))?;
                 let is_file = e.file_type().map_err(|err| Error::io(e.path(), err))?.is_file();
-                if is_file && !skip.contains(&e.file_name()) {
+                // Weights files are the layout's alone (see `validate_extra_file_name`).
+                let weights = e.file_name().to_string_lossy().ends_with(".safetensors");
+                if is_file && !weights && !skip.contains(&e.file_name()) {
                     fs::copy(e.path(), to.join(e.file_name())).map_err(|err| Error::io(e.path(), err))?;
                 }
             }

@@ -56,8 +56,9 @@ pub enum Target<'t, 'a> {
     /// Read from `from`, written to `to` (a frame made by [`CheckpointFiles::frame_copy`], or
     /// by [`CheckpointFiles::frame_layout`] for a delta that changes the layout): every block
     /// of every tensor of `to` is written, changed or not, so the pass is also the copy. A
-    /// tensor of `to` that `from` lacks (or holds with another dtype or size) starts as zeros:
-    /// a delta carries such a tensor dense, and the root check proves it was whole.
+    /// tensor of `to` that `from` lacks (or holds with another dtype or byte size) starts as
+    /// zeros; one reshaped to the same dtype and byte size starts as the source's bytes. A
+    /// delta carries both dense, and the root check proves the result whole either way.
     Copy {
         /// The checkpoint read (the agent's active slot: never written).
         from: &'t CheckpointFiles,

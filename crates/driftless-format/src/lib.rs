@@ -58,4 +58,6 @@ pub use manifest::{
     AnchorEncoding, AnchorManifest, DeltaManifest, LatestHint, ReadyMarker, StepKind, StreamDescriptor,
 };
 pub use sign::{Keypair, TrustSet};
-pub use tensor::{numel, validate_file_name, validate_tensor_name, Digest, TensorMeta, TensorView};
+pub use tensor::{
+    numel, validate_extra_file_name, validate_file_name, validate_tensor_name, Digest, TensorMeta, TensorView,
+};

@@ -37,6 +37,19 @@ pub fn validate_file_name(name: &str) -> Result<()> {
     }
 }
 
+/// Checks the name of a file shipped beside the weights (configuration, tokenizer): a plain
+/// file name that no checkpoint reader takes for weights, i.e. not `*.safetensors` (without an
+/// index every such file of a directory is a shard) and not the index itself.
+pub fn validate_extra_file_name(name: &str) -> Result<()> {
+    validate_file_name(name)?;
+    if name.ends_with(".safetensors") || name == crate::checkpoint::INDEX_FILE {
+        return Err(Error::invalid(format!(
+            "extra file {name:?} would be read as weights: *.safetensors and the index are the layout's"
+        )));
+    }
+    Ok(())
+}
+
 /// Name, dtype and shape of a tensor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorMeta {

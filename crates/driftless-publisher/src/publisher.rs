@@ -139,7 +139,7 @@ impl PublisherBuilder {
     /// Opens the bucket, reads or creates the stream descriptor and starts the uploader.
     pub fn build(self) -> Result<Publisher> {
         for (n, _) in &self.extra_files {
-            driftless_format::validate_file_name(n)?;
+            driftless_format::validate_extra_file_name(n)?;
         }
         let (rt, bucket) = self.start()?;
         if !bucket.supports_conditional_create() {
@@ -473,7 +473,7 @@ impl Publisher {
     /// that reaches it gets the new files.
     pub fn set_extra_files(&mut self, files: Vec<(String, Vec<u8>)>) -> Result<()> {
         for (n, _) in &files {
-            driftless_format::validate_file_name(n)?;
+            driftless_format::validate_extra_file_name(n)?;
         }
         let mut a = files.clone();
         let mut b = self.cfg.extra_files.clone();
@@ -675,6 +675,7 @@ impl Publisher {
             step,
             base_step,
             base_root,
+            sent: Default::default(),
         };
         self.shared.update(|s| s.queued += 1);
         let spawned = std::thread::Builder::new().name("driftless-encode".into()).spawn(move || job.run(diff));
@@ -706,8 +707,16 @@ impl Publisher {
     /// the snapshot (and its size into the anchor schedule).
     fn finish_encoding(&mut self) {
         let Some(h) = self.encoding.take() else { return };
-        // The job catches its own panics, so join only fails if it could not even start.
-        let Ok(Some(done)) = h.join() else { return };
+        // The job catches the panics of its work and records its failures itself; a join error
+        // (a panic while recording one) still makes the next publish an anchor.
+        let done = match h.join() {
+            Ok(Some(done)) => done,
+            Ok(None) => return,
+            Err(_) => {
+                self.shared.update(|s| s.need_anchor = true);
+                return;
+            }
+        };
         self.chain_bytes += done.delta_bytes;
         let snap = self.snapshot_mut();
         if snap.step == done.step {
@@ -1111,6 +1120,8 @@ struct EncodeJob {
     step: u64,
     base_step: u64,
     base_root: Digest,
+    /// Set once the job is in the upload queue.
+    sent: std::sync::atomic::AtomicBool,
 }
 
 /// A deferred delta's results the publisher keeps.
@@ -1128,7 +1139,8 @@ impl EncodeJob {
         let _s = info_span!("encode_delta", step = self.step).entered();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.encode(diff)))
             .unwrap_or_else(|_| Err(Error::Upload { step: self.step, detail: "delta encoding panicked".into() }));
-        let (step, shared) = (self.step, self.shared.clone());
+        let (step, shared, sent) =
+            (self.step, self.shared.clone(), self.sent.load(std::sync::atomic::Ordering::SeqCst));
         // Let the publisher's next snapshot_mut see this thread's reference gone.
         drop(self);
         match r {
@@ -1139,7 +1151,10 @@ impl EncodeJob {
             Err(e) => {
                 warn!(step, error = %e, "delta encoding failed; next publish will anchor");
                 shared.update(|s| {
-                    s.queued -= 1;
+                    // A job already queued is the uploader's to count down.
+                    if !sent {
+                        s.queued -= 1;
+                    }
                     s.need_anchor = true;
                     s.failures += 1;
                     s.last_error = Some(format!("delta {step}: {e}"));
@@ -1177,11 +1192,14 @@ impl EncodeJob {
             envelope: envelope.into(),
             segments,
         });
-        self.tx.blocking_send(job).map_err(|_| Error::Closed)?;
+        // Before the job is queued: `wait` returns once it is uploaded, and the CLI then reads
+        // this step's size from the status.
         self.shared.update(|s| {
             s.last_ratio = ratio;
             s.last_delta_bytes = delta_bytes;
         });
+        self.tx.blocking_send(job).map_err(|_| Error::Closed)?;
+        self.sent.store(true, std::sync::atomic::Ordering::SeqCst);
         info!(step = self.step, bytes = delta_bytes, ratio, "delta encoded");
         Ok(Encoded { step: self.step, root, digests, delta_bytes })
     }
