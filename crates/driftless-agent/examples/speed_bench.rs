@@ -62,13 +62,8 @@ fn gen(dir: &Path) {
     let n: u64 = env("BENCH_DELTAS", 8);
     let lr: f32 = env("BENCH_LR", 4e-7);
     std::fs::create_dir_all(dir).unwrap();
-    let key = Keypair::from_seed([3; 32]);
-    std::fs::write(dir.join("key.pub"), key.public_pem().unwrap()).unwrap();
-    let url = format!("file://{}", dir.join("bucket").display());
-    let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
+    let (_, mut p) = new_stream(dir);
     let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(bytes), lr, 11);
-    let mut p =
-        PublisherBuilder::new("unused").with_bucket(bucket).with_key(key).with_anchor_every(1_000_000).build().unwrap();
     for s in 0..=n {
         if s > 0 {
             chain.step();
@@ -84,6 +79,18 @@ fn gen(dir: &Path) {
             .unwrap();
     driftless_format::checkpoint::write_checkpoint(&dir.join("last"), &layout, &chain.views()).unwrap();
     hide(dir, n);
+}
+
+/// A new stream in `dir/bucket` (file://), signed with the bench's key (its public half in
+/// `dir/key.pub`), anchors only when asked: (url, publisher).
+fn new_stream(dir: &Path) -> (String, driftless_publisher::Publisher) {
+    let key = Keypair::from_seed([3; 32]);
+    std::fs::write(dir.join("key.pub"), key.public_pem().unwrap()).unwrap();
+    let url = format!("file://{}", dir.join("bucket").display());
+    let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
+    let p =
+        PublisherBuilder::new("unused").with_bucket(bucket).with_key(key).with_anchor_every(1_000_000).build().unwrap();
+    (url, p)
 }
 
 /// Moves the delta ready markers (and latest.json) aside: `run` reveals them one by one.
@@ -206,15 +213,10 @@ fn rewrite(dir: &Path, bin: &Path) {
     let lr: f32 = env("BENCH_LR", 4e-7);
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).unwrap();
-    let key = Keypair::from_seed([3; 32]);
-    std::fs::write(dir.join("key.pub"), key.public_pem().unwrap()).unwrap();
-    let url = format!("file://{}", dir.join("bucket").display());
-    let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
+    let (url, mut p) = new_stream(dir);
     let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(bytes), lr, 11);
     let extra: Vec<u8> = (0..4u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     let shape = [2u64 << 20];
-    let mut p =
-        PublisherBuilder::new("unused").with_bucket(bucket).with_key(key).with_anchor_every(1_000_000).build().unwrap();
     for s in 0..=n {
         if s > 0 {
             chain.step();
@@ -267,10 +269,7 @@ fn cold_memory(dir: &Path, bin: &Path) {
         let d = dir.join(format!("g{gib}"));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
-        let key = Keypair::from_seed([3; 32]);
-        std::fs::write(d.join("key.pub"), key.public_pem().unwrap()).unwrap();
-        let url = format!("file://{}", d.join("bucket").display());
-        {
+        let url = {
             // 64 tensors of BF16-like values: a narrow high byte (sign and exponent of small
             // weights), a random low byte; compresses about as real weights do.
             let per = (gib << 30) / 64;
@@ -295,11 +294,11 @@ fn cold_memory(dir: &Path, bin: &Path) {
                 .zip(&names)
                 .map(|(t, n)| driftless_format::TensorView::new(n, driftless_format::DType::BF16, &shape, t).unwrap())
                 .collect();
-            let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
-            let mut p = PublisherBuilder::new("unused").with_bucket(bucket).with_key(key).build().unwrap();
+            let (url, mut p) = new_stream(&d);
             p.publish(0, &views).unwrap();
             p.close().unwrap();
-        }
+            url
+        };
         let cx = Ctx { dir: d.clone(), bin: bin.to_path_buf(), url };
         cx.read_anchor();
         let (t, _) = cx.agent("A");

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use driftless_format::manifest::{self, AnchorManifest, AnchorShardRef, ObjectRef, StepKind, StreamDescriptor};
+use driftless_format::manifest::{
+    self, AnchorManifest, AnchorShardRef, DeltaManifest, ObjectRef, StepKind, StreamDescriptor,
+};
 use driftless_format::{anchor, ops, AnchorEncoding, DeltaOptions, Digest, Keypair, Layout, TensorView, TrustSet};
 use driftless_store::stream::StreamReader;
 use driftless_store::{layout, Bucket, StoreOptions};
@@ -564,18 +566,12 @@ impl Publisher {
             base_root: Some(snap.root),
             layout,
         };
-        let (mut m, enc) = {
+        let (m, enc) = {
             let _s = info_span!("diff_encode").entered();
             ops::make_delta(spec, &snap.views(), tensors, &self.cfg.delta)?
         };
-        // This generation's object names (see `driftless_store::layout`).
-        for r in &mut m.segments {
-            r.object.object = layout::generation_name(self.ctx.generation, &r.object.object);
-        }
         drop(snap);
-        let envelope = self.cfg.seal(&serde_json::to_vec(&m).expect("manifest serializes"))?;
-        let segments: Vec<(String, Bytes)> =
-            m.segments.iter().zip(enc.segments).map(|(r, s)| (r.object.object.clone(), Bytes::from(s.bytes))).collect();
+        let (m, job) = seal_delta(&self.cfg, self.ctx.generation, m, enc)?;
         let delta_bytes = m.payload_bytes();
         // Update the snapshot before queueing so the job order matches the snapshot order.
         let same_layout = !ops::needs_rewrite(&self.snapshot.as_ref().expect("present").layout, &m);
@@ -584,7 +580,7 @@ impl Publisher {
             {
                 let tm = snap.tensors_mut();
                 let segs: Vec<(&[u8], u64)> =
-                    segments.iter().zip(&m.segments).map(|((_, b), r)| (&b[..], r.raw_size)).collect();
+                    job.segments.iter().zip(&m.segments).map(|((_, b), r)| (&b[..], r.raw_size)).collect();
                 driftless_format::delta::apply_all(&segs, &tm)?;
                 drop(tm);
             }
@@ -596,14 +592,7 @@ impl Publisher {
             self.replace_snapshot(step, layout, &ordered);
         }
         self.shared.update(|s| s.queued += 1);
-        let job = Job::Delta(DeltaJob {
-            step,
-            base_step: m.base_step,
-            root: m.result_root,
-            envelope: envelope.into(),
-            segments,
-        });
-        self.send(job)?;
+        self.send(Job::Delta(job))?;
         self.chain_bytes += delta_bytes;
         self.last_step = Some(step);
         self.published += 1;
@@ -1109,6 +1098,25 @@ async fn unverified_stream_id(bucket: &Bucket) -> Option<String> {
     StreamDescriptor::from_slice(env.payload.as_bytes()).ok().map(|d| d.stream_id)
 }
 
+/// Gives a delta's segments this generation's object names (see `driftless_store::layout`),
+/// seals the manifest and makes the upload job. Returns the named manifest with the job.
+fn seal_delta(
+    cfg: &PublisherBuilder,
+    generation: u64,
+    mut m: DeltaManifest,
+    enc: driftless_format::delta::EncodedDelta,
+) -> Result<(DeltaManifest, DeltaJob)> {
+    for r in &mut m.segments {
+        r.object.object = layout::generation_name(generation, &r.object.object);
+    }
+    let envelope = cfg.seal(&serde_json::to_vec(&m).expect("manifest serializes"))?;
+    let segments: Vec<(String, Bytes)> =
+        m.segments.iter().zip(enc.segments).map(|(r, s)| (r.object.object.clone(), Bytes::from(s.bytes))).collect();
+    let job =
+        DeltaJob { step: m.step, base_step: m.base_step, root: m.result_root, envelope: envelope.into(), segments };
+    Ok((m, job))
+}
+
 /// What a deferred delta's background thread needs: it owns everything it reads.
 struct EncodeJob {
     cfg: PublisherBuilder,
@@ -1176,22 +1184,11 @@ impl EncodeJob {
             base_root: Some(self.base_root),
             layout: &snap.layout,
         };
-        let mut m = ops::delta_manifest(spec, self.base_root, root, &digests, &enc, &opts)?;
-        for r in &mut m.segments {
-            r.object.object = layout::generation_name(self.generation, &r.object.object);
-        }
-        let envelope = self.cfg.seal(&serde_json::to_vec(&m).expect("manifest serializes"))?;
-        let segments: Vec<(String, Bytes)> =
-            m.segments.iter().zip(enc.segments).map(|(r, s)| (r.object.object.clone(), Bytes::from(s.bytes))).collect();
+        let m = ops::delta_manifest(spec, self.base_root, root, &digests, &enc, &opts)?;
+        let (m, job) = seal_delta(&self.cfg, self.generation, m, enc)?;
         let delta_bytes = m.payload_bytes();
         let ratio = m.stats.dense_bytes as f64 / delta_bytes.max(1) as f64;
-        let job = Job::Delta(DeltaJob {
-            step: self.step,
-            base_step: self.base_step,
-            root,
-            envelope: envelope.into(),
-            segments,
-        });
+        let job = Job::Delta(job);
         // Before the job is queued: `wait` returns once it is uploaded, and the CLI then reads
         // this step's size from the status.
         self.shared.update(|s| {
