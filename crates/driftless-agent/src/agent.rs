@@ -692,6 +692,7 @@ impl Agent {
                     // holds: rebuild it from the served slot instead (one pass that reads it
                     // and applies the deltas after it), not a rewrite and then a catch-up.
                     let from = self.dir.slot(p.active);
+                    info!(step = d, from = %from.display(), "rebuilding the work slot from the served slot");
                     let served_layout = Checkpoint::open(&from).map_err(Error::from)?.layout();
                     // A patch is relative to the served step: its tensors are the served slot's.
                     if patch.is_some() {
@@ -1383,6 +1384,7 @@ fn rewrite_slot(
         std::fs::remove_dir_all(&out)?;
     }
     let tv = Instant::now();
+    info!(step = m.step, from = %src.display(), "rewriting the layout");
     {
         // The source is never written: the active slot is served.
         let from = CheckpointFiles::open_read_only(&src)?;
@@ -1399,7 +1401,7 @@ fn rewrite_slot(
             frame_secs = framed.as_secs_f64(),
             pass_secs = (passed - framed).as_secs_f64(),
             flush_secs = (tv.elapsed() - passed).as_secs_f64(),
-            "layout rewritten"
+            "rewrite pass and flush"
         );
     }
     let ms = tv.elapsed().as_millis() as u64;
@@ -1410,6 +1412,7 @@ fn rewrite_slot(
             sync_dir(p)?;
         }
     }
+    info!(step = m.step, secs = tv.elapsed().as_secs_f64(), "layout rewritten");
     Ok(ms)
 }
 

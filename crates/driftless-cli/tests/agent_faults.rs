@@ -11,12 +11,14 @@ use driftless_format::{Checkpoint, Digest};
 
 mod common;
 
-use common::{bin, write};
+use common::{bin, check_current_vouched, write};
 
 struct Env {
     t: tempfile::TempDir,
     chain: RlChain,
     roots: Vec<Digest>,
+    /// Largest shard file of the checkpoints `publish` writes (a change changes the layout).
+    shard: u64,
 }
 
 impl Env {
@@ -28,7 +30,7 @@ impl Env {
     /// A scratch stream without a key (the caller copies one in).
     fn with_seed(seed: u64) -> Env {
         let chain = RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 1e-6, seed);
-        Env { t: tempfile::tempdir().unwrap(), chain, roots: vec![] }
+        Env { t: tempfile::tempdir().unwrap(), chain, roots: vec![], shard: 2 << 20 }
     }
     fn read_json(&self, rel: &str) -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(self.p(rel)).unwrap()).unwrap()
@@ -49,7 +51,7 @@ impl Env {
             self.chain.step();
         }
         let d = self.p(&format!("ckpt-{bucket}-{step}"));
-        write(&self.chain, &d, 2 << 20);
+        write(&self.chain, &d, self.shard);
         self.roots.push(driftless_format::weights_root(&self.chain.views()).1);
         let st = bin()
             .args(["publish", "--bucket", &self.url(bucket), "--step", &step.to_string(), "--anchor-every"])
@@ -371,7 +373,12 @@ fn durability_order_in_a_syscall_trace() {
     e.publish();
     e.publish();
     assert!(run_bounded(e.agent("a"), 60).status.success());
-    for round in ["rebuild", "steady"] {
+    for round in ["rebuild", "steady", "layout rewrite", "layout rebuild"] {
+        if round.starts_with("layout") {
+            // A new shard layout: the work slot is rewritten beside itself (a frame renamed
+            // over it), then, one step later, rebuilt from the served slot that holds the change.
+            e.shard = 1 << 20;
+        }
         e.publish();
         check_switch_trace(&e, round);
     }
@@ -450,9 +457,27 @@ fn check_switch_trace(e: &Env, round: &str) {
         }
     }
     assert!(written.len() >= 2, "{round}: the pass did not open the new slot's shard files for writing");
+    // A layout rewrite builds a frame beside the work slot (`slots/b.new`) and renames it over
+    // the work slot: its files must be synced before that rename, and the rename made durable
+    // (fsync of `slots/`) before the state names the slot.
+    let frame = format!("/slots/{new_slot}.new");
+    let frame_rename = before.iter().position(|l| l.contains("rename(") && l.contains(&format!("{frame}\"")));
     for (i, p) in &written {
-        assert!(p.contains(&format!("/slots/{new_slot}/")), "{round}: {p} opened for writing");
-        assert!(synced.iter().any(|(j, q)| j > i && q == p), "{round}: {p} written but not synced before the state");
+        let framed = p.contains(&format!("{frame}/"));
+        assert!(framed || p.contains(&format!("/slots/{new_slot}/")), "{round}: {p} opened for writing");
+        let by = if framed { frame_rename.expect("a frame is renamed over the work slot") } else { before.len() };
+        assert!(
+            synced.iter().any(|(j, q)| j > i && *j < by && q == p),
+            "{round}: {p} written but not synced before {}",
+            if framed { "the frame's rename" } else { "the state" }
+        );
+    }
+    if round == "layout rewrite" {
+        let r = frame_rename.unwrap_or_else(|| panic!("{round}: no frame renamed over the work slot"));
+        let dir_sync = before[r..]
+            .windows(2)
+            .any(|w| w[0].contains("openat") && w[0].contains("/slots\"") && w[1].contains("fsync("));
+        assert!(dir_sync, "{round}: slots/ not synced after the frame's rename");
     }
     let slot_fsyncs = before
         .windows(2)
@@ -603,4 +628,79 @@ fn stopped_before_repairing_wrong_weights_the_next_start_checks_them_again() {
     assert!(!notified.contains("bad"), "the inference server was told to load damaged files: {notified}");
     assert!(notified.contains("ok"), "{notified}");
     assert_eq!(e.current_step("a"), 0);
+}
+
+// Issue 12: a delta that changes the shard layout. Either the work slot is rewritten: a
+// frame built beside it, then renamed over it; or, when the served slot already holds the
+// change, the work slot is removed and rebuilt from the served slot. SIGKILL at evenly spaced
+// points of each kind of sync: after every kill a server restarted then would load a step
+// state.json vouches for (`current` hashes to it), and the next start reaches the new step
+// from local state, without an anchor.
+#[test]
+fn sigkill_across_a_layout_change() {
+    let mut e = Env::new();
+    e.publish();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    e.publish();
+    // Step 2 on the active slot, step 1 on the inactive one (a cold start leaves it unbuilt).
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    // Round 1 changes the layout: the work slot (step 1, old layout) is brought forward and
+    // rewritten beside itself. Round 2 keeps the new layout: the work slot (step 2, old
+    // layout) would have to cross the change the served slot holds, so it is rebuilt from it.
+    for (round, marker) in
+        [("rewrite", "rewriting the layout"), ("rebuild", "rebuilding the work slot from the served slot")]
+    {
+        e.shard = 1 << 20;
+        let step = e.publish();
+        let copy = |to: &str| {
+            let _ = std::fs::remove_dir_all(e.p(to));
+            let st = Command::new("cp").arg("-a").arg(e.p("a")).arg(e.p(to)).status().unwrap();
+            assert!(st.success());
+        };
+        copy("timed");
+        let served = std::fs::read_link(e.p("a/current")).unwrap();
+        let t = Instant::now();
+        let mut c = e.agent("timed");
+        c.env("DRIFTLESS_LOG", "info");
+        let o = run_bounded(c, 60);
+        let full = t.elapsed();
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{log}");
+        // The route this round is meant to cover.
+        let line = log.lines().find(|l| l.contains(marker)).unwrap_or_else(|| panic!("{round}: not taken: {log}"));
+        let from_served = line.contains(&format!("/{}", served.display()));
+        assert_eq!(from_served, round == "rebuild", "{round}: {line}");
+        const POINTS: u32 = 16;
+        let mut inside = 0;
+        for k in 0..POINTS {
+            copy("k");
+            let log = std::fs::File::create(e.p("k.log")).unwrap();
+            let child =
+                e.agent("k").env("DRIFTLESS_LOG", "info").stdout(std::process::Stdio::null()).stderr(log).spawn();
+            std::thread::sleep(full * k / POINTS);
+            let mut child = child.unwrap();
+            let _ = child.kill();
+            let _ = child.wait();
+            let log = std::fs::read_to_string(e.p("k.log")).unwrap();
+            if log.contains(marker) && !log.contains("synced step") {
+                inside += 1;
+            }
+            if let Err(err) = check_current_vouched(&e.p("k")) {
+                panic!("{round}, kill at {k}/{POINTS} of {full:?}: {err}; agent log:\n{log}");
+            }
+            let o = run_bounded(e.agent("k"), 60);
+            assert!(o.status.success(), "{round}, restart after kill {k}: {}", String::from_utf8_lossy(&o.stderr));
+            let v = stdout_json(&o);
+            assert_eq!(v["data"]["step"], step, "{round}, restart after kill {k}");
+            assert_ne!(v["data"]["route"], "anchor", "{round}, restart after kill {k}: recovery downloaded an anchor");
+            assert_eq!(e.current_step("k"), step);
+            check_current_vouched(&e.p("k")).unwrap();
+        }
+        eprintln!("{round}: {inside} of {POINTS} kills landed between the route's start and the switch");
+        assert!(inside > 0, "{round}: no kill landed inside the route");
+        // The next round starts from the finished sync.
+        std::fs::remove_dir_all(e.p("a")).unwrap();
+        std::fs::rename(e.p("timed"), e.p("a")).unwrap();
+    }
 }

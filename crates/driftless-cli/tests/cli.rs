@@ -8,7 +8,7 @@ use driftless_format::Checkpoint;
 
 mod common;
 
-use common::{bin, seaweed, write};
+use common::{bin, check_current_vouched, seaweed, write};
 
 fn files_equal(a: &Path, b: &Path) {
     let mut n = 0;
@@ -91,7 +91,9 @@ fn diff_patch_hash_round_trip() {
 }
 
 /// SIGKILL `driftless agent --once` at random points of syncing; the state file must never
-/// describe bytes it does not hold, and the final sync must recover without an anchor.
+/// describe bytes it does not hold, and the final sync must recover without an anchor. Every
+/// second published step changes the shard layout (4 MiB shards, then 3 MiB), so kills also
+/// run through the rewrite route too.
 #[test]
 fn agent_survives_sigkill_loop() {
     let t = tempfile::tempdir().unwrap();
@@ -101,7 +103,7 @@ fn agent_survives_sigkill_loop() {
     let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(8 << 20), 1e-6, 4);
     let publish = |chain: &RlChain, step: u64| {
         let d = p(&format!("ckpt{step}"));
-        write(chain, &d, 4 << 20);
+        write(chain, &d, if (step / 2) % 2 == 0 { 4 << 20 } else { 3 << 20 });
         let st = bin()
             .args(["publish", "--bucket", &url, "--anchor-every", "1000", "--step", &step.to_string(), "--state"])
             .arg(p("pstate"))
@@ -140,39 +142,31 @@ fn agent_survives_sigkill_loop() {
         let _ = child.wait();
         // Zero unverified serves: whenever the state says "step s, root r" and no apply is in
         // flight, the directory hashes to r.
-        let Ok(state) = std::fs::read(p("agent/state.json")) else {
+        if let Err(e) = check_current_vouched(&p("agent")) {
             let logs: Vec<String> = (i.saturating_sub(2)..=i)
                 .map(|k| std::fs::read_to_string(p(&format!("agent-{k}.log"))).unwrap_or_default())
                 .collect();
-            panic!("iteration {i}: state.json vanished; last agent logs:\n{}", logs.join("\n----\n"));
-        };
-        let s: serde_json::Value = serde_json::from_slice(&state).unwrap();
-        // `current` is a symlink to a slot: never missing, and always a verified step that
-        // state.json records. Usually the active one; in the window between the state.json
-        // rename and the symlink rename (a kill there), still the previous step, which
-        // state.json keeps as the inactive slot's verified contents until the restart
-        // re-points `current`.
-        let link = std::fs::read_link(p("agent/current")).unwrap_or_else(|e| panic!("iteration {i}: current: {e}"));
-        let active = std::path::Path::new("slots").join(s["active"].as_str().unwrap());
-        let want = if link == active {
-            s["root"].as_str().unwrap().to_string()
-        } else {
-            let held = &s["inactive"];
-            assert!(held.is_object(), "iteration {i}: current points at {link:?}, which state.json does not vouch for");
-            held["root"].as_str().unwrap().to_string()
-        };
-        let (_, root) = driftless_format::weights_root(&Checkpoint::open(p("agent/current")).unwrap().views());
-        assert_eq!(want, root.to_hex(), "iteration {i}: current holds bytes state.json does not name");
+            panic!("iteration {i}: {e}; last agent logs:\n{}", logs.join("\n----\n"));
+        }
     }
     // The loop must actually have killed agents in the middle of building a step (planned,
     // never finished), or it proves nothing.
     let logs: Vec<String> =
         (0..iterations).map(|k| std::fs::read_to_string(p(&format!("agent-{k}.log"))).unwrap_or_default()).collect();
     let interrupted = logs.iter().filter(|l| l.contains("sync plan") && !l.contains("synced step")).count();
+    let rewrites = logs.iter().filter(|l| l.contains("rewriting the layout")).count();
+    let in_rewrite =
+        logs.iter().filter(|l| l.contains("rewriting the layout") && !l.contains("layout rewritten")).count();
     let all: String = logs.concat();
     let anchors = all.matches("anchor loaded").count();
-    eprintln!("{iterations} kills: {interrupted} builds interrupted, {anchors} anchor downloads");
+    eprintln!(
+        "{iterations} kills: {interrupted} builds interrupted, {rewrites} layout rewrites started, \
+         {in_rewrite} of them killed, {anchors} anchor downloads"
+    );
     assert!(interrupted > 0, "no kill landed inside a build");
+    // Random kills rarely land inside a rewrite of a model this small: agent_faults.rs
+    // `sigkill_across_a_layout_change` kills at evenly spaced points of one instead.
+    assert!(rewrites > 0, "no layout rewrite ran");
     assert_eq!(anchors, 0, "recovery from local state must not download an anchor");
     let o = agent().output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

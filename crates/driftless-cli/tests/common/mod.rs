@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 
 use driftless_format::gen::RlChain;
-use driftless_format::{checkpoint, Layout};
+use driftless_format::{checkpoint, Checkpoint, Layout};
 
 /// The `driftless` binary built for these tests.
 pub fn bin() -> Command {
@@ -35,4 +35,31 @@ pub fn seaweed() -> Option<(String, String)> {
             None
         }
     }
+}
+
+/// Checks an agent directory as a server restarted at this instant would find it: `current`
+/// is a symlink to a slot (never missing), and that slot hashes to a root `state.json` vouches
+/// for. Usually the active slot; in the window between the state.json rename and the symlink
+/// rename, still the previous step, which state.json keeps as the inactive slot's verified
+/// contents until the next start re-points `current`.
+pub fn check_current_vouched(agent: &Path) -> Result<(), String> {
+    let state = std::fs::read(agent.join("state.json")).map_err(|e| format!("state.json: {e}"))?;
+    let s: serde_json::Value = serde_json::from_slice(&state).map_err(|e| format!("state.json: {e}"))?;
+    let link = std::fs::read_link(agent.join("current")).map_err(|e| format!("current: {e}"))?;
+    let active = Path::new("slots").join(s["active"].as_str().ok_or("state.json names no active slot")?);
+    let want = if link == active {
+        s["root"].as_str().ok_or("state.json has no root")?.to_string()
+    } else {
+        let held = &s["inactive"];
+        if !held.is_object() {
+            return Err(format!("current points at {link:?}, which state.json does not vouch for"));
+        }
+        held["root"].as_str().ok_or("no inactive root")?.to_string()
+    };
+    let ck = Checkpoint::open(agent.join("current")).map_err(|e| format!("current is no checkpoint: {e}"))?;
+    let (_, root) = driftless_format::weights_root(&ck.views());
+    if want != root.to_hex() {
+        return Err(format!("current ({link:?}) holds bytes state.json does not name"));
+    }
+    Ok(())
 }
