@@ -435,6 +435,7 @@ impl Publisher {
         self.finish_encoding();
         let ordered = order(tensors, layout)?;
         let mut snap = Snapshot::copy_from(step, layout.clone(), &ordered);
+        let saved = snap.root;
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
         let ctx = self.ctx.clone();
         let newest = self.last_step;
@@ -444,11 +445,11 @@ impl Publisher {
                 _ => ctx.committed_root(StepKind::Anchor, step).await.ok().flatten(),
             };
             match committed {
-                Some(r) if r == snap.root => {}
+                Some(r) if Some(r) == saved => {}
                 Some(r) => {
                     return Err(Error::Seed(format!(
                         "the saved weights of step {step} differ from the committed step (root {} vs {})",
-                        &snap.root.to_hex()[..12],
+                        saved.map_or("none".into(), |d| d.to_hex()[..12].to_string()),
                         &r.to_hex()[..12]
                     )))
                 }
@@ -533,12 +534,12 @@ impl Publisher {
         let Some(snap) = self.snapshot.clone() else {
             return self.anchor_only(step, tensors, layout, t0);
         };
-        // An all-zero root: a background encode did not finish (it records the failure and
-        // sets need_anchor too); the snapshot's step never reached the bucket.
-        if need_anchor || self.extra_changed || snap.root == Digest::default() {
+        // No root: a background encode did not finish (it records the failure and sets
+        // need_anchor too); the snapshot's step never reached the bucket.
+        let Some(base_root) = snap.root.filter(|_| !need_anchor && !self.extra_changed) else {
             drop(snap);
             return self.anchor_only(step, tensors, layout, t0);
-        }
+        };
         if queued >= self.cfg.queue_depth {
             self.coalesced += 1;
             warn!(step, queued, "uploads are behind; coalescing this step into the next");
@@ -555,15 +556,31 @@ impl Publisher {
             });
         }
         let dense: u64 = snap.tensors.iter().map(|(_, d)| d.len() as u64).sum();
-        if snap.layout == *layout && !self.anchor_due(step, dense) {
+        if snap.layout == *layout {
+            let anchor = self.anchor_due(step, dense);
             drop(snap);
-            return self.deferred_delta(step, tensors, t0);
+            let mut r = self.deferred_delta(step, tensors, base_root, t0)?;
+            if anchor {
+                // The anchor is encoded from the snapshot at this step, and its manifest needs
+                // the step's root: wait for the delta's encode (never for the anchor's).
+                self.finish_encoding();
+                if self.snapshot.as_ref().is_some_and(|s| s.step == step && s.root.is_some()) {
+                    self.start_anchor(None)?;
+                    let s = self.shared.state.lock().expect("state lock");
+                    r.outcome = Outcome::DeltaAndAnchor;
+                    r.delta_bytes = Some(s.last_delta_bytes);
+                    r.ratio = Some(s.last_ratio);
+                    r.encode_secs = t0.elapsed().as_secs_f64();
+                }
+            }
+            return Ok(r);
         }
+        // A new layout: the delta is encoded here, and the snapshot replaced by the tensors.
         let spec = ops::DeltaSpec {
             stream_id: &self.stream_id,
             step,
             base_step: snap.step,
-            base_root: Some(snap.root),
+            base_root: Some(base_root),
             layout,
         };
         let (m, enc) = {
@@ -574,23 +591,8 @@ impl Publisher {
         let (m, job) = seal_delta(&self.cfg, self.ctx.generation, m, enc)?;
         let delta_bytes = m.payload_bytes();
         // Update the snapshot before queueing so the job order matches the snapshot order.
-        let same_layout = !ops::needs_rewrite(&self.snapshot.as_ref().expect("present").layout, &m);
-        if same_layout {
-            let snap = self.snapshot_mut();
-            {
-                let tm = snap.tensors_mut();
-                let segs: Vec<(&[u8], u64)> =
-                    job.segments.iter().zip(&m.segments).map(|((_, b), r)| (&b[..], r.raw_size)).collect();
-                driftless_format::delta::apply_all(&segs, &tm)?;
-                drop(tm);
-            }
-            snap.step = step;
-            snap.root = m.result_root;
-            snap.digests = m.shards.iter().flat_map(|s| s.tensors.iter().map(|t| t.digest)).collect();
-        } else {
-            let ordered = order(tensors, layout)?;
-            self.replace_snapshot(step, layout, &ordered);
-        }
+        let ordered = order(tensors, layout)?;
+        self.replace_snapshot(step, layout, &ordered);
         self.shared.update(|s| s.queued += 1);
         self.send(Job::Delta(job))?;
         self.chain_bytes += delta_bytes;
@@ -637,21 +639,27 @@ impl Publisher {
     /// changes, never the caller's tensors, so the trainer may change them at once. The next
     /// `publish` (or `flush`) waits for that thread first. A failure there counts as a failed
     /// upload: the step never gets a marker and the next publish is an anchor.
-    fn deferred_delta(&mut self, step: u64, tensors: &[TensorView<'_>], t0: Instant) -> Result<PublishReceipt> {
+    fn deferred_delta(
+        &mut self,
+        step: u64,
+        tensors: &[TensorView<'_>],
+        base_root: Digest,
+        t0: Instant,
+    ) -> Result<PublishReceipt> {
         let tx = self.tx.clone().ok_or(Error::Closed)?;
         let opts = self.cfg.delta;
         let snap = self.snapshot_mut();
         let ordered = order(tensors, &snap.layout)?;
-        let (base_step, base_root) = (snap.step, snap.root);
+        let base_step = snap.step;
         let diff = {
             let _s = info_span!("diff_update").entered();
             let mut bufs: Vec<&mut [u8]> = snap.tensors.iter_mut().map(|(_, d)| d.as_mut_slice()).collect();
             driftless_format::diff_update(&mut bufs, &ordered, &opts)?
         };
         // The snapshot now holds this step; its root is known once the background hash is
-        // done (finish_encoding). No step has the all-zero root.
+        // done (finish_encoding).
         snap.step = step;
-        snap.root = Digest::default();
+        snap.root = None;
         snap.digests.clear();
         let stats = diff.stats();
         let job = EncodeJob {
@@ -709,7 +717,7 @@ impl Publisher {
         self.chain_bytes += done.delta_bytes;
         let snap = self.snapshot_mut();
         if snap.step == done.step {
-            snap.root = done.root;
+            snap.root = Some(done.root);
             snap.digests = done.digests;
         }
     }
@@ -727,7 +735,7 @@ impl Publisher {
         let t0 = Instant::now();
         let ordered = order(tensors, layout)?;
         let (_, root) = driftless_format::weights_root(&ordered);
-        let queued_same = self.snapshot.as_ref().is_some_and(|s| s.step == step && s.root == root);
+        let queued_same = self.snapshot.as_ref().is_some_and(|s| s.step == step && s.root == Some(root));
         let committed = if queued_same {
             Some(root)
         } else {
@@ -1005,7 +1013,10 @@ fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, generation: u64, snap: 
         }
         f.flush()?;
     }
-    let step = SpooledStep { step: snap.step, root: snap.root, layout: &snap.layout, digests: &snap.digests };
+    // Anchors start from a hashed snapshot only (a fresh copy, or a deferred delta's encode
+    // waited for).
+    let root = snap.root.ok_or_else(|| Error::Refused(format!("the snapshot of step {} is not hashed", snap.step)))?;
+    let step = SpooledStep { step: snap.step, root, layout: &snap.layout, digests: &snap.digests };
     encode_spooled(cfg, stream_id, generation, step, dir)
 }
 
@@ -1239,7 +1250,7 @@ async fn acquire_generation(bucket: &Bucket, stream_id: &str, ttl: Duration, wor
 /// final state). Fails when the deltas do not chain from the snapshot to `newest` in place.
 async fn roll_forward(ctx: &Ctx, snap: &mut Snapshot, newest: u64) -> Result<()> {
     let deltas = ctx.reader.ready_steps(StepKind::Delta, Some(snap.step)).await?;
-    let mut expect_root = snap.root;
+    let mut expect_root = snap.root.ok_or_else(|| Error::Seed("the saved weights are not hashed".into()))?;
     for s in deltas.into_iter().filter(|&s| s <= newest) {
         let (m, _) = ctx.reader.delta(s).await?;
         if m.base_step != snap.step {
@@ -1274,7 +1285,7 @@ async fn roll_forward(ctx: &Ctx, snap: &mut Snapshot, newest: u64) -> Result<()>
     if root != expect_root {
         return Err(Error::Seed(format!("the saved weights brought to step {newest} do not match its signed root")));
     }
-    snap.root = root;
+    snap.root = Some(root);
     snap.digests = digests;
     Ok(())
 }

@@ -8,7 +8,10 @@ pub(crate) struct Snapshot {
     pub(crate) step: u64,
     pub(crate) layout: Layout,
     pub(crate) tensors: Vec<(TensorMeta, Vec<u8>)>,
-    pub(crate) root: Digest,
+    /// The weights root of `tensors`; `None` while the background encode of a deferred delta
+    /// has not hashed them yet, and after that encode failed (the step then never reaches the
+    /// bucket, and the next publish is an anchor).
+    pub(crate) root: Option<Digest>,
     pub(crate) digests: Vec<Digest>,
 }
 
@@ -17,10 +20,10 @@ impl Snapshot {
     pub(crate) fn copy_from(step: u64, layout: Layout, views: &[TensorView<'_>]) -> Snapshot {
         use rayon::prelude::*;
         let tensors: Vec<(TensorMeta, Vec<u8>)> = views.par_iter().map(|v| (v.meta(), v.data.to_vec())).collect();
-        let mut s = Snapshot { step, layout, tensors, root: Digest::default(), digests: vec![] };
+        let mut s = Snapshot { step, layout, tensors, root: None, digests: vec![] };
         let (d, r) = driftless_format::weights_root(&s.views());
         s.digests = d;
-        s.root = r;
+        s.root = Some(r);
         s
     }
 
