@@ -3,7 +3,7 @@
 //! whole and a replicated one; the real `driftless agent` (cold, then following) must end bit
 //! for bit on the gathered model. Refusals: a missing rank and overlapping slices leave no
 //! ready marker, and the next step commits. (The 4- and 8-process runs on SeaweedFS are in
-//! `integration/test_sharded.py`.)
+//! `crates/driftless-py/tests/test_sharded.py`.)
 
 mod common;
 
@@ -156,13 +156,10 @@ fn four_ranks_publish_one_verified_chain() {
                 let cuts = rank_cuts(model, &slices_of(r));
                 let rc = p.publish(step as u64 + 1, &shards(&cuts)).unwrap();
                 kinds.push(rc.part);
-                if r == 0 {
-                    let o = rc.outcome.unwrap();
-                    assert!(o.committed, "step {} not committed: {:?}", step + 1, o.reason);
-                } else {
-                    // The committed outcome of the step is known before the agent reads it.
-                    assert!(p.flush().unwrap().committed);
-                }
+                // The part is sent and (rank 0) the step committed after publish returns:
+                // flush waits for the outcome, so it is known before the agent reads the step.
+                let o = p.flush().unwrap_or_else(|e| panic!("rank {r}, step {}: {e}", step + 1));
+                assert!(o.committed, "step {} not committed: {:?}", step + 1, o.reason);
                 barrier.wait();
                 barrier.wait();
             }
@@ -220,11 +217,11 @@ fn run_group(
                 };
                 let cuts = rank_cuts(model, &specs);
                 let rc = p.publish(step, &shards(&cuts)).unwrap();
-                out.extend(rc.outcome);
+                // Each step's outcome comes with the next publish (and the last's from flush).
+                out.extend(rc.previous);
             }
-            if r != 0 {
-                let _ = p.flush();
-            }
+            let _ = p.flush();
+            out.extend(p.last_outcome().cloned());
             out
         }));
     }
@@ -326,11 +323,12 @@ fn mixed_stream_single_then_sharded_then_single() {
                 for s in 2..4 {
                     let cuts = rank_cuts(&chain[s], &slices_of(r));
                     let rc = p.publish(s as u64 + 1, &shards(&cuts)).unwrap();
-                    if let Some(o) = rc.outcome {
+                    if let Some(o) = rc.previous {
                         assert!(o.committed, "{:?}", o.reason);
                     }
                     kinds.push(rc.part);
                 }
+                // An error unless the last step was committed.
                 p.close().unwrap();
                 kinds
             })
@@ -384,6 +382,22 @@ fn a_restarted_rank_next_to_its_predecessors_part_is_refused() {
                         p = start().unwrap();
                         let cuts = rank_cuts(&chain[2], &slices_of(r));
                         p.publish(step, &shards(&cuts)).unwrap();
+                        // The part is sent in the background: wait until both are there.
+                        let dir =
+                            std::path::Path::new(url.strip_prefix("file://").unwrap()).join("deltas/000000000002");
+                        let t = std::time::Instant::now();
+                        while std::fs::read_dir(&dir).map_or(0, |d| {
+                            d.flatten()
+                                .filter(|e| {
+                                    let n = e.file_name().to_string_lossy().to_string();
+                                    n.contains("-r00003-") && n.ends_with("-part.json")
+                                })
+                                .count()
+                        }) < 2
+                        {
+                            assert!(t.elapsed() < Duration::from_secs(60), "rank 3's second part never arrived");
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
                         both_up.wait();
                         continue;
                     }
@@ -391,11 +405,10 @@ fn a_restarted_rank_next_to_its_predecessors_part_is_refused() {
                         both_up.wait();
                     }
                     let cuts = rank_cuts(model, &slices_of(r));
-                    outs.extend(p.publish(step, &shards(&cuts)).unwrap().outcome);
+                    outs.extend(p.publish(step, &shards(&cuts)).unwrap().previous);
                 }
-                if r != 0 {
-                    let _ = p.flush();
-                }
+                let _ = p.flush();
+                outs.extend(p.last_outcome().cloned());
                 outs
             })
         })
@@ -410,4 +423,63 @@ fn a_restarted_rank_next_to_its_predecessors_part_is_refused() {
     let a = td.path().join("a");
     agent(&a, &url, &td.path().join("key.pub"));
     assert_bit_exact(&a, &chain[2]);
+}
+
+/// `publish` returns before its part is sent and before the commit: one thread can drive all
+/// four ranks in turn, rank 0 first (when rank 0 committed inside `publish`, its call waited
+/// the commit timeout for parts no one could send yet, and refused the step). Every rank
+/// overwrites its slices the instant `publish` returns, as an optimizer would: the steps in
+/// the bucket must hold what was passed, bit for bit, anchors and deltas alike.
+#[test]
+fn publish_returns_before_the_commit_and_never_reads_the_slices_again() {
+    let td = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", td.path().join("bucket").display());
+    let key = Keypair::generate();
+    let key_pub = td.path().join("key.pub");
+    std::fs::write(&key_pub, key.public_pem().unwrap()).unwrap();
+    let chain = model_chain(5);
+    let timeout = Duration::from_secs(20);
+    let mut ranks: Vec<ShardedPublisher> = vec![];
+    for r in 0..4 {
+        ranks.push(builder(&url, &key).with_new_stream(true).build_sharded(r, 4, timeout).unwrap());
+    }
+    let follow = td.path().join("follow");
+    let mut kinds = vec![];
+    for (i, model) in chain.iter().enumerate() {
+        let step = i as u64 + 1;
+        for (r, p) in ranks.iter_mut().enumerate() {
+            let mut cuts = rank_cuts(model, &slices_of(r as u64));
+            let t = std::time::Instant::now();
+            let rc = p.publish(step, &shards(&cuts)).unwrap();
+            assert!(t.elapsed() < timeout / 2, "rank {r}, step {step}: publish waited {:?}", t.elapsed());
+            if let Some(o) = &rc.previous {
+                assert!(o.committed && o.step == step - 1, "rank {r}: {o:?}");
+                assert_eq!(rc.previous_part.as_ref().map(|p| p.step), Some(step - 1), "rank {r}");
+            }
+            if r == 0 {
+                kinds.push(rc.part);
+            }
+            for (_, _, _, d) in &mut cuts {
+                d.iter_mut().for_each(|x| *x = x.wrapping_add(0x5b));
+            }
+        }
+        if step == 2 || step == 5 {
+            for (r, p) in ranks.iter_mut().enumerate() {
+                let o = p.flush().unwrap_or_else(|e| panic!("rank {r}, step {step}: {e}"));
+                assert!(o.committed && o.step == step, "rank {r}: {o:?}");
+                let part = p.last_part().unwrap_or_else(|| panic!("rank {r}: no part report"));
+                assert!(part.step == step && part.bytes > 0, "rank {r}: {part:?}");
+                assert_eq!(part.commit_secs > 0.0, r == 0, "rank {r}: {part:?}");
+            }
+            agent(&follow, &url, &key_pub);
+            assert_bit_exact(&follow, model);
+        }
+    }
+    for p in ranks {
+        p.close().unwrap();
+    }
+    use PartKind::*;
+    assert_eq!(kinds, vec![Anchor, Delta, Delta, Anchor, Delta]);
+    assert_eq!(ready_steps(td.path(), "anchors"), vec![1, 4]);
+    assert_eq!(ready_steps(td.path(), "deltas"), vec![2, 3, 5]);
 }

@@ -122,13 +122,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Duration::from_secs(600),
         )?);
     }
-    println!("\nsharded: step, kind, per-rank publish() s (ranks 1.., then rank 0 without its commit), max rank, commit s, per-rank MB, all parts MB");
+    println!("\nsharded: step, kind, per-rank part s (publish() until the part is uploaded; ranks 1.., then rank 0 without its commit), max rank, commit s, per-rank MB, all parts MB, per-rank publish() blocked s");
     let mut sharded_rows = vec![];
     for s in 1..=steps {
         if s > 1 {
             step(&mut model, s);
         }
         let mut secs = vec![0.0; ranks as usize];
+        let mut blocked = vec![0.0; ranks as usize];
         let mut rank_bytes = vec![0u64; ranks as usize];
         let mut bytes = 0;
         let mut commit = 0.0;
@@ -165,22 +166,31 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     data: d,
                 })
                 .collect();
-            let rc = pubs[r as usize].publish(s, &shards)?;
-            secs[r as usize] = rc.part_secs;
-            rank_bytes[r as usize] = rc.part_bytes;
-            bytes += rc.part_bytes;
-            if let Some(o) = rc.outcome {
-                assert!(o.committed, "step {s}: {:?}", o.reason);
-                commit = rc.commit_secs;
+            let p = &mut pubs[r as usize];
+            let t = Instant::now();
+            blocked[r as usize] = p.publish(s, &shards)?.blocked_secs;
+            // The part is built and sent after publish returns: wait for it here, so that
+            // each rank runs alone (rank 0: and for its commit).
+            let part = if r == 0 {
+                let o = p.flush()?;
                 kind = format!("{:?}", o.of.unwrap()).to_lowercase();
+                p.last_part().cloned()
+            } else {
+                p.wait_sent()
             }
+            .expect("part sent");
+            secs[r as usize] = t.elapsed().as_secs_f64() - part.commit_secs;
+            commit = part.commit_secs;
+            rank_bytes[r as usize] = part.bytes;
+            bytes += part.bytes;
         }
         let max = secs.iter().cloned().fold(0.0, f64::max);
         println!(
-            "  {s}  {kind:6}  [{}]  max {max:.2}  commit {commit:.2}  [{}] MB  {:.1} MB",
+            "  {s}  {kind:6}  [{}]  max {max:.2}  commit {commit:.2}  [{}] MB  {:.1} MB  blocked [{}]",
             secs.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" "),
             rank_bytes.iter().map(|x| format!("{:.1}", *x as f64 / 1e6)).collect::<Vec<_>>().join(" "),
-            bytes as f64 / 1e6
+            bytes as f64 / 1e6,
+            blocked.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(" ")
         );
         sharded_rows.push((kind, max, commit));
     }

@@ -25,9 +25,14 @@
 //! single-process publisher (claim, confirmation listing, lease check, marker), then the
 //! outcome. A step missing a part, or with parts that disagree, gets an outcome saying so and
 //! no ready marker; after a missing part, two parts of one rank, or a kind or base
-//! disagreement the next step is an anchor (a rank that died lost its copy). The
-//! other ranks read the outcome of their previous step at the start of their next `publish`,
-//! so the commit overlaps the trainer's next step.
+//! disagreement the next step is an anchor (a rank that died lost its copy).
+//!
+//! `publish` blocks for one copy of the rank's slices (and for the previous step, see below),
+//! then returns: the diff, the encode, the digests, the upload of the part and, on rank 0, the
+//! commit (an anchor's assembly and compression included) run on a background thread while
+//! the trainer computes its next step. Every rank, rank 0 included, learns the outcome of a
+//! step at the start of its next `publish` (or in `flush`), because the next step's part is
+//! taken against the last committed one: one step in flight per rank.
 //!
 //! Anchor steps are gathered by the committer through the bucket (each rank uploads its slice
 //! bytes; the committer assembles the safetensors files in a spool directory, checks them
@@ -167,25 +172,37 @@ impl StepOutcome {
     }
 }
 
-/// Returned by [`ShardedPublisher::publish`].
+/// Returned by [`ShardedPublisher::publish`]. The step's part is built and sent, and on rank
+/// 0 committed, after the call returns: its report and outcome come with the next call's
+/// receipt (`previous_part`, `previous`) or from [`ShardedPublisher::flush`].
 #[derive(Debug, Clone, Serialize)]
 pub struct ShardedReceipt {
     /// Step.
     pub step: u64,
     /// What this rank's part holds.
     pub part: PartKind,
-    /// Bytes this rank uploaded for the step.
-    pub part_bytes: u64,
-    /// Time in `publish` before the commit (diff, encode, digests, upload).
-    pub part_secs: f64,
-    /// The committer's outcome of this step (rank 0 only; other ranks learn it at their next
-    /// `publish` or `flush`).
-    pub outcome: Option<StepOutcome>,
-    /// Time the committer spent waiting for parts and committing.
-    pub commit_secs: f64,
-    /// The outcome of the previous step this rank published, learned at the start of this call
-    /// (ranks other than 0).
+    /// Time `publish` blocked: waiting for the previous step (its part sent, its outcome
+    /// known), then copying this rank's slices.
+    pub blocked_secs: f64,
+    /// The committer's outcome of the previous step this rank published.
     pub previous: Option<StepOutcome>,
+    /// This rank's part of the previous step it published (`None` when it was not sent).
+    pub previous_part: Option<PartReport>,
+}
+
+/// A rank's part of one step, built and sent in the background.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PartReport {
+    /// Step.
+    pub step: u64,
+    /// What the part holds.
+    pub part: PartKind,
+    /// Bytes this rank uploaded for the step.
+    pub bytes: u64,
+    /// Diff, encode, digests and upload of the part.
+    pub secs: f64,
+    /// Rank 0: time spent waiting for the other parts and committing the step.
+    pub commit_secs: f64,
 }
 
 /// A rank's copy of its slices at a step.
@@ -194,7 +211,98 @@ struct Copy {
     shards: Vec<(TensorMeta, Slice, Vec<u8>)>,
 }
 
+/// The last committed step's slices (shared with the background thread of the next step)
+/// and weights root.
+type Committed = (Arc<Copy>, Digest);
+
+/// The step whose part is being built, sent (and on rank 0 committed) in the background.
+struct InFlight {
+    step: u64,
+    copy: Arc<Copy>,
+    /// The part's fate, sent by the thread as soon as it is known (before a commit).
+    sent_rx: std::sync::mpsc::Receiver<Sent>,
+    sent: Option<Sent>,
+    /// Rank 0: the commit's outcome and seconds (`None` when the part was not sent).
+    thread: std::thread::JoinHandle<Option<(StepOutcome, f64)>>,
+}
+
+impl InFlight {
+    /// Waits until the part is uploaded (or failed).
+    fn sent(&mut self) -> &Sent {
+        let step = self.step;
+        let rx = &self.sent_rx;
+        self.sent.get_or_insert_with(|| {
+            rx.recv().unwrap_or_else(|_| Err(format!("step {step}: the thread sending the part panicked")))
+        })
+    }
+}
+
+/// A part sent: the SHA-256 of its manifest and its report; or why it was not.
+type Sent = std::result::Result<(Digest, PartReport), String>;
+
+/// The committer's side of a step (rank 0).
+struct CommitJob {
+    ctx: Arc<Ctx>,
+    trust: TrustSet,
+    world_size: u64,
+    timeout: Duration,
+    /// The committer's last committed step, whatever slices it had.
+    committed: Option<Committed>,
+}
+
+/// The background work of one step: build the part, upload it, and on rank 0 commit.
+struct PartJob {
+    cfg: PublisherBuilder,
+    stream_id: String,
+    bucket: Bucket,
+    handle: tokio::runtime::Handle,
+    who: Who,
+    copy: Arc<Copy>,
+    /// The base of a delta part (this rank's copy of the same slices at the committed step).
+    base: Option<Committed>,
+    kind: PartKind,
+    commit: Option<CommitJob>,
+}
+
+impl PartJob {
+    fn run(self, tx: std::sync::mpsc::Sender<Sent>) -> Option<(StepOutcome, f64)> {
+        let step = self.copy.step;
+        let t = Instant::now();
+        let sent = (|| {
+            let built = build_part(&self.cfg, &self.stream_id, self.who, &self.copy, self.base.as_ref(), self.kind)?;
+            let bytes = built.objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
+            self.handle.block_on(upload_part(&self.bucket, step, &built))?;
+            Ok((built.sha, bytes))
+        })();
+        let secs = t.elapsed().as_secs_f64();
+        let (sha, bytes) = match (sent, &self.commit) {
+            (Ok(s), _) => s,
+            (Err(e), c) => {
+                let e: Error = e;
+                if let Some(c) = c {
+                    // The other ranks wait for an outcome: tell them at once there is none.
+                    let o = StepOutcome::aborted(step, format!("rank 0's part was not sent: {e}"), true);
+                    self.handle.block_on(write_outcome(&self.cfg, &c.ctx, &o));
+                }
+                let _ = tx.send(Err(e.to_string()));
+                return None;
+            }
+        };
+        info!(step, rank = self.who.rank, kind = ?self.kind, bytes, secs, "part uploaded");
+        let report = PartReport { step, part: self.kind, bytes, secs, commit_secs: 0.0 };
+        let _ = tx.send(Ok((sha, report)));
+        let c = self.commit.as_ref()?;
+        let t1 = Instant::now();
+        let o =
+            self.handle.block_on(commit(&self.cfg, &c.ctx, &c.trust, (step, c.world_size, c.timeout), &c.committed));
+        Some((o, t1.elapsed().as_secs_f64()))
+    }
+}
+
 /// One rank of a sharded publisher. Build with [`PublisherBuilder::build_sharded`].
+///
+/// Dropping it (or `close`) waits for the step in flight: its upload, and on rank 0 its commit
+/// (up to `commit_timeout` for the other parts), so that no step is left half-sent.
 pub struct ShardedPublisher {
     cfg: PublisherBuilder,
     rt: Option<tokio::runtime::Runtime>,
@@ -209,16 +317,16 @@ pub struct ShardedPublisher {
     /// The group generation this rank last published under.
     generation: Option<u64>,
     /// The slices of the last committed step and its weights root.
-    committed: Option<(Copy, Digest)>,
-    /// A step sent and not yet resolved (other ranks), with its slices and the SHA-256 of the
-    /// part manifest sent.
-    outstanding: Option<(Copy, Digest)>,
+    committed: Option<Committed>,
+    /// The step published last, until its part is sent and its outcome known.
+    in_flight: Option<InFlight>,
     /// This process's nonce in its object names.
     nonce: u32,
     next_anchor: bool,
     last_anchor: Option<u64>,
     last_step: Option<u64>,
     last_outcome: Option<StepOutcome>,
+    last_part: Option<PartReport>,
 }
 
 impl std::fmt::Debug for ShardedPublisher {
@@ -298,12 +406,13 @@ impl PublisherBuilder {
             generation: ctx.as_ref().map(|c| c.generation),
             ctx,
             committed: None,
-            outstanding: None,
+            in_flight: None,
             nonce: rand::random(),
             next_anchor: false,
             last_anchor: None,
             last_step: None,
             last_outcome: None,
+            last_part: None,
         })
     }
 }
@@ -320,17 +429,19 @@ impl ShardedPublisher {
     }
 
     /// Publishes this rank's part of `step`; on rank 0, also commits the step (waiting up to
-    /// `commit_timeout` for the other parts). Blocks for the copy of `shards`, the diff, the
-    /// encode and the upload of this rank's objects.
+    /// `commit_timeout` for the other parts). Blocks for the previous step (its part sent, its
+    /// outcome known: the part of this step is taken against the last committed one) and for
+    /// one copy of `shards`; the diff, the encode, the upload and the commit run after it
+    /// returns, so `shards` may change at once.
     pub fn publish(&mut self, step: u64, shards: &[Shard<'_>]) -> Result<ShardedReceipt> {
         let t0 = Instant::now();
-        let previous = self.resolve()?;
         if let Some(last) = self.last_step {
             if step <= last {
                 return Err(Error::StepOrder { step, last });
             }
         }
-        let copy = copy_shards(step, shards)?;
+        let (previous, previous_part) = self.resolve()?;
+        let copy = Arc::new(copy_shards(step, shards)?);
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
         let g = match &self.ctx {
             Some(c) => c.generation,
@@ -343,7 +454,7 @@ impl ShardedPublisher {
         }
         self.generation = Some(g);
         // A delta needs this rank's copy of the same slices at the committed base.
-        let base = self.committed.as_ref().filter(|(c, _)| {
+        let base = self.committed.clone().filter(|(c, _)| {
             c.shards.len() == copy.shards.len()
                 && c.shards.iter().zip(&copy.shards).all(|(a, b)| a.0 == b.0 && a.1 == b.1)
         });
@@ -352,36 +463,34 @@ impl ShardedPublisher {
             Some(_) if !self.next_anchor && !anchor_due => PartKind::Delta,
             _ => PartKind::Anchor,
         };
-        let who = Who { g, rank: self.rank, nonce: self.nonce, world_size: self.world_size };
-        let built = build_part(&self.cfg, &self.stream_id, who, &copy, base, kind)?;
-        let part_bytes = built.objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
-        rt.block_on(upload_part(&self.bucket, step, &built))?;
-        let part_secs = t0.elapsed().as_secs_f64();
-        info!(step, rank = self.rank, ?kind, bytes = part_bytes, secs = part_secs, "part uploaded");
+        let job = PartJob {
+            cfg: self.cfg.clone(),
+            stream_id: self.stream_id.clone(),
+            bucket: self.bucket.clone(),
+            handle: rt.handle().clone(),
+            who: Who { g, rank: self.rank, nonce: self.nonce, world_size: self.world_size },
+            copy: copy.clone(),
+            base: base.filter(|_| kind == PartKind::Delta),
+            kind,
+            commit: self.ctx.clone().map(|ctx| CommitJob {
+                ctx,
+                trust: self.trust.clone(),
+                world_size: self.world_size,
+                timeout: self.commit_timeout,
+                committed: self.committed.clone(),
+            }),
+        };
+        let (tx, sent_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name("driftless-part".into()).spawn(move || job.run(tx))?;
+        self.in_flight = Some(InFlight { step, copy, sent_rx, sent: None, thread });
         self.last_step = Some(step);
-        let mut receipt =
-            ShardedReceipt { step, part: kind, part_bytes, part_secs, outcome: None, commit_secs: 0.0, previous };
-        match self.ctx.clone() {
-            Some(ctx) => {
-                let t1 = Instant::now();
-                let outcome = rt.block_on(commit(
-                    &self.cfg,
-                    &ctx,
-                    &self.trust,
-                    (step, self.world_size, self.commit_timeout),
-                    &self.committed,
-                ));
-                receipt.commit_secs = t1.elapsed().as_secs_f64();
-                self.settle(copy, built.sha, &outcome);
-                receipt.outcome = Some(outcome);
-            }
-            None => self.outstanding = Some((copy, built.sha)),
-        }
-        Ok(receipt)
+        let blocked_secs = t0.elapsed().as_secs_f64();
+        info!(step, rank = self.rank, ?kind, secs = blocked_secs, "slices copied; part sent in the background");
+        Ok(ShardedReceipt { step, part: kind, blocked_secs, previous, previous_part })
     }
 
-    /// Waits for the outcome of the step this rank published last (ranks other than 0;
-    /// immediate on rank 0) and returns it. An error when it was not committed.
+    /// Waits until the step this rank published last is sent and its outcome known, and
+    /// returns that outcome. An error when it was not committed.
     pub fn flush(&mut self) -> Result<StepOutcome> {
         self.resolve()?;
         match self.last_outcome.clone() {
@@ -398,7 +507,23 @@ impl ShardedPublisher {
         r
     }
 
+    /// The outcome of the last step this rank published, once known (after [`Self::flush`]
+    /// or the next `publish`).
+    pub fn last_outcome(&self) -> Option<&StepOutcome> {
+        self.last_outcome.as_ref()
+    }
+
+    /// This rank's part of the last step it published, once sent (after [`Self::flush`]).
+    pub fn last_part(&self) -> Option<&PartReport> {
+        self.last_part.as_ref()
+    }
+
     fn shutdown(&mut self) {
+        // The step in flight uses the runtime: let it finish first (bounded by the commit
+        // timeout and the store's timeouts).
+        if let Some(f) = self.in_flight.take() {
+            let _ = f.thread.join();
+        }
         if let Some(rt) = self.rt.take() {
             if let Some(ctx) = &self.ctx {
                 let (b, key) = (ctx.bucket.clone(), layout::lease(ctx.generation));
@@ -410,8 +535,8 @@ impl ShardedPublisher {
 
     /// Records an outcome: a committed step's slices become the base of the next delta, when
     /// the commit used this process's part (`sent`, its manifest's SHA-256).
-    fn settle(&mut self, copy: Copy, sent: Digest, o: &StepOutcome) {
-        let mine = o.parts.get(self.rank as usize) == Some(&sent);
+    fn settle(&mut self, copy: Arc<Copy>, sent: Option<Digest>, o: &StepOutcome) {
+        let mine = sent.is_some_and(|s| o.parts.get(self.rank as usize) == Some(&s));
         if o.committed && !mine {
             warn!(
                 step = o.step,
@@ -433,16 +558,46 @@ impl ShardedPublisher {
         self.last_outcome = Some(o.clone());
     }
 
-    /// Learns the outcome of the outstanding step (ranks other than 0).
-    fn resolve(&mut self) -> Result<Option<StepOutcome>> {
-        let Some((copy, sent)) = self.outstanding.take() else { return Ok(None) };
+    /// Waits until this rank's part of the step published last is built and uploaded, not
+    /// for its commit, and returns its report (`None` when it could not be sent, or nothing
+    /// is in flight: the step's outcome then says why).
+    pub fn wait_sent(&mut self) -> Option<PartReport> {
+        self.in_flight.as_mut().and_then(|f| f.sent().as_ref().ok().map(|(_, r)| r.clone()))
+    }
+
+    /// Waits for the step in flight: its part sent, then its outcome (rank 0 committed it
+    /// itself; the other ranks read the committer's). A part that could not be built or sent
+    /// makes the step not committed for this rank, and the next one an anchor.
+    fn resolve(&mut self) -> Result<(Option<StepOutcome>, Option<PartReport>)> {
+        let Some(mut f) = self.in_flight.take() else { return Ok((None, None)) };
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
-        let g = self.generation.expect("published under a generation");
-        // The committer waits `commit_timeout` for parts, then commits: allow for both.
-        let deadline = Instant::now() + self.commit_timeout * 2 + Duration::from_secs(30);
-        let o = rt.block_on(wait_outcome(&self.bucket, &self.trust, copy.step, g, self.world_size, deadline));
-        self.settle(copy, sent, &o);
-        Ok(Some(o))
+        let sent = f.sent().clone();
+        let committed = f.thread.join().ok().flatten();
+        let (o, sha, report) = match (sent, committed) {
+            (Ok((sha, mut report)), Some((o, secs))) => {
+                report.commit_secs = secs;
+                (o, Some(sha), Some(report))
+            }
+            (Ok((sha, report)), None) if self.ctx.is_none() => {
+                let g = self.generation.expect("published under a generation");
+                // The committer waits `commit_timeout` for parts, then commits: allow for both.
+                let deadline = Instant::now() + self.commit_timeout * 2 + Duration::from_secs(30);
+                let o = rt.block_on(wait_outcome(&self.bucket, &self.trust, f.step, g, self.world_size, deadline));
+                (o, Some(sha), Some(report))
+            }
+            (Ok((_, report)), None) => {
+                let reason = format!("step {}: the committing thread panicked", f.step);
+                (StepOutcome::aborted(f.step, reason, true), None, Some(report))
+            }
+            (Err(e), _) => {
+                warn!(step = f.step, rank = self.rank, error = %e, "part not sent");
+                let reason = format!("rank {}'s part was not sent: {e}", self.rank);
+                (StepOutcome::aborted(f.step, reason, true), None, None)
+            }
+        };
+        self.settle(f.copy, sha, &o);
+        self.last_part = report.clone();
+        Ok((Some(o), report))
     }
 }
 
@@ -511,7 +666,7 @@ fn build_part(
     stream_id: &str,
     who: Who,
     copy: &Copy,
-    base: Option<&(Copy, Digest)>,
+    base: Option<&Committed>,
     kind: PartKind,
 ) -> Result<BuiltPart> {
     let Who { g, rank, nonce, world_size } = who;
@@ -734,13 +889,25 @@ async fn commit(
     ctx: &Arc<Ctx>,
     trust: &TrustSet,
     (step, world_size, timeout): (u64, u64, Duration),
-    committed: &Option<(Copy, Digest)>,
+    committed: &Option<Committed>,
 ) -> StepOutcome {
     let outcome = match try_commit(cfg, ctx, trust, (step, world_size, timeout), committed).await {
         Ok(o) => o,
         Err((reason, next_anchor)) => StepOutcome::aborted(step, reason, next_anchor),
     };
-    let payload = serde_json::to_vec(&outcome).expect("outcome serializes");
+    write_outcome(cfg, ctx, &outcome).await;
+    if outcome.committed {
+        info!(step, of = ?outcome.of, "sharded step committed");
+    } else {
+        warn!(step, reason = outcome.reason.as_deref().unwrap_or(""), "sharded step not committed");
+    }
+    outcome
+}
+
+/// Writes the committer's signed verdict on a step (write-once).
+async fn write_outcome(cfg: &PublisherBuilder, ctx: &Ctx, outcome: &StepOutcome) {
+    let step = outcome.step;
+    let payload = serde_json::to_vec(outcome).expect("outcome serializes");
     match cfg.seal(&payload) {
         Ok(env) => {
             if let Err(e) = ctx.bucket.put_create(&outcome_key(step, ctx.generation), Bytes::from(env)).await {
@@ -750,12 +917,6 @@ async fn commit(
         }
         Err(e) => warn!(step, error = %e, "could not seal the step's outcome"),
     }
-    if outcome.committed {
-        info!(step, of = ?outcome.of, "sharded step committed");
-    } else {
-        warn!(step, reason = outcome.reason.as_deref().unwrap_or(""), "sharded step not committed");
-    }
-    outcome
 }
 
 type Refusal = (String, bool);
@@ -765,7 +926,7 @@ async fn try_commit(
     ctx: &Arc<Ctx>,
     trust: &TrustSet,
     (step, world_size, timeout): (u64, u64, Duration),
-    committed: &Option<(Copy, Digest)>,
+    committed: &Option<Committed>,
 ) -> std::result::Result<StepOutcome, Refusal> {
     let g = ctx.generation;
     let bucket = &ctx.bucket;
@@ -1260,7 +1421,10 @@ mod tests {
             }
             bucket.put(&layout::object(StepKind::Delta, 1, &name), Bytes::from(forged)).await.unwrap();
         });
-        p0.publish(1, &[shard(0)]).unwrap().outcome.unwrap()
+        p0.publish(1, &[shard(0)]).unwrap();
+        // The commit runs after publish returns; flush reports it (an error when refused).
+        let _ = p0.flush();
+        p0.last_outcome().cloned().expect("the step was resolved")
     }
 
     #[test]

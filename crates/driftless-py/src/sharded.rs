@@ -4,7 +4,7 @@ use std::sync::Mutex;
 
 use driftless_format::numel;
 use driftless_format::slice::Slice;
-use driftless_publisher::{PartKind, Shard, ShardedPublisher, StepOutcome};
+use driftless_publisher::{PartKind, PartReport, Shard, ShardedPublisher, StepOutcome};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -68,6 +68,23 @@ fn outcome_dict<'py>(py: Python<'py>, o: &StepOutcome) -> PyResult<Bound<'py, Py
     d.set_item("root", o.root.map(|r| r.to_hex()))?;
     d.set_item("reason", o.reason.clone())?;
     d.set_item("next_anchor", o.next_anchor)?;
+    Ok(d)
+}
+
+fn kind_name(k: PartKind) -> &'static str {
+    match k {
+        PartKind::Delta => "delta",
+        PartKind::Anchor => "anchor",
+    }
+}
+
+fn part_dict<'py>(py: Python<'py>, r: &PartReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("step", r.step)?;
+    d.set_item("part", kind_name(r.part))?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("secs", r.secs)?;
+    d.set_item("commit_secs", r.commit_secs)?;
     Ok(d)
 }
 
@@ -141,18 +158,10 @@ impl PyShardedPublisher {
             let r = r.map_err(BindError::from)?;
             let d = PyDict::new(py);
             d.set_item("step", r.step)?;
-            d.set_item(
-                "part",
-                match r.part {
-                    PartKind::Delta => "delta",
-                    PartKind::Anchor => "anchor",
-                },
-            )?;
-            d.set_item("part_bytes", r.part_bytes)?;
-            d.set_item("part_secs", r.part_secs)?;
-            d.set_item("commit_secs", r.commit_secs)?;
-            d.set_item("outcome", r.outcome.as_ref().map(|o| outcome_dict(py, o)).transpose()?)?;
+            d.set_item("part", kind_name(r.part))?;
+            d.set_item("blocked_secs", r.blocked_secs)?;
             d.set_item("previous", r.previous.as_ref().map(|o| outcome_dict(py, o)).transpose()?)?;
+            d.set_item("previous_part", r.previous_part.as_ref().map(|p| part_dict(py, p)).transpose()?)?;
             Ok(d)
         })
     }
@@ -169,6 +178,31 @@ impl PyShardedPublisher {
                 .map_err(BindError::from)?;
             outcome_dict(py, &o)
         })
+    }
+
+    /// Waits until this rank's part of its last step is uploaded (not for the commit); returns
+    /// its report as a dict, or None when it could not be sent or nothing is in flight.
+    fn wait_sent<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        crate::errors::guard(|| {
+            let r = py.allow_threads(|| {
+                let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                g.as_mut().and_then(|p| p.wait_sent())
+            });
+            r.as_ref().map(|p| part_dict(py, p)).transpose()
+        })
+    }
+
+    /// The outcome of this rank's last step, once known (after `flush` or the next
+    /// `publish`), as a dict; None before.
+    fn last_outcome<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let o = self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|p| p.last_outcome().cloned());
+        o.as_ref().map(|o| outcome_dict(py, o)).transpose()
+    }
+
+    /// This rank's part of its last step, once sent and resolved (after `flush`), as a dict.
+    fn last_part<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let r = self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|p| p.last_part().cloned());
+        r.as_ref().map(|p| part_dict(py, p)).transpose()
     }
 
     /// Flushes and releases the rank. Idempotent.

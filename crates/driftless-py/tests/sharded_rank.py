@@ -93,12 +93,20 @@ def main():
             open(os.path.join(control, f"paused-{step}-{rank}"), "w").close()
             time.sleep(600)
         r = p.publish(step, slices_of(model_at(step), rank, world))
+        # The part is sent (and on rank 0 committed) after publish returns: wait for the
+        # outcome before telling the test the step is done (flush raises when the step was
+        # not committed; its outcome says why).
+        r["uploaded"] = p.wait_sent()
+        try:
+            p.flush()
+        except driftless.DriftlessError:
+            pass
+        r["outcome"] = p.last_outcome()
+        r["sent"] = p.last_part()
         print(json.dumps(r), flush=True)
         open(os.path.join(control, f"done-{step}-{rank}"), "w").close()
         while not os.path.exists(os.path.join(control, f"go-{step}")):
             time.sleep(0.02)
-    if rank != 0:
-        print(json.dumps({"flush": p.flush()}), flush=True)
     p.close()
 
 

@@ -276,19 +276,39 @@ class ShardedPublisher(_native.ShardedPublisher):
         """Publishes this rank's shards of ``step`` (strictly increasing, the same step on
         every rank). ``shards`` maps global tensor names to :func:`shard` descriptions.
 
-        Blocks while the shards are copied, diffed against this rank's copy of the last
-        committed step, encoded and uploaded; on rank 0 also while the step is committed.
-        Returns ``step``, ``part`` (``"delta"`` or ``"anchor"``), ``part_bytes``,
-        ``part_secs``, ``commit_secs``, ``outcome`` (rank 0: ``committed``, ``of``,
-        ``root``, ``reason``, ``next_anchor``) and ``previous`` (other ranks: the outcome of
-        their previous step).
+        Blocks for the previous step (its part uploaded and its outcome known: this step's
+        part is taken against the last committed one) and while the shards are copied, then
+        returns; the shards may change at once. The diff against this rank's copy of the last
+        committed step, the encode, the upload and, on rank 0, the commit (an anchor's
+        compression included) run in the background.
+
+        Returns ``step``, ``part`` (``"delta"`` or ``"anchor"``), ``blocked_secs`` (time the
+        call blocked), ``previous`` (the outcome of this rank's previous step: ``step``,
+        ``committed``, ``of``, ``root``, ``reason``, ``next_anchor``) and ``previous_part``
+        (this rank's part of it: ``step``, ``part``, ``bytes``, ``secs``, ``commit_secs``;
+        None when it was not sent).
         """
         return super().publish(step, shards)
 
     def flush(self) -> Dict[str, Any]:
-        """Waits for the outcome of this rank's last step and returns it; raises
-        :class:`RetryableError` when that step was not committed."""
+        """Waits until this rank's last step is uploaded and its outcome known, and returns
+        that outcome; raises :class:`RetryableError` when the step was not committed."""
         return super().flush()
+
+    def wait_sent(self) -> Optional[Dict[str, Any]]:
+        """Waits until this rank's part of its last step is uploaded (not for the commit);
+        returns its report (``step``, ``part``, ``bytes``, ``secs``, ``commit_secs``), or
+        None when it could not be sent or nothing is in flight."""
+        return super().wait_sent()
+
+    def last_outcome(self) -> Optional[Dict[str, Any]]:
+        """The outcome of this rank's last step once known (after :meth:`flush` or the next
+        :meth:`publish`), else None."""
+        return super().last_outcome()
+
+    def last_part(self) -> Optional[Dict[str, Any]]:
+        """This rank's part of its last step once resolved (after :meth:`flush`), else None."""
+        return super().last_part()
 
     def close(self) -> None:
         """Flushes, then releases the rank. Idempotent."""
