@@ -660,19 +660,21 @@ impl Agent {
         // Up to FETCH_AHEAD deltas download and decode at once (on the blocking pool) while
         // earlier ones are received: a catch-up is not a sequence of round trips.
         let marker = |d: u64| cands.marker(StepKind::Delta, d).cloned();
-        let mut ahead: std::collections::VecDeque<Fetch> =
-            deltas.iter().take(FETCH_AHEAD).map(|&d| self.start_fetch(d, marker(d))).collect();
+        // (`None`: a delta skipped after a re-seed, never fetched.)
+        let mut ahead: std::collections::VecDeque<Option<Fetch>> =
+            deltas.iter().take(FETCH_AHEAD).map(|&d| Some(self.start_fetch(d, marker(d)))).collect();
         // Deltas at or before this step are skipped: the served slot already holds it and the
         // work slot is rebuilt from there (see the layout change below).
         let mut skip_to = None;
         for (k, &d) in deltas.iter().enumerate() {
             let fetch = ahead.pop_front().expect("a fetch per delta");
             if let Some(&d) = deltas.get(k + FETCH_AHEAD) {
-                ahead.push_back(self.start_fetch(d, marker(d)));
+                let skipped = skip_to.is_some_and(|s| d <= s);
+                ahead.push_back((!skipped).then(|| self.start_fetch(d, marker(d))));
             }
-            if skip_to.is_some_and(|s| d <= s) {
+            let Some(fetch) = fetch.filter(|_| skip_to.is_none_or(|s| d > s)) else {
                 continue;
-            }
+            };
             let last = k + 1 == n;
             let verify = careful || last;
             let (m, segs, b) = self.receive_delta(sid, d, fetch, at).await?;
@@ -706,6 +708,12 @@ impl Agent {
                     group_raw = 0;
                     at = p.held();
                     skip_to = Some(p.step);
+                    // Downloads already started for the skipped deltas stop here (dropped).
+                    for (j, f) in ahead.iter_mut().enumerate() {
+                        if deltas.get(k + 1 + j).is_some_and(|&x| x <= p.step) {
+                            *f = None;
+                        }
+                    }
                     rebuilt = true;
                     self.metrics.slot_rebuilds.fetch_add(1, Relaxed);
                     self.cached.push((d, shas));
