@@ -164,9 +164,9 @@ fn agent_survives_sigkill_loop() {
          {in_rewrite} of them killed, {anchors} anchor downloads"
     );
     assert!(interrupted > 0, "no kill landed inside a build");
-    // Random kills rarely land inside a rewrite of a model this small: agent_faults.rs
-    // `sigkill_across_a_layout_change` kills at evenly spaced points of one instead.
-    assert!(rewrites > 0, "no layout rewrite ran");
+    // Random kills rarely land inside a rewrite of a model this small, and how many rewrites
+    // start depends on the machine's speed: agent_faults.rs `sigkill_across_a_layout_change`
+    // kills at evenly spaced points of one instead (the count above is for the log only).
     assert_eq!(anchors, 0, "recovery from local state must not download an anchor");
     let o = agent().output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

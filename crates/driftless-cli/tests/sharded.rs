@@ -428,8 +428,10 @@ fn a_restarted_rank_next_to_its_predecessors_part_is_refused() {
 /// `publish` returns before its part is sent and before the commit: one thread can drive all
 /// four ranks in turn, rank 0 first (when rank 0 committed inside `publish`, its call waited
 /// the commit timeout for parts no one could send yet, and refused the step). Every rank
-/// overwrites its slices the instant `publish` returns, as an optimizer would: the steps in
-/// the bucket must hold what was passed, bit for bit, anchors and deltas alike.
+/// overwrites its slices the instant `publish` returns, as an optimizer would, and the steps
+/// the agent reads must hold what was passed, bit for bit, anchors and deltas alike (the
+/// borrow of the slices ends with the call, so this guards the copy inside `publish`, not
+/// Rust's lifetimes).
 #[test]
 fn publish_returns_before_the_commit_and_never_reads_the_slices_again() {
     let td = tempfile::tempdir().unwrap();

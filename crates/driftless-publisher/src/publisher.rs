@@ -851,7 +851,8 @@ impl Publisher {
         let ctx = self.ctx.clone();
         let handle = self.rt.as_ref().expect("runtime").handle().clone();
         let stream_id = self.stream_id.clone();
-        std::thread::Builder::new().name("driftless-anchor".into()).spawn(move || {
+        let shared = self.shared.clone();
+        let spawned = std::thread::Builder::new().name("driftless-anchor".into()).spawn(move || {
             let _s = info_span!("encode_anchor", step).entered();
             let r = spool_anchor(&cfg, &stream_id, ctx.generation, &snap);
             drop(snap);
@@ -871,7 +872,18 @@ impl Publisher {
                     });
                 }
             }
-        })?;
+        });
+        if let Err(e) = spawned {
+            // The step itself is queued: the anchor is what failed. Count it as a failed
+            // anchor (the next publish is one), and never leave it counted as in flight.
+            warn!(step, error = %e, "could not start the anchor's encoding");
+            shared.update(|s| {
+                s.anchors_in_flight -= 1;
+                s.need_anchor = true;
+                s.failures += 1;
+                s.last_error = Some(format!("anchor {step}: {e}"));
+            });
+        }
         Ok(())
     }
 

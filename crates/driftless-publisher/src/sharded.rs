@@ -268,17 +268,18 @@ impl PartJob {
     fn run(self, tx: std::sync::mpsc::Sender<Sent>) -> Option<(StepOutcome, f64)> {
         let step = self.copy.step;
         let t = Instant::now();
-        let sent = (|| {
+        // A panic is a failure like any other: rank 0 must still tell the others.
+        let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(Digest, u64)> {
             let built = build_part(&self.cfg, &self.stream_id, self.who, &self.copy, self.base.as_ref(), self.kind)?;
             let bytes = built.objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
             self.handle.block_on(upload_part(&self.bucket, step, &built))?;
             Ok((built.sha, bytes))
-        })();
+        }))
+        .unwrap_or_else(|_| Err(Error::Upload { step, detail: "building or sending the part panicked".into() }));
         let secs = t.elapsed().as_secs_f64();
         let (sha, bytes) = match (sent, &self.commit) {
             (Ok(s), _) => s,
             (Err(e), c) => {
-                let e: Error = e;
                 if let Some(c) = c {
                     // The other ranks wait for an outcome: tell them at once there is none.
                     let o = StepOutcome::aborted(step, format!("rank 0's part was not sent: {e}"), true);
@@ -440,6 +441,8 @@ impl ShardedPublisher {
                 return Err(Error::StepOrder { step, last });
             }
         }
+        // Refused input leaves the step in flight (and its outcome) for the next call.
+        check_shards(shards)?;
         let (previous, previous_part) = self.resolve()?;
         let copy = Arc::new(copy_shards(step, shards)?);
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
@@ -578,12 +581,19 @@ impl ShardedPublisher {
                 report.commit_secs = secs;
                 (o, Some(sha), Some(report))
             }
-            (Ok((sha, report)), None) if self.ctx.is_none() => {
+            (sent, None) if self.ctx.is_none() => {
+                // The committer's verdict, even when this rank's upload reported a failure
+                // (a write that timed out may have landed, and the step be committed: the
+                // receipt must say so). Without the part's digest the copy is not adopted.
+                if let Err(e) = &sent {
+                    warn!(step = f.step, rank = self.rank, error = %e, "part not sent");
+                }
                 let g = self.generation.expect("published under a generation");
                 // The committer waits `commit_timeout` for parts, then commits: allow for both.
                 let deadline = Instant::now() + self.commit_timeout * 2 + Duration::from_secs(30);
                 let o = rt.block_on(wait_outcome(&self.bucket, &self.trust, f.step, g, self.world_size, deadline));
-                (o, Some(sha), Some(report))
+                let (sha, report) = sent.ok().unzip();
+                (o, sha, report)
             }
             (Ok((_, report)), None) => {
                 let reason = format!("step {}: the committing thread panicked", f.step);
@@ -607,7 +617,8 @@ impl Drop for ShardedPublisher {
     }
 }
 
-fn copy_shards(step: u64, shards: &[Shard<'_>]) -> Result<Copy> {
+/// Checks a rank's shards (names, slices, sizes) without copying them.
+fn check_shards(shards: &[Shard<'_>]) -> Result<()> {
     let mut names = BTreeSet::new();
     for s in shards {
         driftless_format::validate_tensor_name(s.name)?;
@@ -634,6 +645,12 @@ fn copy_shards(step: u64, shards: &[Shard<'_>]) -> Result<Copy> {
             .into());
         }
     }
+    Ok(())
+}
+
+/// Checks a rank's shards and copies them.
+fn copy_shards(step: u64, shards: &[Shard<'_>]) -> Result<Copy> {
+    check_shards(shards)?;
     let shards = shards
         .par_iter()
         .map(|s| {

@@ -919,3 +919,117 @@ fn slow_store_coalesces_steps_and_the_final_state_arrives() {
         assert!(s.incomplete.is_empty(), "{ctx}: {s:?}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Sharded publishing: failures of a part sent in the background
+
+/// A two-rank group on one backend, each rank over its own `FaultyStore` of the same data.
+/// Each rank publishes the whole of half the chain's tensors.
+fn sharded_pair(
+    be: &Backend,
+    timeout: Duration,
+) -> ((Arc<FaultyStore>, driftless_publisher::ShardedPublisher), (Arc<FaultyStore>, driftless_publisher::ShardedPublisher))
+{
+    let (f0, b0) = be.bucket();
+    let p0 = PublisherBuilder::new("x")
+        .with_bucket(b0)
+        .with_key(key())
+        .with_new_stream(true)
+        .build_sharded(0, 2, timeout)
+        .unwrap();
+    let (f1, b1) = be.bucket();
+    let p1 = PublisherBuilder::new("x").with_bucket(b1).with_key(key()).build_sharded(1, 2, timeout).unwrap();
+    ((f0, p0), (f1, p1))
+}
+
+/// Rank `r`'s shards of the chain's current weights: every other tensor, whole.
+fn halves(c: &RlChain, r: usize) -> Vec<(driftless_format::TensorMeta, Vec<u8>)> {
+    c.views().iter().skip(r).step_by(2).map(|v| (v.meta(), v.data.to_vec())).collect()
+}
+
+fn shards_of(h: &[(driftless_format::TensorMeta, Vec<u8>)]) -> Vec<driftless_publisher::Shard<'_>> {
+    h.iter()
+        .map(|(m, d)| driftless_publisher::Shard {
+            name: &m.name,
+            dtype: m.dtype,
+            shape: &m.shape,
+            slice: driftless_format::slice::Slice::block(&m.shape, 0, 0, m.shape[0]).unwrap(),
+            data: d,
+        })
+        .collect()
+}
+
+/// A rank whose part cannot be uploaded (a permanent error on its part manifest) learns the
+/// step's fate from the committer, not from its own failure; rank 0's failure is announced at
+/// once (the other rank does not wait for the commit timeout); a refused `publish` (a tensor
+/// passed twice) leaves the previous step's outcome to the next receipt; and the group goes on
+/// with an anchor.
+#[test]
+fn sharded_part_failures_are_outcomes() {
+    for be in backends("sharded-parts", false) {
+        let ctx = be.name.clone();
+        let timeout = Duration::from_secs(3);
+        let ((f0, mut p0), (f1, mut p1)) = sharded_pair(&be, timeout);
+        let mut c = chain();
+        let publish = |p: &mut driftless_publisher::ShardedPublisher, c: &RlChain, r: usize, step: u64| {
+            let h = halves(c, r);
+            p.publish(step, &shards_of(&h)).unwrap_or_else(|e| panic!("{ctx}: rank {r}, step {step}: {e}"))
+        };
+        publish(&mut p0, &c, 0, 1);
+        publish(&mut p1, &c, 1, 1);
+        assert!(p0.flush().unwrap().committed, "{ctx}");
+        assert!(p1.flush().unwrap().committed, "{ctx}");
+        // Step 2: rank 1's part manifest cannot be written.
+        c.step();
+        f1.inject(FaultOp::Put, "r00001", 1000, FaultKind::Permanent);
+        publish(&mut p0, &c, 0, 2);
+        publish(&mut p1, &c, 1, 2);
+        assert!(p1.wait_sent().is_none(), "{ctx}: the part was not sent");
+        let e = p1.flush().unwrap_err();
+        let o = p1.last_outcome().unwrap().clone();
+        assert!(!o.committed && o.next_anchor, "{ctx}: {o:?}");
+        // The committer's verdict (it waited for the part), not the rank's own guess.
+        assert!(o.reason.as_deref().unwrap().contains("ranks [1]"), "{ctx}: {o:?} ({e})");
+        assert!(p0.flush().unwrap_err().to_string().contains("ranks [1]"), "{ctx}");
+        f1.clear();
+        // Step 3 (an anchor after the missing part), left in flight on both ranks.
+        c.step();
+        publish(&mut p0, &c, 0, 3);
+        publish(&mut p1, &c, 1, 3);
+        // Step 4: a refused call (a tensor passed twice) leaves step 3 in flight; then rank
+        // 0's part cannot be written, and rank 1 hears it at once.
+        c.step();
+        let h = halves(&c, 0);
+        let mut twice = shards_of(&h);
+        twice.push(twice[0].clone());
+        assert!(p0.publish(4, &twice).is_err(), "{ctx}: a tensor passed twice");
+        assert!(p0.wait_sent().is_some_and(|r| r.step == 3), "{ctx}");
+        f0.inject(FaultOp::Put, "r00000", 1000, FaultKind::Permanent);
+        let rc = publish(&mut p0, &c, 0, 4);
+        let prev = rc.previous.as_ref().unwrap_or_else(|| panic!("{ctx}: step 3's outcome was lost"));
+        assert!(prev.step == 3 && prev.committed && prev.of == Some(StepKind::Anchor), "{ctx}: {prev:?}");
+        let rc = publish(&mut p1, &c, 1, 4);
+        assert!(rc.previous.as_ref().is_some_and(|o| o.step == 3 && o.committed), "{ctx}: {rc:?}");
+        let t = std::time::Instant::now();
+        assert!(p1.flush().is_err(), "{ctx}");
+        assert!(t.elapsed() < timeout, "{ctx}: rank 1 waited {:?} for a step rank 0 could not send", t.elapsed());
+        let o = p1.last_outcome().unwrap();
+        assert!(o.reason.as_deref().unwrap().contains("rank 0's part was not sent"), "{ctx}: {o:?}");
+        assert!(p0.flush().is_err(), "{ctx}");
+        f0.clear();
+        // Step 5 commits again (an anchor).
+        c.step();
+        publish(&mut p0, &c, 0, 5);
+        publish(&mut p1, &c, 1, 5);
+        let o = p0.flush().unwrap();
+        assert!(o.committed && o.of == Some(StepKind::Anchor), "{ctx}: {o:?}");
+        assert!(p1.flush().unwrap().committed, "{ctx}");
+        p0.close().unwrap();
+        p1.close().unwrap();
+        let (_, b) = be.bucket();
+        let s = scan(&b, &trust());
+        let mut ready: Vec<u64> = s.ready_anchors.iter().copied().chain(s.ready_deltas.keys().copied()).collect();
+        ready.sort();
+        assert_eq!(ready, vec![1, 3, 5], "{ctx}");
+    }
+}

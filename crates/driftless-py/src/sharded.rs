@@ -195,13 +195,13 @@ impl PyShardedPublisher {
     /// The outcome of this rank's last step, once known (after `flush` or the next
     /// `publish`), as a dict; None before.
     fn last_outcome<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let o = self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|p| p.last_outcome().cloned());
+        let o = py.allow_threads(|| self.with(|p| p.last_outcome().cloned()));
         o.as_ref().map(|o| outcome_dict(py, o)).transpose()
     }
 
     /// This rank's part of its last step, once sent and resolved (after `flush`), as a dict.
     fn last_part<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let r = self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|p| p.last_part().cloned());
+        let r = py.allow_threads(|| self.with(|p| p.last_part().cloned()));
         r.as_ref().map(|p| part_dict(py, p)).transpose()
     }
 
@@ -219,7 +219,25 @@ impl PyShardedPublisher {
 
     /// The group generation this rank publishes under.
     #[getter]
-    fn generation(&self) -> Option<u64> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(|p| p.generation())
+    fn generation(&self, py: Python<'_>) -> Option<u64> {
+        py.allow_threads(|| self.with(|p| p.generation()))
+    }
+}
+
+impl PyShardedPublisher {
+    /// Reads the publisher under its lock. Callers release the GIL first: the lock is held
+    /// for as long as another thread's `publish` or `flush` blocks.
+    fn with<T>(&self, f: impl FnOnce(&ShardedPublisher) -> Option<T>) -> Option<T> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(f)
+    }
+}
+
+impl Drop for PyShardedPublisher {
+    /// Dropping a rank waits for its step in flight (rank 0: its commit, up to the commit
+    /// timeout): without the GIL, so that the rest of the interpreter runs meanwhile.
+    fn drop(&mut self) {
+        if let Some(p) = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            Python::with_gil(|py| py.allow_threads(move || drop(p)));
+        }
     }
 }
