@@ -208,7 +208,27 @@ pub struct PartReport {
 /// A rank's copy of its slices at a step.
 struct Copy {
     step: u64,
-    shards: Vec<(TensorMeta, Slice, Vec<u8>)>,
+    /// (tensor, slice, where its bytes lie in `data`), in the order passed.
+    shards: Vec<(TensorMeta, Slice, std::ops::Range<usize>)>,
+    /// Every shard's bytes back to back: an anchor part's slices object as it is, so that
+    /// uploading it takes no second copy of the rank's slices.
+    data: Vec<u8>,
+}
+
+impl Copy {
+    /// The bytes of shard `i`.
+    fn bytes(&self, i: usize) -> &[u8] {
+        &self.data[self.shards[i].2.clone()]
+    }
+}
+
+/// An anchor part's slices object: the bytes of a shared [`Copy`].
+struct CopyBytes(Arc<Copy>);
+
+impl AsRef<[u8]> for CopyBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.data
+    }
 }
 
 /// The last committed step's slices (shared with the background thread of the next step)
@@ -651,14 +671,21 @@ fn check_shards(shards: &[Shard<'_>]) -> Result<()> {
 /// Checks a rank's shards and copies them.
 fn copy_shards(step: u64, shards: &[Shard<'_>]) -> Result<Copy> {
     check_shards(shards)?;
-    let shards = shards
-        .par_iter()
-        .map(|s| {
-            let meta = TensorMeta { name: s.name.to_string(), dtype: s.dtype, shape: s.shape.to_vec() };
-            (meta, s.slice.clone(), s.data.to_vec())
-        })
-        .collect();
-    Ok(Copy { step, shards })
+    let mut data = vec![0u8; shards.iter().map(|s| s.data.len()).sum()];
+    let mut out = Vec::with_capacity(shards.len());
+    let mut pieces: Vec<(&mut [u8], &[u8])> = vec![];
+    let (mut rest, mut at) = (data.as_mut_slice(), 0usize);
+    for s in shards {
+        let meta = TensorMeta { name: s.name.to_string(), dtype: s.dtype, shape: s.shape.to_vec() };
+        out.push((meta, s.slice.clone(), at..at + s.data.len()));
+        at += s.data.len();
+        let (dst, tail) = std::mem::take(&mut rest).split_at_mut(s.data.len());
+        rest = tail;
+        // Pieces of 16 MiB: one large shard is copied on every core, not one.
+        pieces.extend(dst.chunks_mut(16 << 20).zip(s.data.chunks(16 << 20)));
+    }
+    pieces.into_par_iter().for_each(|(d, s)| d.copy_from_slice(s));
+    Ok(Copy { step, shards: out, data })
 }
 
 struct BuiltPart {
@@ -682,7 +709,7 @@ fn build_part(
     cfg: &PublisherBuilder,
     stream_id: &str,
     who: Who,
-    copy: &Copy,
+    copy: &Arc<Copy>,
     base: Option<&Committed>,
     kind: PartKind,
 ) -> Result<BuiltPart> {
@@ -700,7 +727,7 @@ fn build_part(
     let digests: Vec<PartDigest> = runs
         .par_iter()
         .map(|&(i, start, at, len)| {
-            let (m, _, d) = &copy.shards[i];
+            let (m, d) = (&copy.shards[i].0, copy.bytes(i));
             part_digest(m.nbytes()?, start, &d[at..at + len])
         })
         .collect::<driftless_format::Result<_>>()?;
@@ -719,12 +746,12 @@ fn build_part(
             let delta_runs: Vec<Run<'_>> = runs
                 .iter()
                 .map(|&(i, start, at, len)| {
-                    let (m, _, d) = &copy.shards[i];
+                    let (m, d) = (&copy.shards[i].0, copy.bytes(i));
                     Run {
                         name: &m.name,
                         dtype: m.dtype,
                         at: start / m.dtype.size() as u64,
-                        base: Some(&b.shards[i].2[at..at + len]),
+                        base: Some(&b.bytes(i)[at..at + len]),
                         target: &d[at..at + len],
                     }
                 })
@@ -742,13 +769,11 @@ fn build_part(
             }
         }
         PartKind::Anchor => {
-            let mut all = Vec::with_capacity(copy.shards.iter().map(|s| s.2.len()).sum());
-            for (_, _, d) in &copy.shards {
-                all.extend_from_slice(d);
-            }
+            // The copy's own bytes, shared with the upload: no second copy of the slices.
+            let all = Bytes::from_owner(CopyBytes(copy.clone()));
             let n = name("slices.bin");
             slices = Some(ObjectRef { object: n.clone(), size: all.len() as u64, sha256: Digest::of(&all) });
-            objects.push((n, Bytes::from(all)));
+            objects.push((n, all));
         }
     }
     let edges_ref = ObjectRef { object: name("edges.bin"), size: edges.len() as u64, sha256: Digest::of(&edges) };
@@ -1421,7 +1446,7 @@ mod tests {
             data: &data[..2 << 20],
         };
         // Rank 1's honest part of step 1, then forged and signed again.
-        let copy = copy_shards(1, &[shard(1 << 20)]).unwrap();
+        let copy = Arc::new(copy_shards(1, &[shard(1 << 20)]).unwrap());
         let who = Who { g, rank: 1, nonce: 9, world_size: 2 };
         let built = build_part(&cfg, p0.stream_id(), who, &copy, None, PartKind::Anchor).unwrap();
         let (name, env) = built.objects.last().unwrap().clone();

@@ -928,8 +928,10 @@ fn slow_store_coalesces_steps_and_the_final_state_arrives() {
 fn sharded_pair(
     be: &Backend,
     timeout: Duration,
-) -> ((Arc<FaultyStore>, driftless_publisher::ShardedPublisher), (Arc<FaultyStore>, driftless_publisher::ShardedPublisher))
-{
+) -> (
+    (Arc<FaultyStore>, driftless_publisher::ShardedPublisher),
+    (Arc<FaultyStore>, driftless_publisher::ShardedPublisher),
+) {
     let (f0, b0) = be.bucket();
     let p0 = PublisherBuilder::new("x")
         .with_bucket(b0)
