@@ -122,7 +122,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Duration::from_secs(600),
         )?);
     }
-    println!("\nsharded: step, kind, per-rank part s (publish() until the part is uploaded; ranks 1.., then rank 0 without its commit), max rank, commit s, per-rank MB, all parts MB, per-rank publish() blocked s");
+    println!("\nsharded: step, kind, per-rank part s (publish() until the part is uploaded; ranks 1.., then rank 0 without its commit), max rank, commit s, per-rank MB, all parts MB, per-rank publish() blocked s, per-rank memcpy of its slices s (baseline)");
     let mut sharded_rows = vec![];
     for s in 1..=steps {
         if s > 1 {
@@ -130,6 +130,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let mut secs = vec![0.0; ranks as usize];
         let mut blocked = vec![0.0; ranks as usize];
+        let mut copy = vec![0.0; ranks as usize];
         let mut rank_bytes = vec![0u64; ranks as usize];
         let mut bytes = 0;
         let mut commit = 0.0;
@@ -156,6 +157,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     (i, sl, d)
                 })
                 .collect();
+            // Baseline of publish()'s blocking time: one copy of the rank's slices, on one
+            // thread, into memory already touched.
+            copy[r as usize] = {
+                let mut dst: Vec<Vec<u8>> = cuts.iter().map(|(_, _, d)| vec![1u8; d.len()]).collect();
+                let t = Instant::now();
+                for (o, (_, _, d)) in dst.iter_mut().zip(&cuts) {
+                    o.copy_from_slice(d);
+                }
+                let secs = t.elapsed().as_secs_f64();
+                std::hint::black_box(&dst);
+                secs
+            };
             let shards: Vec<Shard<'_>> = cuts
                 .iter()
                 .map(|(i, sl, d)| Shard {
@@ -186,11 +199,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let max = secs.iter().cloned().fold(0.0, f64::max);
         println!(
-            "  {s}  {kind:6}  [{}]  max {max:.2}  commit {commit:.2}  [{}] MB  {:.1} MB  blocked [{}]",
+            "  {s}  {kind:6}  [{}]  max {max:.2}  commit {commit:.2}  [{}] MB  {:.1} MB  blocked [{}]  memcpy [{}]",
             secs.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(" "),
             rank_bytes.iter().map(|x| format!("{:.1}", *x as f64 / 1e6)).collect::<Vec<_>>().join(" "),
             bytes as f64 / 1e6,
-            blocked.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(" ")
+            blocked.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(" "),
+            copy.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(" ")
         );
         sharded_rows.push((kind, max, commit));
     }

@@ -252,13 +252,15 @@ impl InFlight {
         let step = self.step;
         let rx = &self.sent_rx;
         self.sent.get_or_insert_with(|| {
-            rx.recv().unwrap_or_else(|_| Err(format!("step {step}: the thread sending the part panicked")))
+            rx.recv().unwrap_or_else(|_| Err((None, format!("step {step}: the thread sending the part panicked"))))
         })
     }
 }
 
 /// A part sent: the SHA-256 of its manifest and its report; or why it was not.
-type Sent = std::result::Result<(Digest, PartReport), String>;
+/// (On a failure, the part manifest's SHA-256 when the part was built: an upload reported
+/// failed may still have landed, and be committed.)
+type Sent = std::result::Result<(Digest, PartReport), (Option<Digest>, String)>;
 
 /// The committer's side of a step (rank 0).
 struct CommitJob {
@@ -289,8 +291,10 @@ impl PartJob {
         let step = self.copy.step;
         let t = Instant::now();
         // A panic is a failure like any other: rank 0 must still tell the others.
+        let mut built_sha = None;
         let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(Digest, u64)> {
             let built = build_part(&self.cfg, &self.stream_id, self.who, &self.copy, self.base.as_ref(), self.kind)?;
+            built_sha = Some(built.sha);
             let bytes = built.objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
             self.handle.block_on(upload_part(&self.bucket, step, &built))?;
             Ok((built.sha, bytes))
@@ -305,7 +309,7 @@ impl PartJob {
                     let o = StepOutcome::aborted(step, format!("rank 0's part was not sent: {e}"), true);
                     self.handle.block_on(write_outcome(&self.cfg, &c.ctx, &o));
                 }
-                let _ = tx.send(Err(e.to_string()));
+                let _ = tx.send(Err((built_sha, e.to_string())));
                 return None;
             }
         };
@@ -314,8 +318,16 @@ impl PartJob {
         let _ = tx.send(Ok((sha, report)));
         let c = self.commit.as_ref()?;
         let t1 = Instant::now();
-        let o =
-            self.handle.block_on(commit(&self.cfg, &c.ctx, &c.trust, (step, c.world_size, c.timeout), &c.committed));
+        let committed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.handle.block_on(commit(&self.cfg, &c.ctx, &c.trust, (step, c.world_size, c.timeout), &c.committed))
+        }));
+        let o = committed.unwrap_or_else(|_| {
+            // The other ranks wait for an outcome: "not committed" (at worst of a step that
+            // was, which costs an anchor), never silence.
+            let o = StepOutcome::aborted(step, "the commit panicked".into(), true);
+            self.handle.block_on(write_outcome(&self.cfg, &c.ctx, &o));
+            o
+        });
         Some((o, t1.elapsed().as_secs_f64()))
     }
 }
@@ -341,6 +353,10 @@ pub struct ShardedPublisher {
     committed: Option<Committed>,
     /// The step published last, until its part is sent and its outcome known.
     in_flight: Option<InFlight>,
+    /// The buffer of a copy no longer needed (the base a newer commit replaced, or a copy
+    /// not adopted), reused by the next copy of the same size: its pages are already
+    /// faulted in, so `publish` costs one memcpy instead of a fresh allocation's page faults.
+    spare: Option<Vec<u8>>,
     /// This process's nonce in its object names.
     nonce: u32,
     next_anchor: bool,
@@ -428,6 +444,7 @@ impl PublisherBuilder {
             ctx,
             committed: None,
             in_flight: None,
+            spare: None,
             nonce: rand::random(),
             next_anchor: false,
             last_anchor: None,
@@ -464,7 +481,7 @@ impl ShardedPublisher {
         // Refused input leaves the step in flight (and its outcome) for the next call.
         check_shards(shards)?;
         let (previous, previous_part) = self.resolve()?;
-        let copy = Arc::new(copy_shards(step, shards)?);
+        let copy = Arc::new(copy_shards(step, shards, self.spare.take())?);
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
         let g = match &self.ctx {
             Some(c) => c.generation,
@@ -560,24 +577,29 @@ impl ShardedPublisher {
     /// the commit used this process's part (`sent`, its manifest's SHA-256).
     fn settle(&mut self, copy: Arc<Copy>, sent: Option<Digest>, o: &StepOutcome) {
         let mine = sent.is_some_and(|s| o.parts.get(self.rank as usize) == Some(&s));
-        if o.committed && !mine {
+        // The copy that is not kept as the base (the old base or this step's copy).
+        let unused = if o.committed && !mine {
             warn!(
                 step = o.step,
                 rank = self.rank,
                 "the step was committed with another part of this rank; next step is an anchor"
             );
-            self.committed = None;
             self.next_anchor = true;
+            self.committed.take().map(|(c, _)| c)
         } else if o.committed {
             if o.of == Some(StepKind::Anchor) {
                 self.last_anchor = Some(o.step);
             }
-            self.committed = Some((copy, o.root.unwrap_or_default()));
             self.next_anchor = false;
+            self.committed.replace((copy, o.root.unwrap_or_default())).map(|(c, _)| c)
         } else {
             warn!(step = o.step, rank = self.rank, reason = o.reason.as_deref().unwrap_or(""), "step not committed");
             self.next_anchor |= o.next_anchor;
-        }
+            Some(copy)
+        };
+        // The background thread is joined, so usually nothing else holds it (a store that
+        // keeps what was uploaded, like `memory://`, may: then there is no spare).
+        self.spare = unused.and_then(|c| Arc::try_unwrap(c).ok()).map(|c| c.data);
         self.last_outcome = Some(o.clone());
     }
 
@@ -589,8 +611,8 @@ impl ShardedPublisher {
     }
 
     /// Waits for the step in flight: its part sent, then its outcome (rank 0 committed it
-    /// itself; the other ranks read the committer's). A part that could not be built or sent
-    /// makes the step not committed for this rank, and the next one an anchor.
+    /// itself; the other ranks read the committer's, also when their upload reported a
+    /// failure). A rank adopts its copy as the base only when the outcome lists its part.
     fn resolve(&mut self) -> Result<(Option<StepOutcome>, Option<PartReport>)> {
         let Some(mut f) = self.in_flight.take() else { return Ok((None, None)) };
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
@@ -603,23 +625,26 @@ impl ShardedPublisher {
             }
             (sent, None) if self.ctx.is_none() => {
                 // The committer's verdict, even when this rank's upload reported a failure
-                // (a write that timed out may have landed, and the step be committed: the
-                // receipt must say so). Without the part's digest the copy is not adopted.
-                if let Err(e) = &sent {
+                // (a write that timed out may have landed, and the step be committed with it:
+                // the part's digest, when it was built, still lets the copy be adopted).
+                if let Err((_, e)) = &sent {
                     warn!(step = f.step, rank = self.rank, error = %e, "part not sent");
                 }
                 let g = self.generation.expect("published under a generation");
                 // The committer waits `commit_timeout` for parts, then commits: allow for both.
                 let deadline = Instant::now() + self.commit_timeout * 2 + Duration::from_secs(30);
                 let o = rt.block_on(wait_outcome(&self.bucket, &self.trust, f.step, g, self.world_size, deadline));
-                let (sha, report) = sent.ok().unzip();
+                let (sha, report) = match sent {
+                    Ok((sha, report)) => (Some(sha), Some(report)),
+                    Err((sha, _)) => (sha, None),
+                };
                 (o, sha, report)
             }
             (Ok((_, report)), None) => {
                 let reason = format!("step {}: the committing thread panicked", f.step);
                 (StepOutcome::aborted(f.step, reason, true), None, Some(report))
             }
-            (Err(e), _) => {
+            (Err((_, e)), _) => {
                 warn!(step = f.step, rank = self.rank, error = %e, "part not sent");
                 let reason = format!("rank {}'s part was not sent: {e}", self.rank);
                 (StepOutcome::aborted(f.step, reason, true), None, None)
@@ -669,9 +694,11 @@ fn check_shards(shards: &[Shard<'_>]) -> Result<()> {
 }
 
 /// Checks a rank's shards and copies them.
-fn copy_shards(step: u64, shards: &[Shard<'_>]) -> Result<Copy> {
+fn copy_shards(step: u64, shards: &[Shard<'_>], spare: Option<Vec<u8>>) -> Result<Copy> {
     check_shards(shards)?;
-    let mut data = vec![0u8; shards.iter().map(|s| s.data.len()).sum()];
+    let total = shards.iter().map(|s| s.data.len()).sum();
+    // Every byte is overwritten below: a spare buffer of the same size needs no clearing.
+    let mut data = spare.filter(|b| b.len() == total).unwrap_or_else(|| vec![0u8; total]);
     let mut out = Vec::with_capacity(shards.len());
     let mut pieces: Vec<(&mut [u8], &[u8])> = vec![];
     let (mut rest, mut at) = (data.as_mut_slice(), 0usize);
@@ -1446,7 +1473,7 @@ mod tests {
             data: &data[..2 << 20],
         };
         // Rank 1's honest part of step 1, then forged and signed again.
-        let copy = Arc::new(copy_shards(1, &[shard(1 << 20)]).unwrap());
+        let copy = Arc::new(copy_shards(1, &[shard(1 << 20)], None).unwrap());
         let who = Who { g, rank: 1, nonce: 9, world_size: 2 };
         let built = build_part(&cfg, p0.stream_id(), who, &copy, None, PartKind::Anchor).unwrap();
         let (name, env) = built.objects.last().unwrap().clone();
