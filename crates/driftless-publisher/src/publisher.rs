@@ -591,8 +591,10 @@ impl Publisher {
         let (m, job) = seal_delta(&self.cfg, self.ctx.generation, m, enc)?;
         let delta_bytes = m.payload_bytes();
         // Update the snapshot before queueing so the job order matches the snapshot order.
+        // The manifest holds the new tensors' digests and root: no second hash of the model.
         let ordered = order(tensors, layout)?;
-        self.replace_snapshot(step, layout, &ordered);
+        let digests = m.shards.iter().flat_map(|s| s.tensors.iter().map(|t| t.digest)).collect();
+        self.replace_snapshot(step, layout, &ordered, Some((digests, m.result_root)));
         self.shared.update(|s| s.queued += 1);
         self.send(Job::Delta(job))?;
         self.chain_bytes += delta_bytes;
@@ -734,7 +736,7 @@ impl Publisher {
     ) -> Result<PublishReceipt> {
         let t0 = Instant::now();
         let ordered = order(tensors, layout)?;
-        let (_, root) = driftless_format::weights_root(&ordered);
+        let (digests, root) = driftless_format::weights_root(&ordered);
         let queued_same = self.snapshot.as_ref().is_some_and(|s| s.step == step && s.root == Some(root));
         let committed = if queued_same {
             Some(root)
@@ -755,7 +757,7 @@ impl Publisher {
             Some(r) if r == root => {
                 if step == last && self.snapshot.as_ref().is_none_or(|s| s.step < step) {
                     // The newest committed step: deltas can be taken against it again.
-                    self.replace_snapshot(step, layout, &ordered);
+                    self.replace_snapshot(step, layout, &ordered, Some((digests, root)));
                     self.shared.update(|s| s.tip = Some(step));
                 }
                 info!(step, "step is already published with these weights; nothing to do");
@@ -788,7 +790,7 @@ impl Publisher {
         t0: Instant,
     ) -> Result<PublishReceipt> {
         let ordered = order(tensors, layout)?;
-        self.replace_snapshot(step, layout, &ordered);
+        self.replace_snapshot(step, layout, &ordered, None);
         self.extra_changed = false;
         self.shared.update(|s| {
             s.need_anchor = false;
@@ -816,12 +818,24 @@ impl Publisher {
 
     /// Replaces the snapshot with a copy of `ordered`, freeing the old one first so memory
     /// never holds two snapshots (after waiting for an anchor still encoding from it).
-    fn replace_snapshot(&mut self, step: u64, layout: &Layout, ordered: &[TensorView<'_>]) {
+    /// Replaces the snapshot by a copy of `ordered`, hashed unless its tensor digests and
+    /// root are given (`hashed`).
+    fn replace_snapshot(
+        &mut self,
+        step: u64,
+        layout: &Layout,
+        ordered: &[TensorView<'_>],
+        hashed: Option<(Vec<Digest>, Digest)>,
+    ) {
         if self.snapshot.is_some() {
             let _ = self.snapshot_mut();
             self.snapshot = None;
         }
-        self.snapshot = Some(Arc::new(Snapshot::copy_from(step, layout.clone(), ordered)));
+        let snap = match hashed {
+            Some((digests, root)) => Snapshot::copy_hashed(step, layout.clone(), ordered, digests, root),
+            None => Snapshot::copy_from(step, layout.clone(), ordered),
+        };
+        self.snapshot = Some(Arc::new(snap));
     }
 
     /// Exclusive access to the snapshot: waits while an anchor is still being encoded from it.

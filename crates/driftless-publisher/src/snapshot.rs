@@ -16,15 +16,24 @@ pub(crate) struct Snapshot {
 }
 
 impl Snapshot {
-    /// Copies views (in layout order) into a snapshot and hashes it.
+    /// Copies views (in layout order) into a snapshot and hashes them.
     pub(crate) fn copy_from(step: u64, layout: Layout, views: &[TensorView<'_>]) -> Snapshot {
+        let (digests, root) = driftless_format::weights_root(views);
+        Snapshot::copy_hashed(step, layout, views, digests, root)
+    }
+
+    /// Copies views (in layout order) whose tensor digests and root are already known (a
+    /// delta's manifest, a republish's check) into a snapshot, without hashing them again.
+    pub(crate) fn copy_hashed(
+        step: u64,
+        layout: Layout,
+        views: &[TensorView<'_>],
+        digests: Vec<Digest>,
+        root: Digest,
+    ) -> Snapshot {
         use rayon::prelude::*;
         let tensors: Vec<(TensorMeta, Vec<u8>)> = views.par_iter().map(|v| (v.meta(), v.data.to_vec())).collect();
-        let mut s = Snapshot { step, layout, tensors, root: None, digests: vec![] };
-        let (d, r) = driftless_format::weights_root(&s.views());
-        s.digests = d;
-        s.root = Some(r);
-        s
+        Snapshot { step, layout, tensors, root: Some(root), digests }
     }
 
     pub(crate) fn views(&self) -> Vec<TensorView<'_>> {
