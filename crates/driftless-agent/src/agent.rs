@@ -665,16 +665,19 @@ impl Agent {
             deltas.iter().take(FETCH_AHEAD).map(|&d| Some(self.start_fetch(d, marker(d)))).collect();
         // Deltas at or before this step are skipped: the served slot already holds it and the
         // work slot is rebuilt from there (see the layout change below).
-        let mut skip_to = None;
+        let mut skip_to: Option<u64> = None;
+        let skipped = |skip_to: Option<u64>, d: u64| skip_to.is_some_and(|s| d <= s);
         for (k, &d) in deltas.iter().enumerate() {
             let fetch = ahead.pop_front().expect("a fetch per delta");
             if let Some(&d) = deltas.get(k + FETCH_AHEAD) {
-                let skipped = skip_to.is_some_and(|s| d <= s);
-                ahead.push_back((!skipped).then(|| self.start_fetch(d, marker(d))));
+                ahead.push_back((!skipped(skip_to, d)).then(|| self.start_fetch(d, marker(d))));
             }
-            let Some(fetch) = fetch.filter(|_| skip_to.is_none_or(|s| d > s)) else {
+            if skipped(skip_to, d) {
                 continue;
-            };
+            }
+            // Only skipped deltas have no download (a missing one would be a bug here, not a
+            // step to pass over).
+            let fetch = fetch.ok_or_else(|| Error::Io(std::io::Error::other(format!("no download of delta {d}"))))?;
             let last = k + 1 == n;
             let verify = careful || last;
             let (m, segs, b) = self.receive_delta(sid, d, fetch, at).await?;
@@ -710,7 +713,7 @@ impl Agent {
                     skip_to = Some(p.step);
                     // Downloads already started for the skipped deltas stop here (dropped).
                     for (j, f) in ahead.iter_mut().enumerate() {
-                        if deltas.get(k + 1 + j).is_some_and(|&x| x <= p.step) {
+                        if deltas.get(k + 1 + j).is_some_and(|&x| skipped(skip_to, x)) {
                             *f = None;
                         }
                     }
