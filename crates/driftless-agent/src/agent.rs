@@ -21,7 +21,7 @@ use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::anchor_stream::{stream_shard, FileSink, Hashing};
+use crate::anchor_stream::{stream_plain, stream_shard, FileSink, Hashing, ShardSink};
 use crate::metrics::Metrics;
 use crate::notify::Notifier;
 use crate::patch::{PatchBuilder, PatchFile};
@@ -173,7 +173,8 @@ enum BuildError {
     Step(StepKind, u64, String, bool),
     /// The final root of a multi-delta chain differs: retry step by step to name the culprit.
     ChainMismatch,
-    /// A signed manifest gives the local step another root than the one recorded locally.
+    /// The stream's own signed manifest of the local step gives it another root than the
+    /// local copy's: the local files are not this stream's step.
     LocalMismatch(String),
     /// Anything else (bucket unreachable, local disk): give up this sync, keep state.
     Other(Error),
@@ -324,9 +325,9 @@ impl Agent {
                 }
                 Err(BuildError::ChainMismatch) => return Err(corrupt("result", "chain does not verify")),
                 Err(BuildError::LocalMismatch(why)) if self.active_ok => {
-                    // A signed manifest says our step has another root: the local files are not
-                    // this stream's step. Build the newest step from an anchor instead (beside
-                    // them: they are replaced by the switch, never deleted first).
+                    // The local files are not this stream's step. Build the newest step from an
+                    // anchor instead (beside them: they are replaced by the switch, never
+                    // deleted first).
                     self.metrics.verify_failures.fetch_add(1, Relaxed);
                     error!(reason = %why, "local weights are not the stream's step; rebuilding from an anchor");
                     self.active_ok = false;
@@ -851,38 +852,22 @@ impl Agent {
         std::fs::create_dir_all(wdir)?;
         let t0 = Instant::now();
         let r = &self.reader;
-        // Owned keys: closures over borrowed items make the future not provably `Send`.
-        let keys: Vec<(String, u64, Digest)> =
-            m.objects.iter().map(|o| (o.object.object.clone(), o.object.size, o.object.sha256)).collect();
-        // Byte-plane shards stream (ranged GETs, decoded and written as they arrive, memory
-        // bounded by the parts in flight); plain safetensors objects are read whole.
+        // Shards stream (ranged GETs, byte-plane chunks decoded, written as they arrive):
+        // memory is bounded by the parts in flight. They are hashed as they are written (when
+        // the anchor is verified on its own): the model is not read back.
         let mut streamed = 0u64;
-        // Streamed shards are hashed as they are written (when the anchor is verified on its
-        // own): the model is not read back.
         let mut digests: Vec<(TensorMeta, Digest)> = vec![];
-        let hashed = verify && m.encoding == AnchorEncoding::PlanesZstd;
         // Early writeback only when the anchor is the result (`alone`): with deltas after it,
         // the pass rewrites every page (a careful retry verifies the anchor, then applies).
-        let objs: Vec<Bytes> = if m.encoding == AnchorEncoding::PlanesZstd {
-            for o in &m.objects {
-                let (n, d) = self
-                    .stream_shard(step, o, wdir, hashed, alone)
-                    .instrument(info_span!("stream_anchor_shard", step, file = %o.file))
-                    .await
-                    .map_err(&at)?;
-                streamed += n;
-                digests.extend(d);
-            }
-            vec![]
-        } else {
-            futures::stream::iter(keys)
-                .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
-                .buffered(self.cfg.download_concurrency.max(1))
-                .try_collect()
-                .instrument(info_span!("download_anchor", step))
+        for o in &m.objects {
+            let (n, d) = self
+                .stream_shard(step, o, m.encoding, wdir, verify, alone)
+                .instrument(info_span!("stream_anchor_shard", step, file = %o.file))
                 .await
-                .map_err(|e| at(e.into()))?
-        };
+                .map_err(&at)?;
+            streamed += n;
+            digests.extend(d);
+        }
         let keys: Vec<(String, u64, Digest)> = m.files.iter().map(|o| (o.object.clone(), o.size, o.sha256)).collect();
         let files: Vec<Bytes> = futures::stream::iter(keys)
             .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })
@@ -890,15 +875,12 @@ impl Agent {
             .try_collect()
             .await
             .map_err(|e| at(e.into()))?;
-        let bytes: u64 = streamed + objs.iter().chain(&files).map(|b| b.len() as u64).sum::<u64>();
+        let bytes: u64 = streamed + files.iter().map(|b| b.len() as u64).sum::<u64>();
         debug!(step, secs = t0.elapsed().as_secs_f64(), "anchor objects read");
         let dir = wdir.to_path_buf();
         let m2 = m.clone();
         let tv = Instant::now();
         tokio::task::spawn_blocking(move || -> Result<()> {
-            for (o, b) in m2.objects.iter().zip(&objs) {
-                std::fs::write(dir.join(&o.file), b)?;
-            }
             let layout = m2.layout();
             for (o, b) in m2.files.iter().zip(&files) {
                 let bare = driftless_store::layout::strip_generation(&o.object);
@@ -915,11 +897,9 @@ impl Agent {
             if ck.layout() != layout {
                 return Err(corrupt("anchor", "decoded files do not match the manifest layout"));
             }
-            if hashed {
+            if verify {
                 let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = digests.into_iter().unzip();
                 ops::check_root(&metas, &d, &m2.shards, m2.weights_root)?;
-            } else if verify {
-                ops::verify_views(&ck.views(), &m2.shards, m2.weights_root)?;
             }
             Ok(())
         })
@@ -940,6 +920,7 @@ impl Agent {
         &self,
         step: u64,
         o: &driftless_format::manifest::AnchorShardRef,
+        encoding: AnchorEncoding,
         wdir: &Path,
         hash: bool,
         writeback: bool,
@@ -949,12 +930,18 @@ impl Agent {
         }
         let (bucket, parts) = (self.reader.bucket(), self.cfg.anchor_parts);
         let file = FileSink::new(wdir.join(&o.file), o.decoded_size, writeback);
+        let go = |sink: Arc<dyn ShardSink>| async move {
+            match encoding {
+                AnchorEncoding::PlanesZstd => stream_shard(bucket, step, o, parts, sink).await,
+                AnchorEncoding::Safetensors => stream_plain(bucket, step, o, parts, sink).await,
+            }
+        };
         if hash {
             let sink = Arc::new(Hashing::new(file, o.decoded_size));
-            let n = stream_shard(bucket, step, o, parts, sink.clone()).await?;
+            let n = go(sink.clone()).await?;
             Ok((n, sink.digests()?))
         } else {
-            Ok((stream_shard(bucket, step, o, parts, Arc::new(file)).await?, vec![]))
+            Ok((go(Arc::new(file)).await?, vec![]))
         }
     }
 
@@ -1023,6 +1010,20 @@ impl Agent {
         Fetch { manifest, segments, _abort: AbortOnDrop(task.abort_handle()) }
     }
 
+    /// The weights root the stream's own signed manifest gives `step` (its delta's result, else
+    /// its anchor's), when it can be read.
+    async fn stream_root(&self, sid: &str, step: u64) -> Option<Digest> {
+        if let Ok((m, _)) = self.reader.delta(step).await {
+            if m.stream_id == sid && m.step == step {
+                return Some(m.result_root);
+            }
+        }
+        match self.reader.anchor(step).await {
+            Ok((m, _)) if m.stream_id == sid && m.step == step => Some(m.weights_root),
+            _ => None,
+        }
+    }
+
     /// Waits for one delta of a chain whose previous state is `at`: checks its stream, base
     /// and chain link, and its segments (hash-checked and decoded by the fetch). Nothing local
     /// changes. Returns the manifest, the decoded segments and the bytes downloaded.
@@ -1043,10 +1044,22 @@ impl Agent {
             return Err(BuildError::Step(StepKind::Delta, step, "signed for another stream".into(), false));
         }
         if m.base_step == at.step && m.base_root != at.root {
-            return Err(BuildError::LocalMismatch(format!(
+            // This delta says the step we hold has another root. The stream's own signed
+            // manifest of that step decides. When it agrees with our copy (or cannot be read),
+            // the delta is refused like any bad step and the verified weights stay: a bucket
+            // can hold a forged or another run's delta, and refusing it costs nothing. Only
+            // when it agrees with the delta are the local files not this stream's step (changed
+            // on disk along with `state.json`): then the newest step is built from an anchor.
+            let why = format!(
                 "delta {step} (signed) says step {} has root {}, the local copy has {}",
                 m.base_step, m.base_root, at.root
-            )));
+            );
+            return Err(match self.stream_root(sid, at.step).await {
+                Some(r) if r == m.base_root => {
+                    BuildError::LocalMismatch(format!("{why}, as does step {}'s own manifest", at.step))
+                }
+                _ => BuildError::Step(StepKind::Delta, step, why, false),
+            });
         }
         if m.base_root != at.root || m.base_step != at.step {
             return Err(att(driftless_format::Error::WrongBase {

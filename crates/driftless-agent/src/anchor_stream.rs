@@ -1,11 +1,12 @@
-//! Streaming one byte-plane anchor shard out of the bucket, shared by the agent (into a file
+//! Streaming one anchor shard out of the bucket, shared by the agent (into a file
 //! of its work slot) and the Python `Follower` (into the caller's arrays): ranged GETs of the
 //! object's footer, prefix, table and header, then one ranged GET per chunk (16 MiB of
 //! decoded bytes), `parts` in flight, each decoded on the blocking pool and handed to a
 //! [`ShardSink`] once. Memory is bounded by the parts in flight, whatever the model's size.
 //! The object's SHA-256 is computed over the parts in order and checked against the manifest
 //! at the end: a sink receives bytes before that check, so it must write only where nothing
-//! is trusted until a weights root is verified.
+//! is trusted until a weights root is verified. Shards of a plain-safetensors anchor stream
+//! the same way, without the decoding ([`stream_plain`]).
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -261,7 +262,7 @@ pub async fn stream_shard(
     sha.update(&prefix);
     sha.update(&hz);
     let stop = Stop(Arc::default());
-    let mut chunks = futures::stream::iter(plan.chunks)
+    let chunks = futures::stream::iter(plan.chunks)
         .map(|c| {
             let (bucket, key, sink, pool, stop) = (bucket.clone(), key.clone(), sink.clone(), &pool, stop.0.clone());
             async move {
@@ -294,10 +295,104 @@ pub async fn stream_shard(
             }
         })
         .buffered(parts.max(1));
-    // On the first error, stop: skip the parts not yet fetched and wait for those in flight
-    // (their decode tasks would otherwise write after this call returned).
+    drain(chunks, &mut sha, &stop).await?;
+    sha.update(&table);
+    sha.update(&footer);
+    if Digest(sha.finalize().into()) != o.object.sha256 {
+        return Err(mismatch());
+    }
+    Ok(size)
+}
+
+/// Bytes of a plain-safetensors shard fetched per ranged GET.
+const PLAIN_PART: u64 = 16 << 20;
+
+/// Streams shard `o` of a plain-safetensors anchor (the object is the file) into `sink`, as
+/// [`stream_shard`] does for byte-plane shards: the header first, alone, then 16 MiB parts,
+/// `parts` in flight, each written once from the blocking pool; the object's SHA-256 over the
+/// parts in order, checked at the end. Memory is bounded by the parts in flight, not the shard.
+pub async fn stream_plain(
+    bucket: &Bucket,
+    step: u64,
+    o: &AnchorShardRef,
+    parts: usize,
+    sink: Arc<dyn ShardSink>,
+) -> Result<u64> {
+    use sha2::Digest as _;
+    let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
+    let size = o.object.size;
+    let mismatch = || corrupt("object", format!("{key} does not match its manifest (size or SHA-256)"));
+    if size != o.decoded_size || size > anchor::MAX_SHARD {
+        return Err(corrupt("anchor", format!("{} is not of its decoded size", o.file)));
+    }
+    let bucket = bucket.clone();
+    let head = match bucket.head(&key).await {
+        Ok(h) => h,
+        Err(e) if e.is_not_found() => {
+            return Err(StreamError::NotReady { step, detail: format!("{key} missing") }.into())
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if head.size != size || size < 8 {
+        return Err(mismatch());
+    }
+    // The safetensors header, bounded as any reader bounds it, before anything is allocated
+    // by a size from the object.
+    let n = u64::from_le_bytes(bucket.get_range_of(&key, 0..8).await?[..].try_into().map_err(|_| mismatch())?);
+    let head_end = n
+        .checked_add(8)
+        .filter(|&e| e <= size && n <= driftless_format::checkpoint::MAX_HEADER as u64)
+        .ok_or_else(mismatch)?;
+    let hdr = bucket.get_range_of(&key, 0..head_end).await?;
+    if hdr.len() as u64 != head_end {
+        return Err(mismatch());
+    }
+    sink.write_at(0, &hdr)?;
+    let mut sha = sha2::Sha256::new();
+    sha.update(&hdr);
+    let stop = Stop(Arc::default());
+    let ranges: Vec<(u64, u64)> =
+        (head_end..size).step_by(PLAIN_PART as usize).map(|a| (a, (a + PLAIN_PART).min(size))).collect();
+    let got = futures::stream::iter(ranges)
+        .map(|(a, e)| {
+            let (bucket, key, sink, stop) = (bucket.clone(), key.clone(), sink.clone(), stop.0.clone());
+            async move {
+                if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Ok(Bytes::new());
+                }
+                let b = bucket.get_range_of(&key, a..e).await?;
+                if b.len() as u64 != e - a {
+                    return Err(corrupt("object", format!("{key} is shorter than its manifest says")));
+                }
+                let part = b.clone();
+                tokio::task::spawn_blocking(move || match stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    true => Ok(()),
+                    false => sink.write_at(a, &part),
+                })
+                .await
+                .map_err(|e| Error::Io(std::io::Error::other(format!("write task: {e}"))))??;
+                Ok::<Bytes, Error>(b)
+            }
+        })
+        .buffered(parts.max(1));
+    drain(got, &mut sha, &stop).await?;
+    if Digest(sha.finalize().into()) != o.object.sha256 {
+        return Err(mismatch());
+    }
+    Ok(size)
+}
+
+/// Takes a shard's parts in order into the object's SHA-256. On the first error, stops: the
+/// parts not yet fetched are skipped and those in flight waited for (their writes would
+/// otherwise land after the call returned).
+async fn drain(
+    mut parts: impl futures::Stream<Item = Result<Bytes>> + Unpin,
+    sha: &mut sha2::Sha256,
+    stop: &Stop,
+) -> Result<()> {
+    use sha2::Digest as _;
     let mut first_err = None;
-    while let Some(b) = chunks.next().await {
+    while let Some(b) = parts.next().await {
         match b {
             Ok(b) if first_err.is_none() => sha.update(&b),
             Ok(_) => {}
@@ -307,13 +402,5 @@ pub async fn stream_shard(
             }
         }
     }
-    if let Some(e) = first_err {
-        return Err(e);
-    }
-    sha.update(&table);
-    sha.update(&footer);
-    if Digest(sha.finalize().into()) != o.object.sha256 {
-        return Err(mismatch());
-    }
-    Ok(size)
+    first_err.map_or(Ok(()), Err)
 }

@@ -235,6 +235,140 @@ async fn replayed_older_manifest_presented_as_newer_is_refused() {
     }
 }
 
+/// A delta signed with the stream's key whose base is the agent's step with another root
+/// (forged, or another run's) is refused like any bad step: the verified weights stay served
+/// and vouched for, no anchor is fetched for it, and the genuine next step is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_delta_contradicting_the_verified_base_is_refused() {
+    for tb in buckets("contradicts") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 100);
+        for _ in 0..4 {
+            t.publish();
+        }
+        let want3 = snapshot(&t.chain);
+        let mut a = agent(&tb, "a", &trust);
+        assert_eq!(a.sync_once().await.unwrap().step, 3);
+        let b = &tb.bucket;
+        let reader = driftless_store::stream::StreamReader::new(b.clone(), trust.clone());
+        let (mut m, _) = reader.delta(3).await.unwrap();
+        (m.step, m.base_step, m.base_root, m.segments) = (1000, 3, driftless_format::Digest([7; 32]), vec![]);
+        let env = key.seal(&serde_json::to_vec(&m).unwrap()).unwrap();
+        b.put(&layout::object(StepKind::Delta, 1000, "manifest.json"), Bytes::from(env.clone())).await.unwrap();
+        let marker = driftless_format::manifest::ReadyMarker {
+            kind: "ready".into(),
+            stream_id: m.stream_id.clone(),
+            of: StepKind::Delta,
+            step: 1000,
+            base_step: Some(3),
+            manifest_sha256: driftless_format::Digest::of(&env),
+            payload_bytes: m.payload_bytes(),
+            manifest: None,
+        };
+        b.put(&layout::ready(StepKind::Delta, 1000), Bytes::from(serde_json::to_vec(&marker).unwrap())).await.unwrap();
+        let before = a.state().cloned();
+        for _ in 0..2 {
+            let o = a.sync_once().await.unwrap();
+            assert_eq!((o.step, o.route), (3, SyncPath::UpToDate), "{}", tb.name);
+            let r = o.refused.iter().find(|r| r.step == 1000);
+            assert!(r.is_some_and(|r| r.reason.contains("local copy has")), "{}: {o:?}", tb.name);
+            assert_eq!(a.state().cloned(), before, "{}: local state kept", tb.name);
+            assert_verified(&a, &tb.name);
+        }
+        assert_bits(&a, &want3);
+        assert_eq!(counter(&a, |m| &m.anchor_downloads), 1, "{}: a contradicting delta never costs an anchor", tb.name);
+        // Genuine steps keep flowing, through the fast path.
+        let want4 = t.publish();
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.route), (4, SyncPath::Fast), "{}", tb.name);
+        assert_bits(&a, &want4);
+    }
+}
+
+/// A ready marker (unsigned) that understates its step's payload, to steer a planner onto a
+/// route it would not take, is refused once the step's signed manifest is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marker_understating_its_payload_is_refused() {
+    for tb in buckets("payload-lie") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 100);
+        for _ in 0..3 {
+            t.publish();
+        }
+        let mut a = agent(&tb, "a", &trust);
+        assert_eq!(a.sync_once().await.unwrap().step, 2);
+        let want3 = t.publish();
+        let b = &tb.bucket;
+        let key3 = layout::ready(StepKind::Delta, 3);
+        let honest = b.get(&key3).await.unwrap();
+        let mut marker: serde_json::Value = serde_json::from_slice(&honest).unwrap();
+        marker["payload_bytes"] = 1.into();
+        b.put(&key3, Bytes::from(serde_json::to_vec(&marker).unwrap())).await.unwrap();
+        // (Without the signed latest.json, whose copy of the marker would be used instead.)
+        b.delete(layout::LATEST).await.unwrap();
+        let before = a.state().cloned();
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.route), (2, SyncPath::UpToDate), "{}", tb.name);
+        let r = o.refused.iter().find(|r| r.step == 3);
+        assert!(r.is_some_and(|r| r.reason.contains("declares 1 payload bytes")), "{}: {o:?}", tb.name);
+        assert_eq!(a.state().cloned(), before, "{}", tb.name);
+        // The honest marker back: an agent takes the step (this one once its refusal of the
+        // step expires, 30 s and doubling, as for any refusal).
+        b.put(&key3, honest).await.unwrap();
+        let mut c = agent(&tb, "c", &trust);
+        assert_eq!(c.sync_once().await.unwrap().step, 3, "{}", tb.name);
+        assert_bits(&c, &want3);
+    }
+}
+
+/// An anchor written as plain safetensors (not byte planes) streams like any other: 16 MiB
+/// ranged parts written as they arrive, hashed as written, the object's SHA-256 checked at the
+/// end. A flipped byte in it is refused and costs nothing served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_safetensors_anchor_streams_and_is_checked() {
+    for tb in buckets("plain-anchor") {
+        let (key, trust) = keys();
+        let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(40 << 20), 2e-6, 21);
+        let (b, k) = (tb.bucket.clone(), key.clone());
+        tokio::task::block_in_place(|| {
+            let mut p = PublisherBuilder::new("unused")
+                .with_bucket(b)
+                .with_key(k)
+                .with_anchor_every(100)
+                .with_anchor_encoding(driftless_format::manifest::AnchorEncoding::Safetensors)
+                .build()
+                .unwrap();
+            for step in 0..3 {
+                if step > 0 {
+                    chain.step();
+                }
+                p.publish(step, &chain.views()).unwrap();
+                p.flush().unwrap();
+            }
+            p.close().unwrap();
+        });
+        let want = snapshot(&chain);
+        let mut a = agent(&tb, "a", &trust);
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.route), (2, SyncPath::Anchor), "{}", tb.name);
+        assert_bits(&a, &want);
+        // One flipped byte in the anchor object (same size): a cold agent refuses the step.
+        let objs = tb.bucket.list(&layout::anchor_dir(0)).await.unwrap();
+        let obj = objs.iter().find(|o| o.key.ends_with(".safetensors")).unwrap_or_else(|| panic!("{objs:?}"));
+        let mut bytes = tb.bucket.get(&obj.key).await.unwrap().to_vec();
+        let n = bytes.len();
+        bytes[n / 2] ^= 0x10;
+        tb.bucket.put(&obj.key, Bytes::from(bytes)).await.unwrap();
+        let mut c = agent(&tb, "c", &trust);
+        assert!(c.sync_once().await.is_err(), "{}", tb.name);
+        assert!(c.state().is_none(), "{}", tb.name);
+        assert!(counter(&c, |m| &m.verify_failures) >= 1, "{}", tb.name);
+        // The first agent keeps serving its verified step.
+        assert_eq!(a.sync_once().await.unwrap().step, 2, "{}", tb.name);
+        assert_bits(&a, &want);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delta_on_a_wrong_base_is_never_applied() {
     let tb = file_bucket();

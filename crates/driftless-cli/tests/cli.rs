@@ -466,6 +466,13 @@ fn exit_codes_are_the_same_for_every_command() {
     let (code, _, err) = out(bin().arg("inspect").arg(p("bad.delta")).arg("--trust").arg(p("key.pub")));
     assert_eq!(code, Some(1), "{err}");
     one_error(&err);
+    // inspect without keys on a file whose envelope length is absurd: one line, no panic.
+    let mut absurd = std::fs::read(p("d.delta")).unwrap()[..32].to_vec();
+    absurd[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(p("absurd.delta"), absurd).unwrap();
+    let (code, _, err) = out(bin().arg("inspect").arg(p("absurd.delta")));
+    assert!(matches!(code, Some(1 | 2)), "{err}");
+    assert!(one_error(&err).contains("truncated"), "{err}");
     // patch with the wrong key trusted: untrusted key -> 1.
     let (code, _, err) = out(bin()
         .arg("patch")

@@ -102,6 +102,16 @@ fn rank_cuts(model: &Model, specs: &[(&'static str, Slice)]) -> Vec<Cut> {
         .collect()
 }
 
+/// The parts of steps 1-5 with `anchor_every(3)`: (kind, with the slices). Step 1 is an
+/// anchor; step 4 is a delta whose slices the committer gathers into anchor 4 afterwards.
+const SCHEDULE: [(PartKind, bool); 5] = [
+    (PartKind::Anchor, true),
+    (PartKind::Delta, false),
+    (PartKind::Delta, false),
+    (PartKind::Delta, true),
+    (PartKind::Delta, false),
+];
+
 fn builder(url: &str, key: &Keypair) -> PublisherBuilder {
     PublisherBuilder::new(url).with_key(key.clone()).with_anchor_every(3)
 }
@@ -155,7 +165,7 @@ fn four_ranks_publish_one_verified_chain() {
             for (step, model) in chain.iter().enumerate() {
                 let cuts = rank_cuts(model, &slices_of(r));
                 let rc = p.publish(step as u64 + 1, &shards(&cuts)).unwrap();
-                kinds.push(rc.part);
+                kinds.push((rc.part, rc.slices));
                 // The part is sent and (rank 0) the step committed after publish returns:
                 // flush waits for the outcome, so it is known before the agent reads the step.
                 let o = p.flush().unwrap_or_else(|e| panic!("rank {r}, step {}: {e}", step + 1));
@@ -181,14 +191,20 @@ fn four_ranks_publish_one_verified_chain() {
     }
     for h in handles {
         let kinds = h.join().unwrap();
-        use PartKind::*;
-        assert_eq!(kinds, vec![Anchor, Delta, Delta, Anchor, Delta]);
+        assert_eq!(kinds, SCHEDULE);
     }
     // A cold agent at the end: anchor 4 + delta 5.
     agent(&a, &url, &td.path().join("key.pub"));
     assert_bit_exact(&a, chain.last().unwrap());
     assert_eq!(ready_steps(td.path(), "anchors"), vec![1, 4]);
-    assert_eq!(ready_steps(td.path(), "deltas"), vec![2, 3, 5]);
+    assert_eq!(ready_steps(td.path(), "deltas"), vec![2, 3, 4, 5]);
+    // Anchor 4, gathered after its delta was committed, is what a cold agent must take once
+    // delta 4 is gone: only anchor 4 + delta 5 reaches step 5.
+    let marker = td.path().join("bucket/ready/deltas").join(format!("{:012}", 4));
+    std::fs::remove_file(&marker).unwrap_or_else(|e| panic!("{}: {e}", marker.display()));
+    let cold = td.path().join("cold-end");
+    agent(&cold, &url, &td.path().join("key.pub"));
+    assert_bit_exact(&cold, chain.last().unwrap());
 }
 
 /// Runs `world` rank threads over `steps`; `f(rank, step)` returns the slices to publish, or
@@ -326,7 +342,7 @@ fn mixed_stream_single_then_sharded_then_single() {
                     if let Some(o) = rc.previous {
                         assert!(o.committed, "{:?}", o.reason);
                     }
-                    kinds.push(rc.part);
+                    kinds.push((rc.part, rc.slices));
                 }
                 // An error unless the last step was committed.
                 p.close().unwrap();
@@ -335,7 +351,7 @@ fn mixed_stream_single_then_sharded_then_single() {
         })
         .collect();
     for h in handles {
-        assert_eq!(h.join().unwrap(), vec![PartKind::Anchor, PartKind::Delta]);
+        assert_eq!(h.join().unwrap(), vec![(PartKind::Anchor, true), (PartKind::Delta, false)]);
     }
     agent(&follow, &url, &key_pub);
     assert_bit_exact(&follow, &chain[3]);
@@ -459,7 +475,7 @@ fn publish_returns_before_the_commit_and_never_reads_the_slices_again() {
                 assert_eq!(rc.previous_part.as_ref().map(|p| p.step), Some(step - 1), "rank {r}");
             }
             if r == 0 {
-                kinds.push(rc.part);
+                kinds.push((rc.part, rc.slices));
             }
             for (_, _, _, d) in &mut cuts {
                 d.iter_mut().for_each(|x| *x = x.wrapping_add(0x5b));
@@ -480,8 +496,7 @@ fn publish_returns_before_the_commit_and_never_reads_the_slices_again() {
     for p in ranks {
         p.close().unwrap();
     }
-    use PartKind::*;
-    assert_eq!(kinds, vec![Anchor, Delta, Delta, Anchor, Delta]);
+    assert_eq!(kinds, SCHEDULE);
     assert_eq!(ready_steps(td.path(), "anchors"), vec![1, 4]);
-    assert_eq!(ready_steps(td.path(), "deltas"), vec![2, 3, 5]);
+    assert_eq!(ready_steps(td.path(), "deltas"), vec![2, 3, 4, 5]);
 }

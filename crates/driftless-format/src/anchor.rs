@@ -25,6 +25,8 @@ use crate::{Error, Result};
 const MAGIC: &[u8; 4] = b"DLA1";
 const FOOTER: &[u8; 4] = b"DLAE";
 const CHUNK: usize = 16 << 20;
+/// Longest header a shard may declare: a safetensors header (its 8-byte length and JSON).
+const MAX_HEADER_LEN: u64 = 8 + crate::checkpoint::MAX_HEADER as u64;
 /// Largest decoded shard accepted.
 pub const MAX_SHARD: u64 = 1 << 40;
 
@@ -54,8 +56,9 @@ pub fn encode_shard_to(file: &[u8], level: i32, out: &mut impl std::io::Write) -
         if s < at {
             return Ok(Err(Error::invalid("overlapping tensors")));
         }
-        if s > at {
-            chunks.push((at, s - at, 1));
+        // Gaps (padding) in chunks of at most CHUNK too: decoders refuse longer ones.
+        for g in (at..s).step_by(CHUNK) {
+            chunks.push((g, CHUNK.min(s - g), 1));
         }
         let w = t.dtype.size();
         let per = (CHUNK / w) * w;
@@ -67,8 +70,8 @@ pub fn encode_shard_to(file: &[u8], level: i32, out: &mut impl std::io::Write) -
         }
         at = at.max(e);
     }
-    if at < file.len() {
-        chunks.push((at, file.len() - at, 1));
+    for g in (at..file.len()).step_by(CHUNK) {
+        chunks.push((g, CHUNK.min(file.len() - g), 1));
     }
     let z = |b: &[u8]| zstd::bulk::compress(b, level).map_err(|e| Error::invalid(format!("zstd: {e}")));
     let header_z = match z(&file[..data_start]) {
@@ -153,8 +156,13 @@ struct TableChunk {
 
 /// Reads a chunk table of `n` entries, which must be all of `t`: the chunks cover the decoded
 /// bytes `[header_len, size)` contiguously, each with a width of 1, 2, 4 or 8 dividing its
-/// length.
+/// length and at most [`CHUNK`] long (as the encoder cuts them), after a header no longer than
+/// a safetensors header may be. Decoders size their buffers by these numbers before the
+/// object's SHA-256 can be checked, so they are bounded here, not by the shard's size.
 fn read_table(t: &mut Cur<'_>, n: usize, header_len: u64, size: u64) -> Result<Vec<TableChunk>> {
+    if header_len > MAX_HEADER_LEN {
+        return Err(bad(format!("header of {header_len} bytes, more than a safetensors header may have")));
+    }
     // An entry takes at least 25 bytes (offset, length, width, one plane length): a count
     // the table bytes cannot hold is refused before anything is reserved.
     if n > t.b.len().saturating_sub(t.at) / 25 {
@@ -166,7 +174,7 @@ fn read_table(t: &mut Cur<'_>, n: usize, header_len: u64, size: u64) -> Result<V
         let o = t.u64()?;
         let l = t.u64()?;
         let w = t.take(1)?[0] as u64;
-        if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l % w != 0 || l > size - o {
+        if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l % w != 0 || l > size - o || l > CHUNK as u64 {
             return Err(bad("chunk table is not contiguous or has a bad width"));
         }
         expect = o + l;
@@ -400,4 +408,33 @@ pub fn decode_chunk_with(c: &ChunkPlan, stored: &[u8], out: &mut [u8], scratch: 
     }
     from_planes(scratch, w, out);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A table of one chunk of `len` bytes of width 2 at `header_len`.
+    fn table(header_len: u64, len: u64) -> Vec<u8> {
+        let mut t = vec![];
+        t.extend_from_slice(&header_len.to_le_bytes());
+        t.extend_from_slice(&len.to_le_bytes());
+        t.push(2);
+        t.extend_from_slice(&1u64.to_le_bytes());
+        t.extend_from_slice(&1u64.to_le_bytes());
+        t
+    }
+
+    /// Decoders size buffers by the header and chunk lengths a shard declares before its
+    /// SHA-256 can be checked: both are bounded by what an encoder writes, not by the shard.
+    #[test]
+    fn declared_header_and_chunk_lengths_are_bounded() {
+        let read = |h: u64, l: u64| read_table(&mut Cur { b: &table(h, l), at: 0 }, 1, h, h + l);
+        assert!(read(100, CHUNK as u64).is_ok());
+        assert!(read(MAX_HEADER_LEN, CHUNK as u64).is_ok());
+        let e = read(100, CHUNK as u64 + 2).err().expect("a chunk over 16 MiB is refused");
+        assert!(e.to_string().contains("chunk table"), "{e}");
+        let e = read(MAX_HEADER_LEN + 1, 2).err().expect("a header over the safetensors limit is refused");
+        assert!(e.to_string().contains("header of"), "{e}");
+    }
 }

@@ -22,7 +22,7 @@ use crate::{DType, Error, Result, TensorMeta, TensorView};
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// Largest safetensors header accepted (bytes), as in the safetensors crate.
-const MAX_HEADER: usize = 100_000_000;
+pub const MAX_HEADER: usize = 100_000_000;
 
 /// One shard file and its tensors in data order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -826,7 +826,9 @@ pub fn decode_segment(bytes: &[u8], max_raw: u64) -> Result<DecodedSegment> {
     let values = blocks.pop().expect("3");
     let positions = blocks.pop().expect("3");
     let headers = blocks.pop().expect("3");
-    let mut entries = Vec::with_capacity(n_entries as usize);
+    // Each entry takes at least 4 header bytes (name length, a name byte, kind, dtype): the
+    // declared count reserves no more than the headers can hold.
+    let mut entries = Vec::with_capacity((n_entries as usize).min(headers.len() / 4));
     let mut hp = 0usize;
     let (mut pp, mut vp) = (0usize, 0usize);
     for _ in 0..n_entries {

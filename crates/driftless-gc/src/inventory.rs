@@ -230,8 +230,9 @@ impl Inventory {
             Some((kind, step, Some(_))) => {
                 let id = StepId { kind, step };
                 let entry = self.steps.entry(id).or_insert_with(|| StepEntry::new(id));
-                entry.objects.push(info);
-                entry.objects.sort_by(|a, b| a.key.cmp(&b.key));
+                // Kept sorted by key; listings come sorted, so this is an append.
+                let at = entry.objects.partition_point(|o| o.key < info.key);
+                entry.objects.insert(at, info);
             }
             _ => self.foreign.push(info.key),
         }

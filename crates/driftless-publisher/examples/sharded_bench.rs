@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo run --release -p driftless-publisher --example sharded_bench -- [--mb 1024] [--ranks 4] [--steps 4] [--tp]
+//!     [--loop-steps 6 --anchor-every 3]
 //! ```
 //!
 //! `--tp` shards the attention output and MLP down projections by columns instead
@@ -17,15 +18,24 @@
 //! single-process `Publisher` on the gathered model in the same run: `publish()` plus
 //! `flush()` (until the ready marker). Buckets are `file://` in a temp dir. Step 1 is an
 //! anchor for both (the sharded committer gathers its anchor through the bucket), the rest
-//! deltas. Every figure starts after a `sync`. Last, the weights root of a model whose one tensor holds half the bytes, on one
-//! core and on all cores.
+//! deltas. Every figure starts after a `sync`.
+//!
+//! Then, back to back (`--loop-steps`, on a new stream with `--anchor-every`): every rank
+//! publishes each step as a trainer would, without waiting for anything in between, and the
+//! figure is each rank's `publish()` blocked time. Step 1 is an anchor part, whose commit
+//! (gather and compression) the next `publish` waits for: that is what every scheduled anchor
+//! cost before scheduled anchors became delta steps whose anchor rank 0 gathers afterwards.
+//! The steps after a scheduled anchor are the comparison.
+//!
+//! Last, the weights root of a model whose one tensor holds half the bytes, on one core and
+//! on all cores.
 
 use std::time::{Duration, Instant};
 
 use driftless_format::gen::ModelSpec;
 use driftless_format::slice::Slice;
 use driftless_format::{DType, Keypair, TensorMeta, TensorView};
-use driftless_publisher::{PublisherBuilder, Shard};
+use driftless_publisher::{PartKind, PublisherBuilder, Shard};
 
 fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     let a: Vec<String> = std::env::args().collect();
@@ -79,6 +89,43 @@ fn rows(n: u64, ranks: u64, r: u64) -> (u64, u64) {
     let per = n.div_ceil(ranks);
     let start = (per * r).min(n);
     (start, (start + per).min(n) - start)
+}
+
+type Cut = (usize, Slice, Vec<u8>);
+
+/// Rank `r`'s slices of every tensor: row blocks, or column blocks where `by_cols` says so.
+fn cut(metas: &[TensorMeta], model: &[Vec<u8>], ranks: u64, r: u64, by_cols: &dyn Fn(&TensorMeta) -> bool) -> Vec<Cut> {
+    metas
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if by_cols(m) {
+                let (start, len) = rows(m.shape[1], ranks, r);
+                let sl = Slice::block(&m.shape, 1, start, len).unwrap();
+                let row = m.shape[1] as usize * 2;
+                let (a, b) = (start as usize * 2, (start + len) as usize * 2);
+                let d: Vec<u8> = model[i].chunks_exact(row).flat_map(|x| x[a..b].iter().copied()).collect();
+                return (i, sl, d);
+            }
+            let (start, len) = rows(m.shape[0], ranks, r);
+            let sl = Slice::block(&m.shape, 0, start, len).unwrap();
+            let row_bytes = m.nbytes().unwrap() / m.shape[0];
+            let d = model[i][(start * row_bytes) as usize..((start + len) * row_bytes) as usize].to_vec();
+            (i, sl, d)
+        })
+        .collect()
+}
+
+fn shards_of<'a>(metas: &'a [TensorMeta], cuts: &'a [Cut]) -> Vec<Shard<'a>> {
+    cuts.iter()
+        .map(|(i, sl, d)| Shard {
+            name: &metas[*i].name,
+            dtype: DType::BF16,
+            shape: &metas[*i].shape,
+            slice: sl.clone(),
+            data: d,
+        })
+        .collect()
 }
 
 /// `sync`: flushes dirty pages so that writeback from the previous figure does not land in
@@ -138,25 +185,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for r in (1..ranks).chain([0]) {
             // Each figure starts without the previous one's dirty pages being written back.
             settle();
-            let cuts: Vec<(usize, Slice, Vec<u8>)> = metas
-                .iter()
-                .enumerate()
-                .map(|(i, m)| {
-                    if by_cols(m) {
-                        let (start, len) = rows(m.shape[1], ranks, r);
-                        let sl = Slice::block(&m.shape, 1, start, len).unwrap();
-                        let row = m.shape[1] as usize * 2;
-                        let (a, b) = (start as usize * 2, (start + len) as usize * 2);
-                        let d: Vec<u8> = model[i].chunks_exact(row).flat_map(|x| x[a..b].iter().copied()).collect();
-                        return (i, sl, d);
-                    }
-                    let (start, len) = rows(m.shape[0], ranks, r);
-                    let sl = Slice::block(&m.shape, 0, start, len).unwrap();
-                    let row_bytes = m.nbytes().unwrap() / m.shape[0];
-                    let d = model[i][(start * row_bytes) as usize..((start + len) * row_bytes) as usize].to_vec();
-                    (i, sl, d)
-                })
-                .collect();
+            let cuts = cut(&metas, &model, ranks, r, &by_cols);
             // Baseline of publish()'s blocking time: one copy of the rank's slices, on one
             // thread, into memory already touched.
             copy[r as usize] = {
@@ -169,16 +198,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 std::hint::black_box(&dst);
                 secs
             };
-            let shards: Vec<Shard<'_>> = cuts
-                .iter()
-                .map(|(i, sl, d)| Shard {
-                    name: &metas[*i].name,
-                    dtype: DType::BF16,
-                    shape: &metas[*i].shape,
-                    slice: sl.clone(),
-                    data: d,
-                })
-                .collect();
+            let shards = shards_of(&metas, &cuts);
             let p = &mut pubs[r as usize];
             let t = Instant::now();
             blocked[r as usize] = p.publish(s, &shards)?.blocked_secs;
@@ -212,6 +232,49 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         p.close()?;
     }
     pubs.pop().unwrap().close()?;
+
+    // Back to back, with scheduled anchors.
+    let loop_steps: u64 = arg("--loop-steps", 6);
+    let anchor_every: u64 = arg("--anchor-every", 3);
+    if loop_steps > 0 {
+        let url = format!("file://{}", td.path().join("loop").display());
+        let b = |r: u64| {
+            let b = PublisherBuilder::new(url.clone()).with_key(key.clone()).with_anchor_every(anchor_every);
+            b.with_new_stream(r == 0).build_sharded(r, ranks, Duration::from_secs(600))
+        };
+        let mut pubs = (0..ranks).map(b).collect::<Result<Vec<_>, _>>()?;
+        println!(
+            "\nback to back (anchor_every {anchor_every}): step, part, per-rank publish() blocked s (ranks 1.., then 0), outcome of the step before"
+        );
+        let mut model = weights(&metas);
+        for s in 1..=loop_steps {
+            if s > 1 {
+                step(&mut model, s);
+            }
+            let mut blocked = vec![0.0; ranks as usize];
+            let (mut part, mut before) = (String::new(), String::new());
+            for r in (1..ranks).chain([0]) {
+                let cuts = cut(&metas, &model, ranks, r, &by_cols);
+                let rc = pubs[r as usize].publish(s, &shards_of(&metas, &cuts))?;
+                blocked[r as usize] = rc.blocked_secs;
+                part =
+                    format!("{:?}{}", rc.part, if rc.slices && rc.part != PartKind::Anchor { "+slices" } else { "" });
+                if let Some(o) = rc.previous {
+                    before = format!("{} {:?}", if o.committed { "committed" } else { "NOT committed" }, o.of);
+                }
+            }
+            println!(
+                "  {s}  {part:12}  blocked [{}]  ({before})",
+                blocked.iter().map(|x| format!("{x:.3}")).collect::<Vec<_>>().join(" ")
+            );
+        }
+        let t = Instant::now();
+        for p in pubs.drain(1..) {
+            p.close()?;
+        }
+        pubs.pop().unwrap().close()?;
+        println!("  close (rank 0 waits for the last anchor gathered): {:.2} s", t.elapsed().as_secs_f64());
+    }
 
     // Single process on the gathered model (same steps: regenerate).
     let mut model = weights(&metas);

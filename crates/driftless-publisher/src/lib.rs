@@ -17,6 +17,10 @@
 //! does not queue: it returns [`Outcome::Coalesced`] and leaves the snapshot alone, so the next
 //! delta is taken against the last queued state and readers skip straight to newer weights.
 //!
+//! Cargo feature `fault-hooks` (off; the crate's own tests turn it on): a hidden builder
+//! method makes a chosen step's background encode fail or panic, the one failure inside the
+//! publisher that the fault-injecting store cannot cause.
+//!
 //! ```no_run
 //! use driftless_publisher::PublisherBuilder;
 //! use driftless_format::{Keypair, TensorView, DType};

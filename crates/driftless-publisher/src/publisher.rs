@@ -38,6 +38,9 @@ pub struct PublisherBuilder {
     pub(crate) spool_dir: Option<PathBuf>,
     pub(crate) extra_files: Vec<(String, Vec<u8>)>,
     pub(crate) lease_ttl: Duration,
+    /// Test-only: the step whose background encode fails, and whether by a panic.
+    #[cfg(feature = "fault-hooks")]
+    pub(crate) encode_fault: Option<(u64, bool)>,
 }
 
 impl PublisherBuilder {
@@ -60,6 +63,8 @@ impl PublisherBuilder {
             spool_dir: None,
             extra_files: vec![],
             lease_ttl: Duration::from_secs(60),
+            #[cfg(feature = "fault-hooks")]
+            encode_fault: None,
         }
     }
     /// Uses an already opened bucket (tests, fault injection) instead of the URL.
@@ -135,6 +140,16 @@ impl PublisherBuilder {
     /// publisher never commits a step unless its lease is live.
     pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
         self.lease_ttl = ttl.max(Duration::from_millis(400));
+        self
+    }
+
+    /// Test-only (feature `fault-hooks`): the background encode of a deferred delta of
+    /// `step` fails with an error, or panics. Nothing outside the encode can fail there (the
+    /// store's faults come from `FaultyStore`), so this is how tests reach that path.
+    #[cfg(feature = "fault-hooks")]
+    #[doc(hidden)]
+    pub fn with_encode_fault(mut self, step: u64, panic: bool) -> Self {
+        self.encode_fault = Some((step, panic));
         self
     }
 
@@ -1210,6 +1225,14 @@ impl EncodeJob {
     }
 
     fn encode(&self, diff: driftless_format::DeltaDiff) -> Result<Encoded> {
+        #[cfg(feature = "fault-hooks")]
+        match self.cfg.encode_fault {
+            Some((step, true)) if step == self.step => panic!("injected panic encoding delta {step}"),
+            Some((step, false)) if step == self.step => {
+                return Err(Error::Upload { step, detail: "injected encode failure".into() })
+            }
+            _ => {}
+        }
         let snap = &self.snap;
         let opts = self.cfg.delta;
         let (enc, (digests, root)) = rayon::join(|| diff.encode(), || driftless_format::weights_root(&snap.views()));

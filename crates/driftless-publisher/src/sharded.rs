@@ -8,7 +8,7 @@
 //! ```text
 //! deltas/S/gG-rk-N-seg-0000.dls rank k's delta segments, positions in global coordinates
 //! deltas/S/gG-rk-N-edges.bin    the bytes of the leaves rank k's runs only partly cover
-//! deltas/S/gG-rk-N-slices.bin   anchor steps: rank k's slice bytes
+//! deltas/S/gG-rk-N-slices.bin   anchor parts and scheduled-anchor steps: rank k's slice bytes
 //! deltas/S/gG-rk-N-part.json    rank k's signed part manifest (written after its objects)
 //! deltas/S/gG-manifest.json     the committer's delta manifest over all parts
 //! anchors/S/...                 anchor steps: the anchor the committer assembled
@@ -34,10 +34,15 @@
 //! step at the start of its next `publish` (or in `flush`), because the next step's part is
 //! taken against the last committed one: one step in flight per rank.
 //!
-//! Anchor steps are gathered by the committer through the bucket (each rank uploads its slice
+//! Anchors are gathered by the committer through the bucket (each rank uploads its slice
 //! bytes; the committer assembles the safetensors files in a spool directory, checks them
 //! against the parts' digests and encodes the anchor). Anchors are the one place a sharded
-//! step costs a gather; deltas never do.
+//! step costs a gather; deltas never do. A part is an anchor part only when there is no
+//! committed base (the first step, a restarted rank, after a failure). Scheduled anchors
+//! (`anchor_every`, the committer's setting) keep the chain going: the outcome of the step
+//! before asks for slices (`slices_next`), every rank sends its delta part with its slices,
+//! the committer commits the step as a delta, writes the outcome, and only then gathers the
+//! anchor on the same thread, after the ranks have moved on.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -164,11 +169,25 @@ pub struct StepOutcome {
     /// as the new base only when its own part is listed (not a predecessor's of that step).
     #[serde(default)]
     pub parts: Vec<Digest>,
+    /// The committer asks every rank to send its slice bytes with its next delta part: an
+    /// anchor is due, and the committer gathers it from those slices after committing that
+    /// step as a delta (no rank waits for the anchor, and followers take the step's delta).
+    #[serde(default)]
+    pub slices_next: bool,
 }
 
 impl StepOutcome {
     fn aborted(step: u64, reason: String, next_anchor: bool) -> Self {
-        StepOutcome { step, committed: false, of: None, root: None, reason: Some(reason), next_anchor, parts: vec![] }
+        StepOutcome {
+            step,
+            committed: false,
+            of: None,
+            root: None,
+            reason: Some(reason),
+            next_anchor,
+            parts: vec![],
+            slices_next: false,
+        }
     }
 }
 
@@ -181,6 +200,10 @@ pub struct ShardedReceipt {
     pub step: u64,
     /// What this rank's part holds.
     pub part: PartKind,
+    /// Whether the part also carries this rank's slice bytes: an anchor of the step (a delta
+    /// step whose anchor the committer gathers after committing the delta, when `part` is
+    /// [`PartKind::Delta`]).
+    pub slices: bool,
     /// Time `publish` blocked: waiting for the previous step (its part sent, its outcome
     /// known), then copying this rank's slices.
     pub blocked_secs: f64,
@@ -197,6 +220,8 @@ pub struct PartReport {
     pub step: u64,
     /// What the part holds.
     pub part: PartKind,
+    /// Whether it also carried the slice bytes (see [`ShardedReceipt::slices`]).
+    pub slices: bool,
     /// Bytes this rank uploaded for the step.
     pub bytes: u64,
     /// Diff, encode, digests and upload of the part.
@@ -242,8 +267,10 @@ struct InFlight {
     /// The part's fate, sent by the thread as soon as it is known (before a commit).
     sent_rx: std::sync::mpsc::Receiver<Sent>,
     sent: Option<Sent>,
-    /// Rank 0: the commit's outcome and seconds (`None` when the part was not sent).
-    thread: std::thread::JoinHandle<Option<(StepOutcome, f64)>>,
+    /// Rank 0: the commit's outcome and seconds, sent as soon as the outcome is written (the
+    /// thread may go on gathering an anchor). Nothing when the part was not sent.
+    done_rx: std::sync::mpsc::Receiver<(StepOutcome, f64)>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 impl InFlight {
@@ -270,6 +297,35 @@ struct CommitJob {
     timeout: Duration,
     /// The committer's last committed step, whatever slices it had.
     committed: Option<Committed>,
+    schedule: Arc<std::sync::Mutex<AnchorSchedule>>,
+}
+
+/// The committer's anchor schedule, shared by the threads that commit steps and gather
+/// anchors. Anchors are due every `anchor_every` steps; at most one is gathered at a time.
+#[derive(Debug, Default)]
+struct AnchorSchedule {
+    /// The newest anchor step committed, or being gathered.
+    last: Option<u64>,
+    /// The step whose anchor is being gathered.
+    busy: Option<u64>,
+}
+
+/// What the committer gathers an anchor from: the parts of a step (each with its slices
+/// object) and what the commit computed from them.
+struct AnchorParts {
+    step: u64,
+    parts: Vec<PartManifest>,
+    layout: Layout,
+    digests: Vec<Digest>,
+    root: Digest,
+}
+
+/// An anchor the committer gathers after committing its step as a delta.
+struct LaterAnchor {
+    anchor: AnchorParts,
+    /// The schedule's `last` before this anchor (restored when it fails, so the next
+    /// outcome asks for slices again).
+    previous: Option<u64>,
 }
 
 /// The background work of one step: build the part, upload it, and on rank 0 commit.
@@ -283,17 +339,30 @@ struct PartJob {
     /// The base of a delta part (this rank's copy of the same slices at the committed step).
     base: Option<Committed>,
     kind: PartKind,
+    /// Send the slice bytes too (always for an anchor part).
+    slices: bool,
     commit: Option<CommitJob>,
 }
 
 impl PartJob {
-    fn run(self, tx: std::sync::mpsc::Sender<Sent>) -> Option<(StepOutcome, f64)> {
+    /// Builds and sends the part (its fate on `tx`); on rank 0 then commits the step (the
+    /// outcome on `done`, once written) and, when the step carried every rank's slices for
+    /// an anchor, gathers and commits that anchor before returning.
+    fn run(mut self, tx: std::sync::mpsc::Sender<Sent>, done: std::sync::mpsc::Sender<(StepOutcome, f64)>) {
         let step = self.copy.step;
         let t = Instant::now();
         // A panic is a failure like any other: rank 0 must still tell the others.
         let mut built_sha = None;
         let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(Digest, u64)> {
-            let built = build_part(&self.cfg, &self.stream_id, self.who, &self.copy, self.base.as_ref(), self.kind)?;
+            let built = build_part(
+                &self.cfg,
+                &self.stream_id,
+                self.who,
+                &self.copy,
+                self.base.as_ref(),
+                self.kind,
+                self.slices,
+            )?;
             built_sha = Some(built.sha);
             let bytes = built.objects.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
             self.handle.block_on(upload_part(&self.bucket, step, &built))?;
@@ -310,25 +379,58 @@ impl PartJob {
                     self.handle.block_on(write_outcome(&self.cfg, &c.ctx, &o));
                 }
                 let _ = tx.send(Err((built_sha, e.to_string())));
-                return None;
+                return;
             }
         };
-        info!(step, rank = self.who.rank, kind = ?self.kind, bytes, secs, "part uploaded");
-        let report = PartReport { step, part: self.kind, bytes, secs, commit_secs: 0.0 };
+        info!(step, rank = self.who.rank, kind = ?self.kind, slices = self.slices, bytes, secs, "part uploaded");
+        let report = PartReport { step, part: self.kind, slices: self.slices, bytes, secs, commit_secs: 0.0 };
         let _ = tx.send(Ok((sha, report)));
-        let c = self.commit.as_ref()?;
+        // The slices are uploaded: this thread must not keep this rank's copies alive through
+        // a commit and an anchor's gather (the publisher reuses the freed buffer).
+        drop(self.copy);
+        drop(self.base);
+        let Some(mut c) = self.commit.take() else { return };
         let t1 = Instant::now();
         let committed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.handle.block_on(commit(&self.cfg, &c.ctx, &c.trust, (step, c.world_size, c.timeout), &c.committed))
+            self.handle.block_on(commit(&self.cfg, &c, (step, c.world_size, c.timeout)))
         }));
-        let o = committed.unwrap_or_else(|_| {
+        let (o, later) = committed.unwrap_or_else(|_| {
             // The other ranks wait for an outcome: "not committed" (at worst of a step that
-            // was, which costs an anchor), never silence.
+            // was, which costs an anchor), never silence. An anchor the commit had scheduled
+            // is not gathered: let the schedule ask for the next one.
+            let mut s = c.schedule.lock().unwrap_or_else(|e| e.into_inner());
+            if s.busy == Some(step) {
+                s.busy = None;
+            }
+            drop(s);
             let o = StepOutcome::aborted(step, "the commit panicked".into(), true);
             self.handle.block_on(write_outcome(&self.cfg, &c.ctx, &o));
-            o
+            (o, None)
         });
-        Some((o, t1.elapsed().as_secs_f64()))
+        c.committed = None;
+        let _ = done.send((o, t1.elapsed().as_secs_f64()));
+        if let Some(later) = later {
+            let previous = later.previous;
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.handle.block_on(commit_anchor(&self.cfg, &c.ctx, &later.anchor))
+            }))
+            .unwrap_or_else(|_| Err(("gathering the anchor panicked".into(), true)));
+            let mut s = c.schedule.lock().unwrap_or_else(|e| e.into_inner());
+            s.busy = None;
+            match r {
+                Ok(()) => info!(step, secs = t1.elapsed().as_secs_f64(), "sharded anchor committed after its delta"),
+                Err((reason, _)) => {
+                    // The delta is committed; readers lose nothing but this anchor. The next
+                    // outcome asks for slices again (unless an anchor step came since).
+                    if s.last == Some(step) {
+                        s.last = previous;
+                    }
+                    drop(s);
+                    warn!(step, reason, "anchor of a delta step not committed");
+                    self.handle.block_on(remove_slices(&c.ctx, &later.anchor));
+                }
+            }
+        }
     }
 }
 
@@ -360,7 +462,13 @@ pub struct ShardedPublisher {
     /// This process's nonce in its object names.
     nonce: u32,
     next_anchor: bool,
-    last_anchor: Option<u64>,
+    /// The committer asked for this rank's slices with its next delta part.
+    slices_next: bool,
+    /// Rank 0: the anchor schedule its commits follow.
+    schedule: Arc<std::sync::Mutex<AnchorSchedule>>,
+    /// Threads of earlier steps still running: on rank 0, one that gathers an anchor after
+    /// its step's outcome. Joined when finished, and by `flush` and `close`.
+    background: Vec<std::thread::JoinHandle<()>>,
     last_step: Option<u64>,
     last_outcome: Option<StepOutcome>,
     last_part: Option<PartReport>,
@@ -447,7 +555,9 @@ impl PublisherBuilder {
             spare: None,
             nonce: rand::random(),
             next_anchor: false,
-            last_anchor: None,
+            slices_next: false,
+            schedule: Arc::default(),
+            background: vec![],
             last_step: None,
             last_outcome: None,
             last_part: None,
@@ -481,7 +591,7 @@ impl ShardedPublisher {
         // Refused input leaves the step in flight (and its outcome) for the next call.
         check_shards(shards)?;
         let (previous, previous_part) = self.resolve()?;
-        let copy = Arc::new(copy_shards(step, shards, self.spare.take())?);
+        let copy = Arc::new(copy_shards(step, shards, self.spare.take()));
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
         let g = match &self.ctx {
             Some(c) => c.generation,
@@ -498,11 +608,13 @@ impl ShardedPublisher {
             c.shards.len() == copy.shards.len()
                 && c.shards.iter().zip(&copy.shards).all(|(a, b)| a.0 == b.0 && a.1 == b.1)
         });
-        let anchor_due = self.last_anchor.is_none_or(|a| step >= a + self.cfg.anchor_every);
+        // Scheduled anchors are the committer's call (`slices_next` of the last outcome):
+        // the step stays a delta, and its slices travel with it for the anchor.
         let kind = match base {
-            Some(_) if !self.next_anchor && !anchor_due => PartKind::Delta,
+            Some(_) if !self.next_anchor => PartKind::Delta,
             _ => PartKind::Anchor,
         };
+        let slices = kind == PartKind::Anchor || self.slices_next;
         let job = PartJob {
             cfg: self.cfg.clone(),
             stream_id: self.stream_id.clone(),
@@ -512,27 +624,35 @@ impl ShardedPublisher {
             copy: copy.clone(),
             base: base.filter(|_| kind == PartKind::Delta),
             kind,
+            slices,
             commit: self.ctx.clone().map(|ctx| CommitJob {
                 ctx,
                 trust: self.trust.clone(),
                 world_size: self.world_size,
                 timeout: self.commit_timeout,
                 committed: self.committed.clone(),
+                schedule: self.schedule.clone(),
             }),
         };
         let (tx, sent_rx) = std::sync::mpsc::channel();
-        let thread = std::thread::Builder::new().name("driftless-part".into()).spawn(move || job.run(tx))?;
-        self.in_flight = Some(InFlight { step, copy, sent_rx, sent: None, thread });
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name("driftless-part".into()).spawn(move || job.run(tx, done_tx))?;
+        self.in_flight = Some(InFlight { step, copy, sent_rx, sent: None, done_rx, thread });
         self.last_step = Some(step);
         let blocked_secs = t0.elapsed().as_secs_f64();
-        info!(step, rank = self.rank, ?kind, secs = blocked_secs, "slices copied; part sent in the background");
-        Ok(ShardedReceipt { step, part: kind, blocked_secs, previous, previous_part })
+        info!(step, rank = self.rank, ?kind, slices, secs = blocked_secs, "slices copied; part sent in the background");
+        Ok(ShardedReceipt { step, part: kind, slices, blocked_secs, previous, previous_part })
     }
 
     /// Waits until the step this rank published last is sent and its outcome known, and
-    /// returns that outcome. An error when it was not committed.
+    /// returns that outcome (an error when it was not committed). On rank 0 it also waits for
+    /// an anchor being gathered after its delta was committed (whose failure is logged: the
+    /// step itself is committed, and the next outcome asks for slices again).
     pub fn flush(&mut self) -> Result<StepOutcome> {
         self.resolve()?;
+        for h in self.background.drain(..) {
+            let _ = h.join();
+        }
         match self.last_outcome.clone() {
             Some(o) if o.committed => Ok(o),
             Some(o) => Err(Error::Upload { step: o.step, detail: o.reason.unwrap_or_default() }),
@@ -564,6 +684,9 @@ impl ShardedPublisher {
         if let Some(f) = self.in_flight.take() {
             let _ = f.thread.join();
         }
+        for h in self.background.drain(..) {
+            let _ = h.join();
+        }
         if let Some(rt) = self.rt.take() {
             if let Some(ctx) = &self.ctx {
                 let (b, key) = (ctx.bucket.clone(), layout::lease(ctx.generation));
@@ -587,9 +710,6 @@ impl ShardedPublisher {
             self.next_anchor = true;
             self.committed.take().map(|(c, _)| c)
         } else if o.committed {
-            if o.of == Some(StepKind::Anchor) {
-                self.last_anchor = Some(o.step);
-            }
             self.next_anchor = false;
             self.committed.replace((copy, o.root.unwrap_or_default())).map(|(c, _)| c)
         } else {
@@ -597,8 +717,9 @@ impl ShardedPublisher {
             self.next_anchor |= o.next_anchor;
             Some(copy)
         };
-        // The background thread is joined, so usually nothing else holds it (a store that
-        // keeps what was uploaded, like `memory://`, may: then there is no spare).
+        self.slices_next = o.committed && o.slices_next;
+        // The part is uploaded, so usually nothing else holds it (a store that keeps what was
+        // uploaded, like `memory://`, may: then there is no spare).
         self.spare = unused.and_then(|c| Arc::try_unwrap(c).ok()).map(|c| c.data);
         self.last_outcome = Some(o.clone());
     }
@@ -617,7 +738,15 @@ impl ShardedPublisher {
         let Some(mut f) = self.in_flight.take() else { return Ok((None, None)) };
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
         let sent = f.sent().clone();
-        let committed = f.thread.join().ok().flatten();
+        // Rank 0: the outcome, sent once written; the thread may go on gathering an anchor.
+        // The other ranks' threads end after the upload (and send nothing).
+        let committed = f.done_rx.recv().ok();
+        self.background.push(f.thread);
+        let (done, running): (Vec<_>, Vec<_>) = self.background.drain(..).partition(|h| h.is_finished());
+        self.background = running;
+        for h in done {
+            let _ = h.join();
+        }
         let (o, sha, report) = match (sent, committed) {
             (Ok((sha, mut report)), Some((o, secs))) => {
                 report.commit_secs = secs;
@@ -693,9 +822,8 @@ fn check_shards(shards: &[Shard<'_>]) -> Result<()> {
     Ok(())
 }
 
-/// Checks a rank's shards and copies them.
-fn copy_shards(step: u64, shards: &[Shard<'_>], spare: Option<Vec<u8>>) -> Result<Copy> {
-    check_shards(shards)?;
+/// Copies a rank's shards, already checked by [`check_shards`] (whose sizes this relies on).
+fn copy_shards(step: u64, shards: &[Shard<'_>], spare: Option<Vec<u8>>) -> Copy {
     let total = shards.iter().map(|s| s.data.len()).sum();
     // Every byte is overwritten below: a spare buffer of the same size needs no clearing.
     let mut data = spare.filter(|b| b.len() == total).unwrap_or_else(|| vec![0u8; total]);
@@ -712,7 +840,7 @@ fn copy_shards(step: u64, shards: &[Shard<'_>], spare: Option<Vec<u8>>) -> Resul
         pieces.extend(dst.chunks_mut(16 << 20).zip(s.data.chunks(16 << 20)));
     }
     pieces.into_par_iter().for_each(|(d, s)| d.copy_from_slice(s));
-    Ok(Copy { step, shards: out, data })
+    Copy { step, shards: out, data }
 }
 
 struct BuiltPart {
@@ -731,7 +859,8 @@ struct Who {
     world_size: u64,
 }
 
-/// Diffs (or copies) a rank's slices and builds its objects and signed part manifest.
+/// Diffs a rank's slices (a delta part) and builds its objects and signed part manifest; with
+/// `slices` (always for an anchor part) the slice bytes are one more object.
 fn build_part(
     cfg: &PublisherBuilder,
     stream_id: &str,
@@ -739,6 +868,7 @@ fn build_part(
     copy: &Arc<Copy>,
     base: Option<&Committed>,
     kind: PartKind,
+    slices: bool,
 ) -> Result<BuiltPart> {
     let Who { g, rank, nonce, world_size } = who;
     let name = |n: &str| layout::generation_name(g, &part_name(rank, nonce, n));
@@ -766,9 +896,8 @@ fn build_part(
     let mut objects: Vec<(String, Bytes)> = vec![];
     let mut segments = vec![];
     let mut stats = DeltaStats::default();
-    let mut slices = None;
-    match kind {
-        PartKind::Delta => {
+    if kind == PartKind::Delta {
+        {
             let (b, _) = base.expect("a delta part has a base");
             let delta_runs: Vec<Run<'_>> = runs
                 .iter()
@@ -795,14 +924,15 @@ fn build_part(
                 objects.push((n, Bytes::from(s.bytes)));
             }
         }
-        PartKind::Anchor => {
-            // The copy's own bytes, shared with the upload: no second copy of the slices.
-            let all = Bytes::from_owner(CopyBytes(copy.clone()));
-            let n = name("slices.bin");
-            slices = Some(ObjectRef { object: n.clone(), size: all.len() as u64, sha256: Digest::of(&all) });
-            objects.push((n, all));
-        }
     }
+    let slices = (slices || kind == PartKind::Anchor).then(|| {
+        // The copy's own bytes, shared with the upload: no second copy of the slices.
+        let all = Bytes::from_owner(CopyBytes(copy.clone()));
+        let n = name("slices.bin");
+        let r = ObjectRef { object: n.clone(), size: all.len() as u64, sha256: Digest::of(&all) };
+        objects.push((n, all));
+        r
+    });
     let edges_ref = ObjectRef { object: name("edges.bin"), size: edges.len() as u64, sha256: Digest::of(&edges) };
     objects.push((edges_ref.object.clone(), Bytes::from(edges)));
     let mut di = digests.into_iter();
@@ -952,17 +1082,33 @@ async fn wait_outcome(
 }
 
 /// The committer: waits for every part, checks and assembles them, commits the step, and
-/// writes the outcome. Never errors: every failure is an outcome the ranks read.
+/// writes the outcome. Never errors: every failure is an outcome the ranks read. Returns the
+/// anchor to gather next when the step was committed as a delta with every rank's slices.
 async fn commit(
     cfg: &PublisherBuilder,
-    ctx: &Arc<Ctx>,
-    trust: &TrustSet,
+    c: &CommitJob,
     (step, world_size, timeout): (u64, u64, Duration),
-    committed: &Option<Committed>,
-) -> StepOutcome {
-    let outcome = match try_commit(cfg, ctx, trust, (step, world_size, timeout), committed).await {
-        Ok(o) => o,
-        Err((reason, next_anchor)) => StepOutcome::aborted(step, reason, next_anchor),
+) -> (StepOutcome, Option<LaterAnchor>) {
+    let ctx = &c.ctx;
+    let (mut outcome, later) = match try_commit(cfg, ctx, &c.trust, (step, world_size, timeout), &c.committed).await {
+        Ok(r) => r,
+        Err((reason, next_anchor)) => (StepOutcome::aborted(step, reason, next_anchor), None),
+    };
+    let later = {
+        let mut s = c.schedule.lock().unwrap_or_else(|e| e.into_inner());
+        if outcome.of == Some(StepKind::Anchor) {
+            s.last = Some(step);
+        }
+        // Slices are only asked for while no anchor is being gathered.
+        let later = later.filter(|_| s.busy.is_none()).map(|mut l| {
+            l.previous = s.last.replace(step);
+            s.busy = Some(step);
+            l
+        });
+        outcome.slices_next = outcome.committed
+            && s.busy.is_none()
+            && s.last.is_none_or(|a| step.saturating_add(1) >= a.saturating_add(cfg.anchor_every));
+        later
     };
     write_outcome(cfg, ctx, &outcome).await;
     if outcome.committed {
@@ -970,7 +1116,7 @@ async fn commit(
     } else {
         warn!(step, reason = outcome.reason.as_deref().unwrap_or(""), "sharded step not committed");
     }
-    outcome
+    (outcome, later)
 }
 
 /// Writes the committer's signed verdict on a step (write-once).
@@ -996,7 +1142,7 @@ async fn try_commit(
     trust: &TrustSet,
     (step, world_size, timeout): (u64, u64, Duration),
     committed: &Option<Committed>,
-) -> std::result::Result<StepOutcome, Refusal> {
+) -> std::result::Result<(StepOutcome, Option<LaterAnchor>), Refusal> {
     let g = ctx.generation;
     let bucket = &ctx.bucket;
     let store = |e: driftless_store::Error| (format!("bucket: {e}"), true);
@@ -1143,12 +1289,13 @@ async fn try_commit(
     let layout = Layout::for_tensors(&metas, cfg.max_shard_bytes).map_err(|e| (format!("step {step}: {e}"), false))?;
     let ordered: Vec<Digest> = layout.tensors().map(|m| digests[&m.name]).collect();
     let shards = manifest::shard_records(&layout, &ordered).map_err(|e| (format!("step {step}: {e}"), false))?;
+    let a = AnchorParts { step, parts, layout, digests: ordered, root };
     // 4. Commit.
     let done = match base {
         Some((base_step, base_root)) => {
             let mut stats = DeltaStats::default();
             let mut segments = vec![];
-            for p in &parts {
+            for p in &a.parts {
                 // Saturating: the numbers come from other processes through the bucket.
                 let s = &p.stats;
                 stats.elements = stats.elements.saturating_add(s.elements);
@@ -1193,28 +1340,22 @@ async fn try_commit(
             StepKind::Delta
         }
         None => {
-            let job = gather_anchor(cfg, ctx, step, &parts, &layout, &ordered, root).await?;
-            let c = Commit {
-                kind: StepKind::Anchor,
-                step,
-                base_step: None,
-                root,
-                envelope: job.envelope.clone(),
-                objects: &job.objects,
-                uploaded: &[],
-            };
-            commit_step(ctx, c).await.map_err(|e| commit_refusal(step, e))?;
-            ctx.write_latest(None, Some(step)).await;
-            // The slice copies served their purpose; GC would remove them with the step.
-            for p in &parts {
-                if let Some(s) = &p.slices {
-                    let _ = bucket.delete(&layout::object(StepKind::Delta, step, &s.object)).await;
-                }
-            }
+            commit_anchor(cfg, ctx, &a).await?;
             StepKind::Anchor
         }
     };
-    Ok(StepOutcome {
+    // A delta step with every rank's slices: its anchor is gathered after the outcome.
+    let later = match done {
+        StepKind::Delta if a.parts.iter().all(|p| p.slices.is_some()) => {
+            Some(LaterAnchor { anchor: a, previous: None })
+        }
+        StepKind::Delta if a.parts.iter().any(|p| p.slices.is_some()) => {
+            warn!(step, "only some parts carry slices; no anchor of this step");
+            None
+        }
+        _ => None,
+    };
+    let o = StepOutcome {
         step,
         committed: true,
         of: Some(done),
@@ -1222,7 +1363,39 @@ async fn try_commit(
         reason: None,
         next_anchor: false,
         parts: shas,
-    })
+        slices_next: false,
+    };
+    Ok((o, later))
+}
+
+/// Gathers an anchor from the ranks' slices, commits it, and removes the slices.
+async fn commit_anchor(cfg: &PublisherBuilder, ctx: &Ctx, a: &AnchorParts) -> std::result::Result<(), Refusal> {
+    let (step, root) = (a.step, a.root);
+    let job = gather_anchor(cfg, ctx, a).await?;
+    let c = Commit {
+        kind: StepKind::Anchor,
+        step,
+        base_step: None,
+        root,
+        envelope: job.envelope.clone(),
+        objects: &job.objects,
+        uploaded: &[],
+    };
+    commit_step(ctx, c).await.map_err(|e| commit_refusal(step, e))?;
+    ctx.write_latest(None, Some(step)).await;
+    remove_slices(ctx, a).await;
+    Ok(())
+}
+
+/// Deletes the ranks' slice objects of a step (best effort): once its anchor is committed, or
+/// given up on while its delta is committed, they serve nothing, and GC would only remove
+/// them with the step (a model's worth per attempt, kept for the whole retention).
+async fn remove_slices(ctx: &Ctx, a: &AnchorParts) {
+    for p in &a.parts {
+        if let Some(s) = &p.slices {
+            let _ = ctx.bucket.delete(&layout::object(StepKind::Delta, a.step, &s.object)).await;
+        }
+    }
 }
 
 /// Bounds on what a part declares, checked before anything it names is fetched: every run
@@ -1284,12 +1457,10 @@ fn commit_refusal(step: u64, e: CommitError) -> Refusal {
 async fn gather_anchor(
     cfg: &PublisherBuilder,
     ctx: &Ctx,
-    step: u64,
-    parts: &[PartManifest],
-    layout: &Layout,
-    digests: &[Digest],
-    root: Digest,
+    a: &AnchorParts,
 ) -> std::result::Result<upload::AnchorJob, Refusal> {
+    let AnchorParts { step, parts, layout, digests, root } = a;
+    let (step, root) = (*step, *root);
     use sha2::Digest as _;
     let local = |e: String| (format!("step {step}: gathering the anchor: {e}"), true);
     let dir = spool_dir(cfg).map_err(|e| local(e.to_string()))?;
@@ -1473,9 +1644,9 @@ mod tests {
             data: &data[..2 << 20],
         };
         // Rank 1's honest part of step 1, then forged and signed again.
-        let copy = Arc::new(copy_shards(1, &[shard(1 << 20)], None).unwrap());
+        let copy = Arc::new(copy_shards(1, &[shard(1 << 20)], None));
         let who = Who { g, rank: 1, nonce: 9, world_size: 2 };
-        let built = build_part(&cfg, p0.stream_id(), who, &copy, None, PartKind::Anchor).unwrap();
+        let built = build_part(&cfg, p0.stream_id(), who, &copy, None, PartKind::Anchor, true).unwrap();
         let (name, env) = built.objects.last().unwrap().clone();
         let e: driftless_format::sign::Envelope = serde_json::from_slice(&env).unwrap();
         let mut m: PartManifest = serde_json::from_str(&e.payload).unwrap();

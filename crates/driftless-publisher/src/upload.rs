@@ -400,7 +400,7 @@ impl Ctx {
         // The newest markers, read back as agents would read them (two small GETs per step),
         // so a follower one step behind plans from the hint alone.
         let marker = |kind, step: Option<u64>| async move {
-            let b = self.bucket.get(&layout::ready(kind, step?)).await.ok()?;
+            let b = self.bucket.get_limited(&layout::ready(kind, step?), 64 << 10).await.ok()?;
             ReadyMarker::from_slice(&b).ok().filter(|m| m.stream_id == self.stream_id && m.of == kind)
         };
         let hint = LatestHint {

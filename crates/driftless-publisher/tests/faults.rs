@@ -444,6 +444,70 @@ fn upload_failures_and_timeouts_at_each_write() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// A failure inside the background encode of a deferred delta
+
+/// The background encode of a deferred delta fails (an error, or a panic): a failed step, as
+/// for a failed upload. The job gives its queue place back (the queue drains: `flush` cannot
+/// wait forever), `flush` reports the step, the step gets no marker, the next publish is an
+/// anchor, and every committed step holds the trainer's weights.
+#[test]
+fn failed_background_encode_is_a_failed_step() {
+    for be in backends("encode", false) {
+        for panic in [false, true] {
+            let sub = Backend {
+                name: format!("{} / encode {}", be.name, if panic { "panics" } else { "fails" }),
+                store: be.store.clone(),
+                prefix: format!("{}/panic-{panic}", be.prefix),
+                opts: be.opts.clone(),
+                conditional: be.conditional,
+                _dir: None,
+            };
+            let ctx = sub.name.clone();
+            let (_, bucket) = sub.bucket();
+            let mut p = PublisherBuilder::new("unused")
+                .with_bucket(bucket.clone())
+                .with_key(key())
+                .with_anchor_every(100)
+                .with_anchor_chain_fraction(1e9)
+                .with_encode_fault(3, panic)
+                .build()
+                .unwrap();
+            let mut c = chain();
+            let mut t = Trainer::default();
+            for step in 0..7u64 {
+                if step > 0 {
+                    c.step();
+                }
+                let r = p.publish(step, &c.views()).unwrap_or_else(|e| panic!("{ctx}: publish {step}: {e}"));
+                t.published.insert(step, root_of(&c.views()));
+                let want = if matches!(step, 0 | 4) { Outcome::Anchor } else { Outcome::Delta };
+                assert_eq!(r.outcome, want, "{ctx}: step {step}");
+                // The queue drains by itself (checked before flush, which would hang otherwise).
+                let deadline = std::time::Instant::now() + Duration::from_secs(30);
+                while p.status().queue_depth > 0 {
+                    assert!(std::time::Instant::now() < deadline, "{ctx}: step {step}: the queue never drains");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                match (step, p.flush()) {
+                    (3, Err(e)) => {
+                        assert!(matches!(e, Error::Upload { .. }), "{ctx}: {e}");
+                        assert!(e.to_string().contains("delta 3"), "{ctx}: {e}");
+                    }
+                    (3, Ok(())) => panic!("{ctx}: the failed encode of step 3 was not reported"),
+                    (_, r) => r.unwrap_or_else(|e| panic!("{ctx}: flush {step}: {e}")),
+                }
+            }
+            assert_eq!(p.status().failures, 1, "{ctx}");
+            p.close().unwrap();
+            let s = scan(&bucket, &trust());
+            t.check(&s, &ctx);
+            assert_eq!(s.ready_anchors.iter().copied().collect::<Vec<_>>(), vec![0, 4], "{ctx}: {s:?}");
+            assert_eq!(s.ready_deltas.keys().copied().collect::<Vec<_>>(), vec![1, 2, 5, 6], "{ctx}: {s:?}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Killed between manifest and marker
 
 #[test]
@@ -928,6 +992,7 @@ fn slow_store_coalesces_steps_and_the_final_state_arrives() {
 fn sharded_pair(
     be: &Backend,
     timeout: Duration,
+    anchor_every: u64,
 ) -> (
     (Arc<FaultyStore>, driftless_publisher::ShardedPublisher),
     (Arc<FaultyStore>, driftless_publisher::ShardedPublisher),
@@ -937,6 +1002,7 @@ fn sharded_pair(
         .with_bucket(b0)
         .with_key(key())
         .with_new_stream(true)
+        .with_anchor_every(anchor_every)
         .build_sharded(0, 2, timeout)
         .unwrap();
     let (f1, b1) = be.bucket();
@@ -971,7 +1037,7 @@ fn sharded_part_failures_are_outcomes() {
     for be in backends("sharded-parts", false) {
         let ctx = be.name.clone();
         let timeout = Duration::from_secs(3);
-        let ((f0, mut p0), (f1, mut p1)) = sharded_pair(&be, timeout);
+        let ((f0, mut p0), (f1, mut p1)) = sharded_pair(&be, timeout, 50);
         let mut c = chain();
         let publish = |p: &mut driftless_publisher::ShardedPublisher, c: &RlChain, r: usize, step: u64| {
             let h = halves(c, r);
@@ -1034,4 +1100,172 @@ fn sharded_part_failures_are_outcomes() {
         ready.sort();
         assert_eq!(ready, vec![1, 3, 5], "{ctx}");
     }
+}
+
+/// A rank whose part manifest lands but whose upload reports a failure (the response lost,
+/// every retry failed) still takes the committer's verdict: the step is committed with its part,
+/// the rank adopts its copy, and its next part is a delta against it (a rank that did not
+/// adopt would diff against the step before, and the group would need an anchor).
+#[test]
+fn sharded_part_that_landed_despite_an_error_is_adopted() {
+    for be in backends("sharded-lost", false) {
+        let ctx = be.name.clone();
+        let ((_f0, mut p0), (f1, mut p1)) = sharded_pair(&be, Duration::from_secs(3), 50);
+        let mut c = chain();
+        let publish = |p: &mut driftless_publisher::ShardedPublisher, c: &RlChain, r: usize, step: u64| {
+            let h = halves(c, r);
+            p.publish(step, &shards_of(&h)).unwrap_or_else(|e| panic!("{ctx}: rank {r}, step {step}: {e}"))
+        };
+        publish(&mut p0, &c, 0, 1);
+        publish(&mut p1, &c, 1, 1);
+        assert!(p0.flush().unwrap().committed, "{ctx}");
+        assert!(p1.flush().unwrap().committed, "{ctx}");
+        // Step 2: rank 1's part manifest lands but its response is lost, and every retry
+        // fails, so the upload reports a failure. (Only rank 1 writes through `f1`.)
+        c.step();
+        f1.inject(FaultOp::Put, "part.json", 1, FaultKind::LostResponse);
+        f1.inject(FaultOp::Put, "part.json", usize::MAX, FaultKind::Transient);
+        publish(&mut p0, &c, 0, 2);
+        publish(&mut p1, &c, 1, 2);
+        assert!(p1.wait_sent().is_none(), "{ctx}: the upload reported a failure");
+        f1.clear();
+        let o1 = p1.flush().unwrap_or_else(|e| panic!("{ctx}: the committer used the part: {e}"));
+        assert!(p1.last_part().is_none(), "{ctx}: no report of a part whose upload failed");
+        assert!(o1.committed && o1.of == Some(StepKind::Delta), "{ctx}: {o1:?}");
+        assert_eq!(p0.flush().unwrap(), o1, "{ctx}: one verdict");
+        // Step 3 is a delta on both ranks: rank 1's base is the copy of step 2 it adopted.
+        c.step();
+        publish(&mut p0, &c, 0, 3);
+        publish(&mut p1, &c, 1, 3);
+        let o = p0.flush().unwrap();
+        assert!(o.committed && o.of == Some(StepKind::Delta), "{ctx}: {o:?}");
+        assert!(p1.flush().unwrap().committed, "{ctx}");
+        p0.close().unwrap();
+        p1.close().unwrap();
+        let (_, b) = be.bucket();
+        let s = scan(&b, &trust());
+        assert_eq!(s.ready_anchors.iter().copied().collect::<Vec<_>>(), vec![1], "{ctx}");
+        assert_eq!(s.ready_deltas.keys().copied().collect::<Vec<_>>(), vec![2, 3], "{ctx}");
+    }
+}
+
+/// Step `step` of the chain published by both ranks of a pair (rank 0 first); both must send
+/// the same kind of part. Returns (kind, with the slices).
+fn both_publish(
+    ctx: &str,
+    p0: &mut driftless_publisher::ShardedPublisher,
+    p1: &mut driftless_publisher::ShardedPublisher,
+    c: &mut RlChain,
+    step: u64,
+) -> (driftless_publisher::PartKind, bool) {
+    if step > 1 {
+        c.step();
+    }
+    let r0 = p0.publish(step, &shards_of(&halves(c, 0))).unwrap_or_else(|e| panic!("{ctx}: {step}: {e}"));
+    let r1 = p1.publish(step, &shards_of(&halves(c, 1))).unwrap_or_else(|e| panic!("{ctx}: {step}: {e}"));
+    assert_eq!((r0.part, r0.slices), (r1.part, r1.slices), "{ctx}: step {step}: one schedule");
+    (r0.part, r0.slices)
+}
+
+/// A scheduled anchor of a sharded group: the step is committed as a delta (followers take
+/// it), the ranks send their slices with it, and the committer gathers the anchor afterwards.
+/// No rank waits for the gather: with rank 0's anchor writes slowed down, the next step is
+/// committed while the anchor is still being written. An anchor that fails leaves its delta
+/// committed, and the committer asks for slices again.
+#[test]
+fn sharded_scheduled_anchor_is_gathered_after_its_delta() {
+    for be in backends("sharded-later-anchor", false) {
+        let ctx = be.name.clone();
+        let ((f0, mut p0), (_f1, mut p1)) = sharded_pair(&be, Duration::from_secs(10), 3);
+        let mut c = chain();
+        let step_both = |p0: &mut _, p1: &mut _, c: &mut RlChain, step| both_publish(&ctx, p0, p1, c, step);
+        let (_, b) = be.bucket();
+        let ready = |kind: StepKind, step: u64| rt().block_on(b.head(&layout::ready(kind, step))).is_ok();
+        use driftless_publisher::PartKind::*;
+        assert_eq!(step_both(&mut p0, &mut p1, &mut c, 1), (Anchor, true), "{ctx}");
+        for step in 2..=3 {
+            assert_eq!(step_both(&mut p0, &mut p1, &mut c, step), (Delta, false), "{ctx}");
+            assert!(p1.flush().unwrap().committed, "{ctx}");
+        }
+        assert!(p1.last_outcome().unwrap().slices_next, "{ctx}: an anchor is due at step 4");
+        // Rank 0's writes of anchor 4's objects take 4 s each.
+        f0.inject(FaultOp::Put, "anchors/000000000004/", usize::MAX, FaultKind::Slow(Duration::from_secs(4)));
+        assert_eq!(step_both(&mut p0, &mut p1, &mut c, 4), (Delta, true), "{ctx}: a delta with the slices");
+        let o = p1.flush().unwrap();
+        assert!(o.committed && o.of == Some(StepKind::Delta) && !o.slices_next, "{ctx}: {o:?}");
+        assert_eq!(step_both(&mut p0, &mut p1, &mut c, 5), (Delta, false), "{ctx}");
+        assert!(p1.flush().unwrap().committed, "{ctx}");
+        assert!(ready(StepKind::Delta, 5), "{ctx}");
+        assert!(!ready(StepKind::Anchor, 4), "{ctx}: step 5 was committed while anchor 4 was still being written");
+        // Rank 0's flush waits for the anchor.
+        assert!(p0.flush().unwrap().committed, "{ctx}");
+        assert!(ready(StepKind::Anchor, 4), "{ctx}");
+        f0.clear();
+        // Step 7's anchor cannot be written: its delta stays committed, and the outcome of
+        // step 8 asks for slices again (step 9).
+        assert_eq!(step_both(&mut p0, &mut p1, &mut c, 6), (Delta, false), "{ctx}");
+        assert!(p0.flush().unwrap().committed && p1.flush().unwrap().committed, "{ctx}");
+        f0.inject(FaultOp::Put, "anchors/000000000007/", usize::MAX, FaultKind::Permanent);
+        assert_eq!(step_both(&mut p0, &mut p1, &mut c, 7), (Delta, true), "{ctx}");
+        assert!(p0.flush().unwrap().committed && p1.flush().unwrap().committed, "{ctx}");
+        f0.clear();
+        assert_eq!(step_both(&mut p0, &mut p1, &mut c, 8), (Delta, false), "{ctx}");
+        assert_eq!(step_both(&mut p0, &mut p1, &mut c, 9), (Delta, true), "{ctx}: slices asked for again");
+        p0.close().unwrap();
+        p1.close().unwrap();
+        let s = scan(&b, &trust());
+        assert_eq!(s.ready_anchors.iter().copied().collect::<Vec<_>>(), vec![1, 4, 9], "{ctx}");
+        assert_eq!(s.ready_deltas.keys().copied().collect::<Vec<_>>(), (2..=9).collect::<Vec<_>>(), "{ctx}");
+        // The slices are gone once their anchor is committed, or given up on (step 7).
+        let slices_in = |step: u64| {
+            rt().block_on(b.list(&layout::delta_dir(step)))
+                .unwrap()
+                .iter()
+                .filter(|o| o.key.ends_with("slices.bin"))
+                .count()
+        };
+        assert_eq!((slices_in(4), slices_in(7), slices_in(9)), (0, 0, 0), "{ctx}");
+    }
+}
+
+/// A scheduled anchor that fails after an anchor step was committed (while it was still being
+/// gathered) does not make the schedule forget that newer anchor: the next one is due
+/// `anchor_every` steps after it, not at once.
+#[test]
+fn sharded_failed_later_anchor_keeps_a_newer_anchor_step() {
+    let be = backends("review-last", false).into_iter().next().unwrap();
+    let ctx = be.name.clone();
+    let ((f0, mut p0), (f1, mut p1)) = sharded_pair(&be, Duration::from_secs(2), 3);
+    let mut c = chain();
+    let step_both = |p0: &mut _, p1: &mut _, c: &mut RlChain, step| both_publish(&ctx, p0, p1, c, step);
+    use driftless_publisher::PartKind::*;
+    assert_eq!(step_both(&mut p0, &mut p1, &mut c, 1), (Anchor, true));
+    step_both(&mut p0, &mut p1, &mut c, 2);
+    step_both(&mut p0, &mut p1, &mut c, 3);
+    // Anchor 4: a slow gather (reads of step 4's objects take 5 s each), then its writes fail.
+    f0.inject(FaultOp::Get, "deltas/000000000004/", usize::MAX, FaultKind::Slow(Duration::from_secs(5)));
+    f0.inject(FaultOp::Put, "anchors/000000000004/", usize::MAX, FaultKind::Permanent);
+    assert_eq!(step_both(&mut p0, &mut p1, &mut c, 4), (Delta, true));
+    // Step 5: rank 1's part cannot be written -> not committed, next is an anchor.
+    f1.inject(FaultOp::Put, "deltas/000000000005/", usize::MAX, FaultKind::Permanent);
+    step_both(&mut p0, &mut p1, &mut c, 5);
+    let _ = p1.flush();
+    f1.clear();
+    // Step 6: anchor parts, committed inline as anchor 6 while anchor 4 is still gathered.
+    assert_eq!(step_both(&mut p0, &mut p1, &mut c, 6).0, Anchor);
+    let o = p1.flush().unwrap();
+    assert!(o.committed && o.of == Some(StepKind::Anchor), "{ctx}: {o:?}");
+    // Rank 0's flush waits for anchor 4, which fails.
+    assert!(p0.flush().unwrap().committed, "{ctx}");
+    f0.clear();
+    assert_eq!(step_both(&mut p0, &mut p1, &mut c, 7), (Delta, false), "{ctx}");
+    let r8 = step_both(&mut p0, &mut p1, &mut c, 8);
+    let r9 = step_both(&mut p0, &mut p1, &mut c, 9);
+    p0.close().unwrap();
+    p1.close().unwrap();
+    let (_, b) = be.bucket();
+    let s = scan(&b, &trust());
+    // Anchor 6 was committed; the next is due at 9, so step 8 carries no slices.
+    assert_eq!((r8, r9), ((Delta, false), (Delta, true)), "{ctx}");
+    assert_eq!(s.ready_anchors.iter().copied().collect::<Vec<_>>(), vec![1, 6, 9], "{ctx}");
 }

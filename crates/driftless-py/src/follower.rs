@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
-use driftless_agent::anchor_stream::{shard_tensors, stream_shard, Hashing, ShardSink, ShardTensors};
+use driftless_agent::anchor_stream::{shard_tensors, stream_plain, stream_shard, Hashing, ShardSink, ShardTensors};
 use driftless_agent::{plan, Agent, AgentConfig};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
 use driftless_format::{
@@ -46,8 +46,18 @@ struct State {
     mirror: Option<Mirror>,
 }
 
-/// The route to a target: (target, anchor to load first, deltas in order).
-type Route = (u64, Option<u64>, Vec<u64>);
+/// The route to a target: (target, anchor to load first, deltas in order, the stream's id).
+type Route = (u64, Option<u64>, Vec<u64>, String);
+
+/// A manifest signed for another stream (the same key signs several runs: one copied into this
+/// bucket verifies against its own root) is refused, as the agent refuses it.
+fn same_stream(sid: &str, got: &str, what: &'static str, step: u64) -> BindResult<()> {
+    if got == sid {
+        return Ok(());
+    }
+    Err(driftless_format::Error::Corrupt { what, detail: format!("step {step} is signed for another stream ({got})") }
+        .into())
+}
 
 /// Low-level follower; use `driftless.Follower`.
 #[pyclass(module = "driftless._native", name = "Follower", subclass)]
@@ -345,7 +355,7 @@ impl PyFollower {
             return Err(BindError::NothingReady("no anchor is ready in the stream yet".into()));
         }
         if let Some(r) = plan::route(local, &cands, &plan::Refusals::default(), want) {
-            return Ok(Some((r.target, r.anchor, r.deltas)));
+            return Ok(Some((r.target, r.anchor, r.deltas, desc.stream_id)));
         }
         match want {
             Some(w) if local != Some(w) => Err(BindError::NothingReady(format!(
@@ -363,8 +373,8 @@ impl PyFollower {
     /// Loads anchor `step` (manifest `m`) into the arrays `by` (already checked to be exactly
     /// the layout's tensors): byte-plane shards stream as for the agent
     /// ([`driftless_agent::anchor_stream`]: ranged GETs decoded as they arrive, written once
-    /// into the arrays, memory bounded by the parts in flight); plain safetensors shards are
-    /// read whole. With `hash` (the anchor is the result, checked alone) every tensor is hashed
+    /// into the arrays, memory bounded by the parts in flight; plain safetensors shards the
+    /// same way, undecoded: `stream_plain`). With `hash` (the anchor is the result, checked alone) every tensor is hashed
     /// as it is written (`Hashing`: the arrays are not read back); otherwise the root of the
     /// chain's result checks it. Returns the bytes read and the digests (empty without `hash`).
     async fn stream_anchor(
@@ -403,15 +413,7 @@ impl PyFollower {
                     stream_shard(self.reader.bucket(), step, o, ANCHOR_PARTS, sink.clone()).await?
                 }
                 AnchorEncoding::Safetensors => {
-                    let b = self
-                        .reader
-                        .object(StepKind::Anchor, step, &o.object.object, o.object.size, o.object.sha256)
-                        .await?;
-                    if b.len() as u64 != o.decoded_size {
-                        return Err(corrupt("anchor", format!("{} is not of its decoded size", o.file)));
-                    }
-                    sink.write_at(0, &b)?;
-                    b.len() as u64
+                    stream_plain(self.reader.bucket(), step, o, ANCHOR_PARTS, sink.clone()).await?
                 }
             };
             if let Some(h) = hashing {
@@ -442,7 +444,7 @@ impl PyFollower {
         parts: &[(TensorMeta, Raw)],
         touched: &mut bool,
     ) -> BindResult<Option<(Tracked, &'static str, u64, usize)>> {
-        let Some((target, anchor_step, chain)) = self.plan(local.map(|t| t.step), want).await? else {
+        let Some((target, anchor_step, chain, sid)) = self.plan(local.map(|t| t.step), want).await? else {
             return Ok(None);
         };
         let mut bytes = 0;
@@ -451,6 +453,7 @@ impl PyFollower {
         let by: HashMap<&str, Raw> = parts.iter().map(|(m, r)| (m.name.as_str(), *r)).collect();
         if let Some(a) = anchor_step {
             let (m, _) = self.reader.anchor(a).await?;
+            same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
             let layout = m.layout();
             check_set(&layout, parts, a)?;
             *touched = true;
@@ -465,6 +468,7 @@ impl PyFollower {
         let mut last: Option<DeltaManifest> = None;
         for &d in &chain {
             let (m, segs, b) = self.fetch_delta(d).await?;
+            same_stream(&sid, &m.stream_id, "delta manifest", d)?;
             bytes += b;
             if m.base_root != cur.root {
                 return Err(driftless_format::Error::WrongBase {
@@ -536,12 +540,13 @@ impl PyFollower {
         touched: &mut bool,
         indices: &mut BTreeMap<String, Vec<u64>>,
     ) -> BindResult<Option<(Tracked, bool)>> {
-        let Some((_, anchor_step, chain)) = self.plan(local.map(|t| t.step), want).await? else {
+        let Some((_, anchor_step, chain, sid)) = self.plan(local.map(|t| t.step), want).await? else {
             return Ok(None);
         };
         let full = anchor_step.is_some();
         if let Some(a) = anchor_step {
             let (m, _) = self.reader.anchor(a).await?;
+            same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
             let layout = m.layout();
             *touched = true;
             let tensors: Vec<(TensorMeta, Vec<u8>)> = layout
@@ -563,6 +568,7 @@ impl PyFollower {
         let mut cur = mm.at.clone();
         for &d in &chain {
             let (m, segs, _) = self.fetch_delta(d).await?;
+            same_stream(&sid, &m.stream_id, "delta manifest", d)?;
             if m.base_root != cur.root {
                 return Err(driftless_format::Error::WrongBase {
                     expected: m.base_root.to_hex(),

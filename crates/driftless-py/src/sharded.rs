@@ -68,6 +68,7 @@ fn outcome_dict<'py>(py: Python<'py>, o: &StepOutcome) -> PyResult<Bound<'py, Py
     d.set_item("root", o.root.map(|r| r.to_hex()))?;
     d.set_item("reason", o.reason.clone())?;
     d.set_item("next_anchor", o.next_anchor)?;
+    d.set_item("slices_next", o.slices_next)?;
     Ok(d)
 }
 
@@ -82,6 +83,7 @@ fn part_dict<'py>(py: Python<'py>, r: &PartReport) -> PyResult<Bound<'py, PyDict
     let d = PyDict::new(py);
     d.set_item("step", r.step)?;
     d.set_item("part", kind_name(r.part))?;
+    d.set_item("slices", r.slices)?;
     d.set_item("bytes", r.bytes)?;
     d.set_item("secs", r.secs)?;
     d.set_item("commit_secs", r.commit_secs)?;
@@ -159,6 +161,7 @@ impl PyShardedPublisher {
             let d = PyDict::new(py);
             d.set_item("step", r.step)?;
             d.set_item("part", kind_name(r.part))?;
+            d.set_item("slices", r.slices)?;
             d.set_item("blocked_secs", r.blocked_secs)?;
             d.set_item("previous", r.previous.as_ref().map(|o| outcome_dict(py, o)).transpose()?)?;
             d.set_item("previous_part", r.previous_part.as_ref().map(|p| part_dict(py, p)).transpose()?)?;

@@ -106,7 +106,7 @@ def test_ranks_publish_a_chain_agents_read_bit_exact(bucket, key_files, tmp_path
     url, store = bucket
     key_path, public = key_files
     g = Group(tmp_path, url, store, key_path, world)
-    steps = 5  # anchors at 1 and 4 (anchor_every=3), deltas 2, 3, 5
+    steps = 5  # anchors at 1 and 4 (anchor_every=3), deltas 2-5
     try:
         for r in range(world):
             g.start(r, 1, steps)
@@ -124,11 +124,15 @@ def test_ranks_publish_a_chain_agents_read_bit_exact(bucket, key_files, tmp_path
         g.finish()
     finally:
         g.kill_all()
-    parts = [[r["part"] for r in g.receipts(rank, 1) if "part" in r] for rank in range(world)]
-    assert all(p == ["anchor", "delta", "delta", "anchor", "delta"] for p in parts), parts
+    # Step 4's anchor is scheduled: the step is a delta whose parts carry the shard bytes, and
+    # rank 0 gathers anchor 4 after committing it.
+    parts = [[(r["part"], r["slices"]) for r in g.receipts(rank, 1) if "part" in r] for rank in range(world)]
+    want = [("anchor", True), ("delta", False), ("delta", False), ("delta", True), ("delta", False)]
+    assert all(p == want for p in parts), parts
     commits = [r["outcome"] for r in g.receipts(0, 1)]
     assert [c["committed"] for c in commits] == [True] * steps
-    assert [c["of"] for c in commits] == ["anchor", "delta", "delta", "anchor", "delta"]
+    assert [c["of"] for c in commits] == ["anchor", "delta", "delta", "delta", "delta"]
+    assert [c["slices_next"] for c in commits] == [False, False, True, False, False]
     # Every other rank learned each outcome: the root it names is rank 0's.
     for rank in range(1, world):
         rs = [r for r in g.receipts(rank, 1) if "part" in r]

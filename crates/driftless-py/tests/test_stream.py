@@ -242,3 +242,41 @@ def test_follower_refuses_a_signed_anchor_whose_bytes_are_not_its_root(file_buck
     with pytest.raises(driftless.CorruptError, match="weights root"):
         f.apply_to(arrays)
     assert f.applied_step is None
+
+
+def test_a_step_signed_for_another_stream_is_refused(tmp_path, keys):
+    """Two runs signed with one key: run B's anchor copied into run A's bucket as A's newest
+    step (its marker rewritten to A's stream id) verifies against B's own root, but is B's.
+    The Follower refuses it before touching the arrays, as the agent does."""
+    import json
+    import shutil
+
+    private, public = keys
+    a_root, b_root = tmp_path / "a", tmp_path / "b"
+    rng = np.random.default_rng(3)
+    shape = (256, 128)
+    w = {"x.w": rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(BF16)}
+    with driftless.Publisher(f"file://{a_root}", signing_key=private) as pub:
+        pub.publish(0, w)
+        w1 = {"x.w": (w["x.w"].view(np.uint16) ^ 1).view(BF16)}
+        pub.publish(1, w1)
+    other = {"x.w": rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(BF16)}
+    with driftless.Publisher(f"file://{b_root}", signing_key=private) as pub:
+        assert pub.publish(5, other)["outcome"] == "anchor"
+    step = "000000000005"
+    shutil.copytree(b_root / "anchors" / step, a_root / "anchors" / step)
+    marker = json.loads((b_root / "ready" / "anchors" / step).read_text())
+    a_marker = json.loads((a_root / "ready" / "anchors" / "000000000000").read_text())
+    assert marker["stream_id"] != a_marker["stream_id"]
+    marker["stream_id"] = a_marker["stream_id"]
+    (a_root / "ready" / "anchors" / step).write_text(json.dumps(marker))
+
+    f = driftless.Follower(f"file://{a_root}", trusted_keys=[public])
+    arrays = {"x.w": np.zeros(shape, BF16)}
+    with pytest.raises(driftless.CorruptError, match="another stream"):
+        f.apply_to(arrays)
+    assert f.applied_step is None
+    assert not arrays["x.w"].view(np.uint16).any(), "nothing written into the arrays"
+    # The run's own steps are still served.
+    assert f.apply_to(arrays, step=1)["step"] == 1
+    assert np.array_equal(arrays["x.w"].view(np.uint16), w1["x.w"].view(np.uint16))

@@ -13,6 +13,11 @@ use rand::Rng;
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
+/// Most keys one listing returns by default before it is refused ([`Error::TooManyKeys`],
+/// [`StoreOptions::max_list_keys`]): a hostile server can page forever. A stream holds some thousands of objects (100 deltas of a 70B model
+/// with their segments, anchors of 100 shards); this is a hundred times that.
+pub const MAX_LIST_KEYS: usize = 1_000_000;
+
 use crate::error::{Error, Result};
 use crate::options::StoreOptions;
 
@@ -153,10 +158,11 @@ impl Bucket {
                 .await;
             match res {
                 Err(Error::AlreadyExists { .. }) if attempts > 1 => {
-                    // An earlier attempt may have landed with its response lost.
-                    match self.get(key).await {
+                    // An earlier attempt may have landed with its response lost. (Read at most
+                    // our own size: anything longer is another object.)
+                    match self.get_limited(key, bytes.len() as u64).await {
                         Ok(stored) if stored == bytes => Ok(()),
-                        Ok(_) => Err(Error::AlreadyExists { key: key.to_string() }),
+                        Ok(_) | Err(Error::TooLarge { .. }) => Err(Error::AlreadyExists { key: key.to_string() }),
                         Err(e) => Err(e),
                     }
                 }
@@ -442,7 +448,13 @@ impl Bucket {
                     Some(off) => self.inner.store.list_with_offset(dir_path.as_ref(), off),
                     None => self.inner.store.list(dir_path.as_ref()),
                 };
-                let metas: Vec<ObjectMeta> = stream.try_collect().await.map_err(|e| Error::from_store(prefix, e))?;
+                // Bounded: a hostile server can page forever.
+                let max = self.inner.opts.max_list_keys;
+                let metas: Vec<ObjectMeta> =
+                    stream.map_err(|e| Error::from_store(prefix, e)).take(max.saturating_add(1)).try_collect().await?;
+                if metas.len() > max {
+                    return Err(Error::TooManyKeys { prefix: prefix.to_string(), max });
+                }
                 Ok(metas)
             })
             .await?

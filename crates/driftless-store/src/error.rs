@@ -28,6 +28,15 @@ pub enum Error {
         /// The caller's limit.
         max: u64,
     },
+    /// A listing returned more keys than a reader accepts (a hostile or runaway bucket: the
+    /// listing is stopped there, so memory and time stay bounded).
+    #[error("listing {prefix} returned more than {max} keys")]
+    TooManyKeys {
+        /// The listed prefix.
+        prefix: String,
+        /// The limit.
+        max: usize,
+    },
     /// A failure that may go away when retried (network, 5xx, throttling, timeouts).
     /// Returned once the bounded retries are spent.
     #[error("transient storage error {}: {source}", on(key))]

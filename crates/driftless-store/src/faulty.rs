@@ -50,6 +50,9 @@ pub enum FaultKind {
     /// Let the call succeed on the inner store, then report a retryable error (a lost
     /// response: the write happened but the caller cannot know). Only meaningful for puts.
     LostResponse,
+    /// Let the call through after a pause (a slow request; for one path, where
+    /// [`FaultyStore::set_delay`] slows every call).
+    Slow(Duration),
 }
 
 #[derive(Debug)]
@@ -91,7 +94,7 @@ impl State {
 fn injected_error(kind: FaultKind, op: FaultOp, location: &str) -> object_store::Error {
     let status = match kind {
         FaultKind::Permanent => "403 Forbidden",
-        FaultKind::Transient | FaultKind::LostResponse => "503 Service Unavailable",
+        FaultKind::Transient | FaultKind::LostResponse | FaultKind::Slow(_) => "503 Service Unavailable",
     };
     object_store::Error::Generic {
         store: "FaultyStore",
@@ -205,6 +208,10 @@ impl ObjectStore for FaultyStore {
         self.state.pause().await;
         match self.state.take(FaultOp::Put, location.as_ref()) {
             None => self.inner.put_opts(location, payload, opts).await,
+            Some(FaultKind::Slow(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.put_opts(location, payload, opts).await
+            }
             Some(FaultKind::LostResponse) => {
                 self.inner.put_opts(location, payload, opts).await?;
                 Err(injected_error(FaultKind::LostResponse, FaultOp::Put, location.as_ref()))
@@ -221,6 +228,10 @@ impl ObjectStore for FaultyStore {
         self.state.pause().await;
         match self.state.take(FaultOp::Put, location.as_ref()) {
             None | Some(FaultKind::LostResponse) => self.inner.put_multipart_opts(location, opts).await,
+            Some(FaultKind::Slow(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.put_multipart_opts(location, opts).await
+            }
             Some(kind) => Err(injected_error(kind, FaultOp::Put, location.as_ref())),
         }
     }
@@ -229,6 +240,10 @@ impl ObjectStore for FaultyStore {
         self.state.pause().await;
         match self.state.take(FaultOp::Get, location.as_ref()) {
             None => self.inner.get_opts(location, options).await,
+            Some(FaultKind::Slow(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.get_opts(location, options).await
+            }
             Some(kind) => Err(injected_error(kind, FaultOp::Get, location.as_ref())),
         }
     }
@@ -237,6 +252,10 @@ impl ObjectStore for FaultyStore {
         self.state.pause().await;
         match self.state.take(FaultOp::Get, location.as_ref()) {
             None => self.inner.get_ranges(location, ranges).await,
+            Some(FaultKind::Slow(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.get_ranges(location, ranges).await
+            }
             Some(kind) => Err(injected_error(kind, FaultOp::Get, location.as_ref())),
         }
     }
@@ -256,8 +275,10 @@ impl ObjectStore for FaultyStore {
                 async move {
                     let loc = loc?;
                     state.pause().await;
-                    if let Some(kind) = state.take(FaultOp::Delete, loc.as_ref()) {
-                        return Err(injected_error(kind, FaultOp::Delete, loc.as_ref()));
+                    match state.take(FaultOp::Delete, loc.as_ref()) {
+                        Some(FaultKind::Slow(d)) => tokio::time::sleep(d).await,
+                        Some(kind) => return Err(injected_error(kind, FaultOp::Delete, loc.as_ref())),
+                        None => {}
                     }
                     let one = futures::stream::once(futures::future::ready(Ok(loc))).boxed();
                     match inner.delete_stream(one).next().await {
@@ -276,6 +297,15 @@ impl ObjectStore for FaultyStore {
         let p = prefix.map(|p| p.to_string()).unwrap_or_default();
         match self.state.take(FaultOp::List, &p) {
             None => self.inner.list(prefix),
+            Some(FaultKind::Slow(d)) => {
+                let s = self.inner.list(prefix);
+                futures::stream::once(async move {
+                    tokio::time::sleep(d).await;
+                    s
+                })
+                .flatten()
+                .boxed()
+            }
             Some(kind) => {
                 futures::stream::once(futures::future::ready(Err(injected_error(kind, FaultOp::List, &p)))).boxed()
             }
@@ -290,6 +320,15 @@ impl ObjectStore for FaultyStore {
         let p = prefix.map(|p| p.to_string()).unwrap_or_default();
         match self.state.take(FaultOp::List, &p) {
             None => self.inner.list_with_offset(prefix, offset),
+            Some(FaultKind::Slow(d)) => {
+                let s = self.inner.list_with_offset(prefix, offset);
+                futures::stream::once(async move {
+                    tokio::time::sleep(d).await;
+                    s
+                })
+                .flatten()
+                .boxed()
+            }
             Some(kind) => {
                 futures::stream::once(futures::future::ready(Err(injected_error(kind, FaultOp::List, &p)))).boxed()
             }
@@ -300,6 +339,10 @@ impl ObjectStore for FaultyStore {
         let p = prefix.map(|p| p.to_string()).unwrap_or_default();
         match self.state.take(FaultOp::List, &p) {
             None => self.inner.list_with_delimiter(prefix).await,
+            Some(FaultKind::Slow(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.list_with_delimiter(prefix).await
+            }
             Some(kind) => Err(injected_error(kind, FaultOp::List, &p)),
         }
     }

@@ -10,7 +10,7 @@ mod options;
 mod redact;
 pub mod stream;
 
-pub use bucket::{Bucket, ObjectInfo};
+pub use bucket::{Bucket, ObjectInfo, MAX_LIST_KEYS};
 pub use error::{Error, Result, StoreError};
 pub use faulty::{FaultKind, FaultOp, FaultyStore};
 pub use object_store::{self, ObjectStore};

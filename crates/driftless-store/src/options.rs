@@ -26,6 +26,10 @@ pub struct StoreOptions {
     pub multipart_threshold: usize,
     /// Part size for multipart uploads and ranged downloads. Default: 16 MiB.
     pub part_size: usize,
+    /// Most keys one listing may return before it fails with
+    /// [`Error::TooManyKeys`](crate::Error::TooManyKeys) (a server can page forever).
+    /// Default: [`MAX_LIST_KEYS`](crate::MAX_LIST_KEYS).
+    pub max_list_keys: usize,
 }
 
 impl Default for StoreOptions {
@@ -40,6 +44,7 @@ impl Default for StoreOptions {
             concurrency: 16,
             multipart_threshold: 64 << 20,
             part_size: 16 << 20,
+            max_list_keys: crate::MAX_LIST_KEYS,
         }
     }
 }
@@ -67,6 +72,11 @@ impl StoreOptions {
     /// Set [`StoreOptions::path_style`].
     pub fn with_path_style(mut self, path_style: bool) -> Self {
         self.path_style = path_style;
+        self
+    }
+    /// Set [`StoreOptions::max_list_keys`].
+    pub fn with_max_list_keys(mut self, n: usize) -> Self {
+        self.max_list_keys = n;
         self
     }
     /// Set [`StoreOptions::max_retries`].

@@ -138,7 +138,9 @@ impl StreamReader {
         Ok((payload, sha))
     }
 
-    /// The verified manifest of a ready delta, with the SHA-256 of its envelope.
+    /// The verified manifest of a ready delta, with the SHA-256 of its envelope. Its marker's
+    /// fields must agree with it (step, base, payload bytes): routes are planned from markers,
+    /// which are not signed.
     pub async fn delta(&self, step: u64) -> StreamResult<(DeltaManifest, Digest)> {
         let marker = self.marker(StepKind::Delta, step).await?;
         self.delta_at(step, &marker).await
@@ -163,6 +165,7 @@ impl StreamReader {
             }
             .into());
         }
+        same_payload(marker, m.payload_bytes())?;
         Ok((m, sha))
     }
 
@@ -178,6 +181,7 @@ impl StreamReader {
             }
             .into());
         }
+        same_payload(&marker, m.payload_bytes())?;
         Ok((m, sha))
     }
 
@@ -212,4 +216,21 @@ impl StreamReader {
             Err(e) => Err(e.into()),
         }
     }
+}
+
+/// A ready marker's payload bytes (unsigned: planners compare routes by them) must be its
+/// signed manifest's, or a marker could steer readers onto routes they would not take (a
+/// follower holding verified weights onto an anchor, say).
+fn same_payload(marker: &ReadyMarker, signed: u64) -> StreamResult<()> {
+    if marker.payload_bytes == signed {
+        return Ok(());
+    }
+    Err(driftless_format::Error::Corrupt {
+        what: "ready marker",
+        detail: format!(
+            "{:?} {} declares {} payload bytes, its signed manifest {signed}",
+            marker.of, marker.step, marker.payload_bytes
+        ),
+    }
+    .into())
 }

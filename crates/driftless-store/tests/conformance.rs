@@ -155,6 +155,13 @@ async fn conformance(b: &Bucket, caps: Caps) {
     assert_eq!(keys, keys_sorted);
     assert!(keys.contains(&layout::STREAM) && keys.contains(&big_key.as_str()));
     assert_eq!(all.len(), 4 + steps.len() + 1, "{keys:?}");
+    // Listings are bounded: one key over the limit fails the listing, whatever the backend.
+    let n = all.len();
+    let capped = |max| Bucket::from_store(b.store().clone(), b.prefix(), &b.options().clone().with_max_list_keys(max));
+    let e = capped(n - 1).list("").await.unwrap_err();
+    assert!(matches!(e, Error::TooManyKeys { max, .. } if max == n - 1), "{e:?}");
+    assert!(!e.is_retryable(), "{e:?}");
+    assert_eq!(capped(n).list("").await.unwrap().len(), n);
 
     // --- delete ---
     b.delete(layout::LATEST).await.unwrap();

@@ -45,7 +45,7 @@ pub fn run(a: Args) -> Result<()> {
 fn strip_signatures(bytes: &[u8]) -> Result<Vec<u8>> {
     anyhow::ensure!(bytes.len() >= 32, "not a delta file");
     let elen = u64::from_le_bytes(bytes[24..32].try_into()?) as usize;
-    anyhow::ensure!(32 + elen <= bytes.len(), "truncated delta file");
+    anyhow::ensure!(elen <= bytes.len() - 32, "truncated delta file");
     let mut env: driftless_format::sign::Envelope = serde_json::from_slice(&bytes[32..32 + elen])?;
     env.signatures.clear();
     let e = serde_json::to_vec(&env)?;

@@ -262,7 +262,8 @@ class ShardedPublisher(_native.ShardedPublisher):
             every step, with whatever it holds (possibly nothing: a data-parallel replica
             passes its shards with ``replica=1``, or none).
         signing_key: the stream's signing key; all ranks use the same one.
-        anchor_every: a full checkpoint every this many steps (default 50).
+        anchor_every: a full checkpoint every this many steps (default 50; rank 0's value
+            counts). The step stays a delta, and rank 0 gathers its anchor afterwards.
         commit_timeout: seconds rank 0 waits for the other ranks' parts (default 120); a step
             missing a part after it is not committed, and the next step is an anchor.
         new_stream, endpoint, allow_http, region, takeover, max_retries, retry_timeout,
@@ -279,14 +280,16 @@ class ShardedPublisher(_native.ShardedPublisher):
         Blocks for the previous step (its part uploaded and its outcome known: this step's
         part is taken against the last committed one) and while the shards are copied, then
         returns; the shards may change at once. The diff against this rank's copy of the last
-        committed step, the encode, the upload and, on rank 0, the commit (an anchor's
-        compression included) run in the background.
+        committed step, the encode, the upload and, on rank 0, the commit run in the
+        background; a scheduled anchor is gathered by rank 0 after its step's outcome, so no
+        ``publish`` waits for it.
 
-        Returns ``step``, ``part`` (``"delta"`` or ``"anchor"``), ``blocked_secs`` (time the
-        call blocked), ``previous`` (the outcome of this rank's previous step: ``step``,
-        ``committed``, ``of``, ``root``, ``reason``, ``next_anchor``) and ``previous_part``
-        (this rank's part of it: ``step``, ``part``, ``bytes``, ``secs``, ``commit_secs``;
-        None when it was not sent).
+        Returns ``step``, ``part`` (``"delta"`` or ``"anchor"``), ``slices`` (whether the
+        part also carries the shard bytes, for an anchor of the step), ``blocked_secs`` (time
+        the call blocked), ``previous`` (the outcome of this rank's previous step: ``step``,
+        ``committed``, ``of``, ``root``, ``reason``, ``next_anchor``, ``slices_next``) and
+        ``previous_part`` (this rank's part of it: ``step``, ``part``, ``slices``, ``bytes``,
+        ``secs``, ``commit_secs``; None when it was not sent).
         """
         return super().publish(step, shards)
 
@@ -297,7 +300,7 @@ class ShardedPublisher(_native.ShardedPublisher):
 
     def wait_sent(self) -> Optional[Dict[str, Any]]:
         """Waits until this rank's part of its last step is uploaded (not for the commit);
-        returns its report (``step``, ``part``, ``bytes``, ``secs``, ``commit_secs``), or
+        returns its report (``step``, ``part``, ``slices``, ``bytes``, ``secs``, ``commit_secs``), or
         None when it could not be sent or nothing is in flight."""
         return super().wait_sent()
 
