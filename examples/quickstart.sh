@@ -87,6 +87,18 @@ for _ in $(seq 1 120); do
   sleep 0.5
 done
 [ "$code" = 200 ] || { echo "SeaweedFS did not come up (HEAD /quickstart: $code); log:"; tail -20 "$work/weed.log"; exit 1; }
+for _ in $(seq 1 120); do
+  # The bucket answers before a volume takes writes: wait until a small PUT lands too.
+  # (SigV4 over a body needs its SHA-256 in x-amz-content-sha256.)
+  code=$(curl -s -o /dev/null -w '%{http_code}' -X PUT --data-binary probe --aws-sigv4 "aws:amz:us-east-1:s3" \
+    -H "x-amz-content-sha256: $(printf probe | sha256sum | cut -d' ' -f1)" \
+    --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" "http://127.0.0.1:$port/quickstart/.probe" || true)
+  [ "$code" = 200 ] && break
+  sleep 0.5
+done
+[ "$code" = 200 ] || { echo "SeaweedFS takes no writes (PUT /quickstart/.probe: $code); log:"; tail -20 "$work/weed.log"; exit 1; }
+curl -s -o /dev/null -X DELETE --aws-sigv4 "aws:amz:us-east-1:s3" \
+  --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" "http://127.0.0.1:$port/quickstart/.probe" || true
 
 # Point driftless at it: an http:// endpoint implies --allow-http.
 export AWS_ENDPOINT_URL="http://127.0.0.1:$port"
@@ -151,9 +163,12 @@ for a in 1 2; do
     case "$status" in *"\"step\":$last,"*) break ;; esac
     sleep 0.5
   done
-  got=$(driftless hash "$work/agent$a/current")
+  got=$(driftless hash "$work/agent$a/current" 2>&1 || true)
   if [ "$got" != "$want" ]; then
     echo "agent $a: weights root $got, expected $want; status: $status" >&2
+    echo "-- publisher log (last 20 lines):" >&2
+    tail -20 "$work/publish.log" >&2
+    echo "-- agent $a log (last 20 lines):" >&2
     tail -20 "$work/agent$a.log" >&2
     exit 1
   fi

@@ -33,11 +33,15 @@ struct Rules {
     kill_at: Option<(usize, bool)>,
     /// Hold writes whose path contains this for this long before forwarding them.
     hold: Option<(String, Duration)>,
+    /// Answer every write with S3's `503 SlowDown` instead of forwarding it (an outage).
+    fail_writes: bool,
 }
 
 struct Proxy {
     port: u16,
     writes: Arc<AtomicUsize>,
+    /// Writes answered with 503 under `fail_writes`.
+    refused: Arc<AtomicUsize>,
     held: Arc<AtomicU64>,
     pid: Arc<AtomicI32>,
     rules: Arc<Mutex<Rules>>,
@@ -51,17 +55,19 @@ impl Proxy {
         let p = Proxy {
             port,
             writes: Arc::default(),
+            refused: Arc::default(),
             held: Arc::default(),
             pid: Arc::new(AtomicI32::new(0)),
             rules: Arc::default(),
         };
-        let (writes, held, pid, rules) = (p.writes.clone(), p.held.clone(), p.pid.clone(), p.rules.clone());
+        let (writes, refused, held, pid, rules) =
+            (p.writes.clone(), p.refused.clone(), p.held.clone(), p.pid.clone(), p.rules.clone());
         std::thread::spawn(move || {
             for c in l.incoming().flatten() {
-                let (up, writes, held, pid, rules) =
-                    (up.clone(), writes.clone(), held.clone(), pid.clone(), rules.clone());
+                let (up, writes, refused, held, pid, rules) =
+                    (up.clone(), writes.clone(), refused.clone(), held.clone(), pid.clone(), rules.clone());
                 std::thread::spawn(move || {
-                    let _ = serve(c, &up, &writes, &held, &pid, &rules);
+                    let _ = serve(c, &up, &writes, &refused, &held, &pid, &rules);
                 });
             }
         });
@@ -82,6 +88,7 @@ fn serve(
     mut c: TcpStream,
     up: &str,
     writes: &AtomicUsize,
+    refused: &AtomicUsize,
     held: &AtomicU64,
     pid: &AtomicI32,
     rules: &Mutex<Rules>,
@@ -100,10 +107,23 @@ fn serve(
     let mut kill_after = false;
     if is_write {
         let n = writes.fetch_add(1, Ordering::SeqCst) + 1;
-        let (kill_rule, hold) = {
+        let (kill_rule, hold, fail) = {
             let r = rules.lock().unwrap();
-            (r.kill_at, r.hold.clone())
+            (r.kill_at, r.hold.clone(), r.fail_writes)
         };
+        if fail {
+            // What S3 answers when it sheds load; the body is not read (the client sees the
+            // answer, or a reset while still sending: both are what an outage looks like).
+            refused.fetch_add(1, Ordering::SeqCst);
+            let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>";
+            let resp = format!(
+                "HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = c.write_all(resp.as_bytes());
+            let _ = c.shutdown(std::net::Shutdown::Both);
+            return Ok(());
+        }
         if let Some((path, d)) = hold {
             if line.contains(&path) {
                 held.fetch_add(1, Ordering::SeqCst);
@@ -279,7 +299,7 @@ fn publisher_killed_at_each_write_restarts_without_loss() {
         let mut at: usize = 1;
         loop {
             let after = at % 2 == 0;
-            proxy.set(Rules { kill_at: Some((at.div_ceil(2), after)), hold: None });
+            proxy.set(Rules { kill_at: Some((at.div_ceil(2), after)), ..Rules::default() });
             let child = run.publish(&proxy.endpoint(), step, &ckpt);
             proxy.pid.store(child.id() as i32, Ordering::SeqCst);
             let o = child.wait_with_output().unwrap();
@@ -373,7 +393,7 @@ fn gc_with_zero_grace_never_strands_a_held_upload() {
     let (s1, c1) = run.next_checkpoint();
     assert!(run.publish(&proxy.endpoint(), s1, &c1).wait().unwrap().success());
     let (s2, c2) = run.next_checkpoint();
-    proxy.set(Rules { kill_at: None, hold: Some(("-manifest.json".into(), Duration::from_secs(6))) });
+    proxy.set(Rules { hold: Some(("-manifest.json".into(), Duration::from_secs(6))), ..Rules::default() });
     let child = run.publish(&proxy.endpoint(), s2, &c2);
     // Wait until the manifest PUT is held (the segments are in the bucket by then).
     let t0 = std::time::Instant::now();
@@ -396,4 +416,85 @@ fn gc_with_zero_grace_never_strands_a_held_upload() {
     assert_eq!(deltas, vec![2], "the held step committed whole");
     let a = run.agent("cold");
     assert_eq!(a["data"]["step"].as_u64(), Some(2), "a cold agent reaches the held step");
+}
+
+/// A bucket outage longer than the store's own retries (every write answered `503 SlowDown`
+/// for a while) under `publish --watch`: the follower does not exit; it says once per try,
+/// on one line, that retrying may help; once the bucket answers again it publishes the step
+/// that failed and the one written during the outage, and every ready step holds the
+/// trainer's weights. An agent then reaches the newest step.
+#[test]
+fn watch_survives_a_bucket_outage_and_publishes_the_newest_step() {
+    let Some((mut run, proxy)) = Run::new("outage") else { return };
+    let (_, _) = run.next_checkpoint();
+    let (_, _) = run.next_checkpoint();
+    let log = run.p("publish.log");
+    let mut child = bin()
+        .args(["publish", "--bucket", &run.url, "--endpoint", &proxy.endpoint(), "--anchor-every", "100"])
+        .args(["--pattern", "step_", "--watch"])
+        .arg(run.p("ckpt"))
+        .arg("--state")
+        .arg(run.p("state"))
+        .arg("--key")
+        .arg(run.p("key"))
+        .env("AWS_ALLOW_HTTP", "true")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    /// Waits until a step at or after `step` is ready; returns the ready (deltas, anchors).
+    fn ready_through(run: &Run, log: &Path, step: u64, what: &str) -> (Vec<u64>, Vec<u64>) {
+        let t0 = std::time::Instant::now();
+        loop {
+            let (d, a) = run.check_bucket();
+            if d.iter().chain(&a).any(|&s| s >= step) {
+                return (d, a);
+            }
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            assert!(t0.elapsed() < Duration::from_secs(90), "{what}: step {step} never became ready; log:\n{log}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    ready_through(&run, &log, 2, "before the outage");
+    proxy.set(Rules { fail_writes: true, ..Rules::default() });
+    let (s3, _) = run.next_checkpoint();
+    // Past the store's retries (5, ~3 s of backoff) twice: two warnings, the process alive.
+    let t0 = std::time::Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let warnings: Vec<&str> = text.lines().filter(|l| l.contains("this looks temporary")).collect();
+        if warnings.len() >= 2 {
+            for w in &warnings {
+                assert!(w.starts_with("driftless publish: warning: "), "one line per try: {w}");
+                assert!(w.contains("503") || w.contains("SlowDown") || w.contains("Slow Down"), "names the cause: {w}");
+            }
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "publish --watch exited on a temporary outage:\n{text}");
+        assert!(t0.elapsed() < Duration::from_secs(90), "no retry warning during the outage:\n{text}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(child.try_wait().unwrap().is_none(), "publish --watch exited on a temporary outage");
+    assert!(proxy.refused.load(Ordering::SeqCst) > 5, "the outage refused the store's retries too");
+    let (d, a) = run.check_bucket();
+    assert!(d.iter().chain(&a).all(|&s| s < s3), "nothing of step {s3} is ready during the outage");
+    let (s4, _) = run.next_checkpoint();
+    proxy.set(Rules::default());
+    let (deltas, anchors) = ready_through(&run, &log, s4, "after the outage");
+    // check_bucket has verified every ready step against the trainer's roots; both the step
+    // that failed and the newest one are there.
+    let mut ready: Vec<u64> = deltas.iter().chain(&anchors).copied().collect();
+    ready.sort();
+    ready.dedup();
+    assert_eq!(ready, vec![1, 2, 3, 4], "deltas {deltas:?}, anchors {anchors:?}");
+    let a = run.agent("agent");
+    assert_eq!(a["data"]["step"].as_u64(), Some(s4));
+    assert_eq!(a["data"]["root"].as_str().unwrap(), run.roots[s4 as usize - 1].to_hex());
+    // SIGTERM: stops cleanly between steps.
+    // SAFETY: plain kill(2) of our own child process.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let st = child.wait().unwrap();
+    assert!(st.success(), "publish --watch after SIGTERM: {st:?}: {}", std::fs::read_to_string(&log).unwrap());
 }

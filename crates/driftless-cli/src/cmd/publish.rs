@@ -66,10 +66,63 @@ impl Args {
 
 pub fn run(a: Args) -> Result<()> {
     std::fs::create_dir_all(&a.state).with_context(|| format!("creating state directory {}", a.state.display()))?;
-    let key = super::signing_key(a.key.as_deref())?;
-    if key.is_none() {
+    if a.key.is_none() {
         eprintln!("driftless: warning: no --key: the stream is unsigned; agents need --allow-unsigned");
     }
+    let mut published = 0u64;
+    if let (Some(step), Some(ckpt)) = (a.step, a.ckpt.as_deref()) {
+        let mut p = open(&a)?;
+        publish_one(&a, &mut p, step, ckpt, &mut published)?;
+        return Ok(p.close()?);
+    }
+    let Some(dir) = a.watch.clone() else { bail!("give --step N CKPT or --watch DIR") };
+    stop::install();
+    // A follower outlives bucket outages: a failure that retrying can help (the bucket
+    // unreachable or throttling past the store's own retries, a background upload that
+    // failed) reopens the publisher after a backoff, as a supervisor's restart would. The
+    // reopened publisher takes a new generation and resumes after the newest *committed*
+    // step, so the failed step is published again (as a delta from the saved state when that
+    // is still the bucket's newest step): the newest checkpoint always reaches the bucket.
+    // Anything else (a refused stream, another publisher, bad input) still ends the command.
+    let mut last_done: Option<u64> = None;
+    let mut backoff = RETRY_MIN;
+    loop {
+        let before = published;
+        let r = open(&a).and_then(|mut p| follow(&a, &dir, &mut p, &mut published, &mut last_done));
+        let e = match r {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if a.once || stop::requested().is_some() || crate::exit::classify(&e) != crate::exit::Class::Retryable {
+            return Err(e);
+        }
+        if published > before {
+            backoff = RETRY_MIN;
+        }
+        eprintln!(
+            "driftless publish: warning: {}; this looks temporary: reopening the bucket in {} s and publishing the step again",
+            crate::exit::render(&e),
+            backoff.as_secs()
+        );
+        let until = std::time::Instant::now() + backoff;
+        while std::time::Instant::now() < until && stop::requested().is_none() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if let Some(sig) = stop::requested() {
+            eprintln!("driftless publish: {sig} while retrying; stopped (the step that failed has no ready marker)");
+            return Err(e);
+        }
+        backoff = (backoff * 2).min(RETRY_MAX);
+    }
+}
+
+/// Backoff between reopenings of a `--watch` publisher after a temporary failure.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Opens the publisher and seeds it from the saved state.
+fn open(a: &Args) -> Result<driftless_publisher::Publisher> {
+    let key = super::signing_key(a.key.as_deref())?;
     let mut b = PublisherBuilder::new(a.bucket.bucket.clone())
         .with_bucket(a.bucket.open()?)
         .with_anchor_every(a.anchor_every)
@@ -91,61 +144,73 @@ pub fn run(a: Args) -> Result<()> {
             Err(e) => eprintln!("driftless publish: warning: {e:#}; the next step is published as an anchor"),
         }
     }
-    let mut published = 0u64;
-    let mut one = |p: &mut driftless_publisher::Publisher, step: u64, ckpt: &Path| -> Result<()> {
-        let ck = super::open(ckpt)?;
-        p.set_extra_files(extra_files(ckpt))?;
-        let before = p.status().bytes_uploaded;
-        let mut r = p.publish_with_layout(step, &ck.views(), &stable_layout(&ck, ckpt))?;
-        flush_with_progress(p, a.json)?;
-        if r.delta_bytes.is_none() && r.outcome == Outcome::Delta {
-            // Encoded after publish() returned; flushed, so the status has this step's size.
-            let st = p.status();
-            (r.delta_bytes, r.ratio) = (Some(st.last_delta_bytes), Some(st.last_ratio));
-        }
-        // Everything this step put in the bucket (delta, anchor, markers): an anchor's size
-        // is only known once its background upload is done.
-        let uploaded = p.status().bytes_uploaded.saturating_sub(before);
-        // Saved only once the step is committed: a crash before this leaves the previous
-        // state, which `seed` brings forward from the bucket on the next run.
-        if p.snapshot_step() == Some(step) {
-            // A --watch entry is a new directory per step that the trainer does not rewrite:
-            // its files are linked, not copied (1 GiB: 2 s of copy and sync per step saved).
-            // A --step CKPT may be a directory the trainer rewrites in place, which would
-            // change a linked copy under us: it is copied.
-            state::save(&a.state, step, ckpt, a.watch.is_some())?;
-        }
-        // The summary is the command's data: stdout. Progress and warnings go to stderr.
-        let outcome = super::snake(&r.outcome);
-        if a.json {
-            let mut data = serde_json::to_value(&r)?;
-            data["bytes_uploaded"] = uploaded.into();
-            println!("{}", serde_json::json!({"type": "published", "data": data}));
-        } else if let (Some(bytes), Some(ratio)) = (r.delta_bytes, r.ratio) {
-            println!(
-                "step {step}: {outcome}, {uploaded} bytes uploaded (delta {bytes} bytes, {ratio:.1}x smaller than dense, {:.3}% changed)",
-                100.0 * r.density
-            );
-        } else {
-            println!("step {step}: {outcome}, {uploaded} bytes uploaded");
-        }
-        published += 1;
-        if a.gc_every > 0 && published % a.gc_every == 0 {
-            let bucket = a.bucket.open()?;
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            rt.block_on(driftless_gc::run(&bucket, &driftless_gc::GcPolicy::new(), false))?;
-        }
-        Ok(())
-    };
-    if let (Some(step), Some(ckpt)) = (a.step, a.ckpt.as_deref()) {
-        one(&mut p, step, ckpt)?;
-        return Ok(p.close()?);
+    Ok(p)
+}
+
+/// Publishes one checkpoint, waits for its uploads, saves the state and prints the summary.
+fn publish_one(
+    a: &Args,
+    p: &mut driftless_publisher::Publisher,
+    step: u64,
+    ckpt: &Path,
+    published: &mut u64,
+) -> Result<()> {
+    let ck = super::open(ckpt)?;
+    p.set_extra_files(extra_files(ckpt))?;
+    let before = p.status().bytes_uploaded;
+    let mut r = p.publish_with_layout(step, &ck.views(), &stable_layout(&ck, ckpt))?;
+    flush_with_progress(p, a.json)?;
+    if r.delta_bytes.is_none() && r.outcome == Outcome::Delta {
+        // Encoded after publish() returned; flushed, so the status has this step's size.
+        let st = p.status();
+        (r.delta_bytes, r.ratio) = (Some(st.last_delta_bytes), Some(st.last_ratio));
     }
-    let Some(dir) = a.watch.clone() else { bail!("give --step N CKPT or --watch DIR") };
-    stop::install();
-    let mut last_done: Option<u64> = None;
+    // Everything this step put in the bucket (delta, anchor, markers): an anchor's size
+    // is only known once its background upload is done.
+    let uploaded = p.status().bytes_uploaded.saturating_sub(before);
+    // Saved only once the step is committed: a crash before this leaves the previous
+    // state, which `seed` brings forward from the bucket on the next run.
+    if p.snapshot_step() == Some(step) {
+        // A --watch entry is a new directory per step that the trainer does not rewrite:
+        // its files are linked, not copied (1 GiB: 2 s of copy and sync per step saved).
+        // A --step CKPT may be a directory the trainer rewrites in place, which would
+        // change a linked copy under us: it is copied.
+        state::save(&a.state, step, ckpt, a.watch.is_some())?;
+    }
+    // The summary is the command's data: stdout. Progress and warnings go to stderr.
+    let outcome = super::snake(&r.outcome);
+    if a.json {
+        let mut data = serde_json::to_value(&r)?;
+        data["bytes_uploaded"] = uploaded.into();
+        println!("{}", serde_json::json!({"type": "published", "data": data}));
+    } else if let (Some(bytes), Some(ratio)) = (r.delta_bytes, r.ratio) {
+        println!(
+            "step {step}: {outcome}, {uploaded} bytes uploaded (delta {bytes} bytes, {ratio:.1}x smaller than dense, {:.3}% changed)",
+            100.0 * r.density
+        );
+    } else {
+        println!("step {step}: {outcome}, {uploaded} bytes uploaded");
+    }
+    *published += 1;
+    if a.gc_every > 0 && *published % a.gc_every == 0 {
+        let bucket = a.bucket.open()?;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(driftless_gc::run(&bucket, &driftless_gc::GcPolicy::new(), false))?;
+    }
+    Ok(())
+}
+
+/// `--watch`: publishes each complete step entry of `dir` in order until a signal (or, with
+/// `--once`, until the directory is drained); returns `Ok` once stopped cleanly.
+fn follow(
+    a: &Args,
+    dir: &Path,
+    p: &mut driftless_publisher::Publisher,
+    published: &mut u64,
+    last_done: &mut Option<u64>,
+) -> Result<()> {
     loop {
-        let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
+        let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
             .with_context(|| format!("reading {}", dir.display()))?
             .filter_map(|e| e.ok())
             .filter_map(|e| Some((step_of(&e.file_name().to_string_lossy(), &a.pattern)?, e.path())))
@@ -158,16 +223,16 @@ pub fn run(a: Args) -> Result<()> {
             if !complete(&path, a.complete_file.as_deref()) {
                 break;
             }
-            // A signal during `one` lets the step finish (publish, upload, marker); it is
-            // acted on here, between steps.
-            one(&mut p, s, &path)?;
-            last_done = Some(s);
+            // A signal during `publish_one` lets the step finish (publish, upload, marker);
+            // it is acted on here, between steps.
+            publish_one(a, p, s, &path, published)?;
+            *last_done = Some(s);
             if stop::requested().is_some() {
                 break;
             }
         }
         if let Some(sig) = stop::requested() {
-            p.close()?;
+            p.flush()?;
             match last_done {
                 Some(s) => eprintln!("driftless publish: {sig}: step {s} was completed and is ready; stopped cleanly"),
                 None => eprintln!("driftless publish: {sig}: no step was in flight; stopped cleanly"),
@@ -175,7 +240,7 @@ pub fn run(a: Args) -> Result<()> {
             return Ok(());
         }
         if a.once {
-            return Ok(p.close()?);
+            return Ok(p.flush()?);
         }
         for _ in 0..10 {
             if stop::requested().is_some() {
