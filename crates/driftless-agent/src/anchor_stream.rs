@@ -350,12 +350,95 @@ pub async fn stream_plain(
     sink.write_at(0, &hdr)?;
     let mut sha = sha2::Sha256::new();
     sha.update(&hdr);
+    copy_parts(&bucket, &key, head_end..size, parts, sink, &mut sha).await?;
+    if Digest(sha.finalize().into()) != o.object.sha256 {
+        return Err(mismatch());
+    }
+    Ok(size)
+}
+
+/// Copies anchor object `o` of `step`, unchanged, to the file `dst` (created with its parent
+/// directories), `parts` ranged GETs of 16 MiB in flight, and checks its size and SHA-256
+/// against the manifest: `Ok` only for the exact signed bytes; on an error the file is
+/// removed. For a reader that must verify an object before it writes anything decoded from
+/// it (the Python `Follower` loading an anchor into arrays that hold verified weights);
+/// [`stream_shard`] and [`stream_plain`] then read the copy through a `file://` bucket.
+/// Memory is bounded by the parts in flight; the disk holds one object.
+pub async fn spool_object(
+    bucket: &Bucket,
+    step: u64,
+    o: &AnchorShardRef,
+    parts: usize,
+    dst: &std::path::Path,
+) -> Result<u64> {
+    /// Removes the copy unless it was proven (also when the future is dropped).
+    struct Discard<'a>(&'a std::path::Path, bool);
+    impl Drop for Discard<'_> {
+        fn drop(&mut self) {
+            if !self.1 {
+                let _ = std::fs::remove_file(self.0);
+            }
+        }
+    }
+    let mut proven = Discard(dst, false);
+    use sha2::Digest as _;
+    let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
+    let size = o.object.size;
+    let mismatch = || corrupt("object", format!("{key} does not match its manifest (size or SHA-256)"));
+    // A stored shard is never much larger than its decoded file (incompressible planes are
+    // stored raw): bound the disk a hostile manifest can make us fill.
+    if o.decoded_size > anchor::MAX_SHARD || size > o.decoded_size.saturating_add(o.decoded_size / 8 + (1 << 20)) {
+        return Err(corrupt("anchor manifest", format!("{key}: object size {size} out of bounds")));
+    }
+    let head = match bucket.head(&key).await {
+        Ok(h) => h,
+        Err(e) if e.is_not_found() => {
+            return Err(StreamError::NotReady { step, detail: format!("{key} missing") }.into())
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if head.size != size {
+        return Err(mismatch());
+    }
+    if let Some(d) = dst.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    let file = driftless_format::checkpoint::allocate_file(dst, size)?;
+    let mut sha = sha2::Sha256::new();
+    copy_parts(bucket, &key, 0..size, parts, Arc::new(RawFile(file)), &mut sha).await?;
+    if Digest(sha.finalize().into()) != o.object.sha256 {
+        return Err(mismatch());
+    }
+    proven.1 = true;
+    Ok(size)
+}
+
+/// A file written with the object's bytes as they are (the spool copy).
+struct RawFile(std::fs::File);
+
+impl ShardSink for RawFile {
+    fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()> {
+        Ok(std::os::unix::fs::FileExt::write_all_at(&self.0, bytes, at)?)
+    }
+}
+
+/// Bytes `range` of `key`, unchanged, into `sink`: ranged GETs of [`PLAIN_PART`], `parts` in
+/// flight, each written once from the blocking pool and taken in order into `sha`
+/// ([`drain`]).
+async fn copy_parts(
+    bucket: &Bucket,
+    key: &str,
+    range: std::ops::Range<u64>,
+    parts: usize,
+    sink: Arc<dyn ShardSink>,
+    sha: &mut sha2::Sha256,
+) -> Result<()> {
     let stop = Stop(Arc::default());
-    let ranges: Vec<(u64, u64)> =
-        (head_end..size).step_by(PLAIN_PART as usize).map(|a| (a, (a + PLAIN_PART).min(size))).collect();
+    let end = range.end;
+    let ranges: Vec<(u64, u64)> = range.step_by(PLAIN_PART as usize).map(|a| (a, (a + PLAIN_PART).min(end))).collect();
     let got = futures::stream::iter(ranges)
         .map(|(a, e)| {
-            let (bucket, key, sink, stop) = (bucket.clone(), key.clone(), sink.clone(), stop.0.clone());
+            let (bucket, key, sink, stop) = (bucket.clone(), key.to_string(), sink.clone(), stop.0.clone());
             async move {
                 if stop.load(std::sync::atomic::Ordering::SeqCst) {
                     return Ok(Bytes::new());
@@ -375,11 +458,7 @@ pub async fn stream_plain(
             }
         })
         .buffered(parts.max(1));
-    drain(got, &mut sha, &stop).await?;
-    if Digest(sha.finalize().into()) != o.object.sha256 {
-        return Err(mismatch());
-    }
-    Ok(size)
+    drain(got, sha, &stop).await
 }
 
 /// Takes a shard's parts in order into the object's SHA-256. On the first error, stops: the

@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
-use driftless_agent::anchor_stream::{shard_tensors, stream_plain, stream_shard, Hashing, ShardSink, ShardTensors};
+use driftless_agent::anchor_stream::{
+    shard_tensors, spool_object, stream_plain, stream_shard, Hashing, ShardSink, ShardTensors,
+};
 use driftless_agent::{plan, Agent, AgentConfig};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
 use driftless_format::{
@@ -384,42 +386,43 @@ impl PyFollower {
         by: &HashMap<&str, Raw>,
         hash: bool,
     ) -> BindResult<(u64, Vec<(TensorMeta, Digest)>)> {
-        let layout = m.layout();
-        if m.objects.len() != layout.shards.len() {
-            return Err(corrupt("anchor", "shard count differs from the manifest"));
+        stream_anchor_from(self.reader.bucket(), step, m, by, hash, false).await
+    }
+
+    /// [`Self::stream_anchor`] for arrays that hold verified weights: nothing is written into
+    /// them before the whole anchor is proven. Its objects are copied to a local spool
+    /// (`tempfile`: `TMPDIR`, one anchor's stored bytes) and checked against their signed
+    /// SHA-256 ([`spool_object`]); the copy is decoded once without writing, hashing every
+    /// tensor, and the result checked against the signed weights root; only then is it
+    /// decoded into the arrays. A corrupt, truncated, swapped or wrongly signed anchor is
+    /// refused with the arrays untouched. The cost (a disk copy and a second decode, no
+    /// second download) is paid only on this route; a cold start streams directly.
+    async fn stream_anchor_checked(
+        &self,
+        step: u64,
+        m: &AnchorManifest,
+        by: &HashMap<&str, Raw>,
+    ) -> BindResult<(u64, Vec<(TensorMeta, Digest)>)> {
+        let dir = tempfile::Builder::new()
+            .prefix("driftless-anchor-")
+            .tempdir()
+            .map_err(|e| driftless_agent::Error::Io(std::io::Error::new(e.kind(), format!("anchor spool: {e}"))))?;
+        let mut bytes = 0;
+        for o in &m.objects {
+            let dst = dir.path().join(driftless_store::layout::object(StepKind::Anchor, step, &o.object.object));
+            bytes += spool_object(self.reader.bucket(), step, o, ANCHOR_PARTS, &dst).await?;
         }
-        let (mut bytes, mut digests) = (0, vec![]);
-        for (o, shard) in m.objects.iter().zip(&layout.shards) {
-            if o.file != shard.file {
-                return Err(corrupt("anchor", format!("shard {} is not the manifest's {}", o.file, shard.file)));
-            }
-            let arrays = ArraySink {
-                size: o.decoded_size,
-                file: shard.file.clone(),
-                expect: shard.tensors.clone(),
-                by: shard.tensors.iter().filter_map(|t| Some((t.name.clone(), *by.get(t.name.as_str())?))).collect(),
-                tensors: OnceLock::new(),
-                arrays: OnceLock::new(),
-            };
-            type Hashed = Arc<Hashing<ArraySink>>;
-            let (sink, hashing): (Arc<dyn ShardSink>, Option<Hashed>) = if hash {
-                let h = Arc::new(Hashing::new(arrays, o.decoded_size));
-                (h.clone(), Some(h))
-            } else {
-                (Arc::new(arrays), None)
-            };
-            bytes += match m.encoding {
-                AnchorEncoding::PlanesZstd => {
-                    stream_shard(self.reader.bucket(), step, o, ANCHOR_PARTS, sink.clone()).await?
-                }
-                AnchorEncoding::Safetensors => {
-                    stream_plain(self.reader.bucket(), step, o, ANCHOR_PARTS, sink.clone()).await?
-                }
-            };
-            if let Some(h) = hashing {
-                digests.extend(h.digests()?);
-            }
+        let url = format!("file://{}", dir.path().display());
+        let local = {
+            let _g = self.rt.enter();
+            Bucket::open(&url, &driftless_store::StoreOptions::default())?
+        };
+        let (_, digests) = stream_anchor_from(&local, step, m, by, true, true).await?;
+        {
+            let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = digests.iter().cloned().unzip();
+            ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
         }
+        stream_anchor_from(&local, step, m, by, false, false).await?;
         Ok((bytes, digests))
     }
 
@@ -456,8 +459,15 @@ impl PyFollower {
             same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
             let layout = m.layout();
             check_set(&layout, parts, a)?;
-            *touched = true;
-            let (b, d) = self.stream_anchor(a, &m, &by, chain.is_empty()).await?;
+            let (b, d) = if local.is_some() {
+                // The arrays hold verified weights: proven whole before they are written.
+                let r = self.stream_anchor_checked(a, &m, &by).await?;
+                *touched = true;
+                r
+            } else {
+                *touched = true;
+                self.stream_anchor(a, &m, &by, chain.is_empty()).await?
+            };
             bytes += b;
             cur = Tracked { step: a, root: m.weights_root, layout };
             anchor_digests = Some((d, m.shards.clone(), m.weights_root));
@@ -623,6 +633,52 @@ impl PyFollower {
     }
 }
 
+/// [`PyFollower::stream_anchor`] out of `bucket`; `dry`: decode and check (and hash, with
+/// `hash`) without writing into the arrays.
+async fn stream_anchor_from(
+    bucket: &Bucket,
+    step: u64,
+    m: &AnchorManifest,
+    by: &HashMap<&str, Raw>,
+    hash: bool,
+    dry: bool,
+) -> BindResult<(u64, Vec<(TensorMeta, Digest)>)> {
+    let layout = m.layout();
+    if m.objects.len() != layout.shards.len() {
+        return Err(corrupt("anchor", "shard count differs from the manifest"));
+    }
+    let (mut bytes, mut digests) = (0, vec![]);
+    for (o, shard) in m.objects.iter().zip(&layout.shards) {
+        if o.file != shard.file {
+            return Err(corrupt("anchor", format!("shard {} is not the manifest's {}", o.file, shard.file)));
+        }
+        let arrays = ArraySink {
+            size: o.decoded_size,
+            file: shard.file.clone(),
+            expect: shard.tensors.clone(),
+            by: shard.tensors.iter().filter_map(|t| Some((t.name.clone(), *by.get(t.name.as_str())?))).collect(),
+            tensors: OnceLock::new(),
+            arrays: OnceLock::new(),
+            dry,
+        };
+        type Hashed = Arc<Hashing<ArraySink>>;
+        let (sink, hashing): (Arc<dyn ShardSink>, Option<Hashed>) = if hash {
+            let h = Arc::new(Hashing::new(arrays, o.decoded_size));
+            (h.clone(), Some(h))
+        } else {
+            (Arc::new(arrays), None)
+        };
+        bytes += match m.encoding {
+            AnchorEncoding::PlanesZstd => stream_shard(bucket, step, o, ANCHOR_PARTS, sink.clone()).await?,
+            AnchorEncoding::Safetensors => stream_plain(bucket, step, o, ANCHOR_PARTS, sink.clone()).await?,
+        };
+        if let Some(h) = hashing {
+            digests.extend(h.digests()?);
+        }
+    }
+    Ok((bytes, digests))
+}
+
 /// Anchor parts in flight per shard (as the agent's default `anchor_parts`).
 const ANCHOR_PARTS: usize = 4;
 
@@ -642,6 +698,8 @@ struct ArraySink {
     tensors: OnceLock<ShardTensors>,
     /// The array of each of them, in the same order, set with them.
     arrays: OnceLock<Vec<Raw>>,
+    /// Check every part against the arrays, write none (the first pass of a checked load).
+    dry: bool,
 }
 
 impl ArraySink {
@@ -681,6 +739,9 @@ impl ShardSink for ArraySink {
                 self.arrays.get_or_init(|| a)
             }
         };
+        if self.dry {
+            return Ok(());
+        }
         for (i, lo, hi) in tensors.overlaps(at, at + bytes.len() as u64) {
             let (a, dst) = (tensors.tensors()[i].1, arrays[i]);
             let src = &bytes[(lo - at) as usize..(hi - at) as usize];

@@ -200,31 +200,25 @@ def test_follower_streams_an_anchor_into_arrays_and_refuses_a_corrupt_one(file_b
         assert np.array_equal(bits(arrays[n]), bits(a)), n
 
 
-def test_follower_refuses_a_signed_anchor_whose_bytes_are_not_its_root(file_bucket, keys):
-    """A manifest signed by the trusted key, with object hashes that match, but a weights root
-    that is not its bytes' root (a publisher bug, or a stolen key): the Follower hashes the
-    anchor as it streams it into the arrays and refuses it (CorruptError, nothing applied)."""
+def _forge_anchor_root(root, step, private):
+    """Re-signs anchor ``step``'s manifest with the trusted key and a weights root that is not
+    its bytes' root (its object hashes still match): what a publisher bug or a stolen key
+    produces. The envelope as driftless seals it: Ed25519 over a domain tag and the payload
+    text; the marker then names the new manifest's SHA-256."""
     import base64
     import hashlib
     import json
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    url, _ = file_bucket
-    private, public = keys
-    rng = np.random.default_rng(9)
-    tensors = {"a.w": rng.integers(0, 1 << 16, size=(3000, 1500), dtype=np.uint16).view(BF16)}
-    with driftless.Publisher(url, signing_key=private) as pub:
-        assert pub.publish(0, tensors)["outcome"] == "anchor"
-    root = url.removeprefix("file://")
-    marker_path = os.path.join(root, "ready", "anchors", "000000000000")
+    name = f"{step:012d}"
+    marker_path = os.path.join(root, "ready", "anchors", name)
     marker = json.load(open(marker_path))
-    env_path = os.path.join(root, "anchors", "000000000000", marker.get("manifest", "manifest.json"))
+    env_path = os.path.join(root, "anchors", name, marker.get("manifest", "manifest.json"))
     env = json.load(open(env_path))
     m = json.loads(env["payload"])
     m["weights_root"] = hashlib.sha256(b"another model").hexdigest()
     payload = json.dumps(m, separators=(",", ":"))
-    # The envelope as driftless seals it: Ed25519 over a domain tag and the payload text.
     # The key's PKCS#8 (v2, with the public key, which `cryptography` does not parse): the
     # 32-byte seed follows the OCTET STRING tags 04 22 04 20.
     der = base64.b64decode("".join(l for l in private.splitlines() if not l.startswith("-----")))
@@ -237,11 +231,75 @@ def test_follower_refuses_a_signed_anchor_whose_bytes_are_not_its_root(file_buck
     marker["manifest_sha256"] = hashlib.sha256(forged).hexdigest()
     open(marker_path, "w").write(json.dumps(marker))
 
+
+def test_follower_refuses_a_signed_anchor_whose_bytes_are_not_its_root(file_bucket, keys):
+    """A manifest signed by the trusted key, with object hashes that match, but a weights root
+    that is not its bytes' root (a publisher bug, or a stolen key): the Follower hashes the
+    anchor as it streams it into the arrays and refuses it (CorruptError, nothing applied)."""
+    url, _ = file_bucket
+    private, public = keys
+    rng = np.random.default_rng(9)
+    tensors = {"a.w": rng.integers(0, 1 << 16, size=(3000, 1500), dtype=np.uint16).view(BF16)}
+    with driftless.Publisher(url, signing_key=private) as pub:
+        assert pub.publish(0, tensors)["outcome"] == "anchor"
+    _forge_anchor_root(url.removeprefix("file://"), 0, private)
+
     f = driftless.Follower(url, trusted_keys=[public])
     arrays = {n: np.zeros_like(a) for n, a in tensors.items()}
     with pytest.raises(driftless.CorruptError, match="weights root"):
         f.apply_to(arrays)
     assert f.applied_step is None
+
+
+def test_a_bad_anchor_never_costs_the_arrays_their_verified_weights(file_bucket, keys):
+    """Arrays holding verified step 1, and the only route to the newest step 3 is its anchor
+    (the delta's marker is gone). That anchor corrupt (one stored byte flipped, in a 48 MiB
+    shard of three chunks), or signed with a root that is not its bytes': each is refused
+    with the arrays still bit for bit step 1 and still tracked as step 1, so a later delta
+    applies to them. Repaired, the same call loads the anchor."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    rng = np.random.default_rng(11)
+    shape = (4096, 6144)
+    steps = [rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)]
+    for _ in range(3):
+        n = steps[-1].copy()
+        n.flat[rng.integers(0, n.size, n.size // 100)] ^= 1
+        steps.append(n)
+    with driftless.Publisher(url, signing_key=private, anchor_every=3) as pub:
+        outcomes = [pub.publish(s, {"x.w": x.view(BF16)})["outcome"] for s, x in enumerate(steps)]
+    assert outcomes == ["anchor", "delta", "delta", "delta_and_anchor"], outcomes
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros(shape, BF16)}
+    assert f.apply_to(arrays, step=1)["step"] == 1
+    os.remove(os.path.join(root, "ready", "deltas", f"{3:012d}"))
+    adir = os.path.join(root, "anchors", f"{3:012d}")
+    obj = max((os.path.join(adir, n) for n in os.listdir(adir)), key=os.path.getsize)
+    good = open(obj, "rb").read()
+    assert len(good) > 40 << 20
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x5A
+    open(obj, "wb").write(bytes(bad))
+    with pytest.raises(driftless.CorruptError):
+        f.apply_to(arrays)
+    assert np.array_equal(bits(arrays["x.w"]), steps[1]), "the verified arrays were written"
+    assert f.applied_step == 1
+    open(obj, "wb").write(good)
+    manifest_dir_before = {n: open(os.path.join(adir, n), "rb").read() for n in os.listdir(adir) if "manifest" in n}
+    marker_before = open(os.path.join(root, "ready", "anchors", f"{3:012d}"), "rb").read()
+    _forge_anchor_root(root, 3, private)
+    with pytest.raises(driftless.CorruptError, match="weights root"):
+        f.apply_to(arrays)
+    assert np.array_equal(bits(arrays["x.w"]), steps[1]), "the verified arrays were written"
+    assert f.applied_step == 1
+    # The genuine anchor back: it loads, and the arrays are step 3.
+    for n, b in manifest_dir_before.items():
+        open(os.path.join(adir, n), "wb").write(b)
+    open(os.path.join(root, "ready", "anchors", f"{3:012d}"), "wb").write(marker_before)
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"]) == (3, "anchor"), o
+    assert np.array_equal(bits(arrays["x.w"]), steps[3])
 
 
 def test_a_step_signed_for_another_stream_is_refused(tmp_path, keys):

@@ -164,14 +164,18 @@ class Follower(_native.Follower):
         first call (or after :meth:`reset`, or with arrays of another shape) loads the newest
         anchor into them and applies the deltas after it; later calls apply only the deltas
         since. The weights root of the result is checked before returning, so a call that
-        returns has produced exactly the publisher's bits. An anchor is streamed into the
-        arrays as it downloads (ranged GETs decoded as they arrive, a few 16 MiB parts in
-        flight), so memory beyond the arrays does not grow with the model.
+        returns has produced exactly the publisher's bits. On a first load an anchor is
+        streamed into the arrays as it downloads (ranged GETs decoded as they arrive, a few
+        16 MiB parts in flight), so memory beyond the arrays does not grow with the model.
 
-        On failure the arrays may be partially modified: the exception says so by existing
-        (a download or signature failure before the first write leaves them untouched and
-        still tracked; any failure after the first write forgets their step, so the next call
-        reloads an anchor). You never get a silently wrong result.
+        Arrays that hold a verified step keep it when the bucket is at fault: delta objects
+        are checked before the first write, and an anchor is first copied to a temporary
+        directory (``TMPDIR``), checked against its signed hashes and weights root, and only
+        then written. A bad step raises with the arrays untouched and still tracked. Only a
+        delta whose objects match a trusted signature but whose signed result root is wrong
+        (a publisher bug or a stolen key) can fail after the first write; the Follower then
+        forgets their step, so the next call reloads an anchor. You never get a silently wrong
+        result.
 
         Returns ``step``, ``root``, ``route`` (``"up_to_date"``, ``"fast"``, ``"catchup"``,
         ``"anchor"``), ``bytes`` downloaded, ``deltas`` applied.
