@@ -94,6 +94,17 @@ fn stream_class(e: &driftless_store::stream::StreamError) -> &'static str {
 }
 
 impl BindError {
+    /// A verification failure of the step being loaded (corrupt, untrusted, another base):
+    /// the step is refused, not retried.
+    pub(crate) fn is_step_fault(&self) -> bool {
+        matches!(self.class_and_message().0, "CorruptError" | "UntrustedError" | "WrongBaseError")
+    }
+
+    /// The message the Python exception carries.
+    pub(crate) fn message(&self) -> String {
+        self.class_and_message().1
+    }
+
     fn class_and_message(&self) -> (&'static str, String) {
         use driftless_agent::Error as A;
         use driftless_publisher::Error as P;

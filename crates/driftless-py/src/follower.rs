@@ -41,15 +41,36 @@ struct Mirror {
     tensors: Vec<(TensorMeta, Vec<u8>)>,
 }
 
-#[derive(Default)]
 struct State {
     /// What the arrays last passed to `apply_to` hold.
     applied: Option<Tracked>,
     mirror: Option<Mirror>,
+    /// Steps that failed verification, left out of plans for a while (the agent's
+    /// [`plan::Refusals`]): a bad step costs one download per `refuse_for`, not one per call,
+    /// and the next best route is taken meanwhile.
+    refused: plan::Refusals,
+    /// The agent behind `sync_dir`, kept between calls for its directory (its refusals and
+    /// marker cache with it).
+    agent: Option<(PathBuf, Agent)>,
 }
 
-/// The route to a target: (target, anchor to load first, deltas in order, the stream's id).
-type Route = (u64, Option<u64>, Vec<u64>, String);
+/// The route to a target: (target, anchor to load first, deltas in order, the stream's id),
+/// and the markers it was planned with.
+type Route = (u64, Option<u64>, Vec<u64>, String, plan::Candidates);
+
+/// One attempt at a route: whether it wrote into its target, and the step it was loading
+/// (with its marker's manifest SHA-256), to which a verification failure belongs.
+#[derive(Default)]
+struct Attempt {
+    touched: bool,
+    at: Option<(StepKind, u64, Option<Digest>)>,
+}
+
+impl Attempt {
+    fn on(&mut self, cands: &plan::Candidates, kind: StepKind, step: u64) {
+        self.at = Some((kind, step, cands.marker(kind, step).map(|m| m.manifest_sha256)));
+    }
+}
 
 /// A manifest signed for another stream (the same key signs several runs: one copied into this
 /// bucket verifies against its own root) is refused, as the agent refuses it.
@@ -69,6 +90,7 @@ pub(crate) struct PyFollower {
     trust: TrustSet,
     reader: StreamReader,
     state: Mutex<State>,
+    refuse_for: std::time::Duration,
 }
 
 fn outcome_dict<'py>(
@@ -92,7 +114,7 @@ fn outcome_dict<'py>(
 impl PyFollower {
     #[new]
     #[pyo3(signature = (bucket_url, trusted_keys=None, allow_unsigned=false, endpoint=None, allow_http=false,
-        region=None, max_retries=None, retry_timeout=None))]
+        region=None, max_retries=None, retry_timeout=None, refuse_for=30.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bucket_url: String,
@@ -103,8 +125,12 @@ impl PyFollower {
         region: Option<String>,
         max_retries: Option<usize>,
         retry_timeout: Option<f64>,
+        refuse_for: f64,
     ) -> PyResult<Self> {
         crate::errors::guard(|| {
+            let refuse_for = std::time::Duration::try_from_secs_f64(refuse_for).map_err(|_| {
+                BindError::Input(format!("refuse_for must be a number of seconds >= 0, not {refuse_for}"))
+            })?;
             let mut trust = TrustSet::new().allow_unsigned(allow_unsigned);
             for k in trusted_keys.unwrap_or_default() {
                 trust = if k.contains("-----BEGIN") {
@@ -132,7 +158,8 @@ impl PyFollower {
                 Bucket::open(&bucket_url, &opts).map_err(BindError::from)?
             };
             let reader = StreamReader::new(bucket.clone(), trust.clone());
-            Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(State::default()) })
+            let state = State { applied: None, mirror: None, refused: plan::Refusals::new(refuse_for), agent: None };
+            Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(state), refuse_for })
         })
     }
 
@@ -155,7 +182,15 @@ impl PyFollower {
         crate::errors::guard(|| {
             let r: BindResult<(driftless_agent::SyncOutcome, PathBuf)> = py.allow_threads(|| {
                 let _g = self.rt.enter();
-                let mut agent = Agent::new(self.bucket.clone(), AgentConfig::new(&path, self.trust.clone()))?;
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let agent = match &mut st.agent {
+                    Some((p, a)) if *p == path => a,
+                    slot => {
+                        let mut cfg = AgentConfig::new(&path, self.trust.clone());
+                        cfg.refuse_for = self.refuse_for;
+                        &mut slot.insert((path.clone(), Agent::new(self.bucket.clone(), cfg)?)).1
+                    }
+                };
                 let o = self.rt.block_on(agent.sync_once())?;
                 Ok((o, agent.current_dir()))
             });
@@ -193,23 +228,30 @@ impl PyFollower {
                 let local = st.applied.clone();
                 // Arrays of another shape than what we tracked: start over from an anchor.
                 let local = local.filter(|t| same_set(&t.layout, &parts));
-                let mut touched = false;
-                let r = self.rt.block_on(self.apply(local.as_ref(), step, &parts, &mut touched));
+                let st = &mut *st;
+                let (r, touched) = with_refusals(&mut st.refused, |refused, at| {
+                    self.rt.block_on(self.apply(local.as_ref(), step, &parts, refused, at))
+                });
                 match &r {
                     Ok(Some((t, _, _, _))) => st.applied = Some(t.clone()),
                     Ok(None) => {}
                     Err(_) if touched => st.applied = None,
                     Err(_) => {}
                 }
-                r.map(|o| {
+                let out = r.map(|o| {
                     o.map(|(t, route, bytes, n)| (t.step, t.root, route, bytes, n))
                         .or_else(|| local.map(|t| (t.step, t.root, "up_to_date", 0, 0)))
-                })
+                });
+                out.map(|o| (o, refused_after(&st.refused, o.map(|o| o.0))))
             });
             drop(borrowed);
             match r? {
-                Some((s, root, route, bytes, n)) => Ok(outcome_dict(py, s, root, route, bytes, n)?),
-                None => Err(BindError::NothingReady(
+                (Some((s, root, route, bytes, n)), refused) => {
+                    let d = outcome_dict(py, s, root, route, bytes, n)?;
+                    d.set_item("refused", refused)?;
+                    Ok(d)
+                }
+                (None, _) => Err(BindError::NothingReady(
                     "nothing to sync yet: no stream or no ready anchor at this URL (not published yet, or a wrong URL)"
                         .into(),
                 )
@@ -246,11 +288,12 @@ impl PyFollower {
                 let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 let mut mirror = st.mirror.take();
                 let local = mirror.as_ref().map(|m| m.at.clone());
-                let mut touched = false;
                 let mut indices: BTreeMap<String, Vec<u64>> = BTreeMap::new();
                 // The mirror buffers are re-laid out on an anchor load; keep them in a vec we own.
-                let r =
-                    self.rt.block_on(self.apply_mirror(local.as_ref(), step, &mut mirror, &mut touched, &mut indices));
+                let (r, touched) = with_refusals(&mut st.refused, |refused, at| {
+                    indices.clear();
+                    self.rt.block_on(self.apply_mirror(local.as_ref(), step, &mut mirror, refused, at, &mut indices))
+                });
                 let out = match r {
                     Ok(Some((t, full))) => {
                         let m = mirror.as_mut().expect("mirror loaded");
@@ -348,7 +391,7 @@ impl PyFollower {
     /// Plans from `local` to `want` (or the newest reachable step) with the agent's planner
     /// (`driftless_agent::plan`: validated markers bound to the stream, bounded walks, the
     /// cheapest route by bytes). `Ok(None)`: up to date.
-    async fn plan(&self, local: Option<u64>, want: Option<u64>) -> BindResult<Option<Route>> {
+    async fn plan(&self, local: Option<u64>, want: Option<u64>, refused: &plan::Refusals) -> BindResult<Option<Route>> {
         let Some(desc) = self.reader.descriptor().await? else {
             return Err(BindError::NothingReady("the bucket holds no stream yet".into()));
         };
@@ -356,8 +399,8 @@ impl PyFollower {
         if cands.anchors.is_empty() && local.is_none() {
             return Err(BindError::NothingReady("no anchor is ready in the stream yet".into()));
         }
-        if let Some(r) = plan::route(local, &cands, &plan::Refusals::default(), want) {
-            return Ok(Some((r.target, r.anchor, r.deltas, desc.stream_id)));
+        if let Some(r) = plan::route(local, &cands, refused, want) {
+            return Ok(Some((r.target, r.anchor, r.deltas, desc.stream_id, cands)));
         }
         match want {
             Some(w) if local != Some(w) => Err(BindError::NothingReady(format!(
@@ -445,9 +488,11 @@ impl PyFollower {
         local: Option<&Tracked>,
         want: Option<u64>,
         parts: &[(TensorMeta, Raw)],
-        touched: &mut bool,
+        refused: &plan::Refusals,
+        at: &mut Attempt,
     ) -> BindResult<Option<(Tracked, &'static str, u64, usize)>> {
-        let Some((target, anchor_step, chain, sid)) = self.plan(local.map(|t| t.step), want).await? else {
+        let Some((target, anchor_step, chain, sid, cands)) = self.plan(local.map(|t| t.step), want, refused).await?
+        else {
             return Ok(None);
         };
         let mut bytes = 0;
@@ -455,6 +500,7 @@ impl PyFollower {
         let mut anchor_digests = None;
         let by: HashMap<&str, Raw> = parts.iter().map(|(m, r)| (m.name.as_str(), *r)).collect();
         if let Some(a) = anchor_step {
+            at.on(&cands, StepKind::Anchor, a);
             let (m, _) = self.reader.anchor(a).await?;
             same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
             let layout = m.layout();
@@ -462,10 +508,10 @@ impl PyFollower {
             let (b, d) = if local.is_some() {
                 // The arrays hold verified weights: proven whole before they are written.
                 let r = self.stream_anchor_checked(a, &m, &by).await?;
-                *touched = true;
+                at.touched = true;
                 r
             } else {
-                *touched = true;
+                at.touched = true;
                 self.stream_anchor(a, &m, &by, chain.is_empty()).await?
             };
             bytes += b;
@@ -477,6 +523,7 @@ impl PyFollower {
         }
         let mut last: Option<DeltaManifest> = None;
         for &d in &chain {
+            at.on(&cands, StepKind::Delta, d);
             let (m, segs, b) = self.fetch_delta(d).await?;
             same_stream(&sid, &m.stream_id, "delta manifest", d)?;
             bytes += b;
@@ -493,7 +540,7 @@ impl PyFollower {
                     detail: "arrays cannot follow in place; load the new checkpoint (sync_dir) and start a new Follower state with reset()".into(),
                 });
             }
-            *touched = true;
+            at.touched = true;
             (|| -> BindResult<()> {
                 let mut tm = TensorsMut::new();
                 for t in cur.layout.tensors() {
@@ -547,18 +594,20 @@ impl PyFollower {
         local: Option<&Tracked>,
         want: Option<u64>,
         mirror: &mut Option<Mirror>,
-        touched: &mut bool,
+        refused: &plan::Refusals,
+        at: &mut Attempt,
         indices: &mut BTreeMap<String, Vec<u64>>,
     ) -> BindResult<Option<(Tracked, bool)>> {
-        let Some((_, anchor_step, chain, sid)) = self.plan(local.map(|t| t.step), want).await? else {
+        let Some((_, anchor_step, chain, sid, cands)) = self.plan(local.map(|t| t.step), want, refused).await? else {
             return Ok(None);
         };
         let full = anchor_step.is_some();
         if let Some(a) = anchor_step {
+            at.on(&cands, StepKind::Anchor, a);
             let (m, _) = self.reader.anchor(a).await?;
             same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
             let layout = m.layout();
-            *touched = true;
+            at.touched = true;
             let tensors: Vec<(TensorMeta, Vec<u8>)> = layout
                 .tensors()
                 .map(|t| Ok((t.clone(), vec![0u8; t.nbytes()? as usize])))
@@ -577,6 +626,7 @@ impl PyFollower {
         let mm = mirror.as_mut().expect("a mirror to apply onto");
         let mut cur = mm.at.clone();
         for &d in &chain {
+            at.on(&cands, StepKind::Delta, d);
             let (m, segs, _) = self.fetch_delta(d).await?;
             same_stream(&sid, &m.stream_id, "delta manifest", d)?;
             if m.base_root != cur.root {
@@ -592,7 +642,7 @@ impl PyFollower {
                     detail: "patches cannot express it; reload the model (sync_dir) and call reset()".into(),
                 });
             }
-            *touched = true;
+            at.touched = true;
             let found = (|| -> BindResult<Vec<(String, Vec<u64>)>> {
                 let mut tm = TensorsMut::new();
                 for (t, data) in mm.tensors.iter_mut() {
@@ -631,6 +681,67 @@ impl PyFollower {
         }
         Ok(Some((cur, full)))
     }
+}
+
+/// Runs `attempt` (one planned route) until it succeeds, fails after writing into its target,
+/// or fails for a reason that is not its step's own (storage trouble, bad arguments). A step
+/// that fails verification is refused, bound to its marker, for `refuse_for`; when nothing
+/// was written yet, the route is planned again without it (at most 32 times), as the agent
+/// does: the verified state is kept and the next best route taken. When nothing is left to reach, the error of
+/// the last refused step is returned, not "nothing ready". Returns the result and whether the
+/// last attempt wrote into its target.
+fn with_refusals<T>(
+    refused: &mut plan::Refusals,
+    mut attempt: impl FnMut(&plan::Refusals, &mut Attempt) -> BindResult<T>,
+) -> (BindResult<T>, bool) {
+    refused.begin_round();
+    let mut fault: Option<BindError> = None;
+    for _ in 0..32 {
+        let mut at = Attempt::default();
+        match (attempt(refused, &mut at), at.at) {
+            (Err(e), Some((kind, step, sha))) if e.is_step_fault() => {
+                refused.refuse(kind, step, sha, e.message(), false);
+                if at.touched {
+                    // The target is no longer the verified state: the caller must know.
+                    return (Err(e), true);
+                }
+                fault = Some(e);
+            }
+            (Err(BindError::NothingReady(m)), _) => {
+                // Nothing to reach because of refusals: say which step, not "nothing ready".
+                if let Some(e) = fault {
+                    return (Err(e), false);
+                }
+                let newest = refused.list().into_iter().max_by_key(|(_, s, _)| *s);
+                let e = match newest {
+                    Some((kind, step, r)) => BindError::Format(driftless_format::Error::Corrupt {
+                        what: "step",
+                        detail: format!("{kind} {step} is refused for now (it failed verification: {})", r.reason),
+                    }),
+                    None => BindError::NothingReady(m),
+                };
+                return (Err(e), false);
+            }
+            (r, _) => return (r, at.touched),
+        }
+    }
+    (Err(fault.expect("32 refusals")), false)
+}
+
+/// The refusals of steps after `step` still in force, as `(kind, step, reason)`.
+fn refused_after(refused: &plan::Refusals, step: Option<u64>) -> Vec<(&'static str, u64, String)> {
+    refused
+        .list()
+        .into_iter()
+        .filter(|(_, s, _)| step.is_none_or(|l| *s > l))
+        .map(|(k, s, r)| {
+            let kind = match k {
+                StepKind::Delta => "delta",
+                StepKind::Anchor => "anchor",
+            };
+            (kind, s, r.reason.clone())
+        })
+        .collect()
 }
 
 /// [`PyFollower::stream_anchor`] out of `bucket`; `dry`: decode and check (and hash, with

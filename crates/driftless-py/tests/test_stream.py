@@ -182,7 +182,8 @@ def test_follower_streams_an_anchor_into_arrays_and_refuses_a_corrupt_one(file_b
     shards = [p for p in glob.glob(f"{root}/anchors/**/*", recursive=True) if os.path.isfile(p)]
     obj = max(shards, key=os.path.getsize)
     good = open(obj, "rb").read()
-    f = driftless.Follower(url, trusted_keys=[public])
+    # refuse_for=0: a refused step is tried again at the next call (the default waits 30 s).
+    f = driftless.Follower(url, trusted_keys=[public], refuse_for=0)
     arrays = {n: np.zeros_like(a) for n, a in tensors.items()}
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0xFF
@@ -253,10 +254,12 @@ def test_follower_refuses_a_signed_anchor_whose_bytes_are_not_its_root(file_buck
 
 def test_a_bad_anchor_never_costs_the_arrays_their_verified_weights(file_bucket, keys):
     """Arrays holding verified step 1, and the only route to the newest step 3 is its anchor
-    (the delta's marker is gone). That anchor corrupt (one stored byte flipped, in a 48 MiB
+    (the deltas' markers are gone). That anchor corrupt (one stored byte flipped, in a 48 MiB
     shard of three chunks), or signed with a root that is not its bytes': each is refused
-    with the arrays still bit for bit step 1 and still tracked as step 1, so a later delta
-    applies to them. Repaired, the same call loads the anchor."""
+    with the arrays still bit for bit step 1 and still tracked as step 1; the call returns
+    "up_to_date" at step 1 and names the refused step, as the agent does. A refused step is
+    not downloaded again within refuse_for (the object removed: no error). The genuine anchor
+    loads into arrays that hold a verified step (the checked route) bit for bit."""
     url, _ = file_bucket
     root = url.removeprefix("file://")
     private, public = keys
@@ -268,12 +271,18 @@ def test_a_bad_anchor_never_costs_the_arrays_their_verified_weights(file_bucket,
         n.flat[rng.integers(0, n.size, n.size // 100)] ^= 1
         steps.append(n)
     with driftless.Publisher(url, signing_key=private, anchor_every=3) as pub:
-        outcomes = [pub.publish(s, {"x.w": x.view(BF16)})["outcome"] for s, x in enumerate(steps)]
+        outcomes = []
+        for s, x in enumerate(steps):
+            if s == 3:
+                pub.flush()  # an anchor is not started while one is still encoding
+            outcomes.append(pub.publish(s, {"x.w": x.view(BF16)})["outcome"])
     assert outcomes == ["anchor", "delta", "delta", "delta_and_anchor"], outcomes
     f = driftless.Follower(url, trusted_keys=[public])
     arrays = {"x.w": np.zeros(shape, BF16)}
     assert f.apply_to(arrays, step=1)["step"] == 1
-    os.remove(os.path.join(root, "ready", "deltas", f"{3:012d}"))
+    delta_markers = {s: open(os.path.join(root, "ready", "deltas", f"{s:012d}"), "rb").read() for s in (2, 3)}
+    for s in (2, 3):
+        os.remove(os.path.join(root, "ready", "deltas", f"{s:012d}"))
     adir = os.path.join(root, "anchors", f"{3:012d}")
     obj = max((os.path.join(adir, n) for n in os.listdir(adir)), key=os.path.getsize)
     good = open(obj, "rb").read()
@@ -281,24 +290,41 @@ def test_a_bad_anchor_never_costs_the_arrays_their_verified_weights(file_bucket,
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0x5A
     open(obj, "wb").write(bytes(bad))
-    with pytest.raises(driftless.CorruptError):
-        f.apply_to(arrays)
-    assert np.array_equal(bits(arrays["x.w"]), steps[1]), "the verified arrays were written"
-    assert f.applied_step == 1
+
+    def kept_step_1(o, reason):
+        assert (o["step"], o["route"]) == (1, "up_to_date"), o
+        assert [(k, s) for k, s, _ in o["refused"]] == [("anchor", 3)], o
+        assert reason in o["refused"][0][2], o
+        assert np.array_equal(bits(arrays["x.w"]), steps[1]), "the verified arrays were written"
+        assert f.applied_step == 1
+
+    kept_step_1(f.apply_to(arrays), "does not match its manifest")
+    # Refused for refuse_for: not fetched again (gone, it would be a RetryableError).
+    os.remove(obj)
+    kept_step_1(f.apply_to(arrays), "does not match its manifest")
     open(obj, "wb").write(good)
-    manifest_dir_before = {n: open(os.path.join(adir, n), "rb").read() for n in os.listdir(adir) if "manifest" in n}
-    marker_before = open(os.path.join(root, "ready", "anchors", f"{3:012d}"), "rb").read()
+    # A re-signed manifest is another marker: tried, and refused for its root.
+    manifests = {n: open(os.path.join(adir, n), "rb").read() for n in os.listdir(adir) if "manifest" in n}
+    marker_path = os.path.join(root, "ready", "anchors", f"{3:012d}")
+    marker = open(marker_path, "rb").read()
     _forge_anchor_root(root, 3, private)
-    with pytest.raises(driftless.CorruptError, match="weights root"):
-        f.apply_to(arrays)
-    assert np.array_equal(bits(arrays["x.w"]), steps[1]), "the verified arrays were written"
-    assert f.applied_step == 1
-    # The genuine anchor back: it loads, and the arrays are step 3.
-    for n, b in manifest_dir_before.items():
+    kept_step_1(f.apply_to(arrays), "weights root")
+    # The genuine anchor back, and a Follower whose arrays hold verified step 1: the anchor is
+    # proven, then written.
+    for n, b in manifests.items():
         open(os.path.join(adir, n), "wb").write(b)
-    open(os.path.join(root, "ready", "anchors", f"{3:012d}"), "wb").write(marker_before)
+    open(marker_path, "wb").write(marker)
+    g = driftless.Follower(url, trusted_keys=[public])
+    mine = {"x.w": np.zeros(shape, BF16)}
+    assert g.apply_to(mine, step=1)["step"] == 1
+    o = g.apply_to(mine)
+    assert (o["step"], o["route"], o["refused"]) == (3, "anchor", []), o
+    assert np.array_equal(bits(mine["x.w"]), steps[3])
+    # With the deltas back, the refused Follower moves on by them (the anchor is still refused).
+    for s, b in delta_markers.items():
+        open(os.path.join(root, "ready", "deltas", f"{s:012d}"), "wb").write(b)
     o = f.apply_to(arrays)
-    assert (o["step"], o["route"]) == (3, "anchor"), o
+    assert (o["step"], o["route"]) == (3, "catchup"), o
     assert np.array_equal(bits(arrays["x.w"]), steps[3])
 
 
@@ -332,9 +358,11 @@ def test_a_step_signed_for_another_stream_is_refused(tmp_path, keys):
     f = driftless.Follower(f"file://{a_root}", trusted_keys=[public])
     arrays = {"x.w": np.zeros(shape, BF16)}
     with pytest.raises(driftless.CorruptError, match="another stream"):
-        f.apply_to(arrays)
+        f.apply_to(arrays, step=5)
     assert f.applied_step is None
     assert not arrays["x.w"].view(np.uint16).any(), "nothing written into the arrays"
-    # The run's own steps are still served.
-    assert f.apply_to(arrays, step=1)["step"] == 1
+    # The newest step refused, the next best route is taken: the run's own step 1.
+    o = f.apply_to(arrays)
+    assert o["step"] == 1 and [(k, s) for k, s, _ in o["refused"]] == [("anchor", 5)], o
+    assert "another stream" in o["refused"][0][2]
     assert np.array_equal(arrays["x.w"].view(np.uint16), w1["x.w"].view(np.uint16))

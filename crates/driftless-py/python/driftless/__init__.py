@@ -136,6 +136,9 @@ class Follower(_native.Follower):
         trusted_keys: public keys (SPKI PEM text or paths) whose signatures are accepted.
         allow_unsigned: accept an unsigned stream (no ``trusted_keys`` needed).
         endpoint, allow_http, region, max_retries, retry_timeout: as for :class:`Publisher`.
+        refuse_for: seconds a step that failed verification is left out of plans (doubling
+            on each repeat; default 30, as for the agent). Meanwhile the next best route is
+            taken, and the bad step is not downloaded again at every call.
 
     Three ways to consume the stream:
 
@@ -177,8 +180,14 @@ class Follower(_native.Follower):
         forgets their step, so the next call reloads an anchor. You never get a silently wrong
         result.
 
+        A step that fails verification is refused (see ``refuse_for``) and the next best
+        route taken, as the agent does: an older step, or staying on the arrays' verified
+        step (``"up_to_date"``). With nothing verified and nothing else to reach, the call
+        raises the refused step's error.
+
         Returns ``step``, ``root``, ``route`` (``"up_to_date"``, ``"fast"``, ``"catchup"``,
-        ``"anchor"``), ``bytes`` downloaded, ``deltas`` applied.
+        ``"anchor"``), ``bytes`` downloaded, ``deltas`` applied and ``refused``: the newer
+        steps left out, as ``(kind, step, reason)``.
 
         Raises :class:`NothingReadyError` when nothing is reachable yet,
         :class:`InvalidInputError` when the arrays are not the stream's tensors (names, dtypes,

@@ -1,4 +1,4 @@
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple, TypedDict, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, TypedDict, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -47,6 +47,7 @@ class SyncResult(TypedDict, total=False):
     route: str  # "up_to_date" | "fast" | "catchup" | "anchor"
     bytes: int
     deltas: int
+    refused: List[Tuple[str, int, str]]  # (kind, step, reason) of newer steps left out
     path: str  # sync_dir only
 
 def generate_key() -> Tuple[str, str, str]:
@@ -99,6 +100,7 @@ class Follower:
         region: Optional[str] = None,
         max_retries: Optional[int] = None,
         retry_timeout: Optional[float] = None,
+        refuse_for: float = 30.0,
     ) -> None: ...
     def poll(self) -> Optional[int]: ...
     def sync_dir(self, path: str) -> SyncResult: ...
