@@ -49,9 +49,6 @@ struct State {
     /// [`plan::Refusals`]): a bad step costs one download per `refuse_for`, not one per call,
     /// and the next best route is taken meanwhile.
     refused: plan::Refusals,
-    /// The agent behind `sync_dir`, kept between calls for its directory (its refusals and
-    /// marker cache with it).
-    agent: Option<(PathBuf, Agent)>,
 }
 
 /// The route to a target: (target, anchor to load first, deltas in order, the stream's id),
@@ -158,7 +155,7 @@ impl PyFollower {
                 Bucket::open(&bucket_url, &opts).map_err(BindError::from)?
             };
             let reader = StreamReader::new(bucket.clone(), trust.clone());
-            let state = State { applied: None, mirror: None, refused: plan::Refusals::new(refuse_for), agent: None };
+            let state = State { applied: None, mirror: None, refused: plan::Refusals::new(refuse_for) };
             Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(state), refuse_for })
         })
     }
@@ -182,15 +179,11 @@ impl PyFollower {
         crate::errors::guard(|| {
             let r: BindResult<(driftless_agent::SyncOutcome, PathBuf)> = py.allow_threads(|| {
                 let _g = self.rt.enter();
-                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-                let agent = match &mut st.agent {
-                    Some((p, a)) if *p == path => a,
-                    slot => {
-                        let mut cfg = AgentConfig::new(&path, self.trust.clone());
-                        cfg.refuse_for = self.refuse_for;
-                        &mut slot.insert((path.clone(), Agent::new(self.bucket.clone(), cfg)?)).1
-                    }
-                };
+                // A new agent per call: it holds DIR's lock only for the call, so other
+                // processes and Followers may use the directory between calls.
+                let mut cfg = AgentConfig::new(&path, self.trust.clone());
+                cfg.refuse_for = self.refuse_for;
+                let mut agent = Agent::new(self.bucket.clone(), cfg)?;
                 let o = self.rt.block_on(agent.sync_once())?;
                 Ok((o, agent.current_dir()))
             });
