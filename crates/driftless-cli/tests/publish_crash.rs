@@ -442,6 +442,19 @@ fn watch_survives_a_bucket_outage_and_publishes_the_newest_step() {
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
+    // A failed assertion must not leave the follower running (it now outlives outages).
+    struct KillOnDrop(Option<u32>);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            if let Some(pid) = self.0 {
+                // SAFETY: plain kill(2) of our own child process, not yet reaped.
+                unsafe {
+                    libc::kill(pid as i32, libc::SIGKILL);
+                }
+            }
+        }
+    }
+    let mut guard = KillOnDrop(Some(child.id()));
     /// Waits until a step at or after `step` is ready; returns the ready (deltas, anchors).
     fn ready_through(run: &Run, log: &Path, step: u64, what: &str) -> (Vec<u64>, Vec<u64>) {
         let t0 = std::time::Instant::now();
@@ -496,5 +509,6 @@ fn watch_survives_a_bucket_outage_and_publishes_the_newest_step() {
         libc::kill(child.id() as i32, libc::SIGTERM);
     }
     let st = child.wait().unwrap();
+    guard.0 = None;
     assert!(st.success(), "publish --watch after SIGTERM: {st:?}: {}", std::fs::read_to_string(&log).unwrap());
 }

@@ -42,8 +42,9 @@ struct Mirror {
 }
 
 struct State {
-    /// What the arrays last passed to `apply_to` hold.
-    applied: Option<Tracked>,
+    /// What the arrays last passed to `apply_to` hold, and where they are: other arrays of
+    /// the same shapes are not assumed to hold it.
+    applied: Option<(Tracked, Placement)>,
     mirror: Option<Mirror>,
     /// Steps that failed verification, left out of plans for a while (the agent's
     /// [`plan::Refusals`]): a bad step costs one download per `refuse_for`, not one per call,
@@ -125,7 +126,8 @@ impl PyFollower {
         refuse_for: f64,
     ) -> PyResult<Self> {
         crate::errors::guard(|| {
-            let refuse_for = std::time::Duration::try_from_secs_f64(refuse_for).map_err(|_| {
+            // At most a day: the refusal's doubling must not overflow.
+            let refuse_for = std::time::Duration::try_from_secs_f64(refuse_for.min(86_400.0)).map_err(|_| {
                 BindError::Input(format!("refuse_for must be a number of seconds >= 0, not {refuse_for}"))
             })?;
             let mut trust = TrustSet::new().allow_unsigned(allow_unsigned);
@@ -218,15 +220,18 @@ impl PyFollower {
             let parts: Vec<(TensorMeta, Raw)> = borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
             let r = py.allow_threads(|| {
                 let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-                let local = st.applied.clone();
-                // Arrays of another shape than what we tracked: start over from an anchor.
-                let local = local.filter(|t| same_set(&t.layout, &parts));
+                let here = placement(&parts);
+                // Other arrays than those we verified, or of another shape: start over from an
+                // anchor.
+                let local =
+                    st.applied.clone().filter(|(t, p)| *p == here && same_set(&t.layout, &parts)).map(|(t, _)| t);
                 let st = &mut *st;
-                let (r, touched) = with_refusals(&mut st.refused, |refused, at| {
-                    self.rt.block_on(self.apply(local.as_ref(), step, &parts, refused, at))
-                });
+                let (r, touched) =
+                    with_refusals(&mut st.refused, local.as_ref().map(|t| t.step), step, |refused, at| {
+                        self.rt.block_on(self.apply(local.as_ref(), step, &parts, refused, at))
+                    });
                 match &r {
-                    Ok(Some((t, _, _, _))) => st.applied = Some(t.clone()),
+                    Ok(Some((t, _, _, _))) => st.applied = Some((t.clone(), here)),
                     Ok(None) => {}
                     Err(_) if touched => st.applied = None,
                     Err(_) => {}
@@ -257,7 +262,7 @@ impl PyFollower {
     #[getter]
     fn applied_step(&self) -> PyResult<Option<u64>> {
         crate::errors::guard(|| {
-            Ok(self.state.lock().unwrap_or_else(|e| e.into_inner()).applied.as_ref().map(|t| t.step))
+            Ok(self.state.lock().unwrap_or_else(|e| e.into_inner()).applied.as_ref().map(|(t, _)| t.step))
         })
     }
 
@@ -283,10 +288,18 @@ impl PyFollower {
                 let local = mirror.as_ref().map(|m| m.at.clone());
                 let mut indices: BTreeMap<String, Vec<u64>> = BTreeMap::new();
                 // The mirror buffers are re-laid out on an anchor load; keep them in a vec we own.
-                let (r, touched) = with_refusals(&mut st.refused, |refused, at| {
-                    indices.clear();
-                    self.rt.block_on(self.apply_mirror(local.as_ref(), step, &mut mirror, refused, at, &mut indices))
-                });
+                let (r, touched) =
+                    with_refusals(&mut st.refused, local.as_ref().map(|t| t.step), step, |refused, at| {
+                        indices.clear();
+                        self.rt.block_on(self.apply_mirror(
+                            local.as_ref(),
+                            step,
+                            &mut mirror,
+                            refused,
+                            at,
+                            &mut indices,
+                        ))
+                    });
                 let out = match r {
                     Ok(Some((t, full))) => {
                         let m = mirror.as_mut().expect("mirror loaded");
@@ -341,6 +354,15 @@ impl PyFollower {
             Ok(self.state.lock().unwrap_or_else(|e| e.into_inner()).mirror.as_ref().map(|m| m.at.step))
         })
     }
+}
+
+/// Where caller arrays are: (name, address, length), by name.
+type Placement = Vec<(String, usize, usize)>;
+
+fn placement(parts: &[(TensorMeta, Raw)]) -> Placement {
+    let mut p: Placement = parts.iter().map(|(m, r)| (m.name.clone(), r.addr, r.len)).collect();
+    p.sort_unstable();
+    p
 }
 
 /// Whether caller arrays are exactly the tensors of `layout` (names, dtypes, shapes).
@@ -425,41 +447,38 @@ impl PyFollower {
         stream_anchor_from(self.reader.bucket(), step, m, by, hash, false).await
     }
 
-    /// [`Self::stream_anchor`] for arrays that hold verified weights: nothing is written into
-    /// them before the whole anchor is proven. Its objects are copied to a local spool
-    /// (`tempfile`: `TMPDIR`, one anchor's stored bytes) and checked against their signed
+    /// The first half of loading an anchor into arrays that hold verified weights: nothing is
+    /// written into them before the whole anchor is proven. Its objects are copied to a local
+    /// spool (`tempfile`: `TMPDIR`, one anchor's stored bytes) and checked against their signed
     /// SHA-256 ([`spool_object`]); the copy is decoded once without writing, hashing every
-    /// tensor, and the result checked against the signed weights root; only then is it
-    /// decoded into the arrays. A corrupt, truncated, swapped or wrongly signed anchor is
-    /// refused with the arrays untouched. The cost (a disk copy and a second decode, no
-    /// second download) is paid only on this route; a cold start streams directly.
-    async fn stream_anchor_checked(
+    /// tensor, and the result checked against the signed weights root. Returns the spool (a
+    /// `file://` bucket over it, and the directory, removed on drop), the bytes read and the
+    /// digests; [`stream_anchor_from`] out of the spool then writes the arrays. A corrupt,
+    /// truncated, swapped or wrongly signed anchor is refused with the arrays untouched. The
+    /// cost (a disk copy and a second decode, no second download) is paid only on this route;
+    /// a cold start streams directly.
+    async fn prove_anchor(
         &self,
         step: u64,
         m: &AnchorManifest,
         by: &HashMap<&str, Raw>,
-    ) -> BindResult<(u64, Vec<(TensorMeta, Digest)>)> {
-        let dir = tempfile::Builder::new()
-            .prefix("driftless-anchor-")
-            .tempdir()
-            .map_err(|e| driftless_agent::Error::Io(std::io::Error::new(e.kind(), format!("anchor spool: {e}"))))?;
+    ) -> BindResult<((Bucket, tempfile::TempDir), u64, Vec<(TensorMeta, Digest)>)> {
+        let io =
+            |e: std::io::Error| driftless_agent::Error::Io(std::io::Error::new(e.kind(), format!("anchor spool: {e}")));
+        let dir = tempfile::Builder::new().prefix("driftless-anchor-").tempdir().map_err(io)?;
         let mut bytes = 0;
         for o in &m.objects {
             let dst = dir.path().join(driftless_store::layout::object(StepKind::Anchor, step, &o.object.object));
             bytes += spool_object(self.reader.bucket(), step, o, ANCHOR_PARTS, &dst).await?;
         }
-        let url = format!("file://{}", dir.path().display());
-        let local = {
-            let _g = self.rt.enter();
-            Bucket::open(&url, &driftless_store::StoreOptions::default())?
-        };
+        // The directory itself, not a URL made of it (TMPDIR may hold `#` or `?`).
+        let fs = driftless_store::object_store::local::LocalFileSystem::new_with_prefix(dir.path())
+            .map_err(|e| io(std::io::Error::other(e.to_string())))?;
+        let local = Bucket::from_store(Arc::new(fs), "", &driftless_store::StoreOptions::default());
         let (_, digests) = stream_anchor_from(&local, step, m, by, true, true).await?;
-        {
-            let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = digests.iter().cloned().unzip();
-            ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
-        }
-        stream_anchor_from(&local, step, m, by, false, false).await?;
-        Ok((bytes, digests))
+        let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = digests.iter().cloned().unzip();
+        ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
+        Ok(((local, dir), bytes, digests))
     }
 
     async fn fetch_delta(&self, step: u64) -> BindResult<(DeltaManifest, Vec<Bytes>, u64)> {
@@ -489,41 +508,42 @@ impl PyFollower {
             return Ok(None);
         };
         let mut bytes = 0;
-        let mut cur: Tracked;
-        let mut anchor_digests = None;
         let by: HashMap<&str, Raw> = parts.iter().map(|(m, r)| (m.name.as_str(), *r)).collect();
-        if let Some(a) = anchor_step {
-            at.on(&cands, StepKind::Anchor, a);
-            let (m, _) = self.reader.anchor(a).await?;
-            same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
-            let layout = m.layout();
-            check_set(&layout, parts, a)?;
-            let (b, d) = if local.is_some() {
-                // The arrays hold verified weights: proven whole before they are written.
-                let r = self.stream_anchor_checked(a, &m, &by).await?;
-                at.touched = true;
-                r
-            } else {
-                at.touched = true;
-                self.stream_anchor(a, &m, &by, chain.is_empty()).await?
-            };
-            bytes += b;
-            cur = Tracked { step: a, root: m.weights_root, layout };
-            anchor_digests = Some((d, m.shards.clone(), m.weights_root));
-        } else {
-            cur = local.expect("a delta route starts from a local state").clone();
-            check_set(&cur.layout, parts, cur.step)?;
-        }
-        let mut last: Option<DeltaManifest> = None;
+        // The anchor's manifest and the arrays' layout first, then every delta of the chain is
+        // fetched and checked (signed manifest, objects against their SHA-256, stream, each
+        // base the previous result, layout) before anything is written: a fault in any of them
+        // is that step's, refused with the arrays untouched. Memory: the chain's payload,
+        // which the planner chose over an anchor.
+        let anchor = match anchor_step {
+            Some(a) => {
+                at.on(&cands, StepKind::Anchor, a);
+                let (m, _) = self.reader.anchor(a).await?;
+                same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
+                let layout = m.layout();
+                check_set(&layout, parts, a)?;
+                Some((a, m, layout))
+            }
+            None => None,
+        };
+        let mut cur = match &anchor {
+            Some((a, m, layout)) => Tracked { step: *a, root: m.weights_root, layout: layout.clone() },
+            None => {
+                let l = local.expect("a delta route starts from a local state").clone();
+                check_set(&l.layout, parts, l.step)?;
+                l
+            }
+        };
+        let mut deltas = Vec::with_capacity(chain.len());
+        let mut root = cur.root;
         for &d in &chain {
             at.on(&cands, StepKind::Delta, d);
             let (m, segs, b) = self.fetch_delta(d).await?;
             same_stream(&sid, &m.stream_id, "delta manifest", d)?;
             bytes += b;
-            if m.base_root != cur.root {
+            if m.base_root != root {
                 return Err(driftless_format::Error::WrongBase {
                     expected: m.base_root.to_hex(),
-                    actual: cur.root.to_hex(),
+                    actual: root.to_hex(),
                 }
                 .into());
             }
@@ -533,6 +553,28 @@ impl PyFollower {
                     detail: "arrays cannot follow in place; load the new checkpoint (sync_dir) and start a new Follower state with reset()".into(),
                 });
             }
+            root = m.result_root;
+            deltas.push((d, m, segs));
+        }
+        let mut anchor_digests = None;
+        if let Some((a, m, _)) = &anchor {
+            at.on(&cands, StepKind::Anchor, *a);
+            let (b, d) = if local.is_some() {
+                // The arrays hold verified weights: the anchor is proven whole first.
+                let (spool, b, d) = self.prove_anchor(*a, m, &by).await?;
+                at.touched = true;
+                stream_anchor_from(&spool.0, *a, m, &by, false, false).await?;
+                (b, d)
+            } else {
+                at.touched = true;
+                self.stream_anchor(*a, m, &by, chain.is_empty()).await?
+            };
+            bytes += b;
+            anchor_digests = Some((d, m.shards.clone(), m.weights_root));
+        }
+        let mut last: Option<DeltaManifest> = None;
+        for (d, m, segs) in deltas {
+            at.on(&cands, StepKind::Delta, d);
             at.touched = true;
             (|| -> BindResult<()> {
                 let mut tm = TensorsMut::new();
@@ -547,6 +589,12 @@ impl PyFollower {
             })()?;
             cur = Tracked { step: d, root: m.result_root, layout: cur.layout };
             last = Some(m);
+        }
+        if anchor.is_none() {
+            // From the caller's arrays: a result that does not verify may be their doing (the
+            // arrays changed since they were verified), not the delta's. Not refused: the
+            // arrays are forgotten and the next call reloads from an anchor, which proves it.
+            at.at = None;
         }
         (|| -> BindResult<()> {
             // SAFETY: writes are done; read-only views of the borrowed arrays.
@@ -676,17 +724,24 @@ impl PyFollower {
     }
 }
 
-/// Runs `attempt` (one planned route) until it succeeds, fails after writing into its target,
-/// or fails for a reason that is not its step's own (storage trouble, bad arguments). A step
-/// that fails verification is refused, bound to its marker, for `refuse_for`; when nothing
-/// was written yet, the route is planned again without it (at most 32 times), as the agent
-/// does: the verified state is kept and the next best route taken. When nothing is left to reach, the error of
-/// the last refused step is returned, not "nothing ready". Returns the result and whether the
+/// Runs `attempt` (one planned route from `local` toward `want`) until it succeeds, fails
+/// after writing into its target, or fails for a reason that is not its step's own (storage
+/// trouble, local I/O, bad arguments). A step that fails verification is refused, bound to
+/// its marker, for `refuse_for`; when nothing was written yet, the route is planned again
+/// without it (at most 32 times), as the agent does: the verified state is kept and the next
+/// best route taken. When nothing is left to reach because of a refusal between `local` and
+/// `want`, that refusal is the error, not "nothing ready". Returns the result and whether the
 /// last attempt wrote into its target.
 fn with_refusals<T>(
     refused: &mut plan::Refusals,
+    local: Option<u64>,
+    want: Option<u64>,
     mut attempt: impl FnMut(&plan::Refusals, &mut Attempt) -> BindResult<T>,
 ) -> (BindResult<T>, bool) {
+    // Steps at or below the verified one are never planned again.
+    if let Some(l) = local {
+        refused.prune_below(l + 1);
+    }
     refused.begin_round();
     let mut fault: Option<BindError> = None;
     for _ in 0..32 {
@@ -705,7 +760,12 @@ fn with_refusals<T>(
                 if let Some(e) = fault {
                     return (Err(e), false);
                 }
-                let newest = refused.list().into_iter().max_by_key(|(_, s, _)| *s);
+                // Only a refusal that stands between `local` and `want` explains it.
+                let newest = refused
+                    .list()
+                    .into_iter()
+                    .filter(|(_, s, _)| local.is_none_or(|l| *s > l) && want.is_none_or(|w| *s <= w))
+                    .max_by_key(|(_, s, _)| *s);
                 let e = match newest {
                     Some((kind, step, r)) => BindError::Format(driftless_format::Error::Corrupt {
                         what: "step",

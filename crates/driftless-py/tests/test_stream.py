@@ -328,6 +328,37 @@ def test_a_bad_anchor_never_costs_the_arrays_their_verified_weights(file_bucket,
     assert np.array_equal(bits(arrays["x.w"]), steps[3])
 
 
+def test_a_bad_delta_in_a_chain_is_refused_before_any_write(file_bucket, keys):
+    """Arrays at verified step 1, deltas 2 and 3 ready, delta 3's object corrupt: the whole
+    chain is checked before the first write, so delta 3 is refused with nothing written and
+    the next best route (delta 2 alone) taken; the arrays are bit for bit step 2."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    rng = np.random.default_rng(5)
+    steps = [rng.integers(0, 1 << 16, size=(512, 512), dtype=np.uint16)]
+    for _ in range(3):
+        n = steps[-1].copy()
+        n.flat[rng.integers(0, n.size, n.size // 100)] ^= 1
+        steps.append(n)
+    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+        for s, x in enumerate(steps):
+            pub.publish(s, {"x.w": x.view(BF16)})
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros((512, 512), BF16)}
+    assert f.apply_to(arrays, step=1)["step"] == 1
+    ddir = os.path.join(root, "deltas", f"{3:012d}")
+    obj = max((os.path.join(ddir, n) for n in os.listdir(ddir) if "manifest" not in n), key=os.path.getsize)
+    bad = bytearray(open(obj, "rb").read())
+    bad[len(bad) // 2] ^= 0xFF
+    open(obj, "wb").write(bytes(bad))
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"]) == (2, "fast"), o
+    assert [(k, s) for k, s, _ in o["refused"]] == [("delta", 3)], o
+    assert np.array_equal(bits(arrays["x.w"]), steps[2])
+    assert f.applied_step == 2
+
+
 def test_a_step_signed_for_another_stream_is_refused(tmp_path, keys):
     """Two runs signed with one key: run B's anchor copied into run A's bucket as A's newest
     step (its marker rewritten to A's stream id) verifies against B's own root, but is B's.

@@ -83,9 +83,13 @@ pub fn run(a: Args) -> Result<()> {
     // reopened publisher takes a new generation and resumes after the newest *committed*
     // step, so the failed step is published again (as a delta from the saved state when that
     // is still the bucket's newest step): the newest checkpoint always reaches the bucket.
-    // Anything else (a refused stream, another publisher, bad input) still ends the command.
+    // Anything else (a refused stream, another publisher, bad input) still ends the command,
+    // and so do RETRY_TRIES failures in a row with no step published in between (a failure
+    // that only looks temporary, e.g. a background encode that fails every time): exit 2, for
+    // the supervisor.
     let mut last_done: Option<u64> = None;
     let mut backoff = RETRY_MIN;
+    let mut tries = 0;
     loop {
         let before = published;
         let r = open(&a).and_then(|mut p| follow(&a, &dir, &mut p, &mut published, &mut last_done));
@@ -97,7 +101,12 @@ pub fn run(a: Args) -> Result<()> {
             return Err(e);
         }
         if published > before {
-            backoff = RETRY_MIN;
+            (backoff, tries) = (RETRY_MIN, 0);
+        }
+        tries += 1;
+        if tries > RETRY_TRIES {
+            eprintln!("driftless publish: {RETRY_TRIES} reopenings in a row published nothing; giving up");
+            return Err(e);
         }
         eprintln!(
             "driftless publish: warning: {}; this looks temporary: reopening the bucket in {} s and publishing the step again",
@@ -109,8 +118,13 @@ pub fn run(a: Args) -> Result<()> {
             std::thread::sleep(Duration::from_millis(100));
         }
         if let Some(sig) = stop::requested() {
-            eprintln!("driftless publish: {sig} while retrying; stopped (the step that failed has no ready marker)");
-            return Err(e);
+            // As for a signal between steps: a clean stop (exit 0). What failed was not
+            // committed unless the bucket says so; the next run resumes from the bucket.
+            match last_done {
+                Some(s) => eprintln!("driftless publish: {sig} while waiting to retry; stopped (the last step this run published is {s})"),
+                None => eprintln!("driftless publish: {sig} while waiting to retry; stopped (this run published no step)"),
+            }
+            return Ok(());
         }
         backoff = (backoff * 2).min(RETRY_MAX);
     }
@@ -119,6 +133,8 @@ pub fn run(a: Args) -> Result<()> {
 /// Backoff between reopenings of a `--watch` publisher after a temporary failure.
 const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
+/// Reopenings in a row without a published step before `--watch` gives up (~8 minutes).
+const RETRY_TRIES: u32 = 20;
 
 /// Opens the publisher and seeds it from the saved state.
 fn open(a: &Args) -> Result<driftless_publisher::Publisher> {
