@@ -50,11 +50,17 @@ struct State {
     /// [`plan::Refusals`]): a bad step costs one download per `refuse_for`, not one per call,
     /// and the next best route is taken meanwhile.
     refused: plan::Refusals,
+    /// Ready markers already read (write-once: each is read once, not at every call; one that
+    /// led to a refusal is read again).
+    markers: plan::MarkerCache,
 }
 
 /// The route to a target: (target, anchor to load first, deltas in order, the stream's id),
 /// and the markers it was planned with.
 type Route = (u64, Option<u64>, Vec<u64>, String, plan::Candidates);
+
+/// What planning reads and keeps between calls: the refusals and the marker cache.
+type Planning<'a> = (&'a plan::Refusals, &'a mut plan::MarkerCache);
 
 /// One attempt at a route: whether it wrote into its target, and the step it was loading
 /// (with its marker's manifest SHA-256), to which a verification failure belongs.
@@ -157,7 +163,12 @@ impl PyFollower {
                 Bucket::open(&bucket_url, &opts).map_err(BindError::from)?
             };
             let reader = StreamReader::new(bucket.clone(), trust.clone());
-            let state = State { applied: None, mirror: None, refused: plan::Refusals::new(refuse_for) };
+            let state = State {
+                applied: None,
+                mirror: None,
+                refused: plan::Refusals::new(refuse_for),
+                markers: plan::MarkerCache::default(),
+            };
             Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(state), refuse_for })
         })
     }
@@ -227,8 +238,8 @@ impl PyFollower {
                     st.applied.clone().filter(|(t, p)| *p == here && same_set(&t.layout, &parts)).map(|(t, _)| t);
                 let st = &mut *st;
                 let (r, touched) =
-                    with_refusals(&mut st.refused, local.as_ref().map(|t| t.step), step, |refused, at| {
-                        self.rt.block_on(self.apply(local.as_ref(), step, &parts, refused, at))
+                    with_refusals(&mut st.refused, &mut st.markers, local.as_ref().map(|t| t.step), step, |pl, at| {
+                        self.rt.block_on(self.apply(local.as_ref(), step, &parts, pl, at))
                     });
                 match &r {
                     Ok(Some((t, _, _, _))) => st.applied = Some((t.clone(), here)),
@@ -283,22 +294,16 @@ impl PyFollower {
         crate::errors::guard(|| {
             type Patch = (String, DType, Vec<u64>, Option<Vec<u8>>, Vec<u8>);
             let r: BindResult<Option<(Tracked, Vec<Patch>)>> = py.allow_threads(|| {
-                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let st = &mut *guard;
                 let mut mirror = st.mirror.take();
                 let local = mirror.as_ref().map(|m| m.at.clone());
                 let mut indices: BTreeMap<String, Vec<u64>> = BTreeMap::new();
                 // The mirror buffers are re-laid out on an anchor load; keep them in a vec we own.
                 let (r, touched) =
-                    with_refusals(&mut st.refused, local.as_ref().map(|t| t.step), step, |refused, at| {
+                    with_refusals(&mut st.refused, &mut st.markers, local.as_ref().map(|t| t.step), step, |pl, at| {
                         indices.clear();
-                        self.rt.block_on(self.apply_mirror(
-                            local.as_ref(),
-                            step,
-                            &mut mirror,
-                            refused,
-                            at,
-                            &mut indices,
-                        ))
+                        self.rt.block_on(self.apply_mirror(local.as_ref(), step, &mut mirror, pl, at, &mut indices))
                     });
                 let out = match r {
                     Ok(Some((t, full))) => {
@@ -406,11 +411,12 @@ impl PyFollower {
     /// Plans from `local` to `want` (or the newest reachable step) with the agent's planner
     /// (`driftless_agent::plan`: validated markers bound to the stream, bounded walks, the
     /// cheapest route by bytes). `Ok(None)`: up to date.
-    async fn plan(&self, local: Option<u64>, want: Option<u64>, refused: &plan::Refusals) -> BindResult<Option<Route>> {
+    async fn plan(&self, local: Option<u64>, want: Option<u64>, pl: Planning<'_>) -> BindResult<Option<Route>> {
+        let (refused, markers) = pl;
         let Some(desc) = self.reader.descriptor().await? else {
             return Err(BindError::NothingReady("the bucket holds no stream yet".into()));
         };
-        let cands = plan::MarkerCache::default().candidates(&self.reader, &desc.stream_id, None).await?;
+        let cands = markers.candidates(&self.reader, &desc.stream_id, None).await?;
         if cands.anchors.is_empty() && local.is_none() {
             return Err(BindError::NothingReady("no anchor is ready in the stream yet".into()));
         }
@@ -500,11 +506,10 @@ impl PyFollower {
         local: Option<&Tracked>,
         want: Option<u64>,
         parts: &[(TensorMeta, Raw)],
-        refused: &plan::Refusals,
+        pl: Planning<'_>,
         at: &mut Attempt,
     ) -> BindResult<Option<(Tracked, &'static str, u64, usize)>> {
-        let Some((target, anchor_step, chain, sid, cands)) = self.plan(local.map(|t| t.step), want, refused).await?
-        else {
+        let Some((target, anchor_step, chain, sid, cands)) = self.plan(local.map(|t| t.step), want, pl).await? else {
             return Ok(None);
         };
         let mut bytes = 0;
@@ -635,11 +640,11 @@ impl PyFollower {
         local: Option<&Tracked>,
         want: Option<u64>,
         mirror: &mut Option<Mirror>,
-        refused: &plan::Refusals,
+        pl: Planning<'_>,
         at: &mut Attempt,
         indices: &mut BTreeMap<String, Vec<u64>>,
     ) -> BindResult<Option<(Tracked, bool)>> {
-        let Some((_, anchor_step, chain, sid, cands)) = self.plan(local.map(|t| t.step), want, refused).await? else {
+        let Some((_, anchor_step, chain, sid, cands)) = self.plan(local.map(|t| t.step), want, pl).await? else {
             return Ok(None);
         };
         let full = anchor_step.is_some();
@@ -734,9 +739,10 @@ impl PyFollower {
 /// last attempt wrote into its target.
 fn with_refusals<T>(
     refused: &mut plan::Refusals,
+    markers: &mut plan::MarkerCache,
     local: Option<u64>,
     want: Option<u64>,
-    mut attempt: impl FnMut(&plan::Refusals, &mut Attempt) -> BindResult<T>,
+    mut attempt: impl FnMut(Planning<'_>, &mut Attempt) -> BindResult<T>,
 ) -> (BindResult<T>, bool) {
     // Steps at or below the verified one are never planned again.
     if let Some(l) = local {
@@ -746,9 +752,10 @@ fn with_refusals<T>(
     let mut fault: Option<BindError> = None;
     for _ in 0..32 {
         let mut at = Attempt::default();
-        match (attempt(refused, &mut at), at.at) {
+        match (attempt((refused, markers), &mut at), at.at) {
             (Err(e), Some((kind, step, sha))) if e.is_step_fault() => {
                 refused.refuse(kind, step, sha, e.message(), false);
+                markers.forget(kind, step);
                 if at.touched {
                     // The target is no longer the verified state: the caller must know.
                     return (Err(e), true);

@@ -291,24 +291,28 @@ def test_a_bad_anchor_never_costs_the_arrays_their_verified_weights(file_bucket,
     bad[len(bad) // 2] ^= 0x5A
     open(obj, "wb").write(bytes(bad))
 
-    def kept_step_1(o, reason):
+    def kept_step_1(f, arrays, o, reason):
         assert (o["step"], o["route"]) == (1, "up_to_date"), o
         assert [(k, s) for k, s, _ in o["refused"]] == [("anchor", 3)], o
         assert reason in o["refused"][0][2], o
         assert np.array_equal(bits(arrays["x.w"]), steps[1]), "the verified arrays were written"
         assert f.applied_step == 1
 
-    kept_step_1(f.apply_to(arrays), "does not match its manifest")
+    kept_step_1(f, arrays, f.apply_to(arrays), "does not match its manifest")
     # Refused for refuse_for: not fetched again (gone, it would be a RetryableError).
     os.remove(obj)
-    kept_step_1(f.apply_to(arrays), "does not match its manifest")
+    kept_step_1(f, arrays, f.apply_to(arrays), "does not match its manifest")
     open(obj, "wb").write(good)
-    # A re-signed manifest is another marker: tried, and refused for its root.
+    # Signed with a root that is not its bytes': refused for its root (another Follower: f
+    # keeps the marker it read, markers being write-once).
+    h = driftless.Follower(url, trusted_keys=[public])
+    theirs = {"x.w": np.zeros(shape, BF16)}
+    assert h.apply_to(theirs, step=1)["step"] == 1
     manifests = {n: open(os.path.join(adir, n), "rb").read() for n in os.listdir(adir) if "manifest" in n}
     marker_path = os.path.join(root, "ready", "anchors", f"{3:012d}")
     marker = open(marker_path, "rb").read()
     _forge_anchor_root(root, 3, private)
-    kept_step_1(f.apply_to(arrays), "weights root")
+    kept_step_1(h, theirs, h.apply_to(theirs), "weights root")
     # The genuine anchor back, and a Follower whose arrays hold verified step 1: the anchor is
     # proven, then written.
     for n, b in manifests.items():
