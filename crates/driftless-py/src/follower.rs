@@ -49,10 +49,17 @@ struct State {
     /// Steps that failed verification, left out of plans for a while (the agent's
     /// [`plan::Refusals`]): a bad step costs one download per `refuse_for`, not one per call,
     /// and the next best route is taken meanwhile.
+    plans: Plans,
+}
+
+/// What planning keeps between calls.
+struct Plans {
     refused: plan::Refusals,
-    /// Ready markers already read (write-once: each is read once, not at every call; one that
-    /// led to a refusal is read again).
+    /// Ready markers already read (write-once: each is read once, not at every call; those of
+    /// refused steps are read again at each call, so a repaired step is seen).
     markers: plan::MarkerCache,
+    /// The stream the cached markers belong to (a new stream at the prefix starts over).
+    stream: Option<String>,
 }
 
 /// The route to a target: (target, anchor to load first, deltas in order, the stream's id),
@@ -60,7 +67,7 @@ struct State {
 type Route = (u64, Option<u64>, Vec<u64>, String, plan::Candidates);
 
 /// What planning reads and keeps between calls: the refusals and the marker cache.
-type Planning<'a> = (&'a plan::Refusals, &'a mut plan::MarkerCache);
+type Planning<'a> = &'a mut Plans;
 
 /// One attempt at a route: whether it wrote into its target, and the step it was loading
 /// (with its marker's manifest SHA-256), to which a verification failure belongs.
@@ -95,6 +102,9 @@ pub(crate) struct PyFollower {
     reader: StreamReader,
     state: Mutex<State>,
     refuse_for: std::time::Duration,
+    /// Bytes of a checked delta chain held in memory until its writing pass; beyond, the
+    /// segments wait in a TMPDIR spool.
+    chain_memory: u64,
 }
 
 fn outcome_dict<'py>(
@@ -118,7 +128,7 @@ fn outcome_dict<'py>(
 impl PyFollower {
     #[new]
     #[pyo3(signature = (bucket_url, trusted_keys=None, allow_unsigned=false, endpoint=None, allow_http=false,
-        region=None, max_retries=None, retry_timeout=None, refuse_for=30.0))]
+        region=None, max_retries=None, retry_timeout=None, refuse_for=30.0, chain_memory=CHAIN_IN_MEMORY))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bucket_url: String,
@@ -130,12 +140,16 @@ impl PyFollower {
         max_retries: Option<usize>,
         retry_timeout: Option<f64>,
         refuse_for: f64,
+        chain_memory: u64,
     ) -> PyResult<Self> {
         crate::errors::guard(|| {
             // At most a day: the refusal's doubling must not overflow.
-            let refuse_for = std::time::Duration::try_from_secs_f64(refuse_for.min(86_400.0)).map_err(|_| {
-                BindError::Input(format!("refuse_for must be a number of seconds >= 0, not {refuse_for}"))
-            })?;
+            let refuse_for = std::time::Duration::try_from_secs_f64(if refuse_for.is_nan() {
+                -1.0
+            } else {
+                refuse_for.min(86_400.0)
+            })
+            .map_err(|_| BindError::Input(format!("refuse_for must be a number of seconds >= 0, not {refuse_for}")))?;
             let mut trust = TrustSet::new().allow_unsigned(allow_unsigned);
             for k in trusted_keys.unwrap_or_default() {
                 trust = if k.contains("-----BEGIN") {
@@ -166,10 +180,13 @@ impl PyFollower {
             let state = State {
                 applied: None,
                 mirror: None,
-                refused: plan::Refusals::new(refuse_for),
-                markers: plan::MarkerCache::default(),
+                plans: Plans {
+                    refused: plan::Refusals::new(refuse_for),
+                    markers: plan::MarkerCache::default(),
+                    stream: None,
+                },
             };
-            Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(state), refuse_for })
+            Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(state), refuse_for, chain_memory })
         })
     }
 
@@ -237,21 +254,21 @@ impl PyFollower {
                 let local =
                     st.applied.clone().filter(|(t, p)| *p == here && same_set(&t.layout, &parts)).map(|(t, _)| t);
                 let st = &mut *st;
-                let (r, touched) =
-                    with_refusals(&mut st.refused, &mut st.markers, local.as_ref().map(|t| t.step), step, |pl, at| {
-                        self.rt.block_on(self.apply(local.as_ref(), step, &parts, pl, at))
-                    });
-                match &r {
-                    Ok(Some((t, _, _, _))) => st.applied = Some((t.clone(), here)),
-                    Ok(None) => {}
-                    Err(_) if touched => st.applied = None,
-                    Err(_) => {}
-                }
+                // Out while the arrays may be written: a panic leaves them untracked.
+                let prev = st.applied.take();
+                let (r, touched) = with_refusals(&mut st.plans, local.as_ref().map(|t| t.step), step, |pl, at| {
+                    self.rt.block_on(self.apply(local.as_ref(), step, &parts, pl, at))
+                });
+                st.applied = match &r {
+                    Ok(Some((t, _, _, _))) => Some((t.clone(), here)),
+                    Err(_) if touched => None,
+                    _ => prev,
+                };
                 let out = r.map(|o| {
                     o.map(|(t, route, bytes, n)| (t.step, t.root, route, bytes, n))
                         .or_else(|| local.map(|t| (t.step, t.root, "up_to_date", 0, 0)))
                 });
-                out.map(|o| (o, refused_after(&st.refused, o.map(|o| o.0))))
+                out.map(|o| (o, refused_after(&st.plans.refused, o.map(|o| o.0))))
             });
             drop(borrowed);
             match r? {
@@ -300,11 +317,10 @@ impl PyFollower {
                 let local = mirror.as_ref().map(|m| m.at.clone());
                 let mut indices: BTreeMap<String, Vec<u64>> = BTreeMap::new();
                 // The mirror buffers are re-laid out on an anchor load; keep them in a vec we own.
-                let (r, touched) =
-                    with_refusals(&mut st.refused, &mut st.markers, local.as_ref().map(|t| t.step), step, |pl, at| {
-                        indices.clear();
-                        self.rt.block_on(self.apply_mirror(local.as_ref(), step, &mut mirror, pl, at, &mut indices))
-                    });
+                let (r, touched) = with_refusals(&mut st.plans, local.as_ref().map(|t| t.step), step, |pl, at| {
+                    indices.clear();
+                    self.rt.block_on(self.apply_mirror(local.as_ref(), step, &mut mirror, pl, at, &mut indices))
+                });
                 let out = match r {
                     Ok(Some((t, full))) => {
                         let m = mirror.as_mut().expect("mirror loaded");
@@ -412,11 +428,19 @@ impl PyFollower {
     /// (`driftless_agent::plan`: validated markers bound to the stream, bounded walks, the
     /// cheapest route by bytes). `Ok(None)`: up to date.
     async fn plan(&self, local: Option<u64>, want: Option<u64>, pl: Planning<'_>) -> BindResult<Option<Route>> {
-        let (refused, markers) = pl;
         let Some(desc) = self.reader.descriptor().await? else {
             return Err(BindError::NothingReady("the bucket holds no stream yet".into()));
         };
-        let cands = markers.candidates(&self.reader, &desc.stream_id, None).await?;
+        if pl.stream.as_deref() != Some(desc.stream_id.as_str()) {
+            pl.markers = plan::MarkerCache::default();
+            pl.stream = Some(desc.stream_id.clone());
+        }
+        let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None).await?;
+        // Steps before the oldest anchor are never planned again (as the agent prunes).
+        if let Some(&oldest) = cands.anchors.keys().next() {
+            pl.refused.prune_below(oldest);
+        }
+        let refused = &pl.refused;
         if cands.anchors.is_empty() && local.is_none() {
             return Err(BindError::NothingReady("no anchor is ready in the stream yet".into()));
         }
@@ -469,9 +493,7 @@ impl PyFollower {
         m: &AnchorManifest,
         by: &HashMap<&str, Raw>,
     ) -> BindResult<((Bucket, tempfile::TempDir), u64, Vec<(TensorMeta, Digest)>)> {
-        let io =
-            |e: std::io::Error| driftless_agent::Error::Io(std::io::Error::new(e.kind(), format!("anchor spool: {e}")));
-        let dir = tempfile::Builder::new().prefix("driftless-anchor-").tempdir().map_err(io)?;
+        let dir = tempfile::Builder::new().prefix("driftless-anchor-").tempdir().map_err(spool_io)?;
         let mut bytes = 0;
         for o in &m.objects {
             let dst = dir.path().join(driftless_store::layout::object(StepKind::Anchor, step, &o.object.object));
@@ -479,7 +501,7 @@ impl PyFollower {
         }
         // The directory itself, not a URL made of it (TMPDIR may hold `#` or `?`).
         let fs = driftless_store::object_store::local::LocalFileSystem::new_with_prefix(dir.path())
-            .map_err(|e| io(std::io::Error::other(e.to_string())))?;
+            .map_err(|e| spool_io(std::io::Error::other(e.to_string())))?;
         let local = Bucket::from_store(Arc::new(fs), "", &driftless_store::StoreOptions::default());
         let (_, digests) = stream_anchor_from(&local, step, m, by, true, true).await?;
         let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = digests.iter().cloned().unzip();
@@ -540,6 +562,10 @@ impl PyFollower {
         };
         let mut deltas = Vec::with_capacity(chain.len());
         let mut root = cur.root;
+        // Checked segments wait for the writing pass in memory up to `chain_memory` bytes for
+        // the chain, beyond that in a TMPDIR spool: a long catch-up does not hold an anchor's
+        // worth of deltas in RAM.
+        let (mut held, mut spool) = (0u64, None::<tempfile::TempDir>);
         for &d in &chain {
             at.on(&cands, StepKind::Delta, d);
             let (m, segs, b) = self.fetch_delta(d).await?;
@@ -559,6 +585,22 @@ impl PyFollower {
                 });
             }
             root = m.result_root;
+            held += b;
+            let segs = if held <= self.chain_memory {
+                Held::Mem(segs)
+            } else {
+                if spool.is_none() {
+                    spool = Some(tempfile::Builder::new().prefix("driftless-chain-").tempdir().map_err(spool_io)?);
+                }
+                let dir = spool.as_ref().expect("created").path();
+                let mut paths = Vec::with_capacity(segs.len());
+                for (i, b) in segs.iter().enumerate() {
+                    let p = dir.join(format!("{d}-{i}"));
+                    std::fs::write(&p, b).map_err(spool_io)?;
+                    paths.push(p);
+                }
+                Held::Spooled(paths)
+            };
             deltas.push((d, m, segs));
         }
         let mut anchor_digests = None;
@@ -580,6 +622,7 @@ impl PyFollower {
         let mut last: Option<DeltaManifest> = None;
         for (d, m, segs) in deltas {
             at.on(&cands, StepKind::Delta, d);
+            let segs = segs.take()?;
             at.touched = true;
             (|| -> BindResult<()> {
                 let mut tm = TensorsMut::new();
@@ -738,24 +781,24 @@ impl PyFollower {
 /// `want`, that refusal is the error, not "nothing ready". Returns the result and whether the
 /// last attempt wrote into its target.
 fn with_refusals<T>(
-    refused: &mut plan::Refusals,
-    markers: &mut plan::MarkerCache,
+    plans: &mut Plans,
     local: Option<u64>,
     want: Option<u64>,
     mut attempt: impl FnMut(Planning<'_>, &mut Attempt) -> BindResult<T>,
 ) -> (BindResult<T>, bool) {
-    // Steps at or below the verified one are never planned again.
-    if let Some(l) = local {
-        refused.prune_below(l + 1);
+    // The markers of refused steps are read again: a repaired step is seen.
+    let stale: Vec<(StepKind, u64)> = plans.refused.list().into_iter().map(|(k, s, _)| (k, s)).collect();
+    for (k, s) in stale {
+        plans.markers.forget(k, s);
     }
-    refused.begin_round();
+    plans.refused.begin_round();
     let mut fault: Option<BindError> = None;
     for _ in 0..32 {
         let mut at = Attempt::default();
-        match (attempt((refused, markers), &mut at), at.at) {
+        match (attempt(plans, &mut at), at.at) {
             (Err(e), Some((kind, step, sha))) if e.is_step_fault() => {
-                refused.refuse(kind, step, sha, e.message(), false);
-                markers.forget(kind, step);
+                plans.refused.refuse(kind, step, sha, e.message(), false);
+                plans.markers.forget(kind, step);
                 if at.touched {
                     // The target is no longer the verified state: the caller must know.
                     return (Err(e), true);
@@ -768,7 +811,8 @@ fn with_refusals<T>(
                     return (Err(e), false);
                 }
                 // Only a refusal that stands between `local` and `want` explains it.
-                let newest = refused
+                let newest = plans
+                    .refused
                     .list()
                     .into_iter()
                     .filter(|(_, s, _)| local.is_none_or(|l| *s > l) && want.is_none_or(|w| *s <= w))
@@ -848,6 +892,29 @@ async fn stream_anchor_from(
         }
     }
     Ok((bytes, digests))
+}
+
+/// Default bytes of a checked delta chain held in memory until its writing pass (`apply`).
+const CHAIN_IN_MEMORY: u64 = 256 << 20;
+
+/// The checked segments of one delta of a chain.
+enum Held {
+    Mem(Vec<Bytes>),
+    /// In the chain's TMPDIR spool (local disk: not checked again).
+    Spooled(Vec<PathBuf>),
+}
+
+impl Held {
+    fn take(self) -> BindResult<Vec<Bytes>> {
+        match self {
+            Held::Mem(v) => Ok(v),
+            Held::Spooled(p) => p.iter().map(|p| std::fs::read(p).map(Bytes::from).map_err(spool_io)).collect(),
+        }
+    }
+}
+
+fn spool_io(e: std::io::Error) -> BindError {
+    driftless_agent::Error::Io(std::io::Error::new(e.kind(), format!("spool: {e}"))).into()
 }
 
 /// Anchor parts in flight per shard (as the agent's default `anchor_parts`).

@@ -348,12 +348,14 @@ def test_a_bad_delta_in_a_chain_is_refused_before_any_write(file_bucket, keys):
     with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
         for s, x in enumerate(steps):
             pub.publish(s, {"x.w": x.view(BF16)})
-    f = driftless.Follower(url, trusted_keys=[public])
+    # chain_memory=0: the checked chain waits in the TMPDIR spool.
+    f = driftless.Follower(url, trusted_keys=[public], chain_memory=0)
     arrays = {"x.w": np.zeros((512, 512), BF16)}
     assert f.apply_to(arrays, step=1)["step"] == 1
     ddir = os.path.join(root, "deltas", f"{3:012d}")
     obj = max((os.path.join(ddir, n) for n in os.listdir(ddir) if "manifest" not in n), key=os.path.getsize)
-    bad = bytearray(open(obj, "rb").read())
+    good = open(obj, "rb").read()
+    bad = bytearray(good)
     bad[len(bad) // 2] ^= 0xFF
     open(obj, "wb").write(bytes(bad))
     o = f.apply_to(arrays)
@@ -361,6 +363,14 @@ def test_a_bad_delta_in_a_chain_is_refused_before_any_write(file_bucket, keys):
     assert [(k, s) for k, s, _ in o["refused"]] == [("delta", 3)], o
     assert np.array_equal(bits(arrays["x.w"]), steps[2])
     assert f.applied_step == 2
+    # Repaired: the refused delta's marker is read again, and the chain applies from the spool.
+    open(obj, "wb").write(bytes(good))
+    g = driftless.Follower(url, trusted_keys=[public], chain_memory=0)
+    theirs = {"x.w": np.zeros((512, 512), BF16)}
+    assert g.apply_to(theirs, step=1)["step"] == 1
+    o = g.apply_to(theirs)
+    assert (o["step"], o["route"], o["deltas"]) == (3, "catchup", 2), o
+    assert np.array_equal(bits(theirs["x.w"]), steps[3])
 
 
 def test_a_step_signed_for_another_stream_is_refused(tmp_path, keys):

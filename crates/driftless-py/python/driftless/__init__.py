@@ -139,6 +139,8 @@ class Follower(_native.Follower):
         refuse_for: seconds a step that failed verification is left out of plans (doubling
             on each repeat; default 30, as for the agent). Meanwhile the next best route is
             taken, and the bad step is not downloaded again at every call.
+        chain_memory: bytes of a delta chain :meth:`apply_to` holds in memory between checking
+            it and writing it (default 256 MiB); the rest waits in a ``TMPDIR`` spool.
 
     Three ways to consume the stream:
 
