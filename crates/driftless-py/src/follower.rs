@@ -539,8 +539,8 @@ impl PyFollower {
         // The anchor's manifest and the arrays' layout first, then every delta of the chain is
         // fetched and checked (signed manifest, objects against their SHA-256, stream, each
         // base the previous result, layout) before anything is written: a fault in any of them
-        // is that step's, refused with the arrays untouched. Memory: the chain's payload,
-        // which the planner chose over an anchor.
+        // is that step's, refused with the arrays untouched. The checked segments wait in
+        // memory up to `chain_memory`, in a TMPDIR spool beyond.
         let anchor = match anchor_step {
             Some(a) => {
                 at.on(&cands, StepKind::Anchor, a);
