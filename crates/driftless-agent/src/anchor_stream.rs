@@ -232,19 +232,7 @@ pub async fn stream_shard(
         return Err(corrupt("anchor shard", "truncated"));
     }
     let bucket = bucket.clone();
-    // A truncated or swapped object is an integrity failure, as for whole-object reads
-    // (ranged reads past its end would look like a storage error).
-    let head = match bucket.head(&key).await {
-        Ok(h) => h,
-        Err(e) if e.is_not_found() => {
-            return Err(StreamError::NotReady { step, detail: format!("{key} missing") }.into())
-        }
-        Err(e) => return Err(e.into()),
-    };
-    let mismatch = || corrupt("object", format!("{key} does not match its manifest (size or SHA-256)"));
-    if head.size != size {
-        return Err(mismatch());
-    }
+    check_size(&bucket, step, &key, size).await?;
     let footer = bucket.get_range_of(&key, size - anchor::FOOTER_LEN..size).await?;
     let tr = anchor::table_range(&footer, size)?;
     let (table, prefix) =
@@ -299,7 +287,7 @@ pub async fn stream_shard(
     sha.update(&table);
     sha.update(&footer);
     if Digest(sha.finalize().into()) != o.object.sha256 {
-        return Err(mismatch());
+        return Err(mismatch(&key));
     }
     Ok(size)
 }
@@ -321,38 +309,31 @@ pub async fn stream_plain(
     use sha2::Digest as _;
     let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
     let size = o.object.size;
-    let mismatch = || corrupt("object", format!("{key} does not match its manifest (size or SHA-256)"));
     if size != o.decoded_size || size > anchor::MAX_SHARD {
         return Err(corrupt("anchor", format!("{} is not of its decoded size", o.file)));
     }
     let bucket = bucket.clone();
-    let head = match bucket.head(&key).await {
-        Ok(h) => h,
-        Err(e) if e.is_not_found() => {
-            return Err(StreamError::NotReady { step, detail: format!("{key} missing") }.into())
-        }
-        Err(e) => return Err(e.into()),
-    };
-    if head.size != size || size < 8 {
-        return Err(mismatch());
+    check_size(&bucket, step, &key, size).await?;
+    if size < 8 {
+        return Err(mismatch(&key));
     }
     // The safetensors header, bounded as any reader bounds it, before anything is allocated
     // by a size from the object.
-    let n = u64::from_le_bytes(bucket.get_range_of(&key, 0..8).await?[..].try_into().map_err(|_| mismatch())?);
+    let n = u64::from_le_bytes(bucket.get_range_of(&key, 0..8).await?[..].try_into().map_err(|_| mismatch(&key))?);
     let head_end = n
         .checked_add(8)
         .filter(|&e| e <= size && n <= driftless_format::checkpoint::MAX_HEADER as u64)
-        .ok_or_else(mismatch)?;
+        .ok_or_else(|| mismatch(&key))?;
     let hdr = bucket.get_range_of(&key, 0..head_end).await?;
     if hdr.len() as u64 != head_end {
-        return Err(mismatch());
+        return Err(mismatch(&key));
     }
     sink.write_at(0, &hdr)?;
     let mut sha = sha2::Sha256::new();
     sha.update(&hdr);
     copy_parts(&bucket, &key, head_end..size, parts, sink, &mut sha).await?;
     if Digest(sha.finalize().into()) != o.object.sha256 {
-        return Err(mismatch());
+        return Err(mismatch(&key));
     }
     Ok(size)
 }
@@ -384,22 +365,12 @@ pub async fn spool_object(
     use sha2::Digest as _;
     let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
     let size = o.object.size;
-    let mismatch = || corrupt("object", format!("{key} does not match its manifest (size or SHA-256)"));
     // A stored shard is never much larger than its decoded file (incompressible planes are
     // stored raw): bound the disk a hostile manifest can make us fill.
     if o.decoded_size > anchor::MAX_SHARD || size > o.decoded_size.saturating_add(o.decoded_size / 8 + (1 << 20)) {
         return Err(corrupt("anchor manifest", format!("{key}: object size {size} out of bounds")));
     }
-    let head = match bucket.head(&key).await {
-        Ok(h) => h,
-        Err(e) if e.is_not_found() => {
-            return Err(StreamError::NotReady { step, detail: format!("{key} missing") }.into())
-        }
-        Err(e) => return Err(e.into()),
-    };
-    if head.size != size {
-        return Err(mismatch());
-    }
+    check_size(bucket, step, &key, size).await?;
     if let Some(d) = dst.parent() {
         std::fs::create_dir_all(d)?;
     }
@@ -407,7 +378,7 @@ pub async fn spool_object(
     let mut sha = sha2::Sha256::new();
     copy_parts(bucket, &key, 0..size, parts, Arc::new(RawFile(file)), &mut sha).await?;
     if Digest(sha.finalize().into()) != o.object.sha256 {
-        return Err(mismatch());
+        return Err(mismatch(&key));
     }
     proven.1 = true;
     Ok(size)
@@ -459,6 +430,22 @@ async fn copy_parts(
         })
         .buffered(parts.max(1));
     drain(got, sha, &stop).await
+}
+
+/// The object's size in the bucket is the manifest's `size`: a missing object is a step not
+/// ready (yet, or any more); a truncated or swapped one an integrity failure before any ranged
+/// read (a read past its end would look like a storage error).
+async fn check_size(bucket: &Bucket, step: u64, key: &str, size: u64) -> Result<()> {
+    match bucket.head(key).await {
+        Ok(h) if h.size == size => Ok(()),
+        Ok(_) => Err(mismatch(key)),
+        Err(e) if e.is_not_found() => Err(StreamError::NotReady { step, detail: format!("{key} missing") }.into()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn mismatch(key: &str) -> Error {
+    corrupt("object", format!("{key} does not match its manifest (size or SHA-256)"))
 }
 
 /// Takes a shard's parts in order into the object's SHA-256. On the first error, stops: the

@@ -69,6 +69,17 @@ fn agent(tb: &TestBucket, name: &str, trust: &TrustSet) -> Agent {
     Agent::new(tb.bucket.clone(), config(tb.dir.path().join(name), trust.clone())).unwrap()
 }
 
+/// A trainer that published steps 0..n, and agent "a" synced to step n - 1.
+async fn following(tb: &TestBucket, key: &Keypair, trust: &TrustSet, n: u64) -> (Trainer, Agent) {
+    let mut t = Trainer::new(&tb.bucket, key, 100);
+    for _ in 0..n {
+        t.publish();
+    }
+    let mut a = agent(tb, "a", trust);
+    assert_eq!(a.sync_once().await.unwrap().step, n - 1, "{}", tb.name);
+    (t, a)
+}
+
 fn counter(a: &Agent, f: impl Fn(&driftless_agent::metrics::Metrics) -> &AtomicU64) -> u64 {
     f(&a.metrics()).load(SeqCst)
 }
@@ -77,11 +88,7 @@ fn counter(a: &Agent, f: impl Fn(&driftless_agent::metrics::Metrics) -> &AtomicU
 async fn bucket_unreachable_for_a_while() {
     for tb in buckets("unreachable") {
         let (key, trust) = keys();
-        let mut t = Trainer::new(&tb.bucket, &key, 100);
-        t.publish();
-        t.publish();
-        let mut a = agent(&tb, "a", &trust);
-        assert_eq!(a.sync_once().await.unwrap().step, 1);
+        let (mut t, mut a) = following(&tb, &key, &trust, 2).await;
         let want = t.publish();
         // The bucket goes away: every GET and listing fails.
         tb.faults.inject(FaultOp::Get, "", usize::MAX, FaultKind::Transient);
@@ -143,11 +150,7 @@ async fn bucket_failing_mid_download_leaves_state_untouched() {
 async fn marker_before_its_objects_is_not_ready() {
     for tb in buckets("marker-first") {
         let (key, trust) = keys();
-        let mut t = Trainer::new(&tb.bucket, &key, 100);
-        t.publish();
-        t.publish();
-        let mut a = agent(&tb, "a", &trust);
-        assert_eq!(a.sync_once().await.unwrap().step, 1);
+        let (mut t, mut a) = following(&tb, &key, &trust, 2).await;
         let want = t.publish();
         let b = &tb.bucket;
         // As a replicator copying the marker first: take the manifest away, then a segment.
@@ -191,13 +194,8 @@ async fn marker_before_its_objects_is_not_ready() {
 async fn replayed_older_manifest_presented_as_newer_is_refused() {
     for tb in buckets("replay") {
         let (key, trust) = keys();
-        let mut t = Trainer::new(&tb.bucket, &key, 100);
-        for _ in 0..4 {
-            t.publish();
-        }
+        let (mut t, mut a) = following(&tb, &key, &trust, 4).await;
         let want3 = snapshot(&t.chain);
-        let mut a = agent(&tb, "a", &trust);
-        assert_eq!(a.sync_once().await.unwrap().step, 3);
         let b = &tb.bucket;
         // Replay delta 1 (a genuine, signed manifest) as step 10 on top of 3: its objects, its
         // manifest, and a marker rewritten to announce step 10.
@@ -242,13 +240,8 @@ async fn replayed_older_manifest_presented_as_newer_is_refused() {
 async fn signed_delta_contradicting_the_verified_base_is_refused() {
     for tb in buckets("contradicts") {
         let (key, trust) = keys();
-        let mut t = Trainer::new(&tb.bucket, &key, 100);
-        for _ in 0..4 {
-            t.publish();
-        }
+        let (mut t, mut a) = following(&tb, &key, &trust, 4).await;
         let want3 = snapshot(&t.chain);
-        let mut a = agent(&tb, "a", &trust);
-        assert_eq!(a.sync_once().await.unwrap().step, 3);
         let b = &tb.bucket;
         let reader = driftless_store::stream::StreamReader::new(b.clone(), trust.clone());
         let (mut m, _) = reader.delta(3).await.unwrap();
@@ -291,12 +284,7 @@ async fn signed_delta_contradicting_the_verified_base_is_refused() {
 async fn marker_understating_its_payload_is_refused() {
     for tb in buckets("payload-lie") {
         let (key, trust) = keys();
-        let mut t = Trainer::new(&tb.bucket, &key, 100);
-        for _ in 0..3 {
-            t.publish();
-        }
-        let mut a = agent(&tb, "a", &trust);
-        assert_eq!(a.sync_once().await.unwrap().step, 2);
+        let (mut t, mut a) = following(&tb, &key, &trust, 3).await;
         let want3 = t.publish();
         let b = &tb.bucket;
         let key3 = layout::ready(StepKind::Delta, 3);

@@ -1039,10 +1039,7 @@ fn sharded_part_failures_are_outcomes() {
         let timeout = Duration::from_secs(3);
         let ((f0, mut p0), (f1, mut p1)) = sharded_pair(&be, timeout, 50);
         let mut c = chain();
-        let publish = |p: &mut driftless_publisher::ShardedPublisher, c: &RlChain, r: usize, step: u64| {
-            let h = halves(c, r);
-            p.publish(step, &shards_of(&h)).unwrap_or_else(|e| panic!("{ctx}: rank {r}, step {step}: {e}"))
-        };
+        let publish = |p: &mut _, c: &RlChain, r, step| rank_publish(&ctx, p, c, r, step);
         publish(&mut p0, &c, 0, 1);
         publish(&mut p1, &c, 1, 1);
         assert!(p0.flush().unwrap().committed, "{ctx}");
@@ -1112,10 +1109,7 @@ fn sharded_part_that_landed_despite_an_error_is_adopted() {
         let ctx = be.name.clone();
         let ((_f0, mut p0), (f1, mut p1)) = sharded_pair(&be, Duration::from_secs(3), 50);
         let mut c = chain();
-        let publish = |p: &mut driftless_publisher::ShardedPublisher, c: &RlChain, r: usize, step: u64| {
-            let h = halves(c, r);
-            p.publish(step, &shards_of(&h)).unwrap_or_else(|e| panic!("{ctx}: rank {r}, step {step}: {e}"))
-        };
+        let publish = |p: &mut _, c: &RlChain, r, step| rank_publish(&ctx, p, c, r, step);
         publish(&mut p0, &c, 0, 1);
         publish(&mut p1, &c, 1, 1);
         assert!(p0.flush().unwrap().committed, "{ctx}");
@@ -1149,6 +1143,17 @@ fn sharded_part_that_landed_despite_an_error_is_adopted() {
     }
 }
 
+/// Rank `r`'s half of the chain's current weights published as `step`.
+fn rank_publish(
+    ctx: &str,
+    p: &mut driftless_publisher::ShardedPublisher,
+    c: &RlChain,
+    r: usize,
+    step: u64,
+) -> driftless_publisher::ShardedReceipt {
+    p.publish(step, &shards_of(&halves(c, r))).unwrap_or_else(|e| panic!("{ctx}: rank {r}, step {step}: {e}"))
+}
+
 /// Step `step` of the chain published by both ranks of a pair (rank 0 first); both must send
 /// the same kind of part. Returns (kind, with the slices).
 fn both_publish(
@@ -1161,8 +1166,8 @@ fn both_publish(
     if step > 1 {
         c.step();
     }
-    let r0 = p0.publish(step, &shards_of(&halves(c, 0))).unwrap_or_else(|e| panic!("{ctx}: {step}: {e}"));
-    let r1 = p1.publish(step, &shards_of(&halves(c, 1))).unwrap_or_else(|e| panic!("{ctx}: {step}: {e}"));
+    let r0 = rank_publish(ctx, p0, c, 0, step);
+    let r1 = rank_publish(ctx, p1, c, 1, step);
     assert_eq!((r0.part, r0.slices), (r1.part, r1.slices), "{ctx}: step {step}: one schedule");
     (r0.part, r0.slices)
 }
