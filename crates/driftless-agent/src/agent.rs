@@ -472,15 +472,10 @@ impl Agent {
             Some(h) => h,
             None => self.reader.latest(None).await.ok()??.0,
         };
-        let dm = hint.delta_marker.filter(|m| {
-            hint.stream_id == sid && m.stream_id == sid && m.of == StepKind::Delta && m.base_step == Some(local)
-        })?;
-        if hint.anchor.is_some_and(|a| a > local) {
-            return None;
+        let mut c = plan::from_hint(&hint, sid, local)?;
+        for m in c.deltas.values() {
+            self.markers.insert(m.clone());
         }
-        let mut c = Candidates::default();
-        self.markers.insert(dm.clone());
-        c.deltas.insert(dm.step, dm);
         if let Some(h) = inactive.filter(|h| h.step < local) {
             let mut s = local;
             for _ in 0..64 {

@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use driftless_format::manifest::{ReadyMarker, StepKind};
+use driftless_format::manifest::{LatestHint, ReadyMarker, StepKind};
 use driftless_format::Digest;
 use driftless_store::stream::{StreamError, StreamReader};
 use futures::{StreamExt, TryStreamExt};
@@ -53,6 +53,30 @@ impl Candidates {
     pub fn newest(&self) -> Option<u64> {
         self.anchors.keys().next_back().copied().max(self.deltas.keys().next_back().copied())
     }
+}
+
+/// The candidates a signed `latest.json` alone gives a follower on step `local` of stream
+/// `sid`: the newest delta when it applies to `local` (its marker rides in the hint, so the
+/// follower neither lists nor reads markers). `None` when the hint cannot plan from `local`:
+/// another stream, a delta on another base, or an anchor newer than that delta (a newer
+/// target, which a listing must plan). An anchor of the delta's own step (a sharded
+/// publisher's scheduled anchor) does not stand in the way: one delta is the cheaper route.
+/// A stale hint (an older publisher's, or one written before the newest marker) only costs
+/// the listing it would have saved: markers stay the source of truth.
+pub fn from_hint(hint: &LatestHint, sid: &str, local: u64) -> Option<Candidates> {
+    let dm = hint.delta_marker.as_ref().filter(|m| {
+        hint.stream_id == sid
+            && m.stream_id == sid
+            && m.of == StepKind::Delta
+            && hint.delta == Some(m.step)
+            && m.base_step == Some(local)
+    })?;
+    if hint.anchor.is_some_and(|a| a > dm.step) {
+        return None;
+    }
+    let mut c = Candidates::default();
+    c.deltas.insert(dm.step, dm.clone());
+    Some(c)
 }
 
 /// Steps that failed and are left out of plans for a while.
@@ -345,6 +369,32 @@ mod tests {
 
     fn r(target: u64, anchor: Option<u64>, deltas: Vec<u64>, bytes: u64) -> Option<Route> {
         Some(Route { target, anchor, deltas, bytes })
+    }
+
+    #[test]
+    fn a_hint_plans_only_one_delta_on_the_local_step() {
+        let hint = |delta: Option<u64>, base: u64, anchor: Option<u64>, sid: &str| LatestHint {
+            kind: "latest".into(),
+            stream_id: sid.into(),
+            delta,
+            anchor,
+            updated_at_ms: 0,
+            delta_marker: delta.map(|d| marker(StepKind::Delta, d, Some(base), 10)),
+            anchor_marker: None,
+        };
+        let c = from_hint(&hint(Some(5), 4, Some(0), "s"), "s", 4).expect("one delta on 4");
+        assert_eq!(route(Some(4), &c, &Refusals::default(), None), r(5, None, vec![5], 10));
+        // Its own step's anchor (a sharded publisher's scheduled anchor) does not matter.
+        assert!(from_hint(&hint(Some(5), 4, Some(5), "s"), "s", 4).is_some());
+        // A delta on another base, a newer anchor, another stream, no delta: the listing plans.
+        assert!(from_hint(&hint(Some(5), 3, None, "s"), "s", 4).is_none());
+        assert!(from_hint(&hint(Some(5), 4, Some(6), "s"), "s", 4).is_none());
+        assert!(from_hint(&hint(Some(5), 4, None, "other"), "s", 4).is_none());
+        assert!(from_hint(&hint(None, 4, Some(0), "s"), "s", 4).is_none());
+        // A marker that names another step than the hint's delta.
+        let mut h = hint(Some(5), 4, None, "s");
+        h.delta = Some(6);
+        assert!(from_hint(&h, "s", 4).is_none());
     }
 
     #[test]

@@ -12,7 +12,7 @@ use driftless_agent::anchor_stream::{
     shard_tensors, spool_object, stream_plain, stream_shard, Hashing, ShardSink, ShardTensors,
 };
 use driftless_agent::{plan, Agent, AgentConfig};
-use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
+use driftless_format::manifest::{AnchorManifest, DeltaManifest, LatestHint, StepKind};
 use driftless_format::{
     delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
 };
@@ -60,6 +60,13 @@ struct Plans {
     markers: plan::MarkerCache,
     /// The stream the cached markers belong to (a new stream at the prefix starts over).
     stream: Option<String>,
+    /// The signed `latest.json` last read, with its ETag: a Follower on a step polls it with
+    /// one conditional GET and, one step behind, plans from it alone ([`plan::from_hint`]),
+    /// as the agent does.
+    latest: Option<(LatestHint, Option<String>)>,
+    /// Plans made from a step: every 10th lists the markers anyway (they are the source of
+    /// truth; a stale hint only delays a step by that much).
+    calls: u64,
 }
 
 /// The route to a target: (target, anchor to load first, deltas in order, the stream's id),
@@ -105,6 +112,18 @@ pub(crate) struct PyFollower {
     /// Bytes of a checked delta chain held in memory until its writing pass; beyond, the
     /// segments wait in a TMPDIR spool.
     chain_memory: u64,
+    /// What `poll` keeps between calls.
+    polls: Mutex<Polls>,
+}
+
+/// `poll`'s state: the `latest.json` ETag and the newest step it named, and the newest step
+/// the last listing found (a floor, so a stale hint never makes `poll` go backwards).
+#[derive(Default)]
+struct Polls {
+    calls: u64,
+    etag: Option<String>,
+    hinted: Option<u64>,
+    listed: Option<u64>,
 }
 
 fn outcome_dict<'py>(
@@ -184,20 +203,52 @@ impl PyFollower {
                     refused: plan::Refusals::new(refuse_for),
                     markers: plan::MarkerCache::default(),
                     stream: None,
+                    latest: None,
+                    calls: 0,
                 },
             };
-            Ok(PyFollower { rt, bucket, trust, reader, state: Mutex::new(state), refuse_for, chain_memory })
+            Ok(PyFollower {
+                rt,
+                bucket,
+                trust,
+                reader,
+                state: Mutex::new(state),
+                refuse_for,
+                chain_memory,
+                polls: Mutex::default(),
+            })
         })
     }
 
-    /// Newest step with a ready marker (delta or anchor), or None.
+    /// Newest step with a ready marker (delta or anchor), or None. One conditional GET of the
+    /// signed `latest.json`; every 10th poll, or with no readable hint, the ready markers are
+    /// listed as well (they are the source of truth: a hint left behind by a failed write only
+    /// delays the answer by that much).
     fn poll(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         crate::errors::guard(|| {
             let r: BindResult<Option<u64>> = py.allow_threads(|| {
+                let mut ps = self.polls.lock().unwrap_or_else(|e| e.into_inner());
                 self.rt.block_on(async {
-                    let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
-                    let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
-                    Ok::<_, BindError>(a.last().copied().max(d.last().copied()))
+                    ps.calls += 1;
+                    let hinted = match self.reader.latest(ps.etag.as_deref()).await {
+                        Ok(Some((h, tag))) => {
+                            ps.etag = tag;
+                            ps.hinted = h.delta.max(h.anchor);
+                            ps.hinted.is_some()
+                        }
+                        Ok(None) => ps.etag.is_some() && ps.hinted.is_some(),
+                        Err(_) => false,
+                    };
+                    if !hinted {
+                        ps.etag = None;
+                        ps.hinted = None;
+                    }
+                    if !hinted || ps.calls % 10 == 0 {
+                        let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
+                        let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
+                        ps.listed = a.last().copied().max(d.last().copied());
+                    }
+                    Ok::<_, BindError>(ps.hinted.max(ps.listed))
                 })
             });
             Ok(r?)
@@ -428,12 +479,16 @@ impl PyFollower {
     /// (`driftless_agent::plan`: validated markers bound to the stream, bounded walks, the
     /// cheapest route by bytes). `Ok(None)`: up to date.
     async fn plan(&self, local: Option<u64>, want: Option<u64>, pl: Planning<'_>) -> BindResult<Option<Route>> {
+        if let Some(planned) = self.plan_from_hint(local, want, pl).await {
+            return Ok(planned);
+        }
         let Some(desc) = self.reader.descriptor().await? else {
             return Err(BindError::NothingReady("the bucket holds no stream yet".into()));
         };
         if pl.stream.as_deref() != Some(desc.stream_id.as_str()) {
             pl.markers = plan::MarkerCache::default();
             pl.stream = Some(desc.stream_id.clone());
+            pl.latest = None;
         }
         let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None).await?;
         // Steps before the oldest anchor are never planned again (as the agent prunes).
@@ -458,6 +513,43 @@ impl PyFollower {
                     .into(),
             )),
         }
+    }
+
+    /// The fast poll of a Follower on `local` (a step of the stream planned before): one
+    /// conditional GET of the signed `latest.json`. Unchanged, or announcing `local` itself:
+    /// up to date. Announcing one delta on `local`: that route, from the hint alone (no
+    /// `stream.json`, no listing, no marker reads). `None` for anything else (a cold start, a
+    /// gap, a newer anchor, a refusal in the way, no or an unreadable hint, every 10th plan):
+    /// the listing decides.
+    async fn plan_from_hint(&self, local: Option<u64>, want: Option<u64>, pl: Planning<'_>) -> Option<Option<Route>> {
+        let local = local?;
+        let sid = pl.stream.clone()?;
+        pl.calls += 1;
+        if pl.calls % 10 == 0 {
+            return None;
+        }
+        let etag = pl.latest.as_ref().and_then(|(_, t)| t.clone());
+        match self.reader.latest(etag.as_deref()).await {
+            Ok(Some(fresh)) => pl.latest = Some(fresh),
+            Ok(None) if etag.is_some() => {}
+            _ => {
+                pl.latest = None;
+                return None;
+            }
+        }
+        let (h, _) = pl.latest.as_ref()?;
+        if h.stream_id != sid {
+            return None;
+        }
+        if h.delta.max(h.anchor) == Some(local) && want.is_none_or(|w| w == local) {
+            return Some(None);
+        }
+        let c = plan::from_hint(h, &sid, local)?;
+        let r = plan::route(Some(local), &c, &pl.refused, want)?;
+        for m in c.deltas.values() {
+            pl.markers.insert(m.clone());
+        }
+        Some(Some((r.target, r.anchor, r.deltas, sid, c)))
     }
 
     /// Loads anchor `step` (manifest `m`) into the arrays `by` (already checked to be exactly
@@ -509,8 +601,13 @@ impl PyFollower {
         Ok(((local, dir), bytes, digests))
     }
 
-    async fn fetch_delta(&self, step: u64) -> BindResult<(DeltaManifest, Vec<Bytes>, u64)> {
-        let (m, _) = self.reader.delta(step).await?;
+    /// A delta's manifest (from its planned marker: no second marker GET) and its segments,
+    /// each checked against the manifest.
+    async fn fetch_delta(&self, step: u64, cands: &plan::Candidates) -> BindResult<(DeltaManifest, Vec<Bytes>, u64)> {
+        let (m, _) = match cands.marker(StepKind::Delta, step) {
+            Some(marker) => self.reader.delta_at(step, marker).await?,
+            None => self.reader.delta(step).await?,
+        };
         let r = &self.reader;
         let segs: Vec<Bytes> = futures::stream::iter(m.segments.iter())
             .map(|s| r.object(StepKind::Delta, step, &s.object.object, s.object.size, s.object.sha256))
@@ -568,7 +665,7 @@ impl PyFollower {
         let (mut held, mut spool) = (0u64, None::<tempfile::TempDir>);
         for &d in &chain {
             at.on(&cands, StepKind::Delta, d);
-            let (m, segs, b) = self.fetch_delta(d).await?;
+            let (m, segs, b) = self.fetch_delta(d, &cands).await?;
             same_stream(&sid, &m.stream_id, "delta manifest", d)?;
             bytes += b;
             if m.base_root != root {
@@ -716,7 +813,7 @@ impl PyFollower {
         let mut cur = mm.at.clone();
         for &d in &chain {
             at.on(&cands, StepKind::Delta, d);
-            let (m, segs, _) = self.fetch_delta(d).await?;
+            let (m, segs, _) = self.fetch_delta(d, &cands).await?;
             same_stream(&sid, &m.stream_id, "delta manifest", d)?;
             if m.base_root != cur.root {
                 return Err(driftless_format::Error::WrongBase {

@@ -24,6 +24,17 @@ def load_dir_raw(path):
     return out
 
 
+def bit_chain(seed, shape, n):
+    """n + 1 uint16 arrays: random bits, then 1% of the elements' lowest bit flipped per step."""
+    rng = np.random.default_rng(seed)
+    steps = [rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)]
+    for _ in range(n):
+        x = steps[-1].copy()
+        x.flat[rng.integers(0, x.size, x.size // 100)] ^= 1
+        steps.append(x)
+    return steps
+
+
 def test_twenty_steps_bit_exact(bucket, keys, tmp_path):
     url, kw = bucket
     private, public = keys
@@ -263,13 +274,8 @@ def test_a_bad_anchor_never_costs_the_arrays_their_verified_weights(file_bucket,
     url, _ = file_bucket
     root = url.removeprefix("file://")
     private, public = keys
-    rng = np.random.default_rng(11)
     shape = (4096, 6144)
-    steps = [rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)]
-    for _ in range(3):
-        n = steps[-1].copy()
-        n.flat[rng.integers(0, n.size, n.size // 100)] ^= 1
-        steps.append(n)
+    steps = bit_chain(11, shape, 3)
     with driftless.Publisher(url, signing_key=private, anchor_every=3) as pub:
         outcomes = []
         for s, x in enumerate(steps):
@@ -339,12 +345,7 @@ def test_a_bad_delta_in_a_chain_is_refused_before_any_write(file_bucket, keys):
     url, _ = file_bucket
     root = url.removeprefix("file://")
     private, public = keys
-    rng = np.random.default_rng(5)
-    steps = [rng.integers(0, 1 << 16, size=(512, 512), dtype=np.uint16)]
-    for _ in range(3):
-        n = steps[-1].copy()
-        n.flat[rng.integers(0, n.size, n.size // 100)] ^= 1
-        steps.append(n)
+    steps = bit_chain(5, (512, 512), 3)
     with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
         for s, x in enumerate(steps):
             pub.publish(s, {"x.w": x.view(BF16)})
@@ -371,6 +372,50 @@ def test_a_bad_delta_in_a_chain_is_refused_before_any_write(file_bucket, keys):
     o = g.apply_to(theirs)
     assert (o["step"], o["route"], o["deltas"]) == (3, "catchup", 2), o
     assert np.array_equal(bits(theirs["x.w"]), steps[3])
+
+
+def test_a_follower_one_step_behind_plans_from_latest_json_alone(file_bucket, keys):
+    """A Follower on step 2 with delta 3 announced reads only the signed latest.json, delta 3's
+    manifest and its segments: with stream.json and every ready marker out of the bucket it
+    still reaches step 3 bit for bit, then stays up to date, and poll() names step 3. A
+    latest.json that is not a valid signed hint is never trusted: the markers decide."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    steps = bit_chain(9, (256, 256), 4)
+    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+        for s in range(4):
+            pub.publish(s, {"x.w": steps[s].view(BF16)})
+        pub.flush()
+        f = driftless.Follower(url, trusted_keys=[public])
+        arrays = {"x.w": np.zeros((256, 256), BF16)}
+        assert f.apply_to(arrays, step=2)["step"] == 2
+        hidden = [os.path.join(root, "stream.json"), os.path.join(root, "ready")]
+        for p in hidden:
+            os.rename(p, p + ".hidden")
+        try:
+            # Without the hint there is nothing to plan from: the hiding is real.
+            cold = {"x.w": np.zeros((256, 256), BF16)}
+            with pytest.raises(driftless.NothingReadyError):
+                driftless.Follower(url, trusted_keys=[public]).apply_to(cold)
+            o = f.apply_to(arrays)
+            assert (o["step"], o["route"], o["deltas"]) == (3, "fast", 1), o
+            assert np.array_equal(bits(arrays["x.w"]), steps[3])
+            o = f.apply_to(arrays)
+            assert (o["step"], o["route"], o["bytes"]) == (3, "up_to_date", 0), o
+            assert f.poll() == 3
+        finally:
+            for p in hidden:
+                os.rename(p + ".hidden", p)
+        pub.publish(4, {"x.w": steps[4].view(BF16)})
+        pub.flush()
+    # A latest.json that does not open with a trusted key is ignored, not followed.
+    latest = os.path.join(root, "latest.json")
+    open(latest, "wb").write(b'{"kind": "latest", "stream_id": "x", "delta": 99}')
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"]) == (4, "fast"), o
+    assert np.array_equal(bits(arrays["x.w"]), steps[4])
+    assert f.poll() == 4
 
 
 def test_a_step_signed_for_another_stream_is_refused(tmp_path, keys):

@@ -152,7 +152,10 @@ class Follower(_native.Follower):
     """
 
     def poll(self) -> Optional[int]:
-        """The newest step with a ready marker, or None when the stream is empty."""
+        """The newest step with a ready marker, or None when the stream is empty.
+
+        One conditional GET of the signed ``latest.json``; every 10th call, or when there is
+        no valid hint, the ready markers are listed too (they are the source of truth)."""
         return super().poll()
 
     def sync_dir(self, path: str) -> Dict[str, Any]:
