@@ -870,13 +870,14 @@ impl PyFollower {
 }
 
 /// Runs `attempt` (one planned route from `local` toward `want`) until it succeeds, fails
-/// after writing into its target, or fails for a reason that is not its step's own (storage
+/// after writing over a verified target, or fails for a reason that is not its step's own (storage
 /// trouble, local I/O, bad arguments). A step that fails verification is refused, bound to
-/// its marker, for `refuse_for`; when nothing was written yet, the route is planned again
+/// its marker, for `refuse_for`; when no verified state was written over (nothing written
+/// yet, or a first load: `local` is `None`), the route is planned again
 /// without it (at most 32 times), as the agent does: the verified state is kept and the next
 /// best route taken. When nothing is left to reach because of a refusal between `local` and
-/// `want`, that refusal is the error, not "nothing ready". Returns the result and whether the
-/// last attempt wrote into its target.
+/// `want`, that refusal is the error, not "nothing ready". Returns the result and whether any
+/// attempt wrote into its target.
 fn with_refusals<T>(
     plans: &mut Plans,
     local: Option<u64>,
@@ -890,22 +891,28 @@ fn with_refusals<T>(
     }
     plans.refused.begin_round();
     let mut fault: Option<BindError> = None;
+    // Whether any attempt wrote into the target (a first load goes on after a touched one).
+    let mut touched = false;
     for _ in 0..32 {
         let mut at = Attempt::default();
-        match (attempt(plans, &mut at), at.at) {
+        let r = attempt(plans, &mut at);
+        touched |= at.touched;
+        match (r, at.at) {
             (Err(e), Some((kind, step, sha))) if e.is_step_fault() => {
                 plans.refused.refuse(kind, step, sha, e.message(), false);
                 plans.markers.forget(kind, step);
-                if at.touched {
+                if touched && local.is_some() {
                     // The target is no longer the verified state: the caller must know.
                     return (Err(e), true);
                 }
+                // Untouched, or a first load (the target held nothing verified to lose): the
+                // next best route, in this call.
                 fault = Some(e);
             }
             (Err(BindError::NothingReady(m)), _) => {
                 // Nothing to reach because of refusals: say which step, not "nothing ready".
                 if let Some(e) = fault {
-                    return (Err(e), false);
+                    return (Err(e), touched);
                 }
                 // Only a refusal that stands between `local` and `want` explains it.
                 let newest = plans
@@ -921,12 +928,12 @@ fn with_refusals<T>(
                     }),
                     None => BindError::NothingReady(m),
                 };
-                return (Err(e), false);
+                return (Err(e), touched);
             }
-            (r, _) => return (r, at.touched),
+            (r, _) => return (r, touched),
         }
     }
-    (Err(fault.expect("32 refusals")), false)
+    (Err(fault.expect("32 refusals")), touched)
 }
 
 /// The refusals of steps after `step` still in force, as `(kind, step, reason)`.

@@ -418,6 +418,35 @@ def test_a_follower_one_step_behind_plans_from_latest_json_alone(file_bucket, ke
     assert f.poll() == 4
 
 
+def test_a_first_load_takes_the_next_route_after_a_bad_anchor(file_bucket, keys):
+    """Arrays that hold nothing verified yet, newest anchor corrupt: the anchor is refused
+    after it was streamed into them, and the same call goes on to the next best route (the
+    older anchor and the deltas after it), bit for bit the newest step."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    steps = bit_chain(13, (512, 512), 5)
+    with driftless.Publisher(url, signing_key=private, anchor_every=3) as pub:
+        for s, x in enumerate(steps):
+            pub.publish(s, {"x.w": x.view(BF16)})
+            pub.flush()  # each step's anchor, if any, lands before the next step
+    anchors = sorted(int(d) for d in os.listdir(os.path.join(root, "ready", "anchors")))
+    assert anchors == [0, 3], anchors
+    newest = anchors[-1]
+    adir = os.path.join(root, "anchors", f"{newest:012d}")
+    obj = max((os.path.join(adir, n) for n in os.listdir(adir) if "manifest" not in n), key=os.path.getsize)
+    bad = bytearray(open(obj, "rb").read())
+    bad[len(bad) // 2] ^= 0xFF
+    open(obj, "wb").write(bytes(bad))
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros((512, 512), BF16)}
+    o = f.apply_to(arrays)
+    # From anchor 0 and the five deltas after it; the refused anchor's route applies two.
+    assert (o["step"], o["route"], o["deltas"]) == (5, "anchor", 5), o
+    assert np.array_equal(bits(arrays["x.w"]), steps[5])
+    assert f.applied_step == 5
+
+
 def test_a_step_signed_for_another_stream_is_refused(tmp_path, keys):
     """Two runs signed with one key: run B's anchor copied into run A's bucket as A's newest
     step (its marker rewritten to A's stream id) verifies against B's own root, but is B's.
