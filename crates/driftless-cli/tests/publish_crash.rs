@@ -320,6 +320,12 @@ fn publisher_killed_at_each_write_restarts_without_loss() {
             at += 1;
             assert!(at < 80, "step {step}: too many writes");
         }
+        // A SIGKILL runs no destructor: the spools of the killed runs were swept by the runs
+        // after them, and the finished run removed its own.
+        let spools: Vec<String> = std::fs::read_dir(run.p("state/spool"))
+            .map(|d| d.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
+            .unwrap_or_default();
+        assert!(spools.is_empty(), "step {step}: spool directories left behind: {spools:?}");
         // The supervisor re-runs the finished command: a no-op success.
         proxy.set(Rules::default());
         let o = run.publish(&proxy.endpoint(), step, &ckpt).wait_with_output().unwrap();

@@ -11,6 +11,7 @@ use driftless_format::manifest::{
     self, AnchorManifest, AnchorShardRef, DeltaManifest, ObjectRef, StepKind, StreamDescriptor,
 };
 use driftless_format::{anchor, ops, AnchorEncoding, DeltaOptions, Digest, Keypair, Layout, TensorView, TrustSet};
+use driftless_store::spool::Spool;
 use driftless_store::stream::StreamReader;
 use driftless_store::{layout, Bucket, StoreOptions};
 use tracing::{info, info_span, warn};
@@ -197,6 +198,9 @@ impl PublisherBuilder {
 
     /// The runtime uploads run on, and the bucket.
     pub(crate) fn start(&self) -> Result<(tokio::runtime::Runtime, Bucket)> {
+        // Spools of earlier publishers that were killed (a restart after SIGKILL or
+        // preemption) are removed now, not at this publisher's first anchor.
+        driftless_store::spool::sweep_in(self.spool_dir.as_deref());
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("driftless-upload")
@@ -1030,15 +1034,10 @@ fn order<'a>(tensors: &[TensorView<'a>], layout: &Layout) -> Result<Vec<TensorVi
         .collect()
 }
 
-/// A fresh spool directory for an anchor.
-pub(crate) fn spool_dir(cfg: &PublisherBuilder) -> Result<tempfile::TempDir> {
-    Ok(match &cfg.spool_dir {
-        Some(d) => {
-            std::fs::create_dir_all(d)?;
-            tempfile::Builder::new().prefix("driftless-anchor-").tempdir_in(d)?
-        }
-        None => tempfile::Builder::new().prefix("driftless-anchor-").tempdir()?,
-    })
+/// A fresh spool directory for an anchor: in `spool_dir`, or `TMPDIR`. Spools of processes
+/// that are gone (a SIGKILLed trainer) are swept first ([`Spool`]).
+pub(crate) fn spool_dir(cfg: &PublisherBuilder) -> Result<Spool> {
+    Ok(Spool::new(cfg.spool_dir.as_deref(), "anchor")?)
 }
 
 /// Writes the anchor's shards to spool files and maps them for upload.
@@ -1076,7 +1075,7 @@ pub(crate) fn encode_spooled(
     stream_id: &str,
     generation: u64,
     step: SpooledStep<'_>,
-    dir: tempfile::TempDir,
+    dir: Spool,
 ) -> Result<AnchorJob> {
     let mut objects = vec![];
     let mut refs = vec![];

@@ -39,7 +39,7 @@ pub(crate) struct AnchorJob {
     pub(crate) envelope: Bytes,
     /// (object name, bytes) — bytes are usually a map of a spool file.
     pub(crate) objects: Vec<(String, Bytes)>,
-    pub(crate) _spool: Option<tempfile::TempDir>,
+    pub(crate) _spool: Option<driftless_store::spool::Spool>,
     /// Told whether the anchor became ready (anchor-only steps: the delta queue waits on it).
     pub(crate) done: Option<tokio::sync::oneshot::Sender<bool>>,
 }

@@ -16,6 +16,7 @@ use driftless_format::manifest::{AnchorManifest, DeltaManifest, LatestHint, Step
 use driftless_format::{
     delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
 };
+use driftless_store::spool::Spool;
 use driftless_store::stream::StreamReader;
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
@@ -196,6 +197,8 @@ impl PyFollower {
                 Bucket::open(&bucket_url, &opts).map_err(BindError::from)?
             };
             let reader = StreamReader::new(bucket.clone(), trust.clone());
+            // Spools of killed Followers (and publishers) in TMPDIR go now.
+            driftless_store::spool::sweep_in(None);
             let state = State {
                 applied: None,
                 mirror: None,
@@ -571,7 +574,7 @@ impl PyFollower {
 
     /// The first half of loading an anchor into arrays that hold verified weights: nothing is
     /// written into them before the whole anchor is proven. Its objects are copied to a local
-    /// spool (`tempfile`: `TMPDIR`, one anchor's stored bytes) and checked against their signed
+    /// spool ([`Spool`]: `TMPDIR`, one anchor's stored bytes; swept if this process is killed) and checked against their signed
     /// SHA-256 ([`spool_object`]); the copy is decoded once without writing, hashing every
     /// tensor, and the result checked against the signed weights root. Returns the spool (a
     /// `file://` bucket over it, and the directory, removed on drop), the bytes read and the
@@ -584,8 +587,8 @@ impl PyFollower {
         step: u64,
         m: &AnchorManifest,
         by: &HashMap<&str, Raw>,
-    ) -> BindResult<((Bucket, tempfile::TempDir), u64, Vec<(TensorMeta, Digest)>)> {
-        let dir = tempfile::Builder::new().prefix("driftless-anchor-").tempdir().map_err(spool_io)?;
+    ) -> BindResult<((Bucket, Spool), u64, Vec<(TensorMeta, Digest)>)> {
+        let dir = Spool::new(None, "anchor").map_err(spool_io)?;
         let mut bytes = 0;
         for o in &m.objects {
             let dst = dir.path().join(driftless_store::layout::object(StepKind::Anchor, step, &o.object.object));
@@ -662,7 +665,7 @@ impl PyFollower {
         // Checked segments wait for the writing pass in memory up to `chain_memory` bytes for
         // the chain, beyond that in a TMPDIR spool: a long catch-up does not hold an anchor's
         // worth of deltas in RAM.
-        let (mut held, mut spool) = (0u64, None::<tempfile::TempDir>);
+        let (mut held, mut spool) = (0u64, None::<Spool>);
         for &d in &chain {
             at.on(&cands, StepKind::Delta, d);
             let (m, segs, b) = self.fetch_delta(d, &cands).await?;
@@ -687,7 +690,7 @@ impl PyFollower {
                 Held::Mem(segs)
             } else {
                 if spool.is_none() {
-                    spool = Some(tempfile::Builder::new().prefix("driftless-chain-").tempdir().map_err(spool_io)?);
+                    spool = Some(Spool::new(None, "chain").map_err(spool_io)?);
                 }
                 let dir = spool.as_ref().expect("created").path();
                 let mut paths = Vec::with_capacity(segs.len());

@@ -8,6 +8,7 @@ pub mod layout;
 mod open;
 mod options;
 mod redact;
+pub mod spool;
 pub mod stream;
 
 pub use bucket::{Bucket, ObjectInfo, MAX_LIST_KEYS};
