@@ -16,7 +16,7 @@ use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
 use driftless_format::manifest::{now_ms, DeltaManifest, LatestHint, ReadyMarker, StepKind};
 use driftless_format::{anchor, fused, ops, AnchorEncoding, Checkpoint, CheckpointFiles, Digest, TensorMeta, TrustSet};
-use driftless_store::stream::{StreamError, StreamReader};
+use driftless_store::stream::{LatestPoll, StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use tracing::{debug, error, info, info_span, warn, Instrument};
@@ -1248,17 +1248,22 @@ impl Agent {
         // neither lists nor reads markers). Every 10th poll lists anyway (markers stay the
         // source of truth).
         let polled = if self.state.is_some() && self.loaded.is_some() {
-            Some(self.reader.latest(p.etag.as_deref()).await)
+            Some(self.reader.poll_latest(p.etag.as_deref()).await)
         } else {
             None
         };
         let list = p.polls % 10 == 0;
-        if !list && matches!(polled, Some(Ok(None))) {
+        if !list && matches!(polled, Some(Ok(LatestPoll::Unchanged))) {
             p.interval = (p.interval * 2).min(self.cfg.poll_max);
             return;
         }
         let latest = match polled {
-            Some(Ok(Some(l))) => Some(l),
+            Some(Ok(LatestPoll::Changed(h, tag))) => Some((*h, tag)),
+            // Deleted: the hint held is no longer trusted; this sync lists.
+            Some(Ok(LatestPoll::Absent)) => {
+                p.etag = None;
+                None
+            }
             _ => self.reader.latest(None).await.ok().flatten(),
         };
         if let Some((h, tag)) = latest {

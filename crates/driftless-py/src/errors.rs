@@ -100,6 +100,24 @@ impl BindError {
         matches!(self.class_and_message().0, "CorruptError" | "UntrustedError" | "WrongBaseError")
     }
 
+    /// Whether the step's manifest or objects are missing (GC collected them after they were
+    /// planned, or a stale `latest.json` names a step that is gone). Refused like a bad step,
+    /// flagged missing, so the next best route is taken: the agent's rule.
+    pub(crate) fn is_missing(&self) -> bool {
+        use driftless_agent::Error as A;
+        use driftless_store::stream::StreamError as S;
+        let stream = |e: &S| match e {
+            S::NotReady { .. } => true,
+            S::Store(s) => s.is_not_found(),
+            _ => false,
+        };
+        match self {
+            BindError::Store(s) | BindError::Agent(A::Store(s)) => s.is_not_found(),
+            BindError::Stream(e) | BindError::Agent(A::Stream(e)) => stream(e),
+            _ => false,
+        }
+    }
+
     /// The message the Python exception carries.
     pub(crate) fn message(&self) -> String {
         self.class_and_message().1

@@ -17,7 +17,7 @@ use driftless_format::{
     delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
 };
 use driftless_store::spool::Spool;
-use driftless_store::stream::StreamReader;
+use driftless_store::stream::{LatestPoll, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use pyo3::prelude::*;
@@ -65,9 +65,17 @@ struct Plans {
     /// one conditional GET and, one step behind, plans from it alone ([`plan::from_hint`]),
     /// as the agent does.
     latest: Option<(LatestHint, Option<String>)>,
-    /// Plans made from a step: every 10th lists the markers anyway (they are the source of
-    /// truth; a stale hint only delays a step by that much).
-    calls: u64,
+    /// Plans made from a step, per consumer ([`Who`]): every 10th lists the markers anyway
+    /// (they are the source of truth; a stale hint only delays a step by that much). One
+    /// count each, so that `apply_to` and `iter_patches` called in turn both list.
+    calls: [u64; 2],
+}
+
+/// Who plans: the caller's arrays (`apply_to`) or the host mirror (`iter_patches`).
+#[derive(Clone, Copy)]
+enum Who {
+    Arrays = 0,
+    Mirror = 1,
 }
 
 /// The route to a target: (target, anchor to load first, deltas in order, the stream's id),
@@ -118,11 +126,15 @@ pub(crate) struct PyFollower {
 }
 
 /// `poll`'s state: the `latest.json` ETag and the newest step it named, and the newest step
-/// the last listing found (a floor, so a stale hint never makes `poll` go backwards).
+/// the last listing found.
 #[derive(Default)]
 struct Polls {
     calls: u64,
+    /// The stream of the verified `stream.json`, whose hints are taken.
+    stream: Option<String>,
+    /// The ETag of the last hint taken (`None`: no valid hint held, so the markers are listed).
     etag: Option<String>,
+    /// The newest step a hint of `stream` named (never lowered within the stream).
     hinted: Option<u64>,
     listed: Option<u64>,
 }
@@ -207,7 +219,7 @@ impl PyFollower {
                     markers: plan::MarkerCache::default(),
                     stream: None,
                     latest: None,
-                    calls: 0,
+                    calls: [0; 2],
                 },
             };
             Ok(PyFollower {
@@ -224,35 +236,16 @@ impl PyFollower {
     }
 
     /// Newest step with a ready marker (delta or anchor), or None. One conditional GET of the
-    /// signed `latest.json`; every 10th poll, or with no readable hint, the ready markers are
-    /// listed as well (they are the source of truth: a hint left behind by a failed write only
-    /// delays the answer by that much).
+    /// signed `latest.json`; every 10th poll, or with no valid hint of this stream, the ready
+    /// markers are listed as well (they are the source of truth: a hint left behind by a
+    /// failed write only delays the answer by that much). A hint is taken only from the stream
+    /// of the verified `stream.json` (read at the first poll and when a hint names another
+    /// stream), and the answer never goes down within a stream (a replayed older hint).
     fn poll(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         crate::errors::guard(|| {
             let r: BindResult<Option<u64>> = py.allow_threads(|| {
                 let mut ps = self.polls.lock().unwrap_or_else(|e| e.into_inner());
-                self.rt.block_on(async {
-                    ps.calls += 1;
-                    let hinted = match self.reader.latest(ps.etag.as_deref()).await {
-                        Ok(Some((h, tag))) => {
-                            ps.etag = tag;
-                            ps.hinted = h.delta.max(h.anchor);
-                            ps.hinted.is_some()
-                        }
-                        Ok(None) => ps.etag.is_some() && ps.hinted.is_some(),
-                        Err(_) => false,
-                    };
-                    if !hinted {
-                        ps.etag = None;
-                        ps.hinted = None;
-                    }
-                    if !hinted || ps.calls % 10 == 0 {
-                        let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
-                        let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
-                        ps.listed = a.last().copied().max(d.last().copied());
-                    }
-                    Ok::<_, BindError>(ps.hinted.max(ps.listed))
-                })
+                self.rt.block_on(self.poll_inner(&mut ps))
             });
             Ok(r?)
         })
@@ -481,8 +474,14 @@ impl PyFollower {
     /// Plans from `local` to `want` (or the newest reachable step) with the agent's planner
     /// (`driftless_agent::plan`: validated markers bound to the stream, bounded walks, the
     /// cheapest route by bytes). `Ok(None)`: up to date.
-    async fn plan(&self, local: Option<u64>, want: Option<u64>, pl: Planning<'_>) -> BindResult<Option<Route>> {
-        if let Some(planned) = self.plan_from_hint(local, want, pl).await {
+    async fn plan(
+        &self,
+        local: Option<u64>,
+        want: Option<u64>,
+        pl: Planning<'_>,
+        who: Who,
+    ) -> BindResult<Option<Route>> {
+        if let Some(planned) = self.plan_from_hint(local, want, pl, who).await {
             return Ok(planned);
         }
         let Some(desc) = self.reader.descriptor().await? else {
@@ -518,23 +517,65 @@ impl PyFollower {
         }
     }
 
+    async fn poll_inner(&self, ps: &mut Polls) -> BindResult<Option<u64>> {
+        ps.calls += 1;
+        let polled = self.reader.poll_latest(ps.etag.as_deref()).await;
+        let fresh = match polled {
+            Ok(LatestPoll::Changed(h, tag)) => Some((h, tag)),
+            Ok(LatestPoll::Unchanged) if ps.etag.is_some() => None,
+            _ => {
+                ps.etag = None;
+                None
+            }
+        };
+        if let Some((h, tag)) = fresh {
+            if ps.stream.as_deref() != Some(h.stream_id.as_str()) {
+                // First poll, or the hint names another stream: which one is this bucket's?
+                let sid = self.reader.descriptor().await?.map(|d| d.stream_id);
+                if sid != ps.stream {
+                    *ps = Polls { calls: ps.calls, stream: sid, ..Polls::default() };
+                }
+            }
+            if ps.stream.as_deref() == Some(h.stream_id.as_str()) {
+                ps.etag = tag;
+                ps.hinted = ps.hinted.max(h.delta.max(h.anchor));
+            } else {
+                // Another stream's hint (copied in, or left by an old run): not this one's.
+                ps.etag = None;
+            }
+        }
+        if ps.etag.is_none() || ps.calls % 10 == 0 {
+            let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
+            let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
+            ps.listed = a.last().copied().max(d.last().copied());
+        }
+        Ok(ps.hinted.max(ps.listed))
+    }
+
     /// The fast poll of a Follower on `local` (a step of the stream planned before): one
     /// conditional GET of the signed `latest.json`. Unchanged, or announcing `local` itself:
     /// up to date. Announcing one delta on `local`: that route, from the hint alone (no
     /// `stream.json`, no listing, no marker reads). `None` for anything else (a cold start, a
     /// gap, a newer anchor, a refusal in the way, no or an unreadable hint, every 10th plan):
     /// the listing decides.
-    async fn plan_from_hint(&self, local: Option<u64>, want: Option<u64>, pl: Planning<'_>) -> Option<Option<Route>> {
+    async fn plan_from_hint(
+        &self,
+        local: Option<u64>,
+        want: Option<u64>,
+        pl: Planning<'_>,
+        who: Who,
+    ) -> Option<Option<Route>> {
         let local = local?;
         let sid = pl.stream.clone()?;
-        pl.calls += 1;
-        if pl.calls % 10 == 0 {
+        let calls = &mut pl.calls[who as usize];
+        *calls += 1;
+        if *calls % 10 == 0 {
             return None;
         }
         let etag = pl.latest.as_ref().and_then(|(_, t)| t.clone());
-        match self.reader.latest(etag.as_deref()).await {
-            Ok(Some(fresh)) => pl.latest = Some(fresh),
-            Ok(None) if etag.is_some() => {}
+        match self.reader.poll_latest(etag.as_deref()).await {
+            Ok(LatestPoll::Changed(h, tag)) => pl.latest = Some((*h, tag)),
+            Ok(LatestPoll::Unchanged) if etag.is_some() => {}
             _ => {
                 pl.latest = None;
                 return None;
@@ -631,7 +672,9 @@ impl PyFollower {
         pl: Planning<'_>,
         at: &mut Attempt,
     ) -> BindResult<Option<(Tracked, &'static str, u64, usize)>> {
-        let Some((target, anchor_step, chain, sid, cands)) = self.plan(local.map(|t| t.step), want, pl).await? else {
+        let Some((target, anchor_step, chain, sid, cands)) =
+            self.plan(local.map(|t| t.step), want, pl, Who::Arrays).await?
+        else {
             return Ok(None);
         };
         let mut bytes = 0;
@@ -787,7 +830,8 @@ impl PyFollower {
         at: &mut Attempt,
         indices: &mut BTreeMap<String, Vec<u64>>,
     ) -> BindResult<Option<(Tracked, bool)>> {
-        let Some((_, anchor_step, chain, sid, cands)) = self.plan(local.map(|t| t.step), want, pl).await? else {
+        let Some((_, anchor_step, chain, sid, cands)) = self.plan(local.map(|t| t.step), want, pl, Who::Mirror).await?
+        else {
             return Ok(None);
         };
         let full = anchor_step.is_some();
@@ -901,8 +945,8 @@ fn with_refusals<T>(
         let r = attempt(plans, &mut at);
         touched |= at.touched;
         match (r, at.at) {
-            (Err(e), Some((kind, step, sha))) if e.is_step_fault() => {
-                plans.refused.refuse(kind, step, sha, e.message(), false);
+            (Err(e), Some((kind, step, sha))) if e.is_step_fault() || e.is_missing() => {
+                plans.refused.refuse(kind, step, sha, e.message(), e.is_missing());
                 plans.markers.forget(kind, step);
                 if touched && local.is_some() {
                     // The target is no longer the verified state: the caller must know.

@@ -206,16 +206,36 @@ impl StreamReader {
 
     /// `latest.json` if it changed since `etag`: `Ok(None)` when not modified or absent.
     pub async fn latest(&self, etag: Option<&str>) -> StreamResult<Option<(LatestHint, Option<String>)>> {
+        Ok(match self.poll_latest(etag).await? {
+            LatestPoll::Changed(h, tag) => Some((*h, tag)),
+            LatestPoll::Unchanged | LatestPoll::Absent => None,
+        })
+    }
+
+    /// One conditional GET of `latest.json`, telling "not modified since `etag`" from "absent"
+    /// (deleted: a poller must stop trusting the hint it holds).
+    pub async fn poll_latest(&self, etag: Option<&str>) -> StreamResult<LatestPoll> {
         match self.bucket.get_if_changed_limited(layout::LATEST, etag, MAX_MARKER_BYTES).await {
             Ok(Some((b, tag))) => {
                 let (payload, _) = self.trust.open(&b)?;
-                Ok(Some((LatestHint::from_slice(&payload)?, tag)))
+                Ok(LatestPoll::Changed(Box::new(LatestHint::from_slice(&payload)?), tag))
             }
-            Ok(None) => Ok(None),
-            Err(e) if e.is_not_found() => Ok(None),
+            Ok(None) => Ok(LatestPoll::Unchanged),
+            Err(e) if e.is_not_found() => Ok(LatestPoll::Absent),
             Err(e) => Err(e.into()),
         }
     }
+}
+
+/// What one conditional GET of `latest.json` found.
+#[derive(Debug, Clone)]
+pub enum LatestPoll {
+    /// A new (verified) hint, with its ETag.
+    Changed(Box<LatestHint>, Option<String>),
+    /// Not modified since the ETag given.
+    Unchanged,
+    /// No `latest.json`.
+    Absent,
 }
 
 /// A ready marker's payload bytes (unsigned: planners compare routes by them) must be its
