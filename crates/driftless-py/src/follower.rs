@@ -28,12 +28,15 @@ use crate::errors::{BindError, BindResult};
 use crate::store_options;
 use crate::tensors::{borrow_mapping, Raw};
 
-/// A verified state: step, root and the layout of its tensors.
+/// A verified state: step, root and the layout of its tensors, and the stream it is a step of
+/// (weights of another run at the same prefix are never a base: the new stream's anchor
+/// replaces them, as the agent does).
 #[derive(Clone, Debug)]
 struct Tracked {
     step: u64,
     root: Digest,
     layout: Layout,
+    stream: String,
 }
 
 /// The host copy `iter_patches` keeps to turn ulp deltas into absolute values.
@@ -476,12 +479,17 @@ impl PyFollower {
     /// cheapest route by bytes). `Ok(None)`: up to date.
     async fn plan(
         &self,
-        local: Option<u64>,
+        local: Option<&Tracked>,
         want: Option<u64>,
         pl: Planning<'_>,
         who: Who,
     ) -> BindResult<Option<Route>> {
-        if let Some(planned) = self.plan_from_hint(local, want, pl, who).await {
+        let of_stream = |sid: &str| local.filter(|t| t.stream == sid).map(|t| t.step);
+        let hinted = match pl.stream.as_deref() {
+            Some(sid) => of_stream(sid),
+            None => None,
+        };
+        if let Some(planned) = self.plan_from_hint(hinted, want, pl, who).await {
             return Ok(planned);
         }
         let Some(desc) = self.reader.descriptor().await? else {
@@ -492,6 +500,7 @@ impl PyFollower {
             pl.stream = Some(desc.stream_id.clone());
             pl.latest = None;
         }
+        let local = of_stream(&desc.stream_id);
         let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None).await?;
         // Steps before the oldest anchor are never planned again (as the agent prunes).
         if let Some(&oldest) = cands.anchors.keys().next() {
@@ -672,9 +681,7 @@ impl PyFollower {
         pl: Planning<'_>,
         at: &mut Attempt,
     ) -> BindResult<Option<(Tracked, &'static str, u64, usize)>> {
-        let Some((target, anchor_step, chain, sid, cands)) =
-            self.plan(local.map(|t| t.step), want, pl, Who::Arrays).await?
-        else {
+        let Some((target, anchor_step, chain, sid, cands)) = self.plan(local, want, pl, Who::Arrays).await? else {
             return Ok(None);
         };
         let mut bytes = 0;
@@ -696,7 +703,9 @@ impl PyFollower {
             None => None,
         };
         let mut cur = match &anchor {
-            Some((a, m, layout)) => Tracked { step: *a, root: m.weights_root, layout: layout.clone() },
+            Some((a, m, layout)) => {
+                Tracked { step: *a, root: m.weights_root, layout: layout.clone(), stream: sid.clone() }
+            }
             None => {
                 let l = local.expect("a delta route starts from a local state").clone();
                 check_set(&l.layout, parts, l.step)?;
@@ -778,7 +787,7 @@ impl PyFollower {
                 segs.par_iter().enumerate().try_for_each(|(i, s)| ap.apply(i, s))?;
                 Ok(())
             })()?;
-            cur = Tracked { step: d, root: m.result_root, layout: cur.layout };
+            cur = Tracked { step: d, root: m.result_root, ..cur };
             last = Some(m);
         }
         if anchor.is_none() {
@@ -830,8 +839,7 @@ impl PyFollower {
         at: &mut Attempt,
         indices: &mut BTreeMap<String, Vec<u64>>,
     ) -> BindResult<Option<(Tracked, bool)>> {
-        let Some((_, anchor_step, chain, sid, cands)) = self.plan(local.map(|t| t.step), want, pl, Who::Mirror).await?
-        else {
+        let Some((_, anchor_step, chain, sid, cands)) = self.plan(local, want, pl, Who::Mirror).await? else {
             return Ok(None);
         };
         let full = anchor_step.is_some();
@@ -845,7 +853,10 @@ impl PyFollower {
                 .tensors()
                 .map(|t| Ok((t.clone(), vec![0u8; t.nbytes()? as usize])))
                 .collect::<BindResult<_>>()?;
-            *mirror = Some(Mirror { at: Tracked { step: a, root: m.weights_root, layout: layout.clone() }, tensors });
+            *mirror = Some(Mirror {
+                at: Tracked { step: a, root: m.weights_root, layout: layout.clone(), stream: sid.clone() },
+                tensors,
+            });
             let mm = mirror.as_mut().expect("set");
             let by: HashMap<&str, Raw> = mm
                 .tensors
@@ -904,7 +915,7 @@ impl PyFollower {
             for (n, v) in found {
                 indices.entry(n).or_default().extend(v);
             }
-            cur = Tracked { step: d, root: m.result_root, layout: cur.layout };
+            cur = Tracked { step: d, root: m.result_root, ..cur };
             let views: Vec<TensorView<'_>> = mm
                 .tensors
                 .iter()

@@ -560,6 +560,27 @@ def test_a_hint_naming_a_step_that_is_gone_is_refused_not_raised(tmp_path, keys)
     assert np.array_equal(bits(theirs["x.w"]), steps[4])
 
 
+def test_a_new_run_at_the_same_prefix_replaces_the_old_runs_weights(tmp_path, keys):
+    """Arrays verified at step 4 of one run; the prefix is emptied and a new run (a new stream)
+    publishes steps 0-2 there. The old run's step is no base and not 'up to date' against the
+    new stream: the next call loads the new run's step 2, bit for bit."""
+    import shutil
+
+    private, public = keys
+    url = f"file://{tmp_path}/b"
+    old = bit_chain(31, (64, 64), 4)
+    _publish_keeping_hints(url, private, old)
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros((64, 64), BF16)}
+    assert f.apply_to(arrays)["step"] == 4
+    shutil.rmtree(tmp_path / "b")
+    new = bit_chain(32, (64, 64), 2)
+    _publish_keeping_hints(url, private, new)
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"]) == (2, "anchor"), o
+    assert np.array_equal(bits(arrays["x.w"]), new[2])
+
+
 def test_a_step_signed_for_another_stream_is_refused(tmp_path, keys):
     """Two runs signed with one key: run B's anchor copied into run A's bucket as A's newest
     step (its marker rewritten to A's stream id) verifies against B's own root, but is B's.
