@@ -1,0 +1,112 @@
+"""Requests per step of a Follower, counted on the wire: a loopback proxy in front of
+SeaweedFS sees every S3 request the Follower makes (the publisher writes to SeaweedFS
+directly). The target (issue 12): a follower one step behind makes at most 3 + segments
+requests, whatever the retention, and an up-to-date call one."""
+
+import http.client
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+
+import driftless
+from conftest import BF16, _seaweed, bits
+from test_stream import bit_chain
+
+HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade"}
+
+
+class CountingProxy:
+    """Forwards every request to `upstream` unchanged (the Host header too: SigV4 signs it)
+    and records (method, path, query) of each."""
+
+    def __init__(self, upstream):
+        up = urllib.parse.urlsplit(upstream)
+        seen = self.seen = []
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                path, _, query = self.path.partition("?")
+                with lock:
+                    seen.append((self.command, urllib.parse.unquote(path), query))
+                c = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
+                c.request(self.command, self.path, body=body, headers=headers)
+                r = c.getresponse()
+                data = r.read()
+                self.send_response(r.status, r.reason)
+                bodyless = self.command == "HEAD" or r.status in (204, 304)
+                for k, v in r.getheaders():
+                    # A HEAD's Content-Length is the object's size: kept as is.
+                    if k.lower() not in HOP and (bodyless or k.lower() != "content-length"):
+                        self.send_header(k, v)
+                if not bodyless:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if not bodyless:
+                    self.wfile.write(data)
+                c.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def take(self):
+        out, self.seen[:] = list(self.seen), []
+        return out
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_a_follower_one_step_behind_makes_three_requests_plus_segments(monkeypatch, keys):
+    url, kw = _seaweed(monkeypatch)
+    private, public = keys
+    proxy = CountingProxy(kw["endpoint"])
+    try:
+        steps = bit_chain(41, (256, 256), 13)
+        f = driftless.Follower(url, trusted_keys=[public], **{**kw, "endpoint": proxy.endpoint})
+        arrays = {"x.w": np.zeros((256, 256), BF16)}
+        per_step = []
+        with driftless.Publisher(url, signing_key=private, anchor_every=1000, **kw) as pub:
+            for s, x in enumerate(steps):
+                pub.publish(s, {"x.w": x.view(BF16)})
+                pub.flush()
+                proxy.take()
+                o = f.apply_to(arrays)
+                seen = proxy.take()
+                assert o["step"] == s, o
+                assert np.array_equal(bits(arrays["x.w"]), x)
+                if s < 2:
+                    continue  # the first load lists; the first hint is read
+                segments = [r for r in seen if f"/deltas/{s:012d}/" in r[1] and "manifest" not in r[1]]
+                assert o["route"] == "fast", o
+                listings = [r for r in seen if "list-type" in r[2]]
+                if s % 10 == 0:
+                    # Every 10th plan from a step (here step s) lists anyway: markers are the
+                    # source of truth.
+                    assert listings, seen
+                    continue
+                assert not listings and not any(r[1].endswith("/stream.json") for r in seen), seen
+                assert segments and len(seen) <= 3 + len(segments), seen
+                per_step.append(len(seen))
+            # Up to date: one conditional GET of latest.json.
+            o = f.apply_to(arrays)
+            up = proxy.take()
+            assert o["route"] == "up_to_date" and len(up) == 1 and up[0][1].endswith("/latest.json"), up
+        # Constant over the run, whatever the number of deltas retained (11 by the end).
+        assert len(set(per_step)) == 1, per_step
+        print(f"requests per step, one step behind: {per_step[0]} (1 segment each); up to date: 1")
+    finally:
+        proxy.close()
