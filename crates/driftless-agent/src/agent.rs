@@ -600,7 +600,8 @@ impl Agent {
                 // With deltas after it, the anchor's root is not checked on its own: the final
                 // root (signed) proves the result; a mismatch is retried carefully, anchor first.
                 let alone = route.deltas.is_empty();
-                let (b, h) = self.load_anchor(sid, a, &wdir, careful || alone, alone).await?;
+                let marker = cands.marker(StepKind::Anchor, a);
+                let (b, h) = self.load_anchor(sid, a, marker, &wdir, careful || alone, alone).await?;
                 bytes += b;
                 self.metrics.anchor_downloads.fetch_add(1, Relaxed);
                 (h, route.deltas.clone())
@@ -832,12 +833,18 @@ impl Agent {
         &mut self,
         sid: &str,
         step: u64,
+        marker: Option<&ReadyMarker>,
         wdir: &Path,
         verify: bool,
         alone: bool,
     ) -> Result<(u64, Held), BuildError> {
         let at = attribute(StepKind::Anchor, step);
-        let (m, _) = self.reader.anchor(step).await.map_err(|e| at(e.into()))?;
+        // The manifest of the marker the route was planned with (no second marker GET).
+        let m = match marker {
+            Some(mk) => self.reader.anchor_at(step, mk).await,
+            None => self.reader.anchor(step).await,
+        };
+        let (m, _) = m.map_err(|e| at(e.into()))?;
         if m.stream_id != sid {
             return Err(BuildError::Step(StepKind::Anchor, step, "signed for another stream".into(), false));
         }

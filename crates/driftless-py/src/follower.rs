@@ -694,7 +694,10 @@ impl PyFollower {
         let anchor = match anchor_step {
             Some(a) => {
                 at.on(&cands, StepKind::Anchor, a);
-                let (m, _) = self.reader.anchor(a).await?;
+                let (m, _) = match cands.marker(StepKind::Anchor, a) {
+                    Some(marker) => self.reader.anchor_at(a, marker).await?,
+                    None => self.reader.anchor(a).await?,
+                };
                 same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
                 let layout = m.layout();
                 check_set(&layout, parts, a)?;
@@ -845,7 +848,10 @@ impl PyFollower {
         let full = anchor_step.is_some();
         if let Some(a) = anchor_step {
             at.on(&cands, StepKind::Anchor, a);
-            let (m, _) = self.reader.anchor(a).await?;
+            let (m, _) = match cands.marker(StepKind::Anchor, a) {
+                Some(marker) => self.reader.anchor_at(a, marker).await?,
+                None => self.reader.anchor(a).await?,
+            };
             same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
             let layout = m.layout();
             at.touched = true;

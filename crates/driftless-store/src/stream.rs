@@ -172,7 +172,20 @@ impl StreamReader {
     /// The verified manifest of a ready anchor.
     pub async fn anchor(&self, step: u64) -> StreamResult<(AnchorManifest, Digest)> {
         let marker = self.marker(StepKind::Anchor, step).await?;
-        let (payload, sha) = self.envelope(StepKind::Anchor, step, &marker).await?;
+        self.anchor_at(step, &marker).await
+    }
+
+    /// [`Self::anchor`] with its ready marker already at hand (the one a route was planned
+    /// with): one GET fewer, and the manifest is the one the plan weighed.
+    pub async fn anchor_at(&self, step: u64, marker: &ReadyMarker) -> StreamResult<(AnchorManifest, Digest)> {
+        if marker.of != StepKind::Anchor || marker.step != step {
+            return Err(driftless_format::Error::Corrupt {
+                what: "ready marker",
+                detail: format!("marker of {:?} step {} used for anchor {step}", marker.of, marker.step),
+            }
+            .into());
+        }
+        let (payload, sha) = self.envelope(StepKind::Anchor, step, marker).await?;
         let m = AnchorManifest::from_slice(&payload)?;
         if m.step != step {
             return Err(driftless_format::Error::Corrupt {
@@ -181,7 +194,7 @@ impl StreamReader {
             }
             .into());
         }
-        same_payload(&marker, m.payload_bytes())?;
+        same_payload(marker, m.payload_bytes())?;
         Ok((m, sha))
     }
 
