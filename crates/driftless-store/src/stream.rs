@@ -119,6 +119,12 @@ impl StreamReader {
     }
 
     async fn envelope(&self, kind: StepKind, step: u64, marker: &ReadyMarker) -> StreamResult<(Vec<u8>, Digest)> {
+        if marker.of != kind || marker.step != step {
+            return Err(corrupt(
+                "ready marker",
+                format!("marker of {:?} {} used for {kind:?} {step}", marker.of, marker.step),
+            ));
+        }
         let key = layout::object(kind, step, marker.manifest_name());
         let b = match self.bucket.get_limited(&key, MAX_MANIFEST_BYTES as u64).await {
             Ok(b) => b,
@@ -149,21 +155,10 @@ impl StreamReader {
     /// [`Self::delta`] with its ready marker already at hand (read by a listing, or carried by
     /// a signed `latest.json`): one GET fewer.
     pub async fn delta_at(&self, step: u64, marker: &ReadyMarker) -> StreamResult<(DeltaManifest, Digest)> {
-        if marker.of != StepKind::Delta || marker.step != step {
-            return Err(driftless_format::Error::Corrupt {
-                what: "ready marker",
-                detail: format!("marker of {:?} step {} used for delta {step}", marker.of, marker.step),
-            }
-            .into());
-        }
         let (payload, sha) = self.envelope(StepKind::Delta, step, marker).await?;
         let m = DeltaManifest::from_slice(&payload)?;
         if m.step != step || Some(m.base_step) != marker.base_step {
-            return Err(driftless_format::Error::Corrupt {
-                what: "delta manifest",
-                detail: format!("manifest of step {} found at step {step}", m.step),
-            }
-            .into());
+            return Err(corrupt("delta manifest", format!("manifest of step {} found at step {step}", m.step)));
         }
         same_payload(marker, m.payload_bytes())?;
         Ok((m, sha))
@@ -178,21 +173,10 @@ impl StreamReader {
     /// [`Self::anchor`] with its ready marker already at hand (the one a route was planned
     /// with): one GET fewer, and the manifest is the one the plan weighed.
     pub async fn anchor_at(&self, step: u64, marker: &ReadyMarker) -> StreamResult<(AnchorManifest, Digest)> {
-        if marker.of != StepKind::Anchor || marker.step != step {
-            return Err(driftless_format::Error::Corrupt {
-                what: "ready marker",
-                detail: format!("marker of {:?} step {} used for anchor {step}", marker.of, marker.step),
-            }
-            .into());
-        }
         let (payload, sha) = self.envelope(StepKind::Anchor, step, marker).await?;
         let m = AnchorManifest::from_slice(&payload)?;
         if m.step != step {
-            return Err(driftless_format::Error::Corrupt {
-                what: "anchor manifest",
-                detail: format!("manifest of step {} found at step {step}", m.step),
-            }
-            .into());
+            return Err(corrupt("anchor manifest", format!("manifest of step {} found at step {step}", m.step)));
         }
         same_payload(marker, m.payload_bytes())?;
         Ok((m, sha))
@@ -249,6 +233,10 @@ pub enum LatestPoll {
     Unchanged,
     /// No `latest.json`.
     Absent,
+}
+
+fn corrupt(what: &'static str, detail: String) -> StreamError {
+    driftless_format::Error::Corrupt { what, detail }.into()
 }
 
 /// A ready marker's payload bytes (unsigned: planners compare routes by them) must be its
