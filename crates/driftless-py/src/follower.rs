@@ -533,7 +533,10 @@ impl PyFollower {
             Ok(LatestPoll::Changed(h, tag)) => Some((h, tag)),
             Ok(LatestPoll::Unchanged) if ps.etag.is_some() => None,
             _ => {
+                // No valid hint (deleted, or the prefix emptied for a new run): the listing
+                // alone answers, not the newest step an earlier hint named.
                 ps.etag = None;
+                ps.hinted = None;
                 None
             }
         };

@@ -477,6 +477,13 @@ def test_poll_takes_hints_of_its_own_stream_only_and_never_goes_back(tmp_path, k
     g = driftless.Follower(ours, trusted_keys=[public])
     latest.write_bytes(foreign[-1])
     assert g.poll() == 3
+    # The prefix emptied for a new run whose hint writes failed: the markers answer.
+    import shutil
+
+    shutil.rmtree(tmp_path / "ours")
+    _publish_keeping_hints(ours, private, bit_chain(25, (64, 64), 1))
+    latest.unlink()
+    assert f.poll() == 1
 
 
 def test_a_stale_hint_delays_each_consumer_by_at_most_ten_calls(tmp_path, keys):
