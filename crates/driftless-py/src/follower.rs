@@ -657,6 +657,58 @@ impl PyFollower {
         Ok(((local, dir), bytes, digests))
     }
 
+    /// Fetches and checks every delta of `chain` from `from` before anything is written: signed
+    /// manifest, objects against their SHA-256, stream, each base the previous result, layout
+    /// (`LayoutChanged` with `detail`). A fault in any of them is that step's, with the target
+    /// untouched. The checked segments wait in memory up to `chain_memory` bytes, beyond that
+    /// in a TMPDIR spool: a long catch-up does not hold an anchor's worth of deltas in RAM.
+    async fn fetch_chain(
+        &self,
+        chain: &[u64],
+        cands: &plan::Candidates,
+        sid: &str,
+        from: &Tracked,
+        at: &mut Attempt,
+        detail: &str,
+    ) -> BindResult<CheckedChain> {
+        let mut out = CheckedChain { deltas: Vec::with_capacity(chain.len()), bytes: 0, _spool: None };
+        let mut root = from.root;
+        for &d in chain {
+            at.on(cands, StepKind::Delta, d);
+            let (m, segs, b) = self.fetch_delta(d, cands).await?;
+            same_stream(sid, &m.stream_id, "delta manifest", d)?;
+            out.bytes += b;
+            if m.base_root != root {
+                return Err(driftless_format::Error::WrongBase {
+                    expected: m.base_root.to_hex(),
+                    actual: root.to_hex(),
+                }
+                .into());
+            }
+            if ops::needs_rewrite(&from.layout, &m) {
+                return Err(BindError::LayoutChanged { step: d, detail: detail.into() });
+            }
+            root = m.result_root;
+            let segs = if out.bytes <= self.chain_memory {
+                Held::Mem(segs)
+            } else {
+                if out._spool.is_none() {
+                    out._spool = Some(Spool::new(None, "chain").map_err(spool_io)?);
+                }
+                let dir = out._spool.as_ref().expect("created").path();
+                let mut paths = Vec::with_capacity(segs.len());
+                for (i, b) in segs.iter().enumerate() {
+                    let p = dir.join(format!("{d}-{i}"));
+                    std::fs::write(&p, b).map_err(spool_io)?;
+                    paths.push(p);
+                }
+                Held::Spooled(paths)
+            };
+            out.deltas.push((d, m, segs));
+        }
+        Ok(out)
+    }
+
     /// A delta's manifest (from its planned marker: no second marker GET) and its segments,
     /// each checked against the manifest.
     async fn fetch_delta(&self, step: u64, cands: &plan::Candidates) -> BindResult<(DeltaManifest, Vec<Bytes>, u64)> {
@@ -718,49 +770,10 @@ impl PyFollower {
                 l
             }
         };
-        let mut deltas = Vec::with_capacity(chain.len());
-        let mut root = cur.root;
-        // Checked segments wait for the writing pass in memory up to `chain_memory` bytes for
-        // the chain, beyond that in a TMPDIR spool: a long catch-up does not hold an anchor's
-        // worth of deltas in RAM.
-        let (mut held, mut spool) = (0u64, None::<Spool>);
-        for &d in &chain {
-            at.on(&cands, StepKind::Delta, d);
-            let (m, segs, b) = self.fetch_delta(d, &cands).await?;
-            same_stream(&sid, &m.stream_id, "delta manifest", d)?;
-            bytes += b;
-            if m.base_root != root {
-                return Err(driftless_format::Error::WrongBase {
-                    expected: m.base_root.to_hex(),
-                    actual: root.to_hex(),
-                }
-                .into());
-            }
-            if ops::needs_rewrite(&cur.layout, &m) {
-                return Err(BindError::LayoutChanged {
-                    step: d,
-                    detail: "arrays cannot follow in place; load the new checkpoint (sync_dir) and start a new Follower state with reset()".into(),
-                });
-            }
-            root = m.result_root;
-            held += b;
-            let segs = if held <= self.chain_memory {
-                Held::Mem(segs)
-            } else {
-                if spool.is_none() {
-                    spool = Some(Spool::new(None, "chain").map_err(spool_io)?);
-                }
-                let dir = spool.as_ref().expect("created").path();
-                let mut paths = Vec::with_capacity(segs.len());
-                for (i, b) in segs.iter().enumerate() {
-                    let p = dir.join(format!("{d}-{i}"));
-                    std::fs::write(&p, b).map_err(spool_io)?;
-                    paths.push(p);
-                }
-                Held::Spooled(paths)
-            };
-            deltas.push((d, m, segs));
-        }
+        let detail = "arrays cannot follow in place; load the new checkpoint (sync_dir) and start a new Follower state with reset()";
+        let CheckedChain { deltas, bytes: fetched, _spool } =
+            self.fetch_chain(&chain, &cands, &sid, &cur, at, detail).await?;
+        bytes += fetched;
         let mut anchor_digests = None;
         if let Some((a, m, _)) = &anchor {
             at.on(&cands, StepKind::Anchor, *a);
@@ -849,52 +862,50 @@ impl PyFollower {
             return Ok(None);
         };
         let full = anchor_step.is_some();
-        if let Some(a) = anchor_step {
-            at.on(&cands, StepKind::Anchor, a);
-            let (m, _) = match cands.marker(StepKind::Anchor, a) {
-                Some(marker) => self.reader.anchor_at(a, marker).await?,
-                None => self.reader.anchor(a).await?,
-            };
-            same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
-            let layout = m.layout();
+        // The anchor's manifest, then the whole chain fetched and checked, before the mirror
+        // is touched: a bad step in the route costs it nothing (as for `apply`).
+        let anchor = match anchor_step {
+            Some(a) => {
+                at.on(&cands, StepKind::Anchor, a);
+                let (m, _) = match cands.marker(StepKind::Anchor, a) {
+                    Some(marker) => self.reader.anchor_at(a, marker).await?,
+                    None => self.reader.anchor(a).await?,
+                };
+                same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
+                Some((a, m))
+            }
+            None => None,
+        };
+        let from = match &anchor {
+            Some((a, m)) => Tracked { step: *a, root: m.weights_root, layout: m.layout(), stream: sid.clone() },
+            None => mirror.as_ref().expect("a mirror to apply onto").at.clone(),
+        };
+        let detail = "patches cannot express it; reload the model (sync_dir) and call reset()";
+        let CheckedChain { deltas, _spool, .. } = self.fetch_chain(&chain, &cands, &sid, &from, at, detail).await?;
+        if let Some((a, m)) = &anchor {
+            at.on(&cands, StepKind::Anchor, *a);
             at.touched = true;
-            let tensors: Vec<(TensorMeta, Vec<u8>)> = layout
+            let tensors: Vec<(TensorMeta, Vec<u8>)> = from
+                .layout
                 .tensors()
                 .map(|t| Ok((t.clone(), vec![0u8; t.nbytes()? as usize])))
                 .collect::<BindResult<_>>()?;
-            *mirror = Some(Mirror {
-                at: Tracked { step: a, root: m.weights_root, layout: layout.clone(), stream: sid.clone() },
-                tensors,
-            });
+            *mirror = Some(Mirror { at: from.clone(), tensors });
             let mm = mirror.as_mut().expect("set");
             let by: HashMap<&str, Raw> = mm
                 .tensors
                 .iter_mut()
                 .map(|(t, d)| (t.name.as_str(), Raw { addr: d.as_mut_ptr() as usize, len: d.len() }))
                 .collect();
-            let (_, d) = self.stream_anchor(a, &m, &by, true).await?;
+            let (_, d) = self.stream_anchor(*a, m, &by, true).await?;
             let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
             ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
         }
         let mm = mirror.as_mut().expect("a mirror to apply onto");
-        let mut cur = mm.at.clone();
-        for &d in &chain {
+        let mut cur = from;
+        for (d, m, segs) in deltas {
             at.on(&cands, StepKind::Delta, d);
-            let (m, segs, _) = self.fetch_delta(d, &cands).await?;
-            same_stream(&sid, &m.stream_id, "delta manifest", d)?;
-            if m.base_root != cur.root {
-                return Err(driftless_format::Error::WrongBase {
-                    expected: m.base_root.to_hex(),
-                    actual: cur.root.to_hex(),
-                }
-                .into());
-            }
-            if ops::needs_rewrite(&cur.layout, &m) {
-                return Err(BindError::LayoutChanged {
-                    step: d,
-                    detail: "patches cannot express it; reload the model (sync_dir) and call reset()".into(),
-                });
-            }
+            let segs = segs.take()?;
             at.touched = true;
             let found = (|| -> BindResult<Vec<(String, Vec<u64>)>> {
                 let mut tm = TensorsMut::new();
@@ -1069,6 +1080,15 @@ async fn stream_anchor_from(
 const CHAIN_IN_MEMORY: u64 = 256 << 20;
 
 /// The checked segments of one delta of a chain.
+/// A delta chain fetched and checked, waiting for its writing pass ([`PyFollower::fetch_chain`]).
+struct CheckedChain {
+    deltas: Vec<(u64, DeltaManifest, Held)>,
+    /// Bytes downloaded.
+    bytes: u64,
+    /// Where segments beyond `chain_memory` wait (removed on drop).
+    _spool: Option<Spool>,
+}
+
 enum Held {
     Mem(Vec<Bytes>),
     /// In the chain's TMPDIR spool (local disk: not checked again).

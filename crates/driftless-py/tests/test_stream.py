@@ -418,6 +418,34 @@ def test_a_follower_one_step_behind_plans_from_latest_json_alone(file_bucket, ke
     assert f.poll() == 4
 
 
+def test_a_bad_delta_in_a_chain_costs_the_patch_mirror_nothing(file_bucket, keys):
+    """iter_patches' host mirror at verified step 1, deltas 2 and 3 ready, delta 3 corrupt:
+    the chain is checked before the mirror is touched, so delta 3 is refused and the patches
+    of step 2 alone are yielded (positions, not whole tensors: the mirror was kept)."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    steps = bit_chain(14, (256, 256), 3)
+    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+        for s, x in enumerate(steps):
+            pub.publish(s, {"x.w": x.view(BF16)})
+    f = driftless.Follower(url, trusted_keys=[public])
+    gpu = np.zeros(256 * 256, np.uint16)
+    for name, pos, vals in f.iter_patches(step=1):
+        gpu[:] = vals.reshape(-1)
+    ddir = os.path.join(root, "deltas", f"{3:012d}")
+    obj = max((os.path.join(ddir, n) for n in os.listdir(ddir) if "manifest" not in n), key=os.path.getsize)
+    bad = bytearray(open(obj, "rb").read())
+    bad[len(bad) // 2] ^= 0xFF
+    open(obj, "wb").write(bytes(bad))
+    patches = list(f.iter_patches())
+    assert patches and all(pos is not None for _, pos, _ in patches), "the mirror was reloaded"
+    for name, pos, vals in patches:
+        gpu[pos] = vals
+    assert f.patch_step == 2
+    assert np.array_equal(gpu.reshape(256, 256), steps[2])
+
+
 def test_a_first_load_takes_the_next_route_after_a_bad_anchor(file_bucket, keys):
     """Arrays that hold nothing verified yet, newest anchor corrupt: the anchor is refused
     after it was streamed into them, and the same call goes on to the next best route (the
