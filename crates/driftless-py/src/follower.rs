@@ -657,6 +657,23 @@ impl PyFollower {
         Ok(((local, dir), bytes, digests))
     }
 
+    /// The verified manifest of anchor `a` (with its planned marker), signed for stream `sid`.
+    async fn anchor_manifest(
+        &self,
+        a: u64,
+        cands: &plan::Candidates,
+        sid: &str,
+        at: &mut Attempt,
+    ) -> BindResult<AnchorManifest> {
+        at.on(cands, StepKind::Anchor, a);
+        let (m, _) = match cands.marker(StepKind::Anchor, a) {
+            Some(marker) => self.reader.anchor_at(a, marker).await?,
+            None => self.reader.anchor(a).await?,
+        };
+        same_stream(sid, &m.stream_id, "anchor manifest", a)?;
+        Ok(m)
+    }
+
     /// Fetches and checks every delta of `chain` from `from` before anything is written: signed
     /// manifest, objects against their SHA-256, stream, each base the previous result, layout
     /// (`LayoutChanged` with `detail`). A fault in any of them is that step's, with the target
@@ -748,12 +765,7 @@ impl PyFollower {
         // memory up to `chain_memory`, in a TMPDIR spool beyond.
         let anchor = match anchor_step {
             Some(a) => {
-                at.on(&cands, StepKind::Anchor, a);
-                let (m, _) = match cands.marker(StepKind::Anchor, a) {
-                    Some(marker) => self.reader.anchor_at(a, marker).await?,
-                    None => self.reader.anchor(a).await?,
-                };
-                same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
+                let m = self.anchor_manifest(a, &cands, &sid, at).await?;
                 let layout = m.layout();
                 check_set(&layout, parts, a)?;
                 Some((a, m, layout))
@@ -866,12 +878,7 @@ impl PyFollower {
         // is touched: a bad step in the route costs it nothing (as for `apply`).
         let anchor = match anchor_step {
             Some(a) => {
-                at.on(&cands, StepKind::Anchor, a);
-                let (m, _) = match cands.marker(StepKind::Anchor, a) {
-                    Some(marker) => self.reader.anchor_at(a, marker).await?,
-                    None => self.reader.anchor(a).await?,
-                };
-                same_stream(&sid, &m.stream_id, "anchor manifest", a)?;
+                let m = self.anchor_manifest(a, &cands, &sid, at).await?;
                 Some((a, m))
             }
             None => None,
