@@ -39,9 +39,9 @@ pub struct Spool {
 }
 
 impl Spool {
-    /// A fresh spool named `driftless-spool-<what>-…` in `parent` (created if missing), or in
-    /// the system's temporary directory (`TMPDIR`). Spools under the same parent whose
-    /// processes are gone are removed first.
+    /// A fresh spool named `driftless-spool-<machine>-<what>-<pid>-<random>` in `parent`
+    /// (created if missing), or in the system's temporary directory (`TMPDIR`). This machine's
+    /// spools under the same parent whose processes are gone are removed first.
     pub fn new(parent: Option<&Path>, what: &str) -> io::Result<Spool> {
         let parent = parent_or_tmp(parent);
         std::fs::create_dir_all(&parent)?;
