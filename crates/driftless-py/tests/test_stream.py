@@ -35,6 +35,18 @@ def bit_chain(seed, shape, n):
     return steps
 
 
+def flip_largest_object(root, kind, step):
+    """Flips one byte in the middle of the largest object of a step (`kind`: "deltas" or
+    "anchors"); returns its path and its good bytes."""
+    d = os.path.join(root, kind, f"{step:012d}")
+    obj = max((os.path.join(d, n) for n in os.listdir(d) if "manifest" not in n), key=os.path.getsize)
+    good = open(obj, "rb").read()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    open(obj, "wb").write(bytes(bad))
+    return obj, good
+
+
 def test_twenty_steps_bit_exact(bucket, keys, tmp_path):
     url, kw = bucket
     private, public = keys
@@ -353,12 +365,7 @@ def test_a_bad_delta_in_a_chain_is_refused_before_any_write(file_bucket, keys):
     f = driftless.Follower(url, trusted_keys=[public], chain_memory=0)
     arrays = {"x.w": np.zeros((512, 512), BF16)}
     assert f.apply_to(arrays, step=1)["step"] == 1
-    ddir = os.path.join(root, "deltas", f"{3:012d}")
-    obj = max((os.path.join(ddir, n) for n in os.listdir(ddir) if "manifest" not in n), key=os.path.getsize)
-    good = open(obj, "rb").read()
-    bad = bytearray(good)
-    bad[len(bad) // 2] ^= 0xFF
-    open(obj, "wb").write(bytes(bad))
+    obj, good = flip_largest_object(root, "deltas", 3)
     o = f.apply_to(arrays)
     assert (o["step"], o["route"]) == (2, "fast"), o
     assert [(k, s) for k, s, _ in o["refused"]] == [("delta", 3)], o
@@ -433,11 +440,7 @@ def test_a_bad_delta_in_a_chain_costs_the_patch_mirror_nothing(file_bucket, keys
     gpu = np.zeros(256 * 256, np.uint16)
     for name, pos, vals in f.iter_patches(step=1):
         gpu[:] = vals.reshape(-1)
-    ddir = os.path.join(root, "deltas", f"{3:012d}")
-    obj = max((os.path.join(ddir, n) for n in os.listdir(ddir) if "manifest" not in n), key=os.path.getsize)
-    bad = bytearray(open(obj, "rb").read())
-    bad[len(bad) // 2] ^= 0xFF
-    open(obj, "wb").write(bytes(bad))
+    flip_largest_object(root, "deltas", 3)
     patches = list(f.iter_patches())
     assert patches and all(pos is not None for _, pos, _ in patches), "the mirror was reloaded"
     for name, pos, vals in patches:
@@ -461,11 +464,7 @@ def test_a_first_load_takes_the_next_route_after_a_bad_anchor(file_bucket, keys)
     anchors = sorted(int(d) for d in os.listdir(os.path.join(root, "ready", "anchors")))
     assert anchors == [0, 3], anchors
     newest = anchors[-1]
-    adir = os.path.join(root, "anchors", f"{newest:012d}")
-    obj = max((os.path.join(adir, n) for n in os.listdir(adir) if "manifest" not in n), key=os.path.getsize)
-    bad = bytearray(open(obj, "rb").read())
-    bad[len(bad) // 2] ^= 0xFF
-    open(obj, "wb").write(bytes(bad))
+    flip_largest_object(root, "anchors", newest)
     f = driftless.Follower(url, trusted_keys=[public])
     arrays = {"x.w": np.zeros((512, 512), BF16)}
     o = f.apply_to(arrays)
