@@ -36,12 +36,13 @@ pub trait ShardSink: Send + Sync + 'static {
     fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()>;
 }
 
-/// A file of the agent's work slot, created and allocated at the shard's decoded size on the
-/// header's write (so that a missing object is reported as such, before any disk space is
-/// taken). Each write's writeback is started at once (`sync_file_range`, asynchronous), so
-/// that the disk writes while the stream goes on and the fsync before the state is written
+/// A decoded shard file (a file of the agent's work slot; the Python `Follower`'s spool of a
+/// proven anchor), created and allocated at the shard's decoded size on the header's write
+/// (so that a missing object is reported as such, before any disk space is taken). With
+/// `writeback`, each write's writeback is started at once (`sync_file_range`, asynchronous),
+/// so that the disk writes while the stream goes on and the fsync before the state is written
 /// waits for the tail only.
-pub(crate) struct FileSink {
+pub struct FileSink {
     path: std::path::PathBuf,
     size: u64,
     file: std::sync::OnceLock<std::fs::File>,
@@ -52,7 +53,7 @@ impl FileSink {
     /// `writeback`: start each write's writeback at once (when the anchor is the result: with
     /// deltas after it, the pass rewrites every page, so writing them back now would write
     /// the model twice and make the pass wait for pages under writeback).
-    pub(crate) fn new(path: std::path::PathBuf, size: u64, writeback: bool) -> Self {
+    pub fn new(path: std::path::PathBuf, size: u64, writeback: bool) -> Self {
         FileSink { path, size, file: std::sync::OnceLock::new(), writeback }
     }
 }
@@ -336,61 +337,6 @@ pub async fn stream_plain(
         return Err(mismatch(&key));
     }
     Ok(size)
-}
-
-/// Copies anchor object `o` of `step`, unchanged, to the file `dst` (created with its parent
-/// directories), `parts` ranged GETs of 16 MiB in flight, and checks its size and SHA-256
-/// against the manifest: `Ok` only for the exact signed bytes; on an error the file is
-/// removed. For a reader that must verify an object before it writes anything decoded from
-/// it (the Python `Follower` loading an anchor into arrays that hold verified weights);
-/// [`stream_shard`] and [`stream_plain`] then read the copy through a `file://` bucket.
-/// Memory is bounded by the parts in flight; the disk holds one object.
-pub async fn spool_object(
-    bucket: &Bucket,
-    step: u64,
-    o: &AnchorShardRef,
-    parts: usize,
-    dst: &std::path::Path,
-) -> Result<u64> {
-    /// Removes the copy unless it was proven (also when the future is dropped).
-    struct Discard<'a>(&'a std::path::Path, bool);
-    impl Drop for Discard<'_> {
-        fn drop(&mut self) {
-            if !self.1 {
-                let _ = std::fs::remove_file(self.0);
-            }
-        }
-    }
-    let mut proven = Discard(dst, false);
-    use sha2::Digest as _;
-    let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
-    let size = o.object.size;
-    // A stored shard is never much larger than its decoded file (incompressible planes are
-    // stored raw): bound the disk a hostile manifest can make us fill.
-    if o.decoded_size > anchor::MAX_SHARD || size > o.decoded_size.saturating_add(o.decoded_size / 8 + (1 << 20)) {
-        return Err(corrupt("anchor manifest", format!("{key}: object size {size} out of bounds")));
-    }
-    check_size(bucket, step, &key, size).await?;
-    if let Some(d) = dst.parent() {
-        std::fs::create_dir_all(d)?;
-    }
-    let file = driftless_format::checkpoint::allocate_file(dst, size)?;
-    let mut sha = sha2::Sha256::new();
-    copy_parts(bucket, &key, 0..size, parts, Arc::new(RawFile(file)), &mut sha).await?;
-    if Digest(sha.finalize().into()) != o.object.sha256 {
-        return Err(mismatch(&key));
-    }
-    proven.1 = true;
-    Ok(size)
-}
-
-/// A file written with the object's bytes as they are (the spool copy).
-struct RawFile(std::fs::File);
-
-impl ShardSink for RawFile {
-    fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()> {
-        Ok(std::os::unix::fs::FileExt::write_all_at(&self.0, bytes, at)?)
-    }
 }
 
 /// Bytes `range` of `key`, unchanged, into `sink`: ranged GETs of [`PLAIN_PART`], `parts` in

@@ -47,7 +47,7 @@ def main() -> None:
     f = driftless.Follower(url, trusted_keys=[key])
     # Cold: the anchor streamed into the arrays (then with the deltas after it). Warm: arrays
     # at the newest verified step taken back to step 0, whose only route is the anchor, proven
-    # before it is written (TMPDIR spool, a decode without writing, then the writing decode).
+    # before it is written (decoded into a TMPDIR spool and hashed, then read into the arrays).
     for step, cold in ((0, True), (None, True), (0, False)):
         if cold:
             f.reset()

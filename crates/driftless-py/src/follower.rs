@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
 use driftless_agent::anchor_stream::{
-    shard_tensors, spool_object, stream_plain, stream_shard, Hashing, ShardSink, ShardTensors,
+    shard_tensors, stream_plain, stream_shard, FileSink, Hashing, ShardSink, ShardTensors,
 };
 use driftless_agent::{plan, Agent, AgentConfig};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, LatestHint, StepKind};
@@ -622,39 +622,31 @@ impl PyFollower {
         by: &HashMap<&str, Raw>,
         hash: bool,
     ) -> BindResult<(u64, Vec<(TensorMeta, Digest)>)> {
-        stream_anchor_from(self.reader.bucket(), step, m, by, hash, false).await
+        stream_anchor_from(self.reader.bucket(), step, m, by, hash, None).await
     }
 
     /// The first half of loading an anchor into arrays that hold verified weights: nothing is
-    /// written into them before the whole anchor is proven. Its objects are copied to a local
-    /// spool ([`Spool`]: `TMPDIR`, one anchor's stored bytes; swept if this process is killed) and checked against their signed
-    /// SHA-256 ([`spool_object`]); the copy is decoded once without writing, hashing every
-    /// tensor, and the result checked against the signed weights root. Returns the spool (a
-    /// `file://` bucket over it, and the directory, removed on drop), the bytes read and the
-    /// digests; [`stream_anchor_from`] out of the spool then writes the arrays. A corrupt,
+    /// written into them before the whole anchor is proven. Each shard is streamed out of the
+    /// bucket once, as for a cold start (object SHA-256 checked, every tensor hashed as it
+    /// passes, its header checked against the arrays), but its decoded bytes go to a local
+    /// spool ([`Spool`]: `TMPDIR`, one decoded shard file per anchor object, at most the size
+    /// of the arrays; swept if this process is killed); the digests are then checked against
+    /// the signed weights root. Returns the spool, the bytes read and the digests;
+    /// [`fill_from_spool`] then copies the proven bytes into the arrays. A corrupt,
     /// truncated, swapped or wrongly signed anchor is refused with the arrays untouched. The
-    /// cost (a disk copy and a second decode, no second download) is paid only on this route;
-    /// a cold start streams directly.
+    /// cost over a cold start is the spool's write and one copy out of it (no second download
+    /// or decode); a cold start streams directly.
     async fn prove_anchor(
         &self,
         step: u64,
         m: &AnchorManifest,
         by: &HashMap<&str, Raw>,
-    ) -> BindResult<((Bucket, Spool), u64, Vec<(TensorMeta, Digest)>)> {
+    ) -> BindResult<(Spool, u64, Vec<(TensorMeta, Digest)>)> {
         let dir = Spool::new(None, "anchor").map_err(spool_io)?;
-        let mut bytes = 0;
-        for o in &m.objects {
-            let dst = dir.path().join(driftless_store::layout::object(StepKind::Anchor, step, &o.object.object));
-            bytes += spool_object(self.reader.bucket(), step, o, ANCHOR_PARTS, &dst).await?;
-        }
-        // The directory itself, not a URL made of it (TMPDIR may hold `#` or `?`).
-        let fs = driftless_store::object_store::local::LocalFileSystem::new_with_prefix(dir.path())
-            .map_err(|e| spool_io(std::io::Error::other(e.to_string())))?;
-        let local = Bucket::from_store(Arc::new(fs), "", &driftless_store::StoreOptions::default());
-        let (_, digests) = stream_anchor_from(&local, step, m, by, true, true).await?;
+        let (bytes, digests) = stream_anchor_from(self.reader.bucket(), step, m, by, true, Some(dir.path())).await?;
         let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = digests.iter().cloned().unzip();
         ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
-        Ok(((local, dir), bytes, digests))
+        Ok((dir, bytes, digests))
     }
 
     /// The verified manifest of anchor `a` (with its planned marker), signed for stream `sid`.
@@ -793,7 +785,7 @@ impl PyFollower {
                 // The arrays hold verified weights: the anchor is proven whole first.
                 let (spool, b, d) = self.prove_anchor(*a, m, &by).await?;
                 at.touched = true;
-                stream_anchor_from(&spool.0, *a, m, &by, false, false).await?;
+                fill_from_spool(spool.path(), m, &by)?;
                 (b, d)
             } else {
                 at.touched = true;
@@ -1037,34 +1029,28 @@ fn refused_after(refused: &plan::Refusals, step: Option<u64>) -> Vec<(&'static s
         .collect()
 }
 
-/// [`PyFollower::stream_anchor`] out of `bucket`; `dry`: decode and check (and hash, with
-/// `hash`) without writing into the arrays.
+/// [`PyFollower::stream_anchor`] out of `bucket`. With `spool`, nothing is written into the
+/// arrays: every shard is checked against them and its decoded file written to
+/// `spool/<index>` instead ([`PyFollower::prove_anchor`]).
 async fn stream_anchor_from(
     bucket: &Bucket,
     step: u64,
     m: &AnchorManifest,
     by: &HashMap<&str, Raw>,
     hash: bool,
-    dry: bool,
+    spool: Option<&std::path::Path>,
 ) -> BindResult<(u64, Vec<(TensorMeta, Digest)>)> {
     let layout = m.layout();
     if m.objects.len() != layout.shards.len() {
         return Err(corrupt("anchor", "shard count differs from the manifest"));
     }
     let (mut bytes, mut digests) = (0, vec![]);
-    for (o, shard) in m.objects.iter().zip(&layout.shards) {
+    for (i, (o, shard)) in m.objects.iter().zip(&layout.shards).enumerate() {
         if o.file != shard.file {
             return Err(corrupt("anchor", format!("shard {} is not the manifest's {}", o.file, shard.file)));
         }
-        let arrays = ArraySink {
-            size: o.decoded_size,
-            file: shard.file.clone(),
-            expect: shard.tensors.clone(),
-            by: shard.tensors.iter().filter_map(|t| Some((t.name.clone(), *by.get(t.name.as_str())?))).collect(),
-            tensors: OnceLock::new(),
-            arrays: OnceLock::new(),
-            dry,
-        };
+        let spool = spool.map(|d| FileSink::new(spooled(d, i), o.decoded_size, false));
+        let arrays = ArraySink::new(o.decoded_size, shard, by, spool);
         type Hashed = Arc<Hashing<ArraySink>>;
         let (sink, hashing): (Arc<dyn ShardSink>, Option<Hashed>) = if hash {
             let h = Arc::new(Hashing::new(arrays, o.decoded_size));
@@ -1082,6 +1068,53 @@ async fn stream_anchor_from(
     }
     Ok((bytes, digests))
 }
+
+/// The spool file of shard `i` of a proven anchor.
+fn spooled(dir: &std::path::Path, i: usize) -> PathBuf {
+    dir.join(format!("{i}.safetensors"))
+}
+
+/// The second half of [`PyFollower::prove_anchor`]: copies the decoded shard files it proved
+/// out of `dir` into the arrays: the header first (it maps the tensors to the arrays again),
+/// then every tensor read straight into its array ([`FILL_PIECE`] per read, on all cores; no
+/// buffer in between). The files are this process's own, written from bytes that were hashed
+/// on their way in (local disk, trusted as the chain's spool is).
+fn fill_from_spool(dir: &std::path::Path, m: &AnchorManifest, by: &HashMap<&str, Raw>) -> BindResult<()> {
+    use std::os::unix::fs::FileExt;
+    let layout = m.layout();
+    for (i, (o, shard)) in m.objects.iter().zip(&layout.shards).enumerate() {
+        let f = std::fs::File::open(spooled(dir, i)).map_err(spool_io)?;
+        let sink = ArraySink::new(o.decoded_size, shard, by, None);
+        let mut n = [0u8; 8];
+        f.read_exact_at(&mut n, 0).map_err(spool_io)?;
+        let head_end = u64::from_le_bytes(n)
+            .checked_add(8)
+            .filter(|&e| e <= o.decoded_size)
+            .ok_or_else(|| spool_io(std::io::Error::other("spooled shard has a bad header")))?;
+        let mut head = vec![0u8; head_end as usize];
+        f.read_exact_at(&mut head, 0).map_err(spool_io)?;
+        sink.write_at(0, &head)?;
+        let (Some(tensors), Some(arrays)) = (sink.tensors.get(), sink.arrays.get()) else {
+            return Err(spool_io(std::io::Error::other("spooled shard has no header")));
+        };
+        // (array, offset in it, offset in the file, length) of every read.
+        let mut reads = vec![];
+        for ((_, a, b), dst) in tensors.tensors().iter().zip(arrays) {
+            reads.extend((*a..*b).step_by(FILL_PIECE).map(|at| (*dst, at - a, at, (b - at).min(FILL_PIECE as u64))));
+        }
+        reads.into_par_iter().try_for_each(|(dst, off, at, len)| {
+            // SAFETY: `dst` is borrowed writable for the whole load; [off, off + len) lies
+            // inside it (a tensor's range is its array's length, checked by the header's
+            // write), and the reads never overlap.
+            let buf = unsafe { std::slice::from_raw_parts_mut((dst.addr as *mut u8).add(off as usize), len as usize) };
+            f.read_exact_at(buf, at).map_err(spool_io)
+        })?;
+    }
+    Ok(())
+}
+
+/// Bytes of a spooled shard read into an array per call.
+const FILL_PIECE: usize = 4 << 20;
 
 /// Default bytes of a checked delta chain held in memory until its writing pass (`apply`).
 const CHAIN_IN_MEMORY: u64 = 256 << 20;
@@ -1134,11 +1167,26 @@ struct ArraySink {
     tensors: OnceLock<ShardTensors>,
     /// The array of each of them, in the same order, set with them.
     arrays: OnceLock<Vec<Raw>>,
-    /// Check every part against the arrays, write none (the first pass of a checked load).
-    dry: bool,
+    /// Check every part against the arrays but write none of them: the decoded bytes go to
+    /// this spool file instead (the first pass of a checked load).
+    spool: Option<FileSink>,
 }
 
 impl ArraySink {
+    /// Shard `shard` (of `size` decoded bytes) going into the arrays `by`, or, with `spool`,
+    /// checked against them and written to that file.
+    fn new(size: u64, shard: &driftless_format::ShardLayout, by: &HashMap<&str, Raw>, spool: Option<FileSink>) -> Self {
+        ArraySink {
+            size,
+            file: shard.file.clone(),
+            expect: shard.tensors.clone(),
+            by: shard.tensors.iter().filter_map(|t| Some((t.name.clone(), *by.get(t.name.as_str())?))).collect(),
+            tensors: OnceLock::new(),
+            arrays: OnceLock::new(),
+            spool,
+        }
+    }
+
     /// The array of every tensor of the header, checked against the manifest's tensors.
     fn map_arrays(&self, tensors: &ShardTensors) -> driftless_agent::Result<Vec<Raw>> {
         let bad = |d: String| -> driftless_agent::Error {
@@ -1175,8 +1223,10 @@ impl ShardSink for ArraySink {
                 self.arrays.get_or_init(|| a)
             }
         };
-        if self.dry {
-            return Ok(());
+        if let Some(f) = &self.spool {
+            // Only after the header was checked against the arrays (`map_arrays`): the
+            // spool's size is then theirs, however large the manifest says the shard is.
+            return f.write_at(at, bytes);
         }
         for (i, lo, hi) in tensors.overlaps(at, at + bytes.len() as u64) {
             let (a, dst) = (tensors.tensors()[i].1, arrays[i]);

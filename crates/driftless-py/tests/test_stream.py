@@ -4,6 +4,7 @@ directory read back with the safetensors package)."""
 
 import glob
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -342,6 +343,9 @@ def test_a_bad_anchor_never_costs_the_arrays_their_verified_weights(file_bucket,
     o = g.apply_to(mine)
     assert (o["step"], o["route"], o["refused"]) == (3, "anchor", []), o
     assert np.array_equal(bits(mine["x.w"]), steps[3])
+    # The proving spool (TMPDIR, the decoded anchor) went with the calls that made it.
+    mine_spools = [n for n in os.listdir(tempfile.gettempdir()) if "driftless-spool-" in n and f"-{os.getpid()}-" in n]
+    assert mine_spools == [], mine_spools
     # With the deltas back, the refused Follower moves on by them (the anchor is still refused).
     for s, b in delta_markers.items():
         open(os.path.join(root, "ready", "deltas", f"{s:012d}"), "wb").write(b)
