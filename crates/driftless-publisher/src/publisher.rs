@@ -744,8 +744,10 @@ impl Publisher {
     }
 
     /// `publish` of a step at or before the newest one: a no-op success when that step is
-    /// committed with these very weights (a supervisor re-running the command after a crash),
-    /// an error when it holds other weights or is not committed.
+    /// committed (or queued) with these very weights (a supervisor re-running the command
+    /// after a crash), an anchor of these weights when it is the newest step and was lost (a
+    /// caller retrying after `flush` reported it), an error when it holds other weights or
+    /// is an older step not committed.
     fn republish(
         &mut self,
         step: u64,
@@ -754,6 +756,12 @@ impl Publisher {
         layout: &Layout,
     ) -> Result<PublishReceipt> {
         let t0 = Instant::now();
+        if step == last && self.newest_lost() == Some(step) {
+            // It never reached the bucket (a failed upload that `flush` reported): these
+            // weights are published as its anchor, not taken for the lost snapshot's.
+            info!(step, "the newest step is not in the bucket; publishing it as an anchor");
+            return self.anchor_only(step, tensors, layout, t0);
+        }
         let ordered = order(tensors, layout)?;
         let (digests, root) = driftless_format::weights_root(&ordered);
         let queued_same = self.snapshot.as_ref().is_some_and(|s| s.step == step && s.root == Some(root));
@@ -921,8 +929,17 @@ impl Publisher {
     }
 
     /// Publishes the newest coalesced step if no newer step superseded it, then waits until
-    /// every queued step and anchor is in the bucket. Errors with the last failure when one
-    /// happened since the previous flush.
+    /// every queued step and anchor is in the bucket. When the newest step did not get there
+    /// (its upload or its encode failed), it is published again, once, as an anchor of the
+    /// snapshot (which holds its weights: no copy), and waited for.
+    ///
+    /// `Ok` means the newest published step is committed in the bucket. A failure of a step
+    /// that a newer committed step superseded, or of an anchor whose step is committed as a
+    /// delta, is logged and counted ([`Status::failures`], [`Status::last_error`]), not
+    /// returned: readers skip to the newest step, and the next publish is an anchor. Errors
+    /// when the newest step is still not in the bucket (the anchor failed too; the next
+    /// `flush`, or `publish` of the same step, tries again) and when another publisher took
+    /// the stream.
     pub fn flush(&mut self) -> Result<()> {
         self.finish_encoding();
         if let Some(p) = self.pending.take() {
@@ -936,7 +953,84 @@ impl Publisher {
             info!(step = p.step, "publishing the coalesced newest step");
             self.publish_with_layout(p.step, &views, &p.layout)?;
         }
+        let r = self.wait();
+        let Some(step) = self.newest_lost() else {
+            return match r {
+                Err(Error::Upload { detail, .. }) => {
+                    warn!(error = %detail, "a step failed, but the newest published step is in the bucket");
+                    Ok(())
+                }
+                r => r,
+            };
+        };
+        let why = r.err().map_or_else(|| "no marker".to_string(), |e| e.to_string());
+        warn!(step, error = %why, "the newest step did not reach the bucket; publishing it again as an anchor");
+        self.republish_lost(step)?;
         self.wait()
+    }
+
+    /// The newest accepted step when it is lost: every job is done and it has no ready marker
+    /// (its upload or its encode failed, and no newer step superseded it).
+    fn newest_lost(&self) -> Option<u64> {
+        let step = self.last_step?;
+        let s = self.shared.state.lock().expect("state lock");
+        let idle = s.queued == 0 && s.anchors_in_flight == 0;
+        let committed = s.last_delta == Some(step) || s.last_anchor == Some(step);
+        (idle && !committed && s.conflict.is_none()).then_some(step)
+    }
+
+    /// Publishes lost step `step` again as an anchor of the snapshot, which holds its weights
+    /// (a step's snapshot stays until the next publish, whether its upload worked or not):
+    /// no copy, and a hash first when its delta's encode failed before hashing it.
+    fn republish_lost(&mut self, step: u64) -> Result<()> {
+        if self.snapshot.as_ref().is_none_or(|s| s.step != step) {
+            return Err(Error::Upload { step, detail: "lost, and its weights are no longer held".into() });
+        }
+        let snap = self.snapshot_mut();
+        let root = match snap.root {
+            Some(r) => r,
+            None => {
+                let (digests, root) = driftless_format::weights_root(&snap.views());
+                (snap.root, snap.digests) = (Some(root), digests);
+                root
+            }
+        };
+        let ctx = self.ctx.clone();
+        let settled = self.rt.as_ref().ok_or(Error::Closed)?.block_on(async move {
+            let kind = ctx.settle_lost(step, root).await?;
+            if let Some(kind) = kind {
+                ctx.shared.update(|s| {
+                    s.tip = Some(step);
+                    match kind {
+                        StepKind::Delta => s.last_delta = s.last_delta.max(Some(step)),
+                        StepKind::Anchor => s.last_anchor = s.last_anchor.max(Some(step)),
+                    }
+                });
+                let (d, a) = match kind {
+                    StepKind::Delta => (Some(step), None),
+                    StepKind::Anchor => (None, Some(step)),
+                };
+                ctx.write_latest(d, a).await;
+            }
+            Ok::<_, upload::CommitError>(kind)
+        });
+        match settled {
+            Ok(Some(_)) => {
+                info!(step, "the lost step is committed after all (its marker's response was lost)");
+                return Ok(());
+            }
+            Ok(None) => {}
+            Err(upload::CommitError::Conflict(detail)) => return Err(Error::Conflict { step, detail }),
+            Err(e) => return Err(Error::Upload { step, detail: e.to_string() }),
+        }
+        self.extra_changed = false;
+        self.shared.update(|s| {
+            s.need_anchor = false;
+            s.queued += 1;
+        });
+        let (done, ready) = tokio::sync::oneshot::channel();
+        self.send(Job::AnchorScheduled(step, ready))?;
+        self.start_anchor(Some(done))
     }
 
     /// Waits until every queued step and anchor is in the bucket (without publishing a

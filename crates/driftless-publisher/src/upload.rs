@@ -393,6 +393,34 @@ impl Ctx {
         }
     }
 
+    /// Before `flush` publishes lost step `step` (weights root `root`) again in this
+    /// generation: whether it is committed after all (its marker landed, the response was
+    /// lost), and as which kind; if not, this generation's objects of anchor `step` that the
+    /// failed try left are removed. No marker names them, and the new try's objects carry
+    /// the same names, which [`put_own`] would take for its own retried writes (an anchor's
+    /// manifest is not byte-for-byte the same twice).
+    pub(crate) async fn settle_lost(&self, step: u64, root: Digest) -> Result<Option<StepKind>, CommitError> {
+        for kind in [StepKind::Delta, StepKind::Anchor] {
+            match self.committed_root(kind, step).await? {
+                Some(r) if r == root => return Ok(Some(kind)),
+                Some(_) => {
+                    return Err(CommitError::Conflict(format!(
+                        "{} {step} is already committed with other weights",
+                        kind_name(kind)
+                    )))
+                }
+                None => {}
+            }
+        }
+        let own = layout::generation_name(self.generation, "");
+        for o in self.bucket.list(&layout::object(StepKind::Anchor, step, "")).await? {
+            if layout::parse_step_key(&o.key).and_then(|(_, _, n)| n).is_some_and(|n| n.starts_with(&own)) {
+                self.bucket.delete(&o.key).await?;
+            }
+        }
+        Ok(None)
+    }
+
     pub(crate) async fn write_latest(&self, delta: Option<u64>, anchor: Option<u64>) {
         let mut cur = self.latest.lock().await;
         cur.0 = cur.0.max(delta);

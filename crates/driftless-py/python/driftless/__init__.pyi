@@ -80,7 +80,11 @@ class Publisher:
         """Replace the non-weight files shipped with anchors; a change makes the next step an
         anchor-only step."""
     def flush(self) -> None:
-        """Publish the newest coalesced step (if any), then wait for every upload."""
+        """Publish the newest coalesced step (if any), then wait for every upload. A newest
+        step that did not reach the bucket is published again, once, as an anchor. Returns
+        when the newest published step is in the bucket; raises when it is still not (call
+        ``flush`` or ``publish`` of that step again later). Failures of steps a newer one
+        superseded are counted in ``status()``, not raised."""
     def close(self) -> None: ...
     @property
     def closed(self) -> bool: ...
