@@ -818,16 +818,9 @@ impl Publisher {
     ) -> Result<PublishReceipt> {
         let ordered = order(tensors, layout)?;
         self.replace_snapshot(step, layout, &ordered, None);
-        self.extra_changed = false;
-        self.shared.update(|s| {
-            s.need_anchor = false;
-            s.queued += 1;
-        });
-        let (done, ready) = tokio::sync::oneshot::channel();
-        self.send(Job::AnchorScheduled(step, ready))?;
+        self.schedule_anchor(step)?;
         self.last_step = Some(step);
         self.published += 1;
-        self.start_anchor(Some(done))?;
         Ok(PublishReceipt {
             step,
             outcome: Outcome::Anchor,
@@ -1023,6 +1016,12 @@ impl Publisher {
             Err(upload::CommitError::Conflict(detail)) => return Err(Error::Conflict { step, detail }),
             Err(e) => return Err(Error::Upload { step, detail: e.to_string() }),
         }
+        self.schedule_anchor(step)
+    }
+
+    /// Makes step `step` (the snapshot's) an anchor-only step: queued so that the deltas
+    /// after it wait for it, and encoded from the snapshot in the background.
+    fn schedule_anchor(&mut self, step: u64) -> Result<()> {
         self.extra_changed = false;
         self.shared.update(|s| {
             s.need_anchor = false;

@@ -46,6 +46,27 @@ impl Backend {
         let b = Bucket::from_store(f.clone(), &self.prefix, &self.opts).with_conditional_create(self.conditional);
         (f, b)
     }
+
+    /// The same store under its own stream prefix (one scenario of a test).
+    fn sub(&self, name: String, prefix: &str) -> Backend {
+        Backend {
+            name,
+            store: self.store.clone(),
+            prefix: format!("{}/{prefix}", self.prefix),
+            opts: self.opts.clone(),
+            conditional: self.conditional,
+            _dir: None,
+        }
+    }
+}
+
+/// A publisher on `bucket` that anchors only when asked to (or every `anchor_every` steps).
+fn publisher(bucket: &Bucket, anchor_every: u64) -> PublisherBuilder {
+    PublisherBuilder::new("unused")
+        .with_bucket(bucket.clone())
+        .with_key(key())
+        .with_anchor_every(anchor_every)
+        .with_anchor_chain_fraction(1e9)
 }
 
 fn rand_u64() -> u64 {
@@ -371,14 +392,7 @@ fn run_fault(be: &Backend, target: &str, what: &str, fault: Fault) {
         Fault::LostResponse => faulty.inject(FaultOp::Put, target, 1, FaultKind::LostResponse),
     }
     let spool = tempfile::tempdir().unwrap();
-    let mut p = PublisherBuilder::new("unused")
-        .with_bucket(bucket.clone())
-        .with_key(key())
-        .with_anchor_every(5)
-        .with_anchor_chain_fraction(1e9)
-        .with_spool_dir(spool.path())
-        .build()
-        .unwrap();
+    let mut p = publisher(&bucket, 5).with_spool_dir(spool.path()).build().unwrap();
     let mut c = chain();
     let mut t = Trainer::default();
     let mut errors = 0;
@@ -440,14 +454,7 @@ fn upload_failures_and_timeouts_at_each_write() {
         for (i, (what, target)) in TARGETS.iter().enumerate() {
             for fault in [Fault::Blip, Fault::Timeout, Fault::Permanent, Fault::LostResponse] {
                 // Each scenario on its own stream under the backend.
-                let sub = Backend {
-                    name: be.name.clone(),
-                    store: be.store.clone(),
-                    prefix: format!("{}/t{i}-{fault:?}", be.prefix),
-                    opts: be.opts.clone(),
-                    conditional: be.conditional,
-                    _dir: None,
-                };
+                let sub = be.sub(be.name.clone(), &format!("t{i}-{fault:?}"));
                 run_fault(&sub, target, what, fault);
             }
         }
@@ -467,29 +474,12 @@ fn upload_failures_and_timeouts_at_each_write() {
 fn failed_background_encode_is_a_failed_step() {
     for be in backends("encode", false) {
         for (panic, flush_it) in [(false, true), (true, true), (false, false)] {
-            let sub = Backend {
-                name: format!(
-                    "{} / encode {}{}",
-                    be.name,
-                    if panic { "panics" } else { "fails" },
-                    if flush_it { ", flushed" } else { "" }
-                ),
-                store: be.store.clone(),
-                prefix: format!("{}/panic-{panic}-{flush_it}", be.prefix),
-                opts: be.opts.clone(),
-                conditional: be.conditional,
-                _dir: None,
-            };
+            let what =
+                format!("encode {}{}", if panic { "panics" } else { "fails" }, if flush_it { ", flushed" } else { "" });
+            let sub = be.sub(format!("{} / {what}", be.name), &format!("panic-{panic}-{flush_it}"));
             let ctx = sub.name.clone();
             let (_, bucket) = sub.bucket();
-            let mut p = PublisherBuilder::new("unused")
-                .with_bucket(bucket.clone())
-                .with_key(key())
-                .with_anchor_every(100)
-                .with_anchor_chain_fraction(1e9)
-                .with_encode_fault(3, panic)
-                .build()
-                .unwrap();
+            let mut p = publisher(&bucket, 100).with_encode_fault(3, panic).build().unwrap();
             let mut c = chain();
             let mut t = Trainer::default();
             for step in 0..7u64 {
@@ -539,23 +529,11 @@ fn failed_background_encode_is_a_failed_step() {
 fn a_lost_newest_step_is_published_again_by_flush_or_publish() {
     for be in backends("lost-newest", false) {
         for retry_by_publish in [false, true] {
-            let sub = Backend {
-                name: format!("{} / retried by {}", be.name, if retry_by_publish { "publish" } else { "flush" }),
-                store: be.store.clone(),
-                prefix: format!("{}/{retry_by_publish}", be.prefix),
-                opts: be.opts.clone(),
-                conditional: be.conditional,
-                _dir: None,
-            };
+            let by = if retry_by_publish { "publish" } else { "flush" };
+            let sub = be.sub(format!("{} / retried by {by}", be.name), by);
             let ctx = sub.name.clone();
             let (faulty, bucket) = sub.bucket();
-            let mut p = PublisherBuilder::new("unused")
-                .with_bucket(bucket.clone())
-                .with_key(key())
-                .with_anchor_every(100)
-                .with_anchor_chain_fraction(1e9)
-                .build()
-                .unwrap();
+            let mut p = publisher(&bucket, 100).build().unwrap();
             let mut c = chain();
             let mut t = Trainer::default();
             for step in 0..3u64 {
