@@ -2,7 +2,10 @@
 anchor route (arrays holding a verified step: the anchor proven before it is written): time
 and the peak anonymous memory the call adds on top of the arrays, sampled every 2 ms.
 
-    python bench_follower_cold.py BUCKET_URL KEY.pub MODEL.safetensors
+    python bench_follower_cold.py BUCKET_URL KEY.pub MODEL.safetensors [ENDPOINT]
+
+``ENDPOINT``: an S3 endpoint over plain HTTP for an ``s3://`` bucket (e.g. SeaweedFS behind
+``rate_proxy``, as ``integration/network_bench.py`` sets it up).
 
 ``MODEL.safetensors`` only gives the tensor names and shapes (e.g. ``speed_bench gen``'s
 ``last/model.safetensors``: a 1 GiB BF16 model whose bucket holds an anchor at step 0 and
@@ -31,6 +34,7 @@ def rss_anon_kib() -> int:
 
 def main() -> None:
     url, key, model = sys.argv[1:4]
+    endpoint = sys.argv[4] if len(sys.argv) > 4 else None
     with open(model, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
@@ -44,7 +48,7 @@ def main() -> None:
     model_mib = sum(a.nbytes for a in arrays.values()) / 2**20
     anchor_dir = url.removeprefix("file://") + "/anchors/000000000000"
     anchor_mib = sum(e.stat().st_size for e in os.scandir(anchor_dir)) / 2**20 if url.startswith("file://") else 0
-    f = driftless.Follower(url, trusted_keys=[key])
+    f = driftless.Follower(url, trusted_keys=[key], endpoint=endpoint, allow_http=endpoint is not None)
     # Cold: the anchor streamed into the arrays (then with the deltas after it). Warm: arrays
     # at the newest verified step taken back to step 0, whose only route is the anchor, proven
     # before it is written (decoded into a TMPDIR spool and hashed, then read into the arrays).
