@@ -67,7 +67,7 @@ struct Plans {
     /// The signed `latest.json` last read, with its ETag: a Follower on a step polls it with
     /// one conditional GET and, one step behind, plans from it alone ([`plan::from_hint`]),
     /// as the agent does.
-    latest: Option<(LatestHint, Option<String>)>,
+    latest: LatestCache,
     /// Plans made from a step, per consumer ([`Who`]): every 10th lists the markers anyway
     /// (they are the source of truth; a stale hint only delays a step by that much). One
     /// count each, so that `apply_to` and `iter_patches` called in turn both list.
@@ -128,18 +128,41 @@ pub(crate) struct PyFollower {
     polls: Mutex<Polls>,
 }
 
-/// `poll`'s state: the `latest.json` ETag and the newest step it named, and the newest step
-/// the last listing found.
+/// `poll`'s state: its own `latest.json` (polled without waiting for a plan's lock), the
+/// newest step a hint of this stream named, and the newest step the last listing found.
 #[derive(Default)]
 struct Polls {
     calls: u64,
     /// The stream of the verified `stream.json`, whose hints are taken.
     stream: Option<String>,
-    /// The ETag of the last hint taken (`None`: no valid hint held, so the markers are listed).
-    etag: Option<String>,
+    latest: LatestCache,
     /// The newest step a hint of `stream` named (never lowered within the stream).
     hinted: Option<u64>,
     listed: Option<u64>,
+}
+
+/// The signed `latest.json` last read and its ETag, kept fresh with one conditional GET.
+#[derive(Default)]
+struct LatestCache(Option<(LatestHint, Option<String>)>);
+
+impl LatestCache {
+    /// Polls `latest.json`: `Some((hint, changed))` with a valid hint (`changed`: read anew,
+    /// not "not modified"); `None`, and forgotten, when it is gone, unreadable or invalid.
+    async fn refresh(&mut self, reader: &StreamReader) -> Option<(&LatestHint, bool)> {
+        let etag = self.0.as_ref().and_then(|(_, t)| t.clone());
+        let changed = match reader.poll_latest(etag.as_deref()).await {
+            Ok(LatestPoll::Changed(h, tag)) => {
+                self.0 = Some((*h, tag));
+                true
+            }
+            Ok(LatestPoll::Unchanged) if etag.is_some() => false,
+            _ => {
+                self.0 = None;
+                false
+            }
+        };
+        self.0.as_ref().map(|(h, _)| (h, changed))
+    }
 }
 
 fn outcome_dict<'py>(
@@ -221,7 +244,7 @@ impl PyFollower {
                     refused: plan::Refusals::new(refuse_for),
                     markers: plan::MarkerCache::default(),
                     stream: None,
-                    latest: None,
+                    latest: LatestCache::default(),
                     calls: [0; 2],
                 },
             };
@@ -498,7 +521,7 @@ impl PyFollower {
         if pl.stream.as_deref() != Some(desc.stream_id.as_str()) {
             pl.markers = plan::MarkerCache::default();
             pl.stream = Some(desc.stream_id.clone());
-            pl.latest = None;
+            pl.latest = LatestCache::default();
         }
         let local = of_stream(&desc.stream_id);
         let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None).await?;
@@ -528,35 +551,30 @@ impl PyFollower {
 
     async fn poll_inner(&self, ps: &mut Polls) -> BindResult<Option<u64>> {
         ps.calls += 1;
-        let polled = self.reader.poll_latest(ps.etag.as_deref()).await;
-        let fresh = match polled {
-            Ok(LatestPoll::Changed(h, tag)) => Some((h, tag)),
-            Ok(LatestPoll::Unchanged) if ps.etag.is_some() => None,
-            _ => {
-                // No valid hint (deleted, or the prefix emptied for a new run): the listing
-                // alone answers, not the newest step an earlier hint named.
-                ps.etag = None;
-                ps.hinted = None;
-                None
-            }
-        };
-        if let Some((h, tag)) = fresh {
-            if ps.stream.as_deref() != Some(h.stream_id.as_str()) {
-                // First poll, or the hint names another stream: which one is this bucket's?
-                let sid = self.reader.descriptor().await?.map(|d| d.stream_id);
-                if sid != ps.stream {
-                    *ps = Polls { calls: ps.calls, stream: sid, ..Polls::default() };
+        let hint = ps.latest.refresh(&self.reader).await.map(|(h, changed)| (h.clone(), changed));
+        let mut valid = false;
+        match hint {
+            // No valid hint (deleted, or the prefix emptied for a new run): the listing alone
+            // answers, not the newest step an earlier hint named.
+            None => ps.hinted = None,
+            Some((h, changed)) => {
+                if changed && ps.stream.as_deref() != Some(h.stream_id.as_str()) {
+                    // First poll, or a new hint naming another stream: which one is this
+                    // bucket's? (Read once per hint: an unchanged foreign hint costs nothing.)
+                    let sid = self.reader.descriptor().await?.map(|d| d.stream_id);
+                    if sid != ps.stream {
+                        let latest = std::mem::take(&mut ps.latest);
+                        *ps = Polls { calls: ps.calls, stream: sid, latest, ..Polls::default() };
+                    }
+                }
+                // Another stream's hint (copied in, or left by an old run) is not this one's.
+                if ps.stream.as_deref() == Some(h.stream_id.as_str()) {
+                    ps.hinted = ps.hinted.max(h.delta.max(h.anchor));
+                    valid = true;
                 }
             }
-            if ps.stream.as_deref() == Some(h.stream_id.as_str()) {
-                ps.etag = tag;
-                ps.hinted = ps.hinted.max(h.delta.max(h.anchor));
-            } else {
-                // Another stream's hint (copied in, or left by an old run): not this one's.
-                ps.etag = None;
-            }
         }
-        if ps.etag.is_none() || ps.calls % 10 == 0 {
+        if !valid || ps.calls % 10 == 0 {
             let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
             let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
             ps.listed = a.last().copied().max(d.last().copied());
@@ -584,23 +602,15 @@ impl PyFollower {
         if *calls % 10 == 0 {
             return None;
         }
-        let etag = pl.latest.as_ref().and_then(|(_, t)| t.clone());
-        match self.reader.poll_latest(etag.as_deref()).await {
-            Ok(LatestPoll::Changed(h, tag)) => pl.latest = Some((*h, tag)),
-            Ok(LatestPoll::Unchanged) if etag.is_some() => {}
-            _ => {
-                pl.latest = None;
-                return None;
-            }
-        }
-        let (h, _) = pl.latest.as_ref()?;
+        let (h, _) = pl.latest.refresh(&self.reader).await?;
+        let h = h.clone();
         if h.stream_id != sid {
             return None;
         }
         if h.delta.max(h.anchor) == Some(local) && want.is_none_or(|w| w == local) {
             return Some(None);
         }
-        let c = plan::from_hint(h, &sid, local)?;
+        let c = plan::from_hint(&h, &sid, local)?;
         let r = plan::route(Some(local), &c, &pl.refused, want)?;
         for m in c.deltas.values() {
             pl.markers.insert(m.clone());

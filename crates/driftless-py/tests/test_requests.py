@@ -110,3 +110,37 @@ def test_a_follower_one_step_behind_makes_three_requests_plus_segments(monkeypat
         print(f"requests per step, one step behind: {per_step[0]} (1 segment each); up to date: 1")
     finally:
         proxy.close()
+
+
+def test_poll_with_another_streams_hint_reads_stream_json_once(monkeypatch, keys):
+    """A validly signed latest.json of another stream sits in the bucket (copied in, or left by
+    an old run): poll() answers from the listing, and reads stream.json once for that hint,
+    not at every call (its conditional GET of latest.json says "not modified")."""
+    import boto3
+    from botocore.config import Config
+
+    url, kw = _seaweed(monkeypatch)
+    other = url + "-other"
+    private, public = keys
+    newest = {}
+    for u, seed, n in ((url, 43, 3), (other, 44, 6)):
+        with driftless.Publisher(u, signing_key=private, anchor_every=100, **kw) as pub:
+            for s, x in enumerate(bit_chain(seed, (64, 64), n)):
+                pub.publish(s, {"x.w": x.view(BF16)})
+                newest[u] = s
+    assert newest[other] > newest[url]
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=kw["endpoint"], region_name="us-east-1",
+                      config=Config(s3={"addressing_style": "path"}))
+    s3.copy_object(Bucket=bucket, Key=f"{prefix}/latest.json", CopySource={"Bucket": bucket, "Key": f"{prefix}-other/latest.json"})
+    proxy = CountingProxy(kw["endpoint"])
+    try:
+        f = driftless.Follower(url, trusted_keys=[public], **{**kw, "endpoint": proxy.endpoint})
+        assert [f.poll() for _ in range(12)] == [newest[url]] * 12, "the foreign hint's newest step is not ours"
+        seen = proxy.take()
+        descriptor = [r for r in seen if r[1].endswith("/stream.json")]
+        assert len(descriptor) == 1, seen
+        # Every call: one conditional GET of latest.json and the listing (no valid hint).
+        assert len([r for r in seen if r[1].endswith("/latest.json")]) == 12, seen
+    finally:
+        proxy.close()
