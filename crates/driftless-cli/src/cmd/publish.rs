@@ -78,8 +78,8 @@ pub fn run(a: Args) -> Result<()> {
     let Some(dir) = a.watch.clone() else { bail!("give --step N CKPT or --watch DIR") };
     stop::install();
     // A follower outlives bucket outages: a failure that retrying can help (the bucket
-    // unreachable or throttling past the store's own retries, a background upload that
-    // failed) reopens the publisher after a backoff, as a supervisor's restart would. The
+    // unreachable or throttling past the store's own retries, a step that failed and that
+    // `flush` could not publish again) reopens the publisher after a backoff, as a supervisor's restart would. The
     // reopened publisher takes a new generation and resumes after the newest *committed*
     // step, so the failed step is published again (as a delta from the saved state when that
     // is still the bucket's newest step): the newest checkpoint always reaches the bucket.
@@ -175,7 +175,13 @@ fn publish_one(
     p.set_extra_files(extra_files(ckpt))?;
     let before = p.status().bytes_uploaded;
     let mut r = p.publish_with_layout(step, &ck.views(), &stable_layout(&ck, ckpt))?;
-    flush_with_progress(p, a.json)?;
+    if let Err(e) = flush_with_progress(p, a.json) {
+        // The step (or its anchor) failed past the store's retries: `flush` publishes it
+        // again, once, as an anchor of the publisher's copy, and errors only when it is still
+        // not in the bucket (or another publisher took the stream).
+        eprintln!("driftless publish: warning: {}; publishing step {step} again as an anchor", crate::exit::render(&e));
+        p.flush()?;
+    }
     if r.delta_bytes.is_none() && r.outcome == Outcome::Delta {
         // Encoded after publish() returned; flushed, so the status has this step's size.
         let st = p.status();
