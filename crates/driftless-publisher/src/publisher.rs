@@ -193,6 +193,7 @@ impl PublisherBuilder {
             published: 0,
             coalesced: 0,
             encoding: None,
+            retries: 0,
         })
     }
 
@@ -422,6 +423,8 @@ pub struct Publisher {
     coalesced: u64,
     /// The delta being encoded after `publish` returned (see [`Publisher::publish`]).
     encoding: Option<std::thread::JoinHandle<Option<Encoded>>>,
+    /// Lost steps published again so far: each try's objects carry its own attempt tag.
+    retries: u32,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -584,7 +587,7 @@ impl Publisher {
                 // the step's root: wait for the delta's encode (never for the anchor's).
                 self.finish_encoding();
                 if self.snapshot.as_ref().is_some_and(|s| s.step == step && s.root.is_some()) {
-                    self.start_anchor(None)?;
+                    self.start_anchor(None, 0)?;
                     let s = self.shared.state.lock().expect("state lock");
                     r.outcome = Outcome::DeltaAndAnchor;
                     r.delta_bytes = Some(s.last_delta_bytes);
@@ -626,7 +629,7 @@ impl Publisher {
             s.last_delta_bytes = delta_bytes;
         });
         let outcome = if self.anchor_due(step, dense) {
-            self.start_anchor(None)?;
+            self.start_anchor(None, 0)?;
             Outcome::DeltaAndAnchor
         } else {
             Outcome::Delta
@@ -760,7 +763,13 @@ impl Publisher {
             // It never reached the bucket (a failed upload that `flush` reported): these
             // weights are published as its anchor, not taken for the lost snapshot's.
             info!(step, "the newest step is not in the bucket; publishing it as an anchor");
-            return self.anchor_only(step, tensors, layout, t0);
+            let outcome = match self.republish_lost(step, Some((tensors, layout)))? {
+                true => Outcome::Anchor,
+                false => Outcome::AlreadyPublished,
+            };
+            let secs = t0.elapsed().as_secs_f64();
+            let r = PublishReceipt { step, outcome, delta_bytes: None, ratio: None, density: 0.0, encode_secs: secs };
+            return Ok(r);
         }
         let ordered = order(tensors, layout)?;
         let (digests, root) = driftless_format::weights_root(&ordered);
@@ -818,7 +827,7 @@ impl Publisher {
     ) -> Result<PublishReceipt> {
         let ordered = order(tensors, layout)?;
         self.replace_snapshot(step, layout, &ordered, None);
-        self.schedule_anchor(step)?;
+        self.schedule_anchor(step, 0)?;
         self.last_step = Some(step);
         self.published += 1;
         Ok(PublishReceipt {
@@ -875,7 +884,7 @@ impl Publisher {
 
     /// Encodes an anchor of the current snapshot on a background thread into spool files,
     /// then uploads it on the runtime.
-    fn start_anchor(&mut self, done: Option<tokio::sync::oneshot::Sender<bool>>) -> Result<()> {
+    fn start_anchor(&mut self, done: Option<tokio::sync::oneshot::Sender<bool>>, attempt: u32) -> Result<()> {
         let snap = self.snapshot.clone().expect("snapshot present");
         let step = snap.step;
         self.last_anchor_step = Some(step);
@@ -888,7 +897,7 @@ impl Publisher {
         let shared = self.shared.clone();
         let spawned = std::thread::Builder::new().name("driftless-anchor".into()).spawn(move || {
             let _s = info_span!("encode_anchor", step).entered();
-            let r = spool_anchor(&cfg, &stream_id, ctx.generation, &snap);
+            let r = spool_anchor(&cfg, &stream_id, ctx.generation, &snap, attempt);
             drop(snap);
             ctx.shared.changed.notify_all();
             match r {
@@ -958,7 +967,7 @@ impl Publisher {
         };
         let why = r.err().map_or_else(|| "no marker".to_string(), |e| e.to_string());
         warn!(step, error = %why, "the newest step did not reach the bucket; publishing it again as an anchor");
-        self.republish_lost(step)?;
+        self.republish_lost(step, None)?;
         self.wait()
     }
 
@@ -972,10 +981,18 @@ impl Publisher {
         (idle && !committed && s.conflict.is_none()).then_some(step)
     }
 
-    /// Publishes lost step `step` again as an anchor of the snapshot, which holds its weights
-    /// (a step's snapshot stays until the next publish, whether its upload worked or not):
-    /// no copy, and a hash first when its delta's encode failed before hashing it.
-    fn republish_lost(&mut self, step: u64) -> Result<()> {
+    /// Publishes lost step `step` again as an anchor: of `given` weights (a caller's
+    /// `publish` of that step), else of the snapshot, which holds its weights (a step's
+    /// snapshot stays until the next publish, whether its upload worked or not: no copy, and
+    /// a hash first when its delta's encode failed before hashing it). First asks the bucket
+    /// whether the step is committed after all (a marker whose response was lost): then it
+    /// is taken as such, and `Ok(false)` returned. The new try's objects carry a new attempt
+    /// tag ([`layout::attempt_name`]): they never take the name of one the failed try left.
+    fn republish_lost(&mut self, step: u64, given: Option<(&[TensorView<'_>], &Layout)>) -> Result<bool> {
+        if let Some((tensors, layout)) = given {
+            let ordered = order(tensors, layout)?;
+            self.replace_snapshot(step, layout, &ordered, None);
+        }
         if self.snapshot.as_ref().is_none_or(|s| s.step != step) {
             return Err(Error::Upload { step, detail: "lost, and its weights are no longer held".into() });
         }
@@ -990,7 +1007,7 @@ impl Publisher {
         };
         let ctx = self.ctx.clone();
         let settled = self.rt.as_ref().ok_or(Error::Closed)?.block_on(async move {
-            let kind = ctx.settle_lost(step, root).await?;
+            let kind = ctx.committed_kind(step, root).await?;
             if let Some(kind) = kind {
                 ctx.shared.update(|s| {
                     s.tip = Some(step);
@@ -1010,18 +1027,27 @@ impl Publisher {
         match settled {
             Ok(Some(_)) => {
                 info!(step, "the lost step is committed after all (its marker's response was lost)");
-                return Ok(());
+                return Ok(false);
             }
             Ok(None) => {}
-            Err(upload::CommitError::Conflict(detail)) => return Err(Error::Conflict { step, detail }),
+            Err(upload::CommitError::Conflict(detail)) => {
+                // Another writer committed this step: this publisher stops, as on any conflict.
+                self.shared.update(|s| {
+                    s.conflict.get_or_insert((step, detail.clone()));
+                });
+                return Err(Error::Conflict { step, detail });
+            }
             Err(e) => return Err(Error::Upload { step, detail: e.to_string() }),
         }
-        self.schedule_anchor(step)
+        self.retries += 1;
+        self.schedule_anchor(step, self.retries)?;
+        Ok(true)
     }
 
     /// Makes step `step` (the snapshot's) an anchor-only step: queued so that the deltas
-    /// after it wait for it, and encoded from the snapshot in the background.
-    fn schedule_anchor(&mut self, step: u64) -> Result<()> {
+    /// after it wait for it, and encoded from the snapshot in the background, its objects
+    /// named for try `attempt` of the step.
+    fn schedule_anchor(&mut self, step: u64, attempt: u32) -> Result<()> {
         self.extra_changed = false;
         self.shared.update(|s| {
             s.need_anchor = false;
@@ -1029,11 +1055,12 @@ impl Publisher {
         });
         let (done, ready) = tokio::sync::oneshot::channel();
         self.send(Job::AnchorScheduled(step, ready))?;
-        self.start_anchor(Some(done))
+        self.start_anchor(Some(done), attempt)
     }
 
     /// Waits until every queued step and anchor is in the bucket (without publishing a
-    /// coalesced step; see [`Publisher::flush`]).
+    /// coalesced step or a lost one again; see [`Publisher::flush`]). Errors with the last
+    /// failure when one happened since the previous `wait` or `flush` (each once).
     pub fn wait(&self) -> Result<()> {
         let mut s = self.shared.state.lock().expect("state lock");
         while s.queued > 0 || s.anchors_in_flight > 0 {
@@ -1042,10 +1069,14 @@ impl Publisher {
         if let Some((step, detail)) = s.conflict.clone() {
             return Err(Error::Conflict { step, detail });
         }
-        match s.last_error.take() {
-            Some(e) => Err(Error::Upload { step: self.last_step.unwrap_or(0), detail: e }),
-            None => Ok(()),
+        // Each failure is returned once; `status()` keeps the last one.
+        if s.failures > s.reported {
+            s.reported = s.failures;
+            if let Some(e) = s.last_error.clone() {
+                return Err(Error::Upload { step: self.last_step.unwrap_or(0), detail: e });
+            }
         }
+        Ok(())
     }
 
     /// Fails once a write-once conflict showed that another publisher writes this stream.
@@ -1134,7 +1165,13 @@ pub(crate) fn spool_dir(cfg: &PublisherBuilder) -> Result<Spool> {
 }
 
 /// Writes the anchor's shards to spool files and maps them for upload.
-fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, generation: u64, snap: &Snapshot) -> Result<AnchorJob> {
+fn spool_anchor(
+    cfg: &PublisherBuilder,
+    stream_id: &str,
+    generation: u64,
+    snap: &Snapshot,
+    attempt: u32,
+) -> Result<AnchorJob> {
     let dir = spool_dir(cfg)?;
     let by: BTreeMap<&str, &[u8]> = snap.tensors.iter().map(|(m, d)| (m.name.as_str(), d.as_slice())).collect();
     for shard in &snap.layout.shards {
@@ -1149,7 +1186,7 @@ fn spool_anchor(cfg: &PublisherBuilder, stream_id: &str, generation: u64, snap: 
     // Anchors start from a hashed snapshot only (a fresh copy, or a deferred delta's encode
     // waited for).
     let root = snap.root.ok_or_else(|| Error::Refused(format!("the snapshot of step {} is not hashed", snap.step)))?;
-    let step = SpooledStep { step: snap.step, root, layout: &snap.layout, digests: &snap.digests };
+    let step = SpooledStep { step: snap.step, root, layout: &snap.layout, digests: &snap.digests, attempt };
     encode_spooled(cfg, stream_id, generation, step, dir)
 }
 
@@ -1159,6 +1196,8 @@ pub(crate) struct SpooledStep<'a> {
     pub(crate) root: Digest,
     pub(crate) layout: &'a Layout,
     pub(crate) digests: &'a [Digest],
+    /// The try of this step its object names carry ([`layout::attempt_name`]).
+    pub(crate) attempt: u32,
 }
 
 /// Turns the plain safetensors files of `step` in `dir` (one per layout shard) into an
@@ -1178,7 +1217,9 @@ pub(crate) fn encode_spooled(
         let decoded_size = map.len() as u64;
         let decoded_sha256 = Digest::of(&map);
         let (name, bytes) = match cfg.anchor_encoding {
-            AnchorEncoding::Safetensors => (layout::generation_name(generation, &shard.file), Bytes::from_owner(map)),
+            AnchorEncoding::Safetensors => {
+                (layout::attempt_name(generation, step.attempt, &shard.file), Bytes::from_owner(map))
+            }
             AnchorEncoding::PlanesZstd => {
                 // Streamed to the spool file: bounded memory whatever the shard size.
                 let p = dir.path().join(format!("{}.dla", shard.file));
@@ -1189,7 +1230,10 @@ pub(crate) fn encode_spooled(
                 }
                 drop(map);
                 std::fs::remove_file(&plain)?;
-                (layout::generation_name(generation, &format!("{}.dla", shard.file)), Bytes::from_owner(map_file(&p)?))
+                (
+                    layout::attempt_name(generation, step.attempt, &format!("{}.dla", shard.file)),
+                    Bytes::from_owner(map_file(&p)?),
+                )
             }
         };
         refs.push(AnchorShardRef {
@@ -1202,7 +1246,7 @@ pub(crate) fn encode_spooled(
     }
     let mut files = vec![];
     for (n, b) in &cfg.extra_files {
-        let name = layout::generation_name(generation, &format!("extra-{n}"));
+        let name = layout::attempt_name(generation, step.attempt, &format!("extra-{n}"));
         files.push(ObjectRef { object: name.clone(), size: b.len() as u64, sha256: Digest::of(b) });
         objects.push((name, Bytes::from(b.clone())));
     }
@@ -1221,6 +1265,7 @@ pub(crate) fn encode_spooled(
     let envelope = cfg.seal(&serde_json::to_vec(&m).expect("serializes"))?;
     Ok(AnchorJob {
         step: step.step,
+        attempt: step.attempt,
         root: step.root,
         envelope: envelope.into(),
         objects,

@@ -1333,6 +1333,7 @@ async fn try_commit(
                 root,
                 envelope: env.into(),
                 objects: &[],
+                attempt: 0,
                 uploaded: &uploaded,
             };
             commit_step(ctx, c).await.map_err(|e| commit_refusal(step, e))?;
@@ -1379,6 +1380,7 @@ async fn commit_anchor(cfg: &PublisherBuilder, ctx: &Ctx, a: &AnchorParts) -> st
         root,
         envelope: job.envelope.clone(),
         objects: &job.objects,
+        attempt: job.attempt,
         uploaded: &[],
     };
     commit_step(ctx, c).await.map_err(|e| commit_refusal(step, e))?;
@@ -1526,7 +1528,7 @@ async fn gather_anchor(
     for s in &layout.shards {
         std::fs::rename(files.join(&s.file), dir.path().join(&s.file)).map_err(|e| local(e.to_string()))?;
     }
-    let spooled = SpooledStep { step, root, layout, digests };
+    let spooled = SpooledStep { step, root, layout, digests, attempt: 0 };
     let stream_id = ctx.stream_id.clone();
     encode_spooled(cfg, &stream_id, ctx.generation, spooled, dir).map_err(|e| local(e.to_string()))
 }

@@ -35,6 +35,8 @@ pub(crate) struct DeltaJob {
 /// A spooled anchor ready to upload.
 pub(crate) struct AnchorJob {
     pub(crate) step: u64,
+    /// The try of this step its object names carry ([`layout::attempt_name`]).
+    pub(crate) attempt: u32,
     pub(crate) root: Digest,
     pub(crate) envelope: Bytes,
     /// (object name, bytes) — bytes are usually a map of a spool file.
@@ -57,6 +59,8 @@ pub(crate) struct State {
     pub(crate) last_anchor: Option<u64>,
     pub(crate) bytes_uploaded: u64,
     pub(crate) failures: u64,
+    /// Failures `wait` has returned (each is returned once).
+    pub(crate) reported: u64,
     pub(crate) dropped: u64,
     pub(crate) last_error: Option<String>,
     /// Dense bytes / payload bytes of the newest encoded delta, and its payload bytes.
@@ -147,6 +151,8 @@ pub(crate) struct Commit<'a> {
     pub(crate) envelope: Bytes,
     /// (name, bytes); names carry this generation's prefix (the manifest names them so).
     pub(crate) objects: &'a [(String, Bytes)],
+    /// The try of this step the manifest's name carries ([`layout::attempt_name`]).
+    pub(crate) attempt: u32,
     /// (name, size) of payload objects other processes uploaded (the ranks of a sharded
     /// step): confirmed by the listing like the others, but never re-sent.
     pub(crate) uploaded: &'a [(String, u64)],
@@ -163,7 +169,7 @@ pub(crate) async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitE
     let g = ctx.generation;
     claim_step(ctx, c.step, c.root).await?;
     let conc = bucket.options().concurrency.max(1);
-    let manifest_name = layout::generation_name(g, "manifest.json");
+    let manifest_name = layout::attempt_name(g, c.attempt, "manifest.json");
     let mut all: Vec<(String, Bytes)> = c.objects.to_vec();
     // Saturating: the sizes of `uploaded` come from other processes through the bucket.
     let payload: u64 = all
@@ -393,30 +399,28 @@ impl Ctx {
         }
     }
 
-    /// Before `flush` publishes lost step `step` (weights root `root`) again in this
-    /// generation: whether it is committed after all (its marker landed, the response was
-    /// lost), and as which kind; if not, this generation's objects of anchor `step` that the
-    /// failed try left are removed. No marker names them, and the new try's objects carry
-    /// the same names, which [`put_own`] would take for its own retried writes (an anchor's
-    /// manifest is not byte-for-byte the same twice).
-    pub(crate) async fn settle_lost(&self, step: u64, root: Digest) -> Result<Option<StepKind>, CommitError> {
+    /// Whether lost step `step` (weights root `root`) is committed after all (its marker
+    /// landed, the response was lost), and as which kind; an error when it is committed with
+    /// other weights. Only a marker that is not there means "not committed": any other read
+    /// failure is an error, and nothing is published again on a guess.
+    pub(crate) async fn committed_kind(&self, step: u64, root: Digest) -> Result<Option<StepKind>, CommitError> {
         for kind in [StepKind::Delta, StepKind::Anchor] {
-            match self.committed_root(kind, step).await? {
-                Some(r) if r == root => return Ok(Some(kind)),
-                Some(_) => {
-                    return Err(CommitError::Conflict(format!(
-                        "{} {step} is already committed with other weights",
-                        kind_name(kind)
-                    )))
-                }
-                None => {}
+            match self.bucket.head(&layout::ready(kind, step)).await {
+                Ok(_) => {}
+                Err(e) if e.is_not_found() => continue,
+                Err(e) => return Err(CommitError::Unconfirmed(format!("reading the marker of step {step}: {e}"))),
             }
-        }
-        let own = layout::generation_name(self.generation, "");
-        for o in self.bucket.list(&layout::object(StepKind::Anchor, step, "")).await? {
-            if layout::parse_step_key(&o.key).and_then(|(_, _, n)| n).is_some_and(|n| n.starts_with(&own)) {
-                self.bucket.delete(&o.key).await?;
-            }
+            return match self.committed_root(kind, step).await? {
+                Some(r) if r == root => Ok(Some(kind)),
+                Some(_) => Err(CommitError::Conflict(format!(
+                    "{} {step} is already committed with other weights",
+                    kind_name(kind)
+                ))),
+                None => Err(CommitError::Unconfirmed(format!(
+                    "the marker of {} {step} is there but could not be read as this stream's",
+                    kind_name(kind)
+                ))),
+            };
         }
         Ok(None)
     }
@@ -531,6 +535,7 @@ pub(crate) async fn delta_loop(ctx: Arc<Ctx>, mut rx: tokio::sync::mpsc::Receive
                     root: d.root,
                     envelope: d.envelope,
                     objects: &d.segments,
+                    attempt: 0,
                     uploaded: &[],
                 };
                 let r = commit_step(&ctx, c).instrument(span).await;
@@ -571,6 +576,7 @@ pub(crate) async fn anchor_upload(ctx: Arc<Ctx>, mut job: AnchorJob) {
         root: job.root,
         envelope: job.envelope.clone(),
         objects: &job.objects,
+        attempt: job.attempt,
         uploaded: &[],
     };
     let r = commit_step(&ctx, c).instrument(span).await;
@@ -578,7 +584,8 @@ pub(crate) async fn anchor_upload(ctx: Arc<Ctx>, mut job: AnchorJob) {
         Ok(bytes) => {
             info!(step = job.step, bytes, secs = t.elapsed().as_secs_f64(), "anchor ready");
             ctx.shared.update(|s| {
-                s.last_anchor = Some(job.step);
+                // Two anchors can be in flight: an older one finishing last does not lower it.
+                s.last_anchor = s.last_anchor.max(Some(job.step));
                 s.bytes_uploaded += bytes;
             });
             ctx.write_latest(None, Some(job.step)).await;

@@ -424,11 +424,13 @@ fn run_fault(be: &Backend, target: &str, what: &str, fault: Fault) {
             _ => ("anchor", 0),
         };
         // `flush` publishes a lost newest step again, as an anchor of its own step, and
-        // reports an error only when that failed too: a fault that also hits the anchor (the
-        // step's claim, the first anchor's objects) and lasts. A failed anchor of a step
-        // committed as a delta (step 5) is not a lost step: counted, not reported.
+        // reports an error only when that failed too: a fault that lasts on a key the new
+        // try writes as well (the step's claim, the first anchor's marker; not the failed
+        // try's objects: the new try names its own). A failed anchor of a step committed as
+        // a delta (step 5) is not a lost step: counted, not reported.
         let lost = kind == "delta" || step == 0;
-        let lasting = matches!(fault, Fault::Timeout) && (target.contains("claims/") || step == 0);
+        let lasting =
+            matches!(fault, Fault::Timeout) && (target.contains("claims/") || target == "ready/anchors/000000000000");
         assert_eq!(errors >= 1, lasting, "{ctx}: flush reports a failure only when the newest step stays lost");
         if kind == "delta" {
             assert!(!s.ready_deltas.contains_key(&step), "{ctx}: the failed delta has no marker: {s:?}");
@@ -521,48 +523,82 @@ fn failed_background_encode_is_a_failed_step() {
     }
 }
 
-/// The newest step stays lost (its delta's marker and then its anchor's shard keep failing):
-/// `flush` reports it, and the step is published again by `flush` once the bucket is back, or
-/// by `publish` of the same step with the same weights, as an anchor: never taken for
-/// "already published" because the publisher still holds its weights.
+/// The newest step stays lost: its delta's marker keeps failing, and so does every try of
+/// its anchor, at its shard (nothing of a try's manifest is left) or at its marker (each try
+/// leaves a manifest: same size, other bytes, so a retry that reused its name would keep the
+/// old bytes under a marker naming the new ones). `flush` reports it; once the bucket is
+/// back, `flush`, or `publish` of the same step with the same weights, publishes it again as
+/// an anchor (never "already published": the publisher still holds its weights), and that
+/// anchor verifies.
 #[test]
 fn a_lost_newest_step_is_published_again_by_flush_or_publish() {
     for be in backends("lost-newest", false) {
-        for retry_by_publish in [false, true] {
-            let by = if retry_by_publish { "publish" } else { "flush" };
-            let sub = be.sub(format!("{} / retried by {by}", be.name), by);
-            let ctx = sub.name.clone();
-            let (faulty, bucket) = sub.bucket();
-            let mut p = publisher(&bucket, 100).build().unwrap();
-            let mut c = chain();
-            let mut t = Trainer::default();
-            for step in 0..3u64 {
-                if step > 0 {
-                    c.step();
+        // Every try's shard or marker (each try names its objects anew: `g1-`, `g1r1-`, ...).
+        for (at, pattern) in [("shard", "anchors/000000000002/g1"), ("marker", "ready/anchors/000000000002")] {
+            for retry_by_publish in [false, true] {
+                let by = if retry_by_publish { "publish" } else { "flush" };
+                let sub = be.sub(format!("{} / anchor {at} fails / retried by {by}", be.name), &format!("{at}-{by}"));
+                let ctx = sub.name.clone();
+                let (faulty, bucket) = sub.bucket();
+                let mut p = publisher(&bucket, 100).build().unwrap();
+                let mut c = chain();
+                let mut t = Trainer::default();
+                for step in 0..3u64 {
+                    if step > 0 {
+                        c.step();
+                    }
+                    if step == 2 {
+                        faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1000, FaultKind::Transient);
+                        faulty.inject(FaultOp::Put, pattern, 1000, FaultKind::Transient);
+                    }
+                    assert_ne!(p.publish(step, &c.views()).unwrap().outcome, Outcome::Coalesced, "{ctx}");
+                    t.published.insert(step, root_of(&c.views()));
+                    let r = p.flush();
+                    assert_eq!(r.is_err(), step == 2, "{ctx}: flush {step}: {r:?}");
                 }
-                if step == 2 {
-                    faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1000, FaultKind::Transient);
-                    faulty.inject(FaultOp::Put, "anchors/000000000002/g1-model", 1000, FaultKind::Transient);
+                let s = scan(&bucket, &trust());
+                assert_eq!(s.last_step(), Some(1), "{ctx}: step 2 is not in the bucket yet: {s:?}");
+                faulty.clear();
+                if retry_by_publish {
+                    let r = p.publish(2, &c.views()).unwrap();
+                    assert_eq!(r.outcome, Outcome::Anchor, "{ctx}: the lost step is not \"already published\"");
                 }
-                assert_ne!(p.publish(step, &c.views()).unwrap().outcome, Outcome::Coalesced, "{ctx}");
-                t.published.insert(step, root_of(&c.views()));
-                let r = p.flush();
-                assert_eq!(r.is_err(), step == 2, "{ctx}: flush {step}: {r:?}");
+                p.flush().unwrap_or_else(|e| panic!("{ctx}: flush after the bucket is back: {e}"));
+                let got = rt().block_on(StreamReader::new(bucket.clone(), trust()).anchor(2));
+                assert!(got.is_ok(), "{ctx}: ready anchor 2 does not verify: {:?}", got.err());
+                let s = scan(&bucket, &trust());
+                t.check(&s, &ctx);
+                assert!(s.ready_anchors.contains(&2) && !s.ready_deltas.contains_key(&2), "{ctx}: {s:?}");
+                assert_eq!(s.last_step(), Some(2), "{ctx}: {s:?}");
+                p.close().unwrap();
             }
-            let s = scan(&bucket, &trust());
-            assert_eq!(s.last_step(), Some(1), "{ctx}: step 2 is not in the bucket yet: {s:?}");
-            faulty.clear();
-            if retry_by_publish {
-                let r = p.publish(2, &c.views()).unwrap();
-                assert_eq!(r.outcome, Outcome::Anchor, "{ctx}: the lost step is not \"already published\"");
-            }
-            p.flush().unwrap_or_else(|e| panic!("{ctx}: flush after the bucket is back: {e}"));
-            let s = scan(&bucket, &trust());
-            t.check(&s, &ctx);
-            assert!(s.ready_anchors.contains(&2) && !s.ready_deltas.contains_key(&2), "{ctx}: {s:?}");
-            assert_eq!(s.last_step(), Some(2), "{ctx}: {s:?}");
-            p.close().unwrap();
         }
+    }
+}
+
+/// Anchor 0's marker lands but its response is lost, and its retries fail. `flush` asks the
+/// bucket whether the step is committed, and that read is refused (403): it reports the
+/// failure and touches nothing (deleting or rewriting the committed step's objects would break
+/// it for good). The next `flush` finds the step committed and takes it as such.
+#[test]
+fn a_lost_step_whose_marker_cannot_be_read_is_left_alone() {
+    for be in backends("lost-marker-403", false) {
+        let ctx = be.name.clone();
+        let (faulty, bucket) = be.bucket();
+        let mut p = publisher(&bucket, 100).build().unwrap();
+        let c = chain();
+        faulty.inject(FaultOp::Put, "ready/anchors/000000000000", 1, FaultKind::LostResponse);
+        faulty.inject(FaultOp::Put, "ready/anchors/000000000000", 1000, FaultKind::Transient);
+        faulty.inject(FaultOp::Get, "ready/anchors/000000000000", 1, FaultKind::Permanent);
+        assert_eq!(p.publish(0, &c.views()).unwrap().outcome, Outcome::Anchor, "{ctx}");
+        assert!(p.flush().is_err(), "{ctx}: the marker could not be read: not settled");
+        faulty.clear();
+        p.flush().unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let got = rt().block_on(StreamReader::new(bucket.clone(), trust()).anchor(0));
+        assert!(got.is_ok(), "{ctx}: ready anchor 0 does not verify: {:?}", got.err());
+        assert_eq!(p.status().failures, 1, "{ctx}: committed after all: not published again");
+        assert!(p.status().last_error.is_some(), "{ctx}: status keeps the last failure");
+        p.close().unwrap();
     }
 }
 

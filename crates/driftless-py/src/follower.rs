@@ -1097,8 +1097,9 @@ fn fill_from_spool(dir: &std::path::Path, m: &AnchorManifest, by: &HashMap<&str,
         let sink = ArraySink::new(o.decoded_size, shard, by, None);
         let mut n = [0u8; 8];
         f.read_exact_at(&mut n, 0).map_err(spool_io)?;
-        let head_end = u64::from_le_bytes(n)
-            .checked_add(8)
+        let head_end = Some(u64::from_le_bytes(n))
+            .filter(|&n| n <= driftless_format::checkpoint::MAX_HEADER as u64)
+            .and_then(|n| n.checked_add(8))
             .filter(|&e| e <= o.decoded_size)
             .ok_or_else(|| spool_io(std::io::Error::other("spooled shard has a bad header")))?;
         let mut head = vec![0u8; head_end as usize];

@@ -143,14 +143,31 @@ pub fn parse_claim_or_lease(key: &str) -> Option<u64> {
 
 /// `g7-<name>`: the name generation 7 gives an object in a step directory.
 pub fn generation_name(generation: u64, name: &str) -> String {
-    format!("g{generation}-{name}")
+    attempt_name(generation, 0, name)
 }
 
-/// The generation in an object name written by [`generation_name`].
+/// `g7-<name>` for `attempt` 0, `g7r2-<name>` for attempt 2: a publisher that publishes a
+/// step again after a failed try names the new try's objects anew, so that they never take
+/// the name of an object the failed try may have left (write-once names would keep the old
+/// bytes) or that may still land (a request the client gave up on).
+pub fn attempt_name(generation: u64, attempt: u32, name: &str) -> String {
+    match attempt {
+        0 => format!("g{generation}-{name}"),
+        a => format!("g{generation}r{a}-{name}"),
+    }
+}
+
+/// The generation in an object name written by [`generation_name`] or [`attempt_name`].
 pub fn name_generation(name: &str) -> Option<u64> {
     let rest = name.strip_prefix('g')?;
-    let (num, tail) = rest.split_once('-')?;
-    if num.is_empty() || num.len() > 20 || !num.bytes().all(|b| b.is_ascii_digit()) || tail.is_empty() {
+    let (tag, tail) = rest.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit());
+    let num = match tag.split_once('r') {
+        Some((num, attempt)) if digits(attempt) && attempt.len() <= 10 => num,
+        Some(_) => return None,
+        None => tag,
+    };
+    if !digits(num) || tail.is_empty() {
         return None;
     }
     num.parse().ok()
@@ -176,6 +193,13 @@ mod tests {
         assert_eq!(name_generation("g7-"), None);
         assert_eq!(name_generation("manifest.json"), None);
         assert_eq!(name_generation("g99999999999999999999999-x"), None);
+        assert_eq!(attempt_name(7, 0, "manifest.json"), "g7-manifest.json");
+        assert_eq!(attempt_name(7, 2, "manifest.json"), "g7r2-manifest.json");
+        assert_eq!(name_generation("g7r2-manifest.json"), Some(7));
+        assert_eq!(strip_generation("g7r2-extra-config.json"), "extra-config.json");
+        assert_eq!(name_generation("g7r-x"), None);
+        assert_eq!(name_generation("g7rr2-x"), None);
+        assert_eq!(name_generation("gr2-x"), None);
         assert_eq!(parse_claim_or_lease(&claim(12)), Some(12));
         assert_eq!(parse_claim_or_lease(&lease(7)), Some(7));
         assert_eq!(parse_claim_or_lease("claims/12"), None);
