@@ -989,20 +989,31 @@ impl Publisher {
     /// is taken as such, and `Ok(false)` returned. The new try's objects carry a new attempt
     /// tag ([`layout::attempt_name`]): they never take the name of one the failed try left.
     fn republish_lost(&mut self, step: u64, given: Option<(&[TensorView<'_>], &Layout)>) -> Result<bool> {
-        if let Some((tensors, layout)) = given {
-            let ordered = order(tensors, layout)?;
-            self.replace_snapshot(step, layout, &ordered, None);
-        }
-        if self.snapshot.as_ref().is_none_or(|s| s.step != step) {
-            return Err(Error::Upload { step, detail: "lost, and its weights are no longer held".into() });
-        }
-        let snap = self.snapshot_mut();
-        let root = match snap.root {
-            Some(r) => r,
+        // The weights to publish, and their root: the caller's (hashed here; they replace the
+        // snapshot only once the bucket said the step is free or theirs), or the snapshot's.
+        let given = match given {
+            Some((tensors, layout)) => {
+                let ordered = order(tensors, layout)?;
+                let (digests, root) = driftless_format::weights_root(&ordered);
+                Some((ordered, layout, digests, root))
+            }
+            None => None,
+        };
+        let root = match &given {
+            Some((.., root)) => *root,
             None => {
-                let (digests, root) = driftless_format::weights_root(&snap.views());
-                (snap.root, snap.digests) = (Some(root), digests);
-                root
+                if self.snapshot.as_ref().is_none_or(|s| s.step != step) {
+                    return Err(Error::Upload { step, detail: "lost, and its weights are no longer held".into() });
+                }
+                let snap = self.snapshot_mut();
+                match snap.root {
+                    Some(r) => r,
+                    None => {
+                        let (digests, root) = driftless_format::weights_root(&snap.views());
+                        (snap.root, snap.digests) = (Some(root), digests);
+                        root
+                    }
+                }
             }
         };
         let ctx = self.ctx.clone();
@@ -1024,20 +1035,31 @@ impl Publisher {
             }
             Ok::<_, upload::CommitError>(kind)
         });
-        match settled {
-            Ok(Some(_)) => {
-                info!(step, "the lost step is committed after all (its marker's response was lost)");
-                return Ok(false);
+        let committed = match settled {
+            Ok(kind) => kind.is_some(),
+            // The caller's weights differ from the step's committed ones: refused as any
+            // `publish` of a taken step is (the publisher goes on).
+            Err(upload::CommitError::Conflict(detail)) if given.is_some() => {
+                return Err(Error::StepTaken { step, detail })
             }
-            Ok(None) => {}
+            // The weights this publisher published as the step differ from the committed ones:
+            // another writer committed it. This publisher stops, as on any conflict.
             Err(upload::CommitError::Conflict(detail)) => {
-                // Another writer committed this step: this publisher stops, as on any conflict.
                 self.shared.update(|s| {
                     s.conflict.get_or_insert((step, detail.clone()));
                 });
                 return Err(Error::Conflict { step, detail });
             }
             Err(e) => return Err(Error::Upload { step, detail: e.to_string() }),
+        };
+        if let Some((ordered, layout, digests, root)) = given {
+            if self.snapshot.as_ref().is_none_or(|s| (s.step, s.root) != (step, Some(root))) {
+                self.replace_snapshot(step, layout, &ordered, Some((digests, root)));
+            }
+        }
+        if committed {
+            info!(step, "the lost step is committed after all (its marker's response was lost)");
+            return Ok(false);
         }
         self.retries += 1;
         self.schedule_anchor(step, self.retries)?;

@@ -523,6 +523,30 @@ fn failed_background_encode_is_a_failed_step() {
     }
 }
 
+/// Publishes steps 0-2 of a chain, flushing each, with `faults` injected before step 2:
+/// only step 2's flush fails. Returns the publisher, the chain at step 2 and what was published.
+fn lose_step_2(
+    bucket: &Bucket,
+    ctx: &str,
+    faults: impl FnOnce(),
+) -> (driftless_publisher::Publisher, RlChain, Trainer) {
+    let mut p = publisher(bucket, 100).build().unwrap();
+    let (mut c, mut t, mut faults) = (chain(), Trainer::default(), Some(faults));
+    for step in 0..3u64 {
+        if step > 0 {
+            c.step();
+        }
+        if step == 2 {
+            faults.take().expect("once")();
+        }
+        assert_ne!(p.publish(step, &c.views()).unwrap().outcome, Outcome::Coalesced, "{ctx}");
+        t.published.insert(step, root_of(&c.views()));
+        let r = p.flush();
+        assert_eq!(r.is_err(), step == 2, "{ctx}: flush {step}: {r:?}");
+    }
+    (p, c, t)
+}
+
 /// The newest step stays lost: its delta's marker keeps failing, and so does every try of
 /// its anchor, at its shard (nothing of a try's manifest is left) or at its marker (each try
 /// leaves a manifest: same size, other bytes, so a retry that reused its name would keep the
@@ -540,22 +564,10 @@ fn a_lost_newest_step_is_published_again_by_flush_or_publish() {
                 let sub = be.sub(format!("{} / anchor {at} fails / retried by {by}", be.name), &format!("{at}-{by}"));
                 let ctx = sub.name.clone();
                 let (faulty, bucket) = sub.bucket();
-                let mut p = publisher(&bucket, 100).build().unwrap();
-                let mut c = chain();
-                let mut t = Trainer::default();
-                for step in 0..3u64 {
-                    if step > 0 {
-                        c.step();
-                    }
-                    if step == 2 {
-                        faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1000, FaultKind::Transient);
-                        faulty.inject(FaultOp::Put, pattern, 1000, FaultKind::Transient);
-                    }
-                    assert_ne!(p.publish(step, &c.views()).unwrap().outcome, Outcome::Coalesced, "{ctx}");
-                    t.published.insert(step, root_of(&c.views()));
-                    let r = p.flush();
-                    assert_eq!(r.is_err(), step == 2, "{ctx}: flush {step}: {r:?}");
-                }
+                let (mut p, c, t) = lose_step_2(&bucket, &ctx, || {
+                    faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1000, FaultKind::Transient);
+                    faulty.inject(FaultOp::Put, pattern, 1000, FaultKind::Transient);
+                });
                 let s = scan(&bucket, &trust());
                 assert_eq!(s.last_step(), Some(1), "{ctx}: step 2 is not in the bucket yet: {s:?}");
                 faulty.clear();
@@ -598,6 +610,37 @@ fn a_lost_step_whose_marker_cannot_be_read_is_left_alone() {
         assert!(got.is_ok(), "{ctx}: ready anchor 0 does not verify: {:?}", got.err());
         assert_eq!(p.status().failures, 1, "{ctx}: committed after all: not published again");
         assert!(p.status().last_error.is_some(), "{ctx}: status keeps the last failure");
+        p.close().unwrap();
+    }
+}
+
+/// Delta 2's marker lands but its response is lost, its retries fail, and `flush` cannot read
+/// the marker (403): it reports the step. The caller then publishes step 2 again with other
+/// weights: refused as a taken step (`StepTaken`), and the publisher goes on: step 3 is
+/// published (as an anchor: the publisher's weights for step 2 were not what the bucket holds).
+#[test]
+fn republishing_a_lost_step_with_other_weights_is_refused_not_fenced() {
+    for be in backends("lost-other-weights", false) {
+        let ctx = be.name.clone();
+        let (faulty, bucket) = be.bucket();
+        let (mut p, mut c, mut t) = lose_step_2(&bucket, &ctx, || {
+            faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1, FaultKind::LostResponse);
+            faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1000, FaultKind::Transient);
+            faulty.inject(FaultOp::Get, "ready/deltas/000000000002", 1, FaultKind::Permanent);
+        });
+        faulty.clear();
+        c.step();
+        match p.publish(2, &c.views()) {
+            Err(Error::StepTaken { step: 2, .. }) => {}
+            r => panic!("{ctx}: step 2 is committed with other weights: {r:?}"),
+        }
+        p.publish(3, &c.views()).unwrap_or_else(|e| panic!("{ctx}: the publisher goes on: {e}"));
+        t.published.insert(3, root_of(&c.views()));
+        p.flush().unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let s = scan(&bucket, &trust());
+        t.check(&s, &ctx);
+        assert!(s.ready_deltas.contains_key(&2), "{ctx}: step 2 is the committed delta: {s:?}");
+        assert_eq!(s.last_step(), Some(3), "{ctx}: {s:?}");
         p.close().unwrap();
     }
 }
