@@ -7,8 +7,9 @@ use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 
 use crate::error::Result;
+use crate::inventory::MarkerState;
 use crate::inventory::StepId;
-use crate::plan::{DeletedStep, GcPlan};
+use crate::plan::{DeletedStep, GcPlan, StrayObjects};
 
 /// Steps whose objects are deleted at once.
 const STEPS_IN_FLIGHT: usize = 8;
@@ -28,8 +29,11 @@ pub struct GcReport {
     pub deleted_objects: usize,
     /// Bytes freed (as listed when planning).
     pub bytes_freed: u64,
+    /// Stray objects of kept steps removed.
+    pub deleted_strays: usize,
     /// Incomplete steps left alone because they changed since planning (a marker appeared or
-    /// an object was rewritten): a publisher is at work there.
+    /// an object was rewritten), and steps whose strays were left alone because their marker
+    /// changed: a publisher is at work there.
     pub skipped: Vec<StepId>,
 }
 
@@ -40,6 +44,7 @@ impl GcReport {
             plan: plan.clone(),
             deleted_steps: 0,
             deleted_incomplete: 0,
+            deleted_strays: 0,
             deleted_objects: 0,
             bytes_freed: 0,
             skipped: Vec::new(),
@@ -63,8 +68,8 @@ impl std::fmt::Display for GcReport {
         }
         write!(
             f,
-            "deleted {} steps and {} incomplete ({} objects, {} bytes)",
-            self.deleted_steps, self.deleted_incomplete, self.deleted_objects, self.bytes_freed
+            "deleted {} steps, {} incomplete and {} stray objects ({} objects, {} bytes)",
+            self.deleted_steps, self.deleted_incomplete, self.deleted_strays, self.deleted_objects, self.bytes_freed
         )
     }
 }
@@ -80,6 +85,8 @@ impl std::fmt::Display for GcReport {
 ///    the next run removes.
 /// 3. Incomplete steps, each re-checked first (marker still absent, nothing written since the
 ///    grace cutoff); otherwise skipped.
+/// 4. Stray objects of kept steps, once the step's marker is read again and still names the
+///    manifest it named when planning, and the leases read again still cover none of them.
 ///
 /// Deleting a missing key succeeds, so re-running a plan, or two collections at once, is
 /// harmless.
@@ -121,6 +128,39 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
         report.deleted_objects += delete_objects(bucket, d).await?;
         report.deleted_incomplete += 1;
         report.bytes_freed += d.bytes;
+    }
+    if !plan.strays.is_empty() {
+        let leases = crate::inventory::load_leases(bucket).await?;
+        let clock = SystemTime::now();
+        let live = |g: u64| leases.get(&g).is_some_and(|l| l.live_at(clock));
+        for d in &plan.strays {
+            let Some(committed) = still_committed(bucket, d).await? else {
+                tracing::info!(step = %d.id(), "marker changed since planning; strays left alone");
+                report.skipped.push(d.id());
+                continue;
+            };
+            let keys: Vec<String> = d
+                .objects
+                .iter()
+                .filter(|k| {
+                    layout::parse_step_key(k)
+                        .and_then(|(_, _, n)| n)
+                        .is_some_and(|n| crate::inventory::is_stray(committed, &n, live))
+                })
+                .cloned()
+                .collect();
+            if keys.len() < d.objects.len() {
+                tracing::info!(step = %d.id(), "a live lease covers strays since planning; left alone");
+                report.skipped.push(d.id());
+                continue;
+            }
+            let n = keys.len();
+            let one =
+                DeletedStep { kind: d.kind, step: d.step, marker: None, manifest: None, objects: keys, bytes: d.bytes };
+            report.deleted_objects += delete_objects(bucket, &one).await?;
+            report.deleted_strays += n;
+            report.bytes_freed += d.bytes;
+        }
     }
     for key in plan.stale_claims.iter().chain(&plan.stale_leases) {
         bucket.delete(key).await?;
@@ -178,4 +218,20 @@ async fn still_incomplete(bucket: &Bucket, d: &DeletedStep, cutoff: Option<Syste
         .filter_map(|n| layout::name_generation(&n))
         .any(|g| leases.get(&g).is_some_and(|l| l.live_at(clock)));
     Ok(!leased && now.iter().filter(|o| layout::parse_step_key(&o.key).is_some()).all(|o| o.last_modified <= cutoff))
+}
+
+/// The committed tag of a stray group's step, read again now: `None` unless its marker still
+/// names the manifest it named when planning.
+async fn still_committed(bucket: &Bucket, d: &StrayObjects) -> Result<Option<(u64, u32)>> {
+    let key = layout::ready(d.kind, d.step);
+    let bytes = match bucket.get_limited(&key, crate::inventory::MAX_MARKER_BYTES).await {
+        Ok(b) => b,
+        Err(e) if e.is_not_found() => return Ok(None),
+        Err(driftless_store::Error::TooLarge { .. }) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(match crate::inventory::parse_marker(&key, &bytes) {
+        MarkerState::Ready(m) if m.manifest_name() == d.manifest => layout::name_tag(m.manifest_name()),
+        _ => None,
+    })
 }

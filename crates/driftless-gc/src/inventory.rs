@@ -15,7 +15,7 @@ use serde::Serialize;
 use crate::error::Result;
 
 /// Largest ready marker read (they are a few hundred bytes).
-const MAX_MARKER_BYTES: u64 = 64 << 10;
+pub(crate) const MAX_MARKER_BYTES: u64 = 64 << 10;
 /// Marker reads in flight during [`Inventory::load`].
 const MARKER_READS: usize = 16;
 
@@ -127,6 +127,25 @@ impl StepEntry {
         })
     }
 
+    /// The tag (generation, try) of the manifest the ready marker names, when it has one.
+    pub fn committed_tag(&self) -> Option<(u64, u32)> {
+        self.ready().and_then(|m| layout::name_tag(m.manifest_name()))
+    }
+
+    /// Objects of a ready step that no reader will ever read (see [`is_stray`]); `live` says
+    /// whether a generation's lease is live.
+    pub fn strays(&self, live: impl Fn(u64) -> bool) -> Vec<&ObjectInfo> {
+        let Some(committed) = self.committed_tag() else {
+            return Vec::new();
+        };
+        self.objects
+            .iter()
+            .filter(|o| {
+                layout::parse_step_key(&o.key).and_then(|(_, _, n)| n).is_some_and(|n| is_stray(committed, &n, &live))
+            })
+            .collect()
+    }
+
     /// Publisher generations that wrote objects of this step (from their `g<gen>-` names).
     pub fn generations(&self) -> BTreeSet<u64> {
         self.objects
@@ -134,6 +153,25 @@ impl StepEntry {
             .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n))
             .filter_map(|n| layout::name_generation(&n))
             .collect()
+    }
+}
+
+/// Whether the object `name` in a ready step's directory is a stray: written by a try or a
+/// generation other than the one that committed the step (whose manifest the marker names,
+/// `committed`), so that no reader will ever read it. Only names that carry a tag
+/// ([`layout::name_tag`]) are judged; anything else is kept.
+///
+/// A stray of an *older* try of the committing generation is garbage at once: a publisher
+/// never goes back to a try it gave up. A stray of a *newer* try, or of another generation,
+/// is kept while that generation's lease is live (`live`): that publisher may still be
+/// uploading it, and on a store without conditional create its marker could still replace
+/// the one there now.
+pub(crate) fn is_stray(committed: (u64, u32), name: &str, live: impl Fn(u64) -> bool) -> bool {
+    match layout::name_tag(name) {
+        Some(tag) if tag == committed => false,
+        Some((g, a)) if g == committed.0 && a < committed.1 => true,
+        Some((g, _)) => !live(g),
+        None => false,
     }
 }
 

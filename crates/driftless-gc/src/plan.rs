@@ -98,6 +98,32 @@ impl DeletedStep {
     }
 }
 
+/// Objects of a kept ready step that no reader will ever read: those of a try or a
+/// generation that did not commit it (a failed upload the publisher retried under new names,
+/// or a step a later generation took over). Up to a model's worth per failed anchor try, so
+/// they are not kept for the step's whole retention.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StrayObjects {
+    /// Delta or anchor.
+    pub kind: StepKind,
+    /// Step number.
+    pub step: u64,
+    /// The manifest name the ready marker named when planning: the objects are deleted only
+    /// if it still does.
+    pub manifest: String,
+    /// The stray keys.
+    pub objects: Vec<String>,
+    /// Bytes freed.
+    pub bytes: u64,
+}
+
+impl StrayObjects {
+    /// The step's id.
+    pub fn id(&self) -> StepId {
+        StepId { kind: self.kind, step: self.step }
+    }
+}
+
 /// What a collection will do. Serializes to the `--json` output.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct GcPlan {
@@ -115,6 +141,9 @@ pub struct GcPlan {
     pub deleted: Vec<DeletedStep>,
     /// Incomplete steps (objects but no marker) older than the grace period, removed.
     pub incomplete: Vec<DeletedStep>,
+    /// Objects of kept ready steps that their committed manifest does not name, older than
+    /// the grace period and not covered by a live lease, removed.
+    pub strays: Vec<StrayObjects>,
     /// Keys under the layout's directories that are not part of it (never touched).
     pub foreign: Vec<String>,
     /// Claims of steps older than every kept step (no publisher can commit those again).
@@ -196,6 +225,7 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
         kept: Vec::new(),
         deleted: Vec::new(),
         incomplete: Vec::new(),
+        strays: Vec::new(),
         foreign: inv.foreign.clone(),
         stale_claims: Vec::new(),
         stale_leases: Vec::new(),
@@ -206,6 +236,20 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
     for e in inv.steps.values() {
         let bytes = e.bytes();
         if let Some(reasons) = kept.get(&e.id) {
+            // A step younger than the grace period is left whole: an upload may be going on.
+            let strays = if young(e) { Vec::new() } else { e.strays(|g| live.contains(&g)) };
+            let stray_bytes = strays.iter().fold(0u64, |acc, o| acc.saturating_add(o.size));
+            if let (false, Some(m)) = (strays.is_empty(), e.ready()) {
+                plan.strays.push(StrayObjects {
+                    kind: e.id.kind,
+                    step: e.id.step,
+                    manifest: m.manifest_name().to_string(),
+                    objects: strays.iter().map(|o| o.key.clone()).collect(),
+                    bytes: stray_bytes,
+                });
+                plan.bytes_freed = plan.bytes_freed.saturating_add(stray_bytes);
+            }
+            let bytes = bytes.saturating_sub(stray_bytes);
             plan.bytes_kept = plan.bytes_kept.saturating_add(bytes);
             plan.kept.push(KeptStep {
                 kind: e.id.kind,
@@ -360,16 +404,27 @@ impl fmt::Display for GcPlan {
         for d in &self.incomplete {
             writeln!(f, "delete {} (incomplete): {} bytes", d.id(), d.bytes)?;
         }
+        for d in &self.strays {
+            writeln!(
+                f,
+                "delete {} objects of {} that its manifest {} does not name: {} bytes",
+                d.objects.len(),
+                d.id(),
+                d.manifest,
+                d.bytes
+            )?;
+        }
         for k in &self.foreign {
             writeln!(f, "ignore {k} (not part of the layout)")?;
         }
         write!(
             f,
-            "kept {} steps ({} bytes), deleting {} steps and {} incomplete ({} bytes)",
+            "kept {} steps ({} bytes), deleting {} steps, {} incomplete and {} stray objects ({} bytes)",
             self.kept.len(),
             self.bytes_kept,
             self.deleted.len(),
             self.incomplete.len(),
+            self.strays.iter().map(|s| s.objects.len()).sum::<usize>(),
             self.bytes_freed
         )?;
         if self.over_budget {
@@ -396,5 +451,101 @@ mod reason_tests {
         ] {
             assert_eq!(serde_json::to_value(r).unwrap(), serde_json::Value::String(r.as_str().into()));
         }
+    }
+}
+
+#[cfg(test)]
+mod stray_tests {
+    use std::time::{Duration, SystemTime};
+
+    use driftless_format::{Digest, ReadyMarker, StepKind};
+    use driftless_store::{layout, ObjectInfo};
+
+    use super::plan_inventory;
+    use crate::inventory::{Inventory, LeaseEntry, MarkerState};
+    use crate::policy::GcPolicy;
+
+    fn info(key: String, size: u64, at: SystemTime) -> ObjectInfo {
+        ObjectInfo { key, size, last_modified: at, etag: None }
+    }
+
+    /// Anchor 5 committed by generation 3's second retry (`g3r2-`), next to what failed tries
+    /// and other generations left, generation 4's lease live.
+    fn inventory(at: SystemTime) -> Inventory {
+        let mut inv = Inventory::default();
+        let names = [
+            "g3r2-manifest.json",
+            "g3r2-model.safetensors.dla",
+            "g3-manifest.json",           // try 0 of the committer: stray
+            "g3-model.safetensors.dla",   // stray
+            "g3r1-model.safetensors.dla", // try 1: stray
+            "g3r3-model.safetensors.dla", // a newer try, lease of 3 not live: stray
+            "g2-model.safetensors.dla",   // generation 2, lease dead: stray
+            "g4-model.safetensors.dla",   // generation 4, lease live: kept
+            "model.safetensors.dla",      // untagged: kept
+        ];
+        for n in names {
+            inv.add_object(info(layout::object(StepKind::Anchor, 5, n), 100, at));
+        }
+        let marker = ReadyMarker {
+            kind: "ready".into(),
+            stream_id: "s".into(),
+            of: StepKind::Anchor,
+            step: 5,
+            base_step: None,
+            manifest_sha256: Digest([1; 32]),
+            payload_bytes: 100,
+            manifest: Some("g3r2-manifest.json".into()),
+        };
+        inv.add_marker(info(layout::ready(StepKind::Anchor, 5), 10, at), MarkerState::Ready(marker));
+        for (g, ttl) in [(2, 1), (4, 3600)] {
+            let lease = info(layout::lease(g), 10, at);
+            inv.leases.insert(g, LeaseEntry { info: lease, ttl: Duration::from_secs(ttl) });
+        }
+        inv
+    }
+
+    #[test]
+    fn strays_are_other_tries_and_generations_not_leased() {
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let policy = GcPolicy { grace: Duration::from_secs(600), ..GcPolicy::default() };
+        let inv = inventory(at);
+
+        // Within grace: nothing of the step is touched.
+        let plan = plan_inventory(&inv, &policy, at + Duration::from_secs(60));
+        assert!(plan.strays.is_empty(), "{plan:?}");
+
+        // Past grace (generation 4's lease, TTL an hour, still live).
+        let plan = plan_inventory(&inv, &policy, at + Duration::from_secs(900));
+        assert_eq!(plan.strays.len(), 1, "{plan:?}");
+        let s = &plan.strays[0];
+        assert_eq!((s.kind, s.step, s.manifest.as_str()), (StepKind::Anchor, 5, "g3r2-manifest.json"));
+        let names: Vec<&str> = s.objects.iter().map(|k| k.rsplit('/').next().unwrap()).collect();
+        assert_eq!(
+            names,
+            [
+                "g2-model.safetensors.dla",
+                "g3-manifest.json",
+                "g3-model.safetensors.dla",
+                "g3r1-model.safetensors.dla",
+                "g3r3-model.safetensors.dla"
+            ]
+        );
+        assert_eq!(s.bytes, 500);
+        let total: u64 = inv.steps.values().map(|e| e.bytes()).sum();
+        assert_eq!(plan.bytes_kept + plan.bytes_freed, total);
+        assert!(plan.deleted.is_empty() && plan.incomplete.is_empty(), "{plan:?}");
+
+        // Generation 3's lease live: its newer try is kept (it may still commit), its older
+        // tries are not.
+        let mut inv = inv;
+        let lease = info(layout::lease(3), 10, at + Duration::from_secs(850));
+        inv.leases.insert(3, LeaseEntry { info: lease, ttl: Duration::from_secs(60) });
+        let plan = plan_inventory(&inv, &policy, at + Duration::from_secs(900));
+        let names: Vec<&str> = plan.strays[0].objects.iter().map(|k| k.rsplit('/').next().unwrap()).collect();
+        assert_eq!(
+            names,
+            ["g2-model.safetensors.dla", "g3-manifest.json", "g3-model.safetensors.dla", "g3r1-model.safetensors.dla"]
+        );
     }
 }

@@ -582,10 +582,40 @@ fn a_lost_newest_step_is_published_again_by_flush_or_publish() {
                 t.check(&s, &ctx);
                 assert!(s.ready_anchors.contains(&2) && !s.ready_deltas.contains_key(&2), "{ctx}: {s:?}");
                 assert_eq!(s.last_step(), Some(2), "{ctx}: {s:?}");
+                collect_failed_tries(&bucket, &ctx);
                 p.close().unwrap();
             }
         }
     }
+}
+
+/// GC (grace 0, while the publisher's lease is live) removes what the failed tries of anchor
+/// 2 left in its directory, and nothing else: every object left there carries the tag of the
+/// manifest the marker names, and the anchor still verifies.
+fn collect_failed_tries(bucket: &Bucket, ctx: &str) {
+    let dir = layout::anchor_dir(2);
+    let tags = |b: &Bucket| -> BTreeSet<(u64, u32)> {
+        rt().block_on(b.list(&dir))
+            .unwrap()
+            .iter()
+            .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n))
+            .filter_map(|n| layout::name_tag(&n))
+            .collect()
+    };
+    let before = tags(bucket);
+    let policy = driftless_gc::GcPolicy::new().with_grace(Duration::ZERO);
+    let report = rt().block_on(driftless_gc::run(bucket, &policy, false)).unwrap();
+    let marker = rt().block_on(bucket.get(&layout::ready(StepKind::Anchor, 2))).unwrap();
+    let marker: driftless_format::ReadyMarker = serde_json::from_slice(&marker).unwrap();
+    let committed = layout::name_tag(marker.manifest_name()).unwrap();
+    assert!(committed.1 > 0, "{ctx}: a retry committed the step: {committed:?}");
+    let after = tags(bucket);
+    assert_eq!(after, BTreeSet::from([committed]), "{ctx}: before GC {before:?}; {report}");
+    if before.len() > 1 {
+        assert!(report.deleted_strays > 0, "{ctx}: {report}");
+    }
+    let got = rt().block_on(StreamReader::new(bucket.clone(), trust()).anchor(2));
+    assert!(got.is_ok(), "{ctx}: anchor 2 after GC: {:?}", got.err());
 }
 
 /// Anchor 0's marker lands but its response is lost, and its retries fail. `flush` asks the

@@ -159,18 +159,24 @@ pub fn attempt_name(generation: u64, attempt: u32, name: &str) -> String {
 
 /// The generation in an object name written by [`generation_name`] or [`attempt_name`].
 pub fn name_generation(name: &str) -> Option<u64> {
+    name_tag(name).map(|(generation, _)| generation)
+}
+
+/// The generation and try in an object name written by [`attempt_name`] (`g7-x`: `(7, 0)`,
+/// `g7r2-x`: `(7, 2)`); `None` for a name without that prefix.
+pub fn name_tag(name: &str) -> Option<(u64, u32)> {
     let rest = name.strip_prefix('g')?;
     let (tag, tail) = rest.split_once('-')?;
     let digits = |s: &str| !s.is_empty() && s.len() <= 20 && s.bytes().all(|b| b.is_ascii_digit());
-    let num = match tag.split_once('r') {
-        Some((num, attempt)) if digits(attempt) && attempt.len() <= 10 => num,
+    let (num, attempt) = match tag.split_once('r') {
+        Some((num, attempt)) if digits(attempt) && attempt.len() <= 10 => (num, attempt.parse().ok()?),
         Some(_) => return None,
-        None => tag,
+        None => (tag, 0),
     };
     if !digits(num) || tail.is_empty() {
         return None;
     }
-    num.parse().ok()
+    Some((num.parse().ok()?, attempt))
 }
 
 /// `name` without a `g<gen>-` prefix.
@@ -200,6 +206,11 @@ mod tests {
         assert_eq!(name_generation("g7r-x"), None);
         assert_eq!(name_generation("g7rr2-x"), None);
         assert_eq!(name_generation("gr2-x"), None);
+        assert_eq!(name_tag("g7r2-manifest.json"), Some((7, 2)));
+        assert_eq!(name_tag("g7-manifest.json"), Some((7, 0)));
+        assert_eq!(name_tag("g7r0-x"), Some((7, 0)));
+        assert_eq!(name_tag("g7r99999999999-x"), None);
+        assert_eq!(name_tag("manifest.json"), None);
         assert_eq!(parse_claim_or_lease(&claim(12)), Some(12));
         assert_eq!(parse_claim_or_lease(&lease(7)), Some(7));
         assert_eq!(parse_claim_or_lease("claims/12"), None);
