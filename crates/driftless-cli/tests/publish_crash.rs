@@ -35,6 +35,8 @@ struct Rules {
     hold: Option<(String, Duration)>,
     /// Answer every write with S3's `503 SlowDown` instead of forwarding it (an outage).
     fail_writes: bool,
+    /// The same for writes whose path contains this only.
+    fail_path: Option<String>,
 }
 
 struct Proxy {
@@ -109,7 +111,8 @@ fn serve(
         let n = writes.fetch_add(1, Ordering::SeqCst) + 1;
         let (kill_rule, hold, fail) = {
             let r = rules.lock().unwrap();
-            (r.kill_at, r.hold.clone(), r.fail_writes)
+            let fail = r.fail_writes || r.fail_path.as_ref().is_some_and(|p| line.contains(p.as_str()));
+            (r.kill_at, r.hold.clone(), fail)
         };
         if fail {
             // What S3 answers when it sheds load; the body is not read (the client sees the
@@ -517,4 +520,29 @@ fn watch_survives_a_bucket_outage_and_publishes_the_newest_step() {
     let st = child.wait().unwrap();
     guard.0 = None;
     assert!(st.success(), "publish --watch after SIGTERM: {st:?}: {}", std::fs::read_to_string(&log).unwrap());
+}
+
+/// `driftless publish --step` of a step whose delta marker cannot be written (every PUT of it
+/// answered 503, past the store's retries): the CLI publishes the step again, as an anchor,
+/// before it ends; it exits 0, says so on stderr, reports an anchor on stdout, and the bucket
+/// holds step 2 with the trainer's weights, which an agent reaches.
+#[test]
+fn publish_step_whose_delta_cannot_land_publishes_it_as_an_anchor() {
+    let Some((mut run, proxy)) = Run::new("lost-step") else { return };
+    let (s1, c1) = run.next_checkpoint();
+    let o = run.publish(&proxy.endpoint(), s1, &c1).wait_with_output().unwrap();
+    assert!(o.status.success(), "step 1: {}", String::from_utf8_lossy(&o.stderr));
+    let (s2, c2) = run.next_checkpoint();
+    proxy.set(Rules { fail_path: Some(format!("ready/deltas/{s2:012}")), ..Rules::default() });
+    let o = run.publish(&proxy.endpoint(), s2, &c2).wait_with_output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "step 2: {err}");
+    assert!(proxy.refused.load(Ordering::SeqCst) > 1, "the delta marker was refused past retries: {err}");
+    assert!(err.contains(&format!("publishing step {s2} again as an anchor")), "{err}");
+    assert!(out.starts_with(&format!("step {s2}: anchor,")), "{out}");
+    let (deltas, anchors) = run.check_bucket();
+    assert!(anchors.contains(&s2) && !deltas.contains(&s2), "deltas {deltas:?}, anchors {anchors:?}");
+    let a = run.agent("agent");
+    assert_eq!(a["data"]["step"].as_u64(), Some(s2));
+    assert_eq!(a["data"]["root"].as_str().unwrap(), run.roots[s2 as usize - 1].to_hex());
 }

@@ -181,6 +181,11 @@ fn publish_one(
         // not in the bucket (or another publisher took the stream).
         eprintln!("driftless publish: warning: {}; publishing step {step} again as an anchor", crate::exit::render(&e));
         p.flush()?;
+        let st = p.status();
+        if st.last_delta_ready != Some(step) && st.last_anchor_ready == Some(step) {
+            // Its delta never landed: what is in the bucket is the anchor `flush` published.
+            (r.outcome, r.delta_bytes, r.ratio) = (Outcome::Anchor, None, None);
+        }
     }
     if r.delta_bytes.is_none() && r.outcome == Outcome::Delta {
         // Encoded after publish() returned; flushed, so the status has this step's size.
