@@ -21,12 +21,12 @@ use driftless_store::stream::{LatestPoll, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyWeakrefMethods, PyWeakrefReference};
 use rayon::prelude::*;
 
 use crate::errors::{BindError, BindResult};
 use crate::store_options;
-use crate::tensors::{borrow_mapping, Raw};
+use crate::tensors::{borrow_mapping, Borrowed, Raw};
 
 /// A verified state: step, root and the layout of its tensors, and the stream it is a step of
 /// (weights of another run at the same prefix are never a base: the new stream's anchor
@@ -126,6 +126,34 @@ pub(crate) struct PyFollower {
     chain_memory: u64,
     /// What `poll` keeps between calls.
     polls: Mutex<Polls>,
+    /// Weak references to the objects whose memory `apply_to` last verified, by name. Held
+    /// only briefly and with the GIL (never across `allow_threads`).
+    owners: Mutex<Option<Owners>>,
+}
+
+/// `(name, weak reference to the exporting object)`; `None` for an object that takes no weak
+/// references (it is then never taken for the same object).
+type Owners = Vec<(String, Option<Py<PyWeakrefReference>>)>;
+
+/// Weak references to the objects of `borrowed`, by name.
+fn owners_of(py: Python<'_>, borrowed: &[Borrowed]) -> Owners {
+    let mut o: Owners = borrowed
+        .iter()
+        .map(|b| (b.meta.name.clone(), PyWeakrefReference::new(b.obj.bind(py)).ok().map(|w| w.unbind())))
+        .collect();
+    o.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    o
+}
+
+/// Whether `borrowed` are the very objects of `owners` (alive: a dead object's address may
+/// have been given to new arrays).
+fn same_objects(py: Python<'_>, owners: &Owners, borrowed: &[Borrowed]) -> bool {
+    owners.len() == borrowed.len()
+        && borrowed.iter().all(|b| {
+            owners.binary_search_by(|o| o.0.as_str().cmp(&b.meta.name)).is_ok_and(|i| {
+                owners[i].1.as_ref().and_then(|w| w.bind(py).upgrade()).is_some_and(|o| o.is(b.obj.bind(py)))
+            })
+        })
 }
 
 /// `poll`'s state: its own `latest.json` (polled without waiting for a plan's lock), the
@@ -257,6 +285,7 @@ impl PyFollower {
                 refuse_for,
                 chain_memory,
                 polls: Mutex::default(),
+                owners: Mutex::default(),
             })
         })
     }
@@ -319,32 +348,64 @@ impl PyFollower {
         crate::errors::guard(|| {
             let borrowed = borrow_mapping(tensors, true)?;
             let parts: Vec<(TensorMeta, Raw)> = borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
+            let same = {
+                let owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+                owners.as_ref().is_some_and(|o| same_objects(py, o, &borrowed))
+            };
             let r = py.allow_threads(|| {
                 let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 let here = placement(&parts);
                 // Other arrays than those we verified, or of another shape: start over from an
                 // anchor.
-                let local =
+                let mut local =
                     st.applied.clone().filter(|(t, p)| *p == here && same_set(&t.layout, &parts)).map(|(t, _)| t);
+                if let (Some(t), false) = (&local, same) {
+                    // The same memory through other objects (a new view of the same buffer,
+                    // `state_dict()` builds new tensors every call), or new arrays that were
+                    // given a freed address: only their bytes can tell. One hash, not a reload.
+                    if root_of(&t.layout, &parts) != t.root {
+                        local = None;
+                    }
+                }
                 let st = &mut *st;
                 // Out while the arrays may be written: a panic leaves them untracked.
-                let prev = st.applied.take();
+                st.applied = None;
                 let (r, touched) = with_refusals(&mut st.plans, local.as_ref().map(|t| t.step), step, |pl, at| {
                     self.rt.block_on(self.apply(local.as_ref(), step, &parts, pl, at))
                 });
+                // What these arrays hold now (the owners below are theirs).
                 st.applied = match &r {
                     Ok(Some((t, _, _, _))) => Some((t.clone(), here)),
                     Err(_) if touched => None,
-                    _ => prev,
+                    Ok(None) | Err(_) => local.clone().map(|t| (t, here)),
                 };
+                let tracked = st.applied.is_some();
                 let out = r.map(|o| {
                     o.map(|(t, route, bytes, n)| (t.step, t.root, route, bytes, n))
                         .or_else(|| local.map(|t| (t.step, t.root, "up_to_date", 0, 0)))
                 });
-                out.map(|o| (o, refused_after(&st.plans.refused, o.map(|o| o.0))))
+                (out.map(|o| (o, refused_after(&st.plans.refused, o.map(|o| o.0)))), touched, tracked)
             });
+            let (r, touched, tracked) = r;
+            *self.owners.lock().unwrap_or_else(|e| e.into_inner()) = tracked.then(|| owners_of(py, &borrowed));
             drop(borrowed);
-            match r? {
+            let r = match r {
+                Err(e) if touched => {
+                    // Say it where the caller catches it: the arrays hold neither the old
+                    // step nor the new one.
+                    let err = PyErr::from(e);
+                    let v = err.value(py);
+                    v.setattr("arrays_modified", true)?;
+                    let note = "the arrays were partly written before this error and hold no verified step; \
+                                the Follower no longer tracks them: the next apply_to loads an anchor into them";
+                    if v.hasattr("add_note")? {
+                        v.call_method1("add_note", (note,))?;
+                    }
+                    return Err(err);
+                }
+                r => r?,
+            };
+            match r {
                 (Some((s, root, route, bytes, n)), refused) => {
                     let d = outcome_dict(py, s, root, route, bytes, n)?;
                     d.set_item("refused", refused)?;
@@ -361,18 +422,24 @@ impl PyFollower {
 
     /// Step and root of the arrays `apply_to` last verified, or None.
     #[getter]
-    fn applied_step(&self) -> PyResult<Option<u64>> {
+    fn applied_step(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         crate::errors::guard(|| {
-            Ok(self.state.lock().unwrap_or_else(|e| e.into_inner()).applied.as_ref().map(|(t, _)| t.step))
+            // Without the GIL: a sync in another thread holds the lock for its whole download.
+            Ok(py.allow_threads(|| {
+                self.state.lock().unwrap_or_else(|e| e.into_inner()).applied.as_ref().map(|(t, _)| t.step)
+            }))
         })
     }
 
     /// Forgets what `apply_to` tracked (the next call loads an anchor into the arrays).
-    fn reset(&self) -> PyResult<()> {
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
-            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            st.applied = None;
-            st.mirror = None;
+            py.allow_threads(|| {
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                st.applied = None;
+                st.mirror = None;
+            });
+            *self.owners.lock().unwrap_or_else(|e| e.into_inner()) = None;
             Ok(())
         })
     }
@@ -443,9 +510,11 @@ impl PyFollower {
 
     /// Step of the `iter_patches` mirror, or None before the first call.
     #[getter]
-    fn patch_step(&self) -> PyResult<Option<u64>> {
+    fn patch_step(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         crate::errors::guard(|| {
-            Ok(self.state.lock().unwrap_or_else(|e| e.into_inner()).mirror.as_ref().map(|m| m.at.step))
+            Ok(py.allow_threads(|| {
+                self.state.lock().unwrap_or_else(|e| e.into_inner()).mirror.as_ref().map(|m| m.at.step)
+            }))
         })
     }
 }
@@ -457,6 +526,24 @@ fn placement(parts: &[(TensorMeta, Raw)]) -> Placement {
     let mut p: Placement = parts.iter().map(|(m, r)| (m.name.clone(), r.addr, r.len)).collect();
     p.sort_unstable();
     p
+}
+
+/// The weights root of caller arrays laid out as `layout` (names checked by [`same_set`]).
+fn root_of(layout: &Layout, parts: &[(TensorMeta, Raw)]) -> Digest {
+    let by: HashMap<&str, Raw> = parts.iter().map(|(m, r)| (m.name.as_str(), *r)).collect();
+    // SAFETY: arrays borrowed by the caller for the whole call, not written during it.
+    driftless_format::weights_root(&unsafe { views_of(layout, &by) }).1
+}
+
+/// Read-only views of caller arrays (`by` name) laid out as `layout`.
+///
+/// # Safety
+/// The arrays must stay borrowed, and unwritten, while the views live.
+unsafe fn views_of<'a>(layout: &'a Layout, by: &HashMap<&str, Raw>) -> Vec<TensorView<'a>> {
+    layout
+        .tensors()
+        .map(|t| TensorView { name: &t.name, dtype: t.dtype, shape: &t.shape, data: by[t.name.as_str()].slice() })
+        .collect()
 }
 
 /// Whether caller arrays are exactly the tensors of `layout` (names, dtypes, shapes).
@@ -831,16 +918,7 @@ impl PyFollower {
         }
         (|| -> BindResult<()> {
             // SAFETY: writes are done; read-only views of the borrowed arrays.
-            let views: Vec<TensorView<'_>> = cur
-                .layout
-                .tensors()
-                .map(|t| TensorView {
-                    name: &t.name,
-                    dtype: t.dtype,
-                    shape: &t.shape,
-                    data: unsafe { by[t.name.as_str()].slice() },
-                })
-                .collect();
+            let views = unsafe { views_of(&cur.layout, &by) };
             match &last {
                 Some(m) => ops::verify_result(&views, m)?,
                 None => {

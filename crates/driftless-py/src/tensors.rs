@@ -34,6 +34,9 @@ pub(crate) struct Borrowed {
     pub(crate) meta: TensorMeta,
     /// Raw address and byte length (plain integers so they cross `allow_threads`).
     pub(crate) raw: Raw,
+    /// The object the memory was borrowed from (its identity tells the Follower whether
+    /// these are the arrays it verified: an address alone can be reused by new arrays).
+    pub(crate) obj: Py<PyAny>,
     _guard: Guard,
 }
 
@@ -255,7 +258,7 @@ fn borrow_buffer(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyResult
     let raw = Raw { addr: v.buf as usize, len: v.len as usize };
     let meta = TensorMeta { name: name.to_string(), dtype, shape };
     check_len(&meta, raw)?;
-    Ok(Borrowed { meta, raw, _guard: guard })
+    Ok(Borrowed { meta, raw, obj: obj.clone().unbind(), _guard: guard })
 }
 
 fn borrow_dlpack(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Borrowed> {
@@ -314,7 +317,7 @@ fn borrow_dlpack(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Borrowed> {
     }
     let raw = Raw { addr, len };
     let meta = TensorMeta { name: name.to_string(), dtype, shape };
-    Ok(Borrowed { meta, raw, _guard: Guard::Capsule(cap.into_any().unbind()) })
+    Ok(Borrowed { meta, raw, obj: obj.clone().unbind(), _guard: Guard::Capsule(cap.into_any().unbind()) })
 }
 
 fn check_len(meta: &TensorMeta, raw: Raw) -> PyResult<()> {

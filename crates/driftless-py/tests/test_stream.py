@@ -214,9 +214,11 @@ def test_follower_streams_an_anchor_into_arrays_and_refuses_a_corrupt_one(file_b
     for broken in (bytes(bad), good[:-100]):
         with open(obj, "wb") as fh:
             fh.write(broken)
-        with pytest.raises(driftless.CorruptError):
+        with pytest.raises(driftless.CorruptError) as e:
             f.apply_to(arrays)
         assert f.applied_step is None
+        # Streamed as it downloads (nothing verified to lose): the error says it wrote.
+        assert e.value.arrays_modified is True
     with open(obj, "wb") as fh:
         fh.write(good)
     o = f.apply_to(arrays)
@@ -648,12 +650,44 @@ def test_a_step_signed_for_another_stream_is_refused(tmp_path, keys):
 
     f = driftless.Follower(f"file://{a_root}", trusted_keys=[public])
     arrays = {"x.w": np.zeros(shape, BF16)}
-    with pytest.raises(driftless.CorruptError, match="another stream"):
+    with pytest.raises(driftless.CorruptError, match="another stream") as e:
         f.apply_to(arrays, step=5)
     assert f.applied_step is None
     assert not arrays["x.w"].view(np.uint16).any(), "nothing written into the arrays"
+    assert not hasattr(e.value, "arrays_modified")
     # The newest step refused, the next best route is taken: the run's own step 1.
     o = f.apply_to(arrays)
     assert o["step"] == 1 and [(k, s) for k, s, _ in o["refused"]] == [("anchor", 5)], o
     assert "another stream" in o["refused"][0][2]
     assert np.array_equal(arrays["x.w"].view(np.uint16), w1["x.w"].view(np.uint16))
+
+
+def test_new_arrays_at_a_verified_address_are_not_taken_for_its_step(file_bucket, keys):
+    """apply_to tracks the arrays it verified by their objects, not by their addresses alone:
+    new arrays over the same memory (a new view, or new arrays the allocator placed where
+    freed ones were) are hashed once. Holding the verified step, they keep it (nothing
+    downloaded); holding anything else, the step is loaded into them (it used to answer
+    "up_to_date" over zeros)."""
+    url, _ = file_bucket
+    private, public = keys
+    rng = np.random.default_rng(11)
+    shape = (512, 256)
+    w = {"x.w": rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(BF16)}
+    with driftless.Publisher(url, signing_key=private) as pub:
+        pub.publish(0, w)
+    f = driftless.Follower(url, trusted_keys=[public])
+    buf = bytearray(w["x.w"].nbytes)
+
+    def fresh():
+        return {"x.w": np.frombuffer(buf, dtype=BF16).reshape(shape)}
+
+    assert f.apply_to(fresh())["route"] == "anchor"
+    o = f.apply_to(fresh())
+    assert (o["route"], o["bytes"], o["step"]) == ("up_to_date", 0, 0), o
+    buf[:] = bytes(len(buf))
+    arrays = fresh()
+    o = f.apply_to(arrays)
+    assert (o["route"], o["step"]) == ("anchor", 0), o
+    assert np.array_equal(arrays["x.w"].view(np.uint16), w["x.w"].view(np.uint16))
+    # The same objects again: tracked, up to date.
+    assert f.apply_to(arrays)["route"] == "up_to_date"

@@ -168,10 +168,13 @@ class Follower(_native.Follower):
     def apply_to(self, tensors: Mapping[str, Any], step: Optional[int] = None) -> Dict[str, Any]:
         """Brings caller-owned CPU arrays to ``step`` (default: the newest reachable) in place.
 
-        The Follower remembers the step and weights root of the arrays it last verified. The
-        first call (or after :meth:`reset`, or with arrays of another shape) loads the newest
-        anchor into them and applies the deltas after it; later calls apply only the deltas
-        since. The weights root of the result is checked before returning, so a call that
+        The Follower remembers the step and weights root of the arrays it last verified, and
+        which objects they were (weak references, plus their addresses). The first call (or
+        after :meth:`reset`, or with arrays of another shape) loads the newest anchor into
+        them and applies the deltas after it; later calls apply only the deltas since. Other
+        objects at the same addresses (a new view of the same buffer, ``state_dict()``
+        tensors, or new arrays placed where freed ones were) are hashed once: they keep the
+        step only if they hold its bytes, and otherwise it is loaded into them. The weights root of the result is checked before returning, so a call that
         returns has produced exactly the publisher's bits. On a first load an anchor is
         streamed into the arrays as it downloads (ranged GETs decoded as they arrive, a few
         16 MiB parts in flight), so memory beyond the arrays does not grow with the model.
@@ -183,7 +186,9 @@ class Follower(_native.Follower):
         delta whose objects match a trusted signature but whose signed result root is wrong
         (a publisher bug or a stolen key) can fail after the first write; the Follower then
         forgets their step, so the next call reloads an anchor. You never get a silently wrong
-        result.
+        result: an exception raised after the arrays were written (that one, a local I/O
+        error while copying a proven anchor in, or the first load of arrays that held
+        nothing verified) has ``arrays_modified = True`` and a note saying so.
 
         A step that fails verification is refused (see ``refuse_for``) and the next best
         route taken, as the agent does: an older step, or staying on the arrays' verified
