@@ -33,7 +33,7 @@ pub struct GcReport {
     pub deleted_strays: usize,
     /// Incomplete steps left alone because they changed since planning (a marker appeared or
     /// an object was rewritten), and steps whose strays were left alone because their marker
-    /// changed: a publisher is at work there.
+    /// no longer names the planned manifest: a publisher is at work there.
     pub skipped: Vec<StepId>,
 }
 
@@ -133,33 +133,34 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
         let leases = crate::inventory::load_leases(bucket).await?;
         let clock = SystemTime::now();
         let live = |g: u64| leases.get(&g).is_some_and(|l| l.live_at(clock));
+        let conditional = bucket.supports_conditional_create();
         for d in &plan.strays {
             let Some(committed) = still_committed(bucket, d).await? else {
                 tracing::info!(step = %d.id(), "marker changed since planning; strays left alone");
                 report.skipped.push(d.id());
                 continue;
             };
+            // Those a lease read now covers are left for a later run.
             let keys: Vec<String> = d
                 .objects
                 .iter()
                 .filter(|k| {
                     layout::parse_step_key(k)
                         .and_then(|(_, _, n)| n)
-                        .is_some_and(|n| crate::inventory::is_stray(committed, &n, live))
+                        .is_some_and(|n| crate::inventory::is_stray(committed, &n, live, conditional))
                 })
                 .cloned()
                 .collect();
             if keys.len() < d.objects.len() {
-                tracing::info!(step = %d.id(), "a live lease covers strays since planning; left alone");
-                report.skipped.push(d.id());
-                continue;
+                tracing::info!(step = %d.id(), left = d.objects.len() - keys.len(), "a live lease covers strays now");
             }
             let n = keys.len();
-            let one =
-                DeletedStep { kind: d.kind, step: d.step, marker: None, manifest: None, objects: keys, bytes: d.bytes };
+            let one = DeletedStep { kind: d.kind, step: d.step, marker: None, manifest: None, objects: keys, bytes: 0 };
             report.deleted_objects += delete_objects(bucket, &one).await?;
             report.deleted_strays += n;
-            report.bytes_freed += d.bytes;
+            if n == d.objects.len() {
+                report.bytes_freed += d.bytes;
+            }
         }
     }
     for key in plan.stale_claims.iter().chain(&plan.stale_leases) {
@@ -169,6 +170,7 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
     tracing::info!(
         steps = report.deleted_steps,
         incomplete = report.deleted_incomplete,
+        strays = report.deleted_strays,
         bytes = report.bytes_freed,
         "collection done"
     );
@@ -230,8 +232,14 @@ async fn still_committed(bucket: &Bucket, d: &StrayObjects) -> Result<Option<(u6
         Err(driftless_store::Error::TooLarge { .. }) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    Ok(match crate::inventory::parse_marker(&key, &bytes) {
+    let tag = match crate::inventory::parse_marker(&key, &bytes) {
         MarkerState::Ready(m) if m.manifest_name() == d.manifest => layout::name_tag(m.manifest_name()),
         _ => None,
-    })
+    };
+    // The manifest it names is there (a marker naming a missing one is left for a human).
+    match (tag, bucket.head(&layout::object(d.kind, d.step, &d.manifest)).await) {
+        (Some(t), Ok(_)) => Ok(Some(t)),
+        (_, Err(e)) if !e.is_not_found() => Err(e.into()),
+        _ => Ok(None),
+    }
 }

@@ -133,15 +133,19 @@ impl StepEntry {
     }
 
     /// Objects of a ready step that no reader will ever read (see [`is_stray`]); `live` says
-    /// whether a generation's lease is live.
-    pub fn strays(&self, live: impl Fn(u64) -> bool) -> Vec<&ObjectInfo> {
-        let Some(committed) = self.committed_tag() else {
+    /// whether a generation's lease is live, `conditional` whether the store has conditional
+    /// create. None when the manifest the marker names is not listed: such a step is left
+    /// whole, for a human.
+    pub fn strays(&self, live: impl Fn(u64) -> bool, conditional: bool) -> Vec<&ObjectInfo> {
+        let Some(committed) = self.committed_tag().filter(|_| self.manifest_key().is_some()) else {
             return Vec::new();
         };
         self.objects
             .iter()
             .filter(|o| {
-                layout::parse_step_key(&o.key).and_then(|(_, _, n)| n).is_some_and(|n| is_stray(committed, &n, &live))
+                layout::parse_step_key(&o.key)
+                    .and_then(|(_, _, n)| n)
+                    .is_some_and(|n| is_stray(committed, &n, &live, conditional))
             })
             .collect()
     }
@@ -161,15 +165,21 @@ impl StepEntry {
 /// `committed`), so that no reader will ever read it. Only names that carry a tag
 /// ([`layout::name_tag`]) are judged; anything else is kept.
 ///
-/// A stray of an *older* try of the committing generation is garbage at once: a publisher
-/// never goes back to a try it gave up. A stray of a *newer* try, or of another generation,
-/// is kept while that generation's lease is live (`live`): that publisher may still be
-/// uploading it, and on a store without conditional create its marker could still replace
-/// the one there now.
-pub(crate) fn is_stray(committed: (u64, u32), name: &str, live: impl Fn(u64) -> bool) -> bool {
+/// A stray of an *older* try of the committing generation is garbage at once on a store with
+/// conditional create (`conditional`): a publisher never goes back to a try it gave up, and a
+/// late marker PUT of that try cannot replace the marker there. Any other stray (a newer try,
+/// another generation, or an older try where a late marker could land over the committed
+/// one) is kept while its generation's lease is live (`live`): that publisher may still be
+/// uploading it or writing its marker.
+///
+/// This relies on every object a manifest names carrying the manifest's own tag, which the
+/// publisher keeps: anchor objects and extra files are named with the anchor's try, delta
+/// segments with try 0 (every delta is committed as try 0), sharded parts with their
+/// generation (try 0).
+pub(crate) fn is_stray(committed: (u64, u32), name: &str, live: impl Fn(u64) -> bool, conditional: bool) -> bool {
     match layout::name_tag(name) {
         Some(tag) if tag == committed => false,
-        Some((g, a)) if g == committed.0 && a < committed.1 => true,
+        Some((g, a)) if g == committed.0 && a < committed.1 && conditional => true,
         Some((g, _)) => !live(g),
         None => false,
     }
@@ -207,6 +217,8 @@ pub struct Inventory {
     pub leases: BTreeMap<u64, LeaseEntry>,
     /// Step claims (`claims/<step>`) by step.
     pub claims: BTreeMap<u64, ObjectInfo>,
+    /// Whether the store has conditional create (a late marker PUT cannot replace a marker).
+    pub conditional_create: bool,
 }
 
 impl Inventory {
@@ -217,7 +229,7 @@ impl Inventory {
         let mut objects = bucket.list("anchors/").await?;
         objects.extend(bucket.list("deltas/").await?);
 
-        let mut inv = Inventory::default();
+        let mut inv = Inventory { conditional_create: bucket.supports_conditional_create(), ..Default::default() };
         for info in objects {
             inv.add_object(info);
         }

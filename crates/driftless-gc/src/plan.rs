@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use crate::inventory::{Inventory, MarkerState, StepEntry, StepId};
 use crate::policy::GcPolicy;
+use driftless_store::ObjectInfo;
 
 /// Why a step is kept. A step may have several reasons. Spelled the same in the text report
 /// and in `--json` (kebab-case), so one grep finds both.
@@ -198,11 +199,26 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
     }
     let trimmable: Vec<(StepId, BTreeSet<KeepReason>)> = trimmable.into_iter().collect();
 
+    // Stray objects of steps past grace: removed from whichever of them is kept (a step
+    // younger than the grace period is left whole: an upload may be going on).
+    let strays: BTreeMap<StepId, Vec<&ObjectInfo>> = inv
+        .steps
+        .values()
+        .filter(|e| !young(e))
+        .map(|e| (e.id, e.strays(|g| live.contains(&g), inv.conditional_create)))
+        .filter(|(_, s)| !s.is_empty())
+        .collect();
+    let stray_bytes = |id: &StepId| strays.get(id).map_or(0, |s| s.iter().fold(0u64, |a, o| a.saturating_add(o.size)));
+    let kept_bytes = |kept: &BTreeMap<StepId, BTreeSet<KeepReason>>| -> u64 {
+        kept.keys()
+            .filter_map(|id| inv.steps.get(id))
+            .fold(0u64, |acc, e| acc.saturating_add(e.bytes().saturating_sub(stray_bytes(&e.id))))
+    };
     let mut skip = 0;
     let mut kept = graph.closure(&fixed, &trimmable);
     let mut over_budget = false;
     if let Some(max) = policy.max_bytes {
-        while kept_bytes(inv, &kept) > max {
+        while kept_bytes(&kept) > max {
             if skip == trimmable.len() {
                 over_budget = true;
                 break;
@@ -236,20 +252,18 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
     for e in inv.steps.values() {
         let bytes = e.bytes();
         if let Some(reasons) = kept.get(&e.id) {
-            // A step younger than the grace period is left whole: an upload may be going on.
-            let strays = if young(e) { Vec::new() } else { e.strays(|g| live.contains(&g)) };
-            let stray_bytes = strays.iter().fold(0u64, |acc, o| acc.saturating_add(o.size));
-            if let (false, Some(m)) = (strays.is_empty(), e.ready()) {
+            let freed = stray_bytes(&e.id);
+            if let (Some(s), Some(m)) = (strays.get(&e.id), e.ready()) {
                 plan.strays.push(StrayObjects {
                     kind: e.id.kind,
                     step: e.id.step,
                     manifest: m.manifest_name().to_string(),
-                    objects: strays.iter().map(|o| o.key.clone()).collect(),
-                    bytes: stray_bytes,
+                    objects: s.iter().map(|o| o.key.clone()).collect(),
+                    bytes: freed,
                 });
-                plan.bytes_freed = plan.bytes_freed.saturating_add(stray_bytes);
+                plan.bytes_freed = plan.bytes_freed.saturating_add(freed);
             }
-            let bytes = bytes.saturating_sub(stray_bytes);
+            let bytes = bytes.saturating_sub(freed);
             plan.bytes_kept = plan.bytes_kept.saturating_add(bytes);
             plan.kept.push(KeptStep {
                 kind: e.id.kind,
@@ -280,10 +294,6 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
         .map(|(_, l)| l.info.key.clone())
         .collect();
     plan
-}
-
-fn kept_bytes(inv: &Inventory, kept: &BTreeMap<StepId, BTreeSet<KeepReason>>) -> u64 {
-    kept.keys().filter_map(|id| inv.steps.get(id)).fold(0u64, |acc, e| acc.saturating_add(e.bytes()))
 }
 
 /// The ready steps and their base links.
@@ -472,7 +482,7 @@ mod stray_tests {
     /// Anchor 5 committed by generation 3's second retry (`g3r2-`), next to what failed tries
     /// and other generations left, generation 4's lease live.
     fn inventory(at: SystemTime) -> Inventory {
-        let mut inv = Inventory::default();
+        let mut inv = Inventory { conditional_create: true, ..Default::default() };
         let names = [
             "g3r2-manifest.json",
             "g3r2-model.safetensors.dla",
@@ -535,17 +545,35 @@ mod stray_tests {
         let total: u64 = inv.steps.values().map(|e| e.bytes()).sum();
         assert_eq!(plan.bytes_kept + plan.bytes_freed, total);
         assert!(plan.deleted.is_empty() && plan.incomplete.is_empty(), "{plan:?}");
+        // `max_bytes` counts what stays: the strays are not held against it.
+        let tight = policy.clone().with_max_bytes(Some(plan.bytes_kept));
+        assert!(!plan_inventory(&inv, &tight, at + Duration::from_secs(900)).over_budget);
 
         // Generation 3's lease live: its newer try is kept (it may still commit), its older
-        // tries are not.
+        // tries are not (a store with conditional create: their late markers cannot land).
         let mut inv = inv;
         let lease = info(layout::lease(3), 10, at + Duration::from_secs(850));
         inv.leases.insert(3, LeaseEntry { info: lease, ttl: Duration::from_secs(60) });
-        let plan = plan_inventory(&inv, &policy, at + Duration::from_secs(900));
-        let names: Vec<&str> = plan.strays[0].objects.iter().map(|k| k.rsplit('/').next().unwrap()).collect();
+        let names = |inv: &Inventory| -> Vec<String> {
+            let plan = plan_inventory(inv, &policy, at + Duration::from_secs(900));
+            plan.strays
+                .iter()
+                .flat_map(|s| s.objects.iter().map(|k| k.rsplit('/').next().unwrap().to_string()))
+                .collect()
+        };
         assert_eq!(
-            names,
+            names(&inv),
             ["g2-model.safetensors.dla", "g3-manifest.json", "g3-model.safetensors.dla", "g3r1-model.safetensors.dla"]
         );
+        // Without conditional create a late marker of an older try could replace the one there:
+        // its objects wait for the lease too.
+        inv.conditional_create = false;
+        assert_eq!(names(&inv), ["g2-model.safetensors.dla"]);
+
+        // A marker naming a manifest that is not listed: the step is left whole.
+        let mut inv = inventory(at);
+        let key = layout::object(StepKind::Anchor, 5, "g3r2-manifest.json");
+        inv.steps.values_mut().for_each(|e| e.objects.retain(|o| o.key != key));
+        assert!(names(&inv).is_empty());
     }
 }

@@ -86,3 +86,35 @@ async fn strays_are_left_when_the_marker_changed_since_planning() {
         assert_eq!(names(b).await.len(), 7, "{}", tb.name);
     }
 }
+
+/// A publisher generation's lease (what `driftless_publisher` writes), renewed now.
+async fn lease(b: &Bucket, generation: u64) {
+    let body = serde_json::json!({
+        "kind": "lease", "stream_id": "test-stream", "generation": generation, "holder": "test:1",
+        "renewed_at_ms": 0, "ttl_ms": 600_000, "world_size": null
+    });
+    b.put(&layout::lease(generation), Bytes::from(body.to_string())).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lease_taken_since_planning_keeps_its_newer_try() {
+    for tb in buckets("strays-leased") {
+        let b = &tb.bucket;
+        assert!(b.supports_conditional_create(), "{}", tb.name);
+        write(b).await;
+        let policy = GcPolicy::new().with_grace(Duration::from_secs(600));
+        let p = plan(b, &policy, SystemTime::now() + Duration::from_secs(3600)).await.unwrap();
+        assert_eq!(p.strays[0].objects.len(), 5, "{}: {p}", tb.name);
+        // Generation 3 is live again by the time the plan runs: its newer try (which could
+        // still be committing) stays; its older tries go.
+        lease(b, 3).await;
+        let r = execute(b, &p).await.unwrap();
+        assert_eq!(r.deleted_strays, 3, "{}: {r}", tb.name);
+        assert_eq!(
+            names(b).await,
+            ["g3r2-manifest.json", "g3r2-w.dla", "g3r3-manifest.json", "g3r3-w.dla"],
+            "{}",
+            tb.name
+        );
+    }
+}
