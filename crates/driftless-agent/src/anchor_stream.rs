@@ -234,10 +234,17 @@ pub async fn stream_shard(
     }
     let bucket = bucket.clone();
     check_size(&bucket, step, &key, size).await?;
-    let footer = bucket.get_range_of(&key, size - anchor::FOOTER_LEN..size).await?;
-    let tr = anchor::table_range(&footer, size)?;
-    let (table, prefix) =
-        futures::try_join!(bucket.get_range_of(&key, tr), bucket.get_range_of(&key, 0..anchor::PREFIX_LEN))?;
+    let (footer, prefix) = futures::try_join!(
+        bucket.get_range_of(&key, size - anchor::FOOTER_LEN..size),
+        bucket.get_range_of(&key, 0..anchor::PREFIX_LEN)
+    )?;
+    // Bounded by what an encoder writes for this file (the object's SHA-256 is only known
+    // once it has all been read).
+    let tr = anchor::table_range(&prefix, &footer, size, o.decoded_size)?;
+    let table = match tr.is_empty() {
+        true => Bytes::new(),
+        false => bucket.get_range_of(&key, tr).await?,
+    };
     let plan = anchor::plan_shard(&prefix, &table, &footer, size, o.decoded_size)?;
     let hz = bucket.get_range_of(&key, plan.header.clone()).await?;
     let mut head = vec![0u8; plan.header_len as usize];

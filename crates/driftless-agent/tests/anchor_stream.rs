@@ -80,7 +80,7 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     let mut bytes = std::fs::read(&path).unwrap();
     let size = bytes.len() as u64;
     let footer = bytes[bytes.len() - anchor::FOOTER_LEN as usize..].to_vec();
-    let tr = anchor::table_range(&footer, size).unwrap();
+    let tr = anchor::table_range(&bytes[..anchor::PREFIX_LEN as usize], &footer, size, o.decoded_size).unwrap();
     let plan = anchor::plan_shard(
         &bytes[..anchor::PREFIX_LEN as usize],
         &bytes[tr.start as usize..tr.end as usize],
@@ -139,6 +139,59 @@ async fn a_signed_anchor_whose_bytes_are_not_its_root_is_refused() {
     assert!(!tb.dir.path().join("a").join("current").exists(), "current names an unverified slot");
     let refused = format!("{r:?}");
     assert!(refused.contains("weights root"), "{refused}");
+}
+
+/// The newest anchor's object rewritten (same size, manifest untouched) so that its prefix
+/// says the compressed header is 0 bytes long, the bytes moved into the first plane: the
+/// numbers still add up, but no encoder writes them, and the empty ranged GET they ask for
+/// failed as a store error (transient), so the anchor was never refused and a cold agent never
+/// took the older anchor and its deltas. Now it is refused as corrupt and the agent reaches
+/// the same step through the deltas, verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anchor_with_numbers_no_encoder_writes_is_refused_and_routed_around() {
+    use driftless_format::StepKind;
+    let tb = file_bucket();
+    let key = Keypair::from_seed([11; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let (b, k) = (tb.bucket.clone(), key.clone());
+    let roots = tokio::task::block_in_place(|| {
+        let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 2e-6, 3);
+        let mut p = PublisherBuilder::new("unused").with_bucket(b).with_key(k).with_anchor_every(2).build().unwrap();
+        let mut roots = vec![];
+        for s in 0..3u64 {
+            if s > 0 {
+                chain.step();
+            }
+            p.publish(s, &chain.views()).unwrap();
+            roots.push(driftless_format::weights_root(&chain.views()).1);
+        }
+        p.close().unwrap();
+        roots
+    });
+    let reader = StreamReader::new(tb.bucket.clone(), trust.clone());
+    assert_eq!(reader.ready_steps(StepKind::Anchor, None).await.unwrap(), [0, 2]);
+    assert!(reader.ready_steps(StepKind::Delta, None).await.unwrap().contains(&2));
+    let (m, _) = reader.anchor(2).await.unwrap();
+    let o = &m.objects[0];
+    let path = tb.root.as_ref().unwrap().join(layout::object(StepKind::Anchor, 2, &o.object.object));
+    let mut bytes = std::fs::read(&path).unwrap();
+    let size = bytes.len();
+    let table_offset = u64::from_le_bytes(bytes[size - 16..size - 8].try_into().unwrap()) as usize;
+    let header_stored = u64::from_le_bytes(bytes[24..32].try_into().unwrap());
+    bytes[24..32].copy_from_slice(&0u64.to_le_bytes());
+    let first_plane = table_offset + 17;
+    let pl = u64::from_le_bytes(bytes[first_plane..first_plane + 8].try_into().unwrap());
+    bytes[first_plane..first_plane + 8].copy_from_slice(&(pl + header_stored).to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    // Delta 1 gone: anchor 2 is the only route to step 2 (else anchor 0 and two deltas are
+    // cheaper, and the bad anchor is never read).
+    tb.bucket.delete(&layout::ready(StepKind::Delta, 1)).await.unwrap();
+
+    let mut a = driftless_agent::Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust)).unwrap();
+    let o = a.sync_once().await.unwrap_or_else(|e| panic!("a cold agent stuck on a hostile anchor: {e}"));
+    assert!(o.refused.iter().any(|r| r.kind == StepKind::Anchor && r.step == 2), "{o:?}");
+    assert_eq!((o.step, o.root), (0, roots[0]), "the next best route: {o:?}");
+    assert_eq!(a.state().map(|s| s.step), Some(0));
 }
 
 /// `Hashing` against the weights root on parts cut anywhere: 4097-byte writes in any order

@@ -174,11 +174,16 @@ fn read_table(t: &mut Cur<'_>, n: usize, header_len: u64, size: u64) -> Result<V
         let o = t.u64()?;
         let l = t.u64()?;
         let w = t.take(1)?[0] as u64;
-        if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l % w != 0 || l > size - o || l > CHUNK as u64 {
+        if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l == 0 || l % w != 0 || l > size - o || l > CHUNK as u64 {
             return Err(bad("chunk table is not contiguous or has a bad width"));
         }
         expect = o + l;
-        let plane_lens = (0..w).map(|_| t.u64()).collect::<Result<_>>()?;
+        let plane_lens: Vec<u64> = (0..w).map(|_| t.u64()).collect::<Result<_>>()?;
+        // Each plane is one zstd frame of `l / w` bytes: never empty, never longer than zstd
+        // makes it (a chunk's ranged GET is sized by these).
+        if plane_lens.iter().any(|&pl| pl == 0 || pl > stored_bound(l / w)) {
+            return Err(bad("a plane's stored size is not what zstd writes for its chunk"));
+        }
         table.push(TableChunk { at: o, len: l, width: w as usize, plane_lens });
     }
     if expect != size || t.at != t.b.len() {
@@ -200,22 +205,12 @@ pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
     let table_offset = u64::from_le_bytes(foot[..8].try_into().expect("8"));
     let n = u32::from_le_bytes(foot[8..12].try_into().expect("4")) as usize;
     let body_end = stored.len() - 16;
-    let mut c = Cur { b: &stored[..body_end], at: 0 };
-    if c.take(4)? != MAGIC {
-        return Err(bad("bad magic"));
+    let prefix = read_prefix(&stored[..PREFIX_LEN as usize], out.len() as u64)?;
+    if table_offset > body_end as u64 || n > body_end / 17 || n as u64 > max_chunks(&prefix) {
+        return Err(bad("bad table offset or chunk count"));
     }
-    if c.take(4)?[0] != 1 {
-        return Err(bad("unsupported version"));
-    }
-    let size = c.u64()?;
-    if size != out.len() as u64 || size > MAX_SHARD {
-        return Err(bad(format!("decoded size {size} does not match the expected {}", out.len())));
-    }
-    let header_len = c.u64()?;
-    let header_stored = c.u64()?;
-    if header_len > size || table_offset > body_end as u64 || n > body_end / 17 {
-        return Err(bad("bad header length, table offset or chunk count"));
-    }
+    let Prefix { size, header_len, header_stored } = prefix;
+    let mut c = Cur { b: &stored[..body_end], at: PREFIX_LEN as usize };
     let hz = c.take(usize::try_from(header_stored).map_err(|_| bad("size"))?)?;
     let planes_start = c.at;
     // The chunk table.
@@ -291,9 +286,78 @@ pub struct ChunkPlan {
     plane_lens: Vec<u64>,
 }
 
+/// Largest stored size zstd gives `n` bytes: what an encoder can have written for them.
+fn stored_bound(n: u64) -> u64 {
+    zstd::zstd_safe::compress_bound(usize::try_from(n).unwrap_or(usize::MAX)) as u64
+}
+
+/// What the fixed prefix declares.
+struct Prefix {
+    size: u64,
+    header_len: u64,
+    header_stored: u64,
+}
+
+/// Reads the fixed prefix ([`PREFIX_LEN`] bytes) of a shard expected to decode to
+/// `decoded_size` bytes, every number bounded by what an encoder writes.
+fn read_prefix(prefix: &[u8], decoded_size: u64) -> Result<Prefix> {
+    let mut c = Cur { b: prefix, at: 0 };
+    if c.take(4)? != MAGIC {
+        return Err(bad("bad magic"));
+    }
+    if c.take(4)?[0] != 1 {
+        return Err(bad("unsupported version"));
+    }
+    let size = c.u64()?;
+    if size != decoded_size || size > MAX_SHARD {
+        return Err(bad(format!("decoded size {size} does not match the expected {decoded_size}")));
+    }
+    let header_len = c.u64()?;
+    let header_stored = c.u64()?;
+    // A safetensors header is its 8-byte length and at least `{}`.
+    if header_len < 10 || header_len > size || header_len > MAX_HEADER_LEN {
+        return Err(bad(format!("header of {header_len} bytes in a file of {size}")));
+    }
+    if header_stored == 0 || header_stored > stored_bound(header_len) {
+        return Err(bad(format!("compressed header of {header_stored} bytes for {header_len}")));
+    }
+    Ok(Prefix { size, header_len, header_stored })
+}
+
+/// The most chunks an encoder cuts a file of this prefix into: full [`CHUNK`]s, plus one
+/// partial chunk per tensor and per gap. A tensor takes at least 32 bytes of header JSON
+/// (`"a":{"dtype":"U8","shape":[],"data_offsets":[0,1]}` is 50).
+fn max_chunks(p: &Prefix) -> u64 {
+    p.size / CHUNK as u64 + 2 * (p.header_len / 32) + 2
+}
+
+/// Bytes of one table entry of width 8 (offset, length, width, eight plane lengths).
+const MAX_ENTRY: u64 = 8 + 8 + 1 + 8 * 8;
+
 /// The stored range of the chunk table, from the footer (the last [`FOOTER_LEN`] bytes of a
-/// shard of `stored_size` bytes).
-pub fn table_range(footer: &[u8], stored_size: u64) -> Result<std::ops::Range<u64>> {
+/// shard of `stored_size` bytes) and the prefix of a shard that decodes to `decoded_size`
+/// bytes. The table's length and chunk count are bounded by what an encoder writes for that
+/// file, so a reader can fetch it whole before the object's SHA-256 can be checked.
+pub fn table_range(prefix: &[u8], footer: &[u8], stored_size: u64, decoded_size: u64) -> Result<std::ops::Range<u64>> {
+    let p = read_prefix(prefix, decoded_size)?;
+    let tr = footer_table_range(footer, stored_size)?;
+    let n = u32::from_le_bytes(footer[8..12].try_into().expect("4")) as u64;
+    let most = max_chunks(&p);
+    if n > most || tr.end - tr.start > n * MAX_ENTRY || tr.end - tr.start < n * 25 {
+        return Err(bad(format!(
+            "chunk count {n} or table of {} bytes is not what an encoder writes for a file of {} bytes",
+            tr.end - tr.start,
+            p.size
+        )));
+    }
+    if PREFIX_LEN + p.header_stored > tr.start {
+        return Err(bad("header"));
+    }
+    Ok(tr)
+}
+
+/// The table's range as the footer alone says it (checked against the object only).
+fn footer_table_range(footer: &[u8], stored_size: u64) -> Result<std::ops::Range<u64>> {
     if footer.len() as u64 != FOOTER_LEN || stored_size < 48 {
         return Err(bad("truncated"));
     }
@@ -319,28 +383,14 @@ pub fn plan_shard(
     stored_size: u64,
     decoded_size: u64,
 ) -> Result<ShardPlan> {
-    let tr = table_range(footer, stored_size)?;
+    let tr = table_range(prefix, footer, stored_size, decoded_size)?;
     if table.len() as u64 != tr.end - tr.start {
         return Err(bad("table size"));
     }
     let n = u32::from_le_bytes(footer[8..12].try_into().expect("4")) as usize;
-    let mut c = Cur { b: prefix, at: 0 };
-    if c.take(4)? != MAGIC {
-        return Err(bad("bad magic"));
-    }
-    if c.take(4)?[0] != 1 {
-        return Err(bad("unsupported version"));
-    }
-    let size = c.u64()?;
-    if size != decoded_size || size > MAX_SHARD {
-        return Err(bad(format!("decoded size {size} does not match the expected {decoded_size}")));
-    }
-    let header_len = c.u64()?;
-    let header_stored = c.u64()?;
-    let planes_start = PREFIX_LEN.checked_add(header_stored).filter(|&p| p <= tr.start).ok_or_else(|| bad("header"))?;
-    if header_len > size {
-        return Err(bad("bad header length"));
-    }
+    let Prefix { size, header_len, header_stored } = read_prefix(prefix, decoded_size)?;
+    // Checked by `table_range`: the header ends before the table.
+    let planes_start = PREFIX_LEN + header_stored;
     let mut at = planes_start;
     let chunks = read_table(&mut Cur { b: table, at: 0 }, n, header_len, size)?
         .into_iter()
@@ -436,5 +486,25 @@ mod tests {
         assert!(e.to_string().contains("chunk table"), "{e}");
         let e = read(MAX_HEADER_LEN + 1, 2).err().expect("a header over the safetensors limit is refused");
         assert!(e.to_string().contains("header of"), "{e}");
+        assert!(read(100, 0).is_err(), "a chunk of zero bytes is refused");
+    }
+
+    /// A plane's stored length sizes one ranged GET before the object's SHA-256 is known: it
+    /// is what zstd can write for the plane (never empty, never more than its bound).
+    #[test]
+    fn plane_lengths_are_what_zstd_writes() {
+        let with_planes = |a: u64, b: u64| {
+            let mut t = table(100, 1000);
+            let n = t.len();
+            t[n - 16..n - 8].copy_from_slice(&a.to_le_bytes());
+            t[n - 8..].copy_from_slice(&b.to_le_bytes());
+            read_table(&mut Cur { b: &t, at: 0 }, 1, 100, 1100)
+        };
+        let bound = stored_bound(500);
+        assert!(bound > 500 && bound < 1000, "{bound}");
+        assert!(with_planes(1, bound).is_ok());
+        assert!(with_planes(0, 10).is_err(), "an empty plane");
+        assert!(with_planes(10, bound + 1).is_err(), "a plane longer than zstd writes");
+        assert!(with_planes(10, 1 << 40).is_err(), "a plane sized like a whole object");
     }
 }

@@ -130,9 +130,9 @@ fn stream_decode(enc: &[u8], decoded_size: u64) -> driftless_format::Result<Vec<
         return Err(driftless_format::Error::Corrupt { what: "anchor shard", detail: "truncated".into() });
     }
     let footer = &enc[(size - anchor::FOOTER_LEN) as usize..];
-    let tr = anchor::table_range(footer, size)?;
-    let table = &enc[tr.start as usize..tr.end as usize];
     let prefix = &enc[..anchor::PREFIX_LEN as usize];
+    let tr = anchor::table_range(prefix, footer, size, decoded_size)?;
+    let table = &enc[tr.start as usize..tr.end as usize];
     let plan = anchor::plan_shard(prefix, table, footer, size, decoded_size)?;
     let mut out = vec![0u8; plan.decoded_size as usize];
     anchor::decode_header(
@@ -192,4 +192,51 @@ fn a_chunk_count_the_table_cannot_hold_is_refused_before_allocating() {
     let e = anchor::plan_shard(prefix, &table, &footer, stored, file.len() as u64).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
     assert!(e.to_string().contains("chunk count"), "{e}");
+}
+
+/// Shards whose numbers an encoder never writes, each read before the object's SHA-256 can be
+/// checked: refused from the prefix, footer and table (Corrupt, so the step is refused and a
+/// reader takes another route), never turned into an empty or object-sized ranged read or a
+/// plan of millions of chunks.
+#[test]
+fn shard_numbers_no_encoder_writes_are_refused_before_reading_more() {
+    let (file, _) = safetensors_file(2);
+    let enc = anchor::encode_shard(&file, 3).unwrap();
+    let size = enc.len() as u64;
+    let decoded = file.len() as u64;
+    let footer = enc[enc.len() - anchor::FOOTER_LEN as usize..].to_vec();
+    let prefix = enc[..anchor::PREFIX_LEN as usize].to_vec();
+    let tr = anchor::table_range(&prefix, &footer, size, decoded).unwrap();
+    assert!(anchor::plan_shard(&prefix, &enc[tr.start as usize..tr.end as usize], &footer, size, decoded).is_ok());
+    let corrupt = |r: driftless_format::Result<std::ops::Range<u64>>, what: &str| {
+        let e = r.err().unwrap_or_else(|| panic!("{what}: accepted"));
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{what}: {e}");
+    };
+    let u64_at = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+
+    // The compressed header said to be 0 bytes (its bytes moved into the first plane): an
+    // empty ranged GET, which stores answer with an error that reads as transient.
+    let mut p = prefix.clone();
+    p[24..32].copy_from_slice(&0u64.to_le_bytes());
+    corrupt(anchor::table_range(&p, &footer, size, decoded), "empty header");
+    // ... or larger than zstd makes the header.
+    let mut p = prefix.clone();
+    p[24..32].copy_from_slice(&(u64_at(&prefix, 16) * 2 + 1024).to_le_bytes());
+    corrupt(anchor::table_range(&p, &footer, size, decoded), "oversized header");
+
+    // The table said to start right after the prefix: nearly the whole object fetched as a
+    // table.
+    let mut f = footer.clone();
+    f[..8].copy_from_slice(&anchor::PREFIX_LEN.to_le_bytes());
+    corrupt(anchor::table_range(&prefix, &f, size, decoded), "object-sized table");
+
+    // A chunk of zero bytes (a plan entry, and an empty ranged GET, per table entry).
+    let table = &enc[tr.start as usize..tr.end as usize];
+    let mut t = table.to_vec();
+    t[8..16].copy_from_slice(&0u64.to_le_bytes());
+    let e = anchor::plan_shard(&prefix, &t, &footer, size, decoded).expect_err("zero-length chunk accepted");
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    let mut whole = enc.clone();
+    whole[tr.start as usize..tr.end as usize].copy_from_slice(&t);
+    assert!(anchor::decode_shard(&whole, &mut vec![0u8; file.len()]).is_err(), "zero-length chunk decoded in memory");
 }

@@ -333,7 +333,13 @@ impl Bucket {
                 ..Default::default()
             };
             let r = self.inner.store.get_opts(path, opts).await.map_err(|e| map_get_range_error(key, e))?;
-            r.bytes().await.map_err(|e| Error::from_store(key, e))
+            let want = range.end.saturating_sub(range.start);
+            collect_at_most(key, r, want, want).await?.map_err(|got| Error::Transient {
+                key: key.to_string(),
+                source: crate::error::StoreError::new(&std::io::Error::other(format!(
+                    "ranged read returned more than the {want} bytes asked ({got} so far)"
+                ))),
+            })
         })
         .await
     }
@@ -586,14 +592,26 @@ async fn read_limited(key: &str, r: object_store::GetResult, max: u64) -> Result
     if size > max {
         return Err(Error::TooLarge { key: key.to_string(), size, max });
     }
-    let mut out = BytesMut::with_capacity(size as usize);
+    collect_at_most(key, r, max, size).await?.map_err(|size| Error::TooLarge { key: key.to_string(), size, max })
+}
+
+/// Collects a response body, stopping as soon as it passes `max` bytes (`Err(bytes seen)`):
+/// an endpoint can send a body of any length whatever it declared, and nothing read from a
+/// bucket may size our memory. `expect` only sizes the first allocation (capped at `max`).
+async fn collect_at_most(
+    key: &str,
+    r: object_store::GetResult,
+    max: u64,
+    expect: u64,
+) -> Result<std::result::Result<Bytes, u64>> {
+    let mut out = BytesMut::with_capacity(expect.min(max) as usize);
     let mut stream = r.into_stream();
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| Error::from_store(key, e))?;
         if out.len() as u64 + chunk.len() as u64 > max {
-            return Err(Error::TooLarge { key: key.to_string(), size: out.len() as u64 + chunk.len() as u64, max });
+            return Ok(Err(out.len() as u64 + chunk.len() as u64));
         }
         out.extend_from_slice(&chunk);
     }
-    Ok(out.freeze())
+    Ok(Ok(out.freeze()))
 }
