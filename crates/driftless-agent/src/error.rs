@@ -48,7 +48,9 @@ impl Error {
             Error::Stream(e) => e.is_retryable(),
             Error::Store(e) => e.is_retryable() || e.is_not_found(),
             Error::Format(e) => e.is_retryable(),
-            Error::NothingReady | Error::Notify { .. } | Error::Io(_) => true,
+            Error::NothingReady | Error::Notify { .. } => true,
+            // A full disk, a read-only slot directory: someone must act first.
+            Error::Io(e) => driftless_format::io_is_retryable(e),
             Error::Refused { .. } => false,
         }
     }

@@ -88,12 +88,9 @@ pub fn classify(e: &anyhow::Error) -> Class {
 }
 
 fn io(e: &std::io::Error) -> Class {
-    use std::io::ErrorKind as K;
-    match e.kind() {
-        K::NotFound | K::PermissionDenied | K::InvalidInput | K::InvalidData | K::AlreadyExists | K::Unsupported => {
-            Class::Fatal
-        }
-        _ => Class::Retryable,
+    match driftless_format::io_is_retryable(e) {
+        true => Class::Retryable,
+        false => Class::Fatal,
     }
 }
 

@@ -77,10 +77,13 @@ impl Error {
         }
     }
 
-    /// Whether retrying the same operation may succeed. Only local I/O qualifies: a corrupt or
-    /// forged object stays corrupt or forged.
+    /// Whether retrying the same operation may succeed. Only local I/O qualifies (and not all
+    /// of it, see [`io_is_retryable`]): a corrupt or forged object stays corrupt or forged.
     pub fn is_retryable(&self) -> bool {
-        matches!(self.kind(), ErrorKind::Io)
+        match self {
+            Error::Io { source, .. } => io_is_retryable(source),
+            _ => false,
+        }
     }
 
     pub(crate) fn corrupt(what: &'static str, detail: impl Into<String>) -> Self {
@@ -98,3 +101,44 @@ impl Error {
 
 /// Result alias of the format crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Whether a local I/O error may go away by itself. A full disk or quota, a read-only file
+/// system, a permission, a missing or existing path, an unsupported operation or bad input
+/// needs someone to act first (free space, fix the mount, point at another directory):
+/// retrying the same call as it is only repeats the failure, often after a full download.
+pub fn io_is_retryable(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind as K;
+    !matches!(
+        e.kind(),
+        K::StorageFull
+            | K::QuotaExceeded
+            | K::ReadOnlyFilesystem
+            | K::FileTooLarge
+            | K::PermissionDenied
+            | K::NotFound
+            | K::AlreadyExists
+            | K::InvalidInput
+            | K::InvalidData
+            | K::Unsupported
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Error as IoError, ErrorKind as K};
+
+    use super::{io_is_retryable, Error};
+
+    /// A full disk is not "try again": retrying a sync that spools a model into it only
+    /// downloads the model again and fails again.
+    #[test]
+    fn local_io_errors_that_need_someone_to_act_are_not_retryable() {
+        for k in [K::StorageFull, K::QuotaExceeded, K::ReadOnlyFilesystem, K::PermissionDenied, K::NotFound] {
+            assert!(!io_is_retryable(&IoError::from(k)), "{k:?}");
+            assert!(!Error::io("/x", IoError::from(k)).is_retryable(), "{k:?}");
+        }
+        for k in [K::Interrupted, K::TimedOut, K::WouldBlock, K::Other] {
+            assert!(io_is_retryable(&IoError::from(k)), "{k:?}");
+        }
+    }
+}

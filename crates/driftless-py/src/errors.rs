@@ -59,7 +59,7 @@ pub(crate) type BindResult<T> = Result<T, BindError>;
 fn format_class(e: &driftless_format::Error) -> &'static str {
     use driftless_format::ErrorKind as K;
     match e.kind() {
-        K::Io => "RetryableError",
+        K::Io if e.is_retryable() => "RetryableError",
         K::Corrupt => "CorruptError",
         K::Untrusted => "UntrustedError",
         K::WrongBase => "WrongBaseError",
