@@ -325,10 +325,11 @@ fn read_prefix(prefix: &[u8], decoded_size: u64) -> Result<Prefix> {
 }
 
 /// The most chunks an encoder cuts a file of this prefix into: full [`CHUNK`]s, plus one
-/// partial chunk per tensor and per gap. A tensor takes at least 32 bytes of header JSON
-/// (`"a":{"dtype":"U8","shape":[],"data_offsets":[0,1]}` is 50).
+/// partial chunk per tensor and per gap. A tensor takes at least 16 bytes of header JSON
+/// (the shortest entry a safetensors reader takes, the array form `"":["U8",[],[0,1]],`, is
+/// 19).
 fn max_chunks(p: &Prefix) -> u64 {
-    p.size / CHUNK as u64 + 2 * (p.header_len / 32) + 2
+    p.size / CHUNK as u64 + 2 * (p.header_len / 16) + 2
 }
 
 /// Bytes of one table entry of width 8 (offset, length, width, eight plane lengths).

@@ -69,7 +69,9 @@ impl Error {
             Error::Store(e) => e.is_retryable(),
             Error::Stream(e) => e.is_retryable(),
             Error::Format(e) => e.is_retryable(),
-            Error::Upload { .. } | Error::Io(_) => true,
+            Error::Upload { .. } => true,
+            // A full spool disk or quota needs someone to act first.
+            Error::Io(e) => driftless_format::io_is_retryable(e),
             Error::Refused(_)
             | Error::Conflict { .. }
             | Error::StepOrder { .. }

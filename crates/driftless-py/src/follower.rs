@@ -369,17 +369,21 @@ impl PyFollower {
                 }
                 let st = &mut *st;
                 // Out while the arrays may be written: a panic leaves them untracked.
-                st.applied = None;
+                let prev = st.applied.take();
                 let (r, touched) = with_refusals(&mut st.plans, local.as_ref().map(|t| t.step), step, |pl, at| {
                     self.rt.block_on(self.apply(local.as_ref(), step, &parts, pl, at))
                 });
-                // What these arrays hold now (the owners below are theirs).
-                st.applied = match &r {
-                    Ok(Some((t, _, _, _))) => Some((t.clone(), here)),
-                    Err(_) if touched => None,
-                    Ok(None) | Err(_) => local.clone().map(|t| (t, here)),
+                // What is tracked now, and whose objects the owners must then be: these
+                // arrays (`Some(true)`), none (`Some(false)`), or the arrays tracked before,
+                // untouched by a call on other arrays that failed (`None`: owners kept).
+                let (applied, owners) = match (&r, &local) {
+                    (Ok(Some((t, _, _, _))), _) => (Some((t.clone(), here)), Some(true)),
+                    (Err(_), _) if touched => (None, Some(false)),
+                    (_, Some(t)) => (Some((t.clone(), here)), Some(true)),
+                    (_, None) => (prev, None),
                 };
-                let tracked = st.applied.is_some();
+                st.applied = applied;
+                let tracked = owners;
                 let out = r.map(|o| {
                     o.map(|(t, route, bytes, n)| (t.step, t.root, route, bytes, n))
                         .or_else(|| local.map(|t| (t.step, t.root, "up_to_date", 0, 0)))
@@ -387,7 +391,9 @@ impl PyFollower {
                 (out.map(|o| (o, refused_after(&st.plans.refused, o.map(|o| o.0)))), touched, tracked)
             });
             let (r, touched, tracked) = r;
-            *self.owners.lock().unwrap_or_else(|e| e.into_inner()) = tracked.then(|| owners_of(py, &borrowed));
+            if let Some(these) = tracked {
+                *self.owners.lock().unwrap_or_else(|e| e.into_inner()) = these.then(|| owners_of(py, &borrowed));
+            }
             drop(borrowed);
             let r = match r {
                 Err(e) if touched => {
@@ -396,8 +402,8 @@ impl PyFollower {
                     let err = PyErr::from(e);
                     let v = err.value(py);
                     v.setattr("arrays_modified", true)?;
-                    let note = "the arrays were partly written before this error and hold no verified step; \
-                                the Follower no longer tracks them: the next apply_to loads an anchor into them";
+                    let note = "the arrays may have been partly written before this error and hold no verified \
+                                step; the Follower no longer tracks them: the next apply_to loads an anchor into them";
                     if v.hasattr("add_note")? {
                         v.call_method1("add_note", (note,))?;
                     }

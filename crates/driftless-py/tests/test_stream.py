@@ -691,3 +691,24 @@ def test_new_arrays_at_a_verified_address_are_not_taken_for_its_step(file_bucket
     assert np.array_equal(arrays["x.w"].view(np.uint16), w["x.w"].view(np.uint16))
     # The same objects again: tracked, up to date.
     assert f.apply_to(arrays)["route"] == "up_to_date"
+
+
+def test_a_failed_call_on_other_arrays_keeps_the_verified_ones_tracked(file_bucket, keys):
+    """A call on other arrays that fails before writing anything (here: a step that does not
+    exist) leaves the arrays verified before tracked: the next call on them is up to date, with
+    nothing downloaded (not an anchor reload, which a second fault could leave half done)."""
+    url, _ = file_bucket
+    private, public = keys
+    rng = np.random.default_rng(12)
+    w = {"x.w": rng.integers(0, 1 << 16, size=(256, 128), dtype=np.uint16).view(BF16)}
+    with driftless.Publisher(url, signing_key=private) as pub:
+        pub.publish(0, w)
+    f = driftless.Follower(url, trusted_keys=[public])
+    a = {"x.w": np.zeros((256, 128), BF16)}
+    b = {"x.w": np.zeros((256, 128), BF16)}
+    assert f.apply_to(a)["route"] == "anchor"
+    with pytest.raises(driftless.NothingReadyError) as e:
+        f.apply_to(b, step=99)
+    assert not hasattr(e.value, "arrays_modified") and not b["x.w"].view(np.uint16).any()
+    o = f.apply_to(a)
+    assert (o["route"], o["bytes"], o["step"]) == ("up_to_date", 0, 0), o
