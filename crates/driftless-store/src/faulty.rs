@@ -53,6 +53,10 @@ pub enum FaultKind {
     /// Let the call through after a pause (a slow request; for one path, where
     /// [`FaultyStore::set_delay`] slows every call).
     Slow(Duration),
+    /// Let a GET through, then send this many MiB of body whatever the range asked (a hostile
+    /// endpoint); [`FaultyStore::body_mib_sent`] counts the MiB the reader pulled. Other
+    /// operations fail as with `Transient`.
+    LongBody(u64),
 }
 
 #[derive(Debug)]
@@ -70,6 +74,8 @@ struct State {
     injected: AtomicUsize,
     /// Calls seen, by operation (Put, Get, Delete, List), faulted or not.
     calls: [AtomicU64; 4],
+    /// MiB of [`FaultKind::LongBody`] bodies pulled by readers.
+    body_mib: AtomicU64,
 }
 
 impl State {
@@ -94,7 +100,9 @@ impl State {
 fn injected_error(kind: FaultKind, op: FaultOp, location: &str) -> object_store::Error {
     let status = match kind {
         FaultKind::Permanent => "403 Forbidden",
-        FaultKind::Transient | FaultKind::LostResponse | FaultKind::Slow(_) => "503 Service Unavailable",
+        FaultKind::Transient | FaultKind::LostResponse | FaultKind::Slow(_) | FaultKind::LongBody(_) => {
+            "503 Service Unavailable"
+        }
     };
     object_store::Error::Generic {
         store: "FaultyStore",
@@ -185,6 +193,11 @@ impl FaultyStore {
         self.state.calls[op as usize].load(Ordering::Relaxed)
     }
 
+    /// MiB of [`FaultKind::LongBody`] bodies readers pulled so far.
+    pub fn body_mib_sent(&self) -> u64 {
+        self.state.body_mib.load(Ordering::Relaxed)
+    }
+
     /// The wrapped store.
     pub fn inner(&self) -> &Arc<dyn ObjectStore> {
         &self.inner
@@ -243,6 +256,16 @@ impl ObjectStore for FaultyStore {
             Some(FaultKind::Slow(d)) => {
                 tokio::time::sleep(d).await;
                 self.inner.get_opts(location, options).await
+            }
+            Some(FaultKind::LongBody(mib)) => {
+                let mut r = self.inner.get_opts(location, options).await?;
+                let state = Arc::clone(&self.state);
+                let body = futures::stream::iter(0..mib).map(move |_| {
+                    state.body_mib.fetch_add(1, Ordering::Relaxed);
+                    Ok(Bytes::from(vec![0u8; 1 << 20]))
+                });
+                r.payload = object_store::GetResultPayload::Stream(body.boxed());
+                Ok(r)
             }
             Some(kind) => Err(injected_error(kind, FaultOp::Get, location.as_ref())),
         }
