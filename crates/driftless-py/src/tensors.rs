@@ -164,6 +164,20 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
+/// DLPack 1.x: `DLManagedTensorVersioned`, in a capsule named `dltensor_versioned`.
+#[repr(C)]
+struct DLManagedTensorVersioned {
+    version_major: u32,
+    version_minor: u32,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensorVersioned)>,
+    flags: u64,
+    dl_tensor: DLTensor,
+}
+
+/// `DLPACK_FLAG_BITMASK_READ_ONLY`: the producer's memory must not be written.
+const DLPACK_FLAG_READ_ONLY: u64 = 1;
+
 const KDL_CPU: i32 = 1;
 const KDL_CUDA_HOST: i32 = 3;
 
@@ -191,7 +205,7 @@ pub(crate) fn borrow(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyRe
         return borrow_buffer(name, obj, writable);
     }
     if obj.hasattr("__dlpack__")? {
-        return borrow_dlpack(name, obj);
+        return borrow_dlpack(name, obj, writable);
     }
     Err(PyTypeError::new_err(format!(
         "tensor {name}: {} exposes neither the buffer protocol nor __dlpack__ (pass a CPU numpy array or torch tensor)",
@@ -261,25 +275,57 @@ fn borrow_buffer(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyResult
     Ok(Borrowed { meta, raw, obj: obj.clone().unbind(), _guard: guard })
 }
 
-fn borrow_dlpack(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Borrowed> {
-    let cap = obj
-        .call_method0("__dlpack__")
-        .map_err(|e| PyValueError::new_err(format!("tensor {name}: __dlpack__ failed: {e}")))?;
+fn borrow_dlpack(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Borrowed> {
+    let py = obj.py();
+    // DLPack 1.x first: its capsule says whether the memory is read-only (a tensor over a
+    // read-only mmap, an immutable array), which a legacy capsule cannot. A producer that
+    // does not take `max_version` gets the legacy call.
+    let kwargs = pyo3::types::PyDict::new(py);
+    kwargs.set_item("max_version", (1, 0))?;
+    let cap = match obj.call_method("__dlpack__", (), Some(&kwargs)) {
+        Ok(c) => Ok(c),
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => obj.call_method0("__dlpack__"),
+        Err(e) => Err(e),
+    }
+    .map_err(|e| PyValueError::new_err(format!("tensor {name}: __dlpack__ failed: {e}")))?;
     let cap = cap
         .downcast_into::<PyCapsule>()
         .map_err(|_| PyTypeError::new_err(format!("tensor {name}: __dlpack__ did not return a capsule")))?;
     const NAME: &CStr = c"dltensor";
+    const VERSIONED: &CStr = c"dltensor_versioned";
     // SAFETY: capsule API on a live capsule; the pointer stays valid while the capsule lives
     // and has not been consumed (we never rename it, so its destructor frees it).
-    let ptr = unsafe { ffi::PyCapsule_GetPointer(cap.as_ptr(), NAME.as_ptr()) } as *const DLManagedTensor;
-    if ptr.is_null() {
-        let _ = PyErr::take(obj.py());
-        return Err(PyValueError::new_err(format!(
-            "tensor {name}: __dlpack__ returned a capsule that is not an unconsumed \"dltensor\""
-        )));
-    }
-    // SAFETY: a DLManagedTensor per the DLPack capsule protocol.
-    let t = unsafe { &(*ptr).dl_tensor };
+    let t: &DLTensor = unsafe {
+        if ffi::PyCapsule_IsValid(cap.as_ptr(), VERSIONED.as_ptr()) == 1 {
+            let v = ffi::PyCapsule_GetPointer(cap.as_ptr(), VERSIONED.as_ptr()) as *const DLManagedTensorVersioned;
+            if v.is_null() {
+                let _ = PyErr::take(py);
+                return Err(PyValueError::new_err(format!("tensor {name}: an empty DLPack capsule")));
+            }
+            if (*v).version_major != 1 {
+                return Err(PyValueError::new_err(format!(
+                    "tensor {name}: DLPack {}.{} (asked for 1.x)",
+                    (*v).version_major,
+                    (*v).version_minor
+                )));
+            }
+            if writable && (*v).flags & DLPACK_FLAG_READ_ONLY != 0 {
+                return Err(PyValueError::new_err(format!(
+                    "tensor {name} is read-only (its DLPack export says so); pass a writable array"
+                )));
+            }
+            &(*v).dl_tensor
+        } else {
+            let ptr = ffi::PyCapsule_GetPointer(cap.as_ptr(), NAME.as_ptr()) as *const DLManagedTensor;
+            if ptr.is_null() {
+                let _ = PyErr::take(py);
+                return Err(PyValueError::new_err(format!(
+                    "tensor {name}: __dlpack__ returned a capsule that is not an unconsumed \"dltensor\""
+                )));
+            }
+            &(*ptr).dl_tensor
+        }
+    };
     if t.device.device_type != KDL_CPU && t.device.device_type != KDL_CUDA_HOST {
         return Err(PyValueError::new_err(format!(
             "tensor {name} is on device type {} (DLPack); pass CPU memory (tensor.cpu())",

@@ -28,6 +28,20 @@ class OnlyDLPack:
         return (1, 0)
 
 
+class VersionedDLPack:
+    """Exposes only DLPack, passing ``max_version`` on to NumPy: DLPack 1.x capsules
+    (``dltensor_versioned``), which say whether the memory is read-only."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, stream=None, max_version=None):
+        return self._a.__dlpack__(max_version=max_version) if max_version else self._a.__dlpack__()
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
 class _DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
@@ -111,6 +125,29 @@ def test_dlpack_inputs_publish_and_apply(file_bucket):
     assert f.apply_to({"w.f32": OnlyDLPack(out_f32), "w.bf16": BF16DLPack(out_b16)})["step"] == 1
     assert np.array_equal(out_f32.view(np.uint32), f32.view(np.uint32))
     assert np.array_equal(bits(out_b16), bits(b16))
+
+
+def test_dlpack_1_capsules_and_their_read_only_flag(file_bucket):
+    """A DLPack 1.x producer (NumPy's own export) is read through its versioned capsule, so
+    apply_to sees its read-only flag: a read-only array (a read-only mmap behind a torch
+    tensor) is refused before anything is written, instead of being written through. The
+    publisher, which only reads, takes it."""
+    url, _ = file_bucket
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((32, 16)).astype(np.float32)
+    w.flags.writeable = False
+    with driftless.Publisher(url) as pub:
+        pub.publish(0, {"w": VersionedDLPack(w)})
+        assert pub._last_input_addresses()["w"] == w.ctypes.data
+    f = driftless.Follower(url, allow_unsigned=True)
+    ro = np.zeros_like(w)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        f.apply_to({"w": VersionedDLPack(ro)})
+    assert not ro.any()
+    out = np.zeros_like(w)
+    assert f.apply_to({"w": VersionedDLPack(out)})["step"] == 0
+    assert np.array_equal(out.view(np.uint32), w.view(np.uint32))
 
 
 def test_publish_reads_caller_memory_without_copy(file_bucket):
