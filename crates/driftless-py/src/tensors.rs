@@ -177,6 +177,8 @@ struct DLManagedTensorVersioned {
 
 /// `DLPACK_FLAG_BITMASK_READ_ONLY`: the producer's memory must not be written.
 const DLPACK_FLAG_READ_ONLY: u64 = 1;
+/// `DLPACK_FLAG_BITMASK_IS_COPIED`: the export is a copy (writes would not reach the array).
+const DLPACK_FLAG_IS_COPIED: u64 = 2;
 
 const KDL_CPU: i32 = 1;
 const KDL_CUDA_HOST: i32 = 3;
@@ -312,6 +314,11 @@ fn borrow_dlpack(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyResult
             if writable && (*v).flags & DLPACK_FLAG_READ_ONLY != 0 {
                 return Err(PyValueError::new_err(format!(
                     "tensor {name} is read-only (its DLPack export says so); pass a writable array"
+                )));
+            }
+            if writable && (*v).flags & DLPACK_FLAG_IS_COPIED != 0 {
+                return Err(PyValueError::new_err(format!(
+                    "tensor {name}: its DLPack export is a copy, which writes would not reach; pass the array itself"
                 )));
             }
             &(*v).dl_tensor

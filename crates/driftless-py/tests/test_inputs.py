@@ -145,7 +145,14 @@ def test_dlpack_1_capsules_and_their_read_only_flag(file_bucket):
     with pytest.raises(ValueError, match="read-only"):
         f.apply_to({"w": VersionedDLPack(ro)})
     assert not ro.any()
+    # An export that is a copy (the producer's choice): writes would never reach the array.
+    class Copying(VersionedDLPack):
+        def __dlpack__(self, stream=None, max_version=None):
+            return self._a.__dlpack__(max_version=max_version, copy=True)
+
     out = np.zeros_like(w)
+    with pytest.raises(ValueError, match="copy"):
+        f.apply_to({"w": Copying(out)})
     assert f.apply_to({"w": VersionedDLPack(out)})["step"] == 0
     assert np.array_equal(out.view(np.uint32), w.view(np.uint32))
 
