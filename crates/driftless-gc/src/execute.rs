@@ -106,7 +106,7 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
     let counts: Vec<usize> = futures::stream::iter(owned)
         .map(|d| {
             let bucket = bucket.clone();
-            async move { delete_objects(&bucket, &d).await }
+            async move { delete_objects(&bucket, d.manifest.as_deref(), &d.objects).await }
         })
         .buffer_unordered(STEPS_IN_FLIGHT)
         .try_collect()
@@ -125,7 +125,7 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
             report.skipped.push(d.id());
             continue;
         }
-        report.deleted_objects += delete_objects(bucket, d).await?;
+        report.deleted_objects += delete_objects(bucket, d.manifest.as_deref(), &d.objects).await?;
         report.deleted_incomplete += 1;
         report.bytes_freed += d.bytes;
     }
@@ -144,19 +144,14 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
             let keys: Vec<String> = d
                 .objects
                 .iter()
-                .filter(|k| {
-                    layout::parse_step_key(k)
-                        .and_then(|(_, _, n)| n)
-                        .is_some_and(|n| crate::inventory::is_stray(committed, &n, live, conditional))
-                })
+                .filter(|k| crate::inventory::is_stray_key(committed, k, live, conditional))
                 .cloned()
                 .collect();
             if keys.len() < d.objects.len() {
                 tracing::info!(step = %d.id(), left = d.objects.len() - keys.len(), "a live lease covers strays now");
             }
             let n = keys.len();
-            let one = DeletedStep { kind: d.kind, step: d.step, marker: None, manifest: None, objects: keys, bytes: 0 };
-            report.deleted_objects += delete_objects(bucket, &one).await?;
+            report.deleted_objects += delete_objects(bucket, None, &keys).await?;
             report.deleted_strays += n;
             if n == d.objects.len() {
                 report.bytes_freed += d.bytes;
@@ -177,14 +172,14 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
     Ok(report)
 }
 
-/// Manifest first, then the payload objects in parallel.
-async fn delete_objects(bucket: &Bucket, d: &DeletedStep) -> Result<usize> {
+/// The manifest first (if any), then the payload objects in parallel; returns how many.
+async fn delete_objects(bucket: &Bucket, manifest: Option<&str>, objects: &[String]) -> Result<usize> {
     let mut n = 0;
-    if let Some(m) = &d.manifest {
+    if let Some(m) = manifest {
         bucket.delete(m).await?;
         n += 1;
     }
-    futures::stream::iter(d.objects.clone())
+    futures::stream::iter(objects.to_vec())
         .map(|k| {
             let bucket = bucket.clone();
             async move { bucket.delete(&k).await }
@@ -192,7 +187,7 @@ async fn delete_objects(bucket: &Bucket, d: &DeletedStep) -> Result<usize> {
         .buffer_unordered(STEPS_IN_FLIGHT)
         .try_collect::<Vec<()>>()
         .await?;
-    Ok(n + d.objects.len())
+    Ok(n + objects.len())
 }
 
 /// No marker now, and nothing in the step directory newer than the grace cutoff.

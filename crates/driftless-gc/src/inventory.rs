@@ -140,14 +140,7 @@ impl StepEntry {
         let Some(committed) = self.committed_tag().filter(|_| self.manifest_key().is_some()) else {
             return Vec::new();
         };
-        self.objects
-            .iter()
-            .filter(|o| {
-                layout::parse_step_key(&o.key)
-                    .and_then(|(_, _, n)| n)
-                    .is_some_and(|n| is_stray(committed, &n, &live, conditional))
-            })
-            .collect()
+        self.objects.iter().filter(|o| is_stray_key(committed, &o.key, &live, conditional)).collect()
     }
 
     /// Publisher generations that wrote objects of this step (from their `g<gen>-` names).
@@ -183,6 +176,12 @@ pub(crate) fn is_stray(committed: (u64, u32), name: &str, live: impl Fn(u64) -> 
         Some((g, _)) => !live(g),
         None => false,
     }
+}
+
+/// [`is_stray`] of the object at bucket key `key` (a step directory's object); keys that
+/// name no object of a step directory are kept.
+pub(crate) fn is_stray_key(committed: (u64, u32), key: &str, live: impl Fn(u64) -> bool, conditional: bool) -> bool {
+    layout::parse_step_key(key).and_then(|(_, _, n)| n).is_some_and(|n| is_stray(committed, &n, live, conditional))
 }
 
 /// A publisher generation's lease (`writers/<gen>`), as listed and read.
