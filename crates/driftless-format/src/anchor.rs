@@ -193,62 +193,28 @@ fn read_table(t: &mut Cur<'_>, n: usize, header_len: u64, size: u64) -> Result<V
 }
 
 /// Decodes a byte-plane shard into `out`, which must be exactly the declared decoded size
-/// (the manifest's `decoded_size`; the caller allocates or maps it). Chunks decode in parallel.
+/// (the manifest's `decoded_size`; the caller allocates or maps it). The same plan and checks
+/// as the streaming decode ([`plan_shard`]); chunks decode in parallel.
 pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
-    if stored.len() < 48 {
+    let len = stored.len() as u64;
+    if len < PREFIX_LEN + FOOTER_LEN {
         return Err(bad("truncated"));
     }
-    let foot = &stored[stored.len() - 16..];
-    if &foot[12..] != FOOTER {
-        return Err(bad("bad footer"));
-    }
-    let table_offset = u64::from_le_bytes(foot[..8].try_into().expect("8"));
-    let n = u32::from_le_bytes(foot[8..12].try_into().expect("4")) as usize;
-    let body_end = stored.len() - 16;
-    let prefix = read_prefix(&stored[..PREFIX_LEN as usize], out.len() as u64)?;
-    if table_offset > body_end as u64 || n > body_end / 17 || n as u64 > max_chunks(&prefix) {
-        return Err(bad("bad table offset or chunk count"));
-    }
-    let Prefix { size, header_len, header_stored } = prefix;
-    let mut c = Cur { b: &stored[..body_end], at: PREFIX_LEN as usize };
-    let hz = c.take(usize::try_from(header_stored).map_err(|_| bad("size"))?)?;
-    let planes_start = c.at;
-    // The chunk table.
-    let table = read_table(&mut Cur { b: &stored[..body_end], at: table_offset as usize }, n, header_len, size)?;
-    let (head, mut rest) = out.split_at_mut(header_len as usize);
-    decode_header(hz, head)?;
-    let mut p = Cur { b: &stored[..table_offset as usize], at: planes_start };
-    let mut jobs = Vec::with_capacity(n);
-    for c in &table {
-        let (dst, r) = rest.split_at_mut(c.len as usize);
+    let (prefix, footer) = (&stored[..PREFIX_LEN as usize], &stored[(len - FOOTER_LEN) as usize..]);
+    let tr = table_range(prefix, footer, len, out.len() as u64)?;
+    let plan = plan_shard(prefix, &stored[tr.start as usize..tr.end as usize], footer, len, out.len() as u64)?;
+    let at = |r: &std::ops::Range<u64>| &stored[r.start as usize..r.end as usize];
+    let (head, mut rest) = out.split_at_mut(plan.header_len as usize);
+    decode_header(at(&plan.header), head)?;
+    // Chunks cover the file after the header in order (checked by the plan).
+    let mut jobs = Vec::with_capacity(plan.chunks.len());
+    for c in &plan.chunks {
+        let (dst, r) = rest.split_at_mut((c.out.end - c.out.start) as usize);
         rest = r;
-        let mut planes = Vec::with_capacity(c.width);
-        for &pl in &c.plane_lens {
-            planes.push(p.take(usize::try_from(pl).map_err(|_| bad("size"))?)?);
-        }
-        jobs.push((dst, c.width, planes));
+        jobs.push((c, dst));
     }
-    if p.at != table_offset as usize {
-        return Err(bad("plane sizes do not add up to the table offset"));
-    }
-    jobs.into_par_iter().try_for_each(|(dst, w, planes)| {
-        let n = dst.len() / w;
-        let mut d = zstd::bulk::Decompressor::new().map_err(|e| bad(e.to_string()))?;
-        if w == 1 {
-            let got = d.decompress_to_buffer(planes[0], dst).map_err(|e| bad(format!("zstd: {e}")))?;
-            return if got == n { Ok(()) } else { Err(bad("plane size mismatch")) };
-        }
-        let mut scratch = vec![0u8; dst.len()];
-        for (i, p) in planes.iter().enumerate() {
-            let got =
-                d.decompress_to_buffer(p, &mut scratch[i * n..(i + 1) * n]).map_err(|e| bad(format!("zstd: {e}")))?;
-            if got != n {
-                return Err(bad("plane size mismatch"));
-            }
-        }
-        from_planes(&scratch, w, dst);
-        Ok(())
-    })
+    jobs.into_par_iter()
+        .try_for_each_init(Vec::new, |scratch, (c, dst)| decode_chunk_with(c, at(&c.stored), dst, scratch))
 }
 
 // ---------------------------------------------------------------------------------------------
