@@ -373,17 +373,13 @@ impl PyFollower {
                 let (r, touched) = with_refusals(&mut st.plans, local.as_ref().map(|t| t.step), step, |pl, at| {
                     self.rt.block_on(self.apply(local.as_ref(), step, &parts, pl, at))
                 });
-                // What is tracked now, and whose objects the owners must then be: these
-                // arrays (`Some(true)`), none (`Some(false)`), or the arrays tracked before,
-                // untouched by a call on other arrays that failed (`None`: owners kept).
-                let (applied, owners) = match (&r, &local) {
-                    (Ok(Some((t, _, _, _))), _) => (Some((t.clone(), here)), Some(true)),
-                    (Err(_), _) if touched => (None, Some(false)),
-                    (_, Some(t)) => (Some((t.clone(), here)), Some(true)),
-                    (_, None) => (prev, None),
+                let (applied, tracked) = match (&r, &local) {
+                    (Ok(Some((t, _, _, _))), _) => (Some((t.clone(), here)), Tracking::These),
+                    (Err(_), _) if touched => (None, Tracking::Nothing),
+                    (_, Some(t)) => (Some((t.clone(), here)), Tracking::These),
+                    (_, None) => (prev, Tracking::Unchanged),
                 };
                 st.applied = applied;
-                let tracked = owners;
                 let out = r.map(|o| {
                     o.map(|(t, route, bytes, n)| (t.step, t.root, route, bytes, n))
                         .or_else(|| local.map(|t| (t.step, t.root, "up_to_date", 0, 0)))
@@ -391,8 +387,12 @@ impl PyFollower {
                 (out.map(|o| (o, refused_after(&st.plans.refused, o.map(|o| o.0)))), touched, tracked)
             });
             let (r, touched, tracked) = r;
-            if let Some(these) = tracked {
-                *self.owners.lock().unwrap_or_else(|e| e.into_inner()) = these.then(|| owners_of(py, &borrowed));
+            match tracked {
+                Tracking::These => {
+                    *self.owners.lock().unwrap_or_else(|e| e.into_inner()) = Some(owners_of(py, &borrowed))
+                }
+                Tracking::Nothing => *self.owners.lock().unwrap_or_else(|e| e.into_inner()) = None,
+                Tracking::Unchanged => {}
             }
             drop(borrowed);
             let r = match r {
@@ -1105,6 +1105,16 @@ fn with_refusals<T>(
         }
     }
     (Err(fault.expect("32 refusals")), touched)
+}
+
+/// What `apply_to` tracks after a call, and so whose objects `owners` must hold.
+enum Tracking {
+    /// The arrays of this call: they hold the verified step.
+    These,
+    /// Nothing: the arrays were written and hold no verified step.
+    Nothing,
+    /// What was tracked before: a call on other arrays failed before writing them.
+    Unchanged,
 }
 
 /// The refusals of steps after `step` still in force, as `(kind, step, reason)`.
