@@ -33,6 +33,68 @@ def bucket(request, tmp_path, monkeypatch):
     return _seaweed(monkeypatch)
 
 
+class Raw:
+    """The objects of a stream location as a hostile bucket would change them, under the
+    Follower's feet: through the file system for file://, through boto3 for S3 (so a real
+    S3 server answers the Follower's conditional GETs of what was rewritten)."""
+
+    def __init__(self, url, kw):
+        self.url = url
+        if url.startswith("file://"):
+            self.root, self.s3 = url.removeprefix("file://"), None
+        else:
+            import boto3
+
+            bucket, _, prefix = url.removeprefix("s3://").partition("/")
+            self.bucket, self.prefix = bucket, prefix
+            self.s3 = boto3.client(
+                "s3",
+                endpoint_url=kw["endpoint"],
+                region_name=kw.get("region", "us-east-1"),
+                aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+                aws_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+            )
+
+    def _key(self, key):
+        return f"{self.prefix}/{key}"
+
+    def read(self, key):
+        if self.s3 is None:
+            with open(os.path.join(self.root, key), "rb") as f:
+                return f.read()
+        return self.s3.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def write(self, key, data):
+        if self.s3 is None:
+            with open(os.path.join(self.root, key), "wb") as f:
+                f.write(data)
+        else:
+            self.s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def keys(self, prefix=""):
+        if self.s3 is None:
+            out = []
+            base = os.path.join(self.root, prefix)
+            for d, _, files in os.walk(base):
+                out += [os.path.relpath(os.path.join(d, f), self.root) for f in files]
+            return sorted(out)
+        out = []
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+        for page in pages:
+            out += [o["Key"].removeprefix(self.prefix + "/") for o in page.get("Contents", [])]
+        return sorted(out)
+
+    def delete(self, key):
+        if self.s3 is None:
+            os.remove(os.path.join(self.root, key))
+        else:
+            self.s3.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def delete_prefix(self, prefix=""):
+        for k in self.keys(prefix):
+            self.delete(k)
+
+
 @pytest.fixture
 def file_bucket(tmp_path):
     return f"file://{tmp_path}/bucket", {}

@@ -11,7 +11,7 @@ import pytest
 import safetensors
 
 import driftless
-from conftest import BF16, SimTrainer, bits
+from conftest import BF16, Raw, SimTrainer, bits
 
 
 def load_dir_raw(path):
@@ -480,59 +480,63 @@ def test_a_first_load_takes_the_next_route_after_a_bad_anchor(file_bucket, keys)
     assert f.applied_step == 5
 
 
-def _publish_keeping_hints(url, private, steps):
+def _publish_keeping_hints(url, private, steps, kw=None):
     """Publishes `steps` one by one; returns the bytes of latest.json after each step."""
-    latest = os.path.join(url.removeprefix("file://"), "latest.json")
+    kw = kw or {}
+    raw = Raw(url, kw)
     hints = []
-    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+    with driftless.Publisher(url, signing_key=private, anchor_every=100, **kw) as pub:
         for s, x in enumerate(steps):
             pub.publish(s, {"x.w": x.view(BF16)})
             pub.flush()
-            hints.append(open(latest, "rb").read())
+            hints.append(raw.read("latest.json"))
     return hints
 
 
-def test_poll_takes_hints_of_its_own_stream_only_and_never_goes_back(tmp_path, keys):
+# The hostile-hint tests run on every backend: on S3 the Follower's conditional GETs of a
+# rewritten latest.json are answered by a real server (new ETag, or 404 once deleted).
+
+
+def test_poll_takes_hints_of_its_own_stream_only_and_never_goes_back(bucket, keys):
     """poll() reads latest.json, but a validly signed hint of another stream (same key, another
     run) is not this stream's newest step, and a replayed older hint of this stream does not
     move the answer back."""
+    url, kw = bucket
     private, public = keys
-    ours, theirs = f"file://{tmp_path}/ours", f"file://{tmp_path}/theirs"
-    hints = _publish_keeping_hints(ours, private, bit_chain(21, (64, 64), 3))
-    foreign = _publish_keeping_hints(theirs, private, bit_chain(22, (64, 64), 9))
-    latest = tmp_path / "ours" / "latest.json"
-    f = driftless.Follower(ours, trusted_keys=[public])
+    ours, theirs = url + "-ours", url + "-theirs"
+    raw = Raw(ours, kw)
+    hints = _publish_keeping_hints(ours, private, bit_chain(21, (64, 64), 3), kw)
+    foreign = _publish_keeping_hints(theirs, private, bit_chain(22, (64, 64), 9), kw)
+    f = driftless.Follower(ours, trusted_keys=[public], **kw)
     assert f.poll() == 3
-    latest.write_bytes(foreign[-1])
+    raw.write("latest.json", foreign[-1])
     assert [f.poll() for _ in range(12)] == [3] * 12
-    latest.write_bytes(hints[1])
+    raw.write("latest.json", hints[1])
     assert [f.poll() for _ in range(12)] == [3] * 12
-    g = driftless.Follower(ours, trusted_keys=[public])
-    latest.write_bytes(foreign[-1])
+    g = driftless.Follower(ours, trusted_keys=[public], **kw)
+    raw.write("latest.json", foreign[-1])
     assert g.poll() == 3
     # The prefix emptied for a new run whose hint writes failed: the markers answer.
-    import shutil
-
-    shutil.rmtree(tmp_path / "ours")
-    _publish_keeping_hints(ours, private, bit_chain(25, (64, 64), 1))
-    latest.unlink()
+    raw.delete_prefix()
+    _publish_keeping_hints(ours, private, bit_chain(25, (64, 64), 1), kw)
+    raw.delete("latest.json")
     assert f.poll() == 1
 
 
-def test_a_stale_hint_delays_each_consumer_by_at_most_ten_calls(tmp_path, keys):
+def test_a_stale_hint_delays_each_consumer_by_at_most_ten_calls(bucket, keys):
     """latest.json stuck on step 3 (a failed write, or a bucket answering 'not modified')
     while steps 4 and 5 are ready: apply_to and iter_patches, called in turn on one Follower,
     each list the markers within ten calls and reach step 5 bit for bit."""
+    url, kw = bucket
     private, public = keys
-    url = f"file://{tmp_path}/b"
+    raw = Raw(url, kw)
     steps = bit_chain(23, (64, 64), 5)
-    latest = tmp_path / "b" / "latest.json"
-    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+    with driftless.Publisher(url, signing_key=private, anchor_every=100, **kw) as pub:
         for s in range(4):
             pub.publish(s, {"x.w": steps[s].view(BF16)})
         pub.flush()
-        stuck = latest.read_bytes()
-        f = driftless.Follower(url, trusted_keys=[public])
+        stuck = raw.read("latest.json")
+        f = driftless.Follower(url, trusted_keys=[public], **kw)
         arrays = {"x.w": np.zeros((64, 64), BF16)}
         mirror = np.zeros(64 * 64, np.uint16)
         assert f.apply_to(arrays)["step"] == 3
@@ -542,7 +546,7 @@ def test_a_stale_hint_delays_each_consumer_by_at_most_ten_calls(tmp_path, keys):
         for s in (4, 5):
             pub.publish(s, {"x.w": steps[s].view(BF16)})
         pub.flush()
-    latest.write_bytes(stuck)
+    raw.write("latest.json", stuck)
     for _ in range(10):
         a = f.apply_to(arrays)["step"]
         for name, pos, vals in f.iter_patches():
@@ -557,28 +561,26 @@ def test_a_stale_hint_delays_each_consumer_by_at_most_ten_calls(tmp_path, keys):
     assert np.array_equal(mirror.reshape(64, 64), steps[5])
 
 
-def test_a_hint_naming_a_step_that_is_gone_is_refused_not_raised(tmp_path, keys):
+def test_a_hint_naming_a_step_that_is_gone_is_refused_not_raised(bucket, keys):
     """latest.json names delta 3, whose marker and objects are gone (collected, or a hostile
     bucket): the Follower refuses it as missing, as the agent does, and stays up to date on
     step 2 at every call instead of raising. A deleted latest.json is no longer trusted: the
     next call lists and finds what is ready."""
+    url, kw = bucket
     private, public = keys
-    url = f"file://{tmp_path}/b"
-    root = tmp_path / "b"
+    raw = Raw(url, kw)
     steps = bit_chain(24, (64, 64), 4)
-    f = driftless.Follower(url, trusted_keys=[public])
+    f = driftless.Follower(url, trusted_keys=[public], **kw)
     arrays = {"x.w": np.zeros((64, 64), BF16)}
-    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+    with driftless.Publisher(url, signing_key=private, anchor_every=100, **kw) as pub:
         for s in range(3):
             pub.publish(s, {"x.w": steps[s].view(BF16)})
         pub.flush()
-        hint_2 = (root / "latest.json").read_bytes()
+        hint_2 = raw.read("latest.json")
         assert f.apply_to(arrays)["step"] == 2
         assert pub.publish(3, {"x.w": steps[3].view(BF16)})["outcome"] == "delta"
-    import shutil
-
-    shutil.rmtree(root / "deltas" / f"{3:012d}")
-    os.remove(root / "ready" / "deltas" / f"{3:012d}")
+    raw.delete_prefix(f"deltas/{3:012d}/")
+    raw.delete(f"ready/deltas/{3:012d}")
     for _ in range(12):
         o = f.apply_to(arrays)
         assert (o["step"], o["route"]) == (2, "up_to_date"), o
@@ -586,15 +588,15 @@ def test_a_hint_naming_a_step_that_is_gone_is_refused_not_raised(tmp_path, keys)
     assert np.array_equal(bits(arrays["x.w"]), steps[2])
     # A Follower whose held hint names its own step: a deleted latest.json is not "not
     # modified" (that would keep it up to date on step 2 until its 10th call).
-    (root / "latest.json").write_bytes(hint_2)
-    g = driftless.Follower(url, trusted_keys=[public])
+    raw.write("latest.json", hint_2)
+    g = driftless.Follower(url, trusted_keys=[public], **kw)
     theirs = {"x.w": np.zeros((64, 64), BF16)}
     assert g.apply_to(theirs)["step"] == 2
     assert g.apply_to(theirs)["route"] == "up_to_date"
     assert g.apply_to(theirs)["route"] == "up_to_date"
-    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+    with driftless.Publisher(url, signing_key=private, anchor_every=100, **kw) as pub:
         pub.publish(4, {"x.w": steps[4].view(BF16)})
-    os.remove(root / "latest.json")
+    raw.delete("latest.json")
     o = g.apply_to(theirs)
     assert o["step"] == 4, o
     assert np.array_equal(bits(theirs["x.w"]), steps[4])
