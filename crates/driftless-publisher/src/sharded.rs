@@ -56,6 +56,7 @@ use driftless_format::slice::{assemble, part_digest, PartDigest, Slice};
 use driftless_format::{CheckpointMut, DType, Digest, Layout, TensorMeta, TrustSet};
 use driftless_store::stream::StreamReader;
 use driftless_store::{layout, Bucket};
+use futures::StreamExt;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
@@ -1004,6 +1005,12 @@ async fn upload_part(bucket: &Bucket, step: u64, part: &BuiltPart) -> Result<()>
 /// The generation of the newest lease, which must be a sharded committer's with this world
 /// size; waits up to `timeout` for one (rank 0 may start later than this rank).
 async fn group_generation(bucket: &Bucket, world_size: u64, timeout: Duration) -> Result<u64> {
+    group_lease(bucket, world_size, timeout).await.map(|(g, _)| g)
+}
+
+/// [`group_generation`] and the lease read (to tell whether its committer is still renewing
+/// it).
+async fn group_lease(bucket: &Bucket, world_size: u64, timeout: Duration) -> Result<(u64, upload::Lease)> {
     let deadline = Instant::now() + timeout;
     loop {
         let newest = bucket
@@ -1018,8 +1025,8 @@ async fn group_generation(bucket: &Bucket, world_size: u64, timeout: Duration) -
                 .await
                 .ok()
                 .and_then(|b| serde_json::from_slice::<upload::Lease>(&b).ok());
-            match lease.and_then(|l| l.world_size) {
-                Some(w) if w == world_size => return Ok(g),
+            match lease.as_ref().and_then(|l| l.world_size) {
+                Some(w) if w == world_size => return Ok((g, lease.expect("has a world size"))),
                 Some(w) => {
                     return Err(Error::Refused(format!(
                         "the stream's committer (generation {g}) expects {w} ranks, this rank was given {world_size}"
@@ -1044,36 +1051,71 @@ fn outcome_key(step: u64, g: u64) -> String {
     layout::object(StepKind::Delta, step, &layout::generation_name(g, "outcome.json"))
 }
 
-/// Polls for the committer's outcome of `step`. No outcome by `deadline`, or a newer
-/// committer generation, means "not committed, anchor next": the only safe reading, since
-/// this rank cannot know which of its copies readers have.
+/// Bytes of a signed outcome of a group of `world_size` ranks: its fields, a reason, and one
+/// part digest per rank (about 70 bytes each once signed). An outcome read with a fixed cap
+/// could not list the parts of ~900 ranks: the other ranks then took every committed step as
+/// lost and the group fell into an anchor-refusal cycle.
+fn max_outcome_bytes(world_size: u64) -> u64 {
+    (64 << 10) + 128 * world_size.min(MAX_WORLD_SIZE)
+}
+
+/// How long past its first deadline a rank keeps waiting for an outcome while the committer
+/// keeps renewing its lease. A committer that gathers and encodes an anchor works as long as
+/// the model's bytes take to cross the bucket twice (tens of minutes for a 70B model on a
+/// slow link): the other ranks must not take that step as lost. Bounded, so that a bucket
+/// that fakes renewals cannot hold a rank forever.
+const MAX_OUTCOME_WAIT: Duration = Duration::from_secs(6 * 3600);
+
+/// Polls for the committer's outcome of `step`. No outcome by `deadline` (moved on by the
+/// window before it each time the committer's lease is seen renewed, up to
+/// [`MAX_OUTCOME_WAIT`] past it), or a newer committer generation, means "not committed,
+/// anchor next": the only safe reading, since this rank cannot know which of its copies
+/// readers have.
 async fn wait_outcome(
     bucket: &Bucket,
     trust: &TrustSet,
     step: u64,
     g: u64,
     world_size: u64,
-    deadline: Instant,
+    mut deadline: Instant,
 ) -> StepOutcome {
     let key = outcome_key(step, g);
+    let window = deadline.saturating_duration_since(Instant::now());
+    let cap = deadline + MAX_OUTCOME_WAIT;
     let mut wait = Duration::from_millis(50);
     let mut checked_lease = Instant::now();
+    // The committer's last renewal seen (its own clock): a later one is a sign of life.
+    let mut renewed: Option<u64> = None;
     loop {
-        if let Ok(b) = bucket.get_limited(&key, 64 << 10).await {
-            match trust.open(&b).ok().and_then(|(p, _)| serde_json::from_slice::<StepOutcome>(&p).ok()) {
-                Some(o) if o.step == step => return o,
-                _ => return StepOutcome::aborted(step, format!("{key} is not a valid signed outcome"), true),
+        match bucket.get_limited(&key, max_outcome_bytes(world_size)).await {
+            Ok(b) => {
+                return match trust.open(&b).ok().and_then(|(p, _)| serde_json::from_slice::<StepOutcome>(&p).ok()) {
+                    Some(o) if o.step == step => o,
+                    _ => StepOutcome::aborted(step, format!("{key} is not a valid signed outcome"), true),
+                }
             }
+            Err(driftless_store::Error::TooLarge { size, max, .. }) => {
+                let reason = format!("{key} is {size} bytes, more than an outcome of {world_size} ranks ({max})");
+                return StepOutcome::aborted(step, reason, true);
+            }
+            // Not there yet, or a transient error: polled again until the deadline.
+            Err(_) => {}
         }
         if Instant::now() >= deadline {
-            return StepOutcome::aborted(step, "no outcome from the committer in time".into(), true);
+            let reason = format!("no outcome from the committer in time (its lease not renewed for {window:?})");
+            return StepOutcome::aborted(step, reason, true);
         }
         if checked_lease.elapsed() > Duration::from_secs(2) {
             checked_lease = Instant::now();
-            if let Ok(newer) = group_generation(bucket, world_size, Duration::ZERO).await {
+            if let Ok((newer, lease)) = group_lease(bucket, world_size, Duration::ZERO).await {
                 if newer != g {
                     return StepOutcome::aborted(step, format!("a new committer (generation {newer}) took over"), true);
                 }
+                // Still at work (an anchor's gather and encode): wait on.
+                if renewed.is_some_and(|r| lease.renewed_at_ms > r) {
+                    deadline = (Instant::now() + window).min(cap).max(deadline);
+                }
+                renewed = renewed.max(Some(lease.renewed_at_ms));
             }
         }
         tokio::time::sleep(wait).await;
@@ -1094,23 +1136,31 @@ async fn commit(
         Ok(r) => r,
         Err((reason, next_anchor)) => (StepOutcome::aborted(step, reason, next_anchor), None),
     };
-    let later = {
+    let (later, dropped) = {
         let mut s = c.schedule.lock().unwrap_or_else(|e| e.into_inner());
         if outcome.of == Some(StepKind::Anchor) {
             s.last = Some(step);
         }
-        // Slices are only asked for while no anchor is being gathered.
-        let later = later.filter(|_| s.busy.is_none()).map(|mut l| {
-            l.previous = s.last.replace(step);
-            s.busy = Some(step);
-            l
-        });
+        // Slices are only asked for while no anchor is being gathered; those of a step that
+        // came in while one was are not gathered (removed below).
+        let (later, dropped) = match later {
+            Some(mut l) if s.busy.is_none() => {
+                l.previous = s.last.replace(step);
+                s.busy = Some(step);
+                (Some(l), None)
+            }
+            l => (None, l),
+        };
         outcome.slices_next = outcome.committed
             && s.busy.is_none()
             && s.last.is_none_or(|a| step.saturating_add(1) >= a.saturating_add(cfg.anchor_every));
-        later
+        (later, dropped)
     };
     write_outcome(cfg, ctx, &outcome).await;
+    if let Some(d) = dropped {
+        info!(step, "an anchor is being gathered; this step's slices are not: removed");
+        remove_slices(ctx, &d.anchor).await;
+    }
     if outcome.committed {
         info!(step, of = ?outcome.of, "sharded step committed");
     } else {
@@ -1174,11 +1224,17 @@ async fn try_commit(
     let mut parts = Vec::with_capacity(names.len());
     let mut shas = Vec::with_capacity(names.len());
     let mut total = 0u64;
-    for (&r, n) in &names {
-        let b = bucket
-            .get_limited(&layout::object(StepKind::Delta, step, n), manifest::MAX_MANIFEST_BYTES as u64)
-            .await
-            .map_err(store)?;
+    // Fetched `conc` at a time, taken in rank order (a group of 1,024 ranks read one by one
+    // costs a thousand round trips per step); at most `conc` manifests wait beyond the bound.
+    let conc = bucket.options().concurrency.max(1);
+    let mut fetched = futures::stream::iter(&names)
+        .map(|(&r, n)| async move {
+            let key = layout::object(StepKind::Delta, step, n);
+            (r, n, bucket.get_limited(&key, manifest::MAX_MANIFEST_BYTES as u64).await)
+        })
+        .buffered(conc);
+    while let Some((r, n, b)) = fetched.next().await {
+        let b = b.map_err(store)?;
         total += b.len() as u64;
         if total > MAX_PARTS_BYTES {
             return Err((format!("step {step}: part manifests exceed {MAX_PARTS_BYTES} bytes together"), false));
@@ -1237,13 +1293,15 @@ async fn try_commit(
         ));
     }
     let mut per_tensor: BTreeMap<String, (DType, Vec<u64>, Vec<PartDigest>)> = BTreeMap::new();
-    for p in &parts {
-        let e = &p.edges;
-        let bytes = ctx
-            .reader
-            .object(StepKind::Delta, step, &e.object, e.size, e.sha256)
-            .await
-            .map_err(|x| (format!("step {step}: edges of rank {}: {x}", p.rank), true))?;
+    // Bounded together above; fetched `conc` at a time, taken in rank order.
+    let mut fetched = futures::stream::iter(&parts)
+        .map(|p| async move {
+            let e = &p.edges;
+            (p, ctx.reader.object(StepKind::Delta, step, &e.object, e.size, e.sha256).await)
+        })
+        .buffered(conc);
+    while let Some((p, bytes)) = fetched.next().await {
+        let bytes = bytes.map_err(|x| (format!("step {step}: edges of rank {}: {x}", p.rank), true))?;
         let mut at = 0usize;
         let mut take = |n: u64| -> std::result::Result<Vec<u8>, Refusal> {
             let end = usize::try_from(n).ok().and_then(|n| at.checked_add(n)).filter(|&x| x <= bytes.len());
@@ -1275,6 +1333,7 @@ async fn try_commit(
             return Err((format!("step {step}: edges of rank {} are longer than its runs", p.rank), false));
         }
     }
+    drop(fetched);
     let mut metas = vec![];
     let mut digests: BTreeMap<String, Digest> = BTreeMap::new();
     for (name, (dtype, shape, pd)) in &per_tensor {
@@ -1352,6 +1411,7 @@ async fn try_commit(
         }
         StepKind::Delta if a.parts.iter().any(|p| p.slices.is_some()) => {
             warn!(step, "only some parts carry slices; no anchor of this step");
+            remove_slices(ctx, &a).await;
             None
         }
         _ => None,
@@ -1578,6 +1638,43 @@ mod tests {
             tail_leaves: d(s.tail_leaves),
             tail: s.tail,
         }
+    }
+
+    /// The outcome of a group of 1,024 ranks lists 1,024 part digests (~70 KB signed): the
+    /// other ranks read it (a fixed 64 KiB cap made them take every committed step as lost),
+    /// and an outcome larger than its group can have is refused at once, not polled for.
+    #[test]
+    fn outcomes_are_read_up_to_what_the_group_size_allows() {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let ws = 1024u64;
+        let p0 = cfg.clone().build_sharded(0, ws, Duration::from_secs(1)).unwrap();
+        let (ctx, rt) = (p0.ctx.clone().unwrap(), p0.rt.as_ref().unwrap());
+        let outcome = |step, parts| StepOutcome {
+            step,
+            committed: true,
+            of: Some(StepKind::Anchor),
+            root: Some(Digest::default()),
+            reason: None,
+            next_anchor: false,
+            parts: vec![Digest::of(b"x"); parts],
+            slices_next: false,
+        };
+        let wait = |step, ws, secs| {
+            let t = Instant::now();
+            let deadline = t + Duration::from_secs(secs);
+            (rt.block_on(wait_outcome(&p0.bucket, &p0.trust, step, ctx.generation, ws, deadline)), t.elapsed())
+        };
+        let o = outcome(1, ws as usize);
+        rt.block_on(write_outcome(&cfg, &ctx, &o));
+        assert!(rt.block_on(p0.bucket.head(&outcome_key(1, ctx.generation))).unwrap().size > 64 << 10);
+        assert_eq!(wait(1, ws, 1).0, o);
+        // 64 Ki digests for a group of 2: refused without waiting for the deadline.
+        rt.block_on(write_outcome(&cfg, &ctx, &outcome(2, 1 << 16)));
+        let (got, took) = wait(2, 2, 30);
+        assert!(!got.committed && got.reason.as_deref().unwrap().contains("more than an outcome"), "{got:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
     }
 
     #[test]

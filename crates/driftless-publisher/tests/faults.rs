@@ -1442,3 +1442,33 @@ fn sharded_failed_later_anchor_keeps_a_newer_anchor_step() {
     assert_eq!((r8, r9), ((Delta, false), (Delta, true)), "{ctx}");
     assert_eq!(s.ready_anchors.iter().copied().collect::<Vec<_>>(), vec![1, 6, 9], "{ctx}");
 }
+
+/// An anchor step whose commit outlasts the other ranks' first deadline (twice the commit
+/// timeout plus 30 s; a 70B model's gather and encode takes many minutes): while the committer renews
+/// its lease the other rank waits on, takes the step as committed, and the next step is a
+/// delta from both ranks. Before, rank 1 gave up at the deadline, sent an anchor part next
+/// while rank 0 sent a delta, and the group fell into an anchor-refusal cycle.
+#[test]
+fn a_slow_anchor_commit_is_waited_for_while_the_committer_renews_its_lease() {
+    let be = backends("sharded-slow-anchor", false).into_iter().next().expect("memory");
+    let timeout = Duration::from_secs(1);
+    let ((f0, mut p0), (_f1, mut p1)) = sharded_pair(&be, timeout, 50);
+    let mut c = chain();
+    // The anchor's first upload stalls past rank 1's first deadline (32 s here).
+    f0.inject(FaultOp::Put, "anchors/000000000001/", 1, FaultKind::Slow(Duration::from_secs(40)));
+    rank_publish("slow", &mut p0, &c, 0, 1);
+    rank_publish("slow", &mut p1, &c, 1, 1);
+    let t = std::time::Instant::now();
+    let o1 = p1.flush().unwrap_or_else(|e| panic!("rank 1 gave up on step 1 after {:?}: {e}", t.elapsed()));
+    assert!(f0.injected() >= 1 && t.elapsed() > Duration::from_secs(32), "the commit was not slow: {:?}", t.elapsed());
+    assert!(o1.committed && o1.of == Some(StepKind::Anchor), "{o1:?}");
+    assert!(p0.flush().unwrap().committed);
+    c.step();
+    let r0 = rank_publish("slow", &mut p0, &c, 0, 2);
+    let r1 = rank_publish("slow", &mut p1, &c, 1, 2);
+    use driftless_publisher::PartKind::Delta;
+    assert_eq!((r0.part, r1.part), (Delta, Delta));
+    let o2 = p0.flush().unwrap();
+    assert!(o2.committed && o2.of == Some(StepKind::Delta), "{o2:?}");
+    assert!(p1.flush().unwrap().committed);
+}
