@@ -236,7 +236,7 @@ impl Agent {
     /// loads its state.
     pub fn new(bucket: Bucket, cfg: AgentConfig) -> Result<Self> {
         let dir = AgentDir::open(&cfg.dir)?;
-        let state = LocalState::load(&cfg.dir);
+        let state = LocalState::load(&cfg.dir)?;
         let metrics = Arc::new(Metrics::new());
         if let Some(s) = &state {
             metrics.step.store(s.step, Relaxed);
@@ -368,6 +368,11 @@ impl Agent {
         if self.loaded == Some(st.step) || !self.active_ok {
             return Ok(());
         }
+        // The directory sent is `current` resolved: it must name the state's slot (a link that
+        // failed after the state was written would send the previous step's files as this one).
+        if self.dir.linked() != Some(st.active) {
+            self.dir.link(st.active)?;
+        }
         // A patch is offered once: whatever happens, the next attempt reloads in full.
         let patch = self.patch.take().filter(|p| p.step == st.step);
         let result = self.notify_all(&st, patch.as_ref()).await;
@@ -393,41 +398,62 @@ impl Agent {
         Ok(())
     }
 
-    /// After an unclean shutdown: finishes a switch the crash interrupted and re-hashes the
-    /// active slot before anything is notified. Files that do not match are not deleted: they
-    /// stay until a newly built, verified step replaces them, and are never announced.
+    /// After an unclean shutdown: re-hashes the active slot before anything is notified, and
+    /// only then points `current` at it (finishing a switch the crash interrupted). When it
+    /// does not verify, the inactive slot is served if it holds the verified step the state
+    /// names for it; when neither does, `current` is removed (a server restarted now must not
+    /// load unverified bytes) and the next sync builds a step beside them. Files that do not
+    /// match are not deleted: they stay until a newly built, verified step replaces them.
     async fn reverify_active(&mut self) -> Result<()> {
         let Some(st) = self.state.clone() else {
             self.reverify = false;
             return Ok(());
         };
-        if self.dir.linked() != Some(st.active) {
-            // The state names a slot that was made durable before the state was written.
-            self.dir.link(st.active)?;
+        let why = match self.slot_root(st.active).await {
+            Ok(r) if r == st.root => {
+                if self.dir.linked() != Some(st.active) {
+                    // The state names a slot that was made durable before the state was written.
+                    self.dir.link(st.active)?;
+                }
+                info!(step = st.step, "re-verified the local weights after an unclean shutdown");
+                self.reverify = false;
+                self.active_ok = true;
+                return Ok(());
+            }
+            Ok(r) => format!("weights root {r} != recorded {}", st.root),
+            Err(e) => e.to_string(),
+        };
+        error!(step = st.step, error = %why, "local weights do not match their state");
+        if let Some(h) = st.inactive {
+            let other = st.active.other();
+            if self.slot_root(other).await.is_ok_and(|r| r == h.root) {
+                let back = LocalState { step: h.step, root: h.root, active: other, inactive: None, ..st };
+                back.store(self.dir.path())?;
+                self.state = Some(back);
+                self.dir.link(other)?;
+                warn!(step = h.step, "serving the previous verified step from the other slot");
+                self.reverify = false;
+                self.active_ok = true;
+                self.metrics.step.store(h.step, Relaxed);
+                return Ok(());
+            }
         }
-        let slot = self.dir.slot(st.active);
-        let root = tokio::task::spawn_blocking(move || -> Result<Digest> {
-            Ok(driftless_format::weights_root(&Checkpoint::open(&slot)?.views()).1)
+        self.dir.unlink()?;
+        error!("no local slot verifies: current removed until a verified step is built");
+        self.reverify = false;
+        self.active_ok = false;
+        self.metrics.step.store(u64::MAX, Relaxed);
+        Ok(())
+    }
+
+    /// The weights root of a slot's files.
+    async fn slot_root(&self, slot: Slot) -> Result<Digest> {
+        let dir = self.dir.slot(slot);
+        tokio::task::spawn_blocking(move || -> Result<Digest> {
+            Ok(driftless_format::weights_root(&Checkpoint::open(&dir)?.views()).1)
         })
         .await
-        .map_err(|e| Error::Io(std::io::Error::other(format!("hash task: {e}"))))?;
-        self.reverify = false;
-        match root {
-            Ok(r) if r == st.root => {
-                info!(step = st.step, "re-verified the local weights after an unclean shutdown");
-                self.active_ok = true;
-            }
-            other => {
-                let why = match other {
-                    Ok(r) => format!("weights root {r} != recorded {}", st.root),
-                    Err(e) => e.to_string(),
-                };
-                error!(step = st.step, error = %why, "local weights do not match their state; rebuilding them");
-                self.active_ok = false;
-                self.metrics.step.store(u64::MAX, Relaxed);
-            }
-        }
-        Ok(())
+        .map_err(|e| Error::Io(std::io::Error::other(format!("hash task: {e}"))))?
     }
 
     /// The stream id of the verified descriptor (read once).
@@ -496,7 +522,8 @@ impl Agent {
 
     async fn sync_inner(&mut self, careful: bool, t0: Instant) -> Result<SyncOutcome, BuildError> {
         let sid = self.stream_id().await?;
-        if let Some(st) = &self.state {
+        // A switch that was interrupted (a failed link, a crash after the state was written).
+        if let Some(st) = self.state.as_ref().filter(|_| self.active_ok) {
             if self.dir.linked() != Some(st.active) {
                 self.dir.link(st.active)?;
             }
@@ -580,12 +607,21 @@ impl Agent {
     ) -> Result<(u64, bool), BuildError> {
         let prev = self.state.clone();
         let active = prev.as_ref().map(|s| s.active);
-        let work = active.map_or(Slot::A, Slot::other);
+        // Without a state (a cold start, or a `state.json` that could not be read), never the
+        // slot `current` names: a server may be reading it.
+        let work = match active {
+            Some(a) => a.other(),
+            None => self.dir.linked().map_or(Slot::A, Slot::other),
+        };
         let wdir = self.dir.slot(work);
         // The inactive slot is about to change: it holds no verified step until the switch.
         let held_before =
             prev.as_ref().and_then(|s| s.inactive).filter(|_| prev.as_ref().is_some_and(|s| s.stream_id == sid));
-        if let Some(mut s) = prev.clone().filter(|s| s.inactive.is_some()) {
+        // Written whenever there is a state, not only when it names an inactive step: after a
+        // failed `store` (renamed, then the fsync of `DIR` failed) the disk may say that the
+        // work slot is active; this puts the disk back in step with memory before the work
+        // slot is touched.
+        if let Some(mut s) = prev.clone() {
             s.inactive = None;
             s.store(self.dir.path())?;
             self.state = Some(s);
@@ -755,13 +791,16 @@ impl Agent {
         let st =
             LocalState { version: 2, stream_id: sid.to_string(), step: at.step, root: at.root, active: work, inactive };
         st.store(self.dir.path())?;
+        // Memory follows the disk at once: if the link fails (or this future is dropped), the
+        // next sync links `current` to the slot the state names instead of rebuilding it as
+        // the work slot while `state.json` vouches for it.
+        self.state = Some(st);
+        self.active_ok = true;
+        self.metrics.step.store(at.step, Relaxed);
         self.dir.link(work)?;
         if let Some(pb) = patch {
             self.patch = self.write_patch(pb, &wdir, at).await;
         }
-        self.state = Some(st);
-        self.active_ok = true;
-        self.metrics.step.store(at.step, Relaxed);
         for &d in &deltas {
             self.refused.clear(StepKind::Delta, d);
         }
@@ -1260,7 +1299,9 @@ impl Agent {
             None
         };
         let list = p.polls % 10 == 0;
-        if !list && matches!(polled, Some(Ok(LatestPoll::Unchanged))) {
+        // After a failed sync, sync again even when latest.json did not change (its change was
+        // taken by the poll whose sync failed).
+        if !list && p.failures == 0 && matches!(polled, Some(Ok(LatestPoll::Unchanged))) {
             p.interval = (p.interval * 2).min(self.cfg.poll_max);
             return;
         }

@@ -93,14 +93,23 @@ impl LocalState {
         Held { step: self.step, root: self.root }
     }
 
-    /// Reads `state.json`; `None` when absent, unreadable or of an older layout (cold start;
-    /// nothing is deleted: the next verified step is built beside whatever is there).
-    pub fn load(dir: &Path) -> Option<LocalState> {
-        let b = std::fs::read(dir.join("state.json")).ok()?;
-        if b.len() > 1 << 20 {
-            return None;
+    /// Reads `state.json`; `None` when absent, malformed or of an older layout (a cold start:
+    /// nothing is deleted, and the next verified step is built in the slot `current` does
+    /// not name). A file that cannot be read (EIO, permissions) is an error, not a cold start.
+    pub fn load(dir: &Path) -> std::io::Result<Option<LocalState>> {
+        let path = dir.join("state.json");
+        let b = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
+        };
+        let s = (b.len() <= 1 << 20)
+            .then(|| serde_json::from_slice::<LocalState>(&b).ok().filter(|s| s.version == 2))
+            .flatten();
+        if s.is_none() {
+            tracing::warn!(path = %path.display(), "state.json is malformed or of another layout: starting cold");
         }
-        serde_json::from_slice::<LocalState>(&b).ok().filter(|s| s.version == 2)
+        Ok(s)
     }
 
     /// Writes `state.json` durably: temp file, fsync, rename, fsync of the directory.
@@ -224,6 +233,18 @@ impl AgentDir {
         sync_dir(&self.dir)?;
         let _ = std::fs::remove_dir_all(self.dir.join("current.old"));
         Ok(())
+    }
+
+    /// Removes `current` durably, when it is a symlink: no slot holds a verified step.
+    pub fn unlink(&self) -> std::io::Result<()> {
+        let cur = self.current();
+        match std::fs::symlink_metadata(&cur) {
+            Ok(md) if md.file_type().is_symlink() => {
+                std::fs::remove_file(&cur)?;
+                sync_dir(&self.dir)
+            }
+            _ => Ok(()),
+        }
     }
 }
 

@@ -381,7 +381,7 @@ async fn delta_on_a_wrong_base_is_never_applied() {
     let n = bytes.len();
     bytes[n - 2] ^= 0x01;
     std::fs::write(&shard, &bytes).unwrap();
-    let mut st = LocalState::load(&dir).unwrap();
+    let mut st = LocalState::load(&dir).unwrap().unwrap();
     st.root = driftless_format::weights_root(&Checkpoint::open(&cur).unwrap().views()).1;
     st.store(&dir).unwrap();
     let want = t.publish();

@@ -713,3 +713,183 @@ fn sigkill_across_a_layout_change() {
         std::fs::rename(e.p("timed"), e.p("a")).unwrap();
     }
 }
+
+/// A notify hook that records, per call, the step and whether the directory it is told to load
+/// hashes to the root it is told: `STEP ok` or `STEP bad` lines in `log`.
+fn checking_hook(log: &Path) -> String {
+    format!(
+        "exec=test \"$({} hash \"$DRIFTLESS_DIR\")\" = \"$DRIFTLESS_WEIGHTS_ROOT\" && echo $DRIFTLESS_STEP ok >> {} || echo $DRIFTLESS_STEP bad >> {}",
+        env!("CARGO_BIN_EXE_driftless"),
+        log.display(),
+        log.display()
+    )
+}
+
+/// The switch fails after `state.json` names the new slot: the symlink(2) of `current` fails
+/// (here EEXIST: a directory where its temp name goes; ENOSPC or EIO in the field). Found by
+/// review: the next start notified step 2 with `current` still resolving to step 1's slot
+/// (the engine then served step 1 labelled step 2), and a running agent kept the previous
+/// state in memory and rebuilt, as its work slot, the slot `state.json` vouched for.
+#[test]
+fn a_switch_whose_link_failed_is_finished_before_anything_is_notified() {
+    let mut e = Env::new();
+    e.publish();
+    e.publish();
+    let log = e.p("notified.log");
+    let hook = checking_hook(&log);
+    let once = |e: &Env| {
+        let mut c = e.agent("a");
+        c.arg("--notify").arg(&hook);
+        run_bounded(c, 60)
+    };
+    assert!(once(&e).status.success());
+    e.publish();
+    std::fs::create_dir_all(e.p("a/current.tmp/x")).unwrap();
+    let o = once(&e);
+    assert!(!o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(e.current_step("a"), 1);
+    check_current_vouched(&e.p("a")).unwrap();
+    std::fs::remove_dir_all(e.p("a/current.tmp")).unwrap();
+    let o = once(&e);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(e.current_step("a"), 2);
+    let notified = std::fs::read_to_string(&log).unwrap();
+    // Each run first tells the engine what it serves (step 1, twice), then step 2, as it is.
+    assert_eq!(notified, "1 ok\n1 ok\n2 ok\n", "what the engine was told to load");
+
+    // A running agent: while the link keeps failing, the slot state.json names is never
+    // touched; once it works, the step is linked and notified as it is.
+    e.publish();
+    std::fs::create_dir_all(e.p("a/current.tmp/x")).unwrap();
+    let mut child = bin()
+        .args(["agent", "--bucket", &e.url("bucket"), "--poll-min", "50ms", "--poll-max", "100ms", "--trust"])
+        .arg(e.p("key.pub"))
+        .arg("--dir")
+        .arg(e.p("a"))
+        .arg("--notify")
+        .arg(&hook)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    struct Kill(u32);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            // SAFETY: plain kill(2) of our own child.
+            unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+        }
+    }
+    let _k = Kill(child.id());
+    let t = Instant::now();
+    while e.read_json("a/state.json")["step"] != 3 {
+        assert!(t.elapsed() < Duration::from_secs(60), "step 3 was never built");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let slot = e.p("a/slots").join(e.read_json("a/state.json")["active"].as_str().unwrap());
+    let stamp = |p: &Path| {
+        use std::os::unix::fs::MetadataExt;
+        let mut v: Vec<_> = std::fs::read_dir(p)
+            .unwrap()
+            .map(|f| f.unwrap().metadata().unwrap())
+            .map(|m| (m.ino(), m.mtime(), m.mtime_nsec()))
+            .collect();
+        v.sort();
+        v
+    };
+    let before = stamp(&slot);
+    // Dozens of polls, each retrying the failed switch.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(e.read_json("a/state.json")["step"], 3);
+    assert_eq!(stamp(&slot), before, "the slot state.json vouches for was rewritten");
+    assert_eq!(e.current_step("a"), 2);
+    std::fs::remove_dir_all(e.p("a/current.tmp")).unwrap();
+    let t = Instant::now();
+    while std::fs::read_to_string(&log).unwrap().lines().count() < 5 {
+        assert!(t.elapsed() < Duration::from_secs(30), "step 3 was never notified");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "1 ok\n1 ok\n2 ok\n2 ok\n3 ok\n");
+    assert_eq!(e.current_step("a"), 3);
+    check_current_vouched(&e.p("a")).unwrap();
+}
+
+/// A `state.json` that cannot be parsed is a cold start: found by review, its anchor was
+/// streamed into the slot `current` names (the one a server reads), and a corrupt anchor then
+/// left that slot as garbage. The cold start is built beside it.
+#[test]
+fn an_unparsable_state_never_costs_the_served_slot() {
+    let mut e = Env::new();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    assert_eq!(std::fs::read_link(e.p("a/current")).unwrap(), Path::new("slots/a"));
+    std::fs::write(e.p("a/state.json"), "{").unwrap();
+    e.publish();
+    let anchor = std::fs::read_dir(e.p("bucket/anchors/000000000000"))
+        .unwrap()
+        .map(|f| f.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "dla"))
+        .unwrap();
+    let orig = flip_middle_byte(&anchor);
+    let o = run_bounded(e.agent("a"), 60);
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read_link(e.p("a/current")).unwrap(), Path::new("slots/a"));
+    assert_eq!(e.current_step("a"), 0, "the served slot was written");
+    std::fs::write(&anchor, orig).unwrap();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    assert_eq!(e.current_step("a"), 1);
+    check_current_vouched(&e.p("a")).unwrap();
+}
+
+/// After an unclean end, the active slot no longer hashes to its root: the previous step,
+/// which `state.json` vouches for in the other slot, is served instead (before, `current` was
+/// pointed at the damaged slot first and left there). When neither slot verifies, `current`
+/// is removed: a server restarted then finds no weights rather than unverified ones.
+#[test]
+fn an_unclean_start_with_a_damaged_active_slot_serves_only_verified_weights() {
+    let mut e = Env::new();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    let st = e.read_json("a/state.json");
+    assert_eq!((st["step"].as_u64(), st["inactive"]["step"].as_u64()), (Some(1), Some(0)), "{st}");
+    let shard = |slot: &str| {
+        std::fs::read_dir(e.p("a/slots").join(slot))
+            .unwrap()
+            .map(|f| f.unwrap().path())
+            .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .unwrap()
+    };
+    let active = st["active"].as_str().unwrap().to_string();
+    let other = if active == "a" { "b" } else { "a" };
+    flip_middle_byte(&shard(&active));
+    std::fs::write(e.p("a/running"), "1\n").unwrap();
+    // A bucket with nothing in it: the start can only re-verify what it has.
+    std::fs::create_dir_all(e.p("empty")).unwrap();
+    let unreachable = |e: &Env| {
+        let mut c = bin();
+        c.args(["agent", "--once", "--bucket", &e.url("empty"), "--trust"])
+            .arg(e.p("key.pub"))
+            .arg("--dir")
+            .arg(e.p("a"));
+        run_bounded(c, 60)
+    };
+    let o = unreachable(&e);
+    assert!(!o.status.success());
+    assert_eq!(std::fs::read_link(e.p("a/current")).unwrap(), Path::new("slots").join(other));
+    assert_eq!(e.current_step("a"), 0);
+    check_current_vouched(&e.p("a")).unwrap();
+    // Both slots damaged.
+    flip_middle_byte(&shard(other));
+    std::fs::write(e.p("a/running"), "1\n").unwrap();
+    let o = unreachable(&e);
+    assert!(!o.status.success());
+    assert!(std::fs::symlink_metadata(e.p("a/current")).is_err(), "current names unverified weights");
+    let o = run_bounded(e.agent("a"), 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(e.current_step("a"), 1);
+    check_current_vouched(&e.p("a")).unwrap();
+}
