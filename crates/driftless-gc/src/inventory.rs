@@ -178,10 +178,29 @@ pub(crate) fn is_stray(committed: (u64, u32), name: &str, live: impl Fn(u64) -> 
     }
 }
 
-/// [`is_stray`] of the object at bucket key `key` (a step directory's object); keys that
-/// name no object of a step directory are kept.
+/// Whether the object at bucket key `key` of a ready step is garbage: a stray ([`is_stray`]),
+/// or the spent slice bytes of a sharded delta step ([`is_spent_slices`]). Keys that name no
+/// object of a step directory are kept.
 pub(crate) fn is_stray_key(committed: (u64, u32), key: &str, live: impl Fn(u64) -> bool, conditional: bool) -> bool {
-    layout::parse_step_key(key).and_then(|(_, _, n)| n).is_some_and(|n| is_stray(committed, &n, live, conditional))
+    let Some((kind, _, Some(n))) = layout::parse_step_key(key) else { return false };
+    is_stray(committed, &n, &live, conditional) || (kind == StepKind::Delta && is_spent_slices(committed, &n, &live))
+}
+
+/// A sharded rank's slice bytes (`g<gen>-r<rank>-<nonce>-slices.bin`) in a delta step the same
+/// generation committed, once that generation's lease is not live. Only that generation's
+/// committer reads them, to gather the step's scheduled anchor, and it deletes them when it is
+/// done; they stay behind when it died mid-gather or its deletes failed, and no later process
+/// gathers them (a restarted committer is a new generation). Kept, they are a model's worth
+/// for the step's whole retention.
+fn is_spent_slices(committed: (u64, u32), name: &str, live: impl Fn(u64) -> bool) -> bool {
+    let part = name
+        .strip_prefix(&format!("g{}-r", committed.0))
+        .and_then(|r| r.strip_suffix("-slices.bin"))
+        .and_then(|r| r.split_once('-'))
+        .is_some_and(|(rank, nonce)| {
+            rank.len() == 5 && rank.bytes().all(|b| b.is_ascii_digit()) && !nonce.is_empty() && !nonce.contains('-')
+        });
+    part && committed.1 == 0 && !live(committed.0)
 }
 
 /// A publisher generation's lease (`writers/<gen>`), as listed and read.

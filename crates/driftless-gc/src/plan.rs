@@ -576,4 +576,57 @@ mod stray_tests {
         inv.steps.values_mut().for_each(|e| e.objects.retain(|o| o.key != key));
         assert!(names(&inv).is_empty());
     }
+
+    /// A sharded delta step committed by generation 5 whose scheduled anchor was never
+    /// gathered: the ranks' slice bytes serve no reader. Kept while generation 5's lease is
+    /// live (its committer may be gathering them), collected once it is not; the parts,
+    /// segments, manifest and outcome stay.
+    #[test]
+    fn spent_slices_of_a_sharded_delta_go_once_its_committer_is_gone() {
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let policy = GcPolicy { grace: Duration::from_secs(600), ..GcPolicy::default() };
+        let mut inv = Inventory { conditional_create: true, ..Default::default() };
+        let names = [
+            "g5-manifest.json",
+            "g5-outcome.json",
+            "g5-r00000-0000abcd-seg-0000.dls",
+            "g5-r00000-0000abcd-edges.bin",
+            "g5-r00000-0000abcd-part.json",
+            "g5-r00000-0000abcd-slices.bin",
+            "g5-r00001-00001234-slices.bin",
+            "r00001-00001234-slices.bin", // untagged: kept
+        ];
+        for n in names {
+            inv.add_object(info(layout::object(StepKind::Delta, 7, n), 100, at));
+        }
+        let marker = ReadyMarker {
+            kind: "ready".into(),
+            stream_id: "s".into(),
+            of: StepKind::Delta,
+            step: 7,
+            base_step: Some(6),
+            manifest_sha256: Digest([1; 32]),
+            payload_bytes: 100,
+            manifest: Some("g5-manifest.json".into()),
+        };
+        inv.add_marker(info(layout::ready(StepKind::Delta, 7), 10, at), MarkerState::Ready(marker));
+        let later = at + Duration::from_secs(900);
+        let strays = |inv: &Inventory| -> Vec<String> {
+            plan_inventory(inv, &policy, later)
+                .strays
+                .iter()
+                .flat_map(|s| s.objects.iter().map(|k| k.rsplit('/').next().unwrap().to_string()))
+                .collect()
+        };
+        let lease = |inv: &mut Inventory, renewed: SystemTime| {
+            inv.leases
+                .insert(5, LeaseEntry { info: info(layout::lease(5), 10, renewed), ttl: Duration::from_secs(60) });
+        };
+        lease(&mut inv, later - Duration::from_secs(10));
+        assert!(strays(&inv).is_empty());
+        lease(&mut inv, at);
+        assert_eq!(strays(&inv), ["g5-r00000-0000abcd-slices.bin", "g5-r00001-00001234-slices.bin"]);
+        // Within grace nothing is touched, lease or not.
+        assert!(plan_inventory(&inv, &policy, at + Duration::from_secs(60)).strays.is_empty());
+    }
 }
