@@ -421,12 +421,19 @@ impl Agent {
                 return Ok(());
             }
             Ok(r) => format!("weights root {r} != recorded {}", st.root),
+            // A local error that may pass (EIO, too many open files): nothing is concluded
+            // from it; the next sync re-verifies (`reverify` stays set, nothing is notified).
+            Err(e) if e.is_retryable() => return Err(e),
             Err(e) => e.to_string(),
         };
         error!(step = st.step, error = %why, "local weights do not match their state");
         if let Some(h) = st.inactive {
             let other = st.active.other();
-            if self.slot_root(other).await.is_ok_and(|r| r == h.root) {
+            let held = match self.slot_root(other).await {
+                Err(e) if e.is_retryable() => return Err(e),
+                r => r.is_ok_and(|r| r == h.root),
+            };
+            if held {
                 let back = LocalState { step: h.step, root: h.root, active: other, inactive: None, ..st };
                 back.store(self.dir.path())?;
                 self.state = Some(back);

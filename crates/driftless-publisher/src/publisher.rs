@@ -1444,7 +1444,7 @@ async fn acquire_generation(bucket: &Bucket, stream_id: &str, ttl: Duration, wor
     let list = bucket.list(layout::leases_prefix()).await?;
     let mut g = list.iter().filter_map(|o| layout::parse_claim_or_lease(&o.key)).max().map_or(1, |g| g + 1);
     for _ in 0..16 {
-        match bucket.put_create(&layout::lease(g), upload::lease_bytes(stream_id, g, ttl, world_size)).await {
+        match bucket.put_create(&layout::lease(g), upload::lease_bytes(stream_id, g, ttl, world_size, None)).await {
             Ok(()) => return Ok(g),
             Err(e) if e.is_already_exists() => g += 1,
             Err(e) => return Err(e.into()),

@@ -406,6 +406,7 @@ impl PartJob {
             drop(s);
             let o = StepOutcome::aborted(step, "the commit panicked".into(), true);
             self.handle.block_on(write_outcome(&self.cfg, &c.ctx, &o));
+            c.ctx.shared.update(|s| s.committing = None);
             (o, None)
         });
         c.committed = None;
@@ -1060,17 +1061,19 @@ fn max_outcome_bytes(world_size: u64) -> u64 {
 }
 
 /// How long past its first deadline a rank keeps waiting for an outcome while the committer
-/// keeps renewing its lease. A committer that gathers and encodes an anchor works as long as
-/// the model's bytes take to cross the bucket twice (tens of minutes for a 70B model on a
-/// slow link): the other ranks must not take that step as lost. Bounded, so that a bucket
-/// that fakes renewals cannot hold a rank forever.
+/// renews its lease naming the step as the one it is committing. A committer that gathers and
+/// encodes an anchor works as long as the model's bytes take to cross the bucket twice (tens
+/// of minutes for a 70B model on a slow link): the other ranks must not take that step as
+/// lost. Bounded, so that a bucket that fakes renewals cannot hold a rank forever.
 const MAX_OUTCOME_WAIT: Duration = Duration::from_secs(6 * 3600);
 
 /// Polls for the committer's outcome of `step`. No outcome by `deadline` (moved on by the
-/// window before it each time the committer's lease is seen renewed, up to
-/// [`MAX_OUTCOME_WAIT`] past it), or a newer committer generation, means "not committed,
-/// anchor next": the only safe reading, since this rank cannot know which of its copies
-/// readers have.
+/// window before it each time the committer's lease is seen renewed while it names `step` as
+/// the step being committed, up to [`MAX_OUTCOME_WAIT`] past it), or a newer committer
+/// generation, means "not committed, anchor next": the only safe reading, since this rank
+/// cannot know which of its copies readers have. A committer that is alive but done with the
+/// step (its outcome write failed, or it never committed it) stops naming it, so the ranks
+/// give up within the first window, as before.
 async fn wait_outcome(
     bucket: &Bucket,
     trust: &TrustSet,
@@ -1111,8 +1114,8 @@ async fn wait_outcome(
                 if newer != g {
                     return StepOutcome::aborted(step, format!("a new committer (generation {newer}) took over"), true);
                 }
-                // Still at work (an anchor's gather and encode): wait on.
-                if renewed.is_some_and(|r| lease.renewed_at_ms > r) {
+                // Still at work on this step (an anchor's gather and encode): wait on.
+                if renewed.is_some_and(|r| lease.renewed_at_ms > r) && lease.committing == Some(step) {
                     deadline = (Instant::now() + window).min(cap).max(deadline);
                 }
                 renewed = renewed.max(Some(lease.renewed_at_ms));
@@ -1132,6 +1135,7 @@ async fn commit(
     (step, world_size, timeout): (u64, u64, Duration),
 ) -> (StepOutcome, Option<LaterAnchor>) {
     let ctx = &c.ctx;
+    ctx.shared.update(|s| s.committing = Some(step));
     let (mut outcome, later) = match try_commit(cfg, ctx, &c.trust, (step, world_size, timeout), &c.committed).await {
         Ok(r) => r,
         Err((reason, next_anchor)) => (StepOutcome::aborted(step, reason, next_anchor), None),
@@ -1157,6 +1161,7 @@ async fn commit(
         (later, dropped)
     };
     write_outcome(cfg, ctx, &outcome).await;
+    ctx.shared.update(|s| s.committing = None);
     if let Some(d) = dropped {
         info!(step, "an anchor is being gathered; this step's slices are not: removed");
         remove_slices(ctx, &d.anchor).await;
@@ -1224,15 +1229,17 @@ async fn try_commit(
     let mut parts = Vec::with_capacity(names.len());
     let mut shas = Vec::with_capacity(names.len());
     let mut total = 0u64;
-    // Fetched `conc` at a time, taken in rank order (a group of 1,024 ranks read one by one
-    // costs a thousand round trips per step); at most `conc` manifests wait beyond the bound.
+    // Fetched several at a time, taken in rank order (a group of 1,024 ranks read one by one
+    // costs a thousand round trips per step). In flight beyond the bound: at most as many
+    // manifests as the bound itself holds at their largest, so the memory stays within twice it.
     let conc = bucket.options().concurrency.max(1);
+    let in_flight = conc.min((MAX_PARTS_BYTES / manifest::MAX_MANIFEST_BYTES as u64).max(1) as usize);
     let mut fetched = futures::stream::iter(&names)
         .map(|(&r, n)| async move {
             let key = layout::object(StepKind::Delta, step, n);
             (r, n, bucket.get_limited(&key, manifest::MAX_MANIFEST_BYTES as u64).await)
         })
-        .buffered(conc);
+        .buffered(in_flight);
     while let Some((r, n, b)) = fetched.next().await {
         let b = b.map_err(store)?;
         total += b.len() as u64;
@@ -1411,7 +1418,10 @@ async fn try_commit(
         }
         StepKind::Delta if a.parts.iter().any(|p| p.slices.is_some()) => {
             warn!(step, "only some parts carry slices; no anchor of this step");
-            remove_slices(ctx, &a).await;
+            // In the background: the outcome the ranks wait for does not wait for the deletes.
+            let keys = slice_keys(&a);
+            let bucket = ctx.bucket.clone();
+            tokio::spawn(async move { delete_all(&bucket, keys).await });
             None
         }
         _ => None,
@@ -1453,11 +1463,27 @@ async fn commit_anchor(cfg: &PublisherBuilder, ctx: &Ctx, a: &AnchorParts) -> st
 /// given up on while its delta is committed, they serve nothing, and GC would only remove
 /// them with the step (a model's worth per attempt, kept for the whole retention).
 async fn remove_slices(ctx: &Ctx, a: &AnchorParts) {
-    for p in &a.parts {
-        if let Some(s) = &p.slices {
-            let _ = ctx.bucket.delete(&layout::object(StepKind::Delta, a.step, &s.object)).await;
-        }
-    }
+    delete_all(&ctx.bucket, slice_keys(a)).await;
+}
+
+/// The keys of the ranks' slice objects of a step.
+fn slice_keys(a: &AnchorParts) -> Vec<String> {
+    a.parts
+        .iter()
+        .filter_map(|p| p.slices.as_ref())
+        .map(|s| layout::object(StepKind::Delta, a.step, &s.object))
+        .collect()
+}
+
+/// Deletes `keys`, `concurrency` at a time (best effort: GC collects what is left once this
+/// generation's lease lapses).
+async fn delete_all(bucket: &Bucket, keys: Vec<String>) {
+    let conc = bucket.options().concurrency.max(1);
+    futures::stream::iter(keys)
+        .for_each_concurrent(conc, |k| async move {
+            let _ = bucket.delete(&k).await;
+        })
+        .await;
 }
 
 /// Bounds on what a part declares, checked before anything it names is fetched: every run

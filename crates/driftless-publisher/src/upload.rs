@@ -70,6 +70,8 @@ pub(crate) struct State {
     pub(crate) conflict: Option<(u64, String)>,
     /// Until when the lease is known to be live (last successful renewal + TTL).
     pub(crate) lease_until: Option<Instant>,
+    /// The step a sharded committer is committing now (announced in its lease renewals).
+    pub(crate) committing: Option<u64>,
 }
 
 #[derive(Debug, Default)]
@@ -345,10 +347,21 @@ pub struct Lease {
     /// step. The other ranks of the group find their generation by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub world_size: Option<u64>,
+    /// Set by a sharded committer while it commits a step (renewals carry it): the other
+    /// ranks wait for that step's outcome past their first deadline only while a renewed
+    /// lease names the step (an anchor step's gather and encode can take many minutes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub committing: Option<u64>,
 }
 
 /// The lease object of `generation`, renewed now.
-pub(crate) fn lease_bytes(stream_id: &str, generation: u64, ttl: Duration, world_size: Option<u64>) -> Bytes {
+pub(crate) fn lease_bytes(
+    stream_id: &str,
+    generation: u64,
+    ttl: Duration,
+    world_size: Option<u64>,
+    committing: Option<u64>,
+) -> Bytes {
     let l = Lease {
         kind: "lease".into(),
         stream_id: stream_id.to_string(),
@@ -357,13 +370,15 @@ pub(crate) fn lease_bytes(stream_id: &str, generation: u64, ttl: Duration, world
         renewed_at_ms: now_ms(),
         ttl_ms: ttl.as_millis() as u64,
         world_size,
+        committing,
     };
     Bytes::from(serde_json::to_vec(&l).expect("lease serializes"))
 }
 
 impl Ctx {
     pub(crate) fn lease_bytes(&self) -> Bytes {
-        lease_bytes(&self.stream_id, self.generation, self.lease_ttl, self.world_size)
+        let committing = self.shared.state.lock().map(|s| s.committing).unwrap_or(None);
+        lease_bytes(&self.stream_id, self.generation, self.lease_ttl, self.world_size, committing)
     }
 
     /// Fails unless this generation's lease is live (renewed within its TTL, with a margin of

@@ -1472,3 +1472,31 @@ fn a_slow_anchor_commit_is_waited_for_while_the_committer_renews_its_lease() {
     assert!(o2.committed && o2.of == Some(StepKind::Delta), "{o2:?}");
     assert!(p1.flush().unwrap().committed);
 }
+
+/// The committer is alive but done with a step whose outcome it could not write: found by
+/// review, the other ranks kept waiting (for up to 6 hours) because its lease kept being
+/// renewed. They wait on only while the renewed lease names the step being committed: rank 1
+/// gives up at its first deadline, as when the committer is dead.
+#[test]
+fn a_lost_outcome_is_given_up_on_at_the_first_deadline() {
+    let be = backends("sharded-lost-outcome", false).into_iter().next().expect("memory");
+    let timeout = Duration::from_secs(1);
+    let ((f0, mut p0), (_f1, mut p1)) = sharded_pair(&be, timeout, 50);
+    let c = chain();
+    f0.inject(FaultOp::Put, "outcome.json", 1000, FaultKind::Permanent);
+    rank_publish("lost", &mut p0, &c, 0, 1);
+    rank_publish("lost", &mut p1, &c, 1, 1);
+    assert!(p0.flush().unwrap().committed);
+    let t = std::time::Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let r = p1.flush().map(|o| o.committed).map_err(|e| e.to_string());
+        tx.send(r).unwrap();
+        p1
+    });
+    let r = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("rank 1 still waits after 60 s"));
+    let e = r.expect_err("no outcome: rank 1 cannot know the step was committed");
+    assert!(e.contains("no outcome from the committer in time"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(45), "{:?}", t.elapsed());
+    drop(waiter.join().unwrap());
+}
