@@ -512,14 +512,31 @@ fn watch_survives_a_bucket_outage_and_publishes_the_newest_step() {
     let a = run.agent("agent");
     assert_eq!(a["data"]["step"].as_u64(), Some(s4));
     assert_eq!(a["data"]["root"].as_str().unwrap(), run.roots[s4 as usize - 1].to_hex());
-    // SIGTERM: stops cleanly between steps.
+    // A second outage, and SIGTERM while waiting to publish the failed step again: not a clean
+    // stop (it exited 0, so a supervisor never restarted it and the newest checkpoint never
+    // reached the bucket; found by review). Exit 2, saying so. (A SIGTERM between steps is a
+    // clean stop: cli.rs.)
+    proxy.set(Rules { fail_writes: true, ..Rules::default() });
+    let (s5, _) = run.next_checkpoint();
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&log).unwrap_or_default().matches("this looks temporary").count() < 3 {
+        assert!(t0.elapsed() < Duration::from_secs(90), "no retry warning during the second outage");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // SAFETY: plain kill(2) of our own child process.
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
     }
     let st = child.wait().unwrap();
     guard.0 = None;
-    assert!(st.success(), "publish --watch after SIGTERM: {st:?}: {}", std::fs::read_to_string(&log).unwrap());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(st.code(), Some(2), "publish --watch stopped with step {s5} unpublished: {st:?}: {text}");
+    // Almost always in the backoff wait; a signal that lands in the retry itself ends with
+    // that try's error instead.
+    match text.lines().rev().find(|l| l.contains("while waiting to retry")) {
+        Some(l) => assert!(l.contains("NOT published") && l.contains(&format!("is {s4})")), "{text}"),
+        None => assert!(text.lines().last().unwrap_or_default().starts_with("driftless: error:"), "{text}"),
+    }
 }
 
 /// `driftless publish --step` of a step whose delta marker cannot be written (every PUT of it

@@ -118,13 +118,14 @@ pub fn run(a: Args) -> Result<()> {
             std::thread::sleep(Duration::from_millis(100));
         }
         if let Some(sig) = stop::requested() {
-            // As for a signal between steps: a clean stop (exit 0). What failed was not
-            // committed unless the bucket says so; the next run resumes from the bucket.
+            // Not a clean stop: the step that failed is not in the bucket (unless a lost
+            // response hid its commit), so a supervisor must see a failure (exit 2) and start
+            // the follower again; the next run resumes from the bucket.
             match last_done {
-                Some(s) => eprintln!("driftless publish: {sig} while waiting to retry; stopped (the last step this run published is {s})"),
-                None => eprintln!("driftless publish: {sig} while waiting to retry; stopped (this run published no step)"),
+                Some(s) => eprintln!("driftless publish: {sig} while waiting to retry; stopped with the failed step NOT published (the last step this run published is {s})"),
+                None => eprintln!("driftless publish: {sig} while waiting to retry; stopped with the failed step NOT published (this run published no step)"),
             }
-            return Ok(());
+            return Err(e);
         }
         backoff = (backoff * 2).min(RETRY_MAX);
     }
