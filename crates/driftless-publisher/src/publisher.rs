@@ -953,7 +953,13 @@ impl Publisher {
             }
             let views = p.views();
             info!(step = p.step, "publishing the coalesced newest step");
-            self.publish_with_layout(p.step, &views, &p.layout)?;
+            let r = self.publish_with_layout(p.step, &views, &p.layout);
+            drop(views);
+            if r.is_err() {
+                // Still the newest weights: the next `flush` tries again.
+                self.pending = Some(p);
+            }
+            r?;
         }
         let r = self.wait();
         let Some(step) = self.newest_lost() else {
@@ -1116,6 +1122,13 @@ impl Publisher {
         r
     }
 
+    /// Stops at once, without flushing: steps not committed yet are not published (what they
+    /// wrote is an incomplete step GC removes), as if the process had died. For a trainer torn
+    /// down in a hurry; dropping the publisher flushes instead.
+    pub fn abort(mut self) {
+        self.shutdown();
+    }
+
     fn shutdown(&mut self) {
         // A delta still encoding sends its job on the runtime's channel: let it finish first.
         if let Some(h) = self.encoding.take() {
@@ -1152,7 +1165,19 @@ impl Publisher {
 }
 
 impl Drop for Publisher {
+    /// Dropped without [`Publisher::close`] (a script that ends, an exception, a publisher
+    /// replaced): the steps still queued are flushed first, as `close` would (it cancelled
+    /// their uploads, silently). What still did not reach the bucket is said on stderr, where a
+    /// trainer's operator sees it whatever logging is set up: nothing else can report it.
     fn drop(&mut self) {
+        if self.rt.is_some() && self.tx.is_some() {
+            if let Err(e) = self.flush() {
+                tracing::error!(error = %e, "publisher dropped without close: the newest step did not reach the bucket");
+                let newest = self.last_step.max(self.pending.as_ref().map(|p| p.step));
+                let step = newest.map_or_else(|| "the newest step".to_string(), |s| format!("step {s}"));
+                eprintln!("driftless: publisher dropped without close(): {step} was NOT published: {e}");
+            }
+        }
         self.shutdown();
     }
 }

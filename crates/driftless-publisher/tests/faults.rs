@@ -711,7 +711,7 @@ fn trainer_killed_between_manifest_and_marker_republishes_the_step() {
                 assert!(std::time::Instant::now() < deadline, "{ctx}: manifest of step 5 never written");
                 std::thread::sleep(Duration::from_millis(10));
             }
-            drop(p); // killed
+            p.abort(); // killed (dropping it would flush)
         }
         let (_, bucket) = be.bucket();
         let s = scan(&bucket, &trust());
@@ -772,7 +772,8 @@ fn killed_during_an_anchor_upload_leaves_no_ready_anchor() {
         let c = chain();
         p.publish(0, &c.views()).unwrap();
         std::thread::sleep(Duration::from_millis(100));
-        drop(p);
+        // As a death: no flush (dropping the publisher would flush and commit the anchor).
+        p.abort();
         let (_, bucket) = be.bucket();
         let s = scan(&bucket, &trust());
         assert!(s.ready_anchors.is_empty() && s.ready_deltas.is_empty(), "{}: {s:?}", be.name);

@@ -20,6 +20,9 @@ exposing the buffer protocol (NumPy, including ``ml_dtypes.bfloat16``) or ``__dl
 
 from __future__ import annotations
 
+import atexit
+import sys
+import weakref
 from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 from . import _native
@@ -40,6 +43,39 @@ __version__ = _native.__version__
 
 generate_key = _native.generate_key
 public_key = _native.public_key
+
+
+# Publishers not closed yet: closed at interpreter exit, while the background threads still
+# run (a script that ends without close() lost its last steps, silently).
+_open_publishers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_publishers() -> None:
+    for p in list(_open_publishers):
+        try:
+            if not getattr(p, "closed", False):
+                p.close()  # idempotent
+        except Exception as e:  # nothing else can report it now
+            print(f"driftless: at exit, a {type(p).__name__} that was not closed could not publish its last "
+                  f"steps: they were NOT published: {e}", file=sys.stderr)
+
+
+def _close_on_exit(pub: Any, exc: Optional[BaseException]) -> None:
+    """``__exit__`` of a publisher: closes it. A failed close is never silent: raised when the
+    block ended normally, or by ``SystemExit``/``KeyboardInterrupt`` (chained to them, so the
+    process does not end with a success status while its newest steps are not in the bucket);
+    added as a note to an exception of the block (which stays the one raised)."""
+    try:
+        pub.close()
+    except DriftlessError as e:
+        if exc is None or not isinstance(exc, Exception):
+            raise e from exc
+        note = f"driftless: closing the {type(pub).__name__} failed too; its newest steps may NOT be published: {e}"
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        else:
+            print(note, file=sys.stderr)
 
 
 class Publisher(_native.Publisher):
@@ -65,8 +101,15 @@ class Publisher(_native.Publisher):
         max_shard_bytes: largest shard file of the checkpoint layout (default 2 GiB).
 
     ``publish`` returns once the step is diffed and encoded; uploads run on background
-    threads. Use as a context manager, or call :meth:`close`, so the last steps are uploaded.
+    threads. Use as a context manager, or call :meth:`close`, so the last steps are uploaded
+    and a failure is raised. A publisher that is garbage-collected, or still open when the
+    interpreter exits, is flushed then (a failure is printed on stderr). A process killed by a
+    signal Python does not handle (SIGTERM's default) runs neither: install a handler that
+    raises ``SystemExit``, e.g. ``signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))``.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _open_publishers.add(self)
 
     def publish(self, step: int, tensors: Mapping[str, Any]) -> Dict[str, Any]:
         """Publishes the weights of ``step`` (strictly increasing).
@@ -112,14 +155,7 @@ class Publisher(_native.Publisher):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            # Do not mask the body's exception with an upload error.
-            try:
-                self.close()
-            except DriftlessError:
-                pass
+        _close_on_exit(self, exc)
 
     def __repr__(self) -> str:
         if self.closed:
@@ -293,8 +329,12 @@ class ShardedPublisher(_native.ShardedPublisher):
         spool_dir, max_shard_bytes: as for :class:`Publisher` (stream creation is rank 0's).
 
     Rank 0 creates the stream and takes a publisher generation; the other ranks wait up to
-    ``commit_timeout`` for both. See ``docs/sharded.md`` for the protocol.
+    ``commit_timeout`` for both. See ``docs/sharded.md`` for the protocol. Closed at exit
+    when still open, as :class:`Publisher` is.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _open_publishers.add(self)
 
     def publish(self, step: int, shards: Mapping[str, Dict[str, Any]]) -> Dict[str, Any]:
         """Publishes this rank's shards of ``step`` (strictly increasing, the same step on
@@ -344,11 +384,7 @@ class ShardedPublisher(_native.ShardedPublisher):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            self.close()
-        except DriftlessError:
-            if exc_type is None:
-                raise
+        _close_on_exit(self, exc)
 
 
 _WIDTH = {

@@ -162,6 +162,21 @@ class PublishHook:
         if self.on_receipt is not None:
             self.on_receipt(r)
 
+    def finish(self) -> Optional[Dict[str, Any]]:
+        """Publishes the current weights when optimizer steps ran since the last publish
+        (with ``every > 1`` the last ones of a run usually did), so that the final weights
+        reach the bucket; call it at the end of training, before the publisher's ``close``.
+        Returns the receipt, or None when the newest weights were already published."""
+        if self._calls % self.every == 0:
+            return None
+        self._calls = 0
+        weights = self.view.shards() if isinstance(self.view, ShardedBF16View) else self.view.tensors()
+        r = self.publisher.publish(self.step, weights)
+        self.step += 1
+        if self.on_receipt is not None:
+            self.on_receipt(r)
+        return r
+
     def remove(self) -> None:
         """Detaches the hook from the optimizer."""
         if self._handle is not None:

@@ -1,0 +1,152 @@
+"""The newest weights reach the bucket, or the trainer is told, however a publisher ends:
+closed, dropped without close, still open at interpreter exit, or left through an exception
+or ``sys.exit`` (found by review: the last three lost the newest steps silently)."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import driftless
+from conftest import BF16, bits
+
+# Large enough that a step's delta is still encoding or uploading when the publisher goes.
+SHAPE = (4096, 4096)  # 32 MiB of BF16
+
+
+def _steps(n, seed=5):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(SHAPE, np.float32) * 0.02).astype(BF16)
+    out = [x.copy()]
+    for _ in range(n - 1):
+        u = bits(x).copy()
+        idx = rng.choice(u.size, u.size // 100, replace=False)
+        u.reshape(-1)[idx] ^= 1
+        x = u.view(BF16)
+        out.append(x.copy())
+    return out
+
+
+def _follower_has(url, public, step, want):
+    f = driftless.Follower(url, trusted_keys=[public])
+    assert f.poll() == step
+    arrays = {"w": np.zeros(SHAPE, BF16)}
+    assert f.apply_to(arrays)["step"] == step
+    assert np.array_equal(bits(arrays["w"]), bits(want))
+
+
+def test_a_publisher_dropped_without_close_flushes_its_steps(file_bucket, keys):
+    url, _ = file_bucket
+    private, public = keys
+    steps = _steps(3)
+    pub = driftless.Publisher(url, signing_key=private, anchor_every=100)
+    for s, x in enumerate(steps):
+        pub.publish(s, {"w": x})
+    del pub
+    gc.collect()
+    _follower_has(url, public, 2, steps[2])
+
+
+SCRIPT = """
+import os, sys
+import numpy as np
+import ml_dtypes
+import driftless
+
+url, key, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+rng = np.random.default_rng(5)
+x = (rng.standard_normal((4096, 4096), np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+
+def step(s):
+    u = x.view(np.uint16).copy()
+    u.reshape(-1)[rng.choice(u.size, u.size // 100, replace=False)] ^= 1
+    return u.view(ml_dtypes.bfloat16)
+
+def block_step_2():
+    # Every write of step 2 fails: a path component of its objects is a file.
+    root = url.removeprefix("file://")
+    for k in ("deltas", "anchors"):
+        os.makedirs(f"{root}/{k}", exist_ok=True)
+        open(f"{root}/{k}/000000000002", "w").close()
+
+if mode == "no_close":
+    pub = driftless.Publisher(url, signing_key=key, anchor_every=100)
+    for s in range(3):
+        pub.publish(s, {"w": step(s)})
+    print("script done", flush=True)
+elif mode in ("exit_0", "error"):
+    with driftless.Publisher(url, signing_key=key, anchor_every=100, max_retries=0, retry_timeout=1) as pub:
+        for s in range(3):
+            if s == 2:
+                block_step_2()
+            pub.publish(s, {"w": step(s)})
+        if mode == "exit_0":
+            sys.exit(0)
+        raise RuntimeError("the trainer failed")
+"""
+
+
+def _run(tmp_path, url, private, mode):
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    return subprocess.run([sys.executable, str(script), url, private, mode], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+
+
+def test_a_script_that_ends_without_close_publishes_its_last_step(file_bucket, keys, tmp_path):
+    url, _ = file_bucket
+    private, public = keys
+    r = _run(tmp_path, url, private, "no_close")
+    assert r.returncode == 0, r.stderr
+    assert driftless.Follower(url, trusted_keys=[public]).poll() == 2, r.stderr
+
+
+def test_sys_exit_with_the_newest_step_unpublished_is_not_a_success(file_bucket, keys, tmp_path):
+    url, _ = file_bucket
+    private, public = keys
+    r = _run(tmp_path, url, private, "exit_0")
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "RetryableError" in r.stderr and "step 2" in r.stderr, r.stderr
+    assert driftless.Follower(url, trusted_keys=[public]).poll() == 1
+
+
+def test_an_exception_of_the_block_carries_the_failed_close(file_bucket, keys, tmp_path):
+    url, _ = file_bucket
+    private, _ = keys
+    r = _run(tmp_path, url, private, "error")
+    assert r.returncode == 1, r.stderr
+    # The trainer's own exception is the one raised, with a note that step 2 is not published.
+    assert "RuntimeError: the trainer failed" in r.stderr, r.stderr
+    assert "closing the Publisher failed too; its newest steps may NOT be published" in r.stderr, r.stderr
+
+
+def test_the_torch_hook_publishes_the_final_weights_on_finish(file_bucket, keys):
+    """``every=3`` over 7 optimizer steps publishes after steps 3 and 6; ``finish`` publishes
+    the weights of step 7 (the hook's view is a stand-in: torch is not installed in CI)."""
+    from driftless.torch import PublishHook
+
+    url, _ = file_bucket
+    private, public = keys
+    weights = _steps(8, seed=9)
+
+    class View:  # what BF16View.tensors() returns, from a list of weights
+        now = 0
+
+        def tensors(self):
+            return {"w": weights[self.now]}
+
+    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+        hook = PublishHook.__new__(PublishHook)
+        hook.publisher, hook.view, hook.every, hook.step = pub, View(), 3, 0
+        hook.on_receipt, hook._calls, hook._handle = None, 0, None
+        for t in range(1, 8):
+            hook.view.now = t
+            hook()
+        assert hook.step == 2  # published weights of optimizer steps 3 and 6
+        assert hook.finish()["step"] == 2
+        assert hook.finish() is None
+    _follower_has(url, public, 2, weights[7])
