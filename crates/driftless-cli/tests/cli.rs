@@ -225,7 +225,7 @@ fn agent_config_file_and_precedence() {
 fn publish_watch_follows_a_directory() {
     let t = tempfile::tempdir().unwrap();
     let p = |s: &str| t.path().join(s);
-    let (url, chain) = watched_dir(t.path(), 1 << 20, 6, 4);
+    let (url, mut chain) = watched_dir(t.path(), 1 << 20, 6, 4);
     // A checkpoint still being written: a truncated file.
     std::fs::create_dir_all(p("ckpts/step_4")).unwrap();
     std::fs::write(p("ckpts/step_4/model.safetensors"), b"\x10\x00\x00").unwrap();
@@ -244,6 +244,7 @@ fn publish_watch_follows_a_directory() {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, [0, 1, 2, 3]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("(step 4) is not a complete checkpoint yet: not published"));
     // The state of a --watch entry links its files (no copy per step).
     {
         use std::os::unix::fs::MetadataExt;
@@ -275,6 +276,35 @@ fn publish_watch_follows_a_directory() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(o.stdout.is_empty());
+    // Step 4 never completes (its trainer crashed while writing it) and step 5 is complete:
+    // step 4 is skipped with a warning (it blocked every newer step, silently), step 5 is
+    // published and reaches the agent.
+    chain.step();
+    write(&chain, &p("ckpts/step_5"), 1 << 30);
+    let o = bin()
+        .args(["publish", "--json", "--once", "--bucket", &url, "--watch"])
+        .arg(p("ckpts"))
+        .arg("--state")
+        .arg(p("pstate"))
+        .arg("--key")
+        .arg(p("key"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("(step 4) is not a complete checkpoint while step 5 is: skipping step 4"), "{err}");
+    let o = bin()
+        .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
+        .arg(p("key.pub"))
+        .arg("--dir")
+        .arg(p("agent"))
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let got = Checkpoint::open(p("agent/current")).unwrap();
+    for w in chain.views() {
+        assert!(got.views().iter().any(|g| g.name == w.name && g.data == w.data), "{} differs at step 5", w.name);
+    }
 }
 
 /// `--watch` publishes only complete checkpoints (issue 10.5): a multi-shard directory whose

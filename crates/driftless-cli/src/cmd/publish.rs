@@ -244,16 +244,37 @@ fn follow(
             .filter_map(|e| Some((step_of(&e.file_name().to_string_lossy(), &a.pattern)?, e.path())))
             .collect();
         steps.sort();
-        for (s, path) in steps {
+        for (i, (s, path)) in steps.iter().enumerate() {
+            let (s, path) = (*s, path.as_path());
             if p.status().last_published.is_some_and(|l| s <= l) || state::load(&a.state).is_some_and(|(l, _)| s <= l) {
                 continue;
             }
-            if !complete(&path, a.complete_file.as_deref()) {
-                break;
+            if !complete(path, a.complete_file.as_deref()) {
+                // Still being written, or never to be complete (a trainer that crashed while
+                // writing it): once a newer step is complete, this one is skipped, with a
+                // warning (it waited forever, silently, and so did every newer step).
+                match steps[i + 1..].iter().find(|(_, q)| complete(q, a.complete_file.as_deref())) {
+                    Some((t, _)) => {
+                        eprintln!(
+                            "driftless publish: warning: {} (step {s}) is not a complete checkpoint while step {t} is: skipping step {s}",
+                            path.display()
+                        );
+                        continue;
+                    }
+                    None => {
+                        if a.once {
+                            eprintln!(
+                                "driftless publish: warning: {} (step {s}) is not a complete checkpoint yet: not published",
+                                path.display()
+                            );
+                        }
+                        break;
+                    }
+                }
             }
             // A signal during `publish_one` lets the step finish (publish, upload, marker);
             // it is acted on here, between steps.
-            publish_one(a, p, s, &path, published)?;
+            publish_one(a, p, s, path, published)?;
             *last_done = Some(s);
             if stop::requested().is_some() {
                 break;
