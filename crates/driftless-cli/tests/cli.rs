@@ -915,3 +915,88 @@ fn agent_once_on_a_typo_d_file_url_creates_nothing() {
     assert!(one_error(&err).contains("not published yet, or a wrong URL"), "{err}");
     assert!(err.contains("retrying may help"), "{err}");
 }
+
+/// `publish --step N CKPT` while the trainer rewrites CKPT in place (its next save into the
+/// same directory): found by review, the step was published from bytes of two checkpoints (a
+/// delta of a mix no trainer step had; an anchor signed over a first read that differed from
+/// what it encoded, which agents refused). Now CKPT is copied first and checked unchanged by
+/// the copy: while it keeps changing the step is refused, nothing published; once it is
+/// still, the step published is exactly one of the checkpoints written.
+#[test]
+fn publish_step_of_a_checkpoint_rewritten_in_place_publishes_one_checkpoint_or_nothing() {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let url = format!("file://{}", p("bucket").display());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(8 << 20), 1e-6, 17);
+    let publish = |step: &str| {
+        bin()
+            .args(["publish", "--bucket", &url, "--step", step, "--state"])
+            .arg(p("pstate"))
+            .arg("--key")
+            .arg(p("key"))
+            .arg(p("ck"))
+            .output()
+            .unwrap()
+    };
+    write(&chain, &p("ck"), 1 << 30);
+    assert!(publish("0").status.success());
+    // Two later checkpoints of the same layout (same file size): the trainer's writes.
+    let mut versions = vec![];
+    for name in ["b", "c"] {
+        chain.step();
+        write(&chain, &p(name), 1 << 30);
+        versions.push(std::fs::read(p(name).join("model.safetensors")).unwrap());
+    }
+    let roots: Vec<String> = ["b", "c"]
+        .iter()
+        .map(|n| {
+            let o = bin().arg("hash").arg(p(n)).output().unwrap();
+            String::from_utf8_lossy(&o.stdout).trim().to_string()
+        })
+        .collect();
+    let target = p("ck/model.safetensors");
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Rewrites the file in place, alternating the two checkpoints, in 1 MiB writes.
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let mut f = std::fs::OpenOptions::new().write(true).open(&target).unwrap();
+                for c in versions[i % 2].chunks(1 << 20) {
+                    f.write_all(c).unwrap();
+                }
+                i += 1;
+            }
+        });
+        let o = publish("1");
+        stop.store(true, Ordering::Relaxed);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "published while the file changed: {err}");
+        assert!(err.contains("changed while it was read, three times"), "{err}");
+    });
+    // Nothing of step 1 is ready: the agent gets step 0.
+    let agent = || {
+        let o = bin()
+            .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
+            .arg(p("key.pub"))
+            .arg("--dir")
+            .arg(p("agent"))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["data"].clone()
+    };
+    assert_eq!(agent()["step"], 0);
+    // The trainer is done writing: step 1 is the checkpoint it last wrote, bit for bit.
+    let o = publish("1");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got = agent();
+    assert_eq!(got["step"], 1);
+    let last = std::fs::read(&target).unwrap();
+    let want = if last == versions[0] { &roots[0] } else { &roots[1] };
+    assert!(last == versions[0] || last == versions[1]);
+    assert_eq!(got["root"].as_str().unwrap(), want);
+}

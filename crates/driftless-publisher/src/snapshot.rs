@@ -16,10 +16,14 @@ pub(crate) struct Snapshot {
 }
 
 impl Snapshot {
-    /// Copies views (in layout order) into a snapshot and hashes them.
+    /// Copies views (in layout order) into a snapshot and hashes the copy: the root is that of
+    /// the bytes encoded, even when the views change under the call (a checkpoint file
+    /// rewritten while it is read), never of a first read that differs from them.
     pub(crate) fn copy_from(step: u64, layout: Layout, views: &[TensorView<'_>]) -> Snapshot {
-        let (digests, root) = driftless_format::weights_root(views);
-        Snapshot::copy_hashed(step, layout, views, digests, root)
+        use rayon::prelude::*;
+        let tensors: Vec<(TensorMeta, Vec<u8>)> = views.par_iter().map(|v| (v.meta(), v.data.to_vec())).collect();
+        let (digests, root) = driftless_format::weights_root(&views_of(&tensors));
+        Snapshot { step, layout, tensors, root: Some(root), digests }
     }
 
     /// Copies views (in layout order) whose tensor digests and root are already known (a

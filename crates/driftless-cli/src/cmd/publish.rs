@@ -165,11 +165,38 @@ fn open(a: &Args) -> Result<driftless_publisher::Publisher> {
 }
 
 /// Publishes one checkpoint, waits for its uploads, saves the state and prints the summary.
+///
+/// A `--step` CKPT may be a path the trainer rewrites in place (the next save into the same
+/// directory, a truncate): read while it changed, it published bytes of two checkpoints (an
+/// anchor even signed over a first read that differed from what it encoded, which every agent
+/// refused), or died of SIGBUS. So it is first copied into the state directory, checked
+/// unchanged by the copy (`state::stage`), and published from that copy, which then becomes
+/// the saved state (hard links, no second copy). A `--watch` entry is a new directory per step
+/// that the trainer does not rewrite: read where it is.
 fn publish_one(
     a: &Args,
     p: &mut driftless_publisher::Publisher,
     step: u64,
     ckpt: &Path,
+    published: &mut u64,
+) -> Result<()> {
+    let staged = match a.watch {
+        None => Some(state::stage(&a.state, step, ckpt)?),
+        Some(_) => None,
+    };
+    let r = publish_from(a, p, step, staged.as_deref().unwrap_or(ckpt), staged.is_some(), published);
+    if let Some(d) = &staged {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    r
+}
+
+fn publish_from(
+    a: &Args,
+    p: &mut driftless_publisher::Publisher,
+    step: u64,
+    ckpt: &Path,
+    staged: bool,
     published: &mut u64,
 ) -> Result<()> {
     let ck = super::open(ckpt)?;
@@ -199,11 +226,9 @@ fn publish_one(
     // Saved only once the step is committed: a crash before this leaves the previous
     // state, which `seed` brings forward from the bucket on the next run.
     if p.snapshot_step() == Some(step) {
-        // A --watch entry is a new directory per step that the trainer does not rewrite:
-        // its files are linked, not copied (1 GiB: 2 s of copy and sync per step saved).
-        // A --step CKPT may be a directory the trainer rewrites in place, which would
-        // change a linked copy under us: it is copied.
-        state::save(&a.state, step, ckpt, a.watch.is_some())?;
+        // Linked, not copied (1 GiB: 2 s of copy and sync per step saved): a --watch entry
+        // is not rewritten by the trainer, and a --step CKPT was published from its copy.
+        state::save(&a.state, step, ckpt, a.watch.is_some() || staged)?;
     }
     // The summary is the command's data: stdout. Progress and warnings go to stderr.
     let outcome = super::snake(&r.outcome);
@@ -392,6 +417,79 @@ mod state {
         (ok && p.is_dir()).then_some((s.step, p))
     }
 
+    /// Copies `ckpt` (a file, or a directory's files, symlinks followed) to `DIR/stage-STEP`
+    /// and checks every source unchanged by its copy (length, modification time, inode before
+    /// and after), trying three times: the copy is then one state of the checkpoint, whatever
+    /// the trainer does to CKPT meanwhile. Returns the copy (a directory).
+    pub fn stage(dir: &Path, step: u64, ckpt: &Path) -> Result<PathBuf> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let stage = dir.join(format!("stage-{step}"));
+        let stamp = |p: &Path| -> Result<(u64, i64, i64, u64)> {
+            use std::os::unix::fs::MetadataExt;
+            let m = std::fs::metadata(p).with_context(|| format!("reading {}", p.display()))?;
+            Ok((m.len(), m.mtime(), m.mtime_nsec(), m.ino()))
+        };
+        for attempt in 1..=3 {
+            let _ = std::fs::remove_dir_all(&stage);
+            std::fs::create_dir_all(&stage)?;
+            let files: Vec<(PathBuf, PathBuf)> = if ckpt.is_file() {
+                vec![(ckpt.to_path_buf(), stage.join("model.safetensors"))]
+            } else {
+                let mut v = vec![];
+                for e in std::fs::read_dir(ckpt).with_context(|| format!("reading {}", ckpt.display()))? {
+                    let e = e?;
+                    if std::fs::metadata(e.path()).is_ok_and(|m| m.is_file()) {
+                        v.push((e.path(), stage.join(e.file_name())));
+                    }
+                }
+                v
+            };
+            let mut changed = None;
+            for (src, dst) in &files {
+                let before = stamp(src)?;
+                std::fs::copy(src, dst).with_context(|| format!("copying {} to {}", src.display(), dst.display()))?;
+                // File times move in clock ticks (milliseconds): a write in the tick of the
+                // first stamp leaves them as they were. The copy is also compared with the
+                // file (one more read, from the page cache).
+                if stamp(src)? != before || !same_bytes(src, dst)? {
+                    changed = Some(src.clone());
+                    break;
+                }
+            }
+            let Some(f) = changed else { return Ok(stage) };
+            if attempt == 3 {
+                let _ = std::fs::remove_dir_all(&stage);
+                anyhow::bail!(
+                    "{} changed while it was read, three times (is the trainer still writing it?): step {step} was not published; publish a checkpoint once it is written",
+                    f.display()
+                );
+            }
+            eprintln!("driftless publish: warning: {} changed while it was read; reading it again", f.display());
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+        unreachable!("the loop returns")
+    }
+
+    /// Whether two files hold the same bytes (read in 1 MiB blocks).
+    fn same_bytes(a: &Path, b: &Path) -> Result<bool> {
+        use std::io::Read;
+        let (mut fa, mut fb) = (std::fs::File::open(a)?, std::fs::File::open(b)?);
+        if fa.metadata()?.len() != fb.metadata()?.len() {
+            return Ok(false);
+        }
+        let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+        loop {
+            let n = fa.read(&mut ba)?;
+            if n == 0 {
+                return Ok(fb.read(&mut bb[..1])? == 0);
+            }
+            fb.read_exact(&mut bb[..n])?;
+            if ba[..n] != bb[..n] {
+                return Ok(false);
+            }
+        }
+    }
+
     /// Copies `ckpt` to `DIR/snap-STEP` (hard links when `link` and the filesystem allows;
     /// fsynced either way), points `state.json` at it (temp file, fsync, rename, fsync of
     /// DIR), then removes older copies.
@@ -401,8 +499,10 @@ mod state {
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp)?;
         let copy = |src: &Path, dst: &Path| -> Result<()> {
-            // Another filesystem, or one without links: copy.
-            if !link || std::fs::hard_link(src, dst).is_err() {
+            // Another filesystem, or one without links: copy. A symlink is copied (a link of
+            // the symlink itself could dangle).
+            let symlink = std::fs::symlink_metadata(src).is_ok_and(|m| m.file_type().is_symlink());
+            if !link || symlink || std::fs::hard_link(src, dst).is_err() {
                 std::fs::copy(src, dst).with_context(|| format!("saving {} to the state directory", src.display()))?;
             }
             std::fs::File::open(dst)?.sync_all()?;
@@ -413,7 +513,8 @@ mod state {
         } else {
             for e in std::fs::read_dir(ckpt)? {
                 let e = e?;
-                if e.metadata()?.is_file() {
+                // Symlinked shards (a Hugging Face cache) are followed: saved as files.
+                if std::fs::metadata(e.path())?.is_file() {
                     copy(&e.path(), &tmp.join(e.file_name()))?;
                 }
             }
@@ -432,7 +533,7 @@ mod state {
         // Older copies (and the layout of earlier versions) are no longer referenced.
         for e in std::fs::read_dir(dir)?.filter_map(|e| e.ok()) {
             let n = e.file_name().to_string_lossy().to_string();
-            if (n.starts_with("snap-") && n != name) || n == "last" || n == "last.step" {
+            if (n.starts_with("snap-") && n != name) || n.starts_with("stage-") || n == "last" || n == "last.step" {
                 let p = e.path();
                 let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
             }
