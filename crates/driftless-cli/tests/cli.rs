@@ -1000,3 +1000,46 @@ fn publish_step_of_a_checkpoint_rewritten_in_place_publishes_one_checkpoint_or_n
     assert!(last == versions[0] || last == versions[1]);
     assert_eq!(got["root"].as_str().unwrap(), want);
 }
+
+/// A step whose non-weight files changed ships them (found by review: the publisher was
+/// seeded with the new CKPT's files, so the change was never seen and agents kept the old
+/// `config.json`).
+#[test]
+fn publish_step_ships_changed_config_files() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let url = format!("file://{}", p("bucket").display());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-6, 3);
+    let publish = |step: &str| {
+        let o = bin()
+            .args(["publish", "--bucket", &url, "--step", step, "--state"])
+            .arg(p("pstate"))
+            .arg("--key")
+            .arg(p("key"))
+            .arg(p("ck"))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let agent = || {
+        let o = bin()
+            .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
+            .arg(p("key.pub"))
+            .arg("--dir")
+            .arg(p("agent"))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(p("agent/current/config.json")).unwrap()
+    };
+    write(&chain, &p("ck"), 1 << 30);
+    std::fs::write(p("ck/config.json"), r#"{"v": "A"}"#).unwrap();
+    publish("0");
+    assert_eq!(agent(), r#"{"v": "A"}"#);
+    chain.step();
+    write(&chain, &p("ck"), 1 << 30);
+    std::fs::write(p("ck/config.json"), r#"{"v": "B"}"#).unwrap();
+    publish("1");
+    assert_eq!(agent(), r#"{"v": "B"}"#);
+}

@@ -149,13 +149,20 @@ fn open(a: &Args) -> Result<driftless_publisher::Publisher> {
     if let Some(k) = key {
         b = b.with_key(k);
     }
-    if let Some(c) = a.ckpt.as_deref() {
-        b = b.with_extra_files(extra_files(c));
+    // The non-weight files of the last committed step (saved with it), so that a step whose
+    // files changed ships them (seeded from the new CKPT, a change was never seen: agents kept
+    // the old config.json), and a --watch restart does not take unchanged files for new ones
+    // (an extra anchor). Without a saved state: the CKPT's.
+    let saved = state::load(&a.state);
+    match (&saved, a.ckpt.as_deref()) {
+        (Some((_, dir)), _) => b = b.with_extra_files(extra_files(dir)),
+        (None, Some(c)) => b = b.with_extra_files(extra_files(c)),
+        (None, None) => {}
     }
     let mut p = b.build()?;
     // The publisher restarts with no snapshot in a new process: seed it from the saved copy,
     // which it checks against the bucket (and brings forward over steps committed after it).
-    if let Some((step, dir)) = state::load(&a.state) {
+    if let Some((step, dir)) = saved {
         match super::open(&dir).and_then(|ck| Ok(p.seed(step, &ck.views(), &stable_layout(&ck, &dir))?)) {
             Ok(()) => {}
             Err(e) => eprintln!("driftless publish: warning: {e:#}; the next step is published as an anchor"),
