@@ -305,6 +305,24 @@ fn publish_watch_follows_a_directory() {
     for w in chain.views() {
         assert!(got.views().iter().any(|g| g.name == w.name && g.data == w.data), "{} differs at step 5", w.name);
     }
+    // The same state directory with an empty bucket: the bucket decides what is published
+    // (the saved state's step 5 skipped steps 0-5 there, silently; found by review).
+    let url2 = format!("file://{}", p("bucket2").display());
+    let o = bin()
+        .args(["publish", "--json", "--once", "--bucket", &url2, "--watch"])
+        .arg(p("ckpts"))
+        .arg("--state")
+        .arg(p("pstate"))
+        .arg("--key")
+        .arg(p("key"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let steps: Vec<u64> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [0, 1, 2, 3, 5]);
 }
 
 /// `--watch` publishes only complete checkpoints (issue 10.5): a multi-shard directory whose

@@ -187,14 +187,11 @@ fn publish_one(
     ckpt: &Path,
     published: &mut u64,
 ) -> Result<()> {
-    let staged = match a.watch {
-        None => Some(state::stage(&a.state, step, ckpt)?),
-        Some(_) => None,
-    };
-    let r = publish_from(a, p, step, staged.as_deref().unwrap_or(ckpt), staged.is_some(), published);
-    if let Some(d) = &staged {
-        let _ = std::fs::remove_dir_all(d);
-    }
+    // A --watch entry is linked instead (the trainer does not rewrite it, but its retention
+    // may delete it while the step uploads: the links keep the files for the saved state).
+    let staged = state::stage(&a.state, step, ckpt, a.watch.is_some())?;
+    let r = publish_from(a, p, step, &staged, published);
+    let _ = std::fs::remove_dir_all(&staged);
     r
 }
 
@@ -203,7 +200,6 @@ fn publish_from(
     p: &mut driftless_publisher::Publisher,
     step: u64,
     ckpt: &Path,
-    staged: bool,
     published: &mut u64,
 ) -> Result<()> {
     let ck = super::open(ckpt)?;
@@ -233,9 +229,11 @@ fn publish_from(
     // Saved only once the step is committed: a crash before this leaves the previous
     // state, which `seed` brings forward from the bucket on the next run.
     if p.snapshot_step() == Some(step) {
-        // Linked, not copied (1 GiB: 2 s of copy and sync per step saved): a --watch entry
-        // is not rewritten by the trainer, and a --step CKPT was published from its copy.
-        state::save(&a.state, step, ckpt, a.watch.is_some() || staged)?;
+        // Linked from the staged copy (1 GiB: 2 s of copy and sync per step saved). The step
+        // is committed whatever happens here: a failure costs the next run an anchor.
+        if let Err(e) = state::save(&a.state, step, ckpt, true) {
+            eprintln!("driftless publish: warning: step {step} is published, but its state could not be saved ({e:#}); the next run publishes an anchor");
+        }
     }
     // The summary is the command's data: stdout. Progress and warnings go to stderr.
     let outcome = super::snake(&r.outcome);
@@ -278,7 +276,9 @@ fn follow(
         steps.sort();
         for (i, (s, path)) in steps.iter().enumerate() {
             let (s, path) = (*s, path.as_path());
-            if p.status().last_published.is_some_and(|l| s <= l) || state::load(&a.state).is_some_and(|(l, _)| s <= l) {
+            // The bucket's newest committed step decides (the publisher's numbering); a saved
+            // state of another bucket or an emptied prefix skipped steps the bucket lacks.
+            if p.status().last_published.is_some_and(|l| s <= l) {
                 continue;
             }
             if !complete(path, a.complete_file.as_deref()) {
@@ -426,9 +426,11 @@ mod state {
 
     /// Copies `ckpt` (a file, or a directory's files, symlinks followed) to `DIR/stage-STEP`
     /// and checks every source unchanged by its copy (length, modification time, inode before
-    /// and after), trying three times: the copy is then one state of the checkpoint, whatever
-    /// the trainer does to CKPT meanwhile. Returns the copy (a directory).
-    pub fn stage(dir: &Path, step: u64, ckpt: &Path) -> Result<PathBuf> {
+    /// and after, and the bytes), trying three times: the copy is then one state of the
+    /// checkpoint, whatever the trainer does to CKPT meanwhile. With `link`, files are hard
+    /// links where the filesystem allows (a checkpoint not rewritten in place). Returns the
+    /// copy (a directory).
+    pub fn stage(dir: &Path, step: u64, ckpt: &Path, link: bool) -> Result<PathBuf> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let stage = dir.join(format!("stage-{step}"));
         let stamp = |p: &Path| -> Result<(u64, i64, i64, u64)> {
@@ -453,6 +455,10 @@ mod state {
             };
             let mut changed = None;
             for (src, dst) in &files {
+                let symlink = std::fs::symlink_metadata(src).is_ok_and(|m| m.file_type().is_symlink());
+                if link && !symlink && std::fs::hard_link(src, dst).is_ok() {
+                    continue;
+                }
                 let before = stamp(src)?;
                 std::fs::copy(src, dst).with_context(|| format!("copying {} to {}", src.display(), dst.display()))?;
                 // File times move in clock ticks (milliseconds): a write in the tick of the
