@@ -1058,6 +1058,22 @@ fn publish_step_ships_changed_config_files() {
     chain.step();
     write(&chain, &p("ck"), 1 << 30);
     std::fs::write(p("ck/config.json"), r#"{"v": "B"}"#).unwrap();
-    publish("1");
+    // A log the trainer keeps appending to in the checkpoint directory, and a large file that
+    // is no part of the weights: neither is checked unchanged (that refused every publish).
+    std::fs::write(p("ck/optimizer.pt"), vec![0u8; 65 << 20]).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p("ck/events.log")).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                f.write_all(b"loss 0.1\n").unwrap();
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        });
+        publish("1");
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
     assert_eq!(agent(), r#"{"v": "B"}"#);
+    assert!(!p("pstate/snap-1/optimizer.pt").exists(), "a large non-weight file was saved with the state");
 }

@@ -1170,7 +1170,8 @@ impl Drop for Publisher {
     /// their uploads, silently). What still did not reach the bucket is said on stderr, where a
     /// trainer's operator sees it whatever logging is set up: nothing else can report it.
     fn drop(&mut self) {
-        if self.rt.is_some() && self.tx.is_some() {
+        // Not while a panic unwinds: the state it left may not be one to publish from.
+        if self.rt.is_some() && self.tx.is_some() && !std::thread::panicking() {
             if let Err(e) = self.flush() {
                 tracing::error!(error = %e, "publisher dropped without close: the newest step did not reach the bucket");
                 let newest = self.last_step.max(self.pending.as_ref().map(|p| p.step));

@@ -261,3 +261,14 @@ fn read_extra_files(obj: &Bound<'_, PyAny>) -> Result<Vec<(String, Vec<u8>)>, Bi
         })
         .collect()
 }
+
+impl Drop for PyPublisher {
+    /// A publisher garbage-collected without `close` flushes its queued steps (see the
+    /// publisher's own `Drop`): without the GIL, so that the rest of the interpreter runs
+    /// meanwhile (it froze every Python thread for the whole flush).
+    fn drop(&mut self) {
+        if let Some(p) = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            Python::with_gil(|py| py.allow_threads(move || drop(p)));
+        }
+    }
+}

@@ -72,7 +72,12 @@ pub fn run(a: Args) -> Result<()> {
     let mut published = 0u64;
     if let (Some(step), Some(ckpt)) = (a.step, a.ckpt.as_deref()) {
         let mut p = open(&a)?;
-        publish_one(&a, &mut p, step, ckpt, &mut published)?;
+        if let Err(e) = publish_one(&a, &mut p, step, ckpt, &mut published) {
+            // Already flushed and published again where it could be: no second round of
+            // retries on the way out (dropping the publisher would flush).
+            p.abort();
+            return Err(e);
+        }
         return Ok(p.close()?);
     }
     let Some(dir) = a.watch.clone() else { bail!("give --step N CKPT or --watch DIR") };
@@ -92,7 +97,14 @@ pub fn run(a: Args) -> Result<()> {
     let mut tries = 0;
     loop {
         let before = published;
-        let r = open(&a).and_then(|mut p| follow(&a, &dir, &mut p, &mut published, &mut last_done));
+        let r = open(&a).and_then(|mut p| match follow(&a, &dir, &mut p, &mut published, &mut last_done) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // The reopened publisher publishes the failed step again; no flush on the way.
+                p.abort();
+                Err(e)
+            }
+        });
         let e = match r {
             Ok(()) => return Ok(()),
             Err(e) => e,
@@ -433,30 +445,55 @@ mod state {
     pub fn stage(dir: &Path, step: u64, ckpt: &Path, link: bool) -> Result<PathBuf> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let stage = dir.join(format!("stage-{step}"));
+        let r = stage_into(&stage, step, ckpt, link);
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(&stage);
+        }
+        r.map(|()| stage)
+    }
+
+    /// Whether a file of a checkpoint is one the checkpoint's weights are read from (checked
+    /// unchanged by its copy), one shipped beside them as it is (copied), or neither (left
+    /// out: an optimizer state, a log still being written).
+    fn role(name: &str, len: u64) -> Option<bool> {
+        if name.ends_with(".safetensors") || name == driftless_format::checkpoint::INDEX_FILE {
+            Some(true)
+        } else {
+            (len < super::MAX_EXTRA_FILE).then_some(false)
+        }
+    }
+
+    fn stage_into(stage: &Path, step: u64, ckpt: &Path, link: bool) -> Result<()> {
         let stamp = |p: &Path| -> Result<(u64, i64, i64, u64)> {
             use std::os::unix::fs::MetadataExt;
             let m = std::fs::metadata(p).with_context(|| format!("reading {}", p.display()))?;
             Ok((m.len(), m.mtime(), m.mtime_nsec(), m.ino()))
         };
         for attempt in 1..=3 {
-            let _ = std::fs::remove_dir_all(&stage);
-            std::fs::create_dir_all(&stage)?;
-            let files: Vec<(PathBuf, PathBuf)> = if ckpt.is_file() {
-                vec![(ckpt.to_path_buf(), stage.join("model.safetensors"))]
+            let _ = std::fs::remove_dir_all(stage);
+            std::fs::create_dir_all(stage)?;
+            let files: Vec<(PathBuf, PathBuf, bool)> = if ckpt.is_file() {
+                vec![(ckpt.to_path_buf(), stage.join("model.safetensors"), true)]
             } else {
                 let mut v = vec![];
                 for e in std::fs::read_dir(ckpt).with_context(|| format!("reading {}", ckpt.display()))? {
                     let e = e?;
-                    if std::fs::metadata(e.path()).is_ok_and(|m| m.is_file()) {
-                        v.push((e.path(), stage.join(e.file_name())));
+                    let Ok(m) = std::fs::metadata(e.path()) else { continue };
+                    let name = e.file_name().to_string_lossy().to_string();
+                    if let Some(checked) = role(&name, m.len()).filter(|_| m.is_file()) {
+                        v.push((e.path(), stage.join(e.file_name()), checked));
                     }
                 }
                 v
             };
             let mut changed = None;
-            for (src, dst) in &files {
+            for (src, dst, checked) in &files {
                 let symlink = std::fs::symlink_metadata(src).is_ok_and(|m| m.file_type().is_symlink());
                 if link && !symlink && std::fs::hard_link(src, dst).is_ok() {
+                    continue;
+                }
+                if !checked {
+                    std::fs::copy(src, dst).with_context(|| format!("copying {}", src.display()))?;
                     continue;
                 }
                 let before = stamp(src)?;
@@ -469,9 +506,8 @@ mod state {
                     break;
                 }
             }
-            let Some(f) = changed else { return Ok(stage) };
+            let Some(f) = changed else { return Ok(()) };
             if attempt == 3 {
-                let _ = std::fs::remove_dir_all(&stage);
                 anyhow::bail!(
                     "{} changed while it was read, three times (is the trainer still writing it?): step {step} was not published; publish a checkpoint once it is written",
                     f.display()
@@ -546,7 +582,9 @@ mod state {
         // Older copies (and the layout of earlier versions) are no longer referenced.
         for e in std::fs::read_dir(dir)?.filter_map(|e| e.ok()) {
             let n = e.file_name().to_string_lossy().to_string();
-            if (n.starts_with("snap-") && n != name) || n.starts_with("stage-") || n == "last" || n == "last.step" {
+            let numbered =
+                |p: &str| n.strip_prefix(p).is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()));
+            if (numbered("snap-") && n != name) || numbered("stage-") || n == "last" || n == "last.step" {
                 let p = e.path();
                 let _ = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
             }
@@ -604,6 +642,10 @@ mod stop {
     }
 }
 
+/// Largest non-weight file of a checkpoint shipped with it (config, tokenizer); larger ones
+/// (an optimizer state) are left out.
+const MAX_EXTRA_FILE: u64 = 64 << 20;
+
 fn extra_files(ckpt: &Path) -> Vec<(String, Vec<u8>)> {
     let Ok(rd) = std::fs::read_dir(ckpt) else { return vec![] };
     rd.filter_map(|e| e.ok())
@@ -611,7 +653,7 @@ fn extra_files(ckpt: &Path) -> Vec<(String, Vec<u8>)> {
             let n = e.file_name().to_string_lossy().to_string();
             !n.ends_with(".safetensors")
                 && n != driftless_format::checkpoint::INDEX_FILE
-                && e.metadata().map(|m| m.is_file() && m.len() < (64 << 20)).unwrap_or(false)
+                && e.metadata().map(|m| m.is_file() && m.len() < MAX_EXTRA_FILE).unwrap_or(false)
         })
         .filter_map(|e| Some((e.file_name().to_string_lossy().to_string(), std::fs::read(e.path()).ok()?)))
         .collect()

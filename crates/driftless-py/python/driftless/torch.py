@@ -169,9 +169,9 @@ class PublishHook:
         Returns the receipt, or None when the newest weights were already published."""
         if self._calls % self.every == 0:
             return None
-        self._calls = 0
         weights = self.view.shards() if isinstance(self.view, ShardedBF16View) else self.view.tensors()
         r = self.publisher.publish(self.step, weights)
+        self._calls = 0  # after the publish: a failed one is tried again by the next call
         self.step += 1
         if self.on_receipt is not None:
             self.on_receipt(r)
