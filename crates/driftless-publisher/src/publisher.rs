@@ -441,7 +441,7 @@ impl Publisher {
 
     /// The smallest step `publish` accepts next.
     pub fn next_step(&self) -> u64 {
-        self.last_step.map_or(0, |s| s + 1)
+        self.last_step.map_or(0, |s| s.saturating_add(1))
     }
 
     /// Restores the snapshot after a process restart from a copy of the weights of `step`
@@ -650,7 +650,7 @@ impl Publisher {
     /// deltas since then past `anchor_chain_fraction` of the model (`dense` bytes), and no
     /// anchor already encoding.
     fn anchor_due(&self, step: u64, dense: u64) -> bool {
-        let due = self.last_anchor_step.is_none_or(|a| step >= a + self.cfg.anchor_every)
+        let due = self.last_anchor_step.is_none_or(|a| step >= a.saturating_add(self.cfg.anchor_every))
             || self.chain_bytes as f64 > self.cfg.anchor_chain_fraction * dense as f64;
         due && self.shared.state.lock().expect("state lock").anchors_in_flight == 0
     }
