@@ -1058,14 +1058,15 @@ fn publish_step_ships_changed_config_files() {
     chain.step();
     write(&chain, &p("ck"), 1 << 30);
     std::fs::write(p("ck/config.json"), r#"{"v": "B"}"#).unwrap();
-    // A log the trainer keeps appending to in the checkpoint directory, and a large file that
-    // is no part of the weights: neither is checked unchanged (that refused every publish).
+    // A file the trainer keeps appending to in the checkpoint directory (not a `*.log`, which
+    // is left out), and a large file that is no part of the weights: neither is checked
+    // unchanged (that refused every publish).
     std::fs::write(p("ck/optimizer.pt"), vec![0u8; 65 << 20]).unwrap();
     let stop = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| {
             use std::io::Write;
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p("ck/events.log")).unwrap();
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p("ck/events.jsonl")).unwrap();
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 f.write_all(b"loss 0.1\n").unwrap();
                 std::thread::sleep(std::time::Duration::from_micros(200));
@@ -1076,4 +1077,72 @@ fn publish_step_ships_changed_config_files() {
     });
     assert_eq!(agent(), r#"{"v": "B"}"#);
     assert!(!p("pstate/snap-1/optimizer.pt").exists(), "a large non-weight file was saved with the state");
+}
+
+/// A Hugging Face `Trainer` writes its training state beside the weights at every save
+/// (`trainer_state.json`, `rng_state.pth`, `scheduler.pt`) and often a log: shipped as extra
+/// files, each step's changed files made every step an anchor (~100x the bytes of a delta),
+/// silently. They are left out by default, `--exclude` leaves out more, and a change of a
+/// shipped file (the config) still makes an anchor, with a warning naming the file.
+#[test]
+fn publish_watch_of_trainer_checkpoints_publishes_deltas() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, _) = watched_dir(t.path(), 1 << 20, 8, 4);
+    let trainer_files = |step: u64, config: &str| {
+        let d = p(&format!("ckpts/step_{step}"));
+        std::fs::write(d.join("config.json"), config).unwrap();
+        std::fs::write(d.join("trainer_state.json"), format!(r#"{{"global_step": {step}}}"#)).unwrap();
+        std::fs::write(d.join("rng_state.pth"), step.to_le_bytes()).unwrap();
+        std::fs::write(d.join("scheduler.pt"), [step as u8; 64]).unwrap();
+        std::fs::write(d.join("train.log"), "loss\n".repeat(step as usize + 1)).unwrap();
+        std::fs::write(d.join("notes.txt"), format!("step {step}")).unwrap();
+    };
+    for step in 0..4 {
+        trainer_files(step, r#"{"v": "A"}"#);
+    }
+    let publish = || {
+        let (code, stdout, stderr) = out(bin()
+            .args(["publish", "--json", "--once", "--exclude", "notes*", "--bucket", &url, "--watch"])
+            .arg(p("ckpts"))
+            .arg("--state")
+            .arg(p("pstate"))
+            .arg("--key")
+            .arg(p("key")));
+        assert_eq!(code, Some(0), "{stderr}");
+        let outcomes: Vec<(u64, String)> = stdout
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"].clone())
+            .map(|d| (d["step"].as_u64().unwrap(), d["outcome"].as_str().unwrap().to_string()))
+            .collect();
+        (outcomes, stderr)
+    };
+    let agent = || {
+        let (code, _, stderr) = out(bin()
+            .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
+            .arg(p("key.pub"))
+            .arg("--dir")
+            .arg(p("agent")));
+        assert_eq!(code, Some(0), "{stderr}");
+        let mut names: Vec<String> = std::fs::read_dir(p("agent/current"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.ends_with(".safetensors"))
+            .collect();
+        names.sort();
+        (names, std::fs::read_to_string(p("agent/current/config.json")).unwrap())
+    };
+    let (outcomes, stderr) = publish();
+    let want: Vec<(u64, String)> =
+        [(0, "anchor"), (1, "delta"), (2, "delta"), (3, "delta")].map(|(s, o)| (s, o.to_string())).into();
+    assert_eq!(outcomes, want, "{stderr}");
+    assert!(!stderr.contains("publishing an anchor"), "{stderr}");
+    assert_eq!(agent(), (vec!["config.json".to_string()], r#"{"v": "A"}"#.to_string()));
+    // A changed config must reach every reader: an anchor, and the warning says why.
+    write(&RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-6, 8), &p("ckpts/step_4"), 1 << 30);
+    trainer_files(4, r#"{"v": "B"}"#);
+    let (outcomes, stderr) = publish();
+    assert_eq!(outcomes, [(4, "anchor".to_string())], "{stderr}");
+    assert!(stderr.contains("step 4: config.json changed: publishing an anchor"), "{stderr}");
+    assert_eq!(agent(), (vec!["config.json".to_string()], r#"{"v": "B"}"#.to_string()));
 }

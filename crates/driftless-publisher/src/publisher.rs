@@ -495,20 +495,23 @@ impl Publisher {
 
     /// Replaces the small files shipped with anchors. When they differ from the current
     /// ones, the next step is published as an anchor-only step (no delta), so every reader
-    /// that reaches it gets the new files.
-    pub fn set_extra_files(&mut self, files: Vec<(String, Vec<u8>)>) -> Result<()> {
+    /// that reaches it gets the new files. Returns the names added, removed or changed
+    /// (sorted), so a caller can say why a step became an anchor.
+    pub fn set_extra_files(&mut self, files: Vec<(String, Vec<u8>)>) -> Result<Vec<String>> {
         for (n, _) in &files {
             driftless_format::validate_extra_file_name(n)?;
         }
-        let mut a = files.clone();
-        let mut b = self.cfg.extra_files.clone();
-        a.sort();
-        b.sort();
-        if a != b {
+        let new: std::collections::BTreeMap<&str, &[u8]> = files.iter().map(|(n, b)| (n.as_str(), &b[..])).collect();
+        let old: std::collections::BTreeMap<&str, &[u8]> =
+            self.cfg.extra_files.iter().map(|(n, b)| (n.as_str(), &b[..])).collect();
+        let changed: std::collections::BTreeSet<&str> =
+            new.keys().chain(old.keys()).copied().filter(|n| new.get(n) != old.get(n)).collect();
+        let changed: Vec<String> = changed.into_iter().map(str::to_string).collect();
+        if !changed.is_empty() {
             self.cfg.extra_files = files;
             self.extra_changed = self.snapshot.is_some();
         }
-        Ok(())
+        Ok(changed)
     }
 
     /// Publishes the weights of `step` with a layout derived from the tensor order.

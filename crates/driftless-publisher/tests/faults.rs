@@ -949,7 +949,15 @@ fn extra_files_that_look_like_weights_are_refused() {
     let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().unwrap();
     let e = p.set_extra_files(vec![("x.safetensors".into(), vec![1])]).unwrap_err();
     assert!(e.to_string().contains("would be read as weights"), "{e}");
-    p.set_extra_files(vec![("config.json".into(), b"{}".to_vec())]).unwrap();
+    // What changed is named (the CLI says why a step became an anchor).
+    let set = |p: &mut driftless_publisher::Publisher, f: &[(&str, &[u8])]| {
+        p.set_extra_files(f.iter().map(|(n, b)| (n.to_string(), b.to_vec())).collect()).unwrap()
+    };
+    assert_eq!(set(&mut p, &[("config.json", b"{}")]), ["config.json"]);
+    assert!(set(&mut p, &[("config.json", b"{}")]).is_empty());
+    assert_eq!(set(&mut p, &[("tok.json", b"t"), ("config.json", b"{1}")]), ["config.json", "tok.json"]);
+    assert!(set(&mut p, &[("config.json", b"{1}"), ("tok.json", b"t")]).is_empty(), "order is not a change");
+    assert_eq!(set(&mut p, &[("tok.json", b"t")]), ["config.json"]);
     p.close().unwrap();
 }
 

@@ -107,14 +107,14 @@ impl PyPublisher {
     }
 
     /// Replaces the small non-weight files shipped with anchors (`{name: bytes}` or a list
-    /// of paths). A change makes the next step an anchor-only step.
-    fn set_extra_files(&self, files: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// of paths). A change makes the next step an anchor-only step. Returns the names that
+    /// changed (added, removed or rewritten), sorted.
+    fn set_extra_files(&self, files: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         crate::errors::guard(|| {
             let f = read_extra_files(files)?;
             let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             let p = g.as_mut().ok_or(BindError::from(driftless_publisher::Error::Closed))?;
-            p.set_extra_files(f).map_err(BindError::from)?;
-            Ok(())
+            Ok(p.set_extra_files(f).map_err(BindError::from)?)
         })
     }
 

@@ -180,7 +180,8 @@ def test_extra_files_and_idempotent_republish(bucket, keys, tmp_path):
         with pytest.raises(driftless.DriftlessError, match="already published with other weights"):
             pub.publish(1, other)
         # New files: the next step is an anchor-only step, so every reader gets them.
-        pub.set_extra_files({"config.json": b'{"model_type": "llama", "v": 2}', "tokenizer.json": b"{}"})
+        changed = pub.set_extra_files({"config.json": b'{"model_type": "llama", "v": 2}', "tokenizer.json": b"{}"})
+        assert changed == ["config.json", "tokenizer.json"]
         tr.step()
         assert pub.publish(2, tr.bf16())["outcome"] == "anchor"
     out = driftless.Follower(url, trusted_keys=[public], **kw).sync_dir(str(tmp_path / "agent"))

@@ -40,6 +40,11 @@ pub struct Args {
     /// Exit after publishing what is in --watch now.
     #[arg(long)]
     once: bool,
+    /// Leave out the checkpoint's non-weight files whose name matches GLOB (`*` and `?`;
+    /// repeatable), besides the training state left out by default (see the README): a file
+    /// that changes every step would make every step an anchor.
+    #[arg(long, value_name = "GLOB")]
+    exclude: Vec<String>,
     /// Create the stream even if the prefix holds other objects.
     #[arg(long)]
     new_stream: bool,
@@ -167,8 +172,8 @@ fn open(a: &Args) -> Result<driftless_publisher::Publisher> {
     // (an extra anchor). Without a saved state: the CKPT's.
     let saved = state::load(&a.state);
     match (&saved, a.ckpt.as_deref()) {
-        (Some((_, dir)), _) => b = b.with_extra_files(extra_files(dir)),
-        (None, Some(c)) => b = b.with_extra_files(extra_files(c)),
+        (Some((_, dir)), _) => b = b.with_extra_files(extra_files(dir, &a.exclude)),
+        (None, Some(c)) => b = b.with_extra_files(extra_files(c, &a.exclude)),
         (None, None) => {}
     }
     let mut p = b.build()?;
@@ -201,7 +206,7 @@ fn publish_one(
 ) -> Result<()> {
     // A --watch entry is linked instead (the trainer does not rewrite it, but its retention
     // may delete it while the step uploads: the links keep the files for the saved state).
-    let staged = state::stage(&a.state, step, ckpt, a.watch.is_some())?;
+    let staged = state::stage(&a.state, step, ckpt, a.watch.is_some(), &a.exclude)?;
     let r = publish_from(a, p, step, &staged, published);
     let _ = std::fs::remove_dir_all(&staged);
     r
@@ -215,7 +220,15 @@ fn publish_from(
     published: &mut u64,
 ) -> Result<()> {
     let ck = super::open(ckpt)?;
-    p.set_extra_files(extra_files(ckpt))?;
+    let changed = p.set_extra_files(extra_files(ckpt, &a.exclude))?;
+    if !changed.is_empty() && p.snapshot_step().is_some() {
+        // Every reader must get the new files, so the step is an anchor (100x a delta): say
+        // which files did it, so that one the servers do not need can be left out.
+        eprintln!(
+            "driftless publish: warning: step {step}: {} changed: publishing an anchor so that agents get the new files (--exclude GLOB leaves out a file the servers do not need)",
+            changed.join(", ")
+        );
+    }
     let before = p.status().bytes_uploaded;
     let mut r = p.publish_with_layout(step, &ck.views(), &stable_layout(&ck, ckpt))?;
     if let Err(e) = flush_with_progress(p, a.json) {
@@ -442,28 +455,17 @@ mod state {
     /// checkpoint, whatever the trainer does to CKPT meanwhile. With `link`, files are hard
     /// links where the filesystem allows (a checkpoint not rewritten in place). Returns the
     /// copy (a directory).
-    pub fn stage(dir: &Path, step: u64, ckpt: &Path, link: bool) -> Result<PathBuf> {
+    pub fn stage(dir: &Path, step: u64, ckpt: &Path, link: bool, exclude: &[String]) -> Result<PathBuf> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let stage = dir.join(format!("stage-{step}"));
-        let r = stage_into(&stage, step, ckpt, link);
+        let r = stage_into(&stage, step, ckpt, link, exclude);
         if r.is_err() {
             let _ = std::fs::remove_dir_all(&stage);
         }
         r.map(|()| stage)
     }
 
-    /// Whether a file of a checkpoint is one the checkpoint's weights are read from (checked
-    /// unchanged by its copy), one shipped beside them as it is (copied), or neither (left
-    /// out: an optimizer state, a log still being written).
-    fn role(name: &str, len: u64) -> Option<bool> {
-        if name.ends_with(".safetensors") || name == driftless_format::checkpoint::INDEX_FILE {
-            Some(true)
-        } else {
-            (len < super::MAX_EXTRA_FILE).then_some(false)
-        }
-    }
-
-    fn stage_into(stage: &Path, step: u64, ckpt: &Path, link: bool) -> Result<()> {
+    fn stage_into(stage: &Path, step: u64, ckpt: &Path, link: bool, exclude: &[String]) -> Result<()> {
         let stamp = |p: &Path| -> Result<(u64, i64, i64, u64)> {
             use std::os::unix::fs::MetadataExt;
             let m = std::fs::metadata(p).with_context(|| format!("reading {}", p.display()))?;
@@ -480,7 +482,7 @@ mod state {
                     let e = e?;
                     let Ok(m) = std::fs::metadata(e.path()) else { continue };
                     let name = e.file_name().to_string_lossy().to_string();
-                    if let Some(checked) = role(&name, m.len()).filter(|_| m.is_file()) {
+                    if let Some(checked) = super::role(&name, m.len(), exclude).filter(|_| m.is_file()) {
                         v.push((e.path(), stage.join(e.file_name()), checked));
                     }
                 }
@@ -646,14 +648,65 @@ mod stop {
 /// (an optimizer state) are left out.
 const MAX_EXTRA_FILE: u64 = 64 << 20;
 
-fn extra_files(ckpt: &Path) -> Vec<(String, Vec<u8>)> {
+/// Non-weight files left out whatever their size: what trainers write beside the weights and
+/// rewrite at every save, which no inference server reads. Shipped, any one of them would
+/// make every step an anchor (a changed extra file must reach every reader). Hugging Face
+/// `Trainer` state, DeepSpeed's `latest` tag, logs, locks, and hidden or temporary files (a
+/// file still being written under a temporary name).
+const DEFAULT_EXCLUDE: &[&str] = &[
+    "trainer_state.json",
+    "training_args.bin",
+    "optimizer.pt",
+    "scheduler.pt",
+    "scaler.pt",
+    "rng_state*.pth",
+    "latest",
+    "*.log",
+    "*.lock",
+    "*.tmp",
+    ".*",
+];
+
+/// Whether a file of a checkpoint directory is one its weights are read from (`Some(true)`:
+/// checked unchanged by its copy), one shipped beside them as it is (`Some(false)`: copied),
+/// or neither (`None`: left out: an optimizer state, training state, `--exclude`).
+fn role(name: &str, len: u64, exclude: &[String]) -> Option<bool> {
+    if name.ends_with(".safetensors") || name == driftless_format::checkpoint::INDEX_FILE {
+        return Some(true);
+    }
+    let excluded = DEFAULT_EXCLUDE.iter().copied().chain(exclude.iter().map(String::as_str)).any(|g| glob(g, name));
+    (!excluded && len < MAX_EXTRA_FILE).then_some(false)
+}
+
+/// Whether `name` matches `pattern` as a whole, `*` matching any run of characters and `?`
+/// one character (no character classes: file names only, no paths).
+fn glob(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    // The classic linear backtracking match: on a mismatch, the last `*` takes one more
+    // character. O(len(p) x len(n)) at worst; names are short.
+    let (mut i, mut j, mut star, mut mark) = (0, 0, None, 0);
+    while j < n.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
+            (i, j) = (i + 1, j + 1);
+        } else if i < p.len() && p[i] == '*' {
+            (star, mark, i) = (Some(i), j, i + 1);
+        } else if let Some(s) = star {
+            (i, mark) = (s + 1, mark + 1);
+            j = mark;
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
+}
+
+/// The non-weight files of a checkpoint directory shipped with its anchors (see [`role`]).
+fn extra_files(ckpt: &Path, exclude: &[String]) -> Vec<(String, Vec<u8>)> {
     let Ok(rd) = std::fs::read_dir(ckpt) else { return vec![] };
     rd.filter_map(|e| e.ok())
         .filter(|e| {
             let n = e.file_name().to_string_lossy().to_string();
-            !n.ends_with(".safetensors")
-                && n != driftless_format::checkpoint::INDEX_FILE
-                && e.metadata().map(|m| m.is_file() && m.len() < MAX_EXTRA_FILE).unwrap_or(false)
+            e.metadata().is_ok_and(|m| m.is_file() && role(&n, m.len(), exclude) == Some(false))
         })
         .filter_map(|e| Some((e.file_name().to_string_lossy().to_string(), std::fs::read(e.path()).ok()?)))
         .collect()
@@ -689,4 +742,45 @@ fn flush_with_progress(p: &driftless_publisher::Publisher, json: bool) -> Result
         r
     })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn glob_matches_whole_names() {
+        for (p, n) in
+            [("*.log", "train.log"), ("rng_state*.pth", "rng_state_3.pth"), ("?", "a"), ("*", ""), ("a*b*c", "aXbYbc")]
+        {
+            assert!(glob(p, n), "{p} {n}");
+        }
+        for (p, n) in
+            [("*.log", "train.log.1"), ("rng_state*.pth", "my_rng_state.pth"), ("?", ""), ("a*b*c", "aXbYbcd")]
+        {
+            assert!(!glob(p, n), "{p} {n}");
+        }
+    }
+
+    #[test]
+    fn training_state_and_excluded_files_are_left_out() {
+        let ex = vec!["notes*".to_string()];
+        assert_eq!(role("model-00001-of-00002.safetensors", 1 << 40, &ex), Some(true));
+        assert_eq!(role("model.safetensors.index.json", 10, &ex), Some(true));
+        for shipped in ["config.json", "tokenizer.json", "generation_config.json", "tokenizer.model"] {
+            assert_eq!(role(shipped, 100, &ex), Some(false), "{shipped}");
+        }
+        for out in [
+            "trainer_state.json",
+            "rng_state_1.pth",
+            "scheduler.pt",
+            "latest",
+            "train.log",
+            ".config.json.swp",
+            "notes.txt",
+        ] {
+            assert_eq!(role(out, 100, &ex), None, "{out}");
+        }
+        assert_eq!(role("optimizer_big.bin", MAX_EXTRA_FILE, &ex), None);
+    }
 }

@@ -76,7 +76,7 @@ class Publisher:
         extra_files: Optional[Union[Mapping[str, bytes], Sequence[str]]] = None,
     ) -> None: ...
     def publish(self, step: int, tensors: Mapping[str, Any]) -> PublishReceipt: ...
-    def set_extra_files(self, files: Union[Mapping[str, bytes], Sequence[str]]) -> None:
+    def set_extra_files(self, files: Union[Mapping[str, bytes], Sequence[str]]) -> List[str]:
         """Replace the non-weight files shipped with anchors; a change makes the next step an
         anchor-only step."""
     def flush(self) -> None:
