@@ -350,6 +350,12 @@ fn publish_watch_waits_for_every_shard() {
     assert!(shards.len() >= 2, "{shards:?}");
     std::fs::create_dir_all(p("ckpts/step_1")).unwrap();
     std::fs::copy(p("full").join(&shards[0]), p("ckpts/step_1").join(&shards[0])).unwrap();
+    // The other shards only under hidden names (a copy tool's partial files): they are not
+    // read as the checkpoint, so they do not complete it (counting names, they did, and one
+    // shard of two was published as the step).
+    for s in &shards[1..] {
+        std::fs::copy(p("full").join(s), p("ckpts/step_1").join(format!(".{s}"))).unwrap();
+    }
     // A complete checkpoint under a temporary name is not a step yet.
     write(&chain, &p("ckpts/step_2.tmp"), 1 << 30);
     let watch = || {
@@ -1145,4 +1151,42 @@ fn publish_watch_of_trainer_checkpoints_publishes_deltas() {
     assert_eq!(outcomes, [(4, "anchor".to_string())], "{stderr}");
     assert!(stderr.contains("step 4: config.json changed: publishing an anchor"), "{stderr}");
     assert_eq!(agent(), (vec!["config.json".to_string()], r#"{"v": "B"}"#.to_string()));
+}
+
+/// Two `--watch` entries of one step (`step_2` and `step_02`): the first in name order was
+/// published and the other skipped, silently. Which is step 2 would be a guess: neither is
+/// published, a warning names both, and newer steps still are.
+#[test]
+fn publish_watch_refuses_a_step_named_twice() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, mut chain) = watched_dir(t.path(), 1 << 20, 9, 3);
+    chain.step();
+    write(&chain, &p("ckpts/step_02"), 1 << 30);
+    let publish = || {
+        let (code, stdout, stderr) = out(bin()
+            .args(["publish", "--json", "--once", "--bucket", &url, "--watch"])
+            .arg(p("ckpts"))
+            .arg("--state")
+            .arg(p("pstate"))
+            .arg("--key")
+            .arg(p("key")));
+        assert_eq!(code, Some(0), "{stderr}");
+        let steps: Vec<u64> = stdout
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
+            .collect();
+        (steps, stderr)
+    };
+    let (steps, stderr) = publish();
+    assert_eq!(steps, [0, 1], "{stderr}");
+    let warning = format!(
+        "step 2 is named twice ({}, {}): not publishing either",
+        p("ckpts/step_02").display(),
+        p("ckpts/step_2").display()
+    );
+    assert!(stderr.contains(&warning), "{stderr}");
+    chain.step();
+    write(&chain, &p("ckpts/step_3"), 1 << 30);
+    assert_eq!(publish().0, [3]);
 }

@@ -292,6 +292,7 @@ fn follow(
     published: &mut u64,
     last_done: &mut Option<u64>,
 ) -> Result<()> {
+    let mut warned = std::collections::BTreeSet::new();
     loop {
         let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
             .with_context(|| format!("reading {}", dir.display()))?
@@ -299,11 +300,27 @@ fn follow(
             .filter_map(|e| Some((step_of(&e.file_name().to_string_lossy(), &a.pattern)?, e.path())))
             .collect();
         steps.sort();
+        let twice: std::collections::BTreeSet<u64> =
+            steps.windows(2).filter(|w| w[0].0 == w[1].0).map(|w| w[0].0).collect();
         for (i, (s, path)) in steps.iter().enumerate() {
             let (s, path) = (*s, path.as_path());
             // The bucket's newest committed step decides (the publisher's numbering); a saved
             // state of another bucket or an emptied prefix skipped steps the bucket lacks.
             if p.status().last_published.is_some_and(|l| s <= l) {
+                continue;
+            }
+            if twice.contains(&s) {
+                // `step_5` and `step_05`, or a directory and a file: which one is step 5 would
+                // be a guess (the first in name order was published, the other skipped,
+                // silently), so neither is.
+                if warned.insert(s) {
+                    let names: Vec<String> =
+                        steps.iter().filter(|(t, _)| *t == s).map(|(_, q)| q.display().to_string()).collect();
+                    eprintln!(
+                        "driftless publish: warning: step {s} is named twice ({}): not publishing either",
+                        names.join(", ")
+                    );
+                }
                 continue;
             }
             if !complete(path, a.complete_file.as_deref()) {
@@ -382,27 +399,31 @@ fn complete(path: &Path, complete_file: Option<&str>) -> bool {
             }
         }
         if !path.join(driftless_format::checkpoint::INDEX_FILE).exists() {
-            let names: Vec<String> = std::fs::read_dir(path)
-                .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().to_string()).collect())
-                .unwrap_or_default();
-            for n in &names {
-                if let Some(total) = hf_shard_total(n) {
-                    let present = names.iter().filter(|m| hf_shard_total(m) == Some(total)).count();
-                    if present < total {
-                        return false;
-                    }
+            // Every set `{prefix}-{k}-of-{n}` must hold each k of 1..=n, among the names the
+            // checkpoint is read from (not hidden: counting names, a hidden partial copy of
+            // the last shard made one shard of two pass as complete).
+            let mut sets: std::collections::BTreeMap<(String, u64), std::collections::BTreeSet<u64>> =
+                Default::default();
+            for e in std::fs::read_dir(path).into_iter().flatten().filter_map(|e| e.ok()) {
+                let n = e.file_name().to_string_lossy().to_string();
+                if let Some((prefix, k, total)) = hf_shard(&n).filter(|_| !n.starts_with('.')) {
+                    sets.entry((prefix.to_string(), total)).or_default().insert(k);
                 }
+            }
+            if sets.iter().any(|((_, total), ks)| !ks.iter().copied().eq(1..=*total)) {
+                return false;
             }
         }
     }
     Checkpoint::open(path).is_ok()
 }
 
-/// `model-00001-of-00004.safetensors` -> 4.
-fn hf_shard_total(name: &str) -> Option<usize> {
-    let stem = name.strip_suffix(".safetensors")?;
-    let (_, total) = stem.rsplit_once("-of-")?;
-    (!total.is_empty() && total.bytes().all(|b| b.is_ascii_digit())).then(|| total.parse().ok()).flatten()
+/// `model-00001-of-00004.safetensors` -> `("model", 1, 4)`.
+fn hf_shard(name: &str) -> Option<(&str, u64, u64)> {
+    let num = |s: &str| (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())).then(|| s.parse().ok()).flatten();
+    let (rest, total) = name.strip_suffix(".safetensors")?.rsplit_once("-of-")?;
+    let (prefix, k) = rest.rsplit_once('-')?;
+    Some((prefix, num(k)?, num(total)?))
 }
 
 /// The layout to publish: the checkpoint's own, except that a single-file checkpoint is
@@ -759,6 +780,17 @@ mod tests {
             [("*.log", "train.log.1"), ("rng_state*.pth", "my_rng_state.pth"), ("?", ""), ("a*b*c", "aXbYbcd")]
         {
             assert!(!glob(p, n), "{p} {n}");
+        }
+    }
+
+    #[test]
+    fn hugging_face_shard_names_are_parsed() {
+        assert_eq!(hf_shard("model-00002-of-00004.safetensors"), Some(("model", 2, 4)));
+        assert_eq!(hf_shard("a-b-1-of-2.safetensors"), Some(("a-b", 1, 2)));
+        for n in
+            ["model.safetensors", "model-x-of-00004.safetensors", "model-00001-of-.safetensors", "00001-of-00002.json"]
+        {
+            assert_eq!(hf_shard(n), None, "{n}");
         }
     }
 
