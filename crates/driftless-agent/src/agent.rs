@@ -370,9 +370,7 @@ impl Agent {
         }
         // The directory sent is `current` resolved: it must name the state's slot (a link that
         // failed after the state was written would send the previous step's files as this one).
-        if self.dir.linked() != Some(st.active) {
-            self.dir.link(st.active)?;
-        }
+        self.dir.ensure_linked(st.active)?;
         // A patch is offered once: whatever happens, the next attempt reloads in full.
         let patch = self.patch.take().filter(|p| p.step == st.step);
         let result = self.notify_all(&st, patch.as_ref()).await;
@@ -411,10 +409,8 @@ impl Agent {
         };
         let why = match self.slot_root(st.active).await {
             Ok(r) if r == st.root => {
-                if self.dir.linked() != Some(st.active) {
-                    // The state names a slot that was made durable before the state was written.
-                    self.dir.link(st.active)?;
-                }
+                // The state names a slot that was made durable before the state was written.
+                self.dir.ensure_linked(st.active)?;
                 info!(step = st.step, "re-verified the local weights after an unclean shutdown");
                 self.reverify = false;
                 self.active_ok = true;
@@ -531,9 +527,7 @@ impl Agent {
         let sid = self.stream_id().await?;
         // A switch that was interrupted (a failed link, a crash after the state was written).
         if let Some(st) = self.state.as_ref().filter(|_| self.active_ok) {
-            if self.dir.linked() != Some(st.active) {
-                self.dir.link(st.active)?;
-            }
+            self.dir.ensure_linked(st.active)?;
         }
         // Local weights of another stream (a new run in the same bucket prefix) are never a
         // base; they keep being served until the new stream's first step replaces them.

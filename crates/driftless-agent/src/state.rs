@@ -235,6 +235,17 @@ impl AgentDir {
         Ok(())
     }
 
+    /// Points `current` at `slot` unless it already does. Every use of `current` (a notify,
+    /// a sync, a re-verified start) goes through this first: a switch interrupted after the
+    /// state was written (a failed link, a crash) must be finished before anything relies on
+    /// what `current` resolves to.
+    pub fn ensure_linked(&self, slot: Slot) -> std::io::Result<()> {
+        if self.linked() == Some(slot) {
+            return Ok(());
+        }
+        self.link(slot)
+    }
+
     /// Removes `current` durably, when it is a symlink: no slot holds a verified step.
     pub fn unlink(&self) -> std::io::Result<()> {
         let cur = self.current();

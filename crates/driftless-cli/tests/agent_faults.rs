@@ -11,7 +11,7 @@ use driftless_format::{Checkpoint, Digest};
 
 mod common;
 
-use common::{bin, check_current_vouched, write};
+use common::{bin, check_current_vouched, wait_until, write, KillOnDrop};
 
 struct Env {
     t: tempfile::TempDir,
@@ -614,19 +614,13 @@ fn stopped_before_repairing_wrong_weights_the_next_start_checks_them_again() {
     assert!(err.contains("no verified step"), "{err}");
     // The next start must not announce the damaged files: the hook checks what it is told to load.
     let log = e.p("notified.log");
-    let hook = format!(
-        "exec=test \"$({} hash \"$DRIFTLESS_DIR\")\" = \"$DRIFTLESS_WEIGHTS_ROOT\" && echo ok >> {} || echo bad >> {}",
-        env!("CARGO_BIN_EXE_driftless"),
-        log.display(),
-        log.display()
-    );
     let mut c = e.agent("a");
-    c.arg("--notify").arg(hook);
+    c.arg("--notify").arg(checking_hook(&log));
     let o = run_bounded(c, 60);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let notified = std::fs::read_to_string(&log).unwrap();
     assert!(!notified.contains("bad"), "the inference server was told to load damaged files: {notified}");
-    assert!(notified.contains("ok"), "{notified}");
+    assert!(notified.contains("0 ok"), "{notified}");
     assert_eq!(e.current_step("a"), 0);
 }
 
@@ -772,19 +766,8 @@ fn a_switch_whose_link_failed_is_finished_before_anything_is_notified() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    struct Kill(u32);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            // SAFETY: plain kill(2) of our own child.
-            unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
-        }
-    }
-    let _k = Kill(child.id());
-    let t = Instant::now();
-    while e.read_json("a/state.json")["step"] != 3 {
-        assert!(t.elapsed() < Duration::from_secs(60), "step 3 was never built");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut guard = KillOnDrop(Some(child.id()));
+    wait_until("step 3 was never built", 60, || e.read_json("a/state.json")["step"] == 3);
     let slot = e.p("a/slots").join(e.read_json("a/state.json")["active"].as_str().unwrap());
     let stamp = |p: &Path| {
         use std::os::unix::fs::MetadataExt;
@@ -803,14 +786,11 @@ fn a_switch_whose_link_failed_is_finished_before_anything_is_notified() {
     assert_eq!(stamp(&slot), before, "the slot state.json vouches for was rewritten");
     assert_eq!(e.current_step("a"), 2);
     std::fs::remove_dir_all(e.p("a/current.tmp")).unwrap();
-    let t = Instant::now();
-    while std::fs::read_to_string(&log).unwrap().lines().count() < 5 {
-        assert!(t.elapsed() < Duration::from_secs(30), "step 3 was never notified");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // SAFETY: as above.
+    wait_until("step 3 was never notified", 30, || std::fs::read_to_string(&log).unwrap().lines().count() >= 5);
+    // SAFETY: plain kill(2) of our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
+    guard.0 = None;
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "1 ok\n1 ok\n2 ok\n2 ok\n3 ok\n");
     assert_eq!(e.current_step("a"), 3);
     check_current_vouched(&e.p("a")).unwrap();

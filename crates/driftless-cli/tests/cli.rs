@@ -226,25 +226,41 @@ fn publish_watch_follows_a_directory() {
     let t = tempfile::tempdir().unwrap();
     let p = |s: &str| t.path().join(s);
     let (url, mut chain) = watched_dir(t.path(), 1 << 20, 6, 4);
+    // `publish --watch --once` into `url`: the steps published, and stderr.
+    let publish = |url: &str| {
+        let (code, stdout, stderr) = out(bin()
+            .args(["publish", "--json", "--once", "--bucket", url, "--watch"])
+            .arg(p("ckpts"))
+            .arg("--state")
+            .arg(p("pstate"))
+            .arg("--key")
+            .arg(p("key")));
+        assert_eq!(code, Some(0), "{stderr}");
+        let steps: Vec<u64> = stdout
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
+            .collect();
+        (steps, stderr)
+    };
+    // `agent --once`, then the agent's weights are the chain's, bit for bit.
+    let agent_has = |chain: &RlChain, what: &str| {
+        let (code, _, stderr) = out(bin()
+            .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
+            .arg(p("key.pub"))
+            .arg("--dir")
+            .arg(p("agent")));
+        assert_eq!(code, Some(0), "{stderr}");
+        let got = Checkpoint::open(p("agent/current")).unwrap();
+        for w in chain.views() {
+            assert!(got.views().iter().any(|g| g.name == w.name && g.data == w.data), "{} differs {what}", w.name);
+        }
+    };
     // A checkpoint still being written: a truncated file.
     std::fs::create_dir_all(p("ckpts/step_4")).unwrap();
     std::fs::write(p("ckpts/step_4/model.safetensors"), b"\x10\x00\x00").unwrap();
-    let o = bin()
-        .args(["publish", "--json", "--once", "--bucket", &url, "--watch"])
-        .arg(p("ckpts"))
-        .arg("--state")
-        .arg(p("pstate"))
-        .arg("--key")
-        .arg(p("key"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let steps: Vec<u64> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
-        .collect();
+    let (steps, stderr) = publish(&url);
     assert_eq!(steps, [0, 1, 2, 3]);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("(step 4) is not a complete checkpoint yet: not published"));
+    assert!(stderr.contains("(step 4) is not a complete checkpoint yet: not published"), "{stderr}");
     // The state of a --watch entry links its files (no copy per step).
     {
         use std::os::unix::fs::MetadataExt;
@@ -252,77 +268,22 @@ fn publish_watch_follows_a_directory() {
         let src = std::fs::metadata(p("ckpts/step_3/model.safetensors")).unwrap();
         assert_eq!((saved.dev(), saved.ino()), (src.dev(), src.ino()), "the state is not a link of step_3");
     }
-    let o = bin()
-        .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
-        .arg(p("key.pub"))
-        .arg("--dir")
-        .arg(p("agent"))
-        .output()
-        .unwrap();
-    assert!(o.status.success());
-    let got = Checkpoint::open(p("agent/current")).unwrap();
-    for w in chain.views() {
-        assert!(got.views().iter().any(|g| g.name == w.name && g.data == w.data), "{} differs", w.name);
-    }
+    agent_has(&chain, "at step 3");
     // Running again publishes nothing new (state remembers step 3).
-    let o = bin()
-        .args(["publish", "--json", "--once", "--bucket", &url, "--watch"])
-        .arg(p("ckpts"))
-        .arg("--state")
-        .arg(p("pstate"))
-        .arg("--key")
-        .arg(p("key"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(o.stdout.is_empty());
+    assert_eq!(publish(&url).0, [] as [u64; 0]);
     // Step 4 never completes (its trainer crashed while writing it) and step 5 is complete:
     // step 4 is skipped with a warning (it blocked every newer step, silently), step 5 is
     // published and reaches the agent.
     chain.step();
     write(&chain, &p("ckpts/step_5"), 1 << 30);
-    let o = bin()
-        .args(["publish", "--json", "--once", "--bucket", &url, "--watch"])
-        .arg(p("ckpts"))
-        .arg("--state")
-        .arg(p("pstate"))
-        .arg("--key")
-        .arg(p("key"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
-    assert!(err.contains("(step 4) is not a complete checkpoint while step 5 is: skipping step 4"), "{err}");
-    let o = bin()
-        .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
-        .arg(p("key.pub"))
-        .arg("--dir")
-        .arg(p("agent"))
-        .output()
-        .unwrap();
-    assert!(o.status.success());
-    let got = Checkpoint::open(p("agent/current")).unwrap();
-    for w in chain.views() {
-        assert!(got.views().iter().any(|g| g.name == w.name && g.data == w.data), "{} differs at step 5", w.name);
-    }
+    let (steps, stderr) = publish(&url);
+    assert_eq!(steps, [5], "{stderr}");
+    assert!(stderr.contains("(step 4) is not a complete checkpoint while step 5 is: skipping step 4"), "{stderr}");
+    agent_has(&chain, "at step 5");
     // The same state directory with an empty bucket: the bucket decides what is published
     // (the saved state's step 5 skipped steps 0-5 there, silently; found by review).
     let url2 = format!("file://{}", p("bucket2").display());
-    let o = bin()
-        .args(["publish", "--json", "--once", "--bucket", &url2, "--watch"])
-        .arg(p("ckpts"))
-        .arg("--state")
-        .arg(p("pstate"))
-        .arg("--key")
-        .arg(p("key"))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let steps: Vec<u64> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
-        .collect();
-    assert_eq!(steps, [0, 1, 2, 3, 5]);
+    assert_eq!(publish(&url2).0, [0, 1, 2, 3, 5]);
 }
 
 /// `--watch` publishes only complete checkpoints (issue 10.5): a multi-shard directory whose

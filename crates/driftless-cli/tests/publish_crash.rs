@@ -23,7 +23,7 @@ use driftless_store::{Bucket, StoreOptions};
 
 mod common;
 
-use common::{bin, seaweed, write};
+use common::{bin, seaweed, write, KillOnDrop};
 
 /// What the proxy does to writes (PUT and POST requests).
 #[derive(Default)]
@@ -452,17 +452,6 @@ fn watch_survives_a_bucket_outage_and_publishes_the_newest_step() {
         .spawn()
         .unwrap();
     // A failed assertion must not leave the follower running (it now outlives outages).
-    struct KillOnDrop(Option<u32>);
-    impl Drop for KillOnDrop {
-        fn drop(&mut self) {
-            if let Some(pid) = self.0 {
-                // SAFETY: plain kill(2) of our own child process, not yet reaped.
-                unsafe {
-                    libc::kill(pid as i32, libc::SIGKILL);
-                }
-            }
-        }
-    }
     let mut guard = KillOnDrop(Some(child.id()));
     /// Waits until a step at or after `step` is ready; returns the ready (deltas, anchors).
     fn ready_through(run: &Run, log: &Path, step: u64, what: &str) -> (Vec<u64>, Vec<u64>) {

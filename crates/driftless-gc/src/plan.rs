@@ -479,6 +479,20 @@ mod stray_tests {
         ObjectInfo { key, size, last_modified: at, etag: None }
     }
 
+    /// The ready marker of a step committed by the try whose manifest is `manifest`.
+    fn marker(of: StepKind, step: u64, base_step: Option<u64>, manifest: &str) -> MarkerState {
+        MarkerState::Ready(ReadyMarker {
+            kind: "ready".into(),
+            stream_id: "s".into(),
+            of,
+            step,
+            base_step,
+            manifest_sha256: Digest([1; 32]),
+            payload_bytes: 100,
+            manifest: Some(manifest.into()),
+        })
+    }
+
     /// Anchor 5 committed by generation 3's second retry (`g3r2-`), next to what failed tries
     /// and other generations left, generation 4's lease live.
     fn inventory(at: SystemTime) -> Inventory {
@@ -497,17 +511,10 @@ mod stray_tests {
         for n in names {
             inv.add_object(info(layout::object(StepKind::Anchor, 5, n), 100, at));
         }
-        let marker = ReadyMarker {
-            kind: "ready".into(),
-            stream_id: "s".into(),
-            of: StepKind::Anchor,
-            step: 5,
-            base_step: None,
-            manifest_sha256: Digest([1; 32]),
-            payload_bytes: 100,
-            manifest: Some("g3r2-manifest.json".into()),
-        };
-        inv.add_marker(info(layout::ready(StepKind::Anchor, 5), 10, at), MarkerState::Ready(marker));
+        inv.add_marker(
+            info(layout::ready(StepKind::Anchor, 5), 10, at),
+            marker(StepKind::Anchor, 5, None, "g3r2-manifest.json"),
+        );
         for (g, ttl) in [(2, 1), (4, 3600)] {
             let lease = info(layout::lease(g), 10, at);
             inv.leases.insert(g, LeaseEntry { info: lease, ttl: Duration::from_secs(ttl) });
@@ -599,17 +606,10 @@ mod stray_tests {
         for n in names {
             inv.add_object(info(layout::object(StepKind::Delta, 7, n), 100, at));
         }
-        let marker = ReadyMarker {
-            kind: "ready".into(),
-            stream_id: "s".into(),
-            of: StepKind::Delta,
-            step: 7,
-            base_step: Some(6),
-            manifest_sha256: Digest([1; 32]),
-            payload_bytes: 100,
-            manifest: Some("g5-manifest.json".into()),
-        };
-        inv.add_marker(info(layout::ready(StepKind::Delta, 7), 10, at), MarkerState::Ready(marker));
+        inv.add_marker(
+            info(layout::ready(StepKind::Delta, 7), 10, at),
+            marker(StepKind::Delta, 7, Some(6), "g5-manifest.json"),
+        );
         let later = at + Duration::from_secs(900);
         let strays = |inv: &Inventory| -> Vec<String> {
             plan_inventory(inv, &policy, later)

@@ -13,6 +13,30 @@ pub fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_driftless"))
 }
 
+/// SIGKILLs a child process when dropped, so that a failed assertion does not leave it
+/// running; disarmed (`.0 = None`) once the child is reaped (its pid may be reused).
+pub struct KillOnDrop(pub Option<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0 {
+            // SAFETY: plain kill(2) of our own child process, not yet reaped.
+            unsafe {
+                libc::kill(pid as i32, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// Polls `done` every 20 ms; fails the test with `what` after `secs` seconds.
+pub fn wait_until(what: &str, secs: u64, mut done: impl FnMut() -> bool) {
+    let t = std::time::Instant::now();
+    while !done() {
+        assert!(t.elapsed() < std::time::Duration::from_secs(secs), "{what}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// Writes the chain's current weights as a checkpoint in `dir`, in shards of at most `shard`
 /// bytes.
 pub fn write(chain: &RlChain, dir: &Path, shard: u64) {
