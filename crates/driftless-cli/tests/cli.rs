@@ -226,21 +226,9 @@ fn publish_watch_follows_a_directory() {
     let t = tempfile::tempdir().unwrap();
     let p = |s: &str| t.path().join(s);
     let (url, mut chain) = watched_dir(t.path(), 1 << 20, 6, 4);
-    // `publish --watch --once` into `url`: the steps published, and stderr.
     let publish = |url: &str| {
-        let (code, stdout, stderr) = out(bin()
-            .args(["publish", "--json", "--once", "--bucket", url, "--watch"])
-            .arg(p("ckpts"))
-            .arg("--state")
-            .arg(p("pstate"))
-            .arg("--key")
-            .arg(p("key")));
-        assert_eq!(code, Some(0), "{stderr}");
-        let steps: Vec<u64> = stdout
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
-            .collect();
-        (steps, stderr)
+        let (data, stderr) = watch_once(t.path(), url, &[]);
+        (steps_of(&data), stderr)
     };
     // `agent --once`, then the agent's weights are the chain's, bit for bit.
     let agent_has = |chain: &RlChain, what: &str| {
@@ -319,22 +307,7 @@ fn publish_watch_waits_for_every_shard() {
     }
     // A complete checkpoint under a temporary name is not a step yet.
     write(&chain, &p("ckpts/step_2.tmp"), 1 << 30);
-    let watch = || {
-        let o = bin()
-            .args(["publish", "--json", "--once", "--bucket", &url, "--watch"])
-            .arg(p("ckpts"))
-            .arg("--state")
-            .arg(p("pstate"))
-            .arg("--key")
-            .arg(p("key"))
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
-            .collect::<Vec<u64>>()
-    };
+    let watch = || steps_of(&watch_once(t.path(), &url, &[]).0);
     assert_eq!(watch(), [0], "a half-written step is not published");
     for e in std::fs::read_dir(p("full")).unwrap() {
         let e = e.unwrap();
@@ -377,6 +350,27 @@ fn one_error(stderr: &str) -> String {
         assert_eq!(errors[0].matches(p).count(), 1, "{p:?} repeated in {}", errors[0]);
     }
     errors[0].to_string()
+}
+
+/// `publish --watch DIR/ckpts --once --json` into `url` (state `DIR/pstate`, key `DIR/key`,
+/// then `args`): asserts exit 0; returns the `data` of each published step, and stderr.
+fn watch_once(dir: &Path, url: &str, args: &[&str]) -> (Vec<serde_json::Value>, String) {
+    let (code, stdout, stderr) = out(bin()
+        .args(["publish", "--json", "--once", "--bucket", url, "--watch"])
+        .arg(dir.join("ckpts"))
+        .arg("--state")
+        .arg(dir.join("pstate"))
+        .arg("--key")
+        .arg(dir.join("key"))
+        .args(args));
+    assert_eq!(code, Some(0), "{stderr}");
+    let data = stdout.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"].clone()).collect();
+    (data, stderr)
+}
+
+/// The steps of `watch_once`'s published data.
+fn steps_of(data: &[serde_json::Value]) -> Vec<u64> {
+    data.iter().map(|d| d["step"].as_u64().unwrap()).collect()
 }
 
 /// A key `DIR/key`, a `file://DIR/bucket` URL, and checkpoints `DIR/ckpts/step_0..n` of a
@@ -1069,19 +1063,9 @@ fn publish_watch_of_trainer_checkpoints_publishes_deltas() {
         trainer_files(step, r#"{"v": "A"}"#);
     }
     let publish = || {
-        let (code, stdout, stderr) = out(bin()
-            .args(["publish", "--json", "--once", "--exclude", "notes*", "--bucket", &url, "--watch"])
-            .arg(p("ckpts"))
-            .arg("--state")
-            .arg(p("pstate"))
-            .arg("--key")
-            .arg(p("key")));
-        assert_eq!(code, Some(0), "{stderr}");
-        let outcomes: Vec<(u64, String)> = stdout
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"].clone())
-            .map(|d| (d["step"].as_u64().unwrap(), d["outcome"].as_str().unwrap().to_string()))
-            .collect();
+        let (data, stderr) = watch_once(t.path(), &url, &["--exclude", "notes*"]);
+        let outcomes: Vec<(u64, String)> =
+            data.iter().map(|d| (d["step"].as_u64().unwrap(), d["outcome"].as_str().unwrap().to_string())).collect();
         (outcomes, stderr)
     };
     let agent = || {
@@ -1125,19 +1109,8 @@ fn publish_watch_refuses_a_step_named_twice() {
     chain.step();
     write(&chain, &p("ckpts/step_02"), 1 << 30);
     let publish = || {
-        let (code, stdout, stderr) = out(bin()
-            .args(["publish", "--json", "--once", "--bucket", &url, "--watch"])
-            .arg(p("ckpts"))
-            .arg("--state")
-            .arg(p("pstate"))
-            .arg("--key")
-            .arg(p("key")));
-        assert_eq!(code, Some(0), "{stderr}");
-        let steps: Vec<u64> = stdout
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"]["step"].as_u64().unwrap())
-            .collect();
-        (steps, stderr)
+        let (data, stderr) = watch_once(t.path(), &url, &[]);
+        (steps_of(&data), stderr)
     };
     let (steps, stderr) = publish();
     assert_eq!(steps, [0, 1], "{stderr}");
