@@ -615,6 +615,10 @@ impl Agent {
             None => self.dir.linked().map_or(Slot::A, Slot::other),
         };
         let wdir = self.dir.slot(work);
+        // Its reader would load a mix of two steps: wait (the next poll tries again).
+        if let Some(file) = self.dir.open_elsewhere(work)? {
+            return Err(Error::SlotInUse { file }.into());
+        }
         // The inactive slot is about to change: it holds no verified step until the switch.
         let held_before =
             prev.as_ref().and_then(|s| s.inactive).filter(|_| prev.as_ref().is_some_and(|s| s.stream_id == sid));

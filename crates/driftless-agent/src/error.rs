@@ -36,6 +36,13 @@ pub enum Error {
         /// Why.
         detail: String,
     },
+    /// The slot the next step must be built in is open by another process (a server still
+    /// loading an older step from it): it is not rewritten until it is closed.
+    #[error("{} is open by another process (a server still loading an older step?): not rewriting its slot until it is closed; serving the verified step meanwhile", file.display())]
+    SlotInUse {
+        /// The first open file found.
+        file: std::path::PathBuf,
+    },
     /// Local I/O.
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
@@ -48,7 +55,7 @@ impl Error {
             Error::Stream(e) => e.is_retryable(),
             Error::Store(e) => e.is_retryable() || e.is_not_found(),
             Error::Format(e) => e.is_retryable(),
-            Error::NothingReady | Error::Notify { .. } => true,
+            Error::NothingReady | Error::Notify { .. } | Error::SlotInUse { .. } => true,
             // A full disk, a read-only slot directory: someone must act first.
             Error::Io(e) => driftless_format::io_is_retryable(e),
             Error::Refused { .. } => false,

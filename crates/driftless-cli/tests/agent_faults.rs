@@ -873,3 +873,65 @@ fn an_unclean_start_with_a_damaged_active_slot_serves_only_verified_weights() {
     assert_eq!(e.current_step("a"), 1);
     check_current_vouched(&e.p("a")).unwrap();
 }
+
+/// A server that resolved `current` two switches ago and is still loading that slot (here a
+/// process holding a read-only map of one of its shards, its descriptor already closed, as a
+/// safetensors loader does): the next step must not be built in that slot under it, or the
+/// reader loads a mix of two steps. The agent refuses to touch it (exit 2: retrying helps),
+/// keeps serving its verified step, and builds the step once the reader is gone.
+#[test]
+fn a_slot_still_open_by_a_reader_is_not_rewritten() {
+    let mut e = Env::new();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    assert_eq!(e.current_step("a"), 1);
+    let st = e.read_json("a/state.json");
+    let old = e.p("a/slots").join(if st["active"] == "a" { "b" } else { "a" });
+    let shard = std::fs::read_dir(&old)
+        .unwrap()
+        .map(|f| f.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .unwrap();
+    let mut reader = Command::new("python3")
+        .args([
+            "-c",
+            "import mmap, sys, time\nf = open(sys.argv[1], 'rb')\nm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\nf.close()\nprint('mapped', flush=True)\ntime.sleep(120)",
+        ])
+        .arg(&shard)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let mut guard = KillOnDrop(Some(reader.id()));
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(reader.stdout.take().unwrap()), &mut line).unwrap();
+    assert_eq!(line, "mapped\n");
+    let stamp = |p: &Path| {
+        use std::os::unix::fs::MetadataExt;
+        let mut v: Vec<_> = std::fs::read_dir(p)
+            .unwrap()
+            .map(|f| f.unwrap().metadata().unwrap())
+            .map(|m| (m.ino(), m.mtime(), m.mtime_nsec(), m.len()))
+            .collect();
+        v.sort();
+        v
+    };
+    let before = (stamp(&old), std::fs::read(&shard).unwrap());
+    e.publish();
+    let o = run_bounded(e.agent("a"), 60);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("is open by another process") && err.contains(&shard.display().to_string()), "{err}");
+    assert_eq!((stamp(&old), std::fs::read(&shard).unwrap()), before, "the slot under the reader was rewritten");
+    assert_eq!(e.current_step("a"), 1);
+    check_current_vouched(&e.p("a")).unwrap();
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(reader.id() as i32, libc::SIGKILL) };
+    let _ = reader.wait();
+    guard.0 = None;
+    let o = run_bounded(e.agent("a"), 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(e.current_step("a"), 2);
+    check_current_vouched(&e.p("a")).unwrap();
+}
