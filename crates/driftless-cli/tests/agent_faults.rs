@@ -85,6 +85,19 @@ impl Env {
     }
 }
 
+/// (inode, modification time, length) of each file of a directory, sorted: any rewrite of a
+/// slot changes it.
+fn stamp(dir: &Path) -> Vec<(u64, i64, i64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|f| f.unwrap().metadata().unwrap())
+        .map(|m| (m.ino(), m.mtime(), m.mtime_nsec(), m.len()))
+        .collect();
+    v.sort();
+    v
+}
+
 /// Runs a command with a deadline (a hanging agent fails the test instead of the CI job).
 fn run_bounded(mut c: Command, secs: u64) -> Output {
     let child = c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
@@ -769,16 +782,6 @@ fn a_switch_whose_link_failed_is_finished_before_anything_is_notified() {
     let mut guard = KillOnDrop(Some(child.id()));
     wait_until("step 3 was never built", 60, || e.read_json("a/state.json")["step"] == 3);
     let slot = e.p("a/slots").join(e.read_json("a/state.json")["active"].as_str().unwrap());
-    let stamp = |p: &Path| {
-        use std::os::unix::fs::MetadataExt;
-        let mut v: Vec<_> = std::fs::read_dir(p)
-            .unwrap()
-            .map(|f| f.unwrap().metadata().unwrap())
-            .map(|m| (m.ino(), m.mtime(), m.mtime_nsec()))
-            .collect();
-        v.sort();
-        v
-    };
     let before = stamp(&slot);
     // Dozens of polls, each retrying the failed switch.
     std::thread::sleep(Duration::from_secs(3));
@@ -907,16 +910,6 @@ fn a_slot_still_open_by_a_reader_is_not_rewritten() {
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(reader.stdout.take().unwrap()), &mut line).unwrap();
     assert_eq!(line, "mapped\n");
-    let stamp = |p: &Path| {
-        use std::os::unix::fs::MetadataExt;
-        let mut v: Vec<_> = std::fs::read_dir(p)
-            .unwrap()
-            .map(|f| f.unwrap().metadata().unwrap())
-            .map(|m| (m.ino(), m.mtime(), m.mtime_nsec(), m.len()))
-            .collect();
-        v.sort();
-        v
-    };
     let before = (stamp(&old), std::fs::read(&shard).unwrap());
     e.publish();
     let o = run_bounded(e.agent("a"), 60);
