@@ -142,7 +142,12 @@ fn corrupt_segment_refuses_the_step_and_keeps_the_weights() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(e.current_step("a"), 2);
     e.publish();
-    let seg = e.p("bucket/deltas/000000000003/g1-seg-00000.dls");
+    // Each `publish` process takes its own generation (`g<N>-seg-00000.dls`).
+    let seg = std::fs::read_dir(e.p("bucket/deltas/000000000003"))
+        .unwrap()
+        .map(|f| f.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with("-seg-00000.dls"))
+        .unwrap();
     let orig = flip_middle_byte(&seg);
     for _ in 0..2 {
         let o = run_bounded(e.agent("a"), 60);

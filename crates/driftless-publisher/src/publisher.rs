@@ -1140,9 +1140,7 @@ impl Publisher {
         self.tx = None;
         if let Some(rt) = self.rt.take() {
             // Release the lease: GC may then clean up after this generation at once.
-            let b = self.ctx.bucket.clone();
-            let key = layout::lease(self.ctx.generation);
-            let _ = rt.block_on(async move { tokio::time::timeout(Duration::from_secs(5), b.delete(&key)).await });
+            rt.block_on(upload::release_lease(&self.ctx));
             rt.shutdown_timeout(Duration::from_secs(5));
         }
     }

@@ -691,8 +691,7 @@ impl ShardedPublisher {
         }
         if let Some(rt) = self.rt.take() {
             if let Some(ctx) = &self.ctx {
-                let (b, key) = (ctx.bucket.clone(), layout::lease(ctx.generation));
-                let _ = rt.block_on(async move { tokio::time::timeout(Duration::from_secs(5), b.delete(&key)).await });
+                rt.block_on(upload::release_lease(ctx));
             }
             rt.shutdown_timeout(Duration::from_secs(5));
         }

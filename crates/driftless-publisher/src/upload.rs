@@ -72,6 +72,8 @@ pub(crate) struct State {
     pub(crate) lease_until: Option<Instant>,
     /// The step a sharded committer is committing now (announced in its lease renewals).
     pub(crate) committing: Option<u64>,
+    /// The lease was released (the publisher stopped): no renewal may make it live again.
+    pub(crate) released: bool,
 }
 
 #[derive(Debug, Default)]
@@ -265,6 +267,9 @@ fn kind_name(k: StepKind) -> &'static str {
 /// Write-once puts of this generation's objects. An object that already exists carries this
 /// generation's name, so only this process wrote it (a retried request that landed): it is
 /// accepted when its size matches.
+/// Largest object `put_own` compares byte for byte with an existing one of its name.
+const OWN_COMPARE_MAX: u64 = 64 << 20;
+
 pub(crate) async fn put_own(
     bucket: &Bucket,
     kind: StepKind,
@@ -277,9 +282,24 @@ pub(crate) async fn put_own(
             let key = layout::object(kind, step, name);
             match bucket.put_create(&key, bytes.clone()).await {
                 Ok(()) => Ok(()),
+                // Ours, from a retried PUT whose response was lost, only if it holds these
+                // bytes: an object of the same name and size may be another process's (its
+                // manifest differs in its creation time alone), which readers would then
+                // check against this commit's marker and refuse for good. Compared whole up
+                // to OWN_COMPARE_MAX (manifests, segments); larger shards by size, as their
+                // names are this generation's and try's alone.
                 Err(e) if e.is_already_exists() => match bucket.head(&key).await {
-                    Ok(info) if info.size == bytes.len() as u64 => Ok(()),
-                    Ok(_) => Err(CommitError::Conflict(format!("{key} exists with another size"))),
+                    Ok(info) if info.size != bytes.len() as u64 => {
+                        Err(CommitError::Conflict(format!("{key} exists with another size")))
+                    }
+                    Ok(_) if bytes.len() as u64 > OWN_COMPARE_MAX => Ok(()),
+                    Ok(_) => match bucket.get_limited(&key, OWN_COMPARE_MAX).await {
+                        Ok(b) if b == *bytes => Ok(()),
+                        Ok(_) => Err(CommitError::Conflict(format!(
+                            "{key} exists with other bytes (another process wrote under this generation's names)"
+                        ))),
+                        Err(e) => Err(e.into()),
+                    },
                     Err(e) => Err(e.into()),
                 },
                 Err(e) => Err(e.into()),
@@ -483,6 +503,9 @@ fn hostname() -> String {
 pub(crate) async fn lease_loop(ctx: Arc<Ctx>) {
     loop {
         tokio::time::sleep(ctx.lease_ttl / 4).await;
+        if ctx.shared.state.lock().expect("state lock").released {
+            return;
+        }
         let sent = Instant::now();
         match ctx.bucket.put(&layout::lease(ctx.generation), ctx.lease_bytes()).await {
             Ok(()) => ctx.shared.update(|s| s.lease_until = Some(sent + ctx.lease_ttl)),
@@ -507,6 +530,22 @@ pub(crate) async fn lease_loop(ctx: Arc<Ctx>) {
                 return;
             }
         }
+    }
+}
+
+/// Releases this generation's lease when the publisher stops (closed, aborted or dropped):
+/// rewritten with a TTL of zero, so it is expired at once and GC may clean up after the
+/// generation, but never deleted. Generations are numbered one past the newest lease (GC
+/// keeps the newest), and a deleted newest lease let the next publisher take the same
+/// generation again, whose same-named objects it then took for its own: found by review, an
+/// anchor committed over a dead process's manifest of the same name, unreadable for good.
+pub(crate) async fn release_lease(ctx: &Ctx) {
+    ctx.shared.update(|s| s.released = true);
+    let bytes = lease_bytes(&ctx.stream_id, ctx.generation, Duration::ZERO, ctx.world_size, None);
+    let key = layout::lease(ctx.generation);
+    let put = ctx.bucket.put(&key, bytes);
+    if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(5), put).await {
+        warn!(error = %e, generation = ctx.generation, "could not release the publisher lease; it expires after its TTL");
     }
 }
 

@@ -786,6 +786,69 @@ fn killed_during_an_anchor_upload_leaves_no_ready_anchor() {
     }
 }
 
+/// A publisher that stops (closed, aborted, dropped) releases its lease without deleting it,
+/// so the next one never takes its generation again. Found by review: the lease was deleted,
+/// the restart got the same generation, found the dead process's `g1-manifest.json` of anchor
+/// 0 (same size: manifests differ in their creation time alone), took it for its own, and
+/// committed a marker pinning its own manifest's SHA-256: anchor 0 unreadable for good.
+#[test]
+fn a_restarted_publisher_never_reuses_a_generation() {
+    for be in backends("generation", false) {
+        let c = chain();
+        // Process 1 (generation 1) dies after writing anchor 0's manifest, before its marker.
+        let (f1, b1) = be.bucket();
+        let mut p = PublisherBuilder::new("x").with_bucket(b1.clone()).with_key(key()).build().unwrap();
+        f1.inject(FaultOp::Put, "ready/anchors/000000000000", usize::MAX, FaultKind::Permanent);
+        p.publish(0, &c.views()).unwrap();
+        let manifest = layout::object(StepKind::Anchor, 0, "g1-manifest.json");
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let t0 = std::time::Instant::now();
+        while rt.block_on(b1.head(&manifest)).is_err() {
+            assert!(t0.elapsed() < Duration::from_secs(30), "{}: the manifest was never written", be.name);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        p.abort();
+        let leases: Vec<String> =
+            rt.block_on(b1.list(layout::leases_prefix())).unwrap().into_iter().map(|o| o.key).collect();
+        assert_eq!(leases, [layout::lease(1)], "{}: the stopped generation's lease is kept (released)", be.name);
+        // Process 2 publishes the same weights as step 0 under a new generation.
+        std::thread::sleep(Duration::from_millis(5));
+        let (_, b2) = be.bucket();
+        let mut p = PublisherBuilder::new("x").with_bucket(b2.clone()).with_key(key()).build().unwrap();
+        assert_eq!(p.next_step(), 0);
+        assert_eq!(p.publish(0, &c.views()).unwrap().outcome, Outcome::Anchor);
+        p.close().unwrap();
+        let s = scan(&b2, &trust());
+        assert_eq!(s.last_step(), Some(0), "{}: {s:?}", be.name);
+        let reader = StreamReader::new(b2.clone(), trust());
+        rt.block_on(reader.anchor(0)).unwrap_or_else(|e| panic!("{}: anchor 0 is unreadable: {e}", be.name));
+
+        // The lease deleted anyway (by an older release, by hand): the restart takes the
+        // generation again, and what it finds under its names is not its own. It fails loudly
+        // instead of committing a marker readers refuse.
+        let be = be.sub(format!("{}/lease-deleted", be.name), "lease-deleted");
+        let (f1, b1) = be.bucket();
+        let mut p = PublisherBuilder::new("x").with_bucket(b1.clone()).with_key(key()).build().unwrap();
+        f1.inject(FaultOp::Put, "ready/anchors/000000000000", usize::MAX, FaultKind::Permanent);
+        p.publish(0, &c.views()).unwrap();
+        let t0 = std::time::Instant::now();
+        while rt.block_on(b1.head(&manifest)).is_err() {
+            assert!(t0.elapsed() < Duration::from_secs(30), "{}: the manifest was never written", be.name);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        p.abort();
+        rt.block_on(b1.delete(&layout::lease(1))).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        let (_, b2) = be.bucket();
+        let mut p = PublisherBuilder::new("x").with_bucket(b2.clone()).with_key(key()).build().unwrap();
+        p.publish(0, &c.views()).unwrap();
+        let e = p.close().unwrap_err();
+        assert!(e.to_string().contains("exists with other bytes"), "{}: {e}", be.name);
+        let s = scan(&b2, &trust());
+        assert!(s.ready_anchors.is_empty(), "{}: an anchor readers refuse was committed: {s:?}", be.name);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Two publishers, other keys, foreign buckets
 
