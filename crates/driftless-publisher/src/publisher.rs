@@ -1469,11 +1469,16 @@ impl Pending {
 /// write-once so two starting publishers never share one.
 async fn acquire_generation(bucket: &Bucket, stream_id: &str, ttl: Duration, world_size: Option<u64>) -> Result<u64> {
     let list = bucket.list(layout::leases_prefix()).await?;
-    let mut g = list.iter().filter_map(|o| layout::parse_claim_or_lease(&o.key)).max().map_or(1, |g| g + 1);
+    let newest = list.iter().filter_map(|o| layout::parse_claim_or_lease(&o.key)).max().unwrap_or(0);
+    // A planted `writers/<u64::MAX>` must not wrap the numbering back to generation 0.
+    let exhausted = || {
+        Error::Refused(format!("no publisher generation after {newest} (a lease in writers/ is not this stream's?)"))
+    };
+    let mut g = newest.checked_add(1).ok_or_else(exhausted)?;
     for _ in 0..16 {
         match bucket.put_create(&layout::lease(g), upload::lease_bytes(stream_id, g, ttl, world_size, None)).await {
             Ok(()) => return Ok(g),
-            Err(e) if e.is_already_exists() => g += 1,
+            Err(e) if e.is_already_exists() => g = g.checked_add(1).ok_or_else(exhausted)?,
             Err(e) => return Err(e.into()),
         }
     }

@@ -849,6 +849,23 @@ fn a_restarted_publisher_never_reuses_a_generation() {
     }
 }
 
+/// A planted `writers/<u64::MAX>` (hostile or garbage) is refused with a clear error; the
+/// numbering wrapped to generation 0 in a release build (a panic in a debug one).
+#[test]
+fn a_planted_newest_lease_does_not_wrap_the_generations() {
+    for be in backends("planted-lease", false) {
+        let (_, b) = be.bucket();
+        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().unwrap();
+        p.publish(0, &chain().views()).unwrap();
+        p.close().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(b.put(&layout::lease(u64::MAX), bytes::Bytes::from_static(b"{}"))).unwrap();
+        let e = PublisherBuilder::new("x").with_bucket(b).with_key(key()).build().unwrap_err();
+        assert!(e.to_string().contains("no publisher generation after 18446744073709551615"), "{}: {e}", be.name);
+        assert!(!e.is_retryable(), "{}: {e}", be.name);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Two publishers, other keys, foreign buckets
 
