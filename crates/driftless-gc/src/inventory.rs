@@ -72,8 +72,11 @@ impl std::fmt::Display for StepId {
 pub enum MarkerState {
     /// A well-formed marker for this very step.
     Ready(ReadyMarker),
-    /// A marker that is not valid `ReadyMarker` JSON, or names another step. Such a step is
-    /// never deleted and never used to reach anything: a human should look at it.
+    /// A marker agents would not use: not a valid `ReadyMarker` (the checks agents make), one
+    /// that names another step, another stream (`stream.json`'s id), or a manifest its step
+    /// directory does not hold. Such a step is never deleted and never used to reach anything
+    /// (taken as the newest anchor, a foreign marker at step 1000 let every real step go: found
+    /// by review): a human should look at it.
     Unreadable(String),
 }
 
@@ -237,6 +240,9 @@ pub struct Inventory {
     pub claims: BTreeMap<u64, ObjectInfo>,
     /// Whether the store has conditional create (a late marker PUT cannot replace a marker).
     pub conditional_create: bool,
+    /// The stream id `stream.json` declares (read without checking its signature: GC holds no
+    /// keys, and this only sorts out markers of another stream), if it could be read.
+    pub stream_id: Option<String>,
 }
 
 impl Inventory {
@@ -282,6 +288,13 @@ impl Inventory {
         for (info, state) in read.into_iter().flatten() {
             inv.add_marker(info, state);
         }
+        inv.stream_id = match bucket.get_limited(layout::STREAM, MAX_MARKER_BYTES).await {
+            Ok(b) => stream_id_of(&b),
+            Err(e) if e.is_not_found() => None,
+            Err(driftless_store::Error::TooLarge { .. }) => None,
+            Err(e) => return Err(e.into()),
+        };
+        inv.vet_markers();
         inv.leases = load_leases(bucket).await?;
         for info in bucket.list(layout::claims_prefix()).await? {
             if let Some(step) = layout::parse_claim_or_lease(&info.key) {
@@ -303,6 +316,26 @@ impl Inventory {
                 entry.objects.insert(at, info);
             }
             _ => self.foreign.push(info.key),
+        }
+    }
+
+    /// Marks as unreadable the ready markers agents would not use although they parse: of
+    /// another stream than [`Inventory::stream_id`], or naming a manifest that is not among
+    /// the listed objects of their step (markers are listed before objects and written after
+    /// them, so a real step's manifest is always in the listing).
+    pub fn vet_markers(&mut self) {
+        for e in self.steps.values_mut() {
+            let Some((_, MarkerState::Ready(m))) = &e.marker else { continue };
+            let why = if self.stream_id.as_ref().is_some_and(|s| *s != m.stream_id) {
+                format!("marker of stream {:?}, not this stream's", m.stream_id)
+            } else if !e.objects.iter().any(|o| o.key == layout::object(e.id.kind, e.id.step, m.manifest_name())) {
+                format!("marker names manifest {:?}, which its step does not hold", m.manifest_name())
+            } else {
+                continue;
+            };
+            if let Some((_, state)) = &mut e.marker {
+                *state = MarkerState::Unreadable(why);
+            }
         }
     }
 
@@ -346,9 +379,16 @@ pub(crate) async fn load_leases(bucket: &Bucket) -> Result<BTreeMap<u64, LeaseEn
     Ok(read.into_iter().flatten().collect())
 }
 
-/// Parse a marker and check it names the step its key names.
+/// The stream id of a `stream.json` (a signed envelope around a `StreamDescriptor`), unchecked.
+fn stream_id_of(bytes: &[u8]) -> Option<String> {
+    let env: driftless_format::sign::Envelope = serde_json::from_slice(bytes).ok()?;
+    Some(driftless_format::manifest::StreamDescriptor::from_slice(env.payload.as_bytes()).ok()?.stream_id)
+}
+
+/// Parse a marker as agents do ([`ReadyMarker::from_slice`]) and check it names the step its
+/// key names.
 pub(crate) fn parse_marker(key: &str, bytes: &[u8]) -> MarkerState {
-    let marker: ReadyMarker = match serde_json::from_slice(bytes) {
+    let marker = match ReadyMarker::from_slice(bytes) {
         Ok(m) => m,
         Err(e) => return MarkerState::Unreadable(format!("not a ready marker: {e}")),
     };

@@ -118,3 +118,62 @@ async fn a_lease_taken_since_planning_keeps_its_newer_try() {
         );
     }
 }
+
+/// Markers agents would not use (another stream's, one naming a manifest that is not there,
+/// an anchor marker with a base step) are left for a human and never taken as the newest
+/// anchor or step: found by review, a foreign anchor marker at step 1000 became GC's newest
+/// anchor, and with one anchor kept every real step went, the newest anchor and chain
+/// included ("never deleted, whatever the other settings").
+#[tokio::test]
+async fn markers_agents_would_not_use_never_displace_the_newest_steps() {
+    for tb in buckets("unusable-markers") {
+        let b = &tb.bucket;
+        write_steps(b, &regular(25, 10, SystemTime::now(), Duration::from_secs(1))).await;
+        let desc = driftless_format::manifest::StreamDescriptor {
+            kind: "stream".into(),
+            version: driftless_format::manifest::FORMAT_VERSION,
+            stream_id: "test-stream".into(),
+            trusted_keys: vec![],
+            created_at_ms: 0,
+        };
+        let env = driftless_format::sign::seal_unsigned(&serde_json::to_vec(&desc).unwrap()).unwrap();
+        b.put(layout::STREAM, Bytes::from(env)).await.unwrap();
+        let bad = |stream: &str, step: u64, base: Option<u64>| {
+            Bytes::from(
+                serde_json::to_vec(&ReadyMarker {
+                    kind: "ready".into(),
+                    stream_id: stream.into(),
+                    of: StepKind::Anchor,
+                    step,
+                    base_step: base,
+                    manifest_sha256: Digest([7; 32]),
+                    payload_bytes: 5,
+                    manifest: None,
+                })
+                .unwrap(),
+            )
+        };
+        // Another stream's anchor, whole; this stream's anchor without objects; a malformed one.
+        b.put(&layout::manifest(StepKind::Anchor, 1000), Bytes::from_static(b"m")).await.unwrap();
+        b.put(&layout::ready(StepKind::Anchor, 1000), bad("other-stream", 1000, None)).await.unwrap();
+        b.put(&layout::ready(StepKind::Anchor, 1001), bad("test-stream", 1001, None)).await.unwrap();
+        b.put(&layout::manifest(StepKind::Anchor, 1002), Bytes::from_static(b"m")).await.unwrap();
+        b.put(&layout::ready(StepKind::Anchor, 1002), bad("test-stream", 1002, Some(1))).await.unwrap();
+        let policy = GcPolicy::new().with_keep_deltas(0).with_keep_anchors(1).with_grace(Duration::from_secs(60));
+        // An hour later: every object is past grace (written now, whatever `regular` says).
+        let p = plan(b, &policy, SystemTime::now() + Duration::from_secs(3600)).await.unwrap();
+        assert_eq!((p.newest_anchor, p.newest_step), (Some(20), Some(25)), "{}: {p}", tb.name);
+        let deleted: Vec<StepId> = p.deleted.iter().map(|d| d.id()).collect();
+        for keep in
+            [StepId::anchor(20), StepId::delta(25), StepId::anchor(1000), StepId::anchor(1001), StepId::anchor(1002)]
+        {
+            assert!(!deleted.contains(&keep), "{}: {keep:?} deleted: {p}", tb.name);
+        }
+        for s in [1000, 1001, 1002] {
+            let k = p.kept.iter().find(|k| k.step == s).unwrap_or_else(|| panic!("{}: {s} not kept: {p}", tb.name));
+            assert!(k.reasons.contains(&driftless_gc::KeepReason::UnreadableMarker), "{}: {p}", tb.name);
+        }
+        // And the real retention still applies: anchor 10 and delta 15 go.
+        assert!(deleted.contains(&StepId::anchor(10)) && deleted.contains(&StepId::delta(15)), "{}: {p}", tb.name);
+    }
+}
