@@ -120,7 +120,7 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
     let cutoff = SystemTime::UNIX_EPOCH + Duration::from_millis(plan.now_ms);
     let cutoff = cutoff.checked_sub(plan.policy.grace);
     for d in &plan.incomplete {
-        if !still_incomplete(bucket, d, cutoff).await? {
+        if !still_incomplete(bucket, d, cutoff, plan).await? {
             tracing::info!(step = %d.id(), "incomplete step changed since planning; left alone");
             report.skipped.push(d.id());
             continue;
@@ -131,7 +131,7 @@ pub async fn execute(bucket: &Bucket, plan: &GcPlan) -> Result<GcReport> {
     }
     if !plan.strays.is_empty() {
         let leases = crate::inventory::load_leases(bucket).await?;
-        let clock = SystemTime::now();
+        let clock = bucket_clock(plan);
         let live = |g: u64| leases.get(&g).is_some_and(|l| l.live_at(clock));
         let conditional = bucket.supports_conditional_create();
         for d in &plan.strays {
@@ -191,7 +191,7 @@ async fn delete_objects(bucket: &Bucket, manifest: Option<&str>, objects: &[Stri
 }
 
 /// No marker now, and nothing in the step directory newer than the grace cutoff.
-async fn still_incomplete(bucket: &Bucket, d: &DeletedStep, cutoff: Option<SystemTime>) -> Result<bool> {
+async fn still_incomplete(bucket: &Bucket, d: &DeletedStep, cutoff: Option<SystemTime>, plan: &GcPlan) -> Result<bool> {
     match bucket.head(&layout::ready(d.kind, d.step)).await {
         Ok(_) => return Ok(false),
         Err(e) if e.is_not_found() => {}
@@ -208,13 +208,25 @@ async fn still_incomplete(bucket: &Bucket, d: &DeletedStep, cutoff: Option<Syste
     // A generation may have started (re-)uploading this step since planning: its lease,
     // read now, protects the step.
     let leases = crate::inventory::load_leases(bucket).await?;
-    let clock = SystemTime::now();
+    let clock = bucket_clock(plan);
     let leased = now
         .iter()
         .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n))
         .filter_map(|n| layout::name_generation(&n))
         .any(|g| leases.get(&g).is_some_and(|l| l.live_at(clock)));
     Ok(!leased && now.iter().filter(|o| layout::parse_step_key(&o.key).is_some()).all(|o| o.last_modified <= cutoff))
+}
+
+/// The bucket's clock now, as the plan measured its offset from this host's (leases are
+/// stamped by the bucket).
+fn bucket_clock(plan: &GcPlan) -> SystemTime {
+    let local = SystemTime::now();
+    let off = Duration::from_millis(plan.clock_offset_ms.unsigned_abs());
+    if plan.clock_offset_ms >= 0 {
+        local + off
+    } else {
+        local.checked_sub(off).unwrap_or(local)
+    }
 }
 
 /// The committed tag of a stray group's step, read again now: `None` unless its marker still

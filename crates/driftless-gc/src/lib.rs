@@ -32,11 +32,41 @@ pub async fn plan(bucket: &Bucket, policy: &GcPolicy, now: SystemTime) -> Result
 /// concurrently with other collections; an error or an interruption leaves the stream
 /// valid, and the next run finishes the job.
 pub async fn run(bucket: &Bucket, policy: &GcPolicy, dry_run: bool) -> Result<GcReport> {
-    let plan = plan(bucket, policy, SystemTime::now()).await?;
+    let inv = Inventory::load(bucket).await?;
+    // Leases and object ages are stamped by the bucket's clock: "now" must be the bucket's
+    // too. With this host's, minutes ahead, a live publisher's lease looked expired and its
+    // upload was deleted under it (found by review). Only for an existing stream, so that an
+    // empty prefix stays empty for a publisher's first start.
+    let local = SystemTime::now();
+    let now = match inv.stream_id {
+        Some(_) => match bucket_now(bucket).await {
+            Ok(t) => t,
+            // A dry run may have read-only credentials.
+            Err(e) if dry_run => {
+                tracing::warn!(error = %e, "could not read the bucket's clock; planning with this host's");
+                local
+            }
+            Err(e) => return Err(e),
+        },
+        None => local,
+    };
+    let mut plan = plan_inventory(&inv, policy, now);
+    plan.clock_offset_ms = match now.duration_since(local) {
+        Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
+        Err(e) => -i64::try_from(e.duration().as_millis()).unwrap_or(i64::MAX),
+    };
     if dry_run {
         return Ok(GcReport::dry_run(plan));
     }
     execute(bucket, &plan).await
+}
+
+/// The bucket's clock: the modification time it gives an empty object GC rewrites
+/// ([`driftless_store::layout::GC_CLOCK`]; S3 stamps whole seconds, so this is up to a second
+/// early, which only makes leases look younger).
+pub async fn bucket_now(bucket: &Bucket) -> Result<SystemTime> {
+    bucket.put(driftless_store::layout::GC_CLOCK, bytes::Bytes::new()).await?;
+    Ok(bucket.head(driftless_store::layout::GC_CLOCK).await?.last_modified)
 }
 
 #[cfg(test)]

@@ -132,6 +132,9 @@ pub struct GcPlan {
     pub policy: GcPolicy,
     /// The clock it was made at (milliseconds since the Unix epoch).
     pub now_ms: u64,
+    /// The bucket's clock minus this host's when the plan was made (see [`crate::run`]):
+    /// what execution adds to this host's clock when it reads leases again.
+    pub clock_offset_ms: i64,
     /// Newest step reachable from a ready anchor before collection (kept reachable).
     pub newest_step: Option<u64>,
     /// Newest ready anchor (always kept).
@@ -236,6 +239,7 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
             .as_millis()
             .try_into()
             .unwrap_or(u64::MAX),
+        clock_offset_ms: 0,
         newest_step: newest_state.map(|id| id.step),
         newest_anchor,
         kept: Vec::new(),

@@ -44,6 +44,19 @@ async fn write(b: &Bucket) {
     b.put(&layout::ready(StepKind::Anchor, 4), marker("g3r2-manifest.json")).await.unwrap();
 }
 
+/// An unsigned `stream.json` of the stream `test-stream` (the id the test markers carry).
+async fn write_stream_json(b: &Bucket) {
+    let desc = driftless_format::manifest::StreamDescriptor {
+        kind: "stream".into(),
+        version: driftless_format::manifest::FORMAT_VERSION,
+        stream_id: "test-stream".into(),
+        trusted_keys: vec![],
+        created_at_ms: 0,
+    };
+    let env = driftless_format::sign::seal_unsigned(&serde_json::to_vec(&desc).unwrap()).unwrap();
+    b.put(layout::STREAM, Bytes::from(env)).await.unwrap();
+}
+
 async fn names(b: &Bucket) -> Vec<String> {
     let listed = b.list(&layout::anchor_dir(4)).await.unwrap();
     listed.into_iter().map(|o| o.key.rsplit('/').next().unwrap().to_string()).collect()
@@ -129,15 +142,7 @@ async fn markers_agents_would_not_use_never_displace_the_newest_steps() {
     for tb in buckets("unusable-markers") {
         let b = &tb.bucket;
         write_steps(b, &regular(25, 10, SystemTime::now(), Duration::from_secs(1))).await;
-        let desc = driftless_format::manifest::StreamDescriptor {
-            kind: "stream".into(),
-            version: driftless_format::manifest::FORMAT_VERSION,
-            stream_id: "test-stream".into(),
-            trusted_keys: vec![],
-            created_at_ms: 0,
-        };
-        let env = driftless_format::sign::seal_unsigned(&serde_json::to_vec(&desc).unwrap()).unwrap();
-        b.put(layout::STREAM, Bytes::from(env)).await.unwrap();
+        write_stream_json(b).await;
         let bad = |stream: &str, step: u64, base: Option<u64>| {
             Bytes::from(
                 serde_json::to_vec(&ReadyMarker {
@@ -176,4 +181,30 @@ async fn markers_agents_would_not_use_never_displace_the_newest_steps() {
         // And the real retention still applies: anchor 10 and delta 15 go.
         assert!(deleted.contains(&StepId::anchor(10)) && deleted.contains(&StepId::delta(15)), "{}: {p}", tb.name);
     }
+}
+
+/// GC takes "now" from the bucket's clock: leases and object ages are stamped by the bucket.
+/// Found by review: with this host's clock two minutes ahead of the bucket's, a lease renewed
+/// seconds ago looked expired and the upload it protects (grace 0) was deleted under it.
+#[tokio::test]
+async fn a_bucket_clock_behind_this_host_does_not_expire_a_live_lease() {
+    use driftless_store::object_store::memory::InMemory;
+    use driftless_store::FaultyStore;
+    let faulty = std::sync::Arc::new(FaultyStore::new(std::sync::Arc::new(InMemory::new())));
+    faulty.set_clock_offset_ms(-120_000);
+    let b = Bucket::from_store(faulty.clone(), "stream", &test_opts());
+    write_stream_json(&b).await;
+    // Anchor 30 being uploaded by generation 4, whose lease (TTL 60 s) was just renewed.
+    for n in ["g4-manifest.json", "g4-model-00001.safetensors.dla"] {
+        b.put(&layout::object(StepKind::Anchor, 30, n), Bytes::from_static(b"x")).await.unwrap();
+    }
+    b.put(&layout::lease(4), Bytes::from_static(br#"{"kind":"lease","ttl_ms":60000}"#)).await.unwrap();
+    let policy = GcPolicy::new().with_grace(Duration::ZERO);
+    // By this host's clock the lease expired a minute ago: that plan deletes the upload.
+    let by_host = plan(&b, &policy, SystemTime::now()).await.unwrap();
+    assert_eq!(by_host.incomplete.len(), 1, "{by_host}");
+    // By the bucket's, it is live: nothing is deleted.
+    let r = driftless_gc::run(&b, &policy, false).await.unwrap();
+    assert_eq!((r.deleted_objects, r.deleted_incomplete), (0, 0), "{r}");
+    assert_eq!(b.list(&layout::anchor_dir(30)).await.unwrap().len(), 2);
 }

@@ -76,9 +76,18 @@ struct State {
     calls: [AtomicU64; 4],
     /// MiB of [`FaultKind::LongBody`] bodies pulled by readers.
     body_mib: AtomicU64,
+    /// Milliseconds added to every modification time reported (a bucket whose clock is off).
+    clock_ms: std::sync::atomic::AtomicI64,
 }
 
 impl State {
+    /// A listed or read object's metadata as a bucket with a shifted clock reports it.
+    fn shift(&self, mut m: ObjectMeta) -> ObjectMeta {
+        let ms = self.clock_ms.load(Ordering::Relaxed);
+        m.last_modified += chrono::TimeDelta::milliseconds(ms);
+        m
+    }
+
     /// Consume one matching rule, if any.
     fn take(&self, op: FaultOp, location: &str) -> Option<FaultKind> {
         self.calls[op as usize].fetch_add(1, Ordering::Relaxed);
@@ -176,6 +185,12 @@ impl FaultyStore {
         self.state.delay_ms.store(delay.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
 
+    /// Shifts every modification time the store reports by `ms` milliseconds (negative: a
+    /// bucket whose clock is behind this host's).
+    pub fn set_clock_offset_ms(&self, ms: i64) {
+        self.state.clock_ms.store(ms, Ordering::Relaxed);
+    }
+
     /// Remove all rules that have not fired yet and the delay.
     pub fn clear(&self) {
         self.state.rules.lock().unwrap_or_else(|e| e.into_inner()).clear();
@@ -251,11 +266,17 @@ impl ObjectStore for FaultyStore {
 
     async fn get_opts(&self, location: &Path, options: GetOptions) -> object_store::Result<GetResult> {
         self.state.pause().await;
+        let shifted = |r: object_store::Result<GetResult>| {
+            r.map(|mut r| {
+                r.meta = self.state.shift(r.meta);
+                r
+            })
+        };
         match self.state.take(FaultOp::Get, location.as_ref()) {
-            None => self.inner.get_opts(location, options).await,
+            None => shifted(self.inner.get_opts(location, options).await),
             Some(FaultKind::Slow(d)) => {
                 tokio::time::sleep(d).await;
-                self.inner.get_opts(location, options).await
+                shifted(self.inner.get_opts(location, options).await)
             }
             Some(FaultKind::LongBody(mib)) => {
                 let mut r = self.inner.get_opts(location, options).await?;
@@ -318,10 +339,14 @@ impl ObjectStore for FaultyStore {
 
     fn list(&self, prefix: Option<&Path>) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
         let p = prefix.map(|p| p.to_string()).unwrap_or_default();
+        let state = Arc::clone(&self.state);
+        let shifted = move |s: BoxStream<'static, object_store::Result<ObjectMeta>>| {
+            s.map(move |r| r.map(|m| state.shift(m))).boxed()
+        };
         match self.state.take(FaultOp::List, &p) {
-            None => self.inner.list(prefix),
+            None => shifted(self.inner.list(prefix)),
             Some(FaultKind::Slow(d)) => {
-                let s = self.inner.list(prefix);
+                let s = shifted(self.inner.list(prefix));
                 futures::stream::once(async move {
                     tokio::time::sleep(d).await;
                     s
@@ -341,10 +366,14 @@ impl ObjectStore for FaultyStore {
         offset: &Path,
     ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
         let p = prefix.map(|p| p.to_string()).unwrap_or_default();
+        let state = Arc::clone(&self.state);
+        let shifted = move |s: BoxStream<'static, object_store::Result<ObjectMeta>>| {
+            s.map(move |r| r.map(|m| state.shift(m))).boxed()
+        };
         match self.state.take(FaultOp::List, &p) {
-            None => self.inner.list_with_offset(prefix, offset),
+            None => shifted(self.inner.list_with_offset(prefix, offset)),
             Some(FaultKind::Slow(d)) => {
-                let s = self.inner.list_with_offset(prefix, offset);
+                let s = shifted(self.inner.list_with_offset(prefix, offset));
                 futures::stream::once(async move {
                     tokio::time::sleep(d).await;
                     s
@@ -360,11 +389,17 @@ impl ObjectStore for FaultyStore {
 
     async fn list_with_delimiter(&self, prefix: Option<&Path>) -> object_store::Result<ListResult> {
         let p = prefix.map(|p| p.to_string()).unwrap_or_default();
+        let shifted = |r: object_store::Result<ListResult>| {
+            r.map(|mut r| {
+                r.objects = r.objects.into_iter().map(|m| self.state.shift(m)).collect();
+                r
+            })
+        };
         match self.state.take(FaultOp::List, &p) {
-            None => self.inner.list_with_delimiter(prefix).await,
+            None => shifted(self.inner.list_with_delimiter(prefix).await),
             Some(FaultKind::Slow(d)) => {
                 tokio::time::sleep(d).await;
-                self.inner.list_with_delimiter(prefix).await
+                shifted(self.inner.list_with_delimiter(prefix).await)
             }
             Some(kind) => Err(injected_error(kind, FaultOp::List, &p)),
         }

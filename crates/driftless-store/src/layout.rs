@@ -22,6 +22,8 @@ use driftless_format::StepKind;
 
 /// The stream descriptor, written once when the stream is created.
 pub const STREAM: &str = "stream.json";
+/// An empty object GC rewrites to read the bucket's clock (its modification time).
+pub const GC_CLOCK: &str = "gc-clock";
 /// The latest-step hint, overwritten after every commit.
 pub const LATEST: &str = "latest.json";
 /// Name of a step's manifest object inside its directory.
