@@ -196,14 +196,21 @@ pub(crate) fn is_stray_key(committed: (u64, u32), key: &str, live: impl Fn(u64) 
 /// gathers them (a restarted committer is a new generation). Kept, they are a model's worth
 /// for the step's whole retention.
 fn is_spent_slices(committed: (u64, u32), name: &str, live: impl Fn(u64) -> bool) -> bool {
-    let part = name
-        .strip_prefix(&format!("g{}-r", committed.0))
-        .and_then(|r| r.strip_suffix("-slices.bin"))
-        .and_then(|r| r.split_once('-'))
-        .is_some_and(|(rank, nonce)| {
-            rank.len() == 5 && rank.bytes().all(|b| b.is_ascii_digit()) && !nonce.is_empty() && !nonce.contains('-')
-        });
-    part && committed.1 == 0 && !live(committed.0)
+    slices_generation(name) == Some(committed.0) && committed.1 == 0 && !live(committed.0)
+}
+
+/// The generation of a sharded rank's slice bytes (`g<gen>-r<rank>-<nonce>-slices.bin`), if
+/// `name` is one.
+pub(crate) fn slices_generation(name: &str) -> Option<u64> {
+    let (g, rest) = name.strip_prefix('g')?.split_once("-r")?;
+    let (rank, nonce) = rest.strip_suffix("-slices.bin")?.split_once('-')?;
+    let ok = !g.is_empty()
+        && g.bytes().all(|b| b.is_ascii_digit())
+        && rank.len() == 5
+        && rank.bytes().all(|b| b.is_ascii_digit())
+        && !nonce.is_empty()
+        && !nonce.contains('-');
+    ok.then(|| g.parse().ok()).flatten()
 }
 
 /// A publisher generation's lease (`writers/<gen>`), as listed and read.

@@ -30,7 +30,9 @@ pub enum KeepReason {
     /// The marker could not be parsed or names another step: left for a human.
     UnreadableMarker,
     /// An incomplete step written by a publisher generation whose lease is live: an upload
-    /// in progress, however long it takes.
+    /// in progress, however long it takes. Or a sharded delta step holding slice bytes of a
+    /// live generation: its committer may still be gathering the step's scheduled anchor from
+    /// them (a long gather outlived the delta's retention, and the slices went under it).
     Leased,
 }
 
@@ -182,6 +184,13 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
             add(&mut fixed, e.id, KeepReason::WithinGrace);
         }
         if e.marker.is_none() && e.generations().iter().any(|g| live.contains(g)) {
+            add(&mut fixed, e.id, KeepReason::Leased);
+        }
+        let gathering = |o: &ObjectInfo| {
+            let name = o.key.rsplit('/').next().unwrap_or_default();
+            crate::inventory::slices_generation(name).is_some_and(|g| live.contains(&g))
+        };
+        if e.marker.is_some() && e.id.kind == StepKind::Delta && e.objects.iter().any(gathering) {
             add(&mut fixed, e.id, KeepReason::Leased);
         }
     }
@@ -475,8 +484,8 @@ mod stray_tests {
     use driftless_format::{Digest, ReadyMarker, StepKind};
     use driftless_store::{layout, ObjectInfo};
 
-    use super::plan_inventory;
-    use crate::inventory::{Inventory, LeaseEntry, MarkerState};
+    use super::{plan_inventory, KeepReason};
+    use crate::inventory::{Inventory, LeaseEntry, MarkerState, StepId};
     use crate::policy::GcPolicy;
 
     fn info(key: String, size: u64, at: SystemTime) -> ObjectInfo {
@@ -632,5 +641,32 @@ mod stray_tests {
         assert_eq!(strays(&inv), ["g5-r00000-0000abcd-slices.bin", "g5-r00001-00001234-slices.bin"]);
         // Within grace nothing is touched, lease or not.
         assert!(plan_inventory(&inv, &policy, at + Duration::from_secs(60)).strays.is_empty());
+
+        // Out of retention (newer deltas and an anchor after it) while generation 5, live, may
+        // still be gathering anchor 7 from the slices: the step stays whole (found by review:
+        // it was deleted, slices included, under the gather); once the lease lapses it goes.
+        for s in 8..=12u64 {
+            let name = format!("g5-seg-{s}.dls");
+            inv.add_object(info(layout::object(StepKind::Delta, s, &name), 100, at));
+            inv.add_object(info(layout::object(StepKind::Delta, s, "g5-manifest.json"), 10, at));
+            inv.add_marker(
+                info(layout::ready(StepKind::Delta, s), 10, at),
+                marker(StepKind::Delta, s, Some(s - 1), "g5-manifest.json"),
+            );
+        }
+        inv.add_object(info(layout::object(StepKind::Anchor, 10, "g5-manifest.json"), 10, at));
+        inv.add_marker(
+            info(layout::ready(StepKind::Anchor, 10), 10, at),
+            marker(StepKind::Anchor, 10, None, "g5-manifest.json"),
+        );
+        let tight = GcPolicy { keep_deltas: 2, keep_anchors: 1, ..policy.clone() };
+        lease(&mut inv, later - Duration::from_secs(10));
+        let p = plan_inventory(&inv, &tight, later);
+        assert!(p.kept.iter().any(|k| k.step == 7 && k.reasons.contains(&KeepReason::Leased)), "{p}");
+        assert!(!p.deleted.iter().any(|d| d.id() == StepId::delta(7)), "{p}");
+        assert!(p.deleted.iter().any(|d| d.id() == StepId::delta(8)), "retention still applies: {p}");
+        lease(&mut inv, at);
+        let p = plan_inventory(&inv, &tight, later);
+        assert!(p.deleted.iter().any(|d| d.id() == StepId::delta(7)), "{p}");
     }
 }
