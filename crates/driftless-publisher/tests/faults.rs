@@ -801,7 +801,7 @@ fn a_restarted_publisher_never_reuses_a_generation() {
         f1.inject(FaultOp::Put, "ready/anchors/000000000000", usize::MAX, FaultKind::Permanent);
         p.publish(0, &c.views()).unwrap();
         let manifest = layout::object(StepKind::Anchor, 0, "g1-manifest.json");
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = rt();
         let t0 = std::time::Instant::now();
         while rt.block_on(b1.head(&manifest)).is_err() {
             assert!(t0.elapsed() < Duration::from_secs(30), "{}: the manifest was never written", be.name);
@@ -858,7 +858,7 @@ fn a_planted_newest_lease_does_not_wrap_the_generations() {
         let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().unwrap();
         p.publish(0, &chain().views()).unwrap();
         p.close().unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = rt();
         rt.block_on(b.put(&layout::lease(u64::MAX), bytes::Bytes::from_static(b"{}"))).unwrap();
         let e = PublisherBuilder::new("x").with_bucket(b).with_key(key()).build().unwrap_err();
         assert!(e.to_string().contains("no publisher generation after 18446744073709551615"), "{}: {e}", be.name);
