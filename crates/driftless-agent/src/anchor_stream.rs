@@ -1,12 +1,13 @@
 //! Streaming one anchor shard out of the bucket, shared by the agent (into a file
 //! of its work slot) and the Python `Follower` (into the caller's arrays): ranged GETs of the
-//! object's footer, prefix, table and header, then one ranged GET per chunk (16 MiB of
-//! decoded bytes), `parts` in flight, each decoded on the blocking pool and handed to a
-//! [`ShardSink`] once. Memory is bounded by the parts in flight, whatever the model's size.
-//! The object's SHA-256 is computed over the parts in order and checked against the manifest
-//! at the end: a sink receives bytes before that check, so it must write only where nothing
-//! is trusted until a weights root is verified. Shards of a plain-safetensors anchor stream
-//! the same way, without the decoding ([`stream_plain`]).
+//! object's footer and prefix, its header (which says how the encoder cut the file), its
+//! table, then one ranged GET per chunk (16 MiB of decoded bytes), `parts` in flight, each
+//! decoded on the blocking pool and handed to a [`ShardSink`] once. Memory is bounded by the
+//! parts in flight, whatever the model's size. The object's SHA-256 is computed over the
+//! parts in order and checked against the manifest at the end: a sink receives bytes before
+//! that check, so it must write only where nothing is trusted until a weights root is
+//! verified. Shards of a plain-safetensors anchor stream the same way, without the decoding
+//! ([`stream_plain`]).
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -238,17 +239,20 @@ pub async fn stream_shard(
         bucket.get_range_of(&key, size - anchor::FOOTER_LEN..size),
         bucket.get_range_of(&key, 0..anchor::PREFIX_LEN)
     )?;
-    // Bounded by what an encoder writes for this file (the object's SHA-256 is only known
-    // once it has all been read).
-    let tr = anchor::table_range(&prefix, &footer, size, o.decoded_size)?;
+    // The header first (bounded as a safetensors header): it says how the encoder cut the
+    // file, and the table must be exactly that (the object's SHA-256 is only known once it has
+    // all been read, one ranged GET per chunk).
+    let (hr, header_len) = anchor::header_range(&prefix, o.decoded_size)?;
+    let hz = bucket.get_range_of(&key, hr).await?;
+    let mut head = vec![0u8; header_len as usize];
+    anchor::decode_header(&hz, &mut head)?;
+    let cuts = anchor::shard_cuts(&head, o.decoded_size)?;
+    let tr = anchor::table_range(&prefix, &cuts, &footer, size, o.decoded_size)?;
     let table = match tr.is_empty() {
         true => Bytes::new(),
         false => bucket.get_range_of(&key, tr).await?,
     };
-    let plan = anchor::plan_shard(&prefix, &table, &footer, size, o.decoded_size)?;
-    let hz = bucket.get_range_of(&key, plan.header.clone()).await?;
-    let mut head = vec![0u8; plan.header_len as usize];
-    anchor::decode_header(&hz, &mut head)?;
+    let plan = anchor::plan_shard(&prefix, &cuts, &table, &footer, size, o.decoded_size)?;
     sink.write_at(0, &head)?;
     // Output and plane buffers of the chunk decoders (16 MiB each per part in flight),
     // reused from chunk to chunk so their pages are faulted in once.

@@ -80,15 +80,15 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     let mut bytes = std::fs::read(&path).unwrap();
     let size = bytes.len() as u64;
     let footer = bytes[bytes.len() - anchor::FOOTER_LEN as usize..].to_vec();
-    let tr = anchor::table_range(&bytes[..anchor::PREFIX_LEN as usize], &footer, size, o.decoded_size).unwrap();
-    let plan = anchor::plan_shard(
-        &bytes[..anchor::PREFIX_LEN as usize],
-        &bytes[tr.start as usize..tr.end as usize],
-        &footer,
-        size,
-        o.decoded_size,
-    )
-    .unwrap();
+    let prefix = &bytes[..anchor::PREFIX_LEN as usize];
+    let (hr, header_len) = anchor::header_range(prefix, o.decoded_size).unwrap();
+    let mut head = vec![0u8; header_len as usize];
+    anchor::decode_header(&bytes[hr.start as usize..hr.end as usize], &mut head).unwrap();
+    let cuts = anchor::shard_cuts(&head, o.decoded_size).unwrap();
+    let tr = anchor::table_range(prefix, &cuts, &footer, size, o.decoded_size).unwrap();
+    let plan =
+        anchor::plan_shard(prefix, &cuts, &bytes[tr.start as usize..tr.end as usize], &footer, size, o.decoded_size)
+            .unwrap();
     let first = plan.chunks[0].stored.start as usize;
     for b in &mut bytes[first..first + 4] {
         *b ^= 0xFF;

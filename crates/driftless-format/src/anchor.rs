@@ -48,31 +48,10 @@ pub fn encode_shard_to(file: &[u8], level: i32, out: &mut impl std::io::Write) -
         Ok(x) => x,
         Err(e) => return Ok(Err(e)),
     };
-    // Chunks: (offset, len, width), covering data_start..file.len() exactly.
-    let mut chunks: Vec<(usize, usize, usize)> = vec![];
-    let mut at = data_start;
-    for (t, r) in &tensors {
-        let (s, e) = (data_start + r.start, data_start + r.end);
-        if s < at {
-            return Ok(Err(Error::invalid("overlapping tensors")));
-        }
-        // Gaps (padding) in chunks of at most CHUNK too: decoders refuse longer ones.
-        for g in (at..s).step_by(CHUNK) {
-            chunks.push((g, CHUNK.min(s - g), 1));
-        }
-        let w = t.dtype.size();
-        let per = (CHUNK / w) * w;
-        let mut c = s;
-        while c < e {
-            let l = per.min(e - c);
-            chunks.push((c, l, w));
-            c += l;
-        }
-        at = at.max(e);
-    }
-    for g in (at..file.len()).step_by(CHUNK) {
-        chunks.push((g, CHUNK.min(file.len() - g), 1));
-    }
+    let chunks: Vec<(usize, usize, usize)> = match cut(data_start as u64, &tensors, file.len() as u64) {
+        Ok(c) => c.0.iter().map(|&(o, l, w)| (o as usize, l as usize, w as usize)).collect(),
+        Err(e) => return Ok(Err(e)),
+    };
     let z = |b: &[u8]| zstd::bulk::compress(b, level).map_err(|e| Error::invalid(format!("zstd: {e}")));
     let header_z = match z(&file[..data_start]) {
         Ok(h) => h,
@@ -127,6 +106,70 @@ pub fn encode_shard_to(file: &[u8], level: i32, out: &mut impl std::io::Write) -
     Ok(Ok(written.get()))
 }
 
+/// The chunks of a shard, `(offset, len, width)` in file order, as the encoder cuts them from
+/// the file's safetensors header ([`shard_cuts`]). Decoders check a shard's table against them:
+/// its chunk count is the encoder's, not one the (unverified) object declares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cuts(Vec<(u64, u64, u8)>);
+
+impl Cuts {
+    /// Number of chunks.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    /// True for a file without data bytes.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    /// Bytes of the chunk table that lists them.
+    fn table_len(&self) -> u64 {
+        self.0.iter().map(|&(_, _, w)| 17 + 8 * u64::from(w)).sum()
+    }
+}
+
+/// Cuts the data of a file of `file_len` bytes whose data starts at `data_start` into chunks:
+/// each tensor (in data order) in chunks of at most [`CHUNK`] bytes of its element width, and
+/// any gap (padding) between or after tensors in chunks of width 1.
+fn cut(data_start: u64, tensors: &[(crate::TensorMeta, std::ops::Range<usize>)], file_len: u64) -> Result<Cuts> {
+    let chunk = CHUNK as u64;
+    let mut chunks = vec![];
+    let gap = |from: u64, to: u64, chunks: &mut Vec<(u64, u64, u8)>| {
+        for g in (from..to).step_by(CHUNK) {
+            chunks.push((g, chunk.min(to - g), 1));
+        }
+    };
+    let mut at = data_start;
+    for (t, r) in tensors {
+        let (s, e) = (data_start + r.start as u64, data_start + r.end as u64);
+        if s < at {
+            return Err(Error::invalid("overlapping tensors"));
+        }
+        gap(at, s, &mut chunks);
+        let w = t.dtype.size() as u64;
+        let per = (chunk / w) * w;
+        let mut c = s;
+        while c < e {
+            let l = per.min(e - c);
+            chunks.push((c, l, w as u8));
+            c += l;
+        }
+        at = at.max(e);
+    }
+    gap(at, file_len, &mut chunks);
+    Ok(Cuts(chunks))
+}
+
+/// The chunks an encoder cuts a shard of `decoded_size` bytes into, from its decoded header
+/// (the file's first bytes, as long as the prefix's header length: see [`header_range`]).
+pub fn shard_cuts(head: &[u8], decoded_size: u64) -> Result<Cuts> {
+    let (data_start, tensors, _) =
+        crate::checkpoint::parse_safetensors_head(head, decoded_size).map_err(|e| bad(format!("header: {e}")))?;
+    if data_start != head.len() {
+        return Err(bad(format!("header of {} bytes, the prefix says {}", data_start, head.len())));
+    }
+    cut(data_start as u64, &tensors, decoded_size).map_err(|e| bad(e.to_string()))
+}
+
 struct Cur<'a> {
     b: &'a [u8],
     at: usize,
@@ -154,28 +197,33 @@ struct TableChunk {
     plane_lens: Vec<u64>,
 }
 
-/// Reads a chunk table of `n` entries, which must be all of `t`: the chunks cover the decoded
-/// bytes `[header_len, size)` contiguously, each with a width of 1, 2, 4 or 8 dividing its
-/// length and at most [`CHUNK`] long (as the encoder cuts them), after a header no longer than
-/// a safetensors header may be. Decoders size their buffers by these numbers before the
-/// object's SHA-256 can be checked, so they are bounded here, not by the shard's size.
-fn read_table(t: &mut Cur<'_>, n: usize, header_len: u64, size: u64) -> Result<Vec<TableChunk>> {
+/// Reads a chunk table, which must be all of `t` and list exactly the chunks `cuts` (what the
+/// encoder cuts the file into): the chunks cover the decoded bytes `[header_len, size)`
+/// contiguously, each with a width of 1, 2, 4 or 8 dividing its length and at most [`CHUNK`]
+/// long, after a header no longer than a safetensors header may be. Decoders size their
+/// buffers and requests by these numbers before the object's SHA-256 can be checked, so they
+/// are bounded here, not by the shard's size.
+fn read_table(t: &mut Cur<'_>, cuts: &Cuts, header_len: u64, size: u64) -> Result<Vec<TableChunk>> {
     if header_len > MAX_HEADER_LEN {
         return Err(bad(format!("header of {header_len} bytes, more than a safetensors header may have")));
     }
     // An entry takes at least 25 bytes (offset, length, width, one plane length): a count
     // the table bytes cannot hold is refused before anything is reserved.
+    let n = cuts.len();
     if n > t.b.len().saturating_sub(t.at) / 25 {
         return Err(bad("chunk count exceeds the table"));
     }
     let mut table = Vec::with_capacity(n);
     let mut expect = header_len;
-    for _ in 0..n {
+    for &want in &cuts.0 {
         let o = t.u64()?;
         let l = t.u64()?;
         let w = t.take(1)?[0] as u64;
         if o != expect || !matches!(w, 1 | 2 | 4 | 8) || l == 0 || l % w != 0 || l > size - o || l > CHUNK as u64 {
             return Err(bad("chunk table is not contiguous or has a bad width"));
+        }
+        if (o, l, w) != (want.0, want.1, u64::from(want.2)) {
+            return Err(bad(format!("chunk at {o} of {l} bytes is not where the encoder cuts the file")));
         }
         expect = o + l;
         let plane_lens: Vec<u64> = (0..w).map(|_| t.u64()).collect::<Result<_>>()?;
@@ -201,11 +249,15 @@ pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
         return Err(bad("truncated"));
     }
     let (prefix, footer) = (&stored[..PREFIX_LEN as usize], &stored[(len - FOOTER_LEN) as usize..]);
-    let tr = table_range(prefix, footer, len, out.len() as u64)?;
-    let plan = plan_shard(prefix, &stored[tr.start as usize..tr.end as usize], footer, len, out.len() as u64)?;
+    let size = out.len() as u64;
+    let (hr, header_len) = header_range(prefix, size)?;
+    let at = |r: &std::ops::Range<u64>| stored.get(r.start as usize..r.end as usize).ok_or_else(|| bad("truncated"));
+    let (head, mut rest) = out.split_at_mut(header_len as usize);
+    decode_header(at(&hr)?, head)?;
+    let cuts = shard_cuts(head, size)?;
+    let tr = table_range(prefix, &cuts, footer, len, size)?;
+    let plan = plan_shard(prefix, &cuts, at(&tr)?, footer, len, size)?;
     let at = |r: &std::ops::Range<u64>| &stored[r.start as usize..r.end as usize];
-    let (head, mut rest) = out.split_at_mut(plan.header_len as usize);
-    decode_header(at(&plan.header), head)?;
     // Chunks cover the file after the header in order (checked by the plan).
     let mut jobs = Vec::with_capacity(plan.chunks.len());
     for c in &plan.chunks {
@@ -290,31 +342,35 @@ fn read_prefix(prefix: &[u8], decoded_size: u64) -> Result<Prefix> {
     Ok(Prefix { size, header_len, header_stored })
 }
 
-/// The most chunks an encoder cuts a file of this prefix into: full [`CHUNK`]s, plus one
-/// partial chunk per tensor and per gap. A tensor takes at least 16 bytes of header JSON
-/// (the shortest entry a safetensors reader takes, the array form `"":["U8",[],[0,1]],`, is
-/// 19).
-fn max_chunks(p: &Prefix) -> u64 {
-    p.size / CHUNK as u64 + 2 * (p.header_len / 16) + 2
+/// The stored range of a shard's compressed header and the length of the decoded header (the
+/// file's first bytes), from the prefix of a shard that decodes to `decoded_size` bytes. A
+/// reader fetches and decodes the header first: it says how the encoder cut the file
+/// ([`shard_cuts`]), which bounds the table.
+pub fn header_range(prefix: &[u8], decoded_size: u64) -> Result<(std::ops::Range<u64>, u64)> {
+    let p = read_prefix(prefix, decoded_size)?;
+    Ok((PREFIX_LEN..PREFIX_LEN + p.header_stored, p.header_len))
 }
 
-/// Bytes of one table entry of width 8 (offset, length, width, eight plane lengths).
-const MAX_ENTRY: u64 = 8 + 8 + 1 + 8 * 8;
-
 /// The stored range of the chunk table, from the footer (the last [`FOOTER_LEN`] bytes of a
-/// shard of `stored_size` bytes) and the prefix of a shard that decodes to `decoded_size`
-/// bytes. The table's length and chunk count are bounded by what an encoder writes for that
-/// file, so a reader can fetch it whole before the object's SHA-256 can be checked.
-pub fn table_range(prefix: &[u8], footer: &[u8], stored_size: u64, decoded_size: u64) -> Result<std::ops::Range<u64>> {
+/// shard of `stored_size` bytes), the prefix of a shard that decodes to `decoded_size` bytes
+/// and the chunks its header says the encoder cut ([`shard_cuts`]). The table's length and
+/// chunk count must be exactly those of the encoder's table for that file, so a reader can
+/// fetch it whole, and plan one request per chunk, before the object's SHA-256 can be checked.
+pub fn table_range(
+    prefix: &[u8],
+    cuts: &Cuts,
+    footer: &[u8],
+    stored_size: u64,
+    decoded_size: u64,
+) -> Result<std::ops::Range<u64>> {
     let p = read_prefix(prefix, decoded_size)?;
     let tr = footer_table_range(footer, stored_size)?;
     let n = u32::from_le_bytes(footer[8..12].try_into().expect("4")) as u64;
-    let most = max_chunks(&p);
-    if n > most || tr.end - tr.start > n * MAX_ENTRY || tr.end - tr.start < n * 25 {
+    if n != cuts.len() as u64 || tr.end - tr.start != cuts.table_len() {
         return Err(bad(format!(
-            "chunk count {n} or table of {} bytes is not what an encoder writes for a file of {} bytes",
+            "chunk count {n} or table of {} bytes is not what an encoder writes for this file ({} chunks)",
             tr.end - tr.start,
-            p.size
+            cuts.len()
         )));
     }
     if PREFIX_LEN + p.header_stored > tr.start {
@@ -341,25 +397,26 @@ fn footer_table_range(footer: &[u8], stored_size: u64) -> Result<std::ops::Range
 }
 
 /// Checks the prefix (first [`PREFIX_LEN`] bytes) and the table (the bytes of
-/// [`table_range`]) against each other and the expected decoded size; returns the plan. The
-/// same checks as [`decode_shard`]: chunks cover the file exactly, planes are contiguous.
+/// [`table_range`]) against each other, the chunks of the header ([`shard_cuts`]) and the
+/// expected decoded size; returns the plan. The same checks as [`decode_shard`]: the chunks
+/// are the encoder's, planes are contiguous.
 pub fn plan_shard(
     prefix: &[u8],
+    cuts: &Cuts,
     table: &[u8],
     footer: &[u8],
     stored_size: u64,
     decoded_size: u64,
 ) -> Result<ShardPlan> {
-    let tr = table_range(prefix, footer, stored_size, decoded_size)?;
+    let tr = table_range(prefix, cuts, footer, stored_size, decoded_size)?;
     if table.len() as u64 != tr.end - tr.start {
         return Err(bad("table size"));
     }
-    let n = u32::from_le_bytes(footer[8..12].try_into().expect("4")) as usize;
     let Prefix { size, header_len, header_stored } = read_prefix(prefix, decoded_size)?;
     // Checked by `table_range`: the header ends before the table.
     let planes_start = PREFIX_LEN + header_stored;
     let mut at = planes_start;
-    let chunks = read_table(&mut Cur { b: table, at: 0 }, n, header_len, size)?
+    let chunks = read_table(&mut Cur { b: table, at: 0 }, cuts, header_len, size)?
         .into_iter()
         .map(|c| {
             let start = at;
@@ -446,7 +503,7 @@ mod tests {
     /// SHA-256 can be checked: both are bounded by what an encoder writes, not by the shard.
     #[test]
     fn declared_header_and_chunk_lengths_are_bounded() {
-        let read = |h: u64, l: u64| read_table(&mut Cur { b: &table(h, l), at: 0 }, 1, h, h + l);
+        let read = |h: u64, l: u64| read_table(&mut Cur { b: &table(h, l), at: 0 }, &Cuts(vec![(h, l, 2)]), h, h + l);
         assert!(read(100, CHUNK as u64).is_ok());
         assert!(read(MAX_HEADER_LEN, CHUNK as u64).is_ok());
         let e = read(100, CHUNK as u64 + 2).err().expect("a chunk over 16 MiB is refused");
@@ -465,7 +522,7 @@ mod tests {
             let n = t.len();
             t[n - 16..n - 8].copy_from_slice(&a.to_le_bytes());
             t[n - 8..].copy_from_slice(&b.to_le_bytes());
-            read_table(&mut Cur { b: &t, at: 0 }, 1, 100, 1100)
+            read_table(&mut Cur { b: &t, at: 0 }, &Cuts(vec![(100, 1000, 2)]), 100, 1100)
         };
         let bound = stored_bound(500);
         assert!(bound > 500 && bound < 1000, "{bound}");

@@ -131,14 +131,17 @@ fn stream_decode(enc: &[u8], decoded_size: u64) -> driftless_format::Result<Vec<
     }
     let footer = &enc[(size - anchor::FOOTER_LEN) as usize..];
     let prefix = &enc[..anchor::PREFIX_LEN as usize];
-    let tr = anchor::table_range(prefix, footer, size, decoded_size)?;
+    let (hr, header_len) = anchor::header_range(prefix, decoded_size)?;
+    let hz = enc
+        .get(hr.start as usize..hr.end as usize)
+        .ok_or_else(|| driftless_format::Error::Corrupt { what: "anchor shard", detail: "truncated".into() })?;
+    let mut out = vec![0u8; decoded_size as usize];
+    anchor::decode_header(hz, &mut out[..header_len as usize])?;
+    let cuts = anchor::shard_cuts(&out[..header_len as usize], decoded_size)?;
+    let tr = anchor::table_range(prefix, &cuts, footer, size, decoded_size)?;
     let table = &enc[tr.start as usize..tr.end as usize];
-    let plan = anchor::plan_shard(prefix, table, footer, size, decoded_size)?;
-    let mut out = vec![0u8; plan.decoded_size as usize];
-    anchor::decode_header(
-        &enc[plan.header.start as usize..plan.header.end as usize],
-        &mut out[..plan.header_len as usize],
-    )?;
+    let plan = anchor::plan_shard(prefix, &cuts, table, footer, size, decoded_size)?;
+    assert_eq!(plan.header, hr);
     for c in &plan.chunks {
         let stored = &enc[c.stored.start as usize..c.stored.end as usize];
         anchor::decode_chunk(c, stored, &mut out[c.out.start as usize..c.out.end as usize])?;
@@ -189,7 +192,7 @@ fn a_chunk_count_the_table_cannot_hold_is_refused_before_allocating() {
     footer[..8].copy_from_slice(&(body_end - table.len() as u64).to_le_bytes());
     footer[8..12].copy_from_slice(&500_000_000u32.to_le_bytes());
     let prefix = &enc[..anchor::PREFIX_LEN as usize];
-    let e = anchor::plan_shard(prefix, &table, &footer, stored, file.len() as u64).unwrap_err();
+    let e = anchor::plan_shard(prefix, &cuts_of(&file), &table, &footer, stored, file.len() as u64).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
     assert!(e.to_string().contains("chunk count"), "{e}");
 }
@@ -206,8 +209,11 @@ fn shard_numbers_no_encoder_writes_are_refused_before_reading_more() {
     let decoded = file.len() as u64;
     let footer = enc[enc.len() - anchor::FOOTER_LEN as usize..].to_vec();
     let prefix = enc[..anchor::PREFIX_LEN as usize].to_vec();
-    let tr = anchor::table_range(&prefix, &footer, size, decoded).unwrap();
-    assert!(anchor::plan_shard(&prefix, &enc[tr.start as usize..tr.end as usize], &footer, size, decoded).is_ok());
+    let cuts = cuts_of(&file);
+    let tr = anchor::table_range(&prefix, &cuts, &footer, size, decoded).unwrap();
+    assert!(
+        anchor::plan_shard(&prefix, &cuts, &enc[tr.start as usize..tr.end as usize], &footer, size, decoded).is_ok()
+    );
     let corrupt = |r: driftless_format::Result<std::ops::Range<u64>>, what: &str| {
         let e = r.err().unwrap_or_else(|| panic!("{what}: accepted"));
         assert_eq!(e.kind(), ErrorKind::Corrupt, "{what}: {e}");
@@ -218,25 +224,90 @@ fn shard_numbers_no_encoder_writes_are_refused_before_reading_more() {
     // empty ranged GET, which stores answer with an error that reads as transient.
     let mut p = prefix.clone();
     p[24..32].copy_from_slice(&0u64.to_le_bytes());
-    corrupt(anchor::table_range(&p, &footer, size, decoded), "empty header");
+    corrupt(anchor::table_range(&p, &cuts, &footer, size, decoded), "empty header");
     // ... or larger than zstd makes the header.
     let mut p = prefix.clone();
     p[24..32].copy_from_slice(&(u64_at(&prefix, 16) * 2 + 1024).to_le_bytes());
-    corrupt(anchor::table_range(&p, &footer, size, decoded), "oversized header");
+    corrupt(anchor::table_range(&p, &cuts, &footer, size, decoded), "oversized header");
 
     // The table said to start right after the prefix: nearly the whole object fetched as a
     // table.
     let mut f = footer.clone();
     f[..8].copy_from_slice(&anchor::PREFIX_LEN.to_le_bytes());
-    corrupt(anchor::table_range(&prefix, &f, size, decoded), "object-sized table");
+    corrupt(anchor::table_range(&prefix, &cuts, &f, size, decoded), "object-sized table");
 
     // A chunk of zero bytes (a plan entry, and an empty ranged GET, per table entry).
     let table = &enc[tr.start as usize..tr.end as usize];
     let mut t = table.to_vec();
     t[8..16].copy_from_slice(&0u64.to_le_bytes());
-    let e = anchor::plan_shard(&prefix, &t, &footer, size, decoded).expect_err("zero-length chunk accepted");
+    let e = anchor::plan_shard(&prefix, &cuts, &t, &footer, size, decoded).expect_err("zero-length chunk accepted");
     assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
     let mut whole = enc.clone();
     whole[tr.start as usize..tr.end as usize].copy_from_slice(&t);
     assert!(anchor::decode_shard(&whole, &mut vec![0u8; file.len()]).is_err(), "zero-length chunk decoded in memory");
+}
+
+/// The chunks the encoder cuts a safetensors file into, from its header.
+fn cuts_of(file: &[u8]) -> anchor::Cuts {
+    let header_len = 8 + u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    anchor::shard_cuts(&file[..header_len], file.len() as u64).unwrap()
+}
+
+/// A replaced shard object (no key needed) whose table cuts the data into many more chunks
+/// than the encoder does, each one ranged GET before the object's SHA-256 is checked at the
+/// end: refused from the table, whatever header length its prefix declares (regression: the
+/// chunk count was bounded by `size / 16 MiB + 2 * header_len / 16`, and a prefix declaring a
+/// 100 MB header let a 1 GiB shard be planned as 12.5 million one-byte chunks).
+#[test]
+fn regression_a_table_of_more_chunks_than_the_encoder_cuts_is_refused() {
+    let (file, _) = safetensors_file(3);
+    let enc = anchor::encode_shard(&file, 1).unwrap();
+    let decoded = file.len() as u64;
+    let cuts = cuts_of(&file);
+    let honest = |i: usize| enc.len() - anchor::FOOTER_LEN as usize - i;
+    let footer = &enc[honest(0)..];
+    let prefix = &enc[..anchor::PREFIX_LEN as usize];
+    let n = u32::from_le_bytes(footer[8..12].try_into().unwrap()) as usize;
+    assert_eq!(n, cuts.len());
+    // The same data cut into chunks of one byte (width 1, one stored byte per plane): the
+    // footer and table say so consistently.
+    let header_len = 8 + u64::from_le_bytes(file[..8].try_into().unwrap());
+    let ones = decoded - header_len;
+    let mut table = vec![];
+    for at in header_len..decoded {
+        table.extend_from_slice(&at.to_le_bytes());
+        table.extend_from_slice(&1u64.to_le_bytes());
+        table.push(1);
+        table.extend_from_slice(&1u64.to_le_bytes());
+    }
+    let (hr, _) = anchor::header_range(prefix, decoded).unwrap();
+    let table_offset = hr.end + ones;
+    let stored = table_offset + table.len() as u64 + anchor::FOOTER_LEN;
+    let mut f = table_offset.to_le_bytes().to_vec();
+    f.extend_from_slice(&(ones as u32).to_le_bytes());
+    f.extend_from_slice(b"DLAE");
+    let e = anchor::table_range(prefix, &cuts, &f, stored, decoded).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.to_string().contains("chunk count"), "{e}");
+    let e = anchor::plan_shard(prefix, &cuts, &table, &f, stored, decoded).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    // Cut differently with the honest count: refused chunk by chunk.
+    let tr = anchor::table_range(prefix, &cuts, footer, enc.len() as u64, decoded).unwrap();
+    let mut t = enc[tr.start as usize..tr.end as usize].to_vec();
+    if n > 1 {
+        // Move the boundary between the first two chunks by one element.
+        let l0 = u64::from_le_bytes(t[8..16].try_into().unwrap());
+        let w0 = u64::from(t[16]);
+        t[8..16].copy_from_slice(&(l0 - w0).to_le_bytes());
+        let e1 = 17 + 8 * w0 as usize;
+        let o1 = u64::from_le_bytes(t[e1..e1 + 8].try_into().unwrap());
+        t[e1..e1 + 8].copy_from_slice(&(o1 - w0).to_le_bytes());
+        let l1 = u64::from_le_bytes(t[e1 + 8..e1 + 16].try_into().unwrap());
+        t[e1 + 8..e1 + 16].copy_from_slice(&(l1 + w0).to_le_bytes());
+        let e = anchor::plan_shard(prefix, &cuts, &t, footer, enc.len() as u64, decoded).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    }
+    // A header that does not parse, or that does not fill the file, has no cuts.
+    assert!(anchor::shard_cuts(&file[..header_len as usize], decoded + 1).is_err());
+    assert!(anchor::shard_cuts(&file[..header_len as usize - 1], decoded).is_err());
 }
