@@ -739,7 +739,8 @@ impl DecodedSegment {
             return Ok((e.start..e.start + e.len).collect());
         }
         let pos = &self.positions[e.pos.clone()];
-        let mut out = Vec::with_capacity(e.count as usize);
+        // Reserved by the position bytes (one at least per position), never by the count alone.
+        let mut out = Vec::with_capacity((e.count as usize).min(pos.len()));
         let (mut pp, mut next) = (0usize, 0u64);
         for _ in 0..e.count {
             let gap = varint::get(pos, &mut pp)?;
@@ -864,6 +865,12 @@ pub fn decode_segment(bytes: &[u8], max_raw: u64) -> Result<DecodedSegment> {
         if dense && (count != len || pb != 0) {
             return Err(bad(format!("dense entry {name} is inconsistent")));
         }
+        // Each position of a sparse entry is a varint gap, and each `ulp` value a varint, at
+        // least one byte each: a count those bytes cannot hold is refused here, before anyone
+        // sizes a buffer by it.
+        if !dense && (count > pb || count > vb) {
+            return Err(bad(format!("entry {name}: {count} elements in {pb} position and {vb} value bytes")));
+        }
         if let Some(v) = want_vals {
             if vb != v {
                 return Err(bad(format!("entry {name}: {vb} value bytes, expected {v}")));
@@ -984,9 +991,9 @@ fn redo_entry<'s>(seg: &'s DecodedSegment, e: &'s EntryInfo, tensors: &TensorsMu
             (seg.positions[e.pos.clone()].to_vec(), seg.values[e.val.clone()].to_vec())
         } else {
             // Apply to a scratch copy of the changed cells only.
-            let mut new_vals = Vec::with_capacity(e.count as usize * w);
             let pos = &seg.positions[e.pos.clone()];
             let vals = &seg.values[e.val.clone()];
+            let mut new_vals = Vec::with_capacity((e.count as usize).min(vals.len()) * w);
             let (mut pp, mut vp, mut next) = (0usize, 0usize, 0u64);
             let mut cell = [0u8; 8];
             for _ in 0..e.count {

@@ -125,6 +125,36 @@ fn malformed_entries_are_corrupt() {
     }
 }
 
+/// A sparse entry's count is bounded by its position (and `ulp` value) bytes, one at least
+/// per element: a count of 2^61 in an 85-byte segment is refused by the decoder (it used to be
+/// accepted, and `entry_indices` then reserved 2^61 u64s: a capacity-overflow panic).
+#[test]
+fn regression_sparse_count_bounded_by_its_bytes() {
+    let sp = |count: u64, pos: Vec<u8>, vals: Vec<u8>| E {
+        name: "t",
+        dense: false,
+        dtype: DType::U8,
+        start: 0,
+        len: count.max(4),
+        count,
+        pos,
+        vals,
+    };
+    for mode in [0, 1] {
+        let huge = raw_segment(mode, &[sp(1 << 61, vec![], vec![])]);
+        corrupt(delta::decode_segment(&huge, 1 << 20).map(|_| ()), "count without positions");
+        let short = raw_segment(mode, &[sp(3, vec![0, 0], vec![1; 3])]);
+        corrupt(delta::decode_segment(&short, 1 << 20).map(|_| ()), "count over its position bytes");
+    }
+    // ulp values take a byte at least each, too.
+    let few_vals = raw_segment(1, &[sp(3, vec![0, 0, 0], vec![1; 2])]);
+    corrupt(delta::decode_segment(&few_vals, 1 << 20).map(|_| ()), "count over its value bytes");
+    // The honest shape still decodes, and its indices come back.
+    let ok = raw_segment(1, &[sp(3, vec![0, 0, 0], vec![2; 3])]);
+    let d = delta::decode_segment(&ok, 1 << 20).unwrap();
+    assert_eq!(d.entry_indices(0).unwrap(), vec![0, 1, 2]);
+}
+
 /// A layout listing enough maximal tensors to wrap a 64-bit offset is refused, not wrapped
 /// into a small file with huge tensor ranges (regression: `shard_header` added unchecked).
 #[test]
