@@ -353,6 +353,24 @@ impl AnchorManifest {
             if o.file != s.file {
                 return Err(Error::corrupt("anchor manifest", "shard objects out of order"));
             }
+            if o.decoded_size > crate::anchor::MAX_SHARD {
+                return Err(Error::corrupt("anchor manifest", format!("shard {} of {} bytes", o.file, o.decoded_size)));
+            }
+            // A safetensors file is its header (8 bytes of length, then at least `{}`, at most
+            // MAX_HEADER bytes of JSON) and its tensors' bytes, contiguous: readers size the
+            // tensors by the layout, which must be the file's.
+            let data = s.tensors.iter().try_fold(0u64, |a, t| {
+                let n = TensorMeta { name: String::new(), dtype: t.dtype, shape: t.shape.clone() }.nbytes().ok()?;
+                a.checked_add(n)
+            });
+            let fits =
+                data.and_then(|d| Some((d.checked_add(10)?, d.checked_add(8 + crate::checkpoint::MAX_HEADER as u64)?)));
+            if !fits.is_some_and(|(lo, hi)| (lo..=hi).contains(&o.decoded_size)) {
+                return Err(Error::corrupt(
+                    "anchor manifest",
+                    format!("shard {}: its tensors do not fit a file of {} bytes", o.file, o.decoded_size),
+                ));
+            }
         }
         for f in &m.files {
             validate_file_name(&f.object).map_err(|e| Error::corrupt("anchor manifest", e.to_string()))?;

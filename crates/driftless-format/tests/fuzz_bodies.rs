@@ -96,11 +96,13 @@ fn manifest_seeds() -> Vec<Vec<u8>> {
 /// Anchor manifest, stream descriptor, ready marker and latest hint consistent with `m`.
 pub fn other_documents(m: &driftless_format::DeltaManifest) -> Vec<serde_json::Value> {
     use serde_json::json;
+    let sizes = m.layout().shard_sizes().unwrap();
     let objects: Vec<_> = m
         .shards
         .iter()
+        .zip(sizes)
         .enumerate()
-        .map(|(i, s)| json!({"file": s.file, "object": format!("shard-{i:05}.dla"), "size": 10, "sha256": m.result_root, "decoded_size": 20, "decoded_sha256": m.base_root}))
+        .map(|(i, (s, n))| json!({"file": s.file, "object": format!("shard-{i:05}.dla"), "size": 10, "sha256": m.result_root, "decoded_size": n, "decoded_sha256": m.base_root}))
         .collect();
     vec![
         json!({"kind": "anchor", "version": 3, "stream_id": "s", "step": 2, "weights_root": m.result_root, "encoding": "planes_zstd",

@@ -309,6 +309,34 @@ fn manifest_hostile_values() {
             "{what}"
         );
     }
+    // Decoded sizes the shard's tensors cannot fill, or that no header explains (regression: a
+    // layout of 1000 tensors of 2^46 bytes each was accepted for a 100-byte shard, and the
+    // Python mirror allocated the layout's bytes before reading any).
+    let data: u64 = m.layout().shards[0].tensors.iter().map(|t| t.nbytes().unwrap()).sum();
+    for (n, ok) in [
+        (data + 10, true),
+        (data + 8 + 100_000_000, true),
+        (data + 9, false),
+        (data + 9 + 100_000_000, false),
+        (2, false),
+        (1 << 41, false),
+        (u64::MAX, false),
+    ] {
+        let mut v = docs.clone();
+        v["objects"][0]["decoded_size"] = n.into();
+        let r = AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap());
+        match ok {
+            true => assert!(r.is_ok(), "decoded size {n}: {:?}", r.err()),
+            false => assert_eq!(r.unwrap_err().kind(), ErrorKind::Corrupt, "decoded size {n}"),
+        }
+    }
+    let mut v = docs.clone();
+    let huge: Vec<_> = (0..1000).map(|i| serde_json::json!({"name": format!("t{i}"), "dtype": "BF16", "shape": [1u64 << 45], "digest": m.base_root})).collect();
+    v["shards"][0]["tensors"] = huge.into();
+    v["objects"][0]["decoded_size"] = 100.into();
+    let e = AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.to_string().contains("do not fit"), "{e}");
     let mut v = docs.clone();
     v["objects"][0]["size"] = u64::MAX.into();
     v["files"][0]["size"] = u64::MAX.into();
@@ -316,7 +344,8 @@ fn manifest_hostile_values() {
 }
 
 fn anchor_doc(m: &DeltaManifest) -> serde_json::Value {
-    let objects: Vec<_> = m.shards.iter().map(|s| serde_json::json!({"file": s.file, "object": "a.dla", "size": 1, "sha256": m.base_root, "decoded_size": 2, "decoded_sha256": m.base_root})).collect();
+    let sizes = m.layout().shard_sizes().unwrap();
+    let objects: Vec<_> = m.shards.iter().zip(sizes).map(|(s, n)| serde_json::json!({"file": s.file, "object": "a.dla", "size": 1, "sha256": m.base_root, "decoded_size": n, "decoded_sha256": m.base_root})).collect();
     serde_json::json!({"kind": "anchor", "version": 3, "stream_id": "s", "step": 1, "weights_root": m.base_root, "encoding": "safetensors",
         "shards": m.shards, "objects": objects, "files": [{"object": "config.json", "size": 1, "sha256": m.base_root}], "created_at_ms": 0})
 }

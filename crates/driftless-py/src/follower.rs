@@ -977,12 +977,14 @@ impl PyFollower {
         let CheckedChain { deltas, _spool, .. } = self.fetch_chain(&chain, &cands, &sid, &from, at, detail).await?;
         if let Some((a, m)) = &anchor {
             at.on(&cands, StepKind::Anchor, *a);
-            at.touched = true;
+            // Allocated before the mirror is touched: a mirror that cannot be had leaves the
+            // one held as it is.
             let tensors: Vec<(TensorMeta, Vec<u8>)> = from
                 .layout
                 .tensors()
-                .map(|t| Ok((t.clone(), vec![0u8; t.nbytes()? as usize])))
+                .map(|t| Ok((t.clone(), zeroed(t.nbytes()?)?)))
                 .collect::<BindResult<_>>()?;
+            at.touched = true;
             *mirror = Some(Mirror { at: from.clone(), tensors });
             let mm = mirror.as_mut().expect("set");
             let by: HashMap<&str, Raw> = mm
@@ -1171,6 +1173,29 @@ async fn stream_anchor_from(
         }
     }
     Ok((bytes, digests))
+}
+
+/// A zeroed buffer of `n` bytes for the host mirror, or an error when it cannot be had: the
+/// size comes from a (signed, still hostile) manifest, and a failed `vec![0; n]` aborts the
+/// process. Zeroed by the allocator (calloc), so pages are only faulted in when written.
+fn zeroed(n: u64) -> BindResult<Vec<u8>> {
+    let too_big = || driftless_format::Error::Io {
+        path: "host mirror".into(),
+        source: std::io::Error::new(std::io::ErrorKind::OutOfMemory, format!("cannot allocate a tensor of {n} bytes")),
+    };
+    let n = usize::try_from(n).map_err(|_| too_big())?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| too_big())?;
+    // SAFETY: the layout has a nonzero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return Err(too_big().into());
+    }
+    // SAFETY: `p` comes from the global allocator with the layout of `[u8; n]` (alignment 1,
+    // size n = capacity), and its n bytes are initialized (zero).
+    Ok(unsafe { Vec::from_raw_parts(p, n, n) })
 }
 
 /// The spool file of shard `i` of a proven anchor.
