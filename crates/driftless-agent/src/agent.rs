@@ -159,6 +159,9 @@ pub struct Agent {
     /// The patch from the step the engine was last told to load to the current step, written
     /// after a delta-only sync when a notifier applies patches; used at most once.
     patch: Option<PatchFile>,
+    /// Decoded bytes of segments decoded ahead of their delta being received (permits are
+    /// bytes, [`DECODE_AHEAD_BYTES`] in all); see `start_fetch`.
+    decode_ahead: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -259,6 +262,7 @@ impl Agent {
             hint: None,
             list_next: false,
             patch: None,
+            decode_ahead: Arc::new(tokio::sync::Semaphore::new(DECODE_AHEAD_BYTES)),
         })
     }
 
@@ -993,9 +997,13 @@ impl Agent {
 
     /// Starts downloading delta `step` in the background: its manifest, then its segments
     /// (from the local cache when present), each checked against the manifest and decoded as
-    /// soon as it arrives. Nothing local changes; dropping the handle stops it.
+    /// soon as it arrives while the decoded bytes waiting to be received (of every delta
+    /// fetched ahead) fit in [`DECODE_AHEAD_BYTES`]; a segment that does not fit is handed over
+    /// as stored and decoded when its delta is received. Nothing local changes; dropping the
+    /// handle stops it.
     fn start_fetch(&self, step: u64, marker: Option<ReadyMarker>) -> Fetch {
         let reader = self.reader.clone();
+        let budget = self.decode_ahead.clone();
         let conc = self.cfg.download_concurrency.max(1);
         let cache = self.dir.cache();
         let (mtx, manifest) = tokio::sync::oneshot::channel();
@@ -1019,6 +1027,7 @@ impl Agent {
                     .map(move |(i, s)| {
                         let r = reader.clone();
                         let cache = cache.clone();
+                        let budget = budget.clone();
                         async move {
                             let (b, downloaded) = match cached_object(&cache, s.object.size, s.object.sha256) {
                                 Some(b) => (b, 0),
@@ -1031,16 +1040,13 @@ impl Agent {
                                 }
                             };
                             let raw = s.raw_size;
-                            let seg = tokio::task::spawn_blocking(move || -> Result<DecodedSegment> {
-                                let seg = delta::decode_segment(&b, raw)?;
-                                if seg.mode != mode {
-                                    return Err(corrupt("segment", "value mode differs from the manifest"));
-                                }
-                                Ok(seg)
-                            })
-                            .await
-                            .map_err(|e| Error::Io(std::io::Error::other(format!("decode task: {e}"))))??;
-                            Ok::<_, Error>((i, seg, downloaded))
+                            // Capped by the manifest (`MAX_SEGMENT_RAW` < 2^32).
+                            let permits = u32::try_from(raw).unwrap_or(u32::MAX);
+                            let got = match budget.try_acquire_many_owned(permits) {
+                                Ok(permit) => Got::Decoded(decode_blocking(b, raw, mode).await?, permit),
+                                Err(_) => Got::Stored(b, raw),
+                            };
+                            Ok::<_, Error>((i, got, downloaded))
                         }
                     })
                     .buffered(conc);
@@ -1116,10 +1122,19 @@ impl Agent {
         }
         let mut segs: Vec<Option<DecodedSegment>> = (0..m.segments.len()).map(|_| None).collect();
         let mut bytes = 0u64;
+        // Segments handed over stored (the decode-ahead budget was full) decode now, in parallel.
+        let (mut late, mode) = (futures::stream::FuturesUnordered::new(), m.value_mode);
         while let Some(r) = segments.recv().await {
-            let (i, seg, n) = r.map_err(&att)?;
+            let (i, got, n) = r.map_err(&att)?;
             bytes += n;
-            segs[i] = Some(seg);
+            match got {
+                // Received: its bytes leave the decode-ahead budget (the permit is dropped).
+                Got::Decoded(seg, _permit) => segs[i] = Some(seg),
+                Got::Stored(b, raw) => late.push(async move { (i, decode_blocking(b, raw, mode).await) }),
+            }
+        }
+        while let Some((i, r)) = late.next().await {
+            segs[i] = Some(r.map_err(&att)?);
         }
         let segs: Vec<DecodedSegment> = segs
             .into_iter()
@@ -1387,8 +1402,29 @@ impl Drop for Agent {
 /// A delta being downloaded in the background (see `Agent::start_fetch`).
 struct Fetch {
     manifest: tokio::sync::oneshot::Receiver<Result<(DeltaManifest, Digest)>>,
-    segments: tokio::sync::mpsc::UnboundedReceiver<Result<(usize, DecodedSegment, u64)>>,
+    segments: tokio::sync::mpsc::UnboundedReceiver<Result<(usize, Got, u64)>>,
     _abort: AbortOnDrop,
+}
+
+/// A segment of a delta being fetched: decoded ahead (holding its bytes of the decode-ahead
+/// budget until received), or stored, with its `raw_size`, to be decoded when received.
+enum Got {
+    Decoded(DecodedSegment, tokio::sync::OwnedSemaphorePermit),
+    Stored(Bytes, u64),
+}
+
+/// Decodes a segment (at most `raw` decoded bytes) on the blocking pool, checking its value
+/// mode against the manifest's.
+async fn decode_blocking(b: Bytes, raw: u64, mode: delta::ValueMode) -> Result<DecodedSegment> {
+    tokio::task::spawn_blocking(move || -> Result<DecodedSegment> {
+        let seg = delta::decode_segment(&b, raw)?;
+        if seg.mode != mode {
+            return Err(corrupt("segment", "value mode differs from the manifest"));
+        }
+        Ok(seg)
+    })
+    .await
+    .map_err(|e| Error::Io(std::io::Error::other(format!("decode task: {e}"))))?
 }
 
 /// Stops a background download when its consumer goes away (a failed apply, a dropped sync).
@@ -1404,6 +1440,11 @@ impl Drop for AbortOnDrop {
 /// be pinned on one step: the caller retries carefully. Otherwise the step is at fault.
 /// Deltas of a chain downloaded and decoded ahead of the one being received.
 const FETCH_AHEAD: usize = 4;
+
+/// Decoded segment bytes held ahead of their delta being received, all fetches together: what
+/// the download overlap may cost in memory, whatever the (signed, still hostile) manifests
+/// claim. Beyond it segments wait stored (their compressed bytes) and decode when received.
+const DECODE_AHEAD_BYTES: usize = 1 << 30;
 
 /// Decoded delta bytes applied in one pass at most (bounds the memory of a long catch-up; a
 /// pass is one read of the model, so this also bounds how often it is read).

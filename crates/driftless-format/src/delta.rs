@@ -44,6 +44,36 @@ pub const MAX_SEGMENT_RAW: u64 = 1 << 31;
 /// Most entries accepted in one segment.
 pub const MAX_ENTRIES: u32 = 1 << 20;
 
+/// Most header bytes an encoder writes for one entry of a tensor whose name has `name_len`
+/// bytes: the name's length (a varint), the name, kind and dtype, and five varints of at most
+/// 10 bytes each (start, len, count, position bytes, value bytes).
+pub fn max_entry_header(name_len: usize) -> u64 {
+    let mut v = Vec::with_capacity(10);
+    varint::put(&mut v, name_len as u64);
+    (v.len() + name_len + 2 + 5 * 10) as u64
+}
+
+/// Most decoded bytes (the sum of the segments' `raw_size`) an encoder writes for a delta whose
+/// result is `layout`, in segments of `entries` entries together.
+///
+/// The positions and values of an entry never take more than the dense bytes of its element
+/// range (an encoder stores a chunk dense once its sparse form would be as large), and the
+/// entries of a delta cover disjoint element ranges of the result's tensors (each at least one
+/// element, so there are at most as many entries as elements): together at most the layout's
+/// bytes. Each entry adds its header, at most [`max_entry_header`] of the longest name. This
+/// holds for any [`DeltaOptions`] (a chunk of one element, every element changed) and for the
+/// runs of sharded ranks, which cover each tensor once.
+pub fn max_delta_raw(layout: &crate::Layout, entries: u64) -> u64 {
+    let (mut bytes, mut elements, mut longest) = (0u64, 0u64, 0usize);
+    for t in layout.tensors() {
+        // Manifest layouts are validated (each tensor at most 2^46 bytes); saturating all the same.
+        bytes = bytes.saturating_add(t.nbytes().unwrap_or(u64::MAX));
+        elements = elements.saturating_add(t.numel().unwrap_or(u64::MAX));
+        longest = longest.max(t.name.len());
+    }
+    bytes.saturating_add(entries.min(elements).saturating_mul(max_entry_header(longest)))
+}
+
 /// How changed values are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -766,6 +796,12 @@ fn decompress_block(stored: &[u8], raw_len: u64, zstd: bool) -> Result<Vec<u8>> 
         }
         return Ok(stored.to_vec());
     }
+    // A frame that declares another size is refused before its buffer is reserved.
+    if let Ok(Some(n)) = zstd::zstd_safe::get_frame_content_size(stored) {
+        if n != raw_len {
+            return Err(bad(format!("zstd frame declares {n} bytes, header says {raw_len}")));
+        }
+    }
     let mut out = Vec::with_capacity(raw_len as usize);
     // Bounded: zstd never writes past the capacity we give it.
     let mut d = zstd::bulk::Decompressor::new().map_err(|e| bad(format!("zstd init: {e}")))?;
@@ -813,6 +849,10 @@ pub fn decode_segment(bytes: &[u8], max_raw: u64) -> Result<DecodedSegment> {
     }
     if total_raw > max_raw {
         return Err(bad(format!("decoded size {total_raw} exceeds the bound {max_raw}")));
+    }
+    // Headers hold the entries' headers and nothing else.
+    if lens[0].0 > u64::from(n_entries) * max_entry_header(crate::tensor::MAX_NAME_LEN) {
+        return Err(bad(format!("{} header bytes for {n_entries} entries", lens[0].0)));
     }
     if total_stored != (bytes.len() - FIXED_HEADER) as u64 {
         return Err(bad("block sizes do not add up to the segment size"));

@@ -320,11 +320,23 @@ impl DeltaManifest {
         if m.base_step >= m.step {
             return Err(Error::corrupt("delta manifest", "base step is not before step"));
         }
+        let (mut raw, mut entries) = (0u64, 0u64);
         for s in &m.segments {
             validate_file_name(&s.object.object).map_err(|e| Error::corrupt("delta manifest", e.to_string()))?;
-            if s.raw_size > crate::delta::MAX_SEGMENT_RAW {
-                return Err(Error::corrupt("delta manifest", "segment raw size over the limit"));
+            if s.raw_size > crate::delta::MAX_SEGMENT_RAW || s.entries > crate::delta::MAX_ENTRIES {
+                return Err(Error::corrupt("delta manifest", "segment raw size or entry count over the limit"));
             }
+            raw = raw.saturating_add(s.raw_size);
+            entries = entries.saturating_add(u64::from(s.entries));
+        }
+        // Readers decode every segment of a delta before applying it: the total is bounded by
+        // what an encoder writes for this result, not only segment by segment.
+        let most = crate::delta::max_delta_raw(&m.layout(), entries);
+        if raw > most {
+            return Err(Error::corrupt(
+                "delta manifest",
+                format!("segments decode to {raw} bytes, more than an encoder writes for the result ({most})"),
+            ));
         }
         Ok(m)
     }

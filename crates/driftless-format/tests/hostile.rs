@@ -5,8 +5,8 @@ mod common;
 
 use common::*;
 use driftless_format::{
-    checkpoint::ShardLayout, container, delta, sign, AnchorManifest, CheckpointMut, DType, DeltaManifest, DeltaOptions,
-    ErrorKind, Keypair, Layout, TensorMeta, TensorsMut, TrustSet,
+    checkpoint::ShardLayout, container, delta, sign, AnchorManifest, CheckpointMut, Codec, DType, DeltaManifest,
+    DeltaOptions, ErrorKind, Keypair, Layout, TensorMeta, TensorsMut, TrustSet, ValueMode,
 };
 use proptest::prelude::*;
 
@@ -341,6 +341,104 @@ fn manifest_hostile_values() {
     v["objects"][0]["size"] = u64::MAX.into();
     v["files"][0]["size"] = u64::MAX.into();
     assert_eq!(AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap().payload_bytes(), u64::MAX);
+}
+
+/// A delta's segments together decode to no more than an encoder writes for its result: the
+/// layout's bytes and a header per entry (regression: 1000 segments of 2 GiB each were accepted
+/// for a model of 4 KiB, and readers decode every segment of a delta before applying it).
+#[test]
+fn regression_delta_raw_size_bounded_by_layout() {
+    let mut r = rng(31);
+    let base = vec![T::random("t", DType::U8, &[4096], &mut r)];
+    let target: Vec<T> = base.iter().map(|t| mutate(t, 0.5, &mut r)).collect();
+    let layout = Layout::for_tensors(&metas(&base), 1 << 30).unwrap();
+    let (m, _) = make(&base, &target, &layout, &DeltaOptions::default());
+    DeltaManifest::from_slice(&serde_json::to_vec(&m).unwrap()).unwrap();
+    let one = m.segments[0].clone();
+    let with = |n: usize, raw: u64, entries: u32| {
+        let mut m = m.clone();
+        m.segments = (0..n)
+            .map(|i| {
+                let mut s = one.clone();
+                s.object.object = format!("seg-{i:05}.dls");
+                s.raw_size = raw;
+                s.entries = entries;
+                s
+            })
+            .collect();
+        DeltaManifest::from_slice(&serde_json::to_vec(&m).unwrap())
+    };
+    let e = with(1000, delta::MAX_SEGMENT_RAW, 1).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.to_string().contains("more than an encoder writes"), "{e}");
+    // Entry counts raise the allowance only up to one entry per element.
+    assert_eq!(with(1000, delta::MAX_SEGMENT_RAW, delta::MAX_ENTRIES).unwrap_err().kind(), ErrorKind::Corrupt);
+    assert_eq!(with(1, 1 << 20, delta::MAX_ENTRIES + 1).unwrap_err().kind(), ErrorKind::Corrupt);
+    // The exact bound passes; a byte more does not.
+    let most = delta::max_delta_raw(&layout, 4);
+    assert_eq!(most, 4096 + 4 * delta::max_entry_header(1));
+    with(2, most / 2, 2).unwrap();
+    assert_eq!(with(2, most / 2 + 1, 2).unwrap_err().kind(), ErrorKind::Corrupt);
+}
+
+/// The worst an honest encoder does stays within the bound: every element changed, chunks of
+/// one element (an entry per element, each with its header), long names, every dtype width and
+/// value mode, sparse and dense entries.
+#[test]
+fn honest_worst_case_deltas_fit_the_raw_bound() {
+    let mut r = rng(32);
+    let long = "x".repeat(1024); // the longest name a layout may have
+    for dtype in [DType::U8, DType::BF16, DType::F32, DType::F64] {
+        let base = vec![T::random(&long, dtype, &[300], &mut r), T::random("s", dtype, &[5, 7], &mut r)];
+        for density in [1.0, 0.5, 0.02] {
+            let target: Vec<T> = base.iter().map(|t| mutate(t, density, &mut r)).collect();
+            let layout = Layout::for_tensors(&metas(&target), u64::MAX).unwrap();
+            for values in [ValueMode::Ulp, ValueMode::Overwrite] {
+                for chunk_bytes in [1, dtype.size(), 3 * dtype.size(), 64, 1 << 20] {
+                    for codec in [Codec::Raw, Codec::Zstd { level: 1 }] {
+                        let opts = DeltaOptions { values, codec, segment_target: 200, chunk_bytes };
+                        let (m, enc) = make(&base, &target, &layout, &opts);
+                        let raw: u64 = enc.segments.iter().map(|s| s.raw_size).sum();
+                        let entries: u64 = enc.segments.iter().map(|s| u64::from(s.entries)).sum();
+                        let ctx = format!("{dtype} {density} {values:?} {chunk_bytes} {codec:?}");
+                        assert!(raw <= delta::max_delta_raw(&layout, entries), "{ctx}: {raw} bytes");
+                        DeltaManifest::from_slice(&serde_json::to_vec(&m).unwrap())
+                            .unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A zstd block whose frame declares another size than the segment header is refused before
+/// its buffer is reserved.
+#[test]
+fn zstd_frame_size_must_match_the_block_header() {
+    let good = raw_segment(0, &[dense("t", DType::F32, 0, 4, 1)]);
+    // Re-encode the values block (16 bytes) as a zstd frame declaring 16 bytes, then lie about
+    // the raw length in the header.
+    let z = |b: &[u8]| zstd::bulk::compress(b, 1).unwrap();
+    let (h_len, p_len) = (u64::from_le_bytes(good[12..20].try_into().unwrap()) as usize, 0usize);
+    let headers = &good[60..60 + h_len];
+    let blocks = [z(headers), z(&[]), z(&[1u8; 16])];
+    let seg = |vals_raw: u64| {
+        let mut s = good[..12].to_vec();
+        s[5] = 1;
+        for (b, raw) in blocks.iter().zip([h_len as u64, p_len as u64, vals_raw]) {
+            s.extend_from_slice(&raw.to_le_bytes());
+            s.extend_from_slice(&(b.len() as u64).to_le_bytes());
+        }
+        for b in &blocks {
+            s.extend_from_slice(b);
+        }
+        s
+    };
+    delta::decode_segment(&seg(16), 1 << 20).unwrap();
+    for lie in [8, 17, 1 << 20] {
+        let e = delta::decode_segment(&seg(lie), 1 << 30).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    }
 }
 
 fn anchor_doc(m: &DeltaManifest) -> serde_json::Value {
