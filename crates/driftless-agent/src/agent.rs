@@ -909,9 +909,17 @@ impl Agent {
         let mut digests: Vec<(TensorMeta, Digest)> = vec![];
         // Early writeback only when the anchor is the result (`alone`): with deltas after it,
         // the pass rewrites every page (a careful retry verifies the anchor, then applies).
-        for o in &m.objects {
+        let layout = m.layout();
+        if layout.shards.len() != m.objects.len() {
+            return Err(BuildError::Step(StepKind::Anchor, step, "shard count differs from the layout".into(), false));
+        }
+        for (o, shard) in m.objects.iter().zip(&layout.shards) {
+            if o.file != shard.file {
+                let why = format!("shard {} is not the layout's {}", o.file, shard.file);
+                return Err(BuildError::Step(StepKind::Anchor, step, why, false));
+            }
             let (n, d) = self
-                .stream_shard(step, o, m.encoding, wdir, verify, alone)
+                .stream_shard(step, (o, &shard.tensors), m.encoding, wdir, verify, alone)
                 .instrument(info_span!("stream_anchor_shard", step, file = %o.file))
                 .await
                 .map_err(&at)?;
@@ -969,7 +977,7 @@ impl Agent {
     async fn stream_shard(
         &self,
         step: u64,
-        o: &driftless_format::manifest::AnchorShardRef,
+        (o, tensors): (&driftless_format::manifest::AnchorShardRef, &[TensorMeta]),
         encoding: AnchorEncoding,
         wdir: &Path,
         hash: bool,
@@ -982,7 +990,7 @@ impl Agent {
         let file = FileSink::new(wdir.join(&o.file), o.decoded_size, writeback);
         let go = |sink: Arc<dyn ShardSink>| async move {
             match encoding {
-                AnchorEncoding::PlanesZstd => stream_shard(bucket, step, o, parts, sink).await,
+                AnchorEncoding::PlanesZstd => stream_shard(bucket, step, o, tensors, parts, sink).await,
                 AnchorEncoding::Safetensors => stream_plain(bucket, step, o, parts, sink).await,
             }
         };

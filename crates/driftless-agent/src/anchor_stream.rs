@@ -216,11 +216,13 @@ impl Drop for Stop {
 }
 
 /// Streams shard `o` of anchor `step` into `sink` (see the module docs), `parts` chunks in
-/// flight. Returns the bytes read.
+/// flight; `tensors` are the signed layout's tensors of the shard, which its header must list.
+/// Returns the bytes read.
 pub async fn stream_shard(
     bucket: &Bucket,
     step: u64,
     o: &AnchorShardRef,
+    tensors: &[driftless_format::TensorMeta],
     parts: usize,
     sink: Arc<dyn ShardSink>,
 ) -> Result<u64> {
@@ -246,6 +248,7 @@ pub async fn stream_shard(
     let hz = bucket.get_range_of(&key, hr).await?;
     let mut head = vec![0u8; header_len as usize];
     anchor::decode_header(&hz, &mut head)?;
+    anchor::check_header_tensors(&head, o.decoded_size, tensors)?;
     let cuts = anchor::shard_cuts(&head, o.decoded_size)?;
     let tr = anchor::table_range(&prefix, &cuts, &footer, size, o.decoded_size)?;
     let table = match tr.is_empty() {

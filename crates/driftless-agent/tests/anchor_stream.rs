@@ -55,12 +55,17 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     let reader = StreamReader::new(tb.bucket.clone(), trust);
     let (m, _) = reader.anchor(0).await.unwrap();
     let o = m.objects.iter().max_by_key(|o| o.object.size).unwrap().clone();
+    let tensors = m.layout().shards.into_iter().find(|s| s.file == o.file).unwrap().tensors;
+    // A header that does not list the signed layout's tensors is refused before any chunk is
+    // read (a replaced object could declare millions of tiny tensors, a GET per chunk).
+    let e = stream_shard(&tb.bucket, 0, &o, &tensors[1..], 4, Arc::new(Counting::default())).await.unwrap_err();
+    assert!(e.to_string().contains("not the") && e.to_string().contains("signed layout"), "{e}");
 
     // Intact: every part written once (plus the header), nothing after the call; hashed as
     // it passes, every tensor's digest is that of the published bytes.
     let counting = Counting::default();
     let sink = Arc::new(Hashing::new(counting, o.decoded_size));
-    let n = stream_shard(&tb.bucket, 0, &o, 4, sink.clone()).await.unwrap();
+    let n = stream_shard(&tb.bucket, 0, &o, &tensors, 4, sink.clone()).await.unwrap();
     assert_eq!(n, o.object.size);
     let got: std::collections::HashMap<String, driftless_format::Digest> =
         sink.digests().unwrap().into_iter().map(|(m, d)| (m.name, d)).collect();
@@ -71,7 +76,7 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
         assert_eq!(got[v.name], d, "digest of {} hashed while streaming", v.name);
     }
     let writes = Arc::new(Counting::default());
-    stream_shard(&tb.bucket, 0, &o, 4, writes.clone()).await.unwrap();
+    stream_shard(&tb.bucket, 0, &o, &tensors, 4, writes.clone()).await.unwrap();
     let parts = writes.writes.load(SeqCst) - 1;
     assert!(parts >= 3, "{parts} parts: the model should span several");
 
@@ -95,7 +100,7 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     }
     std::fs::write(&path, &bytes).unwrap();
     let sink = Arc::new(Counting::default());
-    let e = stream_shard(&tb.bucket, 0, &o, 4, sink.clone()).await.unwrap_err();
+    let e = stream_shard(&tb.bucket, 0, &o, &tensors, 4, sink.clone()).await.unwrap_err();
     sink.returned.store(true, SeqCst);
     assert!(e.to_string().contains("zstd"), "{e}");
     // Decodes still in flight when it returned would write now.

@@ -170,6 +170,23 @@ pub fn shard_cuts(head: &[u8], decoded_size: u64) -> Result<Cuts> {
     cut(data_start as u64, &tensors, decoded_size).map_err(|e| bad(e.to_string()))
 }
 
+/// Checks that a shard's decoded header (see [`header_range`]) lists exactly the tensors
+/// `expect` (the signed manifest's layout of that shard, in any order). A replaced object can
+/// otherwise declare a header of millions of tiny tensors, cut into as many chunks (one
+/// ranged GET each) before its SHA-256 mismatch shows at the end.
+pub fn check_header_tensors(head: &[u8], decoded_size: u64, expect: &[crate::TensorMeta]) -> Result<()> {
+    let (_, tensors, _) =
+        crate::checkpoint::parse_safetensors_head(head, decoded_size).map_err(|e| bad(format!("header: {e}")))?;
+    let mut got: Vec<&crate::TensorMeta> = tensors.iter().map(|(t, _)| t).collect();
+    let mut want: Vec<&crate::TensorMeta> = expect.iter().collect();
+    got.sort_by(|a, b| a.name.cmp(&b.name));
+    want.sort_by(|a, b| a.name.cmp(&b.name));
+    if got != want {
+        return Err(bad(format!("header lists {} tensors, not the {} of the signed layout", got.len(), want.len())));
+    }
+    Ok(())
+}
+
 struct Cur<'a> {
     b: &'a [u8],
     at: usize,

@@ -979,11 +979,8 @@ impl PyFollower {
             at.on(&cands, StepKind::Anchor, *a);
             // Allocated before the mirror is touched: a mirror that cannot be had leaves the
             // one held as it is.
-            let tensors: Vec<(TensorMeta, Vec<u8>)> = from
-                .layout
-                .tensors()
-                .map(|t| Ok((t.clone(), zeroed(t.nbytes()?)?)))
-                .collect::<BindResult<_>>()?;
+            let tensors: Vec<(TensorMeta, Vec<u8>)> =
+                from.layout.tensors().map(|t| Ok((t.clone(), zeroed(t.nbytes()?)?))).collect::<BindResult<_>>()?;
             at.touched = true;
             *mirror = Some(Mirror { at: from.clone(), tensors });
             let mm = mirror.as_mut().expect("set");
@@ -1165,7 +1162,9 @@ async fn stream_anchor_from(
             (Arc::new(arrays), None)
         };
         bytes += match m.encoding {
-            AnchorEncoding::PlanesZstd => stream_shard(bucket, step, o, ANCHOR_PARTS, sink.clone()).await?,
+            AnchorEncoding::PlanesZstd => {
+                stream_shard(bucket, step, o, &shard.tensors, ANCHOR_PARTS, sink.clone()).await?
+            }
             AnchorEncoding::Safetensors => stream_plain(bucket, step, o, ANCHOR_PARTS, sink.clone()).await?,
         };
         if let Some(h) = hashing {
