@@ -59,5 +59,6 @@ pub use manifest::{
 };
 pub use sign::{Keypair, TrustSet};
 pub use tensor::{
-    numel, validate_extra_file_name, validate_file_name, validate_tensor_name, Digest, TensorMeta, TensorView,
+    check_extra_file_sizes, numel, validate_extra_file_name, validate_file_name, validate_tensor_name, Digest,
+    TensorMeta, TensorView, MAX_EXTRA_FILE, MAX_EXTRA_FILES_TOTAL,
 };

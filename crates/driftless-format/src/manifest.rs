@@ -387,6 +387,9 @@ impl AnchorManifest {
         for f in &m.files {
             validate_file_name(&f.object).map_err(|e| Error::corrupt("anchor manifest", e.to_string()))?;
         }
+        // Readers hold extra files in memory.
+        crate::check_extra_file_sizes(m.files.iter().map(|f| (f.object.clone(), f.size)))
+            .map_err(|e| Error::corrupt("anchor manifest", e.to_string()))?;
         Ok(m)
     }
     /// Total bytes of the shard and file objects.

@@ -50,6 +50,35 @@ pub fn validate_extra_file_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// Largest file shipped beside the weights, and largest total of them in one anchor: readers
+/// hold them in memory (a configuration, a tokenizer: megabytes), so a manifest claiming more
+/// is refused, and publishers refuse to ship more.
+pub const MAX_EXTRA_FILE: u64 = 64 << 20;
+/// See [`MAX_EXTRA_FILE`].
+pub const MAX_EXTRA_FILES_TOTAL: u64 = 256 << 20;
+
+/// Checks the sizes of the files shipped beside the weights against [`MAX_EXTRA_FILE`] and
+/// [`MAX_EXTRA_FILES_TOTAL`].
+pub fn check_extra_file_sizes(sizes: impl IntoIterator<Item = (String, u64)>) -> Result<()> {
+    let mut total = 0u64;
+    for (name, n) in sizes {
+        if n > MAX_EXTRA_FILE {
+            return Err(Error::invalid(format!(
+                "extra file {name:?} has {n} bytes, over the {} MiB limit of a file shipped beside the weights",
+                MAX_EXTRA_FILE >> 20
+            )));
+        }
+        total = total.saturating_add(n);
+    }
+    if total > MAX_EXTRA_FILES_TOTAL {
+        return Err(Error::invalid(format!(
+            "extra files total {total} bytes, over the {} MiB limit",
+            MAX_EXTRA_FILES_TOTAL >> 20
+        )));
+    }
+    Ok(())
+}
+
 /// Name, dtype and shape of a tensor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorMeta {

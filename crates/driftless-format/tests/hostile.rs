@@ -339,8 +339,27 @@ fn manifest_hostile_values() {
     assert!(e.to_string().contains("do not fit"), "{e}");
     let mut v = docs.clone();
     v["objects"][0]["size"] = u64::MAX.into();
-    v["files"][0]["size"] = u64::MAX.into();
+    v["files"][0]["size"] = 1.into();
     assert_eq!(AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap().payload_bytes(), u64::MAX);
+    // Extra files are held in memory by readers: one over 64 MiB, or more than 256 MiB in all,
+    // is refused (regression: only the manifest's sizes bounded them).
+    let mut v = docs.clone();
+    v["files"][0]["size"] = (driftless_format::MAX_EXTRA_FILE + 1).into();
+    let e = AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    let mut v = docs.clone();
+    let f = v["files"][0].clone();
+    let many: Vec<_> = (0..5)
+        .map(|i| {
+            let mut f = f.clone();
+            f["object"] = format!("extra-{i}.bin").into();
+            f["size"] = (60u64 << 20).into();
+            f
+        })
+        .collect();
+    v["files"] = many.into();
+    let e = AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("over the 256 MiB limit"), "{e}");
 }
 
 /// A delta's segments together decode to no more than an encoder writes for its result: the

@@ -159,6 +159,7 @@ impl PublisherBuilder {
         for (n, _) in &self.extra_files {
             driftless_format::validate_extra_file_name(n)?;
         }
+        driftless_format::check_extra_file_sizes(self.extra_files.iter().map(|(n, b)| (n.clone(), b.len() as u64)))?;
         let (rt, bucket) = self.start()?;
         if !bucket.supports_conditional_create() {
             warn!(
@@ -501,6 +502,7 @@ impl Publisher {
         for (n, _) in &files {
             driftless_format::validate_extra_file_name(n)?;
         }
+        driftless_format::check_extra_file_sizes(files.iter().map(|(n, b)| (n.clone(), b.len() as u64)))?;
         let new: std::collections::BTreeMap<&str, &[u8]> = files.iter().map(|(n, b)| (n.as_str(), &b[..])).collect();
         let old: std::collections::BTreeMap<&str, &[u8]> =
             self.cfg.extra_files.iter().map(|(n, b)| (n.as_str(), &b[..])).collect();

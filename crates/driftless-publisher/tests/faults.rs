@@ -1029,6 +1029,9 @@ fn extra_files_that_look_like_weights_are_refused() {
     let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().unwrap();
     let e = p.set_extra_files(vec![("x.safetensors".into(), vec![1])]).unwrap_err();
     assert!(e.to_string().contains("would be read as weights"), "{e}");
+    // Readers hold extra files in memory: over 64 MiB is refused here, not by every agent.
+    let e = p.set_extra_files(vec![("big.bin".into(), vec![0; (64 << 20) + 1])]).unwrap_err();
+    assert!(e.to_string().contains("over the 64 MiB limit"), "{e}");
     // What changed is named (the CLI says why a step became an anchor).
     let set = |p: &mut driftless_publisher::Publisher, f: &[(&str, &[u8])]| {
         p.set_extra_files(f.iter().map(|(n, b)| (n.to_string(), b.to_vec())).collect()).unwrap()

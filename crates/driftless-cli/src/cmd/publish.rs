@@ -665,9 +665,9 @@ mod stop {
     }
 }
 
-/// Largest non-weight file of a checkpoint shipped with it (config, tokenizer); larger ones
-/// (an optimizer state) are left out.
-const MAX_EXTRA_FILE: u64 = 64 << 20;
+/// Non-weight files of a checkpoint of this size or more are left out (an optimizer state):
+/// shipped files are at most [`driftless_format::MAX_EXTRA_FILE`] bytes.
+const MAX_EXTRA_FILE: u64 = driftless_format::MAX_EXTRA_FILE;
 
 /// Non-weight files left out whatever their size: what trainers write beside the weights and
 /// rewrite at every save, which no inference server reads. Shipped, any one of them would
