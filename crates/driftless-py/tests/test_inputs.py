@@ -406,3 +406,38 @@ def test_arrays_that_share_memory_are_refused(file_bucket, keys):
     assert f.applied_step is None and not x.any()
     y = np.zeros(64, dtype=np.float32)
     assert f.apply_to({"a": x, "b": y})["step"] == 0
+
+
+def test_sync_dir_never_rewrites_a_slot_the_caller_still_maps(file_bucket, tmp_path):
+    """A caller that keeps tensors mapped from an older step's files (safetensors.safe_open
+    maps them) must not see them rewritten: sync_dir refuses to rebuild that slot (a retryable
+    error, the verified step kept) until the map is gone."""
+    import mmap
+
+    url, _ = file_bucket
+    f = driftless.Follower(url, allow_unsigned=True)
+    a = np.arange(4096, dtype=np.float32).astype(BF16)
+    with driftless.Publisher(url) as pub:
+        pub.publish(0, {"a": a})
+        pub.flush()
+        first = f.sync_dir(str(tmp_path / "agent"))
+        old = os.path.realpath(first["path"])
+        held = open(os.path.join(old, "model.safetensors"), "rb")
+        m = mmap.mmap(held.fileno(), 0, prot=mmap.PROT_READ)
+        held.close()
+        before = bytes(m[:])
+        a = a.copy()
+        for step in (1, 2):
+            a.view(np.uint16)[step] ^= 1
+            pub.publish(step, {"a": a})
+            pub.flush()
+            if step == 1:
+                assert f.sync_dir(str(tmp_path / "agent"))["step"] == 1
+    # Step 2 would be built in the slot the caller maps.
+    with pytest.raises(driftless.RetryableError, match="open by another process"):
+        f.sync_dir(str(tmp_path / "agent"))
+    assert bytes(m[:]) == before
+    assert os.path.realpath(os.path.join(str(tmp_path / "agent"), "current")) != old
+    m.close()
+    out = f.sync_dir(str(tmp_path / "agent"))
+    assert out["step"] == 2 and os.path.realpath(out["path"]) == old
