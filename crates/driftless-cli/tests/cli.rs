@@ -1123,4 +1123,16 @@ fn publish_watch_refuses_a_step_named_twice() {
     chain.step();
     write(&chain, &p("ckpts/step_3"), 1 << 30);
     assert_eq!(publish().0, [3]);
+    // A step still being written is not skipped for a newer one that is named twice (which
+    // is never published): it was, for good.
+    std::fs::create_dir_all(p("ckpts/step_4")).unwrap();
+    std::fs::write(p("ckpts/step_4/model.safetensors"), b"\x10\x00\x00").unwrap();
+    for name in ["step_5", "step_05"] {
+        write(&chain, &p(&format!("ckpts/{name}")), 1 << 30);
+    }
+    let (steps, stderr) = publish();
+    assert!(steps.is_empty() && !stderr.contains("skipping step 4"), "{steps:?} {stderr}");
+    chain.step();
+    write(&chain, &p("ckpts/step_4"), 1 << 30);
+    assert_eq!(publish().0, [4]);
 }

@@ -36,19 +36,19 @@ pub async fn run(bucket: &Bucket, policy: &GcPolicy, dry_run: bool) -> Result<Gc
     // Leases and object ages are stamped by the bucket's clock: "now" must be the bucket's
     // too. With this host's, minutes ahead, a live publisher's lease looked expired and its
     // upload was deleted under it (found by review). Only for an existing stream, so that an
-    // empty prefix stays empty for a publisher's first start.
+    // empty prefix stays empty for a publisher's first start, and not for a dry run, which
+    // writes nothing. Where it cannot be written (a role allowed to list, read and delete
+    // only), this host's clock, with a warning.
     let local = SystemTime::now();
     let now = match inv.stream_id {
-        Some(_) => match bucket_now(bucket).await {
+        Some(_) if !dry_run => match bucket_now(bucket).await {
             Ok(t) => t,
-            // A dry run may have read-only credentials.
-            Err(e) if dry_run => {
-                tracing::warn!(error = %e, "could not read the bucket's clock; planning with this host's");
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the bucket's clock (write {}); planning with this host's", driftless_store::layout::GC_CLOCK);
                 local
             }
-            Err(e) => return Err(e),
         },
-        None => local,
+        _ => local,
     };
     let mut plan = plan_inventory(&inv, policy, now);
     plan.clock_offset_ms = match now.duration_since(local) {

@@ -1024,7 +1024,10 @@ async fn group_lease(bucket: &Bucket, world_size: u64, timeout: Duration) -> Res
                 .get_limited(&layout::lease(g), 64 << 10)
                 .await
                 .ok()
-                .and_then(|b| serde_json::from_slice::<upload::Lease>(&b).ok());
+                .and_then(|b| serde_json::from_slice::<upload::Lease>(&b).ok())
+                // A released lease (TTL 0) is a committer that stopped: wait for the next one
+                // (joined, its part was never read and the step was lost; found by review).
+                .filter(|l| l.ttl_ms > 0);
             match lease.as_ref().and_then(|l| l.world_size) {
                 Some(w) if w == world_size => return Ok((g, lease.expect("has a world size"))),
                 Some(w) => {
@@ -1035,7 +1038,9 @@ async fn group_lease(bucket: &Bucket, world_size: u64, timeout: Duration) -> Res
                 None if Instant::now() >= deadline => {
                     return Err(Error::Conflict {
                         step: 0,
-                        detail: format!("the newest publisher generation {g} is not a sharded committer"),
+                        detail: format!(
+                        "the newest publisher generation {g} is not a live sharded committer (stopped, or not sharded)"
+                    ),
                     })
                 }
                 None => {}
@@ -1700,6 +1705,34 @@ mod tests {
         let (got, took) = wait(2, 2, 30);
         assert!(!got.committed && got.reason.as_deref().unwrap().contains("more than an outcome"), "{got:?}");
         assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    /// A committer that stopped releases its lease (TTL 0): ranks wait for the next committer
+    /// instead of joining the stopped one (found by review: a rank joined it at once, its part
+    /// was never read and the step was lost; with another world size it was refused outright).
+    #[test]
+    fn a_released_committer_is_waited_for_not_joined() {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let p0 = cfg.clone().build_sharded(0, 2, Duration::from_secs(1)).unwrap();
+        let (g_old, bucket) = (p0.generation().unwrap(), p0.bucket.clone());
+        drop(p0);
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        for world_size in [2, 4] {
+            let t = Instant::now();
+            let r = rt.block_on(group_lease(&bucket, world_size, Duration::from_millis(600)));
+            assert!(
+                matches!(&r, Err(Error::Conflict { detail, .. }) if detail.contains("not a live sharded committer")),
+                "{r:?}"
+            );
+            assert!(t.elapsed() >= Duration::from_millis(600), "gave up before its deadline");
+        }
+        // A new committer with the new world size is joined.
+        let p0 = cfg.build_sharded(0, 4, Duration::from_secs(1)).unwrap();
+        let (g, lease) = rt.block_on(group_lease(&bucket, 4, Duration::from_secs(5))).unwrap();
+        assert!(g > g_old && lease.ttl_ms > 0 && lease.world_size == Some(4));
+        drop(p0);
     }
 
     #[test]

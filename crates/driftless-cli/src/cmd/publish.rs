@@ -327,7 +327,8 @@ fn follow(
                 // Still being written, or never to be complete (a trainer that crashed while
                 // writing it): once a newer step is complete, this one is skipped, with a
                 // warning (it waited forever, silently, and so did every newer step).
-                match steps[i + 1..].iter().find(|(_, q)| complete(q, a.complete_file.as_deref())) {
+                let mut newer = steps[i + 1..].iter().filter(|(t, _)| !twice.contains(t));
+                match newer.find(|(_, q)| complete(q, a.complete_file.as_deref())) {
                     Some((t, _)) => {
                         eprintln!(
                             "driftless publish: warning: {} (step {s}) is not a complete checkpoint while step {t} is: skipping step {s}",
@@ -410,7 +411,11 @@ fn complete(path: &Path, complete_file: Option<&str>) -> bool {
                     sets.entry((prefix.to_string(), total)).or_default().insert(k);
                 }
             }
-            if sets.iter().any(|((_, total), ks)| !ks.iter().copied().eq(1..=*total)) {
+            // Numbered 1..=n (Hugging Face), or 0..n by some exporters.
+            let whole = |total: u64, ks: &std::collections::BTreeSet<u64>| {
+                ks.iter().copied().eq(1..=total) || ks.iter().copied().eq(0..total)
+            };
+            if sets.iter().any(|((_, total), ks)| !whole(*total, ks)) {
                 return false;
             }
         }
@@ -707,10 +712,11 @@ fn glob(pattern: &str, name: &str) -> bool {
     // character. O(len(p) x len(n)) at worst; names are short.
     let (mut i, mut j, mut star, mut mark) = (0, 0, None, 0);
     while j < n.len() {
-        if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
-            (i, j) = (i + 1, j + 1);
-        } else if i < p.len() && p[i] == '*' {
+        // A `*` of the pattern is a wildcard even where the name has a `*` (checked first).
+        if i < p.len() && p[i] == '*' {
             (star, mark, i) = (Some(i), j, i + 1);
+        } else if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
+            (i, j) = (i + 1, j + 1);
         } else if let Some(s) = star {
             (i, mark) = (s + 1, mark + 1);
             j = mark;
@@ -773,6 +779,8 @@ mod tests {
     fn glob_matches_whole_names() {
         for (p, n) in
             [("*.log", "train.log"), ("rng_state*.pth", "rng_state_3.pth"), ("?", "a"), ("*", ""), ("a*b*c", "aXbYbc")]
+                .into_iter()
+                .chain([("*", "*a"), ("a*", "a*b"), ("*.log", "*x.log")])
         {
             assert!(glob(p, n), "{p} {n}");
         }
