@@ -408,7 +408,9 @@ impl Ctx {
         if let Some((_, d)) = &s.conflict {
             return Err(CommitError::Conflict(d.clone()));
         }
-        let live = s.lease_until.is_some_and(|t| t > Instant::now() + self.lease_ttl / 4);
+        // Released (the publisher stopped): GC may already be removing this generation's
+        // uncommitted objects, so no marker of it may land now.
+        let live = !s.released && s.lease_until.is_some_and(|t| t > Instant::now() + self.lease_ttl / 4);
         if !live {
             return Err(CommitError::Unconfirmed(format!(
                 "step {step}: the publisher's lease could not be renewed in time; not committed"
