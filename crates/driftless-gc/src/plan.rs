@@ -165,6 +165,10 @@ pub struct GcPlan {
     pub over_budget: bool,
 }
 
+/// Longest a sharded committer is taken to gather a delta step's scheduled anchor from the
+/// ranks' slices (what its ranks wait for an outcome at most).
+const MAX_GATHER: Duration = Duration::from_secs(6 * 3600);
+
 /// Make a plan from a listing. See the crate docs for the rules.
 pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> GcPlan {
     let cutoff = now.checked_sub(policy.grace);
@@ -190,7 +194,10 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
             let name = o.key.rsplit('/').next().unwrap_or_default();
             crate::inventory::slices_generation(name).is_some_and(|g| live.contains(&g))
         };
-        if e.marker.is_some() && e.id.kind == StepKind::Delta && e.objects.iter().any(gathering) {
+        // Bounded: slices a committer failed to delete would otherwise pin the step and its
+        // chain for the generation's whole life.
+        let recent = e.marker.as_ref().is_some_and(|(m, _)| m.last_modified + MAX_GATHER > now);
+        if recent && e.id.kind == StepKind::Delta && e.objects.iter().any(gathering) {
             add(&mut fixed, e.id, KeepReason::Leased);
         }
     }
@@ -665,6 +672,11 @@ mod stray_tests {
         assert!(p.kept.iter().any(|k| k.step == 7 && k.reasons.contains(&KeepReason::Leased)), "{p}");
         assert!(!p.deleted.iter().any(|d| d.id() == StepId::delta(7)), "{p}");
         assert!(p.deleted.iter().any(|d| d.id() == StepId::delta(8)), "retention still applies: {p}");
+        // Not for ever: slices the committer failed to delete pin the step for 6 hours at most.
+        let much_later = at + Duration::from_secs(6 * 3600 + 60);
+        lease(&mut inv, much_later - Duration::from_secs(10));
+        let p = plan_inventory(&inv, &tight, much_later);
+        assert!(p.deleted.iter().any(|d| d.id() == StepId::delta(7)), "{p}");
         lease(&mut inv, at);
         let p = plan_inventory(&inv, &tight, later);
         assert!(p.deleted.iter().any(|d| d.id() == StepId::delta(7)), "{p}");
