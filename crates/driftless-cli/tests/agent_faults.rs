@@ -11,7 +11,7 @@ use driftless_format::{Checkpoint, Digest};
 
 mod common;
 
-use common::{bin, check_current_vouched, wait_until, write, KillOnDrop};
+use common::{agent_once, bin, check_current_vouched, wait_until, write, KillOnDrop};
 
 struct Env {
     t: tempfile::TempDir,
@@ -70,12 +70,7 @@ impl Env {
         self.publish_to("bucket", "key", "pstate", 1000)
     }
     fn agent(&self, dir: &str) -> Command {
-        let mut c = bin();
-        c.args(["agent", "--once", "--json", "--bucket", &self.url("bucket"), "--trust"])
-            .arg(self.p("key.pub"))
-            .arg("--dir")
-            .arg(self.p(dir));
-        c
+        agent_once(&self.url("bucket"), &self.p("key.pub"), &self.p(dir))
     }
     /// The step whose root `DIR/current` hashes to (panics when it is none of the chain's).
     fn current_step(&self, dir: &str) -> u64 {
@@ -120,6 +115,14 @@ fn stdout_json(o: &Output) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("{e}: stdout {:?} stderr {}", o.stdout, String::from_utf8_lossy(&o.stderr)))
 }
 
+/// The first file in `dir` whose name ends with `suffix`, if any.
+fn file_ending(dir: impl AsRef<Path>, suffix: &str) -> Option<PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|f| f.unwrap().path())
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().ends_with(suffix)))
+}
+
 fn flip_middle_byte(path: &Path) -> Vec<u8> {
     let orig = std::fs::read(path).unwrap();
     let mut b = orig.clone();
@@ -143,11 +146,7 @@ fn corrupt_segment_refuses_the_step_and_keeps_the_weights() {
     assert_eq!(e.current_step("a"), 2);
     e.publish();
     // Each `publish` process takes its own generation (`g<N>-seg-00000.dls`).
-    let seg = std::fs::read_dir(e.p("bucket/deltas/000000000003"))
-        .unwrap()
-        .map(|f| f.unwrap().path())
-        .find(|p| p.to_string_lossy().ends_with("-seg-00000.dls"))
-        .unwrap();
+    let seg = file_ending(e.p("bucket/deltas/000000000003"), "-seg-00000.dls").unwrap();
     let orig = flip_middle_byte(&seg);
     for _ in 0..2 {
         let o = run_bounded(e.agent("a"), 60);
@@ -618,10 +617,7 @@ fn stopped_before_repairing_wrong_weights_the_next_start_checks_them_again() {
     let mut e = Env::new();
     e.publish();
     assert!(run_bounded(e.agent("a"), 60).status.success());
-    let shard = std::fs::read_dir(e.p("a/current"))
-        .unwrap()
-        .map(|f| f.unwrap().path())
-        .find(|p| p.extension().is_some_and(|x| x == "safetensors"));
+    let shard = file_ending(e.p("a/current"), ".safetensors");
     flip_middle_byte(&shard.unwrap());
     // As after a crash: the next agent re-hashes the active slot, finds it wrong, and is
     // stopped while the bucket hangs.
@@ -815,11 +811,7 @@ fn an_unparsable_state_never_costs_the_served_slot() {
     assert_eq!(std::fs::read_link(e.p("a/current")).unwrap(), Path::new("slots/a"));
     std::fs::write(e.p("a/state.json"), "{").unwrap();
     e.publish();
-    let anchor = std::fs::read_dir(e.p("bucket/anchors/000000000000"))
-        .unwrap()
-        .map(|f| f.unwrap().path())
-        .find(|p| p.extension().is_some_and(|x| x == "dla"))
-        .unwrap();
+    let anchor = file_ending(e.p("bucket/anchors/000000000000"), ".dla").unwrap();
     let orig = flip_middle_byte(&anchor);
     let o = run_bounded(e.agent("a"), 60);
     assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
@@ -844,13 +836,7 @@ fn an_unclean_start_with_a_damaged_active_slot_serves_only_verified_weights() {
     assert!(run_bounded(e.agent("a"), 60).status.success());
     let st = e.read_json("a/state.json");
     assert_eq!((st["step"].as_u64(), st["inactive"]["step"].as_u64()), (Some(1), Some(0)), "{st}");
-    let shard = |slot: &str| {
-        std::fs::read_dir(e.p("a/slots").join(slot))
-            .unwrap()
-            .map(|f| f.unwrap().path())
-            .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .unwrap()
-    };
+    let shard = |slot: &str| file_ending(e.p("a/slots").join(slot), ".safetensors").unwrap();
     let active = st["active"].as_str().unwrap().to_string();
     let other = if active == "a" { "b" } else { "a" };
     flip_middle_byte(&shard(&active));
@@ -897,11 +883,7 @@ fn a_slot_still_open_by_a_reader_is_not_rewritten() {
     assert_eq!(e.current_step("a"), 1);
     let st = e.read_json("a/state.json");
     let old = e.p("a/slots").join(if st["active"] == "a" { "b" } else { "a" });
-    let shard = std::fs::read_dir(&old)
-        .unwrap()
-        .map(|f| f.unwrap().path())
-        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .unwrap();
+    let shard = file_ending(&old, ".safetensors").unwrap();
     let mut reader = Command::new("python3")
         .args([
             "-c",

@@ -8,7 +8,7 @@ use driftless_format::Checkpoint;
 
 mod common;
 
-use common::{bin, check_current_vouched, seaweed, write};
+use common::{agent_once, bin, check_current_vouched, seaweed, write};
 
 fn files_equal(a: &Path, b: &Path) {
     let mut n = 0;
@@ -114,14 +114,7 @@ fn agent_survives_sigkill_loop() {
             .unwrap();
         assert!(st.success());
     };
-    let agent = || {
-        let mut c = bin();
-        c.args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
-            .arg(p("key.pub"))
-            .arg("--dir")
-            .arg(p("agent"));
-        c
-    };
+    let agent = || agent_once(&url, &p("key.pub"), &p("agent"));
     publish(&chain, 0);
     assert!(agent().status().unwrap().success());
     let iterations: u64 = std::env::var("DRIFTLESS_KILL_ITERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(100);
@@ -232,11 +225,7 @@ fn publish_watch_follows_a_directory() {
     };
     // `agent --once`, then the agent's weights are the chain's, bit for bit.
     let agent_has = |chain: &RlChain, what: &str| {
-        let (code, _, stderr) = out(bin()
-            .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
-            .arg(p("key.pub"))
-            .arg("--dir")
-            .arg(p("agent")));
+        let (code, _, stderr) = out(&mut agent_once(&url, &p("key.pub"), &p("agent")));
         assert_eq!(code, Some(0), "{stderr}");
         let got = Checkpoint::open(p("agent/current")).unwrap();
         for w in chain.views() {
@@ -314,13 +303,7 @@ fn publish_watch_waits_for_every_shard() {
         std::fs::copy(e.path(), p("ckpts/step_1").join(e.file_name())).unwrap();
     }
     assert_eq!(watch(), [1], "the completed step is published");
-    let o = bin()
-        .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
-        .arg(p("key.pub"))
-        .arg("--dir")
-        .arg(p("agent"))
-        .output()
-        .unwrap();
+    let o = agent_once(&url, &p("key.pub"), &p("agent")).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let got = Checkpoint::open(p("agent/current")).unwrap();
     assert_eq!(got.views().len(), chain.views().len(), "every tensor arrived");
@@ -958,13 +941,7 @@ fn publish_step_of_a_checkpoint_rewritten_in_place_publishes_one_checkpoint_or_n
     });
     // Nothing of step 1 is ready: the agent gets step 0.
     let agent = || {
-        let o = bin()
-            .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
-            .arg(p("key.pub"))
-            .arg("--dir")
-            .arg(p("agent"))
-            .output()
-            .unwrap();
+        let o = agent_once(&url, &p("key.pub"), &p("agent")).output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["data"].clone()
     };
@@ -1002,13 +979,7 @@ fn publish_step_ships_changed_config_files() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     };
     let agent = || {
-        let o = bin()
-            .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
-            .arg(p("key.pub"))
-            .arg("--dir")
-            .arg(p("agent"))
-            .output()
-            .unwrap();
+        let o = agent_once(&url, &p("key.pub"), &p("agent")).output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         std::fs::read_to_string(p("agent/current/config.json")).unwrap()
     };
@@ -1069,11 +1040,7 @@ fn publish_watch_of_trainer_checkpoints_publishes_deltas() {
         (outcomes, stderr)
     };
     let agent = || {
-        let (code, _, stderr) = out(bin()
-            .args(["agent", "--once", "--json", "--bucket", &url, "--trust"])
-            .arg(p("key.pub"))
-            .arg("--dir")
-            .arg(p("agent")));
+        let (code, _, stderr) = out(&mut agent_once(&url, &p("key.pub"), &p("agent")));
         assert_eq!(code, Some(0), "{stderr}");
         let mut names: Vec<String> = std::fs::read_dir(p("agent/current"))
             .unwrap()

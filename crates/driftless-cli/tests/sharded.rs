@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use common::bin;
+use common::{agent_once, bin};
 use driftless_format::slice::Slice;
 use driftless_format::{Checkpoint, DType, Keypair};
 use driftless_publisher::{PartKind, PublisherBuilder, Shard, ShardedPublisher, StepOutcome};
@@ -117,13 +117,7 @@ fn builder(url: &str, key: &Keypair) -> PublisherBuilder {
 }
 
 fn agent(dir: &Path, url: &str, key_pub: &Path) {
-    let o = bin()
-        .args(["agent", "--once", "--json", "--bucket", url, "--trust"])
-        .arg(key_pub)
-        .arg("--dir")
-        .arg(dir)
-        .output()
-        .unwrap();
+    let o = agent_once(url, key_pub, dir).output().unwrap();
     assert!(o.status.success(), "agent failed: {}", String::from_utf8_lossy(&o.stderr));
 }
 

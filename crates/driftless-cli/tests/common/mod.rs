@@ -13,6 +13,14 @@ pub fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_driftless"))
 }
 
+/// `driftless agent --once --json` of the bucket at `url`, trusting the key `trust`, with its
+/// directory at `dir`.
+pub fn agent_once(url: &str, trust: &Path, dir: &Path) -> Command {
+    let mut c = bin();
+    c.args(["agent", "--once", "--json", "--bucket", url, "--trust"]).arg(trust).arg("--dir").arg(dir);
+    c
+}
+
 /// SIGKILLs a child process when dropped, so that a failed assertion does not leave it
 /// running; disarmed (`.0 = None`) once the child is reaped (its pid may be reused).
 pub struct KillOnDrop(pub Option<u32>);
