@@ -939,7 +939,6 @@ impl Agent {
         let m2 = m.clone();
         let tv = Instant::now();
         tokio::task::spawn_blocking(move || -> Result<()> {
-            let layout = m2.layout();
             for (o, b) in m2.files.iter().zip(&files) {
                 let bare = driftless_store::layout::strip_generation(&o.object);
                 let name = bare.strip_prefix("extra-").unwrap_or(bare);

@@ -248,8 +248,7 @@ pub async fn stream_shard(
     let hz = bucket.get_range_of(&key, hr).await?;
     let mut head = vec![0u8; header_len as usize];
     anchor::decode_header(&hz, &mut head)?;
-    anchor::check_header_tensors(&head, o.decoded_size, tensors)?;
-    let cuts = anchor::shard_cuts(&head, o.decoded_size)?;
+    let cuts = anchor::shard_cuts(&head, o.decoded_size, Some(tensors))?;
     let tr = anchor::table_range(&prefix, &cuts, &footer, size, o.decoded_size)?;
     let table = match tr.is_empty() {
         true => Bytes::new(),

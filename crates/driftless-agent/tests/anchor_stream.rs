@@ -89,7 +89,7 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     let (hr, header_len) = anchor::header_range(prefix, o.decoded_size).unwrap();
     let mut head = vec![0u8; header_len as usize];
     anchor::decode_header(&bytes[hr.start as usize..hr.end as usize], &mut head).unwrap();
-    let cuts = anchor::shard_cuts(&head, o.decoded_size).unwrap();
+    let cuts = anchor::shard_cuts(&head, o.decoded_size, None).unwrap();
     let tr = anchor::table_range(prefix, &cuts, &footer, size, o.decoded_size).unwrap();
     let plan =
         anchor::plan_shard(prefix, &cuts, &bytes[tr.start as usize..tr.end as usize], &footer, size, o.decoded_size)

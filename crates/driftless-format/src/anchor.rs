@@ -161,30 +161,31 @@ fn cut(data_start: u64, tensors: &[(crate::TensorMeta, std::ops::Range<usize>)],
 
 /// The chunks an encoder cuts a shard of `decoded_size` bytes into, from its decoded header
 /// (the file's first bytes, as long as the prefix's header length: see [`header_range`]).
-pub fn shard_cuts(head: &[u8], decoded_size: u64) -> Result<Cuts> {
+///
+/// With `expect` (the signed manifest's layout of that shard), the header must list exactly
+/// those tensors, in any order. A replaced object can otherwise declare a header of millions
+/// of tiny tensors, cut into as many chunks (one ranged GET each) before its SHA-256 mismatch
+/// shows at the end. One parse of the header serves both.
+pub fn shard_cuts(head: &[u8], decoded_size: u64, expect: Option<&[crate::TensorMeta]>) -> Result<Cuts> {
     let (data_start, tensors, _) =
         crate::checkpoint::parse_safetensors_head(head, decoded_size).map_err(|e| bad(format!("header: {e}")))?;
     if data_start != head.len() {
         return Err(bad(format!("header of {} bytes, the prefix says {}", data_start, head.len())));
     }
-    cut(data_start as u64, &tensors, decoded_size).map_err(|e| bad(e.to_string()))
-}
-
-/// Checks that a shard's decoded header (see [`header_range`]) lists exactly the tensors
-/// `expect` (the signed manifest's layout of that shard, in any order). A replaced object can
-/// otherwise declare a header of millions of tiny tensors, cut into as many chunks (one
-/// ranged GET each) before its SHA-256 mismatch shows at the end.
-pub fn check_header_tensors(head: &[u8], decoded_size: u64, expect: &[crate::TensorMeta]) -> Result<()> {
-    let (_, tensors, _) =
-        crate::checkpoint::parse_safetensors_head(head, decoded_size).map_err(|e| bad(format!("header: {e}")))?;
-    let mut got: Vec<&crate::TensorMeta> = tensors.iter().map(|(t, _)| t).collect();
-    let mut want: Vec<&crate::TensorMeta> = expect.iter().collect();
-    got.sort_by(|a, b| a.name.cmp(&b.name));
-    want.sort_by(|a, b| a.name.cmp(&b.name));
-    if got != want {
-        return Err(bad(format!("header lists {} tensors, not the {} of the signed layout", got.len(), want.len())));
+    if let Some(expect) = expect {
+        let mut got: Vec<&crate::TensorMeta> = tensors.iter().map(|(t, _)| t).collect();
+        let mut want: Vec<&crate::TensorMeta> = expect.iter().collect();
+        got.sort_by(|a, b| a.name.cmp(&b.name));
+        want.sort_by(|a, b| a.name.cmp(&b.name));
+        if got != want {
+            return Err(bad(format!(
+                "header lists {} tensors, not the {} of the signed layout",
+                got.len(),
+                want.len()
+            )));
+        }
     }
-    Ok(())
+    cut(data_start as u64, &tensors, decoded_size).map_err(|e| bad(e.to_string()))
 }
 
 struct Cur<'a> {
@@ -271,7 +272,7 @@ pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
     let at = |r: &std::ops::Range<u64>| stored.get(r.start as usize..r.end as usize).ok_or_else(|| bad("truncated"));
     let (head, mut rest) = out.split_at_mut(header_len as usize);
     decode_header(at(&hr)?, head)?;
-    let cuts = shard_cuts(head, size)?;
+    let cuts = shard_cuts(head, size, None)?;
     let tr = table_range(prefix, &cuts, footer, len, size)?;
     let plan = plan_shard(prefix, &cuts, at(&tr)?, footer, len, size)?;
     let at = |r: &std::ops::Range<u64>| &stored[r.start as usize..r.end as usize];

@@ -137,7 +137,7 @@ fn stream_decode(enc: &[u8], decoded_size: u64) -> driftless_format::Result<Vec<
         .ok_or_else(|| driftless_format::Error::Corrupt { what: "anchor shard", detail: "truncated".into() })?;
     let mut out = vec![0u8; decoded_size as usize];
     anchor::decode_header(hz, &mut out[..header_len as usize])?;
-    let cuts = anchor::shard_cuts(&out[..header_len as usize], decoded_size)?;
+    let cuts = anchor::shard_cuts(&out[..header_len as usize], decoded_size, None)?;
     let tr = anchor::table_range(prefix, &cuts, footer, size, decoded_size)?;
     let table = &enc[tr.start as usize..tr.end as usize];
     let plan = anchor::plan_shard(prefix, &cuts, table, footer, size, decoded_size)?;
@@ -250,7 +250,7 @@ fn shard_numbers_no_encoder_writes_are_refused_before_reading_more() {
 /// The chunks the encoder cuts a safetensors file into, from its header.
 fn cuts_of(file: &[u8]) -> anchor::Cuts {
     let header_len = 8 + u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
-    anchor::shard_cuts(&file[..header_len], file.len() as u64).unwrap()
+    anchor::shard_cuts(&file[..header_len], file.len() as u64, None).unwrap()
 }
 
 /// A replaced shard object (no key needed) whose table cuts the data into many more chunks
@@ -308,6 +308,6 @@ fn regression_a_table_of_more_chunks_than_the_encoder_cuts_is_refused() {
         assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
     }
     // A header that does not parse, or that does not fill the file, has no cuts.
-    assert!(anchor::shard_cuts(&file[..header_len as usize], decoded + 1).is_err());
-    assert!(anchor::shard_cuts(&file[..header_len as usize - 1], decoded).is_err());
+    assert!(anchor::shard_cuts(&file[..header_len as usize], decoded + 1, None).is_err());
+    assert!(anchor::shard_cuts(&file[..header_len as usize - 1], decoded, None).is_err());
 }
