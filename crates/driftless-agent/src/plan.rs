@@ -205,8 +205,30 @@ impl MarkerCache {
         stream_id: &str,
         from: Option<u64>,
     ) -> Result<Candidates, StreamError> {
-        let anchors = reader.ready_steps(StepKind::Anchor, None).await?;
-        let deltas = reader.ready_steps(StepKind::Delta, from).await?;
+        let listing = async {
+            Ok::<_, StreamError>((
+                reader.ready_steps(StepKind::Anchor, None).await?,
+                reader.ready_steps(StepKind::Delta, from).await?,
+            ))
+        };
+        let (anchors, deltas) = match listing.await {
+            Ok(l) => l,
+            // One key the store's client cannot parse fails every listing of its prefix (a
+            // non-UTF-8 name on a local directory; `//`, `.`, `..` or a control character on
+            // S3, where the whole page fails). Anyone with write access can plant one; it must
+            // not stop every cold start and every poll: plan from the signed `latest.json`.
+            Err(StreamError::Store(e)) if matches!(e, driftless_store::Error::InvalidKey { .. }) => {
+                match self.unlisted(reader, stream_id, from).await? {
+                    Some(l) => {
+                        warn!(error = %e, "a key the store cannot parse fails the listing of ready/ \
+                            (remove it); planned from the signed latest.json instead");
+                        l
+                    }
+                    None => return Err(StreamError::Store(e)),
+                }
+            }
+            Err(e) => return Err(e),
+        };
         let mut out = Candidates::default();
         let mut listed: Vec<(StepKind, u64)> = Vec::with_capacity(anchors.len() + deltas.len());
         listed.extend(anchors.iter().map(|&s| (StepKind::Anchor, s)));
@@ -253,6 +275,55 @@ impl MarkerCache {
             };
         }
         Ok(out)
+    }
+}
+
+/// Most delta markers [`MarkerCache::unlisted`] reads walking back from the newest delta (a
+/// chain between anchors is `anchor_every` long: 50 by default).
+const MAX_UNLISTED_WALK: usize = 1024;
+
+impl MarkerCache {
+    /// The ready steps a listing would have found, without listing: the newest anchor and
+    /// delta the signed `latest.json` names, and the deltas its newest delta's chain links
+    /// back to (one marker GET each, at known keys), down to the newest anchor or `from`.
+    /// Markers are validated as when listed; a missing or invalid one ends the walk (the route
+    /// then starts from the anchor). `None` when there is no usable `latest.json`.
+    async fn unlisted(
+        &mut self,
+        reader: &StreamReader,
+        stream_id: &str,
+        from: Option<u64>,
+    ) -> Result<Option<(Vec<u64>, Vec<u64>)>, StreamError> {
+        let hint = match reader.latest(None).await {
+            Ok(Some((h, _))) if h.stream_id == stream_id => h,
+            Ok(_) => return Ok(None),
+            Err(StreamError::Store(e)) if !e.is_retryable() => return Ok(None),
+            Err(StreamError::Format(_)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        for (m, step, kind) in
+            [(&hint.anchor_marker, hint.anchor, StepKind::Anchor), (&hint.delta_marker, hint.delta, StepKind::Delta)]
+        {
+            if let Some(m) = m.as_ref().filter(|m| m.of == kind && Some(m.step) == step && m.stream_id == stream_id) {
+                self.insert(m.clone());
+            }
+        }
+        let floor = hint.anchor.max(from);
+        let mut deltas = vec![];
+        let mut next = hint.delta;
+        while let Some(s) = next.filter(|&s| floor.is_none_or(|f| s > f) && deltas.len() < MAX_UNLISTED_WALK) {
+            match self.get(reader, StepKind::Delta, s).await {
+                Ok(m) => {
+                    deltas.push(s);
+                    next = m.base_step.filter(|&b| b < s);
+                }
+                Err(StreamError::Store(e)) if e.is_not_found() || !e.is_retryable() => break,
+                Err(StreamError::Format(_)) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        deltas.reverse();
+        Ok(Some((hint.anchor.into_iter().collect(), deltas)))
     }
 }
 

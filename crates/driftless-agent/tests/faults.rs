@@ -609,3 +609,44 @@ async fn slow_notify_target_never_sees_files_change_under_it() {
         assert!(ck.views().iter().any(|v| v.name == name && v.data == &data[..]), "{name}");
     }
 }
+
+// A key the store's client cannot parse (here a non-UTF-8 file name; on S3 `//`, `.`, `..` or
+// a control character) fails every listing of its prefix. Planted under `ready/`, it stopped
+// every cold start and every poll that lists; now they plan from the signed latest.json.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unparsable_key_under_ready_does_not_stop_syncs() {
+    use std::os::unix::ffi::OsStrExt;
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 4);
+    for _ in 0..5 {
+        t.publish();
+    }
+    let mut a = agent(&tb, "a", &trust);
+    assert_eq!(a.sync_once().await.unwrap().step, 4);
+    let root = tb.root.clone().unwrap();
+    for kind in [StepKind::Anchor, StepKind::Delta] {
+        let d = root.join(layout::ready_prefix(kind));
+        std::fs::write(d.join(std::ffi::OsStr::from_bytes(b"planted\xff")), b"x").unwrap();
+    }
+    assert!(tb.bucket.list(layout::ready_prefix(StepKind::Delta)).await.is_err(), "the planted key fails the listing");
+    t.publish();
+    let want = t.publish();
+    // Two steps behind: the hint alone cannot plan it (the walk from latest.json does).
+    let o = a.sync_once().await.unwrap();
+    assert_eq!((o.step, o.route, o.deltas), (6, SyncPath::Catchup, 2), "{o:?}");
+    assert_bits(&a, &want);
+    assert_eq!(a.sync_once().await.unwrap().route, SyncPath::UpToDate);
+    // A cold start: the newest anchor (4) and the chain after it.
+    let mut b = agent(&tb, "b", &trust);
+    let o = b.sync_once().await.unwrap();
+    assert_eq!((o.step, o.route, o.deltas), (6, SyncPath::Anchor, 2), "{o:?}");
+    assert_bits(&b, &want);
+    assert_verified(&b, "cold start");
+    // Without a latest.json there is nothing to plan from: the listing's error, state kept.
+    tb.bucket.delete(layout::LATEST).await.unwrap();
+    let mut c = agent(&tb, "c", &trust);
+    let e = c.sync_once().await.unwrap_err();
+    assert!(e.to_string().contains("invalid object key"), "{e}");
+    assert!(c.state().is_none());
+}
