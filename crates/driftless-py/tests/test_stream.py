@@ -715,3 +715,33 @@ def test_a_failed_call_on_other_arrays_keeps_the_verified_ones_tracked(file_buck
     assert not hasattr(e.value, "arrays_modified") and not b["x.w"].view(np.uint16).any()
     o = f.apply_to(a)
     assert (o["route"], o["bytes"], o["step"]) == ("up_to_date", 0, 0), o
+
+
+def test_an_unparsable_key_under_ready_does_not_stop_a_cold_start(file_bucket, keys, tmp_path):
+    # One key the store cannot parse (a non-UTF-8 name here; `//`, `.`, `..` on S3) fails
+    # every listing of ready/: the planner shared with the agent plans from latest.json.
+    url, kw = file_bucket
+    private, public = keys
+    tr = SimTrainer(seed=4)
+    with driftless.Publisher(url, signing_key=private, anchor_every=5) as pub:
+        for step in range(8):
+            if step:
+                tr.step()
+            pub.publish(step, tr.bf16())
+    root = url[len("file://"):]
+    for d in ("ready/deltas", "ready/anchors"):
+        with open(os.path.join(os.fsencode(root), os.fsencode(d), b"planted\xff"), "wb") as fh:
+            fh.write(b"x")
+    late = {n: np.zeros_like(a) for n, a in tr.bf16().items()}
+    o = driftless.Follower(url, trusted_keys=[public]).apply_to(late)
+    assert (o["step"], o["route"]) == (7, "anchor")
+    for n, a in tr.bf16().items():
+        assert np.array_equal(bits(late[n]), bits(a))
+    o = driftless.Follower(url, trusted_keys=[public]).sync_dir(str(tmp_path / "dir"))
+    assert o["step"] == 7
+    # Without latest.json nothing plans around the key: the listing's error, nothing written.
+    os.remove(os.path.join(root, "latest.json"))
+    fresh = {n: np.zeros_like(a) for n, a in tr.bf16().items()}
+    with pytest.raises(driftless.DriftlessError, match="invalid object key"):
+        driftless.Follower(url, trusted_keys=[public]).apply_to(fresh)
+    assert all(not a.any() for a in fresh.values())
