@@ -447,6 +447,7 @@ impl Bucket {
             }
             None => None,
         };
+        let started = tokio::time::Instant::now();
         let mut out = self
             .retry("list", prefix, || async {
                 let _permit = self.permit().await;
@@ -454,10 +455,15 @@ impl Bucket {
                     Some(off) => self.inner.store.list_with_offset(dir_path.as_ref(), off),
                     None => self.inner.store.list(dir_path.as_ref()),
                 };
-                // Bounded: a hostile server can page forever.
+                // Bounded in keys and in time: a hostile server can page forever, with keys
+                // or with empty pages that say "more to come".
                 let max = self.inner.opts.max_list_keys;
-                let metas: Vec<ObjectMeta> =
-                    stream.map_err(|e| Error::from_store(prefix, e)).take(max.saturating_add(1)).try_collect().await?;
+                let limit = self.inner.opts.list_timeout;
+                let collect =
+                    stream.map_err(|e| Error::from_store(prefix, e)).take(max.saturating_add(1)).try_collect();
+                let metas: Vec<ObjectMeta> = tokio::time::timeout(limit.saturating_sub(started.elapsed()), collect)
+                    .await
+                    .map_err(|_| Error::ListTimeout { prefix: prefix.to_string(), secs: limit.as_secs() })??;
                 if metas.len() > max {
                     return Err(Error::TooManyKeys { prefix: prefix.to_string(), max });
                 }
@@ -551,7 +557,8 @@ where
     loop {
         match f().await {
             Ok(v) => return Ok(v),
-            Err(e) if e.is_retryable() && attempt < opts.max_retries => {
+            // A listing's deadline covers its retries: it is not started again.
+            Err(e) if e.is_retryable() && !matches!(e, Error::ListTimeout { .. }) && attempt < opts.max_retries => {
                 let cap_ms = 100u64.saturating_mul(1u64 << attempt.min(16)).min(5_000);
                 let delay = std::time::Duration::from_millis(rand::thread_rng().gen_range(cap_ms / 2..=cap_ms));
                 if start.elapsed() + delay > opts.retry_timeout {

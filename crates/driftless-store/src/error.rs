@@ -37,6 +37,16 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
+    /// A listing did not finish within
+    /// [`StoreOptions::list_timeout`](crate::StoreOptions::list_timeout) (a server that pages
+    /// forever, empty pages with a continuation token included). May pass by itself.
+    #[error("listing {prefix} did not finish in {secs} s (the server kept paging)")]
+    ListTimeout {
+        /// The listed prefix.
+        prefix: String,
+        /// The limit, in seconds.
+        secs: u64,
+    },
     /// A failure that may go away when retried (network, 5xx, throttling, timeouts).
     /// Returned once the bounded retries are spent.
     #[error("transient storage error {}: {source}", on(key))]
@@ -97,7 +107,7 @@ fn on(key: &str) -> String {
 impl Error {
     /// Whether retrying the same call later may succeed.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::Transient { .. })
+        matches!(self, Error::Transient { .. } | Error::ListTimeout { .. })
     }
 
     /// Whether the bucket URL, endpoint or credentials are misconfigured (fix the settings;

@@ -1,0 +1,101 @@
+//! An S3 endpoint that misbehaves at the HTTP level, served from this test (a real socket, the
+//! real S3 client): a listing whose pages are empty but say "more to come" forever, and a
+//! throttling storm. Each must end within its bound, with a bounded number of requests.
+
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use driftless_store::{Bucket, Error, StoreOptions};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpListener;
+
+/// Serves every request with `answer(request line)` -> (status, body); counts requests.
+async fn serve(answer: fn(&str) -> (u16, &'static str)) -> (String, Arc<AtomicUsize>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let n = Arc::new(AtomicUsize::new(0));
+    let count = n.clone();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = l.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let mut r = BufReader::new(sock);
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut len = 0usize;
+                    loop {
+                        let mut h = String::new();
+                        if r.read_line(&mut h).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if h == "\r\n" {
+                            break;
+                        }
+                        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap_or(0);
+                        }
+                    }
+                    let mut body = vec![0u8; len];
+                    if r.read_exact(&mut body).await.is_err() {
+                        return;
+                    }
+                    count.fetch_add(1, SeqCst);
+                    let (status, b) = answer(&line);
+                    let resp = format!(
+                        "HTTP/1.1 {status} X\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\r\n{b}",
+                        b.len()
+                    );
+                    if r.get_mut().write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, n)
+}
+
+fn open(endpoint: &str, opts: StoreOptions) -> Bucket {
+    // Credentials are only signed with; the server never checks them. Every test of this
+    // binary sets the same values.
+    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+    Bucket::open("s3://bkt/run", &opts.with_endpoint(endpoint).with_allow_http(true)).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_of_endless_empty_pages_ends_at_its_deadline() {
+    let (url, n) = serve(|line| match line.contains("list-type=2") {
+        true => (
+            200,
+            "<ListBucketResult><IsTruncated>true</IsTruncated>\
+             <NextContinuationToken>t</NextContinuationToken></ListBucketResult>",
+        ),
+        false => (404, "<Error><Code>NoSuchKey</Code></Error>"),
+    })
+    .await;
+    let b = open(&url, StoreOptions::default().with_list_timeout(Duration::from_secs(2)));
+    let t = Instant::now();
+    let e = b.list("ready/deltas/").await.unwrap_err();
+    let secs = t.elapsed().as_secs_f64();
+    assert!(matches!(e, Error::ListTimeout { secs: 2, .. }), "{e}");
+    assert!(e.is_retryable(), "{e}");
+    // Not started again by the retry layer: one deadline for the whole call.
+    assert!((1.9..6.0).contains(&secs), "ended after {secs} s");
+    assert!(n.load(SeqCst) > 2, "the server was asked for more pages");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttling_storm_costs_one_request_per_retry() {
+    let (url, n) =
+        serve(|_| (503, "<Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>")).await;
+    let b = open(&url, StoreOptions::default().with_max_retries(3).with_retry_timeout(Duration::from_secs(30)));
+    let e = b.get_limited("stream.json", 1 << 16).await.unwrap_err();
+    assert!(e.is_retryable(), "{e}");
+    // One retry layer: 1 + 3 requests (two layers made it 4 x 4).
+    assert_eq!(n.load(SeqCst), 4, "{e}");
+}
