@@ -1290,8 +1290,11 @@ impl Agent {
                 return Ok(self.stopped(true));
             }
             let jitter = 0.8 + 0.4 * rand::random::<f64>();
+            // A zero poll interval (a library caller's config) must not become a busy loop
+            // against the bucket; after a failure, at least MIN_RETRY.
+            let floor = if p.failures > 0 { MIN_RETRY } else { MIN_POLL };
             tokio::select! {
-                _ = tokio::time::sleep(p.interval.mul_f64(jitter)) => {}
+                _ = tokio::time::sleep(p.interval.max(floor).mul_f64(jitter)) => {}
                 _ = poke.notified() => { p.interval = self.cfg.poll_min; }
                 _ = &mut shutdown => {
                     debug!(step = self.state.as_ref().map(|s| s.step), "shutting down");
@@ -1314,6 +1317,15 @@ impl Agent {
             // the bucket (which may hang): a failure here is retried by `sync_once`.
             if let Err(e) = self.reverify_active().await {
                 warn!(error = %e, "re-verifying the local weights failed");
+            }
+        }
+        // Weights verified before this start (a clean stop, or re-hashed just now) are
+        // announced before anything that needs the bucket: a bucket that hangs or is down must
+        // not keep the server (or `/readyz`) from the step already on disk. A failed notify is
+        // tried again after the sync, as always.
+        if self.loaded.is_none() && self.active_ok && !self.reverify {
+            if let Err(e) = self.notify_if_needed().await {
+                warn!(error = %e, "announcing the verified local step failed; trying again after the sync");
             }
         }
         // Cheap check first: one conditional GET of latest.json. Unchanged and on a step:
@@ -1374,6 +1386,11 @@ impl Agent {
         }
     }
 }
+
+/// Shortest wait between two polls of [`Agent::run`], whatever `poll_min` says.
+pub const MIN_POLL: Duration = Duration::from_millis(10);
+/// Shortest wait before a poll after a failed one.
+const MIN_RETRY: Duration = Duration::from_millis(100);
 
 /// The polling state of [`Agent::run`] between polls.
 struct PollState {

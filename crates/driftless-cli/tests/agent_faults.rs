@@ -547,13 +547,14 @@ fn hung_endpoint() -> String {
     format!("http://{addr}")
 }
 
-/// A continuous agent on `dir` following a bucket that hangs.
-fn spawn_hung_agent(e: &Env, dir: &str) -> std::process::Child {
+/// A continuous agent on `dir` following a bucket that hangs, with `extra` arguments.
+fn spawn_hung_agent(e: &Env, dir: &str, extra: &[&str]) -> std::process::Child {
     bin()
         .args(["agent", "--bucket", "s3://b/p", "--endpoint", &hung_endpoint(), "--trust"])
         .arg(e.p("key.pub"))
         .arg("--dir")
         .arg(e.p(dir))
+        .args(extra)
         .env("AWS_ACCESS_KEY_ID", "test")
         .env("AWS_SECRET_ACCESS_KEY", "test")
         .env("AWS_REGION", "us-east-1")
@@ -595,7 +596,7 @@ fn a_signal_stops_an_agent_whose_sync_hangs() {
     e.publish();
     assert!(run_bounded(e.agent("a"), 60).status.success());
     for (sig, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
-        let (o, took) = signal_and_wait(spawn_hung_agent(&e, "a"), sig, Duration::from_millis(1500));
+        let (o, took) = signal_and_wait(spawn_hung_agent(&e, "a", &[]), sig, Duration::from_millis(1500));
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(0), "{name}: {err}");
         assert!(took < Duration::from_secs(5), "{name}: took {took:?}");
@@ -622,7 +623,7 @@ fn stopped_before_repairing_wrong_weights_the_next_start_checks_them_again() {
     // As after a crash: the next agent re-hashes the active slot, finds it wrong, and is
     // stopped while the bucket hangs.
     std::fs::write(e.p("a/running"), "1\n").unwrap();
-    let (o, _) = signal_and_wait(spawn_hung_agent(&e, "a"), libc::SIGTERM, Duration::from_millis(2000));
+    let (o, _) = signal_and_wait(spawn_hung_agent(&e, "a", &[]), libc::SIGTERM, Duration::from_millis(2000));
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert!(err.contains("no verified step"), "{err}");
@@ -914,4 +915,48 @@ fn a_slot_still_open_by_a_reader_is_not_rewritten() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(e.current_step("a"), 2);
     check_current_vouched(&e.p("a")).unwrap();
+}
+
+/// The status code of `GET path` on `addr` (`None` when nothing answers).
+fn http_status(addr: &str, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(c, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+    let mut head = [0u8; 12];
+    c.read_exact(&mut head).ok()?;
+    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+}
+
+// Found by review: a restarted agent read the bucket before it announced the step it had
+// verified before it stopped. With the bucket hanging, the server was told nothing for a
+// whole retry budget (60 s), and without a notify target `/readyz` stayed 503 for as long as
+// the bucket was down: a readiness probe took a healthy replica out of service.
+#[test]
+fn a_restarted_agent_announces_its_verified_step_before_reading_the_bucket() {
+    let mut e = Env::new();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    let log = e.p("notified.log");
+    let hook = checking_hook(&log);
+    for notify in [false, true] {
+        let addr = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        };
+        let mut extra = vec!["--listen", &addr];
+        if notify {
+            extra.extend(["--notify", &hook]);
+        }
+        let child = spawn_hung_agent(&e, "a", &extra);
+        let mut guard = KillOnDrop(Some(child.id()));
+        wait_until("/readyz never answered 200", 15, || http_status(&addr, "/readyz") == Some(200));
+        if notify {
+            assert_eq!(std::fs::read_to_string(&log).unwrap(), "0 ok\n", "the engine was told the verified step");
+        }
+        let (o, _) = signal_and_wait(child, libc::SIGTERM, Duration::ZERO);
+        guard.0 = None;
+        assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(e.current_step("a"), 0);
+    }
 }

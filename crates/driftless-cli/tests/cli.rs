@@ -1103,3 +1103,20 @@ fn publish_watch_refuses_a_step_named_twice() {
     write(&chain, &p("ckpts/step_4"), 1 << 30);
     assert_eq!(publish().0, [4]);
 }
+
+// A zero poll interval made a busy loop against the bucket (240 requests in 10 s against a
+// failing server; found by review): refused up front, nothing created.
+#[test]
+fn poll_intervals_below_the_floor_are_refused() {
+    let t = tempfile::tempdir().unwrap();
+    for (min, max) in [("0s", "10s"), ("1s", "500ms")] {
+        let (code, _, err) = out(bin()
+            .args(["agent", "--allow-unsigned", "--poll-min", min, "--poll-max", max, "--bucket"])
+            .arg(format!("file://{}", t.path().join("b").display()))
+            .arg("--dir")
+            .arg(t.path().join("agent")));
+        assert_eq!(code, Some(2), "{err}");
+        assert!(one_error(&err).contains("--poll-min must be at least"), "{err}");
+        assert!(!t.path().join("agent").exists());
+    }
+}

@@ -69,6 +69,14 @@ pub fn run(a: Args) -> Result<()> {
         .collect::<Result<_>>()?;
     cfg.poll_min = a.poll_min.into();
     cfg.poll_max = a.poll_max.into();
+    if cfg.poll_min < driftless_agent::MIN_POLL || cfg.poll_max < cfg.poll_min {
+        anyhow::bail!(
+            "--poll-min must be at least {:?} and --poll-max at least --poll-min (got {} and {})",
+            driftless_agent::MIN_POLL,
+            a.poll_min,
+            a.poll_max
+        );
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let r = rt.block_on(async move {
         // Catch SIGINT/SIGTERM from the start (a handler installed only at the first sleep
