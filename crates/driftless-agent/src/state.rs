@@ -155,7 +155,9 @@ pub struct AgentDir {
 impl AgentDir {
     /// Opens (creating) `dir`, takes its lock, and records that an agent runs.
     pub fn open(dir: &Path) -> std::io::Result<AgentDir> {
-        std::fs::create_dir_all(dir.join("slots"))?;
+        std::fs::create_dir_all(dir.join("slots")).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("creating the agent directory {}: {e}", dir.display()))
+        })?;
         let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("lock"))?;
         // SAFETY: flock on a file descriptor we own; no memory is involved.
         if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {

@@ -120,6 +120,13 @@ pub fn io_is_retryable(e: &std::io::Error) -> bool {
             | K::InvalidInput
             | K::InvalidData
             | K::Unsupported
+            | K::NotADirectory
+            | K::IsADirectory
+            | K::DirectoryNotEmpty
+            | K::InvalidFilename
+            | K::CrossesDevices
+            | K::TooManyLinks
+            | K::NotSeekable
     )
 }
 
@@ -133,7 +140,18 @@ mod tests {
     /// downloads the model again and fails again.
     #[test]
     fn local_io_errors_that_need_someone_to_act_are_not_retryable() {
-        for k in [K::StorageFull, K::QuotaExceeded, K::ReadOnlyFilesystem, K::PermissionDenied, K::NotFound] {
+        // A path through a regular file, or a directory where a file goes (found by review:
+        // "this looks temporary" for a typo'd --dir or --state).
+        for k in [
+            K::StorageFull,
+            K::QuotaExceeded,
+            K::ReadOnlyFilesystem,
+            K::PermissionDenied,
+            K::NotFound,
+            K::NotADirectory,
+            K::IsADirectory,
+            K::FileTooLarge,
+        ] {
             assert!(!io_is_retryable(&IoError::from(k)), "{k:?}");
             assert!(!Error::io("/x", IoError::from(k)).is_retryable(), "{k:?}");
         }

@@ -56,6 +56,9 @@ pub enum Error {
         step: u64,
         /// Cause.
         detail: String,
+        /// Whether the cause may pass by itself (bucket trouble, a lapsed lease), as opposed
+        /// to one that needs someone to act (a full or capped spool disk, a denied write).
+        retryable: bool,
     },
     /// Local I/O (spool files).
     #[error("I/O: {0}")]
@@ -69,7 +72,7 @@ impl Error {
             Error::Store(e) => e.is_retryable(),
             Error::Stream(e) => e.is_retryable(),
             Error::Format(e) => e.is_retryable(),
-            Error::Upload { .. } => true,
+            Error::Upload { retryable, .. } => *retryable,
             // A full spool disk or quota needs someone to act first.
             Error::Io(e) => driftless_format::io_is_retryable(e),
             Error::Refused(_)

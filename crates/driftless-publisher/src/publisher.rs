@@ -792,7 +792,7 @@ impl Publisher {
                         _ => ctx.committed_root(StepKind::Anchor, step).await,
                     }
                 })
-                .map_err(|e| Error::Upload { step, detail: e.to_string() })?
+                .map_err(|e| Error::Upload { step, detail: e.to_string(), retryable: e.is_retryable() })?
         };
         match committed {
             Some(r) if r == root => {
@@ -917,6 +917,7 @@ impl Publisher {
                         s.need_anchor = true;
                         s.failures += 1;
                         s.last_error = Some(format!("anchor {step}: {e}"));
+                        s.last_error_retryable = e.is_retryable();
                     });
                 }
             }
@@ -930,6 +931,7 @@ impl Publisher {
                 s.need_anchor = true;
                 s.failures += 1;
                 s.last_error = Some(format!("anchor {step}: {e}"));
+                s.last_error_retryable = driftless_format::io_is_retryable(&e);
             });
         }
         Ok(())
@@ -1014,7 +1016,11 @@ impl Publisher {
             Some((.., root)) => *root,
             None => {
                 if self.snapshot.as_ref().is_none_or(|s| s.step != step) {
-                    return Err(Error::Upload { step, detail: "lost, and its weights are no longer held".into() });
+                    return Err(Error::Upload {
+                        step,
+                        detail: "lost, and its weights are no longer held".into(),
+                        retryable: false,
+                    });
                 }
                 let snap = self.snapshot_mut();
                 match snap.root {
@@ -1061,7 +1067,7 @@ impl Publisher {
                 });
                 return Err(Error::Conflict { step, detail });
             }
-            Err(e) => return Err(Error::Upload { step, detail: e.to_string() }),
+            Err(e) => return Err(Error::Upload { step, detail: e.to_string(), retryable: e.is_retryable() }),
         };
         if let Some((ordered, layout, digests, root)) = given {
             if self.snapshot.as_ref().is_none_or(|s| (s.step, s.root) != (step, Some(root))) {
@@ -1106,7 +1112,8 @@ impl Publisher {
         if s.failures > s.reported {
             s.reported = s.failures;
             if let Some(e) = s.last_error.clone() {
-                return Err(Error::Upload { step: self.last_step.unwrap_or(0), detail: e });
+                let retryable = s.last_error_retryable;
+                return Err(Error::Upload { step: self.last_step.unwrap_or(0), detail: e, retryable });
             }
         }
         Ok(())
@@ -1385,8 +1392,9 @@ impl EncodeJob {
     /// failed upload: the step gets no marker and the next publish is an anchor.
     fn run(self, diff: driftless_format::DeltaDiff) -> Option<Encoded> {
         let _s = info_span!("encode_delta", step = self.step).entered();
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.encode(diff)))
-            .unwrap_or_else(|_| Err(Error::Upload { step: self.step, detail: "delta encoding panicked".into() }));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.encode(diff))).unwrap_or_else(|_| {
+            Err(Error::Upload { step: self.step, detail: "delta encoding panicked".into(), retryable: false })
+        });
         let (step, shared, sent) =
             (self.step, self.shared.clone(), self.sent.load(std::sync::atomic::Ordering::SeqCst));
         // Let the publisher's next snapshot_mut see this thread's reference gone.
@@ -1406,6 +1414,7 @@ impl EncodeJob {
                     s.need_anchor = true;
                     s.failures += 1;
                     s.last_error = Some(format!("delta {step}: {e}"));
+                    s.last_error_retryable = e.is_retryable();
                 });
                 None
             }
@@ -1417,7 +1426,7 @@ impl EncodeJob {
         match self.cfg.encode_fault {
             Some((step, true)) if step == self.step => panic!("injected panic encoding delta {step}"),
             Some((step, false)) if step == self.step => {
-                return Err(Error::Upload { step, detail: "injected encode failure".into() })
+                return Err(Error::Upload { step, detail: "injected encode failure".into(), retryable: true })
             }
             _ => {}
         }

@@ -369,7 +369,9 @@ impl PartJob {
             self.handle.block_on(upload_part(&self.bucket, step, &built))?;
             Ok((built.sha, bytes))
         }))
-        .unwrap_or_else(|_| Err(Error::Upload { step, detail: "building or sending the part panicked".into() }));
+        .unwrap_or_else(|_| {
+            Err(Error::Upload { step, detail: "building or sending the part panicked".into(), retryable: false })
+        });
         let secs = t.elapsed().as_secs_f64();
         let (sha, bytes) = match (sent, &self.commit) {
             (Ok(s), _) => s,
@@ -657,7 +659,7 @@ impl ShardedPublisher {
         }
         match self.last_outcome.clone() {
             Some(o) if o.committed => Ok(o),
-            Some(o) => Err(Error::Upload { step: o.step, detail: o.reason.unwrap_or_default() }),
+            Some(o) => Err(Error::Upload { step: o.step, detail: o.reason.unwrap_or_default(), retryable: true }),
             None => Err(Error::Refused("nothing published yet".into())),
         }
     }
@@ -998,7 +1000,7 @@ async fn upload_part(bucket: &Bucket, step: u64, part: &BuiltPart) -> Result<()>
     r.map_err(|e| match e {
         CommitError::Store(e) => Error::Store(e),
         CommitError::Conflict(detail) => Error::Conflict { step, detail },
-        CommitError::Unconfirmed(detail) => Error::Upload { step, detail },
+        CommitError::Unconfirmed(detail) => Error::Upload { step, detail, retryable: true },
     })
 }
 

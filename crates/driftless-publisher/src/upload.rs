@@ -63,6 +63,8 @@ pub(crate) struct State {
     pub(crate) reported: u64,
     pub(crate) dropped: u64,
     pub(crate) last_error: Option<String>,
+    /// Whether the cause of `last_error` may pass by itself.
+    pub(crate) last_error_retryable: bool,
     /// Dense bytes / payload bytes of the newest encoded delta, and its payload bytes.
     pub(crate) last_ratio: f64,
     pub(crate) last_delta_bytes: u64,
@@ -104,6 +106,17 @@ impl std::fmt::Display for CommitError {
     }
 }
 
+impl CommitError {
+    /// Whether a later attempt may succeed without anyone acting.
+    pub(crate) fn is_retryable(&self) -> bool {
+        match self {
+            CommitError::Store(e) => e.is_retryable(),
+            CommitError::Conflict(_) => false,
+            CommitError::Unconfirmed(_) => true,
+        }
+    }
+}
+
 impl From<driftless_store::Error> for CommitError {
     fn from(e: driftless_store::Error) -> Self {
         CommitError::Store(e)
@@ -116,6 +129,7 @@ impl State {
         self.need_anchor = true;
         self.failures += 1;
         self.last_error = Some(format!("{what} {step}: {e}"));
+        self.last_error_retryable = e.is_retryable();
         if let CommitError::Conflict(d) = e {
             if self.conflict.is_none() {
                 self.conflict = Some((step, d.clone()));

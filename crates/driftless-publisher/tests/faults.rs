@@ -405,6 +405,8 @@ fn run_fault(be: &Backend, target: &str, what: &str, fault: Fault) {
         t.published.insert(step, root_of(&c.views()));
         if let Err(e) = p.flush() {
             assert!(matches!(e, Error::Upload { .. }), "{ctx}: step {step}: {e}");
+            // Whether it may pass by itself is its cause's (it was always "retryable").
+            assert_eq!(e.is_retryable(), !matches!(fault, Fault::Permanent), "{ctx}: step {step}: {e}");
             errors += 1;
         }
     }

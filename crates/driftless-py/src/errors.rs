@@ -148,6 +148,16 @@ impl BindError {
                     A::Store(s) => store_class(s),
                     A::Stream(s) => stream_class(s),
                     A::NothingReady => "NothingReadyError",
+                    // No route left but through a step that failed its checks: bad data (the
+                    // CLI's exit 1), never a plain DriftlessError (found by review).
+                    A::Refused { detail, .. } => {
+                        let d = detail.to_ascii_lowercase();
+                        if ["untrusted", "unsigned", "signature", "signed by"].iter().any(|w| d.contains(w)) {
+                            "UntrustedError"
+                        } else {
+                            "CorruptError"
+                        }
+                    }
                     _ if e.is_retryable() => "RetryableError",
                     _ => "DriftlessError",
                 };

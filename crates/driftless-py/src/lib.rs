@@ -21,7 +21,10 @@ pub(crate) fn store_options(
     max_retries: Option<usize>,
     retry_timeout: Option<f64>,
 ) -> PyResult<StoreOptions> {
-    let mut o = StoreOptions::new().with_allow_http(allow_http);
+    // An `http://` endpoint says plain HTTP is meant, as the CLI takes it; without this the
+    // client refused every request and the error looked temporary (found by review).
+    let http = endpoint.as_deref().is_some_and(|e| e.to_ascii_lowercase().starts_with("http://"));
+    let mut o = StoreOptions::new().with_allow_http(allow_http || http);
     if let Some(e) = endpoint {
         o = o.with_endpoint(e);
     }

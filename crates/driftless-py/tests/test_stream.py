@@ -745,3 +745,24 @@ def test_an_unparsable_key_under_ready_does_not_stop_a_cold_start(file_bucket, k
     with pytest.raises(driftless.DriftlessError, match="invalid object key"):
         driftless.Follower(url, trusted_keys=[public]).apply_to(fresh)
     assert all(not a.any() for a in fresh.values())
+
+
+def test_sync_dir_raises_corrupt_error_for_a_corrupt_anchor(file_bucket, keys, tmp_path, monkeypatch):
+    # sync_dir raised a plain DriftlessError where apply_to raises CorruptError (found by review).
+    url, _ = file_bucket
+    private, public = keys
+    tr = SimTrainer(seed=6)
+    with driftless.Publisher(url, signing_key=private) as pub:
+        pub.publish(0, tr.bf16())
+    flip_largest_object(url.removeprefix("file://"), "anchors", 0)
+    with pytest.raises(driftless.CorruptError):
+        driftless.Follower(url, trusted_keys=[public]).sync_dir(str(tmp_path / "d"))
+    # An http:// endpoint means plain HTTP, as for the CLI: no "URL scheme is not allowed"
+    # error that looked temporary (nothing listens on port 9: a connection error).
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
+    f = driftless.Follower("s3://b/p", trusted_keys=[public], endpoint="http://127.0.0.1:9", max_retries=0)
+    with pytest.raises(driftless.RetryableError) as e:
+        f.poll()
+    assert "scheme" not in str(e.value), e.value
