@@ -341,7 +341,12 @@ impl Agent {
                 Err(BuildError::Other(Error::NothingReady)) => {
                     // Nothing usable, because of refusals: report the newest refused step.
                     return Err(match self.refused_newer().pop() {
-                        Some(r) if r.missing => Error::Stream(StreamError::NotReady { step: r.step, detail: r.reason }),
+                        Some(r) if r.missing => {
+                            // The reason is often a NotReady's own text: say "not ready" once.
+                            let prefix = format!("step {} not ready yet: ", r.step);
+                            let detail = r.reason.strip_prefix(&prefix).map(str::to_string).unwrap_or(r.reason);
+                            Error::Stream(StreamError::NotReady { step: r.step, detail })
+                        }
                         Some(r) => Error::Refused { kind: r.kind, step: r.step, detail: r.reason },
                         None => Error::NothingReady,
                     });

@@ -696,6 +696,8 @@ fn publish_watch_stops_cleanly_on_sigterm() {
         assert_eq!(code, Some(0), "{err}");
         let head: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
         assert_eq!(head["data"]["incomplete"], 0, "{sig}: {stdout}");
+        // The publishers' leases and claims are the layout, not strays.
+        assert_eq!(head["data"]["other_objects"], 0, "{sig}: {stdout}");
     }
 }
 
@@ -1118,5 +1120,25 @@ fn poll_intervals_below_the_floor_are_refused() {
         assert_eq!(code, Some(2), "{err}");
         assert!(one_error(&err).contains("--poll-min must be at least"), "{err}");
         assert!(!t.path().join("agent").exists());
+    }
+}
+
+// `keygen --force` over an existing world-readable file left the new private key 0644
+// (open(2) keeps an existing file's mode; found by review).
+#[test]
+fn keygen_force_makes_the_private_key_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = tempfile::tempdir().unwrap();
+    let key = t.path().join("key");
+    std::fs::write(&key, "old").unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let (code, _, err) = out(bin().args(["keygen", "--force", "--out"]).arg(&key));
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(std::fs::metadata(&key).unwrap().permissions().mode() & 0o777, 0o600);
+    // Counts of 0 where 0 makes no sense are usage errors, not a panic or a silent 1.
+    for args in [&["bench", "--steps", "0"][..], &["demo", "--steps", "0"], &["publish", "--anchor-every", "0"]] {
+        let (code, _, err) = out(bin().args(args));
+        assert_eq!(code, Some(2), "{args:?}: {err}");
+        assert!(err.contains("is not in 1.."), "{args:?}: {err}");
     }
 }

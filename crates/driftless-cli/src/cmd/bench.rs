@@ -15,7 +15,7 @@ pub struct Args {
     #[arg(long, default_value_t = 512)]
     mb: u64,
     /// Steps to generate and measure (the first 2 warm Adam up and are not measured).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     steps: u64,
     /// Learning rate of the generator.
     #[arg(long, default_value_t = 1e-6)]

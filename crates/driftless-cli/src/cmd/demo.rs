@@ -17,10 +17,10 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     mb: u64,
     /// Steps to publish.
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u64).range(1..))]
     steps: u64,
     /// Anchor every K steps.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     anchor_every: u64,
     /// Learning rate of the simulated trainer.
     #[arg(long, default_value_t = 5e-7)]

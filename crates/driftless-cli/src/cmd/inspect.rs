@@ -192,7 +192,12 @@ fn stream(a: &Args) -> Result<()> {
                 Some((k, s, None)) => {
                     ready.insert((kid(k), s), ());
                 }
-                None if o.key == layout::STREAM || o.key == layout::LATEST => {}
+                // The stream's own files and its publishers' claims and leases are the layout.
+                None if o.key == layout::STREAM
+                    || o.key == layout::LATEST
+                    || o.key == layout::GC_CLOCK
+                    || o.key.starts_with(layout::claims_prefix())
+                    || o.key.starts_with(layout::leases_prefix()) => {}
                 None => other += 1,
             }
         }

@@ -35,5 +35,13 @@ fn write_secret(p: &std::path::Path, b: &[u8]) -> std::io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
         o.mode(0o600);
     }
-    o.open(p)?.write_all(b)
+    let mut f = o.open(p)?;
+    // An existing file (--force) keeps its mode through open(2): make it private before
+    // the key is written into it (a 0644 file stayed world-readable; found by review).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    }
+    f.write_all(b)
 }

@@ -23,7 +23,7 @@ pub struct Args {
     #[arg(long, requires = "ckpt")]
     step: Option<u64>,
     /// Anchor every K steps.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
     anchor_every: u64,
     /// Follow DIR: publish each `step_N` directory or `step_N.safetensors` file in order,
     /// once complete (an index with all its shards, all `-of-N` shards, --complete-file, or
@@ -52,7 +52,8 @@ pub struct Args {
     /// its descriptor with --key. Agents must trust the new key.
     #[arg(long)]
     takeover: bool,
-    /// Run retention every N published steps (0 = never), with the gc defaults.
+    /// Run retention after every step whose number is a multiple of N, and every N steps a
+    /// `--watch` publishes (0 = never), with the gc defaults.
     #[arg(long, default_value_t = 0)]
     gc_every: u64,
     /// JSON lines on stdout (one `{"type":"published","data":{...}}` per step).
@@ -275,7 +276,9 @@ fn publish_from(
         println!("step {step}: {outcome}, {uploaded} bytes uploaded");
     }
     *published += 1;
-    if a.gc_every > 0 && *published % a.gc_every == 0 {
+    // By step number too: each `--step` run is a new process whose count starts at 1, so a
+    // count alone never reached N > 1 there (found by review).
+    if a.gc_every > 0 && (step % a.gc_every == 0 || *published % a.gc_every == 0) {
         let bucket = a.bucket.open()?;
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         rt.block_on(driftless_gc::run(&bucket, &driftless_gc::GcPolicy::new(), false))?;
