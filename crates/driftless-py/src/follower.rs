@@ -298,11 +298,13 @@ impl PyFollower {
     /// stream), and the answer never goes down within a stream (a replayed older hint).
     fn poll(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         crate::errors::guard(|| {
-            let r: BindResult<Option<u64>> = py.allow_threads(|| {
+            let r: Result<BindResult<Option<u64>>, PyErr> = py.allow_threads(|| {
                 let mut ps = self.polls.lock().unwrap_or_else(|e| e.into_inner());
-                self.rt.block_on(self.poll_inner(&mut ps))
+                // Reads only: safe to abandon when Ctrl-C arrives (a bucket that hangs held
+                // the caller for the whole retry budget; found by review).
+                self.rt.block_on(crate::interruptible(self.poll_inner(&mut ps)))
             });
-            Ok(r?)
+            Ok(r??)
         })
     }
 

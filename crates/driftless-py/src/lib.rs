@@ -13,6 +13,32 @@ mod tensors;
 use driftless_store::StoreOptions;
 use pyo3::prelude::*;
 
+/// Runs `fut` (on a runtime, without the GIL) until it ends or a signal handler of the main
+/// thread raises (Ctrl-C's `KeyboardInterrupt`), checked every 100 ms; the future is then
+/// dropped. Only for work that may be abandoned at any point: reads of the bucket, never
+/// writes into a caller's arrays or a directory.
+pub(crate) async fn interruptible<T>(fut: impl std::future::Future<Output = T>) -> Result<T, PyErr> {
+    let signals = async {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            if let Err(e) = Python::with_gil(|py| py.check_signals()) {
+                return e;
+            }
+        }
+    };
+    tokio::pin!(fut);
+    tokio::pin!(signals);
+    std::future::poll_fn(|cx| {
+        use std::future::Future;
+        use std::task::Poll;
+        if let Poll::Ready(v) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Ok(v));
+        }
+        signals.as_mut().poll(cx).map(Err)
+    })
+    .await
+}
+
 /// Store options from the keyword arguments both classes take.
 pub(crate) fn store_options(
     endpoint: Option<String>,

@@ -766,3 +766,33 @@ def test_sync_dir_raises_corrupt_error_for_a_corrupt_anchor(file_bucket, keys, t
     with pytest.raises(driftless.RetryableError) as e:
         f.poll()
     assert "scheme" not in str(e.value), e.value
+
+
+def test_ctrl_c_interrupts_a_poll_of_a_bucket_that_hangs(keys, monkeypatch):
+    # A poll waited out the whole retry budget (60 s and more) on a bucket that accepts
+    # connections and never answers, Ctrl-C or not (found by review).
+    import signal
+    import socket
+    import threading
+    import time
+
+    _, public = keys
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+    threading.Thread(target=lambda: [held.append(srv.accept()) for _ in range(16)], daemon=True).start()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    f = driftless.Follower(
+        "s3://b/p", trusted_keys=[public], endpoint=f"http://127.0.0.1:{srv.getsockname()[1]}"
+    )
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    t = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        f.poll()
+    took = time.monotonic() - t
+    timer.join()
+    srv.close()
+    assert 0.9 < took < 5, took
