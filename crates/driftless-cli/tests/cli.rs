@@ -1142,3 +1142,32 @@ fn keygen_force_makes_the_private_key_private() {
         assert!(err.contains("is not in 1.."), "{args:?}: {err}");
     }
 }
+
+// `--gc-every N` counted steps per process: each `publish --step` run is a new process, so
+// with N > 1 retention never ran and the bucket grew without bound (found by review).
+#[test]
+fn gc_every_runs_with_publish_step() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    assert!(bin().args(["keygen", "--out"]).arg(p("key")).status().unwrap().success());
+    let url = format!("file://{}", p("bucket").display());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-6, 4);
+    let mut collected = vec![];
+    for step in 0..5u64 {
+        if step > 0 {
+            chain.step();
+        }
+        let d = p(&format!("ckpt{step}"));
+        write(&chain, &d, 1 << 30);
+        let (code, _, err) = out(bin()
+            .args(["publish", "--bucket", &url, "--gc-every", "2", "--log", "info", "--step", &step.to_string()])
+            .arg("--state")
+            .arg(p("pstate"))
+            .arg("--key")
+            .arg(p("key"))
+            .arg(&d));
+        assert_eq!(code, Some(0), "{err}");
+        collected.push(err.contains("collection done"));
+    }
+    assert_eq!(collected, [true, false, true, false, true]);
+}
