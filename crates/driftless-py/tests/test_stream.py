@@ -787,12 +787,18 @@ def test_ctrl_c_interrupts_a_poll_of_a_bucket_that_hangs(keys, monkeypatch):
     f = driftless.Follower(
         "s3://b/p", trusted_keys=[public], endpoint=f"http://127.0.0.1:{srv.getsockname()[1]}"
     )
+    # Python leaves SIGINT ignored when it started ignored (a job started in the background by
+    # a non-interactive shell, as CI may be): install the handler Ctrl-C has in a terminal.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     t = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        f.poll()
-    took = time.monotonic() - t
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            f.poll()
+    finally:
+        took = time.monotonic() - t
+        timer.join()
+        signal.signal(signal.SIGINT, old)
     srv.close()
     assert 0.9 < took < 5, took
