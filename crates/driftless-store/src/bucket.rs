@@ -247,7 +247,9 @@ impl Bucket {
 
     /// Read a whole object. Objects bigger than [`StoreOptions::part_size`] are fetched with
     /// parallel ranged GETs pinned to the ETag seen by a HEAD (a concurrent overwrite fails the
-    /// read instead of mixing versions).
+    /// read instead of mixing versions). Memory: the size the HEAD declares, never more (a
+    /// longer body is cut off, a retryable error); where an attacker sets that size, read with
+    /// [`Bucket::get_limited`] or [`Bucket::get_range_of`] instead.
     pub async fn get(&self, key: &str) -> Result<Bytes> {
         let span = tracing::debug_span!("get", bucket = %self.url(), key);
         async {
@@ -264,7 +266,18 @@ impl Bucket {
                             .get_opts(&path, GetOptions::default())
                             .await
                             .map_err(|e| Error::from_store(key, e))?;
-                        r.bytes().await.map_err(|e| Error::from_store(key, e))
+                        // Cut off at one part: the object may have been replaced since the
+                        // HEAD, or the endpoint may send more than it declares, and nothing
+                        // read from a bucket may size our memory. A caller that retries reads
+                        // a grown object through the ranged path.
+                        collect_at_most(key, r, part, info.size).await?.map_err(|got| Error::Transient {
+                            key: key.to_string(),
+                            source: crate::error::StoreError::new(&std::io::Error::other(format!(
+                                "read returned more than one part ({part} bytes; {got} so far) \
+                                 for an object its HEAD said was {} bytes",
+                                info.size
+                            ))),
+                        })
                     })
                     .await;
             }

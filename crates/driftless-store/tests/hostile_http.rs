@@ -1,6 +1,7 @@
 //! An S3 endpoint that misbehaves at the HTTP level, served from this test (a real socket, the
-//! real S3 client): a listing whose pages are empty but say "more to come" forever, and a
-//! throttling storm. Each must end within its bound, with a bounded number of requests.
+//! real S3 client): a listing whose pages are empty but say "more to come" forever, a
+//! throttling storm, and a body longer than the object's declared size. Each must end within
+//! its bound, with a bounded number of requests and bounded memory.
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
@@ -10,8 +11,9 @@ use driftless_store::{Bucket, Error, StoreOptions};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 
-/// Serves every request with `answer(request line)` -> (status, body); counts requests.
-async fn serve(answer: fn(&str) -> (u16, &'static str)) -> (String, Arc<AtomicUsize>) {
+/// Serves every request with `answer(request line)` -> (status, body); counts requests. A HEAD
+/// is answered with the headers only (its Content-Length is the body's length).
+async fn serve(answer: fn(&str) -> (u16, String)) -> (String, Arc<AtomicUsize>) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     let n = Arc::new(AtomicUsize::new(0));
@@ -45,10 +47,12 @@ async fn serve(answer: fn(&str) -> (u16, &'static str)) -> (String, Arc<AtomicUs
                     }
                     count.fetch_add(1, SeqCst);
                     let (status, b) = answer(&line);
-                    let resp = format!(
-                        "HTTP/1.1 {status} X\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\r\n{b}",
+                    let head = format!(
+                        "HTTP/1.1 {status} X\r\nContent-Type: application/xml\r\nETag: \"e\"\r\n\
+                         Last-Modified: Tue, 24 Nov 2026 00:00:00 GMT\r\nContent-Length: {}\r\n\r\n",
                         b.len()
                     );
+                    let resp = if line.starts_with("HEAD ") { head } else { head + &b };
                     if r.get_mut().write_all(resp.as_bytes()).await.is_err() {
                         return;
                     }
@@ -73,9 +77,10 @@ async fn a_listing_of_endless_empty_pages_ends_at_its_deadline() {
         true => (
             200,
             "<ListBucketResult><IsTruncated>true</IsTruncated>\
-             <NextContinuationToken>t</NextContinuationToken></ListBucketResult>",
+             <NextContinuationToken>t</NextContinuationToken></ListBucketResult>"
+                .into(),
         ),
-        false => (404, "<Error><Code>NoSuchKey</Code></Error>"),
+        false => (404, "<Error><Code>NoSuchKey</Code></Error>".into()),
     })
     .await;
     let b = open(&url, StoreOptions::default().with_list_timeout(Duration::from_secs(2)));
@@ -92,10 +97,28 @@ async fn a_listing_of_endless_empty_pages_ends_at_its_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttling_storm_costs_one_request_per_retry() {
     let (url, n) =
-        serve(|_| (503, "<Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>")).await;
+        serve(|_| (503, "<Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>".into()))
+            .await;
     let b = open(&url, StoreOptions::default().with_max_retries(3).with_retry_timeout(Duration::from_secs(30)));
     let e = b.get_limited("stream.json", 1 << 16).await.unwrap_err();
     assert!(e.is_retryable(), "{e}");
     // One retry layer: 1 + 3 requests (two layers made it 4 x 4).
     assert_eq!(n.load(SeqCst), 4, "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_longer_than_the_declared_object_is_cut_off() {
+    // The HEAD says 16 bytes; the GET sends 8 MiB (an object replaced in between, or a lying
+    // endpoint). The read stops after one part instead of holding whatever arrives.
+    let (url, n) = serve(|line| match line.starts_with("HEAD ") {
+        true => (200, "x".repeat(16)),
+        false => (200, "x".repeat(8 << 20)),
+    })
+    .await;
+    let b = open(&url, StoreOptions::default().with_part_size(1 << 20).with_max_retries(1));
+    let e = b.get("deltas/000000000001/manifest.json").await.unwrap_err();
+    assert!(e.is_retryable(), "{e}");
+    assert!(e.to_string().contains("more than one part"), "{e}");
+    // One HEAD, then the GET and its one retry.
+    assert_eq!(n.load(SeqCst), 3, "{e}");
 }
