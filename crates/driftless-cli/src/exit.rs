@@ -167,6 +167,28 @@ pub fn render(e: &anyhow::Error) -> String {
     out
 }
 
+/// A clap usage error on one line, like every other error: clap's message (a list under it
+/// folded onto the line), its tips, and the usage line, without the blank lines between them.
+pub fn usage_line(e: &clap::Error) -> String {
+    // Display of clap's styled text is plain text: no colour codes whatever the terminal.
+    let text = e.render().to_string();
+    let fold = |b: &str| b.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ");
+    let (mut msg, mut usage) = (String::new(), String::new());
+    for block in text.split("\n\n").map(str::trim) {
+        if let Some(u) = block.strip_prefix("Usage:") {
+            usage = fold(u);
+        } else if block.starts_with("For more information") || block.is_empty() {
+        } else {
+            let part = fold(block.strip_prefix("error:").unwrap_or(block).trim());
+            msg = if msg.is_empty() { part } else { format!("{msg} ({part})") };
+        }
+    }
+    match usage.is_empty() {
+        true => format!("{msg} (see --help)"),
+        false => format!("{msg}; usage: {usage} (see --help)"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

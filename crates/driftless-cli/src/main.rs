@@ -71,7 +71,18 @@ fn main() {
         eprintln!("driftless: {}", exit::Class::Fatal.advice());
         std::process::exit(2);
     }
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help, --version, and a bare `driftless`: clap prints the help itself.
+        Err(e) if !e.use_stderr() || e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            e.exit()
+        }
+        Err(e) => {
+            eprintln!("driftless: error: {}", exit::usage_line(&e));
+            eprintln!("driftless: {}", exit::Class::Fatal.advice());
+            std::process::exit(2);
+        }
+    };
     // Long-running commands say what they do (each synced or published step) by default;
     // dependencies stay at warn (object_store logs every retry at info).
     const INFO: &str =

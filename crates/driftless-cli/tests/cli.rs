@@ -54,9 +54,17 @@ fn diff_patch_hash_round_trip() {
         .unwrap();
     assert!(st.success());
     files_equal(&p("target"), &p("out"));
-    // No trusted key: refused with exit code 1, nothing written.
-    let st = bin().arg("patch").arg(p("base")).arg(p("d.delta")).arg("-o").arg(p("out2")).status().unwrap();
-    assert_eq!(st.code(), Some(1));
+    // Neither --trust nor --allow-unsigned: a usage error (exit 2, not "verification failed":
+    // the data is fine, a flag is missing), nothing written.
+    let (code, _, err) = out(bin().arg("patch").arg(p("base")).arg(p("d.delta")).arg("-o").arg(p("out2")));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("give --trust KEY.pub"), "{err}");
+    assert!(!p("out2").exists());
+    // Unsigned accepted but the delta is signed by a key nobody trusts: refused with exit
+    // code 1, nothing written.
+    let (code, _, err) =
+        out(bin().arg("patch").arg(p("base")).arg(p("d.delta")).arg("-o").arg(p("out2")).arg("--allow-unsigned"));
+    assert_eq!(code, Some(1), "{err}");
     assert!(!p("out2").exists());
     // Wrong base: refused with exit code 1.
     let st = bin()
@@ -521,11 +529,25 @@ fn exit_codes_are_the_same_for_every_command() {
         assert!(one_error(&err).contains("no such directory"), "{err}");
         assert!(!p("typo").exists(), "{args:?} created the directory");
     }
-    // Usage errors (clap) -> 2 for every command.
+    // Usage errors (clap) -> 2 for every command, one line like every other error, naming the
+    // flag and the command's usage.
     for sub in ["demo", "bench", "publish", "agent", "gc", "keygen", "diff", "patch", "hash", "inspect"] {
-        let (code, _, _) = out(bin().args([sub, "--no-such-flag"]));
+        let (code, _, err) = out(bin().args([sub, "--no-such-flag"]));
         assert_eq!(code, Some(2), "{sub}");
+        let line = one_error(&err);
+        assert!(line.contains("'--no-such-flag'") && line.contains(&format!("usage: driftless {sub}")), "{err}");
     }
+    // A list of missing flags folds onto the line; a near miss keeps clap's tip.
+    let (code, _, err) = out(bin().args(["publish"]).env_remove("DRIFTLESS_BUCKET").env_remove("DRIFTLESS_STATE"));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("not provided: --bucket <BUCKET> --state <STATE>;"), "{err}");
+    let (code, _, err) = out(bin().args(["gc", "--buckt", "x"]));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("tip: a similar argument exists: '--bucket'"), "{err}");
+    // Help is not an error.
+    let (code, help, _) = out(bin().args(["agent", "--help"]));
+    assert_eq!(code, Some(0));
+    assert!(help.contains("Usage: driftless agent"), "{help}");
 }
 
 /// Regression for issue 13 item 1: endpoints without a scheme panicked inside object_store

@@ -51,16 +51,7 @@ impl Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let trust = super::trust_set(&a.trust, a.allow_unsigned)?;
-    if trust.is_empty() && !a.allow_unsigned {
-        anyhow::bail!("give --trust KEY.pub (or --allow-unsigned for an unsigned stream)");
-    }
-    if !trust.is_empty() && a.allow_unsigned {
-        // With a key configured, an unsigned manifest is a stripped signature: never accepted.
-        anyhow::bail!(
-            "--allow-unsigned cannot be combined with --trust (unsigned manifests are refused when a key is trusted)"
-        );
-    }
+    let trust = super::verifying_trust_set(&a.trust, a.allow_unsigned)?;
     let mut cfg = AgentConfig::new(&a.dir, trust);
     cfg.notify = a
         .notify

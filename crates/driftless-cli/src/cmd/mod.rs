@@ -39,6 +39,26 @@ pub fn trust_set(files: &[std::path::PathBuf], allow_unsigned: bool) -> anyhow::
     Ok(trust)
 }
 
+/// The keys a verifying command (`agent`, `patch`) checks signatures with: `--trust` keys, or
+/// `--allow-unsigned`, exactly one of the two. With neither, every signed step would be refused
+/// as "untrusted" (exit 1, read as forged data) when the user only forgot a flag: a usage error.
+pub fn verifying_trust_set(
+    files: &[std::path::PathBuf],
+    allow_unsigned: bool,
+) -> anyhow::Result<driftless_format::TrustSet> {
+    let trust = trust_set(files, allow_unsigned)?;
+    if trust.is_empty() && !allow_unsigned {
+        anyhow::bail!("give --trust KEY.pub (or --allow-unsigned for unsigned data)");
+    }
+    if !trust.is_empty() && allow_unsigned {
+        // With a key configured, an unsigned manifest is a stripped signature: never accepted.
+        anyhow::bail!(
+            "--allow-unsigned cannot be combined with --trust (unsigned manifests are refused when a key is trusted)"
+        );
+    }
+    Ok(trust)
+}
+
 /// A serde enum's name (`delta_and_anchor`, `up_to_date`): the one spelling used in text
 /// output, JSON and the Python binding.
 pub fn snake<T: serde::Serialize>(v: &T) -> String {

@@ -3,7 +3,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use driftless_format::{container, ops};
 
-/// `driftless patch BASE DELTA -o OUT [--trust KEY.pub]... [--allow-unsigned]`
+/// `driftless patch BASE DELTA -o OUT (--trust KEY.pub... | --allow-unsigned)`
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Base checkpoint (file or directory).
@@ -22,7 +22,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let trust = super::trust_set(&a.trust, a.allow_unsigned)?;
+    let trust = super::verifying_trust_set(&a.trust, a.allow_unsigned)?;
     let bytes = std::fs::read(&a.delta).with_context(|| format!("reading {}", a.delta.display()))?;
     let d = container::read_delta_file(&bytes, &trust)?;
     let base = super::open(&a.base)?;
