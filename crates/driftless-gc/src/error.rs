@@ -8,6 +8,24 @@ pub enum Error {
     /// Nothing is left half-done that a re-run cannot finish: see the crate docs.
     #[error(transparent)]
     Store(#[from] driftless_store::Error),
+    /// More than [`crate::MAX_UNVERIFIED`] ready markers of one kind, newest first, announce a
+    /// manifest that fails the check agents make (planted, corrupt, or signed by another key
+    /// than `--trust` names). Nothing is deleted: such markers would otherwise take the newest
+    /// and kept places and let the real steps go.
+    #[error(
+        "{count} {kind} ready markers fail the manifest check (the oldest of them, step {step}: {reason}); \
+         nothing deleted: remove them, or check --trust"
+    )]
+    Unverifiable {
+        /// Delta or anchor.
+        kind: driftless_format::StepKind,
+        /// How many failed.
+        count: usize,
+        /// The last one checked.
+        step: u64,
+        /// Why it failed.
+        reason: String,
+    },
     /// A duration setting could not be parsed (`--grace 10m`).
     #[error("invalid duration {input:?}: {reason}")]
     InvalidDuration {
@@ -23,7 +41,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Store(e) => e.is_retryable(),
-            Error::InvalidDuration { .. } => false,
+            Error::InvalidDuration { .. } | Error::Unverifiable { .. } => false,
         }
     }
 }

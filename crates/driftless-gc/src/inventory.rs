@@ -7,12 +7,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, SystemTime};
 
-use driftless_format::{ReadyMarker, StepKind};
-use driftless_store::{layout, Bucket, ObjectInfo};
+use driftless_format::manifest::MAX_MANIFEST_BYTES;
+use driftless_format::sign::Envelope;
+use driftless_format::{Digest, ReadyMarker, StepKind, TrustSet};
+use driftless_store::{layout, stream, Bucket, ObjectInfo};
 use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::policy::GcPolicy;
 
 /// Largest ready marker read (they are a few hundred bytes).
 pub(crate) const MAX_MARKER_BYTES: u64 = 64 << 10;
@@ -213,6 +216,88 @@ pub(crate) fn slices_generation(name: &str) -> Option<u64> {
     ok.then(|| g.parse().ok()).flatten()
 }
 
+/// Most ready markers of one kind whose manifest fails [`Inventory::verify_newest`]'s check
+/// before a collection gives up, deleting nothing (each costs a GET).
+pub const MAX_UNVERIFIED: usize = 256;
+
+impl Inventory {
+    /// Checks the manifests of the ready steps that can take a protected place, newest first,
+    /// as agents check them ([`check_manifest`]): of each kind until `keep_anchors` anchors
+    /// and `keep_deltas` deltas (at least one of each) pass. A step that fails is marked
+    /// [`MarkerState::Unreadable`]: kept for a human, never the newest anchor or step and
+    /// never in a kept place. Without the check a marker planted at step 1000 beside a junk
+    /// manifest took the newest place, and a garbled newest anchor's manifest made GC delete
+    /// the older anchor agents fall back to (both found by review).
+    pub async fn verify_newest(&mut self, bucket: &Bucket, policy: &GcPolicy) -> Result<()> {
+        let trust = policy.trust.as_ref();
+        for (kind, need) in
+            [(StepKind::Anchor, policy.keep_anchors.max(1)), (StepKind::Delta, policy.keep_deltas.max(1))]
+        {
+            let ready: Vec<(StepId, ReadyMarker)> = self
+                .steps
+                .values()
+                .rev()
+                .filter(|e| e.id.kind == kind)
+                .filter_map(|e| e.ready().map(|m| (e.id, m.clone())))
+                .collect();
+            let mut checks = futures::stream::iter(ready)
+                .map(|(id, m)| async move { (id, check_manifest(bucket, trust, id, &m).await) })
+                .buffered(MARKER_READS);
+            let (mut passed, mut failed) = (0, 0);
+            while passed < need {
+                let Some((id, outcome)) = checks.next().await else { break };
+                let Some(why) = outcome? else {
+                    passed += 1;
+                    continue;
+                };
+                failed += 1;
+                tracing::warn!(step = id.step, kind = %kind, reason = %why, "ready marker fails the manifest check; kept for a human, not counted");
+                if failed > MAX_UNVERIFIED {
+                    return Err(Error::Unverifiable { kind, count: failed, step: id.step, reason: why });
+                }
+                if let Some(e) = self.steps.get_mut(&id) {
+                    e.marker = e.marker.take().map(|(info, _)| (info, MarkerState::Unreadable(why)));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why the manifest the ready marker `m` of step `id` names would be refused by an agent, or
+/// `None` when it passes: it must be there, be the one the marker's SHA-256 names, be signed by
+/// a key of `trust` (when given; without keys only its envelope is parsed), and agree with the
+/// marker (the check agents make, [`driftless_store::stream::delta_manifest_of`]). Only an
+/// outage is an error.
+pub async fn check_manifest(
+    bucket: &Bucket,
+    trust: Option<&TrustSet>,
+    id: StepId,
+    m: &ReadyMarker,
+) -> Result<Option<String>> {
+    let key = layout::object(id.kind, id.step, m.manifest_name());
+    let bytes = match bucket.get_limited(&key, MAX_MANIFEST_BYTES as u64).await {
+        Ok(b) => b,
+        Err(e) if e.is_not_found() => return Ok(Some(format!("{key} is missing"))),
+        Err(driftless_store::Error::TooLarge { size, .. }) => return Ok(Some(format!("{key} is {size} bytes"))),
+        Err(e) => return Err(e.into()),
+    };
+    if Digest::of(&bytes) != m.manifest_sha256 {
+        return Ok(Some(format!("{key} does not match the SHA-256 in its ready marker")));
+    }
+    let payload = match trust {
+        Some(t) => t.open(&bytes).map(|(p, _)| p),
+        None => serde_json::from_slice::<Envelope>(&bytes)
+            .map(|e| e.payload.into_bytes())
+            .map_err(|e| driftless_format::Error::Corrupt { what: "envelope", detail: e.to_string() }),
+    };
+    let checked = payload.and_then(|p| match id.kind {
+        StepKind::Delta => stream::delta_manifest_of(id.step, m, &p).map(drop),
+        StepKind::Anchor => stream::anchor_manifest_of(id.step, m, &p).map(drop),
+    });
+    Ok(checked.err().map(|e| e.to_string()))
+}
+
 /// A publisher generation's lease (`writers/<gen>`), as listed and read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseEntry {
@@ -230,8 +315,8 @@ impl LeaseEntry {
     }
 }
 
-/// Longest lease TTL GC honours.
-pub const MAX_LEASE_TTL: Duration = Duration::from_secs(3600);
+/// Longest lease TTL GC honours (the layout's, which publishers keep to).
+pub use driftless_store::layout::MAX_LEASE_TTL;
 
 /// Every step of a stream layout, as seen by one set of listings.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

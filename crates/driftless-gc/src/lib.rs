@@ -13,7 +13,9 @@ use driftless_store::Bucket;
 
 pub use error::{Error, Result};
 pub use execute::{execute, GcReport};
-pub use inventory::{Inventory, LeaseEntry, MarkerState, StepEntry, StepId, MAX_LEASE_TTL};
+pub use inventory::{
+    check_manifest, Inventory, LeaseEntry, MarkerState, StepEntry, StepId, MAX_LEASE_TTL, MAX_UNVERIFIED,
+};
 pub use plan::{plan_inventory, DeletedStep, GcPlan, KeepReason, KeptStep, StrayObjects};
 pub use policy::{parse_duration, GcPolicy, DEFAULT_GRACE, DEFAULT_KEEP_ANCHORS, DEFAULT_KEEP_DELTAS};
 
@@ -21,7 +23,8 @@ pub use policy::{parse_duration, GcPolicy, DEFAULT_GRACE, DEFAULT_KEEP_ANCHORS, 
 ///
 /// `now` is a parameter so that tests and dry runs can ask "what would happen later".
 pub async fn plan(bucket: &Bucket, policy: &GcPolicy, now: SystemTime) -> Result<GcPlan> {
-    let inv = Inventory::load(bucket).await?;
+    let mut inv = Inventory::load(bucket).await?;
+    inv.verify_newest(bucket, policy).await?;
     Ok(plan_inventory(&inv, policy, now))
 }
 
@@ -32,7 +35,8 @@ pub async fn plan(bucket: &Bucket, policy: &GcPolicy, now: SystemTime) -> Result
 /// concurrently with other collections; an error or an interruption leaves the stream
 /// valid, and the next run finishes the job.
 pub async fn run(bucket: &Bucket, policy: &GcPolicy, dry_run: bool) -> Result<GcReport> {
-    let inv = Inventory::load(bucket).await?;
+    let mut inv = Inventory::load(bucket).await?;
+    inv.verify_newest(bucket, policy).await?;
     // Leases and object ages are stamped by the bucket's clock: "now" must be the bucket's
     // too. With this host's, minutes ahead, a live publisher's lease looked expired and its
     // upload was deleted under it (found by review). Only for an existing stream, so that an

@@ -173,7 +173,7 @@ const MAX_GATHER: Duration = Duration::from_secs(6 * 3600);
 pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> GcPlan {
     let cutoff = now.checked_sub(policy.grace);
     let young = |e: &StepEntry| cutoff.is_none_or(|c| e.last_modified() > c);
-    let graph = Graph::new(inv);
+    let graph = Graph::new(inv, None);
 
     // Roots that max_bytes may not trim, and roots it may (oldest first).
     let mut fixed: BTreeMap<StepId, BTreeSet<KeepReason>> = BTreeMap::new();
@@ -209,6 +209,23 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
     if let Some(id) = newest_state {
         add(&mut fixed, id, KeepReason::NewestAnchorChain);
     }
+    // The newest anchor and the newest reachable step as they stood `grace` ago, with the
+    // chain between them: a reader that planned its route then may still be on it. Otherwise
+    // a new anchor ended the previous one's chain at once, and a cold reader downloading the
+    // previous anchor lost it and its deltas within a second (found by review).
+    if let Some(c) = cutoff {
+        let then = Graph::new(inv, Some(c));
+        if let Some(&a) = then.anchors.iter().next_back() {
+            add(&mut fixed, StepId::anchor(a), KeepReason::WithinGrace);
+        }
+        if let Some(id) = then.newest_state() {
+            add(&mut fixed, id, KeepReason::WithinGrace);
+            let chain = if id.kind == StepKind::Delta { then.chain(id.step) } else { Vec::new() };
+            for dep in chain {
+                add(&mut fixed, dep, KeepReason::WithinGrace);
+            }
+        }
+    }
     let mut trimmable: BTreeMap<StepId, BTreeSet<KeepReason>> = BTreeMap::new();
     for &d in graph.deltas.keys().rev().take(policy.keep_deltas) {
         add(&mut trimmable, StepId::delta(d), KeepReason::NewestDelta);
@@ -233,18 +250,23 @@ pub fn plan_inventory(inv: &Inventory, policy: &GcPolicy, now: SystemTime) -> Gc
             .filter_map(|id| inv.steps.get(id))
             .fold(0u64, |acc, e| acc.saturating_add(e.bytes().saturating_sub(stray_bytes(&e.id))))
     };
-    let mut skip = 0;
     let mut kept = graph.closure(&fixed, &trimmable);
     let mut over_budget = false;
-    if let Some(max) = policy.max_bytes {
-        while kept_bytes(&kept) > max {
-            if skip == trimmable.len() {
-                over_budget = true;
-                break;
+    if let Some(max) = policy.max_bytes.filter(|&m| kept_bytes(&kept) > m) {
+        // The fewest oldest trimmable roots to drop for the bound to hold. Dropping roots only
+        // shrinks the closure, so the kept bytes fall as more are dropped: a binary search
+        // (dropping one at a time recomputed the closure per root).
+        let (mut lo, mut hi) = (1, trimmable.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if kept_bytes(&graph.closure(&fixed, &trimmable[mid..])) > max {
+                lo = mid + 1;
+            } else {
+                hi = mid;
             }
-            skip += 1;
-            kept = graph.closure(&fixed, &trimmable[skip..]);
         }
+        kept = graph.closure(&fixed, &trimmable[lo.min(trimmable.len())..]);
+        over_budget = kept_bytes(&kept) > max;
     }
 
     let mut plan = GcPlan {
@@ -327,11 +349,15 @@ struct Graph {
 }
 
 impl Graph {
-    fn new(inv: &Inventory) -> Graph {
+    /// The graph of the ready markers, of those written by `as_of` when given.
+    fn new(inv: &Inventory, as_of: Option<SystemTime>) -> Graph {
         let mut anchors = BTreeSet::new();
         let mut deltas = BTreeMap::new();
         for e in inv.steps.values() {
-            if let Some(m) = e.ready() {
+            if let (Some(m), Some((info, _))) = (e.ready(), &e.marker) {
+                if as_of.is_some_and(|c| info.last_modified > c) {
+                    continue;
+                }
                 match e.id.kind {
                     StepKind::Anchor => {
                         anchors.insert(e.id.step);
@@ -383,7 +409,8 @@ impl Graph {
         out
     }
 
-    /// Roots plus everything their chains need.
+    /// Roots plus everything their chains need: the chain of a root on the newest anchor's
+    /// chain is `newest-anchor-chain`, of any other root `needed-for-reachability`.
     fn closure(
         &self,
         fixed: &BTreeMap<StepId, BTreeSet<KeepReason>>,
@@ -393,15 +420,31 @@ impl Graph {
         for (id, reasons) in trimmable {
             kept.entry(*id).or_default().extend(reasons.iter().copied());
         }
-        let roots: Vec<(StepId, bool)> = kept
-            .iter()
-            .filter(|(id, _)| id.kind == StepKind::Delta)
-            .map(|(id, r)| (*id, r.contains(&KeepReason::NewestAnchorChain)))
-            .collect();
-        for (id, newest) in roots {
-            let reason = if newest { KeepReason::NewestAnchorChain } else { KeepReason::NeededForReachability };
-            for dep in self.chain(id.step) {
-                kept.entry(dep).or_default().insert(reason);
+        // What each reachable delta passes down its base link: (newest chain, needed). One
+        // pass, newest first: bases are strictly older, so a delta has received all it will
+        // when it is reached. (A walk per kept delta was quadratic in the chain's length: 8,000
+        // chained deltas took 5 s to plan; found by review.)
+        let mut pass: BTreeMap<u64, (bool, bool)> = BTreeMap::new();
+        for (id, r) in &kept {
+            if id.kind == StepKind::Delta && self.reachable.contains(&id.step) {
+                let newest = r.contains(&KeepReason::NewestAnchorChain);
+                pass.insert(id.step, (newest, !newest));
+            }
+        }
+        while let Some((s, (newest, needed))) = pass.pop_last() {
+            let Some(&Some(base)) = self.deltas.get(&s) else { continue };
+            let dep = if self.anchors.contains(&base) { StepId::anchor(base) } else { StepId::delta(base) };
+            let reasons = kept.entry(dep).or_default();
+            if newest {
+                reasons.insert(KeepReason::NewestAnchorChain);
+            }
+            if needed {
+                reasons.insert(KeepReason::NeededForReachability);
+            }
+            if dep.kind == StepKind::Delta {
+                let p = pass.entry(base).or_default();
+                p.0 |= newest;
+                p.1 |= needed;
             }
         }
         kept
@@ -414,11 +457,15 @@ impl fmt::Display for GcPlan {
         let p = &self.policy;
         writeln!(
             f,
-            "policy: keep {} deltas, {} anchors, grace {}{}",
+            "policy: keep {} deltas, {} anchors, grace {}{}; {}",
             p.keep_deltas,
             p.keep_anchors,
             humantime::format_duration(p.grace),
-            p.max_bytes.map(|m| format!(", max {m} bytes")).unwrap_or_default()
+            p.max_bytes.map(|m| format!(", max {m} bytes")).unwrap_or_default(),
+            match &p.trust {
+                Some(t) => format!("manifests checked against {}", t.key_ids().join(", ")),
+                None => "manifest signatures not checked (give --trust)".into(),
+            }
         )?;
         let opt = |v: Option<u64>| v.map_or("none".to_string(), |s| s.to_string());
         writeln!(f, "newest step: {}, newest anchor: {}", opt(self.newest_step), opt(self.newest_anchor))?;

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use driftless_format::TrustSet;
 use serde::{Serialize, Serializer};
 
 use crate::error::{Error, Result};
@@ -21,7 +22,7 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(600);
 /// | [`keep_anchors`](GcPolicy::keep_anchors) | 10 | `--keep-anchors` |
 /// | [`grace`](GcPolicy::grace) | 10 minutes | `--grace` |
 /// | [`max_bytes`](GcPolicy::max_bytes) | none | `--max-bytes` |
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 #[non_exhaustive]
 pub struct GcPolicy {
     /// Keep the newest this many ready deltas (and whatever they need to stay reachable).
@@ -36,7 +37,28 @@ pub struct GcPolicy {
     /// Optional bound on the bytes the stream keeps: the oldest retained steps are dropped
     /// until the bound holds, except what grace and reachability of the newest step protect.
     pub max_bytes: Option<u64>,
+    /// Keys the manifests of the steps that take a protected role (newest, kept) must be
+    /// signed by (`--trust`), as agents check them. Without keys GC checks what it can without
+    /// them (the manifest is the one the marker's SHA-256 names, and agrees with it), which
+    /// catches corruption but not a marker planted with a manifest of its own. Serialized as
+    /// the key ids (`null`: signatures not checked).
+    #[serde(rename = "trusted_keys", serialize_with = "ser_trust")]
+    pub trust: Option<TrustSet>,
 }
+
+fn ser_trust<S: Serializer>(t: &Option<TrustSet>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    t.as_ref().map(TrustSet::key_ids).serialize(s)
+}
+
+impl PartialEq for GcPolicy {
+    fn eq(&self, o: &Self) -> bool {
+        (self.keep_deltas, self.keep_anchors, self.grace, self.max_bytes)
+            == (o.keep_deltas, o.keep_anchors, o.grace, o.max_bytes)
+            && self.trust.as_ref().map(TrustSet::key_ids) == o.trust.as_ref().map(TrustSet::key_ids)
+    }
+}
+
+impl Eq for GcPolicy {}
 
 fn ser_duration<S: Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
     s.serialize_str(&humantime::format_duration(*d).to_string())
@@ -49,6 +71,7 @@ impl Default for GcPolicy {
             keep_anchors: DEFAULT_KEEP_ANCHORS,
             grace: DEFAULT_GRACE,
             max_bytes: None,
+            trust: None,
         }
     }
 }
@@ -80,6 +103,12 @@ impl GcPolicy {
     /// Set [`GcPolicy::max_bytes`].
     pub fn with_max_bytes(mut self, max: Option<u64>) -> Self {
         self.max_bytes = max;
+        self
+    }
+
+    /// Set [`GcPolicy::trust`] (`None` or an empty set: signatures not checked).
+    pub fn with_trust(mut self, trust: Option<TrustSet>) -> Self {
+        self.trust = trust.filter(|t| !t.is_empty());
         self
     }
 }

@@ -140,6 +140,22 @@ fn check_plan(case: &Case, plan: &GcPlan) -> BTreeMap<StepId, Option<u64>> {
             justified.insert(*id);
         }
     }
+    // What a reader saw `grace` ago: the newest anchor then, and the newest step then with
+    // its chain as it stood (a newer anchor ends chains; the route planned before it did not).
+    let then: BTreeMap<StepId, Option<u64>> =
+        before.iter().filter(|(id, _)| by_id[*id].written <= grace_cutoff).map(|(k, v)| (*k, *v)).collect();
+    let mut route_then: Vec<StepId> =
+        then.keys().rfind(|id| id.kind == StepKind::Anchor).into_iter().copied().collect();
+    if let Some(n) = newest_state(&reachable(&then)) {
+        route_then.push(n);
+        if n.kind == StepKind::Delta {
+            route_then.extend(chain(&then, n.step));
+        }
+    }
+    for id in route_then {
+        assert!(after.contains_key(&id), "{id}, on the route a reader planned grace ago, was deleted");
+        justified.insert(id);
+    }
     for id in justified.clone() {
         if id.kind == StepKind::Delta && reach_before.contains(&id) {
             justified.extend(chain(&before, id.step));

@@ -12,7 +12,13 @@ use driftless_format::{Digest, ReadyMarker, StepKind};
 use driftless_gc::{execute, plan, GcPolicy, StepId};
 use driftless_store::{layout, Bucket};
 
-fn marker(manifest: &str) -> Bytes {
+/// The manifest `g..-manifest.json` of anchor 4, naming its try's `g..-w.dla`.
+fn manifest(name: &str) -> Bytes {
+    let obj = name.replace("manifest.json", "w.dla");
+    manifest_of(StepId::anchor(4), None, &[(obj, Bytes::from_static(b"12345"))])
+}
+
+fn marker(manifest_name: &str) -> Bytes {
     Bytes::from(
         serde_json::to_vec(&ReadyMarker {
             kind: "ready".into(),
@@ -20,9 +26,9 @@ fn marker(manifest: &str) -> Bytes {
             of: StepKind::Anchor,
             step: 4,
             base_step: None,
-            manifest_sha256: Digest([7; 32]),
+            manifest_sha256: Digest::of(&manifest(manifest_name)),
             payload_bytes: 5,
-            manifest: Some(manifest.into()),
+            manifest: Some(manifest_name.into()),
         })
         .unwrap(),
     )
@@ -39,22 +45,10 @@ async fn write(b: &Bucket) {
         "g3r3-manifest.json",
         "g3r3-w.dla",
     ] {
-        b.put(&layout::object(StepKind::Anchor, 4, name), Bytes::from_static(b"12345")).await.unwrap();
+        let body = if name.ends_with("manifest.json") { manifest(name) } else { Bytes::from_static(b"12345") };
+        b.put(&layout::object(StepKind::Anchor, 4, name), body).await.unwrap();
     }
     b.put(&layout::ready(StepKind::Anchor, 4), marker("g3r2-manifest.json")).await.unwrap();
-}
-
-/// An unsigned `stream.json` of the stream `test-stream` (the id the test markers carry).
-async fn write_stream_json(b: &Bucket) {
-    let desc = driftless_format::manifest::StreamDescriptor {
-        kind: "stream".into(),
-        version: driftless_format::manifest::FORMAT_VERSION,
-        stream_id: "test-stream".into(),
-        trusted_keys: vec![],
-        created_at_ms: 0,
-    };
-    let env = driftless_format::sign::seal_unsigned(&serde_json::to_vec(&desc).unwrap()).unwrap();
-    b.put(layout::STREAM, Bytes::from(env)).await.unwrap();
 }
 
 async fn names(b: &Bucket) -> Vec<String> {

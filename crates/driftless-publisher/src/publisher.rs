@@ -137,10 +137,11 @@ impl PublisherBuilder {
         self
     }
     /// How long this publisher's lease stays live without renewal (default 60 s; renewed
-    /// every quarter of it). GC never removes objects of a step under a live lease, and the
+    /// every quarter of it; between 400 ms and [`driftless_store::layout::MAX_LEASE_TTL`], the
+    /// longest GC honours). GC never removes objects of a step under a live lease, and the
     /// publisher never commits a step unless its lease is live.
     pub fn with_lease_ttl(mut self, ttl: Duration) -> Self {
-        self.lease_ttl = ttl.max(Duration::from_millis(400));
+        self.lease_ttl = ttl.clamp(Duration::from_millis(400), driftless_store::layout::MAX_LEASE_TTL);
         self
     }
 

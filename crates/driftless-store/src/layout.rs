@@ -28,6 +28,10 @@ pub const GC_CLOCK: &str = "gc-clock";
 pub const LATEST: &str = "latest.json";
 /// Name of a step's manifest object inside its directory.
 pub const MANIFEST_NAME: &str = "manifest.json";
+/// Longest publisher lease TTL (`writers/<gen>`'s `ttl_ms`): GC honours no longer one (a
+/// hostile lease cannot pin garbage for longer), so a publisher never takes a longer one
+/// (with one, GC took its lease for expired and deleted its upload under it: found by review).
+pub const MAX_LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(3600);
 
 const DELTAS: &str = "deltas/";
 const ANCHORS: &str = "anchors/";

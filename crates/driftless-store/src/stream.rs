@@ -156,12 +156,7 @@ impl StreamReader {
     /// a signed `latest.json`): one GET fewer.
     pub async fn delta_at(&self, step: u64, marker: &ReadyMarker) -> StreamResult<(DeltaManifest, Digest)> {
         let (payload, sha) = self.envelope(StepKind::Delta, step, marker).await?;
-        let m = DeltaManifest::from_slice(&payload)?;
-        if m.step != step || Some(m.base_step) != marker.base_step {
-            return Err(corrupt("delta manifest", format!("manifest of step {} found at step {step}", m.step)));
-        }
-        same_payload(marker, m.payload_bytes())?;
-        Ok((m, sha))
+        Ok((delta_manifest_of(step, marker, &payload)?, sha))
     }
 
     /// The verified manifest of a ready anchor.
@@ -174,12 +169,7 @@ impl StreamReader {
     /// with): one GET fewer, and the manifest is the one the plan weighed.
     pub async fn anchor_at(&self, step: u64, marker: &ReadyMarker) -> StreamResult<(AnchorManifest, Digest)> {
         let (payload, sha) = self.envelope(StepKind::Anchor, step, marker).await?;
-        let m = AnchorManifest::from_slice(&payload)?;
-        if m.step != step {
-            return Err(corrupt("anchor manifest", format!("manifest of step {} found at step {step}", m.step)));
-        }
-        same_payload(marker, m.payload_bytes())?;
-        Ok((m, sha))
+        Ok((anchor_manifest_of(step, marker, &payload)?, sha))
     }
 
     /// Fetches one object of a step and checks its size and SHA-256. A missing object under a
@@ -239,10 +229,46 @@ fn corrupt(what: &'static str, detail: String) -> StreamError {
     driftless_format::Error::Corrupt { what, detail }.into()
 }
 
+/// The delta manifest in `payload` (the opened envelope of the manifest `marker` names),
+/// checked against that marker: the same step, base and payload bytes. Markers are not signed
+/// and routes are planned from them. The one check for every reader (agents, followers, GC).
+pub fn delta_manifest_of(
+    step: u64,
+    marker: &ReadyMarker,
+    payload: &[u8],
+) -> Result<DeltaManifest, driftless_format::Error> {
+    let m = DeltaManifest::from_slice(payload)?;
+    if m.step != step || Some(m.base_step) != marker.base_step {
+        return Err(driftless_format::Error::Corrupt {
+            what: "delta manifest",
+            detail: format!("manifest of step {} (base {}) found at step {step}", m.step, m.base_step),
+        });
+    }
+    same_payload(marker, m.payload_bytes())?;
+    Ok(m)
+}
+
+/// [`delta_manifest_of`] for an anchor.
+pub fn anchor_manifest_of(
+    step: u64,
+    marker: &ReadyMarker,
+    payload: &[u8],
+) -> Result<AnchorManifest, driftless_format::Error> {
+    let m = AnchorManifest::from_slice(payload)?;
+    if m.step != step {
+        return Err(driftless_format::Error::Corrupt {
+            what: "anchor manifest",
+            detail: format!("manifest of step {} found at step {step}", m.step),
+        });
+    }
+    same_payload(marker, m.payload_bytes())?;
+    Ok(m)
+}
+
 /// A ready marker's payload bytes (unsigned: planners compare routes by them) must be its
 /// signed manifest's, or a marker could steer readers onto routes they would not take (a
 /// follower holding verified weights onto an anchor, say).
-fn same_payload(marker: &ReadyMarker, signed: u64) -> StreamResult<()> {
+fn same_payload(marker: &ReadyMarker, signed: u64) -> Result<(), driftless_format::Error> {
     if marker.payload_bytes == signed {
         return Ok(());
     }
@@ -252,6 +278,5 @@ fn same_payload(marker: &ReadyMarker, signed: u64) -> StreamResult<()> {
             "{:?} {} declares {} payload bytes, its signed manifest {signed}",
             marker.of, marker.step, marker.payload_bytes
         ),
-    }
-    .into())
+    })
 }

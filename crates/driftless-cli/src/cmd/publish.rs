@@ -279,10 +279,25 @@ fn publish_from(
     // By step number too: each `--step` run is a new process whose count starts at 1, so a
     // count alone never reached N > 1 there (found by review).
     if a.gc_every > 0 && (step % a.gc_every == 0 || *published % a.gc_every == 0) {
-        let bucket = a.bucket.open()?;
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        rt.block_on(driftless_gc::run(&bucket, &driftless_gc::GcPolicy::new(), false))?;
+        // The step is published: a failed collection is a warning, not a failed step (as an
+        // error it aborted `--step` after the commit and reopened `--watch` under a new
+        // generation; found by review). The next collection finishes the job.
+        if let Err(e) = collect(a) {
+            eprintln!(
+                "driftless publish: warning: step {step} is published, but retention failed: {}",
+                crate::exit::render(&e)
+            );
+        }
     }
+    Ok(())
+}
+
+/// One collection with the gc defaults, checking manifests against this publisher's own key.
+fn collect(a: &Args) -> Result<()> {
+    let trust = super::signing_key(a.key.as_deref())?.map(|k| driftless_format::TrustSet::new().with_key(k.public()));
+    let bucket = a.bucket.open()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(driftless_gc::run(&bucket, &driftless_gc::GcPolicy::new().with_trust(trust), false))?;
     Ok(())
 }
 

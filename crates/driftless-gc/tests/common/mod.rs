@@ -1,5 +1,6 @@
 //! Synthetic streams for the GC tests: a model of steps, written to buckets directly (real
-//! `ReadyMarker` JSON, placeholder manifests and payloads) or turned into an `Inventory`.
+//! `ReadyMarker` JSON, unsigned manifests that agree with them, placeholder payloads) or turned
+//! into an `Inventory`.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -24,8 +25,6 @@ pub struct Step {
     /// When its objects were written.
     pub written: SystemTime,
 }
-
-pub const MANIFEST_BYTES: u64 = 64;
 
 /// Keys outside the layout that GC must never touch.
 pub const FOREIGN: &[&str] = &[
@@ -54,7 +53,7 @@ pub fn marker_bytes(s: &Step) -> Bytes {
             of: s.id.kind,
             step: s.id.step,
             base_step: s.base,
-            manifest_sha256: Digest([7; 32]),
+            manifest_sha256: Digest::of(&manifest_bytes(s)),
             payload_bytes: s.payload.iter().sum(),
             manifest: None,
         })
@@ -62,14 +61,136 @@ pub fn marker_bytes(s: &Step) -> Bytes {
     )
 }
 
+fn payload_bytes(i: usize, size: u64) -> Bytes {
+    Bytes::from(vec![(i % 251) as u8; size as usize])
+}
+
+/// An unsigned manifest that passes the checks agents (and GC) make against the marker: one
+/// object per payload entry, no tensors.
+pub fn manifest_bytes(s: &Step) -> Bytes {
+    let objects: Vec<(String, Bytes)> =
+        s.payload.iter().enumerate().map(|(i, &size)| (payload_name(s.id.kind, i), payload_bytes(i, size))).collect();
+    manifest_of(s.id, s.base, &objects)
+}
+
+/// An unsigned manifest of step `id` (base `base`) naming `objects` (name, bytes).
+pub fn manifest_of(id: StepId, base: Option<u64>, objects: &[(String, Bytes)]) -> Bytes {
+    signed_manifest_of(id, base, objects, None)
+}
+
+/// The ready marker of step `id` (base `base`) announcing `manifest`, which names objects of
+/// `payload` bytes in all.
+pub fn marker_for(id: StepId, base: Option<u64>, manifest: &[u8], payload: u64) -> Bytes {
+    Bytes::from(
+        serde_json::to_vec(&ReadyMarker {
+            kind: "ready".into(),
+            stream_id: "test-stream".into(),
+            of: id.kind,
+            step: id.step,
+            base_step: base,
+            manifest_sha256: Digest::of(manifest),
+            payload_bytes: payload,
+            manifest: None,
+        })
+        .unwrap(),
+    )
+}
+
+/// Writes step `id` as a publisher does (one payload object, manifest signed by `key` when
+/// given, marker last).
+pub async fn write_step_signed(
+    b: &Bucket,
+    id: StepId,
+    base: Option<u64>,
+    key: Option<&driftless_format::sign::Keypair>,
+) {
+    let objects = vec![(payload_name(id.kind, 0), payload_bytes(0, 20))];
+    let m = signed_manifest_of(id, base, &objects, key);
+    b.put(&layout::object(id.kind, id.step, &objects[0].0), objects[0].1.clone()).await.unwrap();
+    b.put(&layout::manifest(id.kind, id.step), m.clone()).await.unwrap();
+    b.put(&layout::ready(id.kind, id.step), marker_for(id, base, &m, 20)).await.unwrap();
+}
+
+/// An unsigned `stream.json` of the stream `test-stream` (the id the test markers carry).
+pub async fn write_stream_json(b: &Bucket) {
+    let desc = driftless_format::manifest::StreamDescriptor {
+        kind: "stream".into(),
+        version: driftless_format::manifest::FORMAT_VERSION,
+        stream_id: "test-stream".into(),
+        trusted_keys: vec![],
+        created_at_ms: 0,
+    };
+    let env = driftless_format::sign::seal_unsigned(&serde_json::to_vec(&desc).unwrap()).unwrap();
+    b.put(layout::STREAM, Bytes::from(env)).await.unwrap();
+}
+
+/// [`manifest_of`], signed by `key` when given.
+pub fn signed_manifest_of(
+    id: StepId,
+    base: Option<u64>,
+    objects: &[(String, Bytes)],
+    key: Option<&driftless_format::sign::Keypair>,
+) -> Bytes {
+    use driftless_format::manifest::{AnchorEncoding, AnchorManifest, AnchorShardRef, DeltaManifest, ObjectRef};
+    use driftless_format::manifest::{SegmentRef, ShardRecord, FORMAT_VERSION};
+    let obj =
+        |(name, b): &(String, Bytes)| ObjectRef { object: name.clone(), size: b.len() as u64, sha256: Digest::of(b) };
+    let payload = match id.kind {
+        StepKind::Delta => serde_json::to_vec(&DeltaManifest {
+            kind: "delta".into(),
+            version: FORMAT_VERSION,
+            stream_id: "test-stream".into(),
+            step: id.step,
+            base_step: base.unwrap_or(0),
+            base_root: Digest([0; 32]),
+            result_root: Digest([0; 32]),
+            value_mode: Default::default(),
+            codec: driftless_format::Codec::Raw,
+            shards: vec![],
+            segments: objects.iter().map(|o| SegmentRef { object: obj(o), raw_size: 0, entries: 0 }).collect(),
+            stats: Default::default(),
+            created_at_ms: 0,
+        }),
+        StepKind::Anchor => serde_json::to_vec(&AnchorManifest {
+            kind: "anchor".into(),
+            version: FORMAT_VERSION,
+            stream_id: "test-stream".into(),
+            step: id.step,
+            weights_root: Digest([0; 32]),
+            encoding: AnchorEncoding::Safetensors,
+            shards: (0..objects.len())
+                .map(|i| ShardRecord {
+                    file: format!("model-{:05}.safetensors", i + 1),
+                    tensors: vec![],
+                    metadata: None,
+                })
+                .collect(),
+            objects: objects
+                .iter()
+                .enumerate()
+                .map(|(i, o)| AnchorShardRef {
+                    file: format!("model-{:05}.safetensors", i + 1),
+                    object: obj(o),
+                    decoded_size: 16,
+                    decoded_sha256: Digest([0; 32]),
+                })
+                .collect(),
+            files: vec![],
+            created_at_ms: 0,
+        }),
+    };
+    let payload = payload.unwrap();
+    Bytes::from(match key {
+        Some(k) => k.seal(&payload).unwrap(),
+        None => driftless_format::sign::seal_unsigned(&payload).unwrap(),
+    })
+}
+
 /// The objects of a step: (key, bytes), marker last.
 pub fn step_objects(s: &Step) -> Vec<(String, Bytes)> {
-    let mut out = vec![(layout::manifest(s.id.kind, s.id.step), Bytes::from(vec![b'm'; MANIFEST_BYTES as usize]))];
+    let mut out = vec![(layout::manifest(s.id.kind, s.id.step), manifest_bytes(s))];
     for (i, &size) in s.payload.iter().enumerate() {
-        out.push((
-            layout::object(s.id.kind, s.id.step, &payload_name(s.id.kind, i)),
-            Bytes::from(vec![(i % 251) as u8; size as usize]),
-        ));
+        out.push((layout::object(s.id.kind, s.id.step, &payload_name(s.id.kind, i)), payload_bytes(i, size)));
     }
     if s.ready {
         out.push((layout::ready(s.id.kind, s.id.step), marker_bytes(s)));
