@@ -175,6 +175,16 @@ pub struct StepOutcome {
     /// step as a delta (no rank waits for the anchor, and followers take the step's delta).
     #[serde(default)]
     pub slices_next: bool,
+    /// Whether publishing again may commit (see [`crate::Error::is_retryable`]); false when
+    /// every later step would be refused the same way (parts overlapping, ranks disagreeing
+    /// on a tensor, a size cap, a newer committer). Outcomes written before this field are
+    /// read as retryable.
+    #[serde(default = "yes")]
+    pub retryable: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl StepOutcome {
@@ -188,6 +198,7 @@ impl StepOutcome {
             next_anchor,
             parts: vec![],
             slices_next: false,
+            retryable: true,
         }
     }
 }
@@ -352,6 +363,13 @@ impl PartJob {
     fn run(mut self, tx: std::sync::mpsc::Sender<Sent>, done: std::sync::mpsc::Sender<(StepOutcome, f64)>) {
         let step = self.copy.step;
         let t = Instant::now();
+        if let Some(c) = &self.commit {
+            // At work on the step from its own part on: the other ranks wait on while the
+            // lease says so. Set only at the commit, a slow upload of rank 0's part (the
+            // largest, under the torch hook) made them give up on a step that then committed,
+            // and disagree about it (found by review).
+            c.ctx.shared.update(|s| s.committing = Some(step));
+        }
         // A panic is a failure like any other: rank 0 must still tell the others.
         let mut built_sha = None;
         let sent = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(Digest, u64)> {
@@ -380,6 +398,7 @@ impl PartJob {
                     // The other ranks wait for an outcome: tell them at once there is none.
                     let o = StepOutcome::aborted(step, format!("rank 0's part was not sent: {e}"), true);
                     self.handle.block_on(write_outcome(&self.cfg, &c.ctx, &o));
+                    c.ctx.shared.update(|s| s.committing = None);
                 }
                 let _ = tx.send(Err((built_sha, e.to_string())));
                 return;
@@ -418,12 +437,12 @@ impl PartJob {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 self.handle.block_on(commit_anchor(&self.cfg, &c.ctx, &later.anchor))
             }))
-            .unwrap_or_else(|_| Err(("gathering the anchor panicked".into(), true)));
+            .unwrap_or_else(|_| Err(Refusal::from(("gathering the anchor panicked".to_string(), true))));
             let mut s = c.schedule.lock().unwrap_or_else(|e| e.into_inner());
             s.busy = None;
             match r {
                 Ok(()) => info!(step, secs = t1.elapsed().as_secs_f64(), "sharded anchor committed after its delta"),
-                Err((reason, _)) => {
+                Err(Refusal { reason, .. }) => {
                     // The delta is committed; readers lose nothing but this anchor. The next
                     // outcome asks for slices again (unless an anchor step came since).
                     if s.last == Some(step) {
@@ -659,7 +678,9 @@ impl ShardedPublisher {
         }
         match self.last_outcome.clone() {
             Some(o) if o.committed => Ok(o),
-            Some(o) => Err(Error::Upload { step: o.step, detail: o.reason.unwrap_or_default(), retryable: true }),
+            Some(o) => {
+                Err(Error::Upload { step: o.step, detail: o.reason.unwrap_or_default(), retryable: o.retryable })
+            }
             None => Err(Error::Refused("nothing published yet".into())),
         }
     }
@@ -1095,20 +1116,25 @@ async fn wait_outcome(
     let mut checked_lease = Instant::now();
     // The committer's last renewal seen (its own clock): a later one is a sign of life.
     let mut renewed: Option<u64> = None;
-    loop {
+    // The outcome, once there; `None` while not (yet), or on a transient error.
+    let read = || async {
         match bucket.get_limited(&key, max_outcome_bytes(world_size)).await {
             Ok(b) => {
-                return match trust.open(&b).ok().and_then(|(p, _)| serde_json::from_slice::<StepOutcome>(&p).ok()) {
+                Some(match trust.open(&b).ok().and_then(|(p, _)| serde_json::from_slice::<StepOutcome>(&p).ok()) {
                     Some(o) if o.step == step => o,
                     _ => StepOutcome::aborted(step, format!("{key} is not a valid signed outcome"), true),
-                }
+                })
             }
             Err(driftless_store::Error::TooLarge { size, max, .. }) => {
                 let reason = format!("{key} is {size} bytes, more than an outcome of {world_size} ranks ({max})");
-                return StepOutcome::aborted(step, reason, true);
+                Some(StepOutcome::aborted(step, reason, true))
             }
-            // Not there yet, or a transient error: polled again until the deadline.
-            Err(_) => {}
+            Err(_) => None,
+        }
+    };
+    loop {
+        if let Some(o) = read().await {
+            return o;
         }
         if Instant::now() >= deadline {
             let reason = format!("no outcome from the committer in time (its lease not renewed for {window:?})");
@@ -1119,6 +1145,22 @@ async fn wait_outcome(
             if let Ok((newer, lease)) = group_lease(bucket, world_size, Duration::ZERO).await {
                 if newer != g {
                     return StepOutcome::aborted(step, format!("a new committer (generation {newer}) took over"), true);
+                }
+                // At work on a later step: it wrote this step's outcome before (read once
+                // more: it may have landed since the read above), or never will (rank 0 did
+                // not publish this step). Found by review: the other ranks waited out their
+                // whole deadline, and their parts of the later step came too late for it.
+                if let Some(later) = lease.committing.filter(|&s| s > step) {
+                    return match read().await {
+                        Some(o) => o,
+                        // No anchor asked for: this rank's base is still the last committed
+                        // step, the one rank 0 builds its next part against too.
+                        None => StepOutcome::aborted(
+                            step,
+                            format!("the committer went on to step {later} without committing this one"),
+                            false,
+                        ),
+                    };
                 }
                 // Still at work on this step (an anchor's gather and encode): wait on.
                 if renewed.is_some_and(|r| lease.renewed_at_ms > r) && lease.committing == Some(step) {
@@ -1144,7 +1186,7 @@ async fn commit(
     ctx.shared.update(|s| s.committing = Some(step));
     let (mut outcome, later) = match try_commit(cfg, ctx, &c.trust, (step, world_size, timeout), &c.committed).await {
         Ok(r) => r,
-        Err((reason, next_anchor)) => (StepOutcome::aborted(step, reason, next_anchor), None),
+        Err(r) => (StepOutcome { retryable: r.retryable, ..StepOutcome::aborted(step, r.reason, r.next_anchor) }, None),
     };
     let (later, dropped) = {
         let mut s = c.schedule.lock().unwrap_or_else(|e| e.into_inner());
@@ -1195,7 +1237,27 @@ async fn write_outcome(cfg: &PublisherBuilder, ctx: &Ctx, outcome: &StepOutcome)
     }
 }
 
-type Refusal = (String, bool);
+/// Why the committer did not commit a step.
+#[derive(Debug)]
+struct Refusal {
+    reason: String,
+    /// The next step must be an anchor (a part was missing or disagreed).
+    next_anchor: bool,
+    /// Publishing again may commit: a part late, missing or disagreeing this step, an outage.
+    /// Not for what every later step repeats (parts overlapping, ranks disagreeing on a
+    /// tensor's dtype or shape, a size cap, a newer committer): reported as retryable, the
+    /// trainer's retries went on for ever (found by review).
+    retryable: bool,
+}
+
+impl From<(String, bool)> for Refusal {
+    /// (reason, next anchor): a refusal that asks for an anchor is one of this step's parts
+    /// (retryable); one that does not is of the parts' geometry or sizes, which the next
+    /// step repeats (not retryable).
+    fn from((reason, next_anchor): (String, bool)) -> Self {
+        Refusal { reason, next_anchor, retryable: next_anchor }
+    }
+}
 
 async fn try_commit(
     cfg: &PublisherBuilder,
@@ -1219,7 +1281,10 @@ async fn try_commit(
             if let Some(other) = found.insert(r, n.clone()) {
                 // A restarted rank next to its predecessor's part: which is current is not
                 // knowable, so neither is used.
-                return Err((format!("step {step}: rank {r} has two parts ({other}, {n}); not committed"), true));
+                return Err(Refusal::from((
+                    format!("step {step}: rank {r} has two parts ({other}, {n}); not committed"),
+                    true,
+                )));
             }
         }
         if found.len() as u64 == world_size {
@@ -1227,7 +1292,10 @@ async fn try_commit(
         }
         if Instant::now() >= deadline {
             let missing: Vec<u64> = (0..world_size).filter(|r| !found.contains_key(r)).collect();
-            return Err((format!("step {step}: no part from ranks {missing:?} in time; not committed"), true));
+            return Err(Refusal::from((
+                format!("step {step}: no part from ranks {missing:?} in time; not committed"),
+                true,
+            )));
         }
         tokio::time::sleep(wait).await;
         wait = (wait * 2).min(Duration::from_millis(500));
@@ -1250,9 +1318,12 @@ async fn try_commit(
         let b = b.map_err(store)?;
         total += b.len() as u64;
         if total > MAX_PARTS_BYTES {
-            return Err((format!("step {step}: part manifests exceed {MAX_PARTS_BYTES} bytes together"), false));
+            return Err(Refusal::from((
+                format!("step {step}: part manifests exceed {MAX_PARTS_BYTES} bytes together"),
+                false,
+            )));
         }
-        let bad = |d: String| (format!("step {step}: part of rank {r}: {d}"), true);
+        let bad = |d: String| Refusal::from((format!("step {step}: part of rank {r}: {d}"), true));
         let (payload, _) = trust.open(&b).map_err(|e| bad(e.to_string()))?;
         let p: PartManifest = serde_json::from_slice(&payload).map_err(|e| bad(e.to_string()))?;
         if p.kind != "part"
@@ -1283,15 +1354,18 @@ async fn try_commit(
     // 2. One kind and one base for all parts.
     let kind = parts[0].part;
     if parts.iter().any(|p| p.part != kind) {
-        return Err((format!("step {step}: some ranks sent deltas, others anchors; the next step is an anchor"), true));
+        return Err(Refusal::from((
+            format!("step {step}: some ranks sent deltas, others anchors; the next step is an anchor"),
+            true,
+        )));
     }
     let base = match kind {
         PartKind::Delta => {
             let Some((c, root)) = committed else {
-                return Err((format!("step {step}: delta parts but no committed base"), true));
+                return Err(Refusal::from((format!("step {step}: delta parts but no committed base"), true)));
             };
             if parts.iter().any(|p| p.base_step != Some(c.step) || p.base_root != Some(*root)) {
-                return Err((format!("step {step}: parts were taken against different bases"), true));
+                return Err(Refusal::from((format!("step {step}: parts were taken against different bases"), true)));
             }
             Some((c.step, *root))
         }
@@ -1300,10 +1374,10 @@ async fn try_commit(
     // 3. Edges, then every tensor's chunk digests from all parts.
     let edges: u64 = parts.iter().fold(0u64, |a, p| a.saturating_add(p.edges.size));
     if edges > MAX_EDGE_BYTES {
-        return Err((
+        return Err(Refusal::from((
             format!("step {step}: parts send {edges} edge bytes, over the committer's {MAX_EDGE_BYTES} (column-sharded tensors send all their bytes: shard them by rows)"),
             false,
-        ));
+        )));
     }
     let mut per_tensor: BTreeMap<String, (DType, Vec<u64>, Vec<PartDigest>)> = BTreeMap::new();
     // Bounded together above; fetched `conc` at a time, taken in rank order.
@@ -1326,7 +1400,10 @@ async fn try_commit(
         for t in &p.tensors {
             let entry = per_tensor.entry(t.name.clone()).or_insert_with(|| (t.dtype, t.shape.clone(), vec![]));
             if entry.0 != t.dtype || entry.1 != t.shape {
-                return Err((format!("step {step}: ranks disagree on the dtype or shape of {}", t.name), false));
+                return Err(Refusal::from((
+                    format!("step {step}: ranks disagree on the dtype or shape of {}", t.name),
+                    false,
+                )));
             }
             for run in &t.runs {
                 let head = take(run.head)?;
@@ -1343,7 +1420,10 @@ async fn try_commit(
             }
         }
         if at != bytes.len() {
-            return Err((format!("step {step}: edges of rank {} are longer than its runs", p.rank), false));
+            return Err(Refusal::from((
+                format!("step {step}: edges of rank {} are longer than its runs", p.rank),
+                false,
+            )));
         }
     }
     drop(fetched);
@@ -1441,6 +1521,7 @@ async fn try_commit(
         next_anchor: false,
         parts: shas,
         slices_next: false,
+        retryable: true,
     };
     Ok((o, later))
 }
@@ -1541,7 +1622,13 @@ fn check_part(p: &PartManifest) -> std::result::Result<(), String> {
 }
 
 fn commit_refusal(step: u64, e: CommitError) -> Refusal {
-    (format!("step {step}: commit failed: {e}"), true)
+    let retryable = match &e {
+        CommitError::Store(e) => e.is_retryable(),
+        // Another committer took the stream (or the step): this one never commits again.
+        CommitError::Conflict(_) => false,
+        CommitError::Unconfirmed(_) => true,
+    };
+    Refusal { reason: format!("step {step}: commit failed: {e}"), next_anchor: true, retryable }
 }
 
 /// Builds the anchor of an anchor step from the ranks' slice objects: the safetensors files
@@ -1556,7 +1643,7 @@ async fn gather_anchor(
     let AnchorParts { step, parts, layout, digests, root } = a;
     let (step, root) = (*step, *root);
     use sha2::Digest as _;
-    let local = |e: String| (format!("step {step}: gathering the anchor: {e}"), true);
+    let local = |e: String| Refusal::from((format!("step {step}: gathering the anchor: {e}"), true));
     let dir = spool_dir(cfg).map_err(|e| local(e.to_string()))?;
     let files = dir.path().join("files");
     let mut ck = CheckpointMut::create(&files, layout).map_err(|e| local(e.to_string()))?;
@@ -1564,7 +1651,10 @@ async fn gather_anchor(
         let tm = ck.tensors_mut();
         for p in parts {
             let Some(obj) = &p.slices else {
-                return Err((format!("step {step}: anchor part of rank {} has no slices", p.rank), true));
+                return Err(Refusal::from((
+                    format!("step {step}: anchor part of rank {} has no slices", p.rank),
+                    true,
+                )));
             };
             // (offset in the object, tensor, byte offset in the tensor, length), in object order.
             let mut pieces = vec![];
@@ -1576,7 +1666,10 @@ async fn gather_anchor(
                 }
             }
             if at != obj.size {
-                return Err((format!("step {step}: slices of rank {} do not match its runs", p.rank), true));
+                return Err(Refusal::from((
+                    format!("step {step}: slices of rank {} do not match its runs", p.rank),
+                    true,
+                )));
             }
             let key = layout::object(StepKind::Delta, step, &obj.object);
             let mut sha = sha2::Sha256::new();
@@ -1586,7 +1679,7 @@ async fn gather_anchor(
                 let end = (w + GATHER_WINDOW).min(obj.size);
                 let b = ctx.bucket.get_range_of(&key, w..end).await.map_err(|e| (format!("bucket: {e}"), true))?;
                 if b.len() as u64 != end - w {
-                    return Err((format!("step {step}: {key} is shorter than its part says"), true));
+                    return Err(Refusal::from((format!("step {step}: {key} is shorter than its part says"), true)));
                 }
                 sha.update(&b);
                 // Pieces overlapping [w, end).
@@ -1606,14 +1699,14 @@ async fn gather_anchor(
                 w = end;
             }
             if Digest(sha.finalize().into()) != obj.sha256 {
-                return Err((format!("step {step}: {key} does not match its part's SHA-256"), true));
+                return Err(Refusal::from((format!("step {step}: {key} does not match its part's SHA-256"), true)));
             }
         }
     }
     ck.flush().map_err(|e| local(e.to_string()))?;
     let (_, got) = driftless_format::weights_root(&ck.views());
     if got != root {
-        return Err((format!("step {step}: the ranks' slice bytes do not match their digests"), true));
+        return Err(Refusal::from((format!("step {step}: the ranks' slice bytes do not match their digests"), true)));
     }
     drop(ck);
     // The spooled files are in `files/`; the encoder wants them at the spool's top.
@@ -1692,6 +1785,7 @@ mod tests {
             next_anchor: false,
             parts: vec![Digest::of(b"x"); parts],
             slices_next: false,
+            retryable: true,
         };
         let wait = |step, ws, secs| {
             let t = Instant::now();

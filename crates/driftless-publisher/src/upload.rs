@@ -72,7 +72,8 @@ pub(crate) struct State {
     pub(crate) conflict: Option<(u64, String)>,
     /// Until when the lease is known to be live (last successful renewal + TTL).
     pub(crate) lease_until: Option<Instant>,
-    /// The step a sharded committer is committing now (announced in its lease renewals).
+    /// The step a sharded committer is at work on now: building and sending its own part,
+    /// then committing (announced in its lease renewals; the other ranks wait on while it is).
     pub(crate) committing: Option<u64>,
     /// The lease was released (the publisher stopped): no renewal may make it live again.
     pub(crate) released: bool,

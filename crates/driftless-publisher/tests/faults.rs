@@ -1594,3 +1594,122 @@ fn a_lost_outcome_is_given_up_on_at_the_first_deadline() {
     assert!(t.elapsed() < Duration::from_secs(45), "{:?}", t.elapsed());
     drop(waiter.join().unwrap());
 }
+
+/// Refusals that every later step repeats are not retryable (found by review: all were, and
+/// Python raised `RetryableError`, so a trainer retried for ever): two ranks sending the same
+/// slices (two data-parallel replicas both given replica 0), and a committer fenced by a newer
+/// one. A part missing this step stays retryable.
+#[test]
+fn sharded_refusals_say_whether_retrying_helps() {
+    let be = backends("sharded-retryable", false).into_iter().next().expect("memory");
+    let ((_f0, mut p0), (_f1, mut p1)) = sharded_pair(&be, Duration::from_secs(3), 50);
+    let mut c = chain();
+    let both = halves(&c, 0);
+    p0.publish(1, &shards_of(&both)).unwrap();
+    p1.publish(1, &shards_of(&both)).unwrap();
+    let e = p0.flush().unwrap_err();
+    assert!(e.to_string().contains("overlap"), "{e}");
+    assert!(!e.is_retryable(), "{e}");
+    assert!(!p1.flush().unwrap_err().is_retryable());
+    // Rank 1 sends nothing for step 2: missing this step only.
+    c.step();
+    p0.publish(2, &shards_of(&halves(&c, 0))).unwrap();
+    let e = p0.flush().unwrap_err();
+    assert!(e.to_string().contains("no part from ranks [1]"), "{e}");
+    assert!(e.is_retryable(), "{e}");
+    drop(p1);
+
+    // A second rank 0 on the stream (a newer generation) fences this one (a group of one
+    // rank, its lease renewed every 100 ms so that it sees the newer one soon).
+    let one = |ttl: Duration| {
+        let (_f, b) = be.bucket();
+        PublisherBuilder::new("x")
+            .with_bucket(b)
+            .with_key(key())
+            .with_lease_ttl(ttl)
+            .build_sharded(0, 1, Duration::from_secs(3))
+            .unwrap()
+    };
+    let mut older = one(Duration::from_millis(400));
+    let all = |c: &RlChain| c.views().iter().map(|v| (v.meta(), v.data.to_vec())).collect::<Vec<_>>();
+    c.step();
+    older.publish(3, &shards_of(&all(&c))).unwrap();
+    assert!(older.flush().unwrap().committed);
+    let _newer = one(Duration::from_secs(60));
+    std::thread::sleep(Duration::from_millis(500));
+    let mut fenced = None;
+    for step in 4..=6 {
+        c.step();
+        older.publish(step, &shards_of(&all(&c))).unwrap();
+        let e = older.flush().unwrap_err();
+        if e.to_string().contains("started on this stream after this one") {
+            fenced = Some(e);
+            break;
+        }
+    }
+    let e = fenced.expect("the older committer never saw the newer generation");
+    assert!(!e.is_retryable(), "{e}");
+}
+
+/// A step rank 0 does not publish (its `publish` raised, or the trainer skipped it there) is
+/// given up on by the other ranks as soon as the committer's lease names a later step (found
+/// by review: rank 1 waited out its whole deadline, 270 s with the default timeout, and its
+/// part of the next step came too late: that step was lost too).
+#[test]
+fn a_step_rank_0_skips_does_not_stall_the_others() {
+    let be = backends("sharded-skipped", false).into_iter().next().expect("memory");
+    let timeout = Duration::from_secs(30);
+    let (_f0, b0) = be.bucket();
+    // Renewed every 500 ms, so that the lease soon says which step rank 0 is at.
+    let mut p0 = PublisherBuilder::new("x")
+        .with_bucket(b0)
+        .with_key(key())
+        .with_new_stream(true)
+        .with_lease_ttl(Duration::from_secs(2))
+        .build_sharded(0, 2, timeout)
+        .unwrap();
+    let (_f1, b1) = be.bucket();
+    let mut p1 = PublisherBuilder::new("x").with_bucket(b1).with_key(key()).build_sharded(1, 2, timeout).unwrap();
+    let mut c = chain();
+    rank_publish("skip", &mut p0, &c, 0, 1);
+    rank_publish("skip", &mut p1, &c, 1, 1);
+    assert!(p0.flush().unwrap().committed);
+    assert!(p1.flush().unwrap().committed);
+    c.step();
+    rank_publish("skip", &mut p1, &c, 1, 2);
+    c.step();
+    rank_publish("skip", &mut p0, &c, 0, 3);
+    let t = std::time::Instant::now();
+    let r = rank_publish("skip", &mut p1, &c, 1, 3);
+    assert!(t.elapsed() < Duration::from_secs(15), "rank 1 waited {:?} for step 2", t.elapsed());
+    let previous = r.previous.expect("step 2's outcome");
+    assert!(!previous.committed, "{previous:?}");
+    assert!(previous.reason.as_deref().unwrap_or("").contains("went on to step 3"), "{previous:?}");
+    let o3 = p0.flush().unwrap();
+    assert!(o3.committed, "{o3:?}");
+    assert!(p1.flush().unwrap().committed);
+}
+
+/// Rank 0's own part is slow to upload (the largest part, under the torch hook): the other
+/// ranks wait on while its lease says it is at work on the step, from its part on (found by
+/// review: rank 1 gave up at its first deadline, 32 s here, on a step that then committed,
+/// and sent an anchor part for the next step while rank 0 sent a delta: that step was lost).
+#[test]
+fn a_slow_part_of_rank_0_is_waited_for() {
+    let be = backends("sharded-slow-part", false).into_iter().next().expect("memory");
+    let ((f0, mut p0), (_f1, mut p1)) = sharded_pair(&be, Duration::from_secs(1), 50);
+    let mut c = chain();
+    f0.inject(FaultOp::Put, "slices.bin", 1, FaultKind::Slow(Duration::from_secs(36)));
+    rank_publish("slow-part", &mut p0, &c, 0, 1);
+    rank_publish("slow-part", &mut p1, &c, 1, 1);
+    let o1 = p1.flush().unwrap_or_else(|e| panic!("rank 1 gave up on step 1: {e}"));
+    assert!(o1.committed, "{o1:?}");
+    assert!(f0.injected() >= 1);
+    assert!(p0.flush().unwrap().committed);
+    c.step();
+    let r0 = rank_publish("slow-part", &mut p0, &c, 0, 2);
+    let r1 = rank_publish("slow-part", &mut p1, &c, 1, 2);
+    assert_eq!(r0.part, r1.part);
+    assert!(p0.flush().unwrap().committed);
+    assert!(p1.flush().unwrap().committed);
+}
