@@ -7,9 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, SystemTime};
 
-use driftless_format::manifest::MAX_MANIFEST_BYTES;
-use driftless_format::sign::Envelope;
-use driftless_format::{Digest, ReadyMarker, StepKind, TrustSet};
+use driftless_format::{ReadyMarker, StepKind, TrustSet};
 use driftless_store::{layout, stream, Bucket, ObjectInfo};
 use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
@@ -264,38 +262,15 @@ impl Inventory {
     }
 }
 
-/// Why the manifest the ready marker `m` of step `id` names would be refused by an agent, or
-/// `None` when it passes: it must be there, be the one the marker's SHA-256 names, be signed by
-/// a key of `trust` (when given; without keys only its envelope is parsed), and agree with the
-/// marker (the check agents make, [`driftless_store::stream::delta_manifest_of`]). Only an
-/// outage is an error.
+/// Why an agent would refuse the manifest the ready marker `m` of step `id` announces, or
+/// `None` when it passes ([`driftless_store::stream::check_step`]). Only an outage is an error.
 pub async fn check_manifest(
     bucket: &Bucket,
     trust: Option<&TrustSet>,
     id: StepId,
     m: &ReadyMarker,
 ) -> Result<Option<String>> {
-    let key = layout::object(id.kind, id.step, m.manifest_name());
-    let bytes = match bucket.get_limited(&key, MAX_MANIFEST_BYTES as u64).await {
-        Ok(b) => b,
-        Err(e) if e.is_not_found() => return Ok(Some(format!("{key} is missing"))),
-        Err(driftless_store::Error::TooLarge { size, .. }) => return Ok(Some(format!("{key} is {size} bytes"))),
-        Err(e) => return Err(e.into()),
-    };
-    if Digest::of(&bytes) != m.manifest_sha256 {
-        return Ok(Some(format!("{key} does not match the SHA-256 in its ready marker")));
-    }
-    let payload = match trust {
-        Some(t) => t.open(&bytes).map(|(p, _)| p),
-        None => serde_json::from_slice::<Envelope>(&bytes)
-            .map(|e| e.payload.into_bytes())
-            .map_err(|e| driftless_format::Error::Corrupt { what: "envelope", detail: e.to_string() }),
-    };
-    let checked = payload.and_then(|p| match id.kind {
-        StepKind::Delta => stream::delta_manifest_of(id.step, m, &p).map(drop),
-        StepKind::Anchor => stream::anchor_manifest_of(id.step, m, &p).map(drop),
-    });
-    Ok(checked.err().map(|e| e.to_string()))
+    Ok(stream::check_step(bucket, trust, id.kind, id.step, m).await?)
 }
 
 /// A publisher generation's lease (`writers/<gen>`), as listed and read.

@@ -234,11 +234,13 @@ impl PublisherBuilder {
         world_size: Option<u64>,
     ) -> Result<(Arc<Ctx>, Option<u64>, Option<u64>)> {
         let stream_id = rt.block_on(self.open_stream(bucket))?;
+        // Signed by this publisher's key, unless it is taking the stream over (the newest
+        // steps are then another key's): checked for what can be checked without keys.
+        let trust = (!self.takeover).then(|| self.trust());
         let (last_delta, last_anchor) = rt.block_on(async {
-            let r = StreamReader::new(bucket.clone(), TrustSet::new().allow_unsigned(true));
-            let d = r.ready_steps(StepKind::Delta, None).await?.last().copied();
-            let a = r.ready_steps(StepKind::Anchor, None).await?.last().copied();
-            Ok::<_, driftless_store::stream::StreamError>((d, a))
+            let d = newest_checked(bucket, trust.as_ref(), StepKind::Delta).await?;
+            let a = newest_checked(bucket, trust.as_ref(), StepKind::Anchor).await?;
+            Ok::<_, Error>((d, a))
         })?;
         let generation = rt.block_on(acquire_generation(bucket, &stream_id, self.lease_ttl, world_size))?;
         let shared = Arc::new(Shared::default());
@@ -1479,6 +1481,42 @@ impl Pending {
 
 /// Takes the next free publisher generation: one more than any lease in the bucket, created
 /// write-once so two starting publishers never share one.
+/// Most ready markers of one kind a restarting publisher passes over as not its own before it
+/// stops (each costs two GETs).
+const MAX_FOREIGN_MARKERS: usize = 256;
+
+/// The newest ready step of `kind` whose manifest passes the check agents make
+/// ([`driftless_store::stream::check_step`], signed by a key of `trust` when given). Others
+/// are passed over with a warning: a marker planted at step 10^12 beside a manifest of its own
+/// made the publisher refuse every later step as "not after the last published step" for good.
+async fn newest_checked(bucket: &Bucket, trust: Option<&TrustSet>, kind: StepKind) -> Result<Option<u64>> {
+    let reader = StreamReader::new(bucket.clone(), TrustSet::new());
+    let steps = reader.ready_steps(kind, None).await?;
+    let mut passed_over = 0;
+    for &step in steps.iter().rev() {
+        let why = match reader.marker(kind, step).await {
+            Ok(m) => driftless_store::stream::check_step(bucket, trust, kind, step, &m).await?,
+            Err(e) if e.is_retryable() && !matches!(e, driftless_store::stream::StreamError::NotReady { .. }) => {
+                // A marker deleted since the listing (GC) reads as not found: pass it over.
+                match &e {
+                    driftless_store::stream::StreamError::Store(s) if s.is_not_found() => Some(e.to_string()),
+                    _ => return Err(e.into()),
+                }
+            }
+            Err(e) => Some(e.to_string()),
+        };
+        let Some(why) = why else { return Ok(Some(step)) };
+        warn!(step, kind = %kind, reason = %why, "a ready marker this publisher did not write is passed over");
+        passed_over += 1;
+        if passed_over > MAX_FOREIGN_MARKERS {
+            return Err(Error::Refused(format!(
+                "more than {MAX_FOREIGN_MARKERS} {kind} ready markers fail the manifest check (the oldest of them, step {step}: {why}); remove them"
+            )));
+        }
+    }
+    Ok(None)
+}
+
 async fn acquire_generation(bucket: &Bucket, stream_id: &str, ttl: Duration, world_size: Option<u64>) -> Result<u64> {
     let list = bucket.list(layout::leases_prefix()).await?;
     let newest = list.iter().filter_map(|o| layout::parse_claim_or_lease(&o.key)).max().unwrap_or(0);

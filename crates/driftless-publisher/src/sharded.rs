@@ -1043,21 +1043,26 @@ async fn group_lease(bucket: &Bucket, world_size: u64, timeout: Duration) -> Res
             .filter_map(|o| layout::parse_claim_or_lease(&o.key))
             .max();
         if let Some(g) = newest {
-            let lease = bucket
-                .get_limited(&layout::lease(g), 64 << 10)
-                .await
-                .ok()
-                .and_then(|b| serde_json::from_slice::<upload::Lease>(&b).ok())
-                // A released lease (TTL 0) is a committer that stopped: wait for the next one
-                // (joined, its part was never read and the step was lost; found by review).
-                .filter(|l| l.ttl_ms > 0);
+            let lease = match bucket.get_limited(&layout::lease(g), 64 << 10).await {
+                Ok(b) => serde_json::from_slice::<upload::Lease>(&b).ok(),
+                // An outage is not "no committer": at the deadline it is the (retryable) error.
+                Err(e) if e.is_retryable() && Instant::now() >= deadline => return Err(e.into()),
+                Err(_) => None,
+            }
+            // A released lease (TTL 0) is a committer that stopped: wait for the next one
+            // (joined, its part was never read and the step was lost; found by review).
+            .filter(|l| l.ttl_ms > 0);
             match lease.as_ref().and_then(|l| l.world_size) {
                 Some(w) if w == world_size => return Ok((g, lease.expect("has a world size"))),
-                Some(w) => {
+                // The lease of a group that crashed (an elastic restart with fewer ranks) until
+                // this group's rank 0 takes its generation: waited out like no lease (it failed
+                // at once, found by review), refused at the deadline.
+                Some(w) if Instant::now() >= deadline => {
                     return Err(Error::Refused(format!(
                         "the stream's committer (generation {g}) expects {w} ranks, this rank was given {world_size}"
                     )))
                 }
+                Some(_) => {}
                 None if Instant::now() >= deadline => {
                     return Err(Error::Conflict {
                         step: 0,

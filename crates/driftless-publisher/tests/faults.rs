@@ -1713,3 +1713,69 @@ fn a_slow_part_of_rank_0_is_waited_for() {
     assert!(p0.flush().unwrap().committed);
     assert!(p1.flush().unwrap().committed);
 }
+
+/// A ready marker planted at a huge step (here a copy of delta 1's marker and signed manifest,
+/// renumbered) is passed over by a restarting publisher: it took it for its own newest step
+/// and refused every later step as "not after the last published step" for good.
+#[test]
+fn a_planted_newest_marker_does_not_stop_the_publisher() {
+    for be in backends("planted-marker", false) {
+        let mut c = chain();
+        let (_, b) = be.bucket();
+        let mut p = publisher(&b, 50).build().unwrap();
+        p.publish(0, &c.views()).unwrap();
+        c.step();
+        p.publish(1, &c.views()).unwrap();
+        p.close().unwrap();
+        let rt = rt();
+        let huge = 1_000_000_000_000u64;
+        let mut m: driftless_format::ReadyMarker =
+            serde_json::from_slice(&rt.block_on(b.get(&layout::ready(StepKind::Delta, 1))).unwrap()).unwrap();
+        let manifest = rt.block_on(b.get(&layout::object(StepKind::Delta, 1, m.manifest_name()))).unwrap();
+        (m.step, m.base_step) = (huge, Some(huge - 1));
+        rt.block_on(b.put(&layout::object(StepKind::Delta, huge, m.manifest_name()), manifest)).unwrap();
+        rt.block_on(b.put(&layout::ready(StepKind::Delta, huge), serde_json::to_vec(&m).unwrap().into())).unwrap();
+
+        let (_, b2) = be.bucket();
+        let mut p = publisher(&b2, 50).build().unwrap();
+        c.step();
+        p.publish(2, &c.views()).unwrap_or_else(|e| panic!("{}: {e}", be.name));
+        p.close().unwrap();
+        let reader = StreamReader::new(b2.clone(), trust());
+        // Unseeded, the restart publishes an anchor.
+        let (a, _) = rt.block_on(reader.anchor(2)).unwrap_or_else(|e| panic!("{}: step 2: {e}", be.name));
+        assert_eq!(a.weights_root, root_of(&c.views()), "{}", be.name);
+    }
+}
+
+/// An elastic restart: the newest lease is an older group's rank 0 (4 ranks) when a rank of
+/// the new 2-rank group publishes, before its own rank 0 has started. The rank waits for its
+/// committer as when there is none yet (it failed at once, not retryable; found by review).
+#[test]
+fn a_rank_waits_out_the_lease_of_another_group() {
+    let be = backends("sharded-elastic", false).into_iter().next().expect("memory");
+    let timeout = Duration::from_secs(20);
+    let builder = |rank: u64, world: u64| {
+        let (_, b) = be.bucket();
+        PublisherBuilder::new("x")
+            .with_bucket(b)
+            .with_key(key())
+            .with_new_stream(true)
+            .build_sharded(rank, world, timeout)
+    };
+    let _old = builder(0, 4).unwrap();
+    let mut p1 = builder(1, 2).unwrap();
+    let c = chain();
+    std::thread::scope(|s| {
+        let rank0 = s.spawn(|| {
+            std::thread::sleep(Duration::from_secs(1));
+            let mut p0 = builder(0, 2).unwrap();
+            rank_publish("elastic", &mut p0, &c, 0, 1);
+            p0.flush()
+        });
+        let t = std::time::Instant::now();
+        p1.publish(1, &shards_of(&halves(&c, 1))).unwrap_or_else(|e| panic!("after {:?}: {e}", t.elapsed()));
+        assert!(p1.flush().unwrap().committed);
+        assert!(rank0.join().unwrap().unwrap().committed);
+    });
+}

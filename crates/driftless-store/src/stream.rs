@@ -229,6 +229,42 @@ fn corrupt(what: &'static str, detail: String) -> StreamError {
     driftless_format::Error::Corrupt { what, detail }.into()
 }
 
+/// Why an agent would refuse the manifest the ready marker `marker` of step `step` announces,
+/// or `None` when it passes: it must be there, be the one the marker's SHA-256 names, be
+/// signed by a key of `trust` (when given; without keys only its envelope is parsed, which
+/// catches corruption but not a manifest planted with its marker), and agree with the marker
+/// ([`delta_manifest_of`]). Only an outage is an error. For the writers that must not take a
+/// marker someone else planted for their own newest step: GC and a restarting publisher.
+pub async fn check_step(
+    bucket: &Bucket,
+    trust: Option<&TrustSet>,
+    kind: StepKind,
+    step: u64,
+    marker: &ReadyMarker,
+) -> Result<Option<String>, crate::Error> {
+    let key = layout::object(kind, step, marker.manifest_name());
+    let bytes = match bucket.get_limited(&key, MAX_MANIFEST_BYTES as u64).await {
+        Ok(b) => b,
+        Err(e) if e.is_not_found() => return Ok(Some(format!("{key} is missing"))),
+        Err(crate::Error::TooLarge { size, .. }) => return Ok(Some(format!("{key} is {size} bytes"))),
+        Err(e) => return Err(e),
+    };
+    if Digest::of(&bytes) != marker.manifest_sha256 {
+        return Ok(Some(format!("{key} does not match the SHA-256 in its ready marker")));
+    }
+    let payload = match trust {
+        Some(t) => t.open(&bytes).map(|(p, _)| p),
+        None => serde_json::from_slice::<driftless_format::sign::Envelope>(&bytes)
+            .map(|e| e.payload.into_bytes())
+            .map_err(|e| driftless_format::Error::Corrupt { what: "envelope", detail: e.to_string() }),
+    };
+    let checked = payload.and_then(|p| match kind {
+        StepKind::Delta => delta_manifest_of(step, marker, &p).map(drop),
+        StepKind::Anchor => anchor_manifest_of(step, marker, &p).map(drop),
+    });
+    Ok(checked.err().map(|e| e.to_string()))
+}
+
 /// The delta manifest in `payload` (the opened envelope of the manifest `marker` names),
 /// checked against that marker: the same step, base and payload bytes. Markers are not signed
 /// and routes are planned from them. The one check for every reader (agents, followers, GC).
