@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, SystemTime};
 
-use driftless_format::{ReadyMarker, StepKind, TrustSet};
+use driftless_format::{ReadyMarker, StepKind};
 use driftless_store::{layout, stream, Bucket, ObjectInfo};
 use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
@@ -220,7 +220,7 @@ pub const MAX_UNVERIFIED: usize = 256;
 
 impl Inventory {
     /// Checks the manifests of the ready steps that can take a protected place, newest first,
-    /// as agents check them ([`check_manifest`]): of each kind until `keep_anchors` anchors
+    /// as agents check them ([`stream::check_step`]): of each kind until `keep_anchors` anchors
     /// and `keep_deltas` deltas (at least one of each) pass. A step that fails is marked
     /// [`MarkerState::Unreadable`]: kept for a human, never the newest anchor or step and
     /// never in a kept place. Without the check a marker planted at step 1000 beside a junk
@@ -239,7 +239,7 @@ impl Inventory {
                 .filter_map(|e| e.ready().map(|m| (e.id, m.clone())))
                 .collect();
             let mut checks = futures::stream::iter(ready)
-                .map(|(id, m)| async move { (id, check_manifest(bucket, trust, id, &m).await) })
+                .map(|(id, m)| async move { (id, stream::check_step(bucket, trust, id.kind, id.step, &m).await) })
                 .buffered(MARKER_READS);
             let (mut passed, mut failed) = (0, 0);
             while passed < need {
@@ -260,17 +260,6 @@ impl Inventory {
         }
         Ok(())
     }
-}
-
-/// Why an agent would refuse the manifest the ready marker `m` of step `id` announces, or
-/// `None` when it passes ([`driftless_store::stream::check_step`]). Only an outage is an error.
-pub async fn check_manifest(
-    bucket: &Bucket,
-    trust: Option<&TrustSet>,
-    id: StepId,
-    m: &ReadyMarker,
-) -> Result<Option<String>> {
-    Ok(stream::check_step(bucket, trust, id.kind, id.step, m).await?)
 }
 
 /// A publisher generation's lease (`writers/<gen>`), as listed and read.

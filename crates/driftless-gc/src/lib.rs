@@ -13,9 +13,7 @@ use driftless_store::Bucket;
 
 pub use error::{Error, Result};
 pub use execute::{execute, GcReport};
-pub use inventory::{
-    check_manifest, Inventory, LeaseEntry, MarkerState, StepEntry, StepId, MAX_LEASE_TTL, MAX_UNVERIFIED,
-};
+pub use inventory::{Inventory, LeaseEntry, MarkerState, StepEntry, StepId, MAX_LEASE_TTL, MAX_UNVERIFIED};
 pub use plan::{plan_inventory, DeletedStep, GcPlan, KeepReason, KeptStep, StrayObjects};
 pub use policy::{parse_duration, GcPolicy, DEFAULT_GRACE, DEFAULT_KEEP_ANCHORS, DEFAULT_KEEP_DELTAS};
 

@@ -1496,13 +1496,9 @@ async fn newest_checked(bucket: &Bucket, trust: Option<&TrustSet>, kind: StepKin
     for &step in steps.iter().rev() {
         let why = match reader.marker(kind, step).await {
             Ok(m) => driftless_store::stream::check_step(bucket, trust, kind, step, &m).await?,
-            Err(e) if e.is_retryable() && !matches!(e, driftless_store::stream::StreamError::NotReady { .. }) => {
-                // A marker deleted since the listing (GC) reads as not found: pass it over.
-                match &e {
-                    driftless_store::stream::StreamError::Store(s) if s.is_not_found() => Some(e.to_string()),
-                    _ => return Err(e.into()),
-                }
-            }
+            // An outage; anything else (a marker deleted since the listing, one that does not
+            // parse) is passed over.
+            Err(driftless_store::stream::StreamError::Store(e)) if e.is_retryable() => return Err(e.into()),
             Err(e) => Some(e.to_string()),
         };
         let Some(why) = why else { return Ok(Some(step)) };
