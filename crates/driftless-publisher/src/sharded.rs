@@ -495,6 +495,9 @@ pub struct ShardedPublisher {
     last_step: Option<u64>,
     last_outcome: Option<StepOutcome>,
     last_part: Option<PartReport>,
+    /// The previous step's outcome and part, when the `publish` that resolved them failed
+    /// after it: the next receipt carries them (they would be lost to its caller otherwise).
+    unreported: Option<(Option<StepOutcome>, Option<PartReport>)>,
 }
 
 impl std::fmt::Debug for ShardedPublisher {
@@ -584,6 +587,7 @@ impl PublisherBuilder {
             last_step: None,
             last_outcome: None,
             last_part: None,
+            unreported: None,
         })
     }
 }
@@ -613,7 +617,35 @@ impl ShardedPublisher {
         }
         // Refused input leaves the step in flight (and its outcome) for the next call.
         check_shards(shards)?;
-        let (previous, previous_part) = self.resolve()?;
+        let (previous, previous_part) = match self.resolve()? {
+            (None, None) => self.unreported.take().unwrap_or_default(),
+            resolved => resolved,
+        };
+        match self.send(step, shards) {
+            Ok((part, slices)) => {
+                let blocked_secs = t0.elapsed().as_secs_f64();
+                info!(
+                    step,
+                    rank = self.rank,
+                    ?part,
+                    slices,
+                    secs = blocked_secs,
+                    "slices copied; part sent in the background"
+                );
+                Ok(ShardedReceipt { step, part, slices, blocked_secs, previous, previous_part })
+            }
+            Err(e) => {
+                // Finding the group failed (an outage, no committer): the previous step is
+                // resolved, and its outcome goes with the next receipt.
+                self.unreported = Some((previous, previous_part));
+                Err(e)
+            }
+        }
+    }
+
+    /// Copies `shards` and starts the thread that builds, uploads and (rank 0) commits the
+    /// part of `step`; returns its kind and whether it carries slices.
+    fn send(&mut self, step: u64, shards: &[Shard<'_>]) -> Result<(PartKind, bool)> {
         let copy = Arc::new(copy_shards(step, shards, self.spare.take()));
         let rt = self.rt.as_ref().ok_or(Error::Closed)?;
         let g = match &self.ctx {
@@ -662,9 +694,7 @@ impl ShardedPublisher {
         let thread = std::thread::Builder::new().name("driftless-part".into()).spawn(move || job.run(tx, done_tx))?;
         self.in_flight = Some(InFlight { step, copy, sent_rx, sent: None, done_rx, thread });
         self.last_step = Some(step);
-        let blocked_secs = t0.elapsed().as_secs_f64();
-        info!(step, rank = self.rank, ?kind, slices, secs = blocked_secs, "slices copied; part sent in the background");
-        Ok(ShardedReceipt { step, part: kind, slices, blocked_secs, previous, previous_part })
+        Ok((kind, slices))
     }
 
     /// Waits until the step this rank published last is sent and its outcome known, and

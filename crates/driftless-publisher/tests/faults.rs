@@ -1651,6 +1651,38 @@ fn sharded_refusals_say_whether_retrying_helps() {
     assert!(!e.is_retryable(), "{e}");
 }
 
+/// A `publish` that fails after it resolved the previous step (rank 1 cannot list the
+/// committer's lease: an outage) hands that step's outcome and part to the next receipt.
+/// Found by review: they were dropped, so a caller logging receipts never learned the fate of
+/// the step before the failure.
+#[test]
+fn a_failed_publish_keeps_the_previous_outcome_for_the_next_receipt() {
+    let be = backends("sharded-unreported", false).into_iter().next().expect("memory");
+    let ((_f0, mut p0), (f1, mut p1)) = sharded_pair(&be, Duration::from_secs(3), 50);
+    let mut c = chain();
+    p0.publish(1, &shards_of(&halves(&c, 0))).unwrap();
+    p1.publish(1, &shards_of(&halves(&c, 1))).unwrap();
+    c.step();
+    p0.publish(2, &shards_of(&halves(&c, 0))).unwrap();
+    f1.inject(FaultOp::List, "writers", 1000, FaultKind::Transient);
+    let e = p1.publish(2, &shards_of(&halves(&c, 1))).unwrap_err();
+    assert!(e.is_retryable(), "{e}");
+    assert_eq!(p1.last_outcome().map(|o| (o.step, o.committed)), Some((1, true)));
+    f1.clear();
+    let r = p1.publish(2, &shards_of(&halves(&c, 1))).unwrap();
+    let previous = r.previous.expect("the outcome of step 1 comes with the next receipt");
+    assert_eq!((previous.step, previous.committed), (1, true));
+    assert_eq!(r.previous_part.map(|p| p.step), Some(1));
+    assert!(p0.flush().unwrap().committed);
+    assert!(p1.flush().unwrap().committed);
+    // Reported once: the receipt after it carries step 2's outcome.
+    c.step();
+    p0.publish(3, &shards_of(&halves(&c, 0))).unwrap();
+    let r = p1.publish(3, &shards_of(&halves(&c, 1))).unwrap();
+    assert_eq!(r.previous.map(|o| o.step), None, "step 2's outcome was returned by flush");
+    assert!(p0.flush().unwrap().committed);
+}
+
 /// A step rank 0 does not publish (its `publish` raised, or the trainer skipped it there) is
 /// given up on by the other ranks as soon as the committer's lease names a later step (found
 /// by review: rank 1 waited out its whole deadline, 270 s with the default timeout, and its

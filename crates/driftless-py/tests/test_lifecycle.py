@@ -150,3 +150,70 @@ def test_the_torch_hook_publishes_the_final_weights_on_finish(file_bucket, keys)
         assert hook.finish()["step"] == 2
         assert hook.finish() is None
     _follower_has(url, public, 2, weights[7])
+
+
+def test_the_sharded_torch_hook_keeps_ranks_on_one_step_number_after_a_failed_publish(file_bucket, keys):
+    """Two ranks (threads, each with its own ShardedPublisher) behind the torch hook; rank 1's
+    publish after optimizer step 2 raises (a bad shard) and the trainer carries on. Every step
+    that becomes ready holds one optimizer step's weights on both ranks. Found by review: the
+    hook published the failed number again at the next optimizer step, so rank 1 sent the
+    weights of step t+1 under number t, which rank 0 committed beside its own weights of step
+    t: a model that never existed, signed and verified."""
+    import threading
+
+    from driftless.torch import PublishHook, ShardedBF16View
+
+    url, _ = file_bucket
+    private, public = keys
+    rows, cols, steps = 2, 4096, 4
+
+    def model(t):  # the full model after optimizer step t; rank r holds row r
+        rng = np.random.default_rng(t)
+        return (rng.standard_normal((rows, cols), np.float32)).astype(BF16)
+
+    class View(ShardedBF16View):  # its shards() from a list of models, without torch
+        def __init__(self, rank):
+            self.rank, self.now = rank, 0
+
+        def shards(self):
+            if self.rank == 1 and self.now == 2:  # a bad geometry: publish raises
+                return {"w": driftless.shard(model(self.now)[1:2].copy(), (rows, cols), offsets=(2, 0))}
+            return {"w": driftless.shard(model(self.now)[self.rank:self.rank + 1].copy(), (rows, cols),
+                                         offsets=(self.rank, 0))}
+
+    barrier = threading.Barrier(2)
+    errors = {0: [], 1: []}
+
+    def rank(r):
+        pub = driftless.ShardedPublisher(url, r, 2, signing_key=private, anchor_every=100, commit_timeout=3.0)
+        hook = PublishHook.__new__(PublishHook)
+        hook.publisher, hook.view, hook.every, hook.step = pub, View(r), 1, 1
+        hook.on_receipt, hook._calls, hook._handle = None, 0, None
+        for t in range(1, steps + 1):
+            barrier.wait()  # the trainer's collective of each optimizer step
+            hook.view.now = t
+            try:
+                hook()
+            except Exception as e:  # a trainer that logs a failed publish and trains on
+                errors[r].append((t, str(e)))
+        try:
+            pub.flush()
+        except Exception as e:
+            errors[r].append(("flush", str(e)))
+        try:
+            pub.close()
+        except Exception:
+            pass
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [t for t, _ in errors[1]][:1] == [2], errors
+    f = driftless.Follower(url, trusted_keys=[public])
+    newest = f.poll()
+    assert newest is not None and newest >= 3, (newest, errors)
+    arrays = {"w": np.zeros((rows, cols), BF16)}
+    assert f.apply_to(arrays)["step"] == newest
+    assert np.array_equal(bits(arrays["w"]), bits(model(newest))), f"step {newest} is not one optimizer step's model"

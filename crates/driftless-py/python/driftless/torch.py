@@ -156,11 +156,21 @@ class PublishHook:
         self._calls += 1
         if self._calls % self.every:
             return
-        weights = self.view.shards() if isinstance(self.view, ShardedBF16View) else self.view.tensors()
-        r = self.publisher.publish(self.step, weights)
+        self._publish()
+
+    def _publish(self) -> Any:
+        # The number is taken before anything can fail: it names this optimizer step, the
+        # same on every rank whether or not this rank's publish works. Published again under
+        # the same number at the next optimizer step, a sharded rank's newer weights would be
+        # committed beside the other ranks' older ones (found by review), and a single
+        # publisher would label step t+1's weights as step t.
+        step = self.step
         self.step += 1
+        weights = self.view.shards() if isinstance(self.view, ShardedBF16View) else self.view.tensors()
+        r = self.publisher.publish(step, weights)
         if self.on_receipt is not None:
             self.on_receipt(r)
+        return r
 
     def finish(self) -> Optional[Dict[str, Any]]:
         """Publishes the current weights when optimizer steps ran since the last publish
@@ -169,12 +179,8 @@ class PublishHook:
         Returns the receipt, or None when the newest weights were already published."""
         if self._calls % self.every == 0:
             return None
-        weights = self.view.shards() if isinstance(self.view, ShardedBF16View) else self.view.tensors()
-        r = self.publisher.publish(self.step, weights)
-        self._calls = 0  # after the publish: a failed one is tried again by the next call
-        self.step += 1
-        if self.on_receipt is not None:
-            self.on_receipt(r)
+        r = self._publish()
+        self._calls = 0  # after the publish: a failed one is tried again (as the next step) by the next call
         return r
 
     def remove(self) -> None:
@@ -189,7 +195,10 @@ def attach(publisher: Any, model: Any, optimizer: Any, every: int = 1, start_ste
     """Hooks ``optimizer.register_step_post_hook`` to publish ``model``'s BF16 weights.
 
     Steps are numbered from ``start_step`` (default: the publisher's next step) and advance
-    by one per publish. ``on_receipt`` receives each publish receipt (for logging).
+    by one per publish, a failed one included (its exception reaches ``optimizer.step()``;
+    a trainer that catches it and trains on publishes the next step under the next number,
+    as the publisher's anchor after a failure). ``on_receipt`` receives each publish receipt
+    (for logging).
     """
     hook = PublishHook(publisher, model, every=every, start_step=start_step, dtype=dtype, on_receipt=on_receipt)
     hook._handle = optimizer.register_step_post_hook(hook)
