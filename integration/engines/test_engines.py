@@ -124,6 +124,7 @@ class Stream:
         self.dir = tmp / "agent"
         self.run("keygen", "--out", self.key)
         self.rng = np.random.default_rng(7)
+        self.roots = {}
         self.w = {"model.embed_tokens.weight": self.rng.standard_normal((64, 32), dtype=np.float32),
                   "lm_head.weight": self.rng.standard_normal((64, 32), dtype=np.float32)}
 
@@ -134,6 +135,10 @@ class Stream:
             assert r.returncode == 0, f"{args[0]} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
         return r
 
+    def version(self, step):
+        """The weight_version an engine holding published step `step` reports: STEP-ROOT16."""
+        return f"{step}-{self.roots[step][:16]}"
+
     def publish(self, step):
         if step:
             for t in self.w.values():
@@ -143,12 +148,18 @@ class Stream:
         save_file(self.w, str(ck / "model.safetensors"), metadata={"format": "pt"})
         self.run("publish", "--bucket", self.bucket, "--state", self.tmp / "pub", "--key", self.key,
                  "--step", step, ck)
+        self.roots[step] = self.run("hash", ck).stdout.strip()
 
     def agent(self, *notify, check=True, env=None):
         args = ["agent", "--bucket", self.bucket, "--trust", f"{self.key}.pub", "--dir", self.dir, "--once"]
         for n in notify:
             args += ["--notify", n]
         return self.run(*args, check=check, env=env)
+
+
+def vllm_versions(e):
+    """The versions the agent set through POST /update_weight_version, in order."""
+    return [b["new_version"] for b in e.bodies("/update_weight_version")]
 
 
 @pytest.fixture
@@ -199,16 +210,16 @@ def test_vllm_full_sequence(stream, vllm):
         "/reset_prefix_cache?reset_running_requests=true", "/update_weight_version", "/resume", "/weight_info"]
     assert all(c[2] == 200 for c in vllm.calls()), vllm.calls()
     assert vllm.bodies("/collective_rpc") == [{"method": "reload_weights", "kwargs": {"weights_path": cur}}]
-    assert vllm.bodies("/update_weight_version") == [{"new_version": "0"}]
+    assert vllm.bodies("/update_weight_version") == [{"new_version": stream.version(0)}]
     st = vllm.state()
     assert st["paused"] is False and st["model_path"] == cur and os.path.isabs(cur)
-    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": "0"}
+    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": stream.version(0)}
     # Next step: the same sequence, version 1.
     vllm.faults(clear_calls=True)
     stream.publish(1)
     stream.agent(f"vllm={vllm.url},mode=wait")
     assert ("POST", "/pause?mode=wait", 200) in vllm.calls()
-    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": "1"}
+    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": stream.version(1)}
 
 
 def test_sglang_full_sequence(stream, sglang):
@@ -220,9 +231,9 @@ def test_sglang_full_sequence(stream, sglang):
     assert all(c[2] == 200 for c in sglang.calls()), sglang.calls()
     assert sglang.bodies("/pause_generation") == [{"mode": "retract"}]
     (load,) = sglang.bodies("/update_weights_from_disk")
-    assert load == {"model_path": cur, "weight_version": "0", "flush_cache": True, "abort_all_requests": False}
+    assert load == {"model_path": cur, "weight_version": stream.version(0), "flush_cache": True, "abort_all_requests": False}
     assert sglang.state()["paused"] is False
-    assert sglang._req("GET", "/model_info")[1]["weight_version"] == "0"
+    assert sglang._req("GET", "/model_info")[1]["weight_version"] == stream.version(0)
 
 
 # ------------------------------------------------------------------------------ failure paths
@@ -238,12 +249,19 @@ def test_failed_load_resumes_and_reports(stream, tmp_path, kind):
         paths = [c[1] for c in e.calls()]
         assert paths[-1] in ("/resume", "/continue_generation"), paths
         assert e.state()["paused"] is False
-        assert not any(p.startswith("/update_weight_version") for p in paths), "version bumped after a failed load"
+        # vLLM has no rollback: after a failed reload the version names no step (found by
+        # review: the engine resumed reporting the step it held, which a patch could build on).
+        info = "/weight_info" if kind == "vllm" else "/model_info"
+        if kind == "vllm":
+            assert vllm_versions(e) == ["driftless-unknown"], e.calls()
+            assert e._req("GET", info)[1]["weight_version"] == "driftless-unknown"
+        else:
+            assert not any(p.startswith("/update_weight_version") for p in paths), "version bumped after a failed load"
         # The next run notifies the verified step again and succeeds.
         e.faults(clear_calls=True)
         stream.agent(f"{kind}={e.url}")
         info = "/weight_info" if kind == "vllm" else "/model_info"
-        assert e._req("GET", info)[1]["weight_version"] == "0"
+        assert e._req("GET", info)[1]["weight_version"] == stream.version(0)
     finally:
         e.stop()
 
@@ -269,7 +287,7 @@ def test_timed_out_load_is_not_resent(stream, tmp_path, kind):
             time.sleep(3)
             e.faults(load_delay=0.0, clear_calls=True)
             stream.agent(f"{kind}={e.url}")
-            assert e._req("GET", "/weight_info")[1] == {"weight_version": "0"}
+            assert e._req("GET", "/weight_info")[1] == {"weight_version": stream.version(0)}
     finally:
         e.stop()
 
@@ -285,7 +303,7 @@ def test_engine_restarts_mid_sequence(stream, tmp_path, kind):
         e.restart()  # fresh engine on the same port, initial weights, no version
         stream.agent(f"{kind}={e.url}")
         info = "/weight_info" if kind == "vllm" else "/model_info"
-        assert e._req("GET", info)[1]["weight_version"] == "0"
+        assert e._req("GET", info)[1]["weight_version"] == stream.version(0)
         assert e.state()["paused"] is False
     finally:
         e.stop()
@@ -313,12 +331,12 @@ def test_sglang_auth_required(stream, tmp_path):
         r = stream.agent(f"sglang={e.url},token_file={tf}")
         assert token not in r.stderr + r.stdout
         assert all(c["auth"] for c in e.state()["calls"][-5:])
-        assert e._req("GET", "/model_info", token=token)[1]["weight_version"] == "0"
+        assert e._req("GET", "/model_info", token=token)[1]["weight_version"] == stream.version(0)
         # token_env works too, and a token in clear is refused before anything is sent.
         e.faults(clear_calls=True)
         stream.publish(1)
         stream.agent(f"sglang={e.url},token_env=ENGINE_KEY", env={"ENGINE_KEY": token})
-        assert e._req("GET", "/model_info", token=token)[1]["weight_version"] == "1"
+        assert e._req("GET", "/model_info", token=token)[1]["weight_version"] == stream.version(1)
         r = stream.agent(f"sglang={e.url},token={token}", check=False)
         assert r.returncode != 0 and token not in r.stderr
     finally:
@@ -334,7 +352,7 @@ def test_vllm_api_key_does_not_guard_dev_routes(stream, tmp_path):
     try:
         stream.publish(0)
         stream.agent(f"vllm={e.url}")
-        assert e._req("GET", "/weight_info")[1] == {"weight_version": "0"}
+        assert e._req("GET", "/weight_info")[1] == {"weight_version": stream.version(0)}
         e.faults(clear_calls=True)
         stream.publish(1)
         r = stream.agent(f"vllm={e.url},token_env=ENGINE_KEY", env={"ENGINE_KEY": token})
@@ -390,7 +408,7 @@ def test_vllm_patch_applies_in_place(stream, vllm):
         assert rpc["kwargs"]["path"].startswith(str(stream.dir / "patch"))
         assert not os.path.exists(rpc["kwargs"]["path"]), "a patch is used once, then removed"
         assert engine_matches_dir(vllm, cur) and engine_matches_dir(vllm, trainer)
-        assert vllm._req("GET", "/weight_info")[1] == {"weight_version": str(step)}
+        assert vllm._req("GET", "/weight_info")[1] == {"weight_version": stream.version(step)}
 
 
 def test_vllm_failed_patch_falls_back_to_a_full_reload(stream, vllm):
@@ -405,9 +423,9 @@ def test_vllm_failed_patch_falls_back_to_a_full_reload(stream, vllm):
     cur = os.path.realpath(stream.dir / "current")
     methods = [b.get("method") or b.get("new_version") for b in
                vllm.bodies("/collective_rpc") + vllm.bodies("/update_weight_version")]
-    assert methods == ["driftless_apply_patch", "reload_weights", "driftless-unknown", "1"], vllm.calls()
+    assert methods == ["driftless_apply_patch", "reload_weights", "driftless-unknown", stream.version(1)], vllm.calls()
     assert engine_matches_dir(vllm, cur)
-    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": "1"}
+    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": stream.version(1)}
     assert vllm.state()["paused"] is False
 
 
@@ -423,9 +441,9 @@ def test_vllm_timed_out_patch_is_followed_by_a_reload(stream, vllm):
     stream.agent(target)
     methods = [b.get("method") or b.get("new_version") for b in
                vllm.bodies("/collective_rpc") + vllm.bodies("/update_weight_version")]
-    assert methods == ["driftless_apply_patch", "reload_weights", "driftless-unknown", "1"], vllm.calls()
+    assert methods == ["driftless_apply_patch", "reload_weights", "driftless-unknown", stream.version(1)], vllm.calls()
     assert engine_matches_dir(vllm, os.path.realpath(stream.dir / "current"))
-    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": "1"}
+    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": stream.version(1)}
     assert vllm.state()["paused"] is False
 
 
@@ -440,5 +458,38 @@ def test_vllm_patch_only_onto_its_base(stream, vllm):
     vllm.faults(clear_calls=True)
     stream.agent(target)
     assert [b["method"] for b in vllm.bodies("/collective_rpc")] == ["reload_weights", "driftless_apply_patch"]
-    assert [b["new_version"] for b in vllm.bodies("/update_weight_version")] == ["0", "1"]
+    assert [b["new_version"] for b in vllm.bodies("/update_weight_version")] == [stream.version(0), stream.version(1)]
     assert engine_matches_dir(vllm, os.path.realpath(stream.dir / "current"))
+
+
+@pytest.mark.parametrize("patch", ["off", "on"])
+def test_vllm_loads_another_streams_step_of_the_same_number(stream, vllm, tmp_path, patch):
+    """An agent directory moved to a new stream whose steps reuse the numbers it served (a new
+    run in the same prefix): the engine loads the new stream's weights. Found by review: the
+    version was the bare step, so the engine's "1" (the old stream's step 1) was taken for
+    loaded and nothing was sent (patch=on would then have applied the new stream's next patch
+    onto the old stream's weights)."""
+    target = f"vllm={vllm.url},patch={patch}"
+    stream.publish(0)
+    stream.agent(target)
+    stream.publish(1)
+    stream.agent(target)
+    other_tmp = tmp_path / "other"
+    other_tmp.mkdir()
+    other = Stream(other_tmp)
+    other.dir = stream.dir
+    for t in other.w.values():
+        t += 0.5  # other weights under the same step numbers
+    other.publish(0)
+    other.publish(1)
+    assert other.roots[1] != stream.roots[1]
+    vllm.faults(clear_calls=True)
+    r = other.agent(target)
+    assert engine_matches_dir(vllm, os.path.realpath(other.dir / "current")), (vllm.calls(), r.stdout, r.stderr)
+    assert engine_matches_dir(vllm, other_tmp / "step_1")
+    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": other.version(1)}
+    # The next delta of the new stream patches (or reloads) onto its own step 1.
+    other.publish(2)
+    other.agent(target)
+    assert engine_matches_dir(vllm, other_tmp / "step_2")
+    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": other.version(2)}

@@ -145,7 +145,7 @@ pub struct Agent {
     active_ok: bool,
     /// Re-hash the active slot before using it (set after an unclean shutdown).
     reverify: bool,
-    loaded: Option<u64>,
+    loaded: Option<(u64, Digest)>,
     refused: Refusals,
     markers: MarkerCache,
     stream_id: Option<String>,
@@ -374,7 +374,8 @@ impl Agent {
 
     async fn notify_if_needed(&mut self) -> Result<()> {
         let Some(st) = self.state.clone() else { return Ok(()) };
-        if self.loaded == Some(st.step) || !self.active_ok {
+        // Step and root: another stream's step of the same number is other weights.
+        if self.loaded == Some((st.step, st.root)) || !self.active_ok {
             return Ok(());
         }
         // The directory sent is `current` resolved: it must name the state's slot (a link that
@@ -387,7 +388,7 @@ impl Agent {
             let _ = std::fs::remove_file(&p.path);
         }
         result?;
-        self.loaded = Some(st.step);
+        self.loaded = Some((st.step, st.root));
         self.metrics.ready.store(1, Relaxed);
         Ok(())
     }
@@ -696,7 +697,9 @@ impl Agent {
         };
         let mut patch = match (&prev, route.anchor, &layout) {
             (Some(p), None, Some(l)) if self.cfg.notify.iter().any(Notifier::wants_patch) => {
-                PatchBuilder::new(p.step, l.tensors()).inspect_err(|e| warn!(error = %e, "no patch for this step")).ok()
+                PatchBuilder::new(p.step, p.root, l.tensors())
+                    .inspect_err(|e| warn!(error = %e, "no patch for this step"))
+                    .ok()
             }
             _ => None,
         };
@@ -748,7 +751,7 @@ impl Agent {
                     let served_layout = Checkpoint::open(&from).map_err(Error::from)?.layout();
                     // A patch is relative to the served step: its tensors are the served slot's.
                     if patch.is_some() {
-                        patch = PatchBuilder::new(p.step, served_layout.tensors())
+                        patch = PatchBuilder::new(p.step, p.root, served_layout.tensors())
                             .inspect_err(|e| warn!(error = %e, "no patch for this step"))
                             .ok();
                     }

@@ -4,23 +4,28 @@
 //! `DRIFTLESS_NOTIFY`). The engine adapters follow the route code of the pinned releases
 //! (vLLM 0.33.0, SGLang 0.5.23; see `docs/engines/`), which CI runs under contract tests.
 //!
-//! - `sglang=URL`: `GET /model_info` (already on this version? then only
-//!   `/continue_generation`), `POST /pause_generation {"mode"}`, `POST
-//!   /update_weights_from_disk {"model_path": ABS, "weight_version": "STEP", "flush_cache": true,
-//!   "abort_all_requests": false}`, `POST /continue_generation {}`, then `GET /model_info` must
-//!   report `weight_version == STEP`. A 400 may still mean "loaded, cache flush refused": the
-//!   version read back decides, and a refused flush is retried with `POST /flush_cache`.
+//! The version an engine is told it holds is `V` = `STEP-ROOT16` ([`engine_version`]: the
+//! step and the first 16 hex digits of its weights root), so that "the engine already holds
+//! it" and "a patch applies onto it" name content, not a step number another stream reuses.
+//!
+//! - `sglang=URL`: `GET /model_info` (already on `V`? then only `/continue_generation`),
+//!   `POST /pause_generation {"mode"}`, `POST /update_weights_from_disk {"model_path": ABS,
+//!   "weight_version": V, "flush_cache": true, "abort_all_requests": false}`, `POST
+//!   /continue_generation {}`, then `GET /model_info` must report `weight_version == V`. A 400
+//!   may still mean "loaded, cache flush refused": the version read back decides, and a
+//!   refused flush is retried with `POST /flush_cache`.
 //! - `vllm=URL` (the server needs `VLLM_SERVER_DEV_MODE=1`): `GET /weight_info`, `POST
 //!   /pause?mode=M`, `POST /collective_rpc {"method": "reload_weights", "kwargs":
 //!   {"weights_path": ABS}}`, `POST /reset_prefix_cache?reset_running_requests=true` (its
-//!   `success` field is read), `POST /update_weight_version {"new_version": "STEP"}`, `POST
-//!   /resume`, then `GET /weight_info` must report `STEP`.
+//!   `success` field is read), `POST /update_weight_version {"new_version": V}`, `POST
+//!   /resume`, then `GET /weight_info` must report `V`. A failed or timed-out reload sets the
+//!   version to `driftless-unknown` before the resume (the weights may be partly reloaded).
 //!   With `patch=on` (the server runs the worker extension `driftless.vllm_ext`) and a patch
-//!   from the step the engine reports (see [`crate::patch`]), the load is `POST /collective_rpc
-//!   {"method": "driftless_apply_patch", "kwargs": {"path": PATCH, "weights_path": ABS}}`
-//!   instead, every worker answering `STEP`; when it fails the version is first set to
-//!   `driftless-unknown` (the weights may be partly patched: no later patch may build on them)
-//!   and `reload_weights` restores a known state in the same pause.
+//!   from the step and root the engine reports (see [`crate::patch`]), the load is `POST
+//!   /collective_rpc {"method": "driftless_apply_patch", "kwargs": {"path": PATCH,
+//!   "weights_path": ABS}}` instead, every worker answering `STEP`; when it fails the version
+//!   is first set to `driftless-unknown` (the weights may be partly patched: no later patch
+//!   may build on them) and `reload_weights` restores a known state in the same pause.
 //! - `http=URL`: one `POST` with `{"step", "weights_root", "dir"}` (retried 3 times on 5xx).
 //! - `exec=COMMAND`: runs `sh -c COMMAND` with `DRIFTLESS_STEP`, `DRIFTLESS_WEIGHTS_ROOT`,
 //!   `DRIFTLESS_DIR` in the environment; exit status 0 is success.
@@ -43,7 +48,7 @@
 //! under it); once a pause was attempted, resume/continue is always sent, also when the load
 //! failed; the load call is sent once per notify and never re-sent after a timeout (the engine
 //! may still be loading): the version the engine reports decides; success is the engine's own
-//! success field *and* its reported version equal to the step.
+//! success field *and* its reported version equal to `V`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -53,6 +58,20 @@ use serde_json::{json, Value};
 
 use crate::patch::PatchFile;
 use crate::{Error, Result};
+
+/// The version an engine is told it holds after a load that may have left its weights
+/// partly written: no step's version, so nothing is taken as loaded and no patch applies.
+const UNKNOWN: &str = "driftless-unknown";
+
+/// The `weight_version` an engine holding verified step `step` (weights root `root`) reports:
+/// `STEP-ROOT16`, the step and the first 16 hex digits of its root. The step alone named
+/// other weights as the same (found by review: an agent directory moved to a new stream
+/// whose step 3 differs took the engine's "3" for loaded, skipped the reload, and a later
+/// patch from step 3 was applied onto the other stream's weights). 64 bits of the root: the
+/// versions are set by agents from verified roots, so only accidental collisions matter.
+pub fn engine_version(step: u64, root: Digest) -> String {
+    format!("{step}-{}", &root.to_hex()[..16])
+}
 
 /// Control calls (pause, resume, version reads).
 const SHORT: Duration = Duration::from_secs(30);
@@ -370,10 +389,11 @@ impl Notifier {
                 let token = t.token.as_ref().map(TokenSource::read).transpose().map_err(fail)?;
                 let e = Engine { client, base: &t.url, token, timeout: SHORT };
                 let d = canonical(dir).map_err(fail)?;
+                let want = engine_version(step, root);
                 let r = if matches!(self, Notifier::Sglang(_)) {
-                    sglang(&e, t, step, &d).await
+                    sglang(&e, t, &want, &d).await
                 } else {
-                    vllm(&e, t, step, &d, patch.filter(|p| t.patch && p.step == step)).await
+                    vllm(&e, t, &want, &d, patch.filter(|p| t.patch && p.step == step)).await
                 };
                 r.map_err(fail)
             }
@@ -434,10 +454,9 @@ async fn settle(e: &Engine<'_>, path: &str, want: &str, wait: Duration) -> bool 
     }
 }
 
-async fn sglang(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::result::Result<(), String> {
-    let want = step.to_string();
+async fn sglang(e: &Engine<'_>, t: &EngineTarget, want: &str, dir: &str) -> std::result::Result<(), String> {
     let cont = json!({});
-    if e.version("/model_info").await.map_err(|x| x.to_string())?.as_deref() == Some(want.as_str()) {
+    if e.version("/model_info").await.map_err(|x| x.to_string())?.as_deref() == Some(want) {
         // Loaded by an earlier attempt whose answer was lost: only make sure it is not paused.
         return e.post("/continue_generation", &cont).await.map(|_| ()).map_err(|x| x.to_string());
     }
@@ -457,7 +476,7 @@ async fn sglang(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::
             Err(CallError::Timeout(m)) => {
                 // No lock guards a load while paused: never send a second one. Wait for the
                 // engine to report the version, bounded.
-                if settle(e, "/model_info", &want, SETTLE).await {
+                if settle(e, "/model_info", want, SETTLE).await {
                     return Ok(());
                 }
                 return Err(format!("{m}; the load may still be running, not re-sent"));
@@ -488,21 +507,21 @@ async fn sglang(e: &Engine<'_>, t: &EngineTarget, step: u64, dir: &str) -> std::
     .await;
     let cont = e.post("/continue_generation", &cont).await;
     join(load, cont)?;
-    confirm(e, "/model_info", &want).await
+    confirm(e, "/model_info", want).await
 }
 
 async fn vllm(
     e: &Engine<'_>,
     t: &EngineTarget,
-    step: u64,
+    want: &str,
     dir: &str,
     patch: Option<&PatchFile>,
 ) -> std::result::Result<(), String> {
-    let want = step.to_string();
     let held = e.version("/weight_info").await.map_err(|x| x.to_string())?;
-    // A patch applies only onto the exact step it was computed from, as the engine reports it.
-    let patch = patch.filter(|p| held.as_deref() == Some(p.base.to_string().as_str()));
-    if held.as_deref() == Some(want.as_str()) {
+    // A patch applies only onto the exact weights it was computed from, as the engine reports
+    // them (step and root).
+    let patch = patch.filter(|p| held.as_deref() == Some(engine_version(p.base, p.base_root).as_str()));
+    if held.as_deref() == Some(want) {
         let paused = e.get("/is_paused").await.map_err(|x| x.to_string())?;
         if paused.body["is_paused"] == json!(true) {
             e.post("/resume", &json!({})).await.map_err(|x| x.to_string())?;
@@ -514,11 +533,18 @@ async fn vllm(
     let load = async {
         paused.map_err(|x| x.to_string())?;
         let patched = match patch {
-            Some(p) => apply_patch(e, t, p, dir, &want).await,
+            Some(p) => apply_patch(e, t, p, dir).await,
             None => false,
         };
         if !patched {
-            reload(e, t, dir).await?;
+            if let Err(why) = reload(e, t, dir).await {
+                // vLLM has no rollback: the weights may be partly reloaded. The engine must
+                // not go on reporting the step it held (found by review: it resumed labelled
+                // with the old step, and a patch from that step could be applied onto the
+                // mix). The next attempt reloads in full.
+                let _ = e.post("/update_weight_version", &json!({"new_version": UNKNOWN})).await;
+                return Err(why);
+            }
         }
         // Preempts running requests (their KV was computed with the old weights) and drops
         // the prefix cache; answers 200 even when it did not reset: read `success`.
@@ -548,7 +574,7 @@ async fn vllm(
     .await;
     let resume = e.post("/resume", &json!({})).await;
     join(load, resume)?;
-    confirm(e, "/weight_info", &want).await
+    confirm(e, "/weight_info", want).await
 }
 
 /// `reload_weights` from the verified directory (a full, in-place reload).
@@ -559,7 +585,7 @@ async fn reload(e: &Engine<'_>, t: &EngineTarget, dir: &str) -> std::result::Res
         Ok(r) => {
             return Err(format!(
                 "POST /collective_rpc reload_weights: HTTP {}: {} (vLLM has no rollback: the weights may be partly \
-                 reloaded; the version stays unchanged so the next attempt reloads in full)",
+                 reloaded; the version is set to {UNKNOWN} so the next attempt reloads in full)",
                 r.status.as_u16(),
                 short(&r.text)
             ))
@@ -570,23 +596,25 @@ async fn reload(e: &Engine<'_>, t: &EngineTarget, dir: &str) -> std::result::Res
     Ok(())
 }
 
-/// Applies `p` through the worker extension. Returns whether every worker reports `want`.
+/// Applies `p` through the worker extension. Returns whether every worker reports the
+/// patch's step (what `driftless_apply_patch` returns, as a string through the route).
 /// On any failure the engine's version is first set to `driftless-unknown`: its weights may
 /// be partly patched, so no later patch may be computed against the version it reported.
-async fn apply_patch(e: &Engine<'_>, t: &EngineTarget, p: &PatchFile, dir: &str, want: &str) -> bool {
+async fn apply_patch(e: &Engine<'_>, t: &EngineTarget, p: &PatchFile, dir: &str) -> bool {
+    let want = p.step.to_string();
     let body = json!({"method": "driftless_apply_patch", "kwargs": {
         "path": p.path.display().to_string(), "weights_path": dir}});
     let r = e.send(reqwest::Method::POST, "/collective_rpc", Some(&body), t.load_timeout).await;
     let detail = match r {
         Ok(r) if r.status.is_success() => match r.body["results"].as_array() {
-            Some(rs) if !rs.is_empty() && rs.iter().all(|x| x.as_str() == Some(want)) => return true,
+            Some(rs) if !rs.is_empty() && rs.iter().all(|x| x.as_str() == Some(want.as_str())) => return true,
             _ => format!("workers answered {}", short(&r.text)),
         },
         Ok(r) => format!("HTTP {}: {}", r.status.as_u16(), short(&r.text)),
         Err(x) => x.to_string(),
     };
     tracing::warn!(error = %detail, "patch not applied; reloading in full");
-    let _ = e.post("/update_weight_version", &json!({"new_version": "driftless-unknown"})).await;
+    let _ = e.post("/update_weight_version", &json!({"new_version": UNKNOWN})).await;
     false
 }
 

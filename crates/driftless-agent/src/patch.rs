@@ -36,6 +36,9 @@ pub struct PatchFile {
     pub path: PathBuf,
     /// The step the engine must hold for the patch to apply.
     pub base: u64,
+    /// Its weights root: the engine must report this very content
+    /// ([`crate::notify::engine_version`]), not only the step number.
+    pub base_root: Digest,
     /// The step the patch brings the engine to.
     pub step: u64,
     /// Bytes of the file (what the engine reads instead of the whole checkpoint).
@@ -63,6 +66,7 @@ enum Touched {
 #[derive(Debug)]
 pub struct PatchBuilder {
     base: u64,
+    base_root: Digest,
     numel: HashMap<String, u64>,
     /// Indices allowed in all (1/8 of the model's elements).
     limit: u64,
@@ -72,15 +76,20 @@ pub struct PatchBuilder {
 }
 
 impl PatchBuilder {
-    /// A builder for a chain starting at verified step `base` of a checkpoint with tensors
-    /// `metas` (the layout the chain keeps; a layout change ends the patch).
-    pub fn new<'m>(base: u64, metas: impl IntoIterator<Item = &'m driftless_format::TensorMeta>) -> Result<Self> {
+    /// A builder for a chain starting at verified step `base` (weights root `base_root`) of a
+    /// checkpoint with tensors `metas` (the layout the chain keeps; a layout change ends the
+    /// patch).
+    pub fn new<'m>(
+        base: u64,
+        base_root: Digest,
+        metas: impl IntoIterator<Item = &'m driftless_format::TensorMeta>,
+    ) -> Result<Self> {
         let numel = metas
             .into_iter()
             .map(|m| Ok((m.name.clone(), m.numel()?)))
             .collect::<driftless_format::Result<HashMap<_, _>>>()?;
         let limit = numel.values().sum::<u64>() / MAX_INDEX_FRACTION;
-        Ok(PatchBuilder { base, numel, limit, budget: limit, touched: HashMap::new() })
+        Ok(PatchBuilder { base, base_root, numel, limit, budget: limit, touched: HashMap::new() })
     }
 
     /// The step the chain starts from.
@@ -219,7 +228,7 @@ impl PatchBuilder {
         std::fs::File::open(&tmp)?.sync_all()?;
         std::fs::rename(&tmp, out)?;
         let bytes = std::fs::metadata(out)?.len();
-        Ok(PatchFile { path: out.to_path_buf(), base: self.base, step, bytes })
+        Ok(PatchFile { path: out.to_path_buf(), base: self.base, base_root: self.base_root, step, bytes })
     }
 }
 
@@ -283,7 +292,7 @@ mod tests {
         let base = vec![(zero.clone(), zero.clone())];
         // v: every element; w: every 64th.
         let next = vec![(bump(&zero, 0..N), bump(&zero, (0..N).step_by(64)))];
-        let mut pb = PatchBuilder::new(3, &[meta("v"), meta("w")]).unwrap();
+        let mut pb = PatchBuilder::new(3, Digest::default(), &[meta("v"), meta("w")]).unwrap();
         for s in segments(&base, &next) {
             pb.add(&s).unwrap();
         }
@@ -307,7 +316,7 @@ mod tests {
         }
         // A budget that fits 1.2 * 40% of w but not 3 * 40% undeduplicated lists (nor the
         // dense fallback, which needs none): model of 2 tensors, w and v.
-        let mut pb = PatchBuilder::new(0, &[meta("v"), meta("w")]).unwrap();
+        let mut pb = PatchBuilder::new(0, Digest::default(), &[meta("v"), meta("w")]).unwrap();
         pb.budget = (N as u64 * 4) / 5 + 100;
         for w in states.windows(2) {
             for s in segments(&w[0], &w[1]) {
@@ -330,7 +339,7 @@ mod tests {
     #[test]
     fn a_long_chain_rewriting_the_same_elements_fits_the_bound() {
         let zero = vec![0u8; 2 * N];
-        let mut pb = PatchBuilder::new(0, &[meta("v"), meta("w")]).unwrap();
+        let mut pb = PatchBuilder::new(0, Digest::default(), &[meta("v"), meta("w")]).unwrap();
         let mut prev = vec![(zero.clone(), zero.clone())];
         for _ in 0..30 {
             let w = bump(&prev[0].1, (0..N).step_by(100));
@@ -362,7 +371,7 @@ mod tests {
         let s0 = vec![(zero.clone(), zero.clone())];
         let s1 = vec![(zero.clone(), a.clone())];
         let s2 = vec![(zero.clone(), b)];
-        let mut pb = PatchBuilder::new(0, &[meta("v"), meta("w")]).unwrap();
+        let mut pb = PatchBuilder::new(0, Digest::default(), &[meta("v"), meta("w")]).unwrap();
         for s in segments(&s0, &s1) {
             pb.add(&s).unwrap();
         }
@@ -373,7 +382,7 @@ mod tests {
     #[test]
     fn an_entry_for_an_unknown_tensor_is_no_patch() {
         let zero = vec![0u8; 2 * N];
-        let mut pb = PatchBuilder::new(0, &[meta("w")]).unwrap();
+        let mut pb = PatchBuilder::new(0, Digest::default(), &[meta("w")]).unwrap();
         let segs = segments(&[(zero.clone(), zero.clone())], &[(bump(&zero, 0..1), zero.clone())]);
         let err = segs.iter().try_for_each(|s| pb.add(s)).unwrap_err();
         assert!(err.to_string().contains("not in the checkpoint"), "{err}");
