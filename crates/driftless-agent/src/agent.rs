@@ -1425,9 +1425,7 @@ impl Drop for Agent {
         // the next agent on this directory re-hashes them before it notifies anything, as
         // after a crash. (An agent stopped during that re-hash, or one that found the weights
         // wrong and could not rebuild them yet, would otherwise hand them over as verified.)
-        if self.reverify || (self.state.is_some() && !self.active_ok) {
-            self.dir.keep_running_marker();
-        }
+        self.dir.set_keep_running(self.reverify || (self.state.is_some() && !self.active_ok));
     }
 }
 

@@ -148,7 +148,7 @@ pub struct AgentDir {
     _lock: File,
     /// Whether the previous agent on this directory ended without a clean shutdown.
     pub unclean: bool,
-    /// Leave `running` behind at the end (see [`AgentDir::keep_running_marker`]).
+    /// Leave `running` behind at the end (see [`AgentDir::set_keep_running`]).
     keep_running: bool,
 }
 
@@ -177,13 +177,17 @@ impl AgentDir {
         writeln!(f, "{}", std::process::id())?;
         f.sync_all()?;
         sync_dir(dir)?;
-        Ok(AgentDir { dir: dir.to_path_buf(), _lock: lock, unclean, keep_running: false })
+        // Left by a crash, `running` stays until its owner says the local weights were
+        // checked (`set_keep_running(false)`): a start that fails before that (found by review:
+        // an unreadable state.json) must not hand them to the next start as verified.
+        Ok(AgentDir { dir: dir.to_path_buf(), _lock: lock, unclean, keep_running: unclean })
     }
 
-    /// Ends this agent as if it crashed: `running` stays, and the next agent on the directory
-    /// re-verifies the active slot before it notifies anything.
-    pub fn keep_running_marker(&mut self) {
-        self.keep_running = true;
+    /// Whether this agent ends as if it crashed: `running` stays, and the next agent on the
+    /// directory re-verifies the active slot before it notifies anything. Initially whether
+    /// this start found `running` left behind.
+    pub fn set_keep_running(&mut self, keep: bool) {
+        self.keep_running = keep;
     }
 
     /// `DIR`.

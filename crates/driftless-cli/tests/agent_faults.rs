@@ -639,6 +639,34 @@ fn stopped_before_repairing_wrong_weights_the_next_start_checks_them_again() {
     assert_eq!(e.current_step("a"), 0);
 }
 
+// A start that fails before it could re-hash (state.json unreadable) left after a crash:
+// `running` must outlive it. Found by review: the failed start removed it on the way out, so
+// the start after the repair trusted state.json and told the server to load damaged files.
+#[test]
+fn a_start_that_fails_after_a_crash_keeps_the_crash_marker() {
+    let mut e = Env::new();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    flip_middle_byte(&file_ending(e.p("a/current"), ".safetensors").unwrap());
+    std::fs::write(e.p("a/running"), "1\n").unwrap();
+    let state = std::fs::read(e.p("a/state.json")).unwrap();
+    std::fs::remove_file(e.p("a/state.json")).unwrap();
+    std::fs::create_dir(e.p("a/state.json")).unwrap();
+    let o = run_bounded(e.agent("a"), 60);
+    assert!(!o.status.success(), "a state.json that cannot be read is an error");
+    assert!(e.p("a/running").exists(), "the crash marker was removed by a start that checked nothing");
+    std::fs::remove_dir(e.p("a/state.json")).unwrap();
+    std::fs::write(e.p("a/state.json"), state).unwrap();
+    let log = e.p("notified.log");
+    let mut c = e.agent("a");
+    c.arg("--notify").arg(checking_hook(&log));
+    let o = run_bounded(c, 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let notified = std::fs::read_to_string(&log).unwrap();
+    assert!(!notified.contains("bad"), "the inference server was told to load damaged files: {notified}");
+    assert!(notified.contains("0 ok"), "{notified}");
+}
+
 // Issue 12: a delta that changes the shard layout. Either the work slot is rewritten: a
 // frame built beside it, then renamed over it; or, when the served slot already holds the
 // change, the work slot is removed and rebuilt from the served slot. SIGKILL at evenly spaced
