@@ -179,6 +179,9 @@ enum BuildError {
     /// The stream's own signed manifest of the local step gives it another root than the
     /// local copy's: the local files are not this stream's step.
     LocalMismatch(String),
+    /// A pinpointed delta's result does not verify: the delta is at fault unless the slot the
+    /// pass read (the active slot, on a route without an anchor) no longer holds its step.
+    SuspectResult(u64, String),
     /// Anything else (bucket unreachable, local disk): give up this sync, keep state.
     Other(Error),
 }
@@ -327,6 +330,10 @@ impl Agent {
                 Err(BuildError::Step(kind, step, reason, _)) => {
                     return Err(Error::Refused { kind, step, detail: reason });
                 }
+                // (`sync_inner` settles it into one of the others.)
+                Err(BuildError::SuspectResult(step, reason)) => {
+                    return Err(Error::Refused { kind: StepKind::Delta, step, detail: reason });
+                }
                 Err(BuildError::ChainMismatch) => return Err(corrupt("result", "chain does not verify")),
                 Err(BuildError::LocalMismatch(why)) if self.active_ok => {
                     // The local files are not this stream's step. Build the newest step from an
@@ -358,6 +365,28 @@ impl Agent {
         out.refused = self.refused_newer();
         self.notify_if_needed().await?;
         Ok(out)
+    }
+
+    /// Who is at fault for delta `step`'s wrong result: the delta, or, on a route without an
+    /// anchor (the pass read the active slot), the active slot's files when they no longer
+    /// hash to their state (found by review: one flipped byte in the served slot had every
+    /// later delta refused as corrupt until the next anchor, while the agent reported the
+    /// damaged files as the verified step). Then `current` is removed, as after a crash whose
+    /// slots do not verify, and the newest step is built from an anchor.
+    async fn blame(&mut self, step: u64, reason: String, from_active: bool) -> BuildError {
+        let refuse = |reason| BuildError::Step(StepKind::Delta, step, reason, false);
+        let Some(st) = self.state.clone().filter(|_| from_active) else { return refuse(reason) };
+        let why = match self.slot_root(st.active).await {
+            Ok(r) if r == st.root => return refuse(reason),
+            Ok(r) => format!("the served slot's weights root is {r}, not step {}'s {}", st.step, st.root),
+            Err(e) if e.is_retryable() => return BuildError::Other(e),
+            Err(e) => format!("the served slot cannot be read: {e}"),
+        };
+        if let Err(e) = self.dir.unlink() {
+            return BuildError::Other(e.into());
+        }
+        error!(step = st.step, reason = %why, "the served weights changed on disk: current removed until a verified step is built");
+        BuildError::LocalMismatch(why)
     }
 
     /// Leaves a failed step out of plans (bound to the manifest SHA-256 its marker names).
@@ -580,7 +609,10 @@ impl Agent {
             (None, 1) => SyncPath::Fast,
             _ => SyncPath::Catchup,
         };
-        let built = self.build(&sid, &route, &cands, careful).await;
+        let built = match self.build(&sid, &route, &cands, careful).await {
+            Err(BuildError::SuspectResult(step, reason)) => Err(self.blame(step, reason, route.anchor.is_none()).await),
+            built => built,
+        };
         if let Err(BuildError::Step(kind, step, reason, missing)) = &built {
             self.refuse_step(&cands, *kind, *step, reason, *missing);
         }
@@ -706,7 +738,10 @@ impl Agent {
         let mut group: Vec<(DeltaManifest, Vec<DecodedSegment>)> = vec![];
         let mut group_raw = 0u64;
         // A wrong final root names one step only when it is the only unverified one.
-        let pinpoint = careful || (n == 1 && route.anchor.is_none());
+        // A single delta names its step only when its pass reads the active slot, whose bytes
+        // are then checked if the result is wrong (`SuspectResult`); read from the inactive
+        // slot (never re-checked), a wrong result is retried carefully, from the active slot.
+        let pinpoint = careful || (n == 1 && route.anchor.is_none() && seed.is_some());
         // Up to FETCH_AHEAD deltas download and decode at once (on the blocking pool) while
         // earlier ones are received: a catch-up is not a sequence of round trips.
         let marker = |d: u64| cands.marker(StepKind::Delta, d).cloned();
@@ -1482,8 +1517,8 @@ const GROUP_RAW_BYTES: u64 = 512 << 20;
 
 fn classify_apply(e: Error, step: u64, pinpoint: bool) -> BuildError {
     let is_result = matches!(&e, Error::Format(driftless_format::Error::Corrupt { what: "result", .. }));
-    if is_result && !pinpoint {
-        return BuildError::ChainMismatch;
+    if is_result {
+        return if pinpoint { BuildError::SuspectResult(step, e.to_string()) } else { BuildError::ChainMismatch };
     }
     if step_fault(&e) {
         let m = missing(&e);

@@ -639,6 +639,38 @@ fn stopped_before_repairing_wrong_weights_the_next_start_checks_them_again() {
     assert_eq!(e.current_step("a"), 0);
 }
 
+// The served slot damaged on disk while the agent runs (no crash, so no re-hash at start):
+// the next delta's result cannot verify. Found by review: the delta was refused as corrupt,
+// and every one after it until the next anchor, while the agent reported the damaged files as
+// the verified step. Now the agent checks the slot the pass read, finds it changed, and builds
+// the step from the anchor; the server is told to load verified files only.
+#[test]
+fn a_damaged_served_slot_is_rebuilt_not_blamed_on_the_next_delta() {
+    let mut e = Env::new();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    flip_middle_byte(&file_ending(e.p("a/current"), ".safetensors").unwrap());
+    e.publish();
+    let log = e.p("notified.log");
+    let mut c = e.agent("a");
+    c.arg("--notify").arg(checking_hook(&log));
+    let o = run_bounded(c, 60);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("served weights changed on disk"), "{err}");
+    assert_eq!(e.current_step("a"), 1);
+    // (`--once` first makes sure the server holds the step state.json names, which a clean
+    // end vouches for without a re-hash: "0 bad" before the sync is that, by design.)
+    let notified = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(notified.lines().last(), Some("1 ok"), "{notified}");
+    assert!(!notified.contains("1 bad"), "{notified}");
+    // The delta after it takes the fast path again.
+    e.publish();
+    let o = run_bounded(e.agent("a"), 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(e.current_step("a"), 2);
+}
+
 // A start that fails before it could re-hash (state.json unreadable) left after a crash:
 // `running` must outlive it. Found by review: the failed start removed it on the way out, so
 // the start after the repair trusted state.json and told the server to load damaged files.
