@@ -694,8 +694,12 @@ impl Agent {
                 // Bring the inactive slot forward (two sparse applies per step in the steady
                 // state, segments from the local cache) unless it is unknown, unreachable by
                 // a chain, or this is a careful retry: then copy the active slot.
+                let private = wdir.is_dir() && crate::state::slot_files_private(&wdir).map_err(Error::from)?;
+                if wdir.is_dir() && !private {
+                    warn!(slot = %wdir.display(), "the work slot holds links (symlinks or hard links); rebuilding it");
+                }
                 let prefix = held_before
-                    .filter(|h| !careful && h.step <= base.step && wdir.is_dir())
+                    .filter(|h| !careful && h.step <= base.step && private)
                     .and_then(|h| plan::chain(cands, &self.refused, h.step, base.step).map(|(v, _)| (h, v)));
                 match prefix {
                     Some((h, v)) => {

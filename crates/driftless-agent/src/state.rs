@@ -307,6 +307,21 @@ impl Drop for AgentDir {
     }
 }
 
+/// Whether every file of slot directory `dir` is its own: a regular file with one link. A
+/// symlink, or a hard link (what `hardlink`, `rdfind -makehardlinks` or `jdupes -L` make of
+/// identical files), may share its bytes with the served slot: a pass that changes the slot
+/// in place would write through it (found by review). Such a slot is rebuilt, not changed.
+pub fn slot_files_private(dir: &Path) -> std::io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    for entry in std::fs::read_dir(dir)? {
+        let md = std::fs::symlink_metadata(entry?.path())?;
+        if md.file_type().is_symlink() || (md.is_file() && md.nlink() != 1) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// Whether another open file description of `path` exists (see [`AgentDir::open_elsewhere`]);
 /// `None` where a lease cannot be taken for another reason.
 #[cfg(target_os = "linux")]

@@ -671,6 +671,46 @@ fn a_damaged_served_slot_is_rebuilt_not_blamed_on_the_next_delta() {
     assert_eq!(e.current_step("a"), 2);
 }
 
+// The inactive slot's files replaced by links to the served slot's (what `hardlink`, `rdfind
+// -makehardlinks` or `jdupes -L` do to identical files; or symlinks): the in-place pass must
+// not write through them. Found by review: bringing the inactive slot forward wrote deltas
+// into the served files, and the good delta was then refused as corrupt.
+#[test]
+fn links_from_the_inactive_slot_into_the_served_slot_are_never_written_through() {
+    for how in ["hard", "sym"] {
+        let mut e = Env::new();
+        e.publish();
+        assert!(run_bounded(e.agent("a"), 60).status.success());
+        e.publish();
+        assert!(run_bounded(e.agent("a"), 60).status.success());
+        let st = e.read_json("a/state.json");
+        let (active, inactive) = (st["active"].as_str().unwrap().to_string(), st["inactive"]["step"].as_u64());
+        assert_eq!(inactive, Some(0), "{st}");
+        let other = if active == "a" { "b" } else { "a" };
+        let (served, work) = (e.p("a/slots").join(&active), e.p("a/slots").join(other));
+        for f in std::fs::read_dir(&work).unwrap() {
+            let f = f.unwrap().path();
+            if f.extension().is_some_and(|x| x == "safetensors") {
+                let to = served.join(f.file_name().unwrap());
+                std::fs::remove_file(&f).unwrap();
+                match how {
+                    "hard" => std::fs::hard_link(&to, &f).unwrap(),
+                    _ => std::os::unix::fs::symlink(&to, &f).unwrap(),
+                }
+            }
+        }
+        let served_before = stamp(&served);
+        e.publish();
+        let o = run_bounded(e.agent("a"), 60);
+        assert!(o.status.success(), "{how}: {}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(e.current_step("a"), 2, "{how}");
+        // What was served stays step 1, byte for byte (now the inactive slot).
+        let ck = Checkpoint::open(&served).unwrap();
+        assert_eq!(driftless_format::weights_root(&ck.views()).1, e.roots[1], "{how}: written through a link");
+        assert_eq!(stamp(&served), served_before, "{how}");
+    }
+}
+
 // A start that fails before it could re-hash (state.json unreadable) left after a crash:
 // `running` must outlive it. Found by review: the failed start removed it on the way out, so
 // the start after the repair trusted state.json and told the server to load damaged files.
