@@ -493,3 +493,34 @@ def test_vllm_loads_another_streams_step_of_the_same_number(stream, vllm, tmp_pa
     other.agent(target)
     assert engine_matches_dir(vllm, other_tmp / "step_2")
     assert vllm._req("GET", "/weight_info")[1] == {"weight_version": other.version(2)}
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_sigterm_during_a_load_resumes_the_engine_before_the_agent_stops(stream, tmp_path, kind):
+    """A continuous agent stopped (SIGTERM, as Kubernetes does) while the engine is paused for
+    its load: the load in flight is finished, the engine resumed, then the agent exits 0.
+    Found by review: the notify was dropped midway and the engine stayed paused."""
+    import signal
+
+    e = Engine(kind, str(tmp_path))
+    try:
+        stream.publish(0)
+        e.faults(load_delay=3.0)
+        args = ["agent", "--bucket", stream.bucket, "--trust", f"{stream.key}.pub", "--dir", stream.dir,
+                "--notify", f"{kind}={e.url}"]
+        p = subprocess.Popen([BIN, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        load = "/collective_rpc" if kind == "vllm" else "/update_weights_from_disk"
+        deadline = time.time() + 60
+        while not any(c[1] == load for c in e.calls()):
+            assert p.poll() is None and time.time() < deadline, p.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert e.state()["paused"] is True  # mid-load
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert e.state()["paused"] is False, (e.calls(), err)
+        info = "/weight_info" if kind == "vllm" else "/model_info"
+        assert e._req("GET", info)[1]["weight_version"] == stream.version(0)
+    finally:
+        e.stop()

@@ -162,6 +162,9 @@ pub struct Agent {
     /// Decoded bytes of segments decoded ahead of their delta being received (permits are
     /// bytes, [`DECODE_AHEAD_BYTES`] in all); see `start_fetch`.
     decode_ahead: Arc<tokio::sync::Semaphore>,
+    /// Set while the servers are being told to load: [`Agent::run`] lets that finish before
+    /// it stops (an engine paused for a load must be resumed).
+    notifying: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -266,6 +269,7 @@ impl Agent {
             list_next: false,
             patch: None,
             decode_ahead: Arc::new(tokio::sync::Semaphore::new(DECODE_AHEAD_BYTES)),
+            notifying: Arc::default(),
         })
     }
 
@@ -412,7 +416,10 @@ impl Agent {
         self.dir.ensure_linked(st.active)?;
         // A patch is offered once: whatever happens, the next attempt reloads in full.
         let patch = self.patch.take().filter(|p| p.step == st.step);
-        let result = self.notify_all(&st, patch.as_ref()).await;
+        let result = {
+            let _notifying = Flag::raise(&self.notifying);
+            self.notify_all(&st, patch.as_ref()).await
+        };
         if let Some(p) = &patch {
             let _ = std::fs::remove_file(&p.path);
         }
@@ -1326,11 +1333,33 @@ impl Agent {
     ) -> Result<Stopped> {
         tokio::pin!(shutdown);
         let mut p = PollState { interval: self.cfg.poll_min, failures: 0, etag: None, polls: 0 };
+        let notifying = self.notifying.clone();
         loop {
-            let polled = tokio::select! {
-                biased;
-                _ = &mut shutdown => false,
-                _ = self.poll(&mut p) => true,
+            let polled = {
+                let poll = self.poll(&mut p);
+                tokio::pin!(poll);
+                let stopped = tokio::select! {
+                    biased;
+                    _ = &mut shutdown => true,
+                    _ = &mut poll => false,
+                };
+                // A notify in flight is finished first (bounded by the notifier's own
+                // timeouts): dropped midway, it left an engine paused for its load with no one
+                // to resume it (found by review). The rest of the poll is abandoned.
+                if stopped && notifying.load(Relaxed) {
+                    info!("stopping once the inference server's load in flight has ended");
+                    loop {
+                        tokio::select! {
+                            _ = &mut poll => break,
+                            _ = tokio::time::sleep(Duration::from_millis(20)) => {
+                                if !notifying.load(Relaxed) {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                }
+                !stopped
             };
             if !polled {
                 debug!(step = self.state.as_ref().map(|s| s.step), "shutting down; sync in flight abandoned");
@@ -1465,6 +1494,22 @@ impl Drop for Agent {
         // after a crash. (An agent stopped during that re-hash, or one that found the weights
         // wrong and could not rebuild them yet, would otherwise hand them over as verified.)
         self.dir.set_keep_running(self.reverify || (self.state.is_some() && !self.active_ok));
+    }
+}
+
+/// Raises a flag for as long as it lives (also when the future holding it is dropped).
+struct Flag<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl<'a> Flag<'a> {
+    fn raise(f: &'a std::sync::atomic::AtomicBool) -> Flag<'a> {
+        f.store(true, Relaxed);
+        Flag(f)
+    }
+}
+
+impl Drop for Flag<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Relaxed);
     }
 }
 
