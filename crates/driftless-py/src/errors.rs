@@ -77,6 +77,10 @@ fn store_class(e: &driftless_store::Error) -> &'static str {
         E::InvalidUrl(_) | E::InvalidKey { .. } | E::InvalidEndpoint { .. } | E::MissingCredentials(_) => {
             "InvalidInputError"
         }
+        // An object larger than its signed manifest (or a reader's bound) allows: the step is
+        // bad, as for the agent (found by review: a Follower raised a plain DriftlessError at
+        // every call instead of refusing the step and taking the next route).
+        E::TooLarge { .. } => "CorruptError",
         _ => "DriftlessError",
     }
 }

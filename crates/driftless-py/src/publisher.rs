@@ -109,12 +109,15 @@ impl PyPublisher {
     /// Replaces the small non-weight files shipped with anchors (`{name: bytes}` or a list
     /// of paths). A change makes the next step an anchor-only step. Returns the names that
     /// changed (added, removed or rewritten), sorted.
-    fn set_extra_files(&self, files: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    fn set_extra_files(&self, py: Python<'_>, files: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         crate::errors::guard(|| {
             let f = read_extra_files(files)?;
-            let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            let p = g.as_mut().ok_or(BindError::from(driftless_publisher::Error::Closed))?;
-            Ok(p.set_extra_files(f).map_err(BindError::from)?)
+            // The lock is held as long as another thread's `flush` blocks: wait without the GIL.
+            let r = py.allow_threads(|| {
+                let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                g.as_mut().ok_or(driftless_publisher::Error::Closed)?.set_extra_files(f)
+            });
+            Ok(r.map_err(BindError::from)?)
         })
     }
 
@@ -189,8 +192,11 @@ impl PyPublisher {
 
     /// Whether `close` was called.
     #[getter]
-    fn closed(&self) -> PyResult<bool> {
-        crate::errors::guard(|| Ok(self.inner.lock().unwrap_or_else(|e| e.into_inner()).is_none()))
+    fn closed(&self, py: Python<'_>) -> PyResult<bool> {
+        // Without the GIL: another thread's `flush` may hold the lock for the store's retry
+        // budget (found by review: `closed`, read by `repr` and the exit hook, froze every
+        // Python thread for a minute).
+        crate::errors::guard(|| Ok(py.allow_threads(|| self.inner.lock().unwrap_or_else(|e| e.into_inner()).is_none())))
     }
 
     /// Counters as a dict.

@@ -82,7 +82,10 @@ fn dtype_from_name(name: &str) -> Option<DType> {
         "float64" => DType::F64,
         "int64" => DType::I64,
         "uint64" => DType::U64,
-        "float8_e4m3fn" | "float8_e4m3" => DType::F8_E4M3,
+        // safetensors' F8_E4M3 is e4m3fn (no infinities; engines read it so). ml_dtypes'
+        // `float8_e4m3` is the IEEE-like type with infinities: other bits for the same values,
+        // refused (found by review: it was published as e4m3fn, 200 read back as 192).
+        "float8_e4m3fn" => DType::F8_E4M3,
         "float8_e5m2" => DType::F8_E5M2,
         _ => return None,
     })
@@ -200,7 +203,7 @@ fn c_contiguous(shape: &[u64], strides: &[i64]) -> bool {
 
 /// Borrows `obj` as tensor `name`. `writable` asks for memory that may be written in place.
 pub(crate) fn borrow(name: &str, obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Borrowed> {
-    driftless_format::validate_tensor_name(name).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    driftless_format::validate_tensor_name(name).map_err(|e| crate::errors::invalid(e.to_string()))?;
     // SAFETY: plain CPython API call on a live object.
     let has_buffer = unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 1;
     if has_buffer {

@@ -218,6 +218,17 @@ def test_unsupported_dtypes(file_bucket):
             pub.publish(0, {1: np.zeros(3, np.float32)})
         with pytest.raises(ValueError, match="big-endian"):
             pub.publish(0, {"be": np.zeros(3, ">f4")})
+        # IEEE-like e4m3 (with infinities) is not safetensors' F8_E4M3 (e4m3fn): other bits for
+        # the same values. Found by review: it was published as e4m3fn (200 read back as 192).
+        import ml_dtypes
+
+        with pytest.raises(TypeError, match="unsupported dtype"):
+            pub.publish(0, {"f8": np.array([1, 200, np.inf], ml_dtypes.float8_e4m3)})
+        # A bad name is an input error like any other (it was a plain ValueError, outside
+        # DriftlessError).
+        for name in ("", "x" * 5000):
+            with pytest.raises(driftless.InvalidInputError):
+                pub.publish(0, {name: np.zeros(3, np.float32)})
         # The publisher is still usable after all of that.
         pub.publish(0, {"ok": np.zeros(3, np.float32)})
 

@@ -142,7 +142,7 @@ def test_the_torch_hook_publishes_the_final_weights_on_finish(file_bucket, keys)
     with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
         hook = PublishHook.__new__(PublishHook)
         hook.publisher, hook.view, hook.every, hook.step = pub, View(), 3, 0
-        hook.on_receipt, hook._calls, hook._handle = None, 0, None
+        hook.on_receipt, hook._calls, hook._unpublished, hook._handle = None, 0, False, None
         for t in range(1, 8):
             hook.view.now = t
             hook()
@@ -150,6 +150,50 @@ def test_the_torch_hook_publishes_the_final_weights_on_finish(file_bucket, keys)
         assert hook.finish()["step"] == 2
         assert hook.finish() is None
     _follower_has(url, public, 2, weights[7])
+
+
+def test_the_torch_hook_finish_publishes_what_a_failed_publish_left(file_bucket, keys):
+    """every=1, the publish after optimizer step 3 raises and the trainer trains on: finish()
+    publishes step 3's weights (found by review: it returned None, "already published", with
+    them in no bucket)."""
+    from driftless.torch import PublishHook
+
+    url, _ = file_bucket
+    private, public = keys
+    weights = _steps(4, seed=11)
+
+    class View:
+        now = 0
+
+        def tensors(self):
+            return {"w": weights[self.now]}
+
+    class Flaky:  # the publisher, whose publish raises once
+        def __init__(self, pub):
+            self.pub, self.fail = pub, False
+
+        def publish(self, step, tensors):
+            if self.fail:
+                self.fail = False
+                raise driftless.RetryableError("the bucket is down")
+            return self.pub.publish(step, tensors)
+
+    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+        flaky = Flaky(pub)
+        hook = PublishHook.__new__(PublishHook)
+        hook.publisher, hook.view, hook.every, hook.step = flaky, View(), 1, 0
+        hook.on_receipt, hook._calls, hook._unpublished, hook._handle = None, 0, False, None
+        for t in range(1, 4):
+            hook.view.now = t
+            flaky.fail = t == 3
+            try:
+                hook()
+            except driftless.RetryableError:
+                pass
+        r = hook.finish()
+        assert r is not None and r["step"] == 3, r
+        assert hook.finish() is None
+    _follower_has(url, public, 3, weights[3])
 
 
 def test_the_sharded_torch_hook_keeps_ranks_on_one_step_number_after_a_failed_publish(file_bucket, keys):
@@ -188,7 +232,7 @@ def test_the_sharded_torch_hook_keeps_ranks_on_one_step_number_after_a_failed_pu
         pub = driftless.ShardedPublisher(url, r, 2, signing_key=private, anchor_every=100, commit_timeout=3.0)
         hook = PublishHook.__new__(PublishHook)
         hook.publisher, hook.view, hook.every, hook.step = pub, View(r), 1, 1
-        hook.on_receipt, hook._calls, hook._handle = None, 0, None
+        hook.on_receipt, hook._calls, hook._unpublished, hook._handle = None, 0, False, None
         for t in range(1, steps + 1):
             barrier.wait()  # the trainer's collective of each optimizer step
             hook.view.now = t

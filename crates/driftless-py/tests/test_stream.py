@@ -388,6 +388,30 @@ def test_a_bad_delta_in_a_chain_is_refused_before_any_write(file_bucket, keys):
     assert np.array_equal(bits(theirs["x.w"]), steps[3])
 
 
+def test_an_object_larger_than_its_manifest_says_is_a_bad_step(file_bucket, keys):
+    """Delta 3's segment 100 bytes longer than its signed size: the step is refused like a
+    corrupt one and the next route taken (found by review: the Follower raised a plain
+    DriftlessError at every call while the agent moved on)."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    steps = bit_chain(6, (512, 512), 3)
+    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+        for s, x in enumerate(steps):
+            pub.publish(s, {"x.w": x.view(BF16)})
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros((512, 512), BF16)}
+    assert f.apply_to(arrays, step=1)["step"] == 1
+    d = os.path.join(root, "deltas", f"{3:012d}")
+    seg = max((os.path.join(d, n) for n in os.listdir(d) if "manifest" not in n), key=os.path.getsize)
+    with open(seg, "ab") as fh:
+        fh.write(b"\0" * 100)
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"]) == (2, "fast"), o
+    assert [(k, s) for k, s, _ in o["refused"]] == [("delta", 3)], o
+    assert np.array_equal(bits(arrays["x.w"]), steps[2])
+
+
 def test_a_follower_one_step_behind_plans_from_latest_json_alone(file_bucket, keys):
     """A Follower on step 2 with delta 3 announced reads only the signed latest.json, delta 3's
     manifest and its segments: with stream.json and every ready marker out of the bucket it

@@ -150,10 +150,13 @@ class PublishHook:
         self.step = publisher.status()["next_step"] if start_step is None else int(start_step)
         self.on_receipt = on_receipt
         self._calls = 0
+        # Optimizer steps ran since the last publish that worked: `finish` publishes them.
+        self._unpublished = False
         self._handle = None
 
     def __call__(self, optimizer: Any = None, args: Any = None, kwargs: Any = None) -> None:
         self._calls += 1
+        self._unpublished = True
         if self._calls % self.every:
             return
         self._publish()
@@ -168,6 +171,7 @@ class PublishHook:
         self.step += 1
         weights = self.view.shards() if isinstance(self.view, ShardedBF16View) else self.view.tensors()
         r = self.publisher.publish(step, weights)
+        self._unpublished = False
         if self.on_receipt is not None:
             self.on_receipt(r)
         return r
@@ -177,10 +181,12 @@ class PublishHook:
         (with ``every > 1`` the last ones of a run usually did), so that the final weights
         reach the bucket; call it at the end of training, before the publisher's ``close``.
         Returns the receipt, or None when the newest weights were already published."""
-        if self._calls % self.every == 0:
+        # Not the call count: a due publish that raised (and a trainer that trained on) left
+        # the newest weights unpublished (found by review: `finish` said they were).
+        if not self._unpublished:
             return None
         r = self._publish()
-        self._calls = 0  # after the publish: a failed one is tried again (as the next step) by the next call
+        self._calls = 0
         return r
 
     def remove(self) -> None:
