@@ -196,6 +196,37 @@ impl From<BindError> for PyErr {
     }
 }
 
+/// The process an object was created in. Its tokio runtime's threads do not exist in a
+/// child made by `fork()`: there every blocking call waited forever, and Ctrl-C could not
+/// stop it (found by review; gunicorn `--preload`, multiprocessing's fork start method). Such
+/// calls now raise `InvalidInputError`, and the object is leaked, not shut down, when the
+/// child drops it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Origin(u32);
+
+impl Origin {
+    pub(crate) fn here() -> Origin {
+        Origin(std::process::id())
+    }
+
+    /// Whether this is a forked child of the creating process.
+    pub(crate) fn forked(&self) -> bool {
+        self.0 != std::process::id()
+    }
+
+    /// An error in a forked child of the creating process.
+    pub(crate) fn check(&self, what: &str) -> Result<(), BindError> {
+        if self.forked() {
+            return Err(BindError::Input(format!(
+                "this {what} was created in process {} and cannot be used after fork() (process {}): create one in this process",
+                self.0,
+                std::process::id()
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// `InvalidInputError(msg)` (a `ValueError`).
 pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
     BindError::Input(msg.into()).into()

@@ -116,6 +116,7 @@ fn same_stream(sid: &str, got: &str, what: &'static str, step: u64) -> BindResul
 #[pyclass(module = "driftless._native", name = "Follower", subclass)]
 pub(crate) struct PyFollower {
     rt: tokio::runtime::Runtime,
+    origin: crate::errors::Origin,
     bucket: Bucket,
     trust: TrustSet,
     reader: StreamReader,
@@ -129,6 +130,18 @@ pub(crate) struct PyFollower {
     /// Weak references to the objects whose memory `apply_to` last verified, by name. Held
     /// only briefly and with the GIL (never across `allow_threads`).
     owners: Mutex<Option<Owners>>,
+}
+
+impl Drop for PyFollower {
+    /// In a forked child the runtime's threads do not exist: shutting it down could wait for
+    /// them forever. It is leaked there (a runtime without threads takes its place).
+    fn drop(&mut self) {
+        if self.origin.forked() {
+            if let Ok(idle) = tokio::runtime::Builder::new_current_thread().build() {
+                std::mem::forget(std::mem::replace(&mut self.rt, idle));
+            }
+        }
+    }
 }
 
 /// `(name, weak reference to the exporting object)`; `None` for an object that takes no weak
@@ -278,6 +291,7 @@ impl PyFollower {
             };
             Ok(PyFollower {
                 rt,
+                origin: crate::errors::Origin::here(),
                 bucket,
                 trust,
                 reader,
@@ -298,6 +312,7 @@ impl PyFollower {
     /// stream), and the answer never goes down within a stream (a replayed older hint).
     fn poll(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         crate::errors::guard(|| {
+            self.origin.check("Follower")?;
             let r: Result<BindResult<Option<u64>>, PyErr> = py.allow_threads(|| {
                 let mut ps = self.polls.lock().unwrap_or_else(|e| e.into_inner());
                 // Reads only: safe to abandon when Ctrl-C arrives (a bucket that hangs held
@@ -311,6 +326,7 @@ impl PyFollower {
     /// Does what `driftless agent --once` does for directory `path`.
     fn sync_dir<'py>(&self, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
+            self.origin.check("Follower")?;
             let r: BindResult<(driftless_agent::SyncOutcome, PathBuf)> = py.allow_threads(|| {
                 let _g = self.rt.enter();
                 // A new agent per call: it holds DIR's lock only for the call, so other
@@ -348,6 +364,7 @@ impl PyFollower {
         step: Option<u64>,
     ) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
+            self.origin.check("Follower")?;
             let borrowed = borrow_mapping(tensors, true)?;
             let parts: Vec<(TensorMeta, Raw)> = borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
             let same = {
@@ -457,6 +474,7 @@ impl PyFollower {
     #[pyo3(signature = (step=None))]
     fn _patches<'py>(&self, py: Python<'py>, step: Option<u64>) -> PyResult<Option<(u64, String, Bound<'py, PyList>)>> {
         crate::errors::guard(|| {
+            self.origin.check("Follower")?;
             type Patch = (String, DType, Vec<u64>, Option<Vec<u8>>, Vec<u8>);
             let r: BindResult<Option<(Tracked, Vec<Patch>)>> = py.allow_threads(|| {
                 let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());

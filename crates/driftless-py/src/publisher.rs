@@ -56,6 +56,7 @@ impl Common {
 #[pyclass(module = "driftless._native", name = "Publisher", subclass)]
 pub(crate) struct PyPublisher {
     inner: Mutex<Option<Publisher>>,
+    origin: crate::errors::Origin,
     /// Addresses of the tensors the last `publish` read, for the zero-copy test.
     last_addrs: Mutex<Vec<(String, usize)>>,
 }
@@ -102,7 +103,11 @@ impl PyPublisher {
                 b = b.with_extra_files(read_extra_files(&files)?);
             }
             let p = py.allow_threads(|| b.build()).map_err(BindError::from)?;
-            Ok(PyPublisher { inner: Mutex::new(Some(p)), last_addrs: Mutex::new(vec![]) })
+            Ok(PyPublisher {
+                inner: Mutex::new(Some(p)),
+                origin: crate::errors::Origin::here(),
+                last_addrs: Mutex::new(vec![]),
+            })
         })
     }
 
@@ -111,6 +116,7 @@ impl PyPublisher {
     /// changed (added, removed or rewritten), sorted.
     fn set_extra_files(&self, py: Python<'_>, files: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         crate::errors::guard(|| {
+            self.origin.check("Publisher")?;
             let f = read_extra_files(files)?;
             // The lock is held as long as another thread's `flush` blocks: wait without the GIL.
             let r = py.allow_threads(|| {
@@ -124,6 +130,7 @@ impl PyPublisher {
     /// Publishes the weights of `step`. Returns the receipt as a dict.
     fn publish<'py>(&self, py: Python<'py>, step: u64, tensors: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
+            self.origin.check("Publisher")?;
             let borrowed = borrow_mapping(tensors, false)?;
             let parts: Vec<(driftless_format::TensorMeta, Raw)> =
                 borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
@@ -169,6 +176,7 @@ impl PyPublisher {
     /// Waits until every queued step and anchor is in the bucket.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
+            self.origin.check("Publisher")?;
             py.allow_threads(|| {
                 let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
                 g.as_mut().ok_or(driftless_publisher::Error::Closed)?.flush()
@@ -181,6 +189,7 @@ impl PyPublisher {
     /// Flushes and stops the uploader. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
+            self.origin.check("Publisher")?;
             py.allow_threads(|| {
                 let p = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
                 p.map_or(Ok(()), |p| p.close())
@@ -274,6 +283,11 @@ impl Drop for PyPublisher {
     /// meanwhile (it froze every Python thread for the whole flush).
     fn drop(&mut self) {
         if let Some(p) = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            if self.origin.forked() {
+                // (Its runtime's threads are the parent's: see `Origin`.)
+                std::mem::forget(p);
+                return;
+            }
             Python::with_gil(|py| py.allow_threads(move || drop(p)));
         }
     }

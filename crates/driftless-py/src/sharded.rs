@@ -17,6 +17,7 @@ use crate::tensors::{borrow, Borrowed};
 #[pyclass(module = "driftless._native", name = "ShardedPublisher", subclass)]
 pub(crate) struct PyShardedPublisher {
     inner: Mutex<Option<ShardedPublisher>>,
+    origin: crate::errors::Origin,
 }
 
 /// A shard as passed from Python: borrowed local data, global shape, its slice.
@@ -122,13 +123,14 @@ impl PyShardedPublisher {
             let b = common.builder(opts)?;
             let timeout = secs(commit_timeout)?;
             let p = py.allow_threads(|| b.build_sharded(rank, world_size, timeout)).map_err(BindError::from)?;
-            Ok(PyShardedPublisher { inner: Mutex::new(Some(p)) })
+            Ok(PyShardedPublisher { inner: Mutex::new(Some(p)), origin: crate::errors::Origin::here() })
         })
     }
 
     /// Publishes this rank's shards of `step`; returns the receipt as a dict.
     fn publish<'py>(&self, py: Python<'py>, step: u64, shards: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
+            self.origin.check("ShardedPublisher")?;
             let items = shards
                 .call_method0("items")
                 .map_err(|_| invalid("shards must be a dict of name -> driftless.shard(...)"))?;
@@ -173,6 +175,7 @@ impl PyShardedPublisher {
     /// was not committed.
     fn flush<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
+            self.origin.check("ShardedPublisher")?;
             let o = py
                 .allow_threads(|| {
                     let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -187,6 +190,7 @@ impl PyShardedPublisher {
     /// its report as a dict, or None when it could not be sent or nothing is in flight.
     fn wait_sent<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         crate::errors::guard(|| {
+            self.origin.check("ShardedPublisher")?;
             let r = py.allow_threads(|| {
                 let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
                 g.as_mut().and_then(|p| p.wait_sent())
@@ -211,6 +215,7 @@ impl PyShardedPublisher {
     /// Flushes and releases the rank. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
+            self.origin.check("ShardedPublisher")?;
             py.allow_threads(|| {
                 let p = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
                 p.map_or(Ok(()), |p| p.close())
@@ -240,6 +245,11 @@ impl Drop for PyShardedPublisher {
     /// timeout): without the GIL, so that the rest of the interpreter runs meanwhile.
     fn drop(&mut self) {
         if let Some(p) = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            if self.origin.forked() {
+                // (Its runtime's threads are the parent's: see `Origin`.)
+                std::mem::forget(p);
+                return;
+            }
             Python::with_gil(|py| py.allow_threads(move || drop(p)));
         }
     }

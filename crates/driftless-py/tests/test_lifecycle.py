@@ -261,3 +261,54 @@ def test_the_sharded_torch_hook_keeps_ranks_on_one_step_number_after_a_failed_pu
     arrays = {"w": np.zeros((rows, cols), BF16)}
     assert f.apply_to(arrays)["step"] == newest
     assert np.array_equal(bits(arrays["w"]), bits(model(newest))), f"step {newest} is not one optimizer step's model"
+
+
+FORK_SCRIPT = """
+import os, sys
+import numpy as np
+import ml_dtypes
+import driftless
+
+url, key, public = sys.argv[1], sys.argv[2], sys.argv[3]
+w = {"w": np.zeros((64, 64), ml_dtypes.bfloat16)}
+p = driftless.Publisher(url, signing_key=key)
+p.publish(0, w)
+p.flush()
+f = driftless.Follower(url, trusted_keys=[public])
+assert f.poll() == 0
+pid = os.fork()
+if pid == 0:
+    for call in (f.poll, lambda: f.apply_to({"w": np.zeros((64, 64), ml_dtypes.bfloat16)}),
+                 lambda: p.publish(1, w), p.flush):
+        try:
+            call()
+            print("child: a call returned", flush=True)
+            os._exit(3)
+        except driftless.InvalidInputError as e:
+            print("child:", e, flush=True)
+    sys.exit(0)  # the exit hook and the drops of the inherited objects must not hang
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+p.publish(1, {"w": np.ones((64, 64), ml_dtypes.bfloat16)})
+p.close()
+print("parent poll", f.poll(), flush=True)
+"""
+
+
+def test_objects_used_after_fork_raise_instead_of_hanging(file_bucket, keys, tmp_path):
+    """A Follower and a Publisher inherited through fork() (gunicorn --preload, multiprocessing
+    with fork): every call in the child raises InvalidInputError at once, and the child exits
+    (exit hook, drops) without touching them. Found by review: their tokio runtime has no
+    threads in the child, so every call, and the exit hook's close(), waited forever,
+    deaf to Ctrl-C. The parent goes on publishing."""
+    url, _ = file_bucket
+    private, public = keys
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), url, private, public], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert sum("cannot be used after fork()" in x for x in lines) == 4, r.stdout + r.stderr
+    assert "child exit 0" in lines and "parent poll 1" in lines, r.stdout + r.stderr
+    assert "NOT published" not in r.stderr, r.stderr

@@ -21,6 +21,7 @@ exposing the buffer protocol (NumPy, including ``ml_dtypes.bfloat16``) or ``__dl
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import weakref
 from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
@@ -53,6 +54,8 @@ _open_publishers: "weakref.WeakSet[Any]" = weakref.WeakSet()
 @atexit.register
 def _close_open_publishers() -> None:
     for p in list(_open_publishers):
+        if getattr(p, "_pid", None) != os.getpid():
+            continue  # inherited through fork(): its steps are its creator's to publish
         try:
             if not getattr(p, "closed", False):
                 p.close()  # idempotent
@@ -109,6 +112,7 @@ class Publisher(_native.Publisher):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._pid = os.getpid()
         _open_publishers.add(self)
 
     def publish(self, step: int, tensors: Mapping[str, Any]) -> Dict[str, Any]:
@@ -337,6 +341,7 @@ class ShardedPublisher(_native.ShardedPublisher):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._pid = os.getpid()
         _open_publishers.add(self)
 
     def publish(self, step: int, shards: Mapping[str, Dict[str, Any]]) -> Dict[str, Any]:
