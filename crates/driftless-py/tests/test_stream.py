@@ -480,6 +480,42 @@ def test_a_bad_delta_in_a_chain_costs_the_patch_mirror_nothing(file_bucket, keys
     assert np.array_equal(gpu.reshape(256, 256), steps[2])
 
 
+def test_a_consumer_that_fails_part_way_gets_whole_tensors_next_time(file_bucket, keys):
+    """Two tensors changed at step 1; the consumer's scatter raises on the second patch (a
+    CUDA OOM). Found by review: the mirror had already moved to step 1, the next call yielded
+    nothing, and the engine kept tensor a at step 1 and b at step 0. Now the next call yields
+    both whole, and the engine ends bit for bit at step 1."""
+    url, _ = file_bucket
+    private, public = keys
+    a, b = bit_chain(15, (128, 128), 1), bit_chain(16, (128, 128), 1)
+    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+        for s in range(2):
+            pub.publish(s, {"a": a[s].view(BF16), "b": b[s].view(BF16)})
+    f = driftless.Follower(url, trusted_keys=[public])
+    engine = {"a": np.zeros(128 * 128, np.uint16), "b": np.zeros(128 * 128, np.uint16)}
+
+    def scatter(name, pos, vals):
+        if pos is None:
+            engine[name][:] = vals.reshape(-1)
+        else:
+            engine[name][pos] = vals
+
+    for patch in f.iter_patches(step=0):
+        scatter(*patch)
+    with pytest.raises(MemoryError):
+        for n, (name, pos, vals) in enumerate(f.iter_patches(step=1)):
+            if n == 1:
+                raise MemoryError("CUDA out of memory")
+            scatter(name, pos, vals)
+    patches = list(f.iter_patches(step=1))
+    assert sorted(name for name, _, _ in patches) == ["a", "b"]
+    assert all(pos is None for _, pos, _ in patches), "whole tensors after a partial consumer"
+    for patch in patches:
+        scatter(*patch)
+    assert f.patch_step == 1
+    assert np.array_equal(engine["a"], a[1].reshape(-1)) and np.array_equal(engine["b"], b[1].reshape(-1))
+
+
 def test_a_first_load_takes_the_next_route_after_a_bad_anchor(file_bucket, keys):
     """Arrays that hold nothing verified yet, newest anchor corrupt: the anchor is refused
     after it was streamed into them, and the same call goes on to the next best route (the
