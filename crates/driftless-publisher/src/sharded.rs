@@ -643,6 +643,17 @@ impl ShardedPublisher {
         }
     }
 
+    /// Waits for the step in flight, as `publish` does first, keeping its outcome for the next
+    /// receipt: a binding can wait here interruptibly, before `publish` reads the caller's
+    /// memory.
+    pub fn wait_previous(&mut self) -> Result<()> {
+        let resolved = self.resolve()?;
+        if resolved.0.is_some() || resolved.1.is_some() {
+            self.unreported = Some(resolved);
+        }
+        Ok(())
+    }
+
     /// Copies `shards` and starts the thread that builds, uploads and (rank 0) commits the
     /// part of `step`; returns its kind and whether it carries slices.
     fn send(&mut self, step: u64, shards: &[Shard<'_>]) -> Result<(PartKind, bool)> {

@@ -39,6 +39,37 @@ pub(crate) async fn interruptible<T>(fut: impl std::future::Future<Output = T>) 
     .await
 }
 
+/// Runs blocking `f` on a thread of its own and waits for it without the GIL, checking for a
+/// signal every 100 ms: Ctrl-C raises `KeyboardInterrupt` at once while `f` goes on in the
+/// background (found by review: a flush or a commit wait ignored Ctrl-C for up to its whole
+/// retry budget or commit timeout). Only for work that may be left running and reads no
+/// caller memory: a flush, a close (whose uploads then end with the process).
+pub(crate) fn wait_interruptible<T: Send + 'static>(
+    py: Python<'_>,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> PyResult<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("driftless-wait".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| errors::BindError::Internal(format!("cannot start a thread: {e}")))?;
+    let mut rx = rx;
+    loop {
+        // (The receiver crosses `allow_threads` by value: it is not `Sync`.)
+        let (r, back) = py.allow_threads(move || (rx.recv_timeout(std::time::Duration::from_millis(100)), rx));
+        rx = back;
+        match r {
+            Ok(v) => return Ok(v),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(errors::BindError::Internal("the waiting thread panicked".into()).into())
+            }
+        }
+    }
+}
+
 /// Store options from the keyword arguments both classes take.
 pub(crate) fn store_options(
     endpoint: Option<String>,

@@ -55,7 +55,8 @@ impl Common {
 /// Low-level publisher; use `driftless.Publisher`.
 #[pyclass(module = "driftless._native", name = "Publisher", subclass)]
 pub(crate) struct PyPublisher {
-    inner: Mutex<Option<Publisher>>,
+    /// Shared with a flush or close still running after Ctrl-C (see `wait_interruptible`).
+    inner: std::sync::Arc<Mutex<Option<Publisher>>>,
     origin: crate::errors::Origin,
     /// Addresses of the tensors the last `publish` read, for the zero-copy test.
     last_addrs: Mutex<Vec<(String, usize)>>,
@@ -104,7 +105,7 @@ impl PyPublisher {
             }
             let p = py.allow_threads(|| b.build()).map_err(BindError::from)?;
             Ok(PyPublisher {
-                inner: Mutex::new(Some(p)),
+                inner: std::sync::Arc::new(Mutex::new(Some(p))),
                 origin: crate::errors::Origin::here(),
                 last_addrs: Mutex::new(vec![]),
             })
@@ -177,10 +178,11 @@ impl PyPublisher {
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
             self.origin.check("Publisher")?;
-            py.allow_threads(|| {
-                let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let inner = self.inner.clone();
+            crate::wait_interruptible(py, move || {
+                let mut g = inner.lock().unwrap_or_else(|e| e.into_inner());
                 g.as_mut().ok_or(driftless_publisher::Error::Closed)?.flush()
-            })
+            })?
             .map_err(BindError::from)?;
             Ok(())
         })
@@ -190,10 +192,11 @@ impl PyPublisher {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
             self.origin.check("Publisher")?;
-            py.allow_threads(|| {
-                let p = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let inner = self.inner.clone();
+            crate::wait_interruptible(py, move || {
+                let p = inner.lock().unwrap_or_else(|e| e.into_inner()).take();
                 p.map_or(Ok(()), |p| p.close())
-            })
+            })?
             .map_err(BindError::from)?;
             Ok(())
         })
@@ -282,7 +285,7 @@ impl Drop for PyPublisher {
     /// publisher's own `Drop`): without the GIL, so that the rest of the interpreter runs
     /// meanwhile (it froze every Python thread for the whole flush).
     fn drop(&mut self) {
-        if let Some(p) = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(p) = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take() {
             if self.origin.forked() {
                 // (Its runtime's threads are the parent's: see `Origin`.)
                 std::mem::forget(p);

@@ -16,7 +16,8 @@ use crate::tensors::{borrow, Borrowed};
 /// Low-level sharded publisher; use `driftless.ShardedPublisher`.
 #[pyclass(module = "driftless._native", name = "ShardedPublisher", subclass)]
 pub(crate) struct PyShardedPublisher {
-    inner: Mutex<Option<ShardedPublisher>>,
+    /// Shared with a flush or close still running after Ctrl-C (see `wait_interruptible`).
+    inner: std::sync::Arc<Mutex<Option<ShardedPublisher>>>,
     origin: crate::errors::Origin,
 }
 
@@ -122,8 +123,13 @@ impl PyShardedPublisher {
                 Common { bucket_url, signing_key, anchor_every, new_stream, takeover, spool_dir, max_shard_bytes };
             let b = common.builder(opts)?;
             let timeout = secs(commit_timeout)?;
-            let p = py.allow_threads(|| b.build_sharded(rank, world_size, timeout)).map_err(BindError::from)?;
-            Ok(PyShardedPublisher { inner: Mutex::new(Some(p)), origin: crate::errors::Origin::here() })
+            // Ranks other than 0 wait for the committer (up to the commit timeout): Ctrl-C may end it.
+            let p = crate::wait_interruptible(py, move || b.build_sharded(rank, world_size, timeout))?
+                .map_err(BindError::from)?;
+            Ok(PyShardedPublisher {
+                inner: std::sync::Arc::new(Mutex::new(Some(p))),
+                origin: crate::errors::Origin::here(),
+            })
         })
     }
 
@@ -131,6 +137,13 @@ impl PyShardedPublisher {
     fn publish<'py>(&self, py: Python<'py>, step: u64, shards: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
             self.origin.check("ShardedPublisher")?;
+            // The wait for the previous step's outcome (up to the commit timeout) reads no
+            // caller memory: Ctrl-C may end it.
+            let inner = self.inner.clone();
+            crate::wait_interruptible(py, move || {
+                inner.lock().unwrap_or_else(|e| e.into_inner()).as_mut().map_or(Ok(()), |p| p.wait_previous())
+            })?
+            .map_err(BindError::from)?;
             let items = shards
                 .call_method0("items")
                 .map_err(|_| invalid("shards must be a dict of name -> driftless.shard(...)"))?;
@@ -176,12 +189,12 @@ impl PyShardedPublisher {
     fn flush<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
             self.origin.check("ShardedPublisher")?;
-            let o = py
-                .allow_threads(|| {
-                    let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-                    g.as_mut().ok_or(driftless_publisher::Error::Closed)?.flush()
-                })
-                .map_err(BindError::from)?;
+            let inner = self.inner.clone();
+            let o = crate::wait_interruptible(py, move || {
+                let mut g = inner.lock().unwrap_or_else(|e| e.into_inner());
+                g.as_mut().ok_or(driftless_publisher::Error::Closed)?.flush()
+            })?
+            .map_err(BindError::from)?;
             outcome_dict(py, &o)
         })
     }
@@ -216,10 +229,11 @@ impl PyShardedPublisher {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
             self.origin.check("ShardedPublisher")?;
-            py.allow_threads(|| {
-                let p = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let inner = self.inner.clone();
+            crate::wait_interruptible(py, move || {
+                let p = inner.lock().unwrap_or_else(|e| e.into_inner()).take();
                 p.map_or(Ok(()), |p| p.close())
-            })
+            })?
             .map_err(BindError::from)?;
             Ok(())
         })
@@ -244,7 +258,7 @@ impl Drop for PyShardedPublisher {
     /// Dropping a rank waits for its step in flight (rank 0: its commit, up to the commit
     /// timeout): without the GIL, so that the rest of the interpreter runs meanwhile.
     fn drop(&mut self) {
-        if let Some(p) = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(p) = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take() {
             if self.origin.forked() {
                 // (Its runtime's threads are the parent's: see `Origin`.)
                 std::mem::forget(p);

@@ -312,3 +312,47 @@ def test_objects_used_after_fork_raise_instead_of_hanging(file_bucket, keys, tmp
     assert sum("cannot be used after fork()" in x for x in lines) == 4, r.stdout + r.stderr
     assert "child exit 0" in lines and "parent poll 1" in lines, r.stdout + r.stderr
     assert "NOT published" not in r.stderr, r.stderr
+
+
+def test_ctrl_c_ends_the_waits_of_a_sharded_rank(file_bucket, keys):
+    """Ctrl-C ends the sharded calls that wait up to the commit timeout: a rank waiting for
+    its committer, rank 0's flush waiting for a part that never comes, and its next publish
+    waiting for that step's outcome. Found by review: each ignored Ctrl-C for the whole
+    commit timeout (2 minutes by default)."""
+    import signal
+    import threading
+    import time
+
+    url, _ = file_bucket
+    private, _ = keys
+
+    def interrupted(call):
+        timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        t = time.monotonic()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                call()
+        finally:
+            timer.join()
+        return time.monotonic() - t
+
+    # Python leaves SIGINT ignored when it started ignored (a background job): install the
+    # handler Ctrl-C has in a terminal.
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        took = interrupted(lambda: driftless.ShardedPublisher(url, 1, 2, signing_key=private, commit_timeout=8))
+        assert took < 4, took
+        p0 = driftless.ShardedPublisher(url, 0, 2, signing_key=private, commit_timeout=8)
+        x = np.zeros((2, 64), BF16)
+        p0.publish(0, {"w": driftless.shard(x[0:1].copy(), (2, 64), offsets=(0, 0))})
+        assert interrupted(p0.flush) < 4
+        assert interrupted(lambda: p0.publish(1, {"w": driftless.shard(x[0:1].copy(), (2, 64), offsets=(0, 0))})) < 4
+    finally:
+        signal.signal(signal.SIGINT, old)
+    # The step that missed a part is refused once the wait ends (a retry can help).
+    with pytest.raises(driftless.RetryableError, match="no part from ranks"):
+        p0.flush()
+    with pytest.raises(driftless.RetryableError, match="no part from ranks"):
+        p0.close()
+    assert p0.generation is None  # closed

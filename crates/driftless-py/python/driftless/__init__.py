@@ -141,12 +141,14 @@ class Publisher(_native.Publisher):
     def flush(self) -> None:
         """Blocks until every queued step and anchor is in the bucket. Raises
         :class:`RetryableError` when a background upload failed since the last flush (the
-        stream recovers with an anchor at the next publish)."""
+        stream recovers with an anchor at the next publish). Ctrl-C (``KeyboardInterrupt``)
+        ends the wait within 100 ms; the uploads go on in the background."""
         return super().flush()
 
     def close(self) -> None:
         """Flushes, then stops the uploader. Idempotent; ``publish`` afterwards raises
-        :class:`ClosedError`."""
+        :class:`ClosedError`. Ctrl-C ends the wait; the uploads then go on in the background
+        only as long as the process lives."""
         return super().close()
 
     def status(self) -> Dict[str, Any]:
@@ -377,7 +379,9 @@ class ShardedPublisher(_native.ShardedPublisher):
 
     def flush(self) -> Dict[str, Any]:
         """Waits until this rank's last step is uploaded and its outcome known, and returns
-        that outcome; raises :class:`RetryableError` when the step was not committed."""
+        that outcome; raises :class:`RetryableError` when the step was not committed. Ctrl-C
+        ends the wait (as it does the constructor's wait for the committer and ``publish``'s
+        wait for the previous step's outcome)."""
         return super().flush()
 
     def wait_sent(self) -> Optional[Dict[str, Any]]:
