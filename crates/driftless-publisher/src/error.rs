@@ -17,6 +17,10 @@ pub enum Error {
     /// that are not a stream.
     #[error("refusing to publish: {0}")]
     Refused(String),
+    /// A sharded rank waited until its deadline for another rank's work (rank 0's stream or
+    /// committer lease): that rank may still be starting, so trying again can help.
+    #[error("gave up waiting: {0}")]
+    Waited(String),
     /// A write-once object of the stream already exists: another publisher is writing this
     /// stream (or wrote this step before). The publisher stops: every later `publish` and
     /// `flush` returns this error, so two trainers never interleave one chain.
@@ -73,6 +77,7 @@ impl Error {
             Error::Stream(e) => e.is_retryable(),
             Error::Format(e) => e.is_retryable(),
             Error::Upload { retryable, .. } => *retryable,
+            Error::Waited(_) => true,
             // A full spool disk or quota needs someone to act first.
             Error::Io(e) => driftless_format::io_is_retryable(e),
             Error::Refused(_)

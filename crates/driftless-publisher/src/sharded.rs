@@ -554,7 +554,7 @@ impl PublisherBuilder {
                         Ok(Some(d)) => return Ok(d.stream_id),
                         Ok(None) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(200)).await,
                         Ok(None) => {
-                            return Err(Error::Refused(format!(
+                            return Err(Error::Waited(format!(
                                 "no stream at {} after {commit_timeout:?}: rank 0 creates it",
                                 bucket.url()
                             )))
@@ -1115,7 +1115,7 @@ async fn group_lease(bucket: &Bucket, world_size: u64, timeout: Duration) -> Res
                 None => {}
             }
         } else if Instant::now() >= deadline {
-            return Err(Error::Refused(format!("no committer (rank 0) on the stream after {timeout:?}")));
+            return Err(Error::Waited(format!("no committer (rank 0) on the stream after {timeout:?}")));
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

@@ -1651,6 +1651,18 @@ fn sharded_refusals_say_whether_retrying_helps() {
     assert!(!e.is_retryable(), "{e}");
 }
 
+/// A rank that starts before rank 0 and gives up at its deadline says a retry can help (found
+/// by review: "no stream yet" was a refusal, not retryable, and exited 2 like a bad key).
+#[test]
+fn a_rank_without_its_committer_yet_is_told_to_retry() {
+    let be = backends("sharded-early-rank", false).into_iter().next().expect("memory");
+    let (_f, b) = be.bucket();
+    let e = PublisherBuilder::new("x").with_bucket(b).with_key(key()).build_sharded(1, 2, Duration::from_millis(500));
+    let e = e.expect_err("no stream, no committer");
+    assert!(e.is_retryable(), "{e}");
+    assert!(e.to_string().contains("rank 0 creates it"), "{e}");
+}
+
 /// A `publish` that fails after it resolved the previous step (rank 1 cannot list the
 /// committer's lease: an outage) hands that step's outcome and part to the next receipt.
 /// Found by review: they were dropped, so a caller logging receipts never learned the fate of
