@@ -294,6 +294,18 @@ def test_closed_publisher(file_bucket):
     assert "closed" in repr(pub)
 
 
+def test_a_mismatch_message_is_short_and_says_the_cause_first(file_bucket):
+    url, _ = file_bucket
+    with driftless.Publisher(url) as pub:
+        pub.publish(0, {f"t{i:03d}": np.zeros(2, np.float32) for i in range(300)})
+    f = driftless.Follower(url, allow_unsigned=True)
+    with pytest.raises(driftless.InvalidInputError) as e:
+        f.apply_to({"t000": np.zeros(3, np.float32)})
+    msg = str(e.value)
+    assert len(msg) < 400 and "\n" not in msg, msg
+    assert msg.index("t000: stream has") < msg.index("300 tensors") and "and 292 more" in msg, msg
+
+
 def test_step_order_and_mismatched_arrays(file_bucket):
     url, _ = file_bucket
     with driftless.Publisher(url) as pub:
@@ -306,7 +318,7 @@ def test_step_order_and_mismatched_arrays(file_bucket):
         with pytest.raises(ValueError, match="not after"):
             pub.publish(4, {"a": np.zeros(3, np.float32)})
     f = driftless.Follower(url, allow_unsigned=True)
-    with pytest.raises(driftless.InvalidInputError, match="do not match"):
+    with pytest.raises(driftless.InvalidInputError, match=r"do not match the tensors of step 5: a: stream has F32 \[3\], array is F32 \[4\]"):
         f.apply_to({"a": np.zeros(4, np.float32)})
     with pytest.raises(driftless.InvalidInputError, match="do not match"):
         f.apply_to({"b": np.zeros(3, np.float32)})

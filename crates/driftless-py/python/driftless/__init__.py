@@ -200,7 +200,9 @@ class Follower(_native.Follower):
         no valid hint, the ready markers are listed too (they are the source of truth).
         Ctrl-C (``KeyboardInterrupt``) stops it within 100 ms. The calls that write (``sync_dir``,
         ``apply_to``) are not interrupted mid-way: each ends within the store's retry and
-        listing budgets (``retry_timeout``, 300 s per listing)."""
+        listing budgets (``retry_timeout``, 300 s per listing; a request that hangs is cut
+        after the HTTP client's 30 s request timeout, which ``retry_timeout`` does not
+        shorten)."""
         return super().poll()
 
     def sync_dir(self, path: str) -> Dict[str, Any]:
