@@ -507,11 +507,20 @@ impl Agent {
 
     /// The stream id of the verified descriptor (read once).
     async fn stream_id(&mut self) -> Result<String> {
-        if let Some(s) = &self.stream_id {
+        // A signed latest.json of another stream (a new run in this prefix, or a replayed
+        // one): stream.json decides, read again. Found by review: read once, a continuous
+        // agent never followed a new run and reported the old run's step as up to date.
+        let other = matches!((&self.stream_id, &self.hint), (Some(s), Some(h)) if *s != h.stream_id);
+        if let Some(s) = self.stream_id.as_ref().filter(|_| !other) {
             return Ok(s.clone());
         }
         match self.reader.descriptor().await? {
             Some(d) => {
+                if let Some(old) = self.stream_id.as_ref().filter(|s| **s != d.stream_id) {
+                    info!(old = %old, new = %d.stream_id, "the bucket holds a new stream: following it");
+                    self.markers = MarkerCache::default();
+                    self.refused = Refusals::new(self.cfg.refuse_for);
+                }
                 self.stream_id = Some(d.stream_id.clone());
                 Ok(d.stream_id)
             }
@@ -570,6 +579,11 @@ impl Agent {
     }
 
     async fn sync_inner(&mut self, careful: bool, t0: Instant) -> Result<SyncOutcome, BuildError> {
+        // The signed latest.json first (what `hinted_candidates` would read): the stream it
+        // names tells whether stream.json must be read again.
+        if self.hint.is_none() && !self.list_next && self.active_ok && self.state.is_some() {
+            self.hint = self.reader.latest(None).await.ok().flatten().map(|(h, _)| h);
+        }
         let sid = self.stream_id().await?;
         // A switch that was interrupted (a failed link, a crash after the state was written).
         if let Some(st) = self.state.as_ref().filter(|_| self.active_ok) {

@@ -300,3 +300,44 @@ async fn layout_changes_reach_the_agent_bit_for_bit() {
         assert!(slots.iter().all(|s| !s.ends_with(".new")), "{url}: leftover {slots:?}");
     }
 }
+
+/// A continuous agent (one `Agent`, many syncs) at step 4 of one run; the prefix is emptied
+/// and a new run (a new stream) publishes steps 0-2 there. Found by review: the agent read the
+/// stream id once, so it never followed the new run and reported the old run's step 4 as up
+/// to date. Now the new run's signed latest.json makes it read stream.json again, and it loads
+/// the new run's step 2 from its anchor, bit for bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_agent_follows_a_new_run_in_its_prefix() {
+    let d = tempfile::tempdir().unwrap();
+    let url = format!("file://{}", d.path().join("bucket").display());
+    let key = Keypair::from_seed([9; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let publish = |seed: u64, steps: u64| {
+        let url = url.clone();
+        let key = Keypair::from_seed([9; 32]);
+        tokio::task::spawn_blocking(move || {
+            let b = Bucket::open(&url, &StoreOptions::default()).unwrap();
+            let mut p = PublisherBuilder::new("x").with_bucket(b).with_key(key).with_new_stream(true).build().unwrap();
+            let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 1e-5, seed);
+            for step in 0..=steps {
+                if step > 0 {
+                    chain.step();
+                }
+                p.publish(step, &chain.views()).unwrap();
+            }
+            p.close().unwrap();
+            chain
+        })
+    };
+    let old = publish(1, 4).await.unwrap();
+    let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut agent = Agent::new(bucket, AgentConfig::new(dir.path(), trust)).unwrap();
+    assert_eq!(agent.sync_once().await.unwrap().step, 4);
+    assert_same(&agent, &old);
+    std::fs::remove_dir_all(d.path().join("bucket")).unwrap();
+    let new = publish(2, 2).await.unwrap();
+    let o = agent.sync_once().await.unwrap();
+    assert_eq!((o.step, o.route), (2, SyncPath::Anchor));
+    assert_same(&agent, &new);
+}
