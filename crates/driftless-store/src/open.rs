@@ -40,13 +40,24 @@ impl Bucket {
     /// Explicit [`StoreOptions`] win over the environment variables each backend reads; the
     /// crate README lists them.
     pub fn open(url: &str, opts: &StoreOptions) -> Result<Bucket> {
+        Self::open_with(url, opts, true)
+    }
+
+    /// Like [`Bucket::open`] for readers (agents, followers, `inspect`, `gc`): a `file://`
+    /// directory that does not exist is an error (a typo), not a new empty bucket. Other
+    /// schemes open as usual (a missing prefix is an empty stream).
+    pub fn open_existing(url: &str, opts: &StoreOptions) -> Result<Bucket> {
+        Self::open_with(url, opts, false)
+    }
+
+    fn open_with(url: &str, opts: &StoreOptions, create: bool) -> Result<Bucket> {
         let redacted = redact_url(url);
         let (scheme, rest) =
             url.split_once("://").ok_or_else(|| Error::InvalidUrl(format!("{redacted}: expected SCHEME://...")))?;
         // Query strings and fragments are never meaningful here (and may hold secrets).
         let rest = rest.split(['?', '#']).next().unwrap_or("");
         let bucket = match scheme {
-            "file" => open_file(rest, opts)?,
+            "file" => open_file(rest, opts, create)?,
             "memory" => open_memory(rest, opts)?,
             "s3" | "s3a" => open_s3(rest, opts)?,
             "gs" | "gcs" => open_gcs(rest, opts)?,
@@ -86,11 +97,16 @@ fn check_prefix(prefix: &str, url: &str) -> Result<()> {
         .map_err(|e| Error::InvalidUrl(format!("{}: invalid prefix: {e}", redact_url(url))))
 }
 
-fn open_file(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
+fn open_file(rest: &str, opts: &StoreOptions, create: bool) -> Result<Bucket> {
     // file:///abs/dir -> rest = "/abs/dir"; file://localhost/abs/dir is accepted too.
     let path = rest.strip_prefix("localhost").unwrap_or(rest);
     if !path.starts_with('/') {
         return Err(Error::InvalidUrl(format!("file://{rest}: expected an absolute path (file:///abs/dir)")));
+    }
+    if !create && !std::path::Path::new(path).is_dir() {
+        return Err(Error::InvalidUrl(format!(
+            "file://{path}: no such directory (check the URL; nothing was created)"
+        )));
     }
     std::fs::create_dir_all(path)
         .map_err(|e| Error::InvalidUrl(format!("file://{path}: cannot create directory: {e}")))?;

@@ -20,7 +20,7 @@ pub struct BucketArgs {
 }
 
 impl BucketArgs {
-    pub fn open(&self) -> anyhow::Result<driftless_store::Bucket> {
+    fn options(&self) -> StoreOptions {
         let mut o = StoreOptions::default();
         if let Some(e) = &self.endpoint {
             o = o.with_endpoint(e.clone()).with_path_style(true);
@@ -28,21 +28,17 @@ impl BucketArgs {
         if let Some(r) = &self.region {
             o = o.with_region(r.clone());
         }
-        o = o.with_allow_http(self.allow_http || self.endpoint.as_deref().is_some_and(|e| e.starts_with("http://")));
-        Ok(driftless_store::Bucket::open(&self.bucket, &o)?)
+        o.with_allow_http(self.allow_http || self.endpoint.as_deref().is_some_and(|e| e.starts_with("http://")))
     }
 
-    /// Like [`BucketArgs::open`] for commands that only read or trim an existing stream
-    /// (`inspect`, `gc`): a `file://` directory that does not exist is an error (a typo), not
-    /// a new empty bucket.
+    pub fn open(&self) -> anyhow::Result<driftless_store::Bucket> {
+        Ok(driftless_store::Bucket::open(&self.bucket, &self.options())?)
+    }
+
+    /// For commands that only read or trim an existing stream (`agent --once`, `inspect`,
+    /// `gc`): a `file://` directory that does not exist is an error (a typo), not a new empty
+    /// bucket ([`driftless_store::Bucket::open_existing`]).
     pub fn open_existing(&self) -> anyhow::Result<driftless_store::Bucket> {
-        if let Some(rest) = self.bucket.strip_prefix("file://") {
-            let rest = rest.split(['?', '#']).next().unwrap_or("");
-            let path = std::path::Path::new(rest.strip_prefix("localhost").unwrap_or(rest));
-            if path.is_absolute() && !path.is_dir() {
-                anyhow::bail!("{}: no such directory (check the URL; nothing was created)", self.bucket);
-            }
-        }
-        self.open()
+        Ok(driftless_store::Bucket::open_existing(&self.bucket, &self.options())?)
     }
 }
