@@ -87,6 +87,37 @@ async fn with_trusted_keys_an_unsigned_planted_step_is_not_the_newest() {
     }
 }
 
+/// A run's manifest (signed by the same key, as a team's runs often are) replayed under a
+/// marker forged with this stream's id: agents refuse it ("signed for another stream"), so GC
+/// must not count it either. Found by review: the check compared the marker with stream.json
+/// and the manifest with the marker's step, base and size, never the manifest's stream.
+#[tokio::test]
+async fn a_manifest_of_another_run_under_a_forged_marker_takes_no_place() {
+    for tb in buckets("replayed-run") {
+        let b = &tb.bucket;
+        let key = Keypair::generate();
+        write_step_signed(b, StepId::anchor(0), None, Some(&key)).await;
+        for s in 1..=5 {
+            write_step_signed(b, StepId::delta(s), Some(s - 1), Some(&key)).await;
+        }
+        for (id, base) in [(StepId::anchor(100), None), (StepId::delta(101), Some(100))] {
+            let objects = vec![(payload_name(id.kind, 0), Bytes::from(vec![7u8; 20]))];
+            let m = manifest_of_stream(id, base, &objects, Some(&key), "another-run");
+            b.put(&layout::object(id.kind, id.step, &objects[0].0), objects[0].1.clone()).await.unwrap();
+            b.put(&layout::manifest(id.kind, id.step), m.clone()).await.unwrap();
+            b.put(&layout::ready(id.kind, id.step), marker_for(id, base, &m, 20)).await.unwrap();
+        }
+        let policy = GcPolicy::new()
+            .with_keep_deltas(1)
+            .with_keep_anchors(1)
+            .with_grace(Duration::from_secs(60))
+            .with_trust(Some(TrustSet::new().with_key(key.public())));
+        let p = plan(b, &policy, later()).await.unwrap();
+        assert_eq!((p.newest_anchor, p.newest_step), (Some(0), Some(5)), "{}: {p}", tb.name);
+        assert!(p.deleted.is_empty(), "{}: the real chain is anchor 0 + deltas 1..5: {p}", tb.name);
+    }
+}
+
 /// Found by review: anchor 30's manifest no longer matched its marker (bit rot, a bad copy);
 /// agents refuse it and fall back to anchor 20 + deltas 21..33, but GC took anchor 30 for the
 /// newest anchor and deleted anchor 20 and its deltas: no cold reader could start.

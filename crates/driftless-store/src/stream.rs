@@ -274,6 +274,7 @@ pub fn delta_manifest_of(
     payload: &[u8],
 ) -> Result<DeltaManifest, driftless_format::Error> {
     let m = DeltaManifest::from_slice(payload)?;
+    same_stream(marker, &m.stream_id)?;
     if m.step != step || Some(m.base_step) != marker.base_step {
         return Err(driftless_format::Error::Corrupt {
             what: "delta manifest",
@@ -291,6 +292,7 @@ pub fn anchor_manifest_of(
     payload: &[u8],
 ) -> Result<AnchorManifest, driftless_format::Error> {
     let m = AnchorManifest::from_slice(payload)?;
+    same_stream(marker, &m.stream_id)?;
     if m.step != step {
         return Err(driftless_format::Error::Corrupt {
             what: "anchor manifest",
@@ -299,6 +301,25 @@ pub fn anchor_manifest_of(
     }
     same_payload(marker, m.payload_bytes())?;
     Ok(m)
+}
+
+/// A ready marker's stream (which readers match against `stream.json`'s) must be its signed
+/// manifest's: a run's manifest replayed under a marker forged for another run of the same
+/// key passed GC's check (agents refuse it on their own: "signed for another stream"), and
+/// took a place GC keeps. Found by review.
+fn same_stream(marker: &ReadyMarker, signed: &str) -> Result<(), driftless_format::Error> {
+    if marker.stream_id == signed {
+        return Ok(());
+    }
+    Err(driftless_format::Error::Corrupt {
+        what: "ready marker",
+        detail: format!(
+            "{:?} {} names stream {:?}, its signed manifest {signed:?}",
+            marker.of,
+            marker.step,
+            marker.stream_id.chars().take(64).collect::<String>()
+        ),
+    })
 }
 
 /// A ready marker's payload bytes (unsigned: planners compare routes by them) must be its

@@ -131,6 +131,17 @@ pub fn signed_manifest_of(
     objects: &[(String, Bytes)],
     key: Option<&driftless_format::sign::Keypair>,
 ) -> Bytes {
+    manifest_of_stream(id, base, objects, key, "test-stream")
+}
+
+/// [`signed_manifest_of`] for the stream `stream_id`.
+pub fn manifest_of_stream(
+    id: StepId,
+    base: Option<u64>,
+    objects: &[(String, Bytes)],
+    key: Option<&driftless_format::sign::Keypair>,
+    stream_id: &str,
+) -> Bytes {
     use driftless_format::manifest::{AnchorEncoding, AnchorManifest, AnchorShardRef, DeltaManifest, ObjectRef};
     use driftless_format::manifest::{SegmentRef, ShardRecord, FORMAT_VERSION};
     let obj =
@@ -139,7 +150,7 @@ pub fn signed_manifest_of(
         StepKind::Delta => serde_json::to_vec(&DeltaManifest {
             kind: "delta".into(),
             version: FORMAT_VERSION,
-            stream_id: "test-stream".into(),
+            stream_id: stream_id.into(),
             step: id.step,
             base_step: base.unwrap_or(0),
             base_root: Digest([0; 32]),
@@ -154,7 +165,7 @@ pub fn signed_manifest_of(
         StepKind::Anchor => serde_json::to_vec(&AnchorManifest {
             kind: "anchor".into(),
             version: FORMAT_VERSION,
-            stream_id: "test-stream".into(),
+            stream_id: stream_id.into(),
             step: id.step,
             weights_root: Digest([0; 32]),
             encoding: AnchorEncoding::Safetensors,
