@@ -165,6 +165,8 @@ pub struct Agent {
     /// Set while the servers are being told to load: [`Agent::run`] lets that finish before
     /// it stops (an engine paused for a load must be resumed).
     notifying: Arc<std::sync::atomic::AtomicBool>,
+    /// Set once [`Agent::run`] was asked to stop: no new notify starts after it.
+    stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -270,6 +272,7 @@ impl Agent {
             patch: None,
             decode_ahead: Arc::new(tokio::sync::Semaphore::new(DECODE_AHEAD_BYTES)),
             notifying: Arc::default(),
+            stopping: Arc::default(),
         })
     }
 
@@ -407,8 +410,10 @@ impl Agent {
 
     async fn notify_if_needed(&mut self) -> Result<()> {
         let Some(st) = self.state.clone() else { return Ok(()) };
-        // Step and root: another stream's step of the same number is other weights.
-        if self.loaded == Some((st.step, st.root)) || !self.active_ok {
+        // Step and root: another stream's step of the same number is other weights. Once the
+        // agent is stopping, nothing new is announced (found by review: the shutdown wait for
+        // one load drove the poll on into the next sync and its load).
+        if self.loaded == Some((st.step, st.root)) || !self.active_ok || self.stopping.load(Relaxed) {
             return Ok(());
         }
         // The directory sent is `current` resolved: it must name the state's slot (a link that
@@ -1347,7 +1352,11 @@ impl Agent {
     ) -> Result<Stopped> {
         tokio::pin!(shutdown);
         let mut p = PollState { interval: self.cfg.poll_min, failures: 0, etag: None, polls: 0 };
-        let notifying = self.notifying.clone();
+        let (notifying, stopping) = (self.notifying.clone(), self.stopping.clone());
+        // The longest a load in flight is waited for at shutdown: the notifiers' own timeouts,
+        // plus the control calls around a load.
+        let grace =
+            self.cfg.notify.iter().map(Notifier::load_timeout).max().unwrap_or_default() + Duration::from_secs(90);
         loop {
             let polled = {
                 let poll = self.poll(&mut p);
@@ -1360,11 +1369,19 @@ impl Agent {
                 // A notify in flight is finished first (bounded by the notifier's own
                 // timeouts): dropped midway, it left an engine paused for its load with no one
                 // to resume it (found by review). The rest of the poll is abandoned.
+                if stopped {
+                    stopping.store(true, Relaxed);
+                }
                 if stopped && notifying.load(Relaxed) {
-                    info!("stopping once the inference server's load in flight has ended");
+                    info!(max_secs = grace.as_secs(), "stopping once the inference server's load in flight has ended");
+                    let end = tokio::time::Instant::now() + grace;
                     loop {
                         tokio::select! {
                             _ = &mut poll => break,
+                            _ = tokio::time::sleep_until(end) => {
+                                warn!("the load in flight did not end in time; stopping anyway");
+                                break;
+                            }
                             _ = tokio::time::sleep(Duration::from_millis(20)) => {
                                 if !notifying.load(Relaxed) {
                                     break;

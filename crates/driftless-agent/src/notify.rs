@@ -367,6 +367,15 @@ fn absolute(dir: &Path) -> String {
 }
 
 impl Notifier {
+    /// How long one load of this target may take (`timeout=` for engines; the default for
+    /// `http=` and `exec=`).
+    pub fn load_timeout(&self) -> Duration {
+        match self {
+            Notifier::Sglang(t) | Notifier::Vllm(t) => t.load_timeout,
+            Notifier::Http(_) | Notifier::Exec(_) => DEFAULT_LOAD_TIMEOUT,
+        }
+    }
+
     /// Whether this target applies patches (the agent then writes them, see [`crate::patch`]).
     pub fn wants_patch(&self) -> bool {
         matches!(self, Notifier::Vllm(t) if t.patch)
@@ -405,14 +414,19 @@ impl Notifier {
                     .map_err(|e| fail(e.to_string()))
             }
             Notifier::Exec(c) => {
-                let st = tokio::process::Command::new("sh")
+                // Bounded like an engine's load: a hook that hangs is killed (it held the
+                // agent, and its shutdown, for good; found by review).
+                let run = tokio::process::Command::new("sh")
                     .arg("-c")
                     .arg(c)
                     .env("DRIFTLESS_STEP", step.to_string())
                     .env("DRIFTLESS_WEIGHTS_ROOT", root.to_hex())
                     .env("DRIFTLESS_DIR", absolute(dir))
-                    .status()
+                    .kill_on_drop(true)
+                    .status();
+                let st = tokio::time::timeout(DEFAULT_LOAD_TIMEOUT, run)
                     .await
+                    .map_err(|_| fail(format!("still running after {} s; killed", DEFAULT_LOAD_TIMEOUT.as_secs())))?
                     .map_err(|e| fail(e.to_string()))?;
                 if st.success() {
                     Ok(())

@@ -639,6 +639,57 @@ fn stopped_before_repairing_wrong_weights_the_next_start_checks_them_again() {
     assert_eq!(e.current_step("a"), 0);
 }
 
+/// A continuous agent on step 0 with step 1 ready; SIGTERM while the server loads step 0
+/// (the announce at start, a hook taking 2 s): that load is finished, then the agent stops,
+/// without syncing on into step 1's load (found by review: the wait drove the poll on and
+/// started the next load). A second signal stops at once, also while a hook hangs.
+#[test]
+fn sigterm_during_a_load_finishes_that_load_only_and_a_second_signal_stops_at_once() {
+    let mut e = Env::new();
+    e.publish();
+    assert!(run_bounded(e.agent("a"), 60).status.success());
+    e.publish();
+    let log = e.p("loads.log");
+    let hook =
+        format!("exec=echo start $DRIFTLESS_STEP >> {0} && sleep 2 && echo end $DRIFTLESS_STEP >> {0}", log.display());
+    let spawn = |hook: &str| {
+        bin()
+            .args(["agent", "--bucket", &e.url("bucket"), "--trust"])
+            .arg(e.p("key.pub"))
+            .arg("--dir")
+            .arg(e.p("a"))
+            .args(["--notify", hook])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let child = spawn(&hook);
+    let _guard = KillOnDrop(Some(child.id()));
+    let t = Instant::now();
+    while !std::fs::read_to_string(&log).unwrap_or_default().contains("start 0") {
+        assert!(t.elapsed() < Duration::from_secs(30), "no load started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (o, took) = signal_and_wait(child, libc::SIGTERM, Duration::from_millis(300));
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let loads = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(loads.lines().collect::<Vec<_>>(), ["start 0", "end 0"], "{loads}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    // A hook that hangs (20 s here): the second signal ends the wait.
+    let child = spawn("exec=exec sleep 20 >/dev/null 2>&1");
+    let pid = child.id();
+    let _guard = KillOnDrop(Some(pid));
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let (o, took) = signal_and_wait(child, libc::SIGTERM, Duration::from_millis(500));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("SIGTERM again: stopping now"), "{err}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+}
+
 // The served slot damaged on disk while the agent runs (no crash, so no re-hash at start):
 // the next delta's result cannot verify. Found by review: the delta was refused as corrupt,
 // and every one after it until the next anchor, while the agent reported the damaged files as

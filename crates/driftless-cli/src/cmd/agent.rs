@@ -109,6 +109,16 @@ pub fn run(a: Args) -> Result<()> {
         let received = std::sync::OnceLock::new();
         let shutdown = async {
             let _ = received.set(signals.recv().await);
+            // The agent may wait for an inference server's load in flight: a second signal
+            // stops at once (what a SIGKILL would do; the directory is safe at any point).
+            tokio::spawn(async move {
+                let name = signals.recv().await;
+                eprintln!(
+                    "driftless agent: {name} again: stopping now, without waiting for the inference server's load \
+                     (it may stay paused until the next agent announces its step)"
+                );
+                std::process::exit(2);
+            });
         };
         let stopped = agent.run(poke, shutdown).await?;
         let name = received.get().copied().unwrap_or("signal");
