@@ -314,7 +314,7 @@ fn same_stream(marker: &ReadyMarker, signed: &str) -> Result<(), driftless_forma
     Err(driftless_format::Error::Corrupt {
         what: "ready marker",
         detail: format!(
-            "{:?} {} names stream {:?}, its signed manifest {signed:?}",
+            "{:?} {} names stream {:?}; its signed manifest is of another stream, {signed:?}",
             marker.of,
             marker.step,
             marker.stream_id.chars().take(64).collect::<String>()
