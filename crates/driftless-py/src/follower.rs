@@ -459,6 +459,7 @@ impl PyFollower {
     /// Forgets the patch mirror's step (the next `iter_patches` yields every tensor whole).
     fn _drop_mirror(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
+            self.origin.check("Follower")?;
             py.allow_threads(|| self.state.lock().unwrap_or_else(|e| e.into_inner()).mirror = None);
             Ok(())
         })
@@ -467,6 +468,7 @@ impl PyFollower {
     /// Forgets what `apply_to` tracked (the next call loads an anchor into the arrays).
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
+            self.origin.check("Follower")?;
             py.allow_threads(|| {
                 let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 st.applied = None;

@@ -208,12 +208,17 @@ impl PyPublisher {
         // Without the GIL: another thread's `flush` may hold the lock for the store's retry
         // budget (found by review: `closed`, read by `repr` and the exit hook, froze every
         // Python thread for a minute).
+        // In a forked child it is closed for this process (and its lock may never be free).
+        if self.origin.forked() {
+            return Ok(true);
+        }
         crate::errors::guard(|| Ok(py.allow_threads(|| self.inner.lock().unwrap_or_else(|e| e.into_inner()).is_none())))
     }
 
     /// Counters as a dict.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
+            self.origin.check("Publisher")?;
             let s = py.allow_threads(|| {
                 self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|p| (p.status(), p.next_step()))
             });
@@ -285,13 +290,20 @@ impl Drop for PyPublisher {
     /// publisher's own `Drop`): without the GIL, so that the rest of the interpreter runs
     /// meanwhile (it froze every Python thread for the whole flush).
     fn drop(&mut self) {
-        if let Some(p) = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            if self.origin.forked() {
-                // (Its runtime's threads are the parent's: see `Origin`.)
-                std::mem::forget(p);
-                return;
-            }
-            Python::with_gil(|py| py.allow_threads(move || drop(p)));
+        if self.origin.forked() {
+            // Leaked whole, lock untouched: its runtime's threads, and whoever held the lock
+            // at fork time, are the parent's (see `Origin`).
+            std::mem::forget(self.inner.clone());
+            return;
         }
+        // The lock is taken without the GIL too: a flush left running by Ctrl-C may hold it
+        // (found by review: every Python thread froze until it ended).
+        let inner = self.inner.clone();
+        Python::with_gil(|py| {
+            py.allow_threads(move || {
+                let p = inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+                drop(p)
+            })
+        });
     }
 }

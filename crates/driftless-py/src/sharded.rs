@@ -250,6 +250,10 @@ impl PyShardedPublisher {
     /// Reads the publisher under its lock. Callers release the GIL first: the lock is held
     /// for as long as another thread's `publish` or `flush` blocks.
     fn with<T>(&self, f: impl FnOnce(&ShardedPublisher) -> Option<T>) -> Option<T> {
+        // Nothing in a forked child (its lock may never be free there).
+        if self.origin.forked() {
+            return None;
+        }
         self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(f)
     }
 }
@@ -258,13 +262,20 @@ impl Drop for PyShardedPublisher {
     /// Dropping a rank waits for its step in flight (rank 0: its commit, up to the commit
     /// timeout): without the GIL, so that the rest of the interpreter runs meanwhile.
     fn drop(&mut self) {
-        if let Some(p) = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            if self.origin.forked() {
-                // (Its runtime's threads are the parent's: see `Origin`.)
-                std::mem::forget(p);
-                return;
-            }
-            Python::with_gil(|py| py.allow_threads(move || drop(p)));
+        if self.origin.forked() {
+            // Leaked whole, lock untouched: its runtime's threads, and whoever held the lock
+            // at fork time, are the parent's (see `Origin`).
+            std::mem::forget(self.inner.clone());
+            return;
         }
+        // The lock is taken without the GIL too: a flush left running by Ctrl-C may hold it
+        // (found by review: every Python thread froze until it ended).
+        let inner = self.inner.clone();
+        Python::with_gil(|py| {
+            py.allow_threads(move || {
+                let p = inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+                drop(p)
+            })
+        });
     }
 }

@@ -278,8 +278,9 @@ f = driftless.Follower(url, trusted_keys=[public])
 assert f.poll() == 0
 pid = os.fork()
 if pid == 0:
+    print("child closed", p.closed, flush=True)  # closed for this process, lock untouched
     for call in (f.poll, lambda: f.apply_to({"w": np.zeros((64, 64), ml_dtypes.bfloat16)}),
-                 lambda: p.publish(1, w), p.flush):
+                 lambda: p.publish(1, w), p.flush, p.status, f.reset):
         try:
             call()
             print("child: a call returned", flush=True)
@@ -309,7 +310,8 @@ def test_objects_used_after_fork_raise_instead_of_hanging(file_bucket, keys, tmp
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
-    assert sum("cannot be used after fork()" in x for x in lines) == 4, r.stdout + r.stderr
+    assert sum("cannot be used after fork()" in x for x in lines) == 6, r.stdout + r.stderr
+    assert "child closed True" in lines, r.stdout
     assert "child exit 0" in lines and "parent poll 1" in lines, r.stdout + r.stderr
     assert "NOT published" not in r.stderr, r.stderr
 

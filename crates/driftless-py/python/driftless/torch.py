@@ -181,9 +181,15 @@ class PublishHook:
         (with ``every > 1`` the last ones of a run usually did), so that the final weights
         reach the bucket; call it at the end of training, before the publisher's ``close``.
         Returns the receipt, or None when the newest weights were already published."""
-        # Not the call count: a due publish that raised (and a trainer that trained on) left
-        # the newest weights unpublished (found by review: `finish` said they were).
-        if not self._unpublished:
+        # A single publisher: not the call count, since a due publish that raised (and a
+        # trainer that trained on) left the newest weights unpublished (found by review:
+        # `finish` said they were). Sharded ranks all decide by the call count, which is the
+        # same on every rank: a rank's own failure must not make it publish a step alone (its
+        # part would wait for the others' to the commit timeout and be refused).
+        if isinstance(self.view, ShardedBF16View):
+            if self._calls % self.every == 0:
+                return None
+        elif not self._unpublished:
             return None
         r = self._publish()
         self._calls = 0
