@@ -26,6 +26,16 @@ pub enum Error {
         /// Why it failed.
         reason: String,
     },
+    /// The prefix holds ready markers but no readable `stream.json`, so GC cannot tell this
+    /// stream's markers from another's. Nothing is deleted.
+    #[error(
+        "{}: {reason}; nothing deleted: restore it from the publisher (markers of any stream would be believed)",
+        driftless_store::layout::STREAM
+    )]
+    NoStream {
+        /// Why it could not be read.
+        reason: String,
+    },
     /// A duration setting could not be parsed (`--grace 10m`).
     #[error("invalid duration {input:?}: {reason}")]
     InvalidDuration {
@@ -41,7 +51,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Store(e) => e.is_retryable(),
-            Error::InvalidDuration { .. } | Error::Unverifiable { .. } => false,
+            Error::InvalidDuration { .. } | Error::Unverifiable { .. } | Error::NoStream { .. } => false,
         }
     }
 }

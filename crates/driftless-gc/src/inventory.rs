@@ -344,11 +344,22 @@ impl Inventory {
         for (info, state) in read.into_iter().flatten() {
             inv.add_marker(info, state);
         }
-        inv.stream_id = match bucket.get_limited(layout::STREAM, MAX_MARKER_BYTES).await {
-            Ok(b) => stream_id_of(&b),
-            Err(e) if e.is_not_found() => None,
-            Err(driftless_store::Error::TooLarge { .. }) => None,
+        let stream = match bucket.get_limited(layout::STREAM, MAX_MARKER_BYTES).await {
+            Ok(b) => stream_id_of(&b).ok_or("it is not a stream descriptor"),
+            Err(e) if e.is_not_found() => Err("it is missing"),
+            Err(driftless_store::Error::TooLarge { .. }) => Err("it is too large"),
             Err(e) => return Err(e.into()),
+        };
+        inv.stream_id = match stream {
+            Ok(id) => Some(id),
+            // Without the stream's id, a marker of any stream (another run's, replayed into this
+            // prefix with its manifest) would be believed and could take a kept place. Agents
+            // cannot start without stream.json either, and a publisher writes it before its first
+            // marker: markers without it are a damaged stream, and nothing is deleted.
+            Err(reason) if inv.steps.values().any(|e| matches!(e.marker, Some((_, MarkerState::Ready(_))))) => {
+                return Err(Error::NoStream { reason: reason.into() })
+            }
+            Err(_) => None,
         };
         inv.vet_markers();
         inv.leases = load_leases(bucket).await?;

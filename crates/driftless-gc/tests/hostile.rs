@@ -87,6 +87,31 @@ async fn with_trusted_keys_an_unsigned_planted_step_is_not_the_newest() {
     }
 }
 
+/// Writes this stream's anchor 0 + deltas 1..5 and another run's anchor 100 + delta 101, all
+/// signed by one key, the other run's markers carrying `marker_stream`. Returns a policy that
+/// trusts the key and keeps one step of each kind.
+async fn chain_and_another_run(b: &driftless_store::Bucket, marker_stream: &str) -> GcPolicy {
+    let key = Keypair::generate();
+    write_step_signed(b, StepId::anchor(0), None, Some(&key)).await;
+    for s in 1..=5 {
+        write_step_signed(b, StepId::delta(s), Some(s - 1), Some(&key)).await;
+    }
+    for (id, base) in [(StepId::anchor(100), None), (StepId::delta(101), Some(100))] {
+        let objects = vec![(payload_name(id.kind, 0), Bytes::from(vec![7u8; 20]))];
+        let m = manifest_of_stream(id, base, &objects, Some(&key), "another-run");
+        let mut marker: serde_json::Value = serde_json::from_slice(&marker_for(id, base, &m, 20)).unwrap();
+        marker["stream_id"] = marker_stream.into();
+        b.put(&layout::object(id.kind, id.step, &objects[0].0), objects[0].1.clone()).await.unwrap();
+        b.put(&layout::manifest(id.kind, id.step), m.clone()).await.unwrap();
+        b.put(&layout::ready(id.kind, id.step), Bytes::from(serde_json::to_vec(&marker).unwrap())).await.unwrap();
+    }
+    GcPolicy::new()
+        .with_keep_deltas(1)
+        .with_keep_anchors(1)
+        .with_grace(Duration::from_secs(60))
+        .with_trust(Some(TrustSet::new().with_key(key.public())))
+}
+
 /// A run's manifest (signed by the same key, as a team's runs often are) replayed under a
 /// marker forged with this stream's id: agents refuse it ("signed for another stream"), so GC
 /// must not count it either. Found by review: the check compared the marker with stream.json
@@ -95,23 +120,8 @@ async fn with_trusted_keys_an_unsigned_planted_step_is_not_the_newest() {
 async fn a_manifest_of_another_run_under_a_forged_marker_takes_no_place() {
     for tb in buckets("replayed-run") {
         let b = &tb.bucket;
-        let key = Keypair::generate();
-        write_step_signed(b, StepId::anchor(0), None, Some(&key)).await;
-        for s in 1..=5 {
-            write_step_signed(b, StepId::delta(s), Some(s - 1), Some(&key)).await;
-        }
-        for (id, base) in [(StepId::anchor(100), None), (StepId::delta(101), Some(100))] {
-            let objects = vec![(payload_name(id.kind, 0), Bytes::from(vec![7u8; 20]))];
-            let m = manifest_of_stream(id, base, &objects, Some(&key), "another-run");
-            b.put(&layout::object(id.kind, id.step, &objects[0].0), objects[0].1.clone()).await.unwrap();
-            b.put(&layout::manifest(id.kind, id.step), m.clone()).await.unwrap();
-            b.put(&layout::ready(id.kind, id.step), marker_for(id, base, &m, 20)).await.unwrap();
-        }
-        let policy = GcPolicy::new()
-            .with_keep_deltas(1)
-            .with_keep_anchors(1)
-            .with_grace(Duration::from_secs(60))
-            .with_trust(Some(TrustSet::new().with_key(key.public())));
+        write_stream_json(b).await;
+        let policy = chain_and_another_run(b, "test-stream").await;
         let p = plan(b, &policy, later()).await.unwrap();
         assert_eq!((p.newest_anchor, p.newest_step), (Some(0), Some(5)), "{}: {p}", tb.name);
         assert!(p.deleted.is_empty(), "{}: the real chain is anchor 0 + deltas 1..5: {p}", tb.name);
@@ -158,4 +168,45 @@ async fn a_flood_of_unverifiable_markers_stops_the_collection() {
     let e = driftless_gc::run(b, &GcPolicy::new().with_grace(Duration::ZERO), false).await.unwrap_err();
     assert!(matches!(e, driftless_gc::Error::Unverifiable { kind: StepKind::Anchor, .. }), "{e}");
     assert!(assert_markers_complete(b).await.contains_key(&StepId::anchor(0)));
+}
+
+/// Another run's steps (markers and manifests of its own stream, signed by the same key)
+/// copied into a prefix whose `stream.json` is gone or garbled: GC cannot tell them from this
+/// stream's, and on the old code they took the newest and kept places and the real chain was
+/// deleted. Now the collection stops with nothing deleted, and says why.
+#[tokio::test]
+async fn without_a_readable_stream_json_nothing_is_deleted() {
+    for (case, stream_json) in [("missing", None), ("garbled", Some(Bytes::from_static(b"{\"kind\":\"stream\"")))] {
+        for tb in buckets(&format!("no-stream-{case}")) {
+            let b = &tb.bucket;
+            let policy = chain_and_another_run(b, "another-run").await;
+            if let Some(body) = &stream_json {
+                b.put(layout::STREAM, body.clone()).await.unwrap();
+            }
+            let err = plan(b, &policy, later()).await.unwrap_err();
+            assert!(matches!(err, driftless_gc::Error::NoStream { .. }), "{}: {err}", tb.name);
+            assert!(!err.is_retryable(), "{}: {err}", tb.name);
+            assert!(err.to_string().contains("stream.json") && err.to_string().contains("nothing deleted"), "{err}");
+            let err = driftless_gc::run(b, &policy, false).await.unwrap_err();
+            assert!(matches!(err, driftless_gc::Error::NoStream { .. }), "{}: {err}", tb.name);
+            let ready = assert_markers_complete(b).await;
+            assert_eq!(ready.len(), 8, "{}: every step is still there", tb.name);
+
+            // The same bucket once stream.json is back: the real chain is this stream's.
+            write_stream_json(b).await;
+            let p = plan(b, &policy, later()).await.unwrap();
+            assert_eq!((p.newest_anchor, p.newest_step), (Some(0), Some(5)), "{}: {p}", tb.name);
+            assert!(p.deleted.is_empty(), "{}: {p}", tb.name);
+        }
+    }
+}
+
+/// A prefix with neither markers nor `stream.json` (a publisher's first start) is not an
+/// error: there is nothing to tell apart.
+#[tokio::test]
+async fn an_empty_prefix_without_stream_json_is_collected() {
+    for tb in buckets("no-stream-empty") {
+        let p = plan(&tb.bucket, &GcPolicy::new(), later()).await.unwrap();
+        assert!(p.deleted.is_empty() && p.newest_step.is_none(), "{}: {p}", tb.name);
+    }
 }

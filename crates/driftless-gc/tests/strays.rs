@@ -36,6 +36,7 @@ fn marker(manifest_name: &str) -> Bytes {
 
 /// Anchor 4 committed by try 2 of generation 3; tries 0, 1 and 3 left objects.
 async fn write(b: &Bucket) {
+    write_stream_json(b).await;
     for name in [
         "g3-manifest.json",
         "g3-w.dla",

@@ -113,6 +113,10 @@ pub async fn write_step_signed(
 
 /// An unsigned `stream.json` of the stream `test-stream` (the id the test markers carry).
 pub async fn write_stream_json(b: &Bucket) {
+    b.put(layout::STREAM, stream_json()).await.unwrap();
+}
+
+fn stream_json() -> Bytes {
     let desc = driftless_format::manifest::StreamDescriptor {
         kind: "stream".into(),
         version: driftless_format::manifest::FORMAT_VERSION,
@@ -121,7 +125,7 @@ pub async fn write_stream_json(b: &Bucket) {
         created_at_ms: 0,
     };
     let env = driftless_format::sign::seal_unsigned(&serde_json::to_vec(&desc).unwrap()).unwrap();
-    b.put(layout::STREAM, Bytes::from(env)).await.unwrap();
+    Bytes::from(env)
 }
 
 /// [`manifest_of`], signed by `key` when given.
@@ -228,6 +232,7 @@ pub fn inventory(steps: &[Step]) -> Inventory {
 
 /// Write every step (payload, manifest, marker last) and the foreign keys.
 pub async fn write_steps(b: &Bucket, steps: &[Step]) {
+    write_stream_json(b).await;
     for s in steps {
         write_step(b, s).await;
     }
@@ -254,7 +259,8 @@ async fn futures_join(b: &Bucket, objs: &[(String, Bytes)]) {
 pub async fn write_foreign(b: &Bucket) -> BTreeMap<String, Bytes> {
     let mut out = BTreeMap::new();
     for k in FOREIGN {
-        let v = Bytes::from(format!("foreign {k}"));
+        // GC must not touch stream.json, and needs a real one to collect at all.
+        let v = if *k == layout::STREAM { stream_json() } else { Bytes::from(format!("foreign {k}")) };
         b.put(k, v.clone()).await.unwrap();
         out.insert(k.to_string(), v);
     }
