@@ -416,18 +416,27 @@ impl Notifier {
             Notifier::Exec(c) => {
                 // Bounded like an engine's load: a hook that hangs is killed (it held the
                 // agent, and its shutdown, for good; found by review).
-                let run = tokio::process::Command::new("sh")
+                // In a process group of its own, so that a kill reaches what the hook started
+                // too (`sh -c 'a; b'` forks; killing `sh` alone orphaned the running command).
+                let mut child = tokio::process::Command::new("sh")
                     .arg("-c")
                     .arg(c)
                     .env("DRIFTLESS_STEP", step.to_string())
                     .env("DRIFTLESS_WEIGHTS_ROOT", root.to_hex())
                     .env("DRIFTLESS_DIR", absolute(dir))
+                    .process_group(0)
                     .kill_on_drop(true)
-                    .status();
-                let st = tokio::time::timeout(DEFAULT_LOAD_TIMEOUT, run)
+                    .spawn()
+                    .map_err(|e| fail(e.to_string()))?;
+                let group = child.id().map(HookGroup::new);
+                let st = tokio::time::timeout(DEFAULT_LOAD_TIMEOUT, child.wait())
                     .await
                     .map_err(|_| fail(format!("still running after {} s; killed", DEFAULT_LOAD_TIMEOUT.as_secs())))?
                     .map_err(|e| fail(e.to_string()))?;
+                // Finished: what it left running in the background is its business.
+                if let Some(g) = group {
+                    g.disarm();
+                }
                 if st.success() {
                     Ok(())
                 } else {
@@ -435,6 +444,48 @@ impl Notifier {
                 }
             }
         }
+    }
+}
+
+/// Process groups of `exec=` hooks running now, for [`kill_running_hooks`].
+static HOOK_GROUPS: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
+
+/// A running hook's process group: killed whole (SIGKILL) when dropped before the hook
+/// finished (its timeout, or the sync abandoned), so nothing it started outlives the wait.
+struct HookGroup(i32);
+
+impl HookGroup {
+    fn new(pid: u32) -> HookGroup {
+        let pgid = pid as i32;
+        HOOK_GROUPS.lock().unwrap_or_else(|e| e.into_inner()).push(pgid);
+        HookGroup(pgid)
+    }
+
+    fn disarm(self) {
+        forget_group(self.0);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for HookGroup {
+    fn drop(&mut self) {
+        forget_group(self.0);
+        // SAFETY: kill(2) of a process group this process created (the hook is its leader).
+        unsafe { libc::kill(-self.0, libc::SIGKILL) };
+    }
+}
+
+fn forget_group(pgid: i32) {
+    HOOK_GROUPS.lock().unwrap_or_else(|e| e.into_inner()).retain(|&g| g != pgid);
+}
+
+/// Kills (SIGKILL) the process groups of the `exec=` hooks still running, for a process that
+/// is about to exit without unwinding (the agent's second signal): an exiting process's child
+/// is not killed with it, and a hook left running could load a step nobody watches any more.
+pub fn kill_running_hooks() {
+    for g in HOOK_GROUPS.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        // SAFETY: as in `HookGroup::drop`.
+        unsafe { libc::kill(-g, libc::SIGKILL) };
     }
 }
 

@@ -676,8 +676,10 @@ fn sigterm_during_a_load_finishes_that_load_only_and_a_second_signal_stops_at_on
     let loads = std::fs::read_to_string(&log).unwrap();
     assert_eq!(loads.lines().collect::<Vec<_>>(), ["start 0", "end 0"], "{loads}");
     assert!(took < Duration::from_secs(5), "{took:?}");
-    // A hook that hangs (20 s here): the second signal ends the wait.
-    let child = spawn("exec=exec sleep 20 >/dev/null 2>&1");
+    // A hook that hangs (20 s here): the second signal ends the wait, and kills what the hook
+    // started (it outlived the agent: the hook's `sh` was the only process killed).
+    let pidfile = e.p("hook.pid");
+    let child = spawn(&format!("exec=sleep 20 >/dev/null 2>&1 & echo $! > {} && wait", pidfile.display()));
     let pid = child.id();
     let _guard = KillOnDrop(Some(pid));
     std::thread::sleep(Duration::from_millis(1500));
@@ -688,6 +690,20 @@ fn sigterm_during_a_load_finishes_that_load_only_and_a_second_signal_stops_at_on
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("SIGTERM again: stopping now"), "{err}");
     assert!(took < Duration::from_secs(3), "{took:?}");
+    let sleeper: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    let t = Instant::now();
+    while alive(sleeper) {
+        assert!(t.elapsed() < Duration::from_secs(5), "the hook's command {sleeper} outlived the agent");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether `pid` runs (a zombie waiting for its reaper does not).
+fn alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with(['Z', 'X']),
+        Err(_) => false,
+    }
 }
 
 // The served slot damaged on disk while the agent runs (no crash, so no re-hash at start):

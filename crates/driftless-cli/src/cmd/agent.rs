@@ -117,6 +117,7 @@ pub fn run(a: Args) -> Result<()> {
                     "driftless agent: {name} again: stopping now, without waiting for the inference server's load \
                      (it may stay paused until the next agent announces its step)"
                 );
+                driftless_agent::notify::kill_running_hooks();
                 std::process::exit(2);
             });
         };
