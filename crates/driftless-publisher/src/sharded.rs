@@ -714,6 +714,8 @@ impl ShardedPublisher {
     /// step itself is committed, and the next outcome asks for slices again).
     pub fn flush(&mut self) -> Result<StepOutcome> {
         self.resolve()?;
+        // Returned here: the next receipt must not report it again.
+        self.unreported = None;
         for h in self.background.drain(..) {
             let _ = h.join();
         }

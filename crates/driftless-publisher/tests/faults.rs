@@ -1695,6 +1695,29 @@ fn a_failed_publish_keeps_the_previous_outcome_for_the_next_receipt() {
     assert!(p0.flush().unwrap().committed);
 }
 
+/// An outcome kept for the next receipt (after a failed `publish`) that `flush` then returns
+/// is reported once: found by review, the next receipt repeated it as its `previous`, and a
+/// caller counting receipts and flushes saw step 1 committed twice.
+#[test]
+fn an_outcome_flush_returned_is_not_repeated_by_the_next_receipt() {
+    let be = backends("sharded-flushed-unreported", false).into_iter().next().expect("memory");
+    let ((_f0, mut p0), (f1, mut p1)) = sharded_pair(&be, Duration::from_secs(3), 50);
+    let mut c = chain();
+    p0.publish(1, &shards_of(&halves(&c, 0))).unwrap();
+    p1.publish(1, &shards_of(&halves(&c, 1))).unwrap();
+    c.step();
+    p0.publish(2, &shards_of(&halves(&c, 0))).unwrap();
+    f1.inject(FaultOp::List, "writers", 1000, FaultKind::Transient);
+    p1.publish(2, &shards_of(&halves(&c, 1))).unwrap_err();
+    f1.clear();
+    assert_eq!(p1.flush().map(|o| (o.step, o.committed)).unwrap(), (1, true));
+    let r = p1.publish(2, &shards_of(&halves(&c, 1))).unwrap();
+    assert_eq!(r.previous.map(|o| o.step), None, "step 1's outcome was returned by flush");
+    assert_eq!(r.previous_part.map(|p| p.step), None);
+    assert!(p0.flush().unwrap().committed);
+    assert!(p1.flush().unwrap().committed);
+}
+
 /// A step rank 0 does not publish (its `publish` raised, or the trainer skipped it there) is
 /// given up on by the other ranks as soon as the committer's lease names a later step (found
 /// by review: rank 1 waited out its whole deadline, 270 s with the default timeout, and its
