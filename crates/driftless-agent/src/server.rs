@@ -1,6 +1,7 @@
 //! A minimal HTTP/1.1 endpoint for operations: `/healthz`, `/readyz`, `/metrics`,
 //! `/v1/status`, and `POST /v1/poll` (trigger an immediate poll). Hand-rolled on tokio to keep
-//! the sidecar small; it reads at most 8 KiB of request head and ignores bodies.
+//! the sidecar small; it reads at most 8 KiB of request head within 5 s, serves 64 connections
+//! at a time, and ignores bodies.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -10,25 +11,47 @@ use tokio::net::TcpListener;
 
 use crate::metrics::Metrics;
 
-/// Serves until the listener fails. `poll` is notified on `POST /v1/poll`.
+/// Connections served at once; more wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 64;
+
+/// Time a client has to send its request head, in all (a per-read timeout let a client that
+/// sends a byte every few seconds hold a connection for hours).
+const HEAD_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Serves until the task is dropped. `poll` is notified on `POST /v1/poll`.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, poll: Arc<tokio::sync::Notify>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else { continue };
+        let Ok(slot) = slots.clone().acquire_owned().await else { return };
+        let mut sock = match listener.accept().await {
+            Ok((sock, _)) => sock,
+            Err(e) => {
+                // Out of descriptors (EMFILE) fails every accept at once: retrying without a
+                // pause spun a core.
+                tracing::debug!(error = %e, "ops endpoint: accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let metrics = metrics.clone();
         let poll = poll.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let mut buf = vec![0u8; 8192];
             let mut n = 0;
-            // Read until the end of the head or the buffer is full.
-            while n < buf.len() {
-                match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf[n..])).await {
-                    Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
-                    Ok(Ok(k)) => n += k,
+            // Read until the end of the head, the buffer is full or the deadline.
+            let read = async {
+                while n < buf.len() {
+                    match sock.read(&mut buf[n..]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => n += k,
+                    }
+                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
                 }
-                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                    break;
-                }
-            }
+            };
+            let _ = tokio::time::timeout(HEAD_DEADLINE, read).await;
             let head = String::from_utf8_lossy(&buf[..n]);
             let mut parts = head.split_whitespace();
             let method = parts.next().unwrap_or("");
@@ -38,8 +61,12 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, poll: Arc<tokio
                 "HTTP/1.1 {code}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                 body.len()
             );
-            let _ = sock.write_all(resp.as_bytes()).await;
-            let _ = sock.shutdown().await;
+            // A client that does not read its answer is not waited on for long either.
+            let write = async {
+                let _ = sock.write_all(resp.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            };
+            let _ = tokio::time::timeout(HEAD_DEADLINE, write).await;
         });
     }
 }

@@ -105,3 +105,40 @@ async fn ops_endpoints() {
     assert_eq!(http.get(format!("{base}/v1/poll")).send().await.unwrap().status().as_u16(), 404, "poll is POST only");
     tokio::task::block_in_place(|| p.close().unwrap());
 }
+
+/// A client that sends its request head a byte every second is cut off at the head deadline
+/// (the 5 s timeout was per read, so such a client held its connection for
+/// hours), and a crowd of silent clients does not keep `/healthz` from answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_silent_clients_are_bounded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let metrics = Arc::new(driftless_agent::metrics::Metrics::new());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(driftless_agent::server::serve(l, metrics, Arc::new(tokio::sync::Notify::new())));
+
+    let t = std::time::Instant::now();
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let trickle = async {
+        for b in b"GET /healthz HTTP/1.1\r\nx-padding: aaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n" {
+            if slow.write_all(&[*b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(20), trickle).await;
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), slow.read_to_end(&mut answer)).await;
+    assert!(t.elapsed() < Duration::from_secs(15), "a trickling client held its connection for {:?}", t.elapsed());
+
+    // 100 silent clients (more than are served at once), then a real request.
+    let mut silent = Vec::new();
+    for _ in 0..100 {
+        silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let t = std::time::Instant::now();
+    let r = reqwest::Client::new().get(format!("http://{addr}/healthz")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+}
