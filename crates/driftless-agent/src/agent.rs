@@ -26,6 +26,7 @@ use crate::metrics::Metrics;
 use crate::notify::Notifier;
 use crate::patch::{PatchBuilder, PatchFile};
 use crate::plan::{self, Candidates, MarkerCache, Refusals, Route};
+use crate::plan::{MAX_REFUSED_ROUNDS, MAX_UNUSABLE_ROUNDS};
 use crate::state::{sync_dir, sync_tree, AgentDir, Held, LocalState, Slot};
 use crate::{Error, Result};
 
@@ -179,6 +180,9 @@ impl std::fmt::Debug for Agent {
 enum BuildError {
     /// A step of the stream is at fault: refuse it (the flag: its objects were missing).
     Step(StepKind, u64, String, bool),
+    /// The same, found from its marker and manifest alone, before any of its payload was
+    /// read: cheap to find, so many of them do not end a sync (planted markers).
+    Unusable(StepKind, u64, String, bool),
     /// The final root of a multi-delta chain differs: retry step by step to name the culprit.
     ChainMismatch,
     /// The stream's own signed manifest of the local step gives it another root than the
@@ -225,6 +229,22 @@ fn missing(e: &Error) -> bool {
         Error::Stream(StreamError::NotReady { .. }) => true,
         Error::Stream(StreamError::Store(s)) | Error::Store(s) => s.is_not_found(),
         _ => false,
+    }
+}
+
+/// "Step not ready" (retryable) for a step refused because objects were missing.
+fn not_ready(step: u64, reason: String) -> Error {
+    // The reason is often a NotReady's own text: say "not ready" once.
+    let prefix = format!("step {step} not ready yet: ");
+    let detail = reason.strip_prefix(&prefix).map(str::to_string).unwrap_or(reason);
+    Error::Stream(StreamError::NotReady { step, detail })
+}
+
+/// A step fault found from the step's manifest, before any payload was read.
+fn unusable(e: BuildError) -> BuildError {
+    match e {
+        BuildError::Step(kind, step, reason, missing) => BuildError::Unusable(kind, step, reason, missing),
+        e => e,
     }
 }
 
@@ -322,20 +342,37 @@ impl Agent {
             self.notify_if_needed().await?;
         }
         self.refused.begin_round();
+        self.markers.begin_sync();
+        // A refused step's marker is read again once its refusal runs out (a repaired step
+        // has a new one), not at every listing: 40 planted markers cost 40 GETs per listing.
+        for (kind, step) in self.refused.expired() {
+            self.markers.forget(kind, step);
+        }
         let mut careful = false;
-        let mut rounds = 0;
+        // Steps refused in this sync: after their payload was read (each costs a download),
+        // and from their manifest alone (each costs one GET; a bucket can plant thousands,
+        // and 32 of them stopped every sync that listed: found by review).
+        let (mut rounds, mut unusable) = (0, 0);
         let out = loop {
-            rounds += 1;
             match self.sync_inner(careful, t0).await {
                 Ok(o) => break o,
                 // Already refused by `sync_inner` (bound to the marker it planned with): replan.
-                Err(BuildError::Step(..)) if rounds < 32 => {}
+                Err(BuildError::Step(..)) if rounds < MAX_REFUSED_ROUNDS => rounds += 1,
+                Err(BuildError::Unusable(..)) if unusable < MAX_UNUSABLE_ROUNDS => unusable += 1,
                 Err(BuildError::ChainMismatch) if !careful => {
                     warn!("result of the chain does not verify; retrying step by step");
                     careful = true;
                 }
-                Err(BuildError::Step(kind, step, reason, _)) => {
-                    return Err(Error::Refused { kind, step, detail: reason });
+                Err(
+                    BuildError::Step(kind, step, reason, missing) | BuildError::Unusable(kind, step, reason, missing),
+                ) => {
+                    // Out of rounds: a missing object is still "not ready" (retryable), not a
+                    // verification failure (found by review: it exited 1, "retrying will not help").
+                    return Err(if missing {
+                        not_ready(step, reason)
+                    } else {
+                        Error::Refused { kind, step, detail: reason }
+                    });
                 }
                 // (`sync_inner` settles it into one of the others.)
                 Err(BuildError::SuspectResult(step, reason)) => {
@@ -355,12 +392,7 @@ impl Agent {
                 Err(BuildError::Other(Error::NothingReady)) => {
                     // Nothing usable, because of refusals: report the newest refused step.
                     return Err(match self.refused_newer().pop() {
-                        Some(r) if r.missing => {
-                            // The reason is often a NotReady's own text: say "not ready" once.
-                            let prefix = format!("step {} not ready yet: ", r.step);
-                            let detail = r.reason.strip_prefix(&prefix).map(str::to_string).unwrap_or(r.reason);
-                            Error::Stream(StreamError::NotReady { step: r.step, detail })
-                        }
+                        Some(r) if r.missing => not_ready(r.step, r.reason),
                         Some(r) => Error::Refused { kind: r.kind, step: r.step, detail: r.reason },
                         None => Error::NothingReady,
                     });
@@ -404,7 +436,12 @@ impl Agent {
         }
         warn!(kind = %kind, step, reason = %reason, "refusing step; keeping the verified weights");
         let sha = cands.marker(kind, step).map(|m| m.manifest_sha256);
-        self.markers.forget(kind, step);
+        // Its manifest did not match (or was missing): the marker we hold may have been
+        // replaced (a store without conditional create); read it again, once, next round.
+        // Otherwise it is read again when the refusal runs out.
+        if missing {
+            self.markers.forget(kind, step);
+        }
         self.refused.refuse(kind, step, sha, reason.to_string(), missing);
     }
 
@@ -639,7 +676,9 @@ impl Agent {
             Err(BuildError::SuspectResult(step, reason)) => Err(self.blame(step, reason, route.anchor.is_none()).await),
             built => built,
         };
-        if let Err(BuildError::Step(kind, step, reason, missing)) = &built {
+        if let Err(BuildError::Step(kind, step, reason, missing) | BuildError::Unusable(kind, step, reason, missing)) =
+            &built
+        {
             self.refuse_step(&cands, *kind, *step, reason, *missing);
         }
         let (bytes, rebuilt) = built?;
@@ -965,9 +1004,9 @@ impl Agent {
             Some(mk) => self.reader.anchor_at(step, mk).await,
             None => self.reader.anchor(step).await,
         };
-        let (m, _) = m.map_err(|e| at(e.into()))?;
+        let (m, _) = m.map_err(|e| unusable(at(e.into())))?;
         if m.stream_id != sid {
-            return Err(BuildError::Step(StepKind::Anchor, step, "signed for another stream".into(), false));
+            return Err(BuildError::Unusable(StepKind::Anchor, step, "signed for another stream".into(), false));
         }
         if wdir.exists() {
             std::fs::remove_dir_all(wdir)?;
@@ -984,12 +1023,17 @@ impl Agent {
         // the pass rewrites every page (a careful retry verifies the anchor, then applies).
         let layout = m.layout();
         if layout.shards.len() != m.objects.len() {
-            return Err(BuildError::Step(StepKind::Anchor, step, "shard count differs from the layout".into(), false));
+            return Err(BuildError::Unusable(
+                StepKind::Anchor,
+                step,
+                "shard count differs from the layout".into(),
+                false,
+            ));
         }
         for (o, shard) in m.objects.iter().zip(&layout.shards) {
             if o.file != shard.file {
                 let why = format!("shard {} is not the layout's {}", o.file, shard.file);
-                return Err(BuildError::Step(StepKind::Anchor, step, why, false));
+                return Err(BuildError::Unusable(StepKind::Anchor, step, why, false));
             }
             let (n, d) = self
                 .stream_shard(step, (o, &shard.tensors), m.encoding, wdir, verify, alone)
@@ -1171,9 +1215,9 @@ impl Agent {
         let (m, _env_sha) = manifest
             .await
             .map_err(|_| BuildError::Other(Error::Io(std::io::Error::other("delta download stopped"))))?
-            .map_err(&att)?;
+            .map_err(|e| unusable(att(e)))?;
         if m.stream_id != sid {
-            return Err(BuildError::Step(StepKind::Delta, step, "signed for another stream".into(), false));
+            return Err(BuildError::Unusable(StepKind::Delta, step, "signed for another stream".into(), false));
         }
         if m.base_step == at.step && m.base_root != at.root {
             // This delta says the step we hold has another root. The stream's own signed
@@ -1190,7 +1234,7 @@ impl Agent {
                 Some(r) if r == m.base_root => {
                     BuildError::LocalMismatch(format!("{why}, as does step {}'s own manifest", at.step))
                 }
-                _ => BuildError::Step(StepKind::Delta, step, why, false),
+                _ => BuildError::Unusable(StepKind::Delta, step, why, false),
             });
         }
         if m.base_root != at.root || m.base_step != at.step {

@@ -136,6 +136,13 @@ impl Refusals {
         }
     }
 
+    /// Refused steps whose refusal has run out (not of the current sync): their markers are
+    /// worth reading again, as a repaired step has a new one.
+    pub fn expired(&self) -> Vec<(StepKind, u64)> {
+        let now = Instant::now();
+        self.map.iter().filter(|(_, r)| !r.pinned && now >= r.until).map(|(k, _)| *k).collect()
+    }
+
     /// Whether a step with this marker is refused now.
     pub fn is_refused(&self, kind: StepKind, step: u64, sha: Option<Digest>) -> bool {
         self.map.get(&(kind, step)).is_some_and(|r| {
@@ -168,22 +175,54 @@ impl Refusals {
     }
 }
 
+/// Steps refused after their payload was read that one sync goes past before it gives up
+/// (each cost a download).
+pub const MAX_REFUSED_ROUNDS: u32 = 32;
+
+/// Steps refused before any payload was read (from the marker and manifest: one GET each)
+/// that one sync goes past: a sync stays bounded (about a minute at 15 ms a GET), while
+/// thousands of planted markers cannot keep it from the real steps (found by review: with
+/// one cap of 32 for both, 40 planted markers stopped every sync that listed; refusals hold
+/// for `refuse_for` and double on repeats, so the next syncs go on past the rest).
+pub const MAX_UNUSABLE_ROUNDS: u32 = 4096;
+
+/// A step's kind and number.
+type StepKey = (StepKind, u64);
+
+/// A listing of ready steps: the stream id and `from` it was made for, anchors, deltas.
+type Listing = (String, Option<u64>, Vec<u64>, Vec<u64>);
+
 /// Reads ready markers, caching them (markers are write-once: a step's marker is read once,
 /// not at every poll). Bounded: entries of steps no longer listed are dropped.
 #[derive(Debug, Clone, Default)]
 pub struct MarkerCache {
     map: HashMap<(StepKind, u64), ReadyMarker>,
-    /// Listed steps whose markers name another stream: remembered by key only (not read
-    /// again, and not held: found by review, 3,000 planted markers with 60 KB stream ids held
-    /// 190 MB for the agent's life).
+    /// Listed steps whose markers name another stream, do not parse or are over-sized:
+    /// remembered by key only (not read again, and not held: found by review, 3,000 planted
+    /// markers with 60 KB stream ids held 190 MB for the agent's life, and 200 junk markers
+    /// were read again at every listing).
     foreign: std::collections::HashSet<(StepKind, u64)>,
+    /// This sync's listing, reused by its later rounds.
+    listing: Option<Listing>,
+    /// Markers forgotten since the last [`MarkerCache::candidates`].
+    forgotten: std::collections::HashSet<(StepKind, u64)>,
 }
 
 impl MarkerCache {
-    /// Forgets one marker (it is read again next time).
+    /// Forgets one marker (it is read again by the next [`MarkerCache::candidates`]).
     pub fn forget(&mut self, kind: StepKind, step: u64) {
         self.map.remove(&(kind, step));
         self.foreign.remove(&(kind, step));
+        self.forgotten.insert((kind, step));
+    }
+
+    /// Starts a sync: the next [`MarkerCache::candidates`] lists the bucket, and the rounds
+    /// after it in the same sync (a step refused, the route planned again) reuse that listing,
+    /// reading only the markers forgotten since. Found by review: every round listed again,
+    /// and with steps refused one per round, 40 planted markers cost 40 listings and stopped
+    /// the sync.
+    pub fn begin_sync(&mut self) {
+        self.listing = None;
     }
 
     /// Remembers a marker read elsewhere (from a signed `latest.json`).
@@ -210,6 +249,80 @@ impl MarkerCache {
         stream_id: &str,
         from: Option<u64>,
     ) -> Result<Candidates, StreamError> {
+        let reuse = self.listing.as_ref().is_some_and(|(sid, f, ..)| sid == stream_id && *f == from);
+        let (anchors, deltas) = match self.listing.take().filter(|_| reuse) {
+            Some((_, _, anchors, deltas)) => (anchors, deltas),
+            None => self.list(reader, stream_id, from).await?,
+        };
+        let mut listed: Vec<(StepKind, u64)> = Vec::with_capacity(anchors.len() + deltas.len());
+        listed.extend(anchors.iter().map(|&s| (StepKind::Anchor, s)));
+        listed.extend(deltas.iter().map(|&s| (StepKind::Delta, s)));
+        // A reused listing reads only the markers forgotten since (each once: a refused step's
+        // marker may have been replaced); a new one every marker it does not know.
+        let forgotten = std::mem::take(&mut self.forgotten);
+        let missing: Vec<(StepKind, u64)> = listed
+            .iter()
+            .copied()
+            .filter(|k| !self.map.contains_key(k) && !self.foreign.contains(k) && (!reuse || forgotten.contains(k)))
+            .collect();
+        let fetched: Vec<Option<(StepKey, Option<ReadyMarker>)>> = futures::stream::iter(missing)
+            .map(|(kind, s)| async move {
+                match reader.marker(kind, s).await {
+                    Ok(m) => Ok(Some(((kind, s), Some(m)))),
+                    // Deleted by GC between list and get: skip it.
+                    Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
+                    // Unparsable, over-sized, or naming another step: never a reason to touch
+                    // local state; the step is simply not ready.
+                    // (Markers are write-once: not read again while listed.)
+                    Err(StreamError::Format(e)) => {
+                        warn!(step = s, kind = %kind, error = %e, "ignoring an invalid ready marker");
+                        Ok(Some(((kind, s), None)))
+                    }
+                    Err(StreamError::Store(e)) if matches!(e, driftless_store::Error::TooLarge { .. }) => {
+                        warn!(step = s, kind = %kind, error = %e, "ignoring an over-sized ready marker");
+                        Ok(Some(((kind, s), None)))
+                    }
+                    Err(e) => Err(e),
+                }
+            })
+            .buffered(16)
+            .try_collect()
+            .await?;
+        for ((kind, s), m) in fetched.into_iter().flatten() {
+            match m {
+                Some(m) if m.stream_id == stream_id => {
+                    self.map.insert((kind, s), m);
+                }
+                Some(_) => {
+                    warn!(step = s, kind = %kind, "ignoring a ready marker of another stream");
+                    self.foreign.insert((kind, s));
+                }
+                None => {
+                    self.foreign.insert((kind, s));
+                }
+            }
+        }
+        if !reuse {
+            let keep: std::collections::HashSet<(StepKind, u64)> = listed.iter().copied().collect();
+            // Keep cached anchors and deltas still listed; deltas at or below `from` were not
+            // listed this time but may be again (a later cold plan lists them all): keep those too.
+            let kept =
+                |k: &(StepKind, u64)| keep.contains(k) || (k.0 == StepKind::Delta && from.is_some_and(|f| k.1 <= f));
+            self.map.retain(|k, _| kept(k));
+            self.foreign.retain(kept);
+        }
+        let out = self.listed(stream_id, anchors.iter().copied(), deltas.iter().copied());
+        self.listing = Some((stream_id.to_string(), from, anchors, deltas));
+        Ok(out)
+    }
+
+    /// Lists the ready steps: anchors all, deltas after `from`.
+    async fn list(
+        &mut self,
+        reader: &StreamReader,
+        stream_id: &str,
+        from: Option<u64>,
+    ) -> Result<(Vec<u64>, Vec<u64>), StreamError> {
         let listing = async {
             Ok::<_, StreamError>((
                 reader.ready_steps(StepKind::Anchor, None).await?,
@@ -220,13 +333,21 @@ impl MarkerCache {
             Ok(l) => l,
             // One key the store's client cannot parse fails every listing of its prefix (a
             // non-UTF-8 name on a local directory; `//`, `.`, `..` or a control character on
-            // S3, where the whole page fails). Anyone with write access can plant one; it must
-            // not stop every cold start and every poll: plan from the signed `latest.json`.
-            Err(StreamError::Store(e)) if matches!(e, driftless_store::Error::InvalidKey { .. }) => {
+            // S3, where the whole page fails); so do a million planted keys, or a server that
+            // pages slowly for ever. Anyone with write access can cause them; they must not
+            // stop every cold start and every poll: plan from the signed `latest.json`.
+            Err(StreamError::Store(e))
+                if matches!(
+                    e,
+                    driftless_store::Error::InvalidKey { .. }
+                        | driftless_store::Error::TooManyKeys { .. }
+                        | driftless_store::Error::ListTimeout { .. }
+                ) =>
+            {
                 match self.unlisted(reader, stream_id, from).await? {
                     Some(l) => {
-                        warn!(error = %e, "a key the store cannot parse fails the listing of ready/ \
-                            (remove it); planned from the signed latest.json instead");
+                        warn!(error = %e, "the listing of ready/ failed (a key the store cannot parse, \
+                            or too many keys: remove them); planned from the signed latest.json instead");
                         l
                     }
                     None => return Err(StreamError::Store(e)),
@@ -234,48 +355,18 @@ impl MarkerCache {
             }
             Err(e) => return Err(e),
         };
+        Ok((anchors, deltas))
+    }
+
+    /// The cached markers of `stream_id` among the listed steps.
+    fn listed(
+        &self,
+        stream_id: &str,
+        anchors: impl Iterator<Item = u64>,
+        deltas: impl Iterator<Item = u64>,
+    ) -> Candidates {
         let mut out = Candidates::default();
-        let mut listed: Vec<(StepKind, u64)> = Vec::with_capacity(anchors.len() + deltas.len());
-        listed.extend(anchors.iter().map(|&s| (StepKind::Anchor, s)));
-        listed.extend(deltas.iter().map(|&s| (StepKind::Delta, s)));
-        let missing: Vec<(StepKind, u64)> =
-            listed.iter().copied().filter(|k| !self.map.contains_key(k) && !self.foreign.contains(k)).collect();
-        let fetched: Vec<Option<((StepKind, u64), ReadyMarker)>> = futures::stream::iter(missing)
-            .map(|(kind, s)| async move {
-                match reader.marker(kind, s).await {
-                    Ok(m) => Ok(Some(((kind, s), m))),
-                    // Deleted by GC between list and get: skip it.
-                    Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
-                    // Unparsable, over-sized, or naming another step: never a reason to touch
-                    // local state; the step is simply not ready.
-                    Err(StreamError::Format(e)) => {
-                        warn!(step = s, kind = %kind, error = %e, "ignoring an invalid ready marker");
-                        Ok(None)
-                    }
-                    Err(StreamError::Store(e)) if matches!(e, driftless_store::Error::TooLarge { .. }) => {
-                        warn!(step = s, kind = %kind, error = %e, "ignoring an over-sized ready marker");
-                        Ok(None)
-                    }
-                    Err(e) => Err(e),
-                }
-            })
-            .buffered(16)
-            .try_collect()
-            .await?;
-        for ((kind, s), m) in fetched.into_iter().flatten() {
-            if m.stream_id == stream_id {
-                self.map.insert((kind, s), m);
-            } else {
-                warn!(step = s, kind = %kind, "ignoring a ready marker of another stream");
-                self.foreign.insert((kind, s));
-            }
-        }
-        let keep: std::collections::HashSet<(StepKind, u64)> = listed.iter().copied().collect();
-        // Keep cached anchors and deltas still listed; deltas at or below `from` were not
-        // listed this time but may be again (a later cold plan lists them all): keep those too.
-        let kept = |k: &(StepKind, u64)| keep.contains(k) || (k.0 == StepKind::Delta && from.is_some_and(|f| k.1 <= f));
-        self.map.retain(|k, _| kept(k));
-        self.foreign.retain(kept);
+        let listed = anchors.map(|s| (StepKind::Anchor, s)).chain(deltas.map(|s| (StepKind::Delta, s)));
         for (kind, s) in listed {
             let Some(m) = self.map.get(&(kind, s)) else { continue };
             // (Cached by `get` or from a `latest.json` of another stream id.)
@@ -287,7 +378,7 @@ impl MarkerCache {
                 StepKind::Delta => out.deltas.insert(s, m.clone()),
             };
         }
-        Ok(out)
+        out
     }
 }
 

@@ -650,3 +650,116 @@ async fn an_unparsable_key_under_ready_does_not_stop_syncs() {
     assert!(e.to_string().contains("invalid object key"), "{e}");
     assert!(c.state().is_none());
 }
+
+// Found by review: ready markers planted above the real newest step (the public stream id,
+// a manifest that does not exist) each took a round of their own (a listing, a failed
+// manifest GET, a refusal) and a sync gave up after 32: 40 of them stopped every cold start,
+// reported as a verification failure. Junk markers were read again at every listing. Now the
+// planted steps are refused in one sync from one listing, junk markers are read once, and a
+// running agent two steps behind pays no GET for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_markers_do_not_stop_a_cold_start_and_are_read_once() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 4);
+    let mut want = vec![];
+    for _ in 0..3 {
+        want = t.publish();
+    }
+    let real: serde_json::Value =
+        serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
+    // 20 naming a manifest that is not there, 20 junk under the SHA-256 they name.
+    let junk = Bytes::from_static(b"junk, not a manifest");
+    for s in 100..140u64 {
+        let sha = if s < 120 { "00".repeat(32) } else { driftless_format::Digest::of(&junk).to_hex() };
+        let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "anchor", "step": s,
+            "manifest_sha256": sha, "payload_bytes": 10, "manifest": "g1-manifest.json"});
+        if s >= 120 {
+            tb.bucket.put(&layout::object(StepKind::Anchor, s, "g1-manifest.json"), junk.clone()).await.unwrap();
+        }
+        tb.bucket.put(&layout::ready(StepKind::Anchor, s), Bytes::from(m.to_string())).await.unwrap();
+    }
+    for s in 1000..1050u64 {
+        tb.bucket.put(&layout::ready(StepKind::Delta, s), Bytes::from_static(b"junk")).await.unwrap();
+    }
+    // Refusals that hold (the default 30 s; the tests' default is none).
+    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+    cfg.refuse_for = Duration::from_secs(30);
+    let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+    let l0 = tb.faults.calls(FaultOp::List);
+    let o = a.sync_once().await.unwrap();
+    assert_eq!(o.step, 2, "{o:?}");
+    assert_bits(&a, &want);
+    assert_verified(&a, "cold start past 40 planted markers");
+    assert_eq!(o.refused.len(), 40, "{:?}", o.refused);
+    let lists = tb.faults.calls(FaultOp::List) - l0;
+    assert!(lists <= 2, "one listing (anchors, deltas) for the whole sync: {lists} LIST calls");
+
+    // Two steps behind: a listing again. Of the 90 planted markers only the 20 whose manifest
+    // was missing are read again (a marker whose manifest does not match may have been
+    // replaced); the 20 refused for their manifest and the 50 junk ones are not.
+    t.publish();
+    let want = t.publish();
+    let g0 = tb.faults.calls(FaultOp::Get);
+    let o = a.sync_once().await.unwrap();
+    assert_eq!(o.step, 4, "{o:?}");
+    assert_bits(&a, &want);
+    let gets = tb.faults.calls(FaultOp::Get) - g0;
+    assert!(gets < 20 + 20, "{gets} GETs: planted markers read again");
+}
+
+// Found by review: more keys under ready/ than a listing may return (1 M by default; 200
+// here) failed every cold start, although the signed latest.json names the route, as it does
+// for a key the store cannot parse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_keys_under_ready_do_not_stop_a_cold_start() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 4);
+    let mut want = vec![];
+    for _ in 0..7 {
+        want = t.publish();
+    }
+    for i in 0..200 {
+        tb.bucket.put(&format!("{}x{i:04}", layout::ready_prefix(StepKind::Delta)), Bytes::new()).await.unwrap();
+    }
+    let opts = driftless_store::StoreOptions::default().with_max_list_keys(200);
+    let small = Bucket::from_store(tb.faults.clone(), "", &opts);
+    assert!(small.list(layout::ready_prefix(StepKind::Delta)).await.is_err(), "the listing fails");
+    let mut b = Agent::new(small, config(tb.dir.path().join("b"), trust.clone())).unwrap();
+    let o = b.sync_once().await.unwrap();
+    assert_eq!((o.step, o.route, o.deltas), (6, SyncPath::Anchor, 2), "{o:?}");
+    assert_bits(&b, &want);
+    assert_verified(&b, "cold start past too many keys");
+}
+
+// More planted markers than one sync goes past (4,096): that sync ends "not ready"
+// (retryable: found by review, running out of rounds reported a missing manifest as a
+// verification failure, exit 1), and the next one goes on past the rest while the refusals
+// hold, to the real step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_planted_markers_than_a_sync_refuses_are_passed_by_the_next_sync() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 4);
+    let want = t.publish();
+    let real: serde_json::Value =
+        serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
+    let n = driftless_agent::plan::MAX_UNUSABLE_ROUNDS as u64 + 50;
+    let root = tb.root.clone().unwrap().join(layout::ready_prefix(StepKind::Anchor));
+    for s in 100..100 + n {
+        let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "anchor", "step": s,
+            "manifest_sha256": "00".repeat(32), "payload_bytes": 10, "manifest": "g1-manifest.json"});
+        std::fs::write(root.join(format!("{s:012}")), m.to_string()).unwrap();
+    }
+    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+    cfg.refuse_for = Duration::from_secs(600);
+    let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+    let e = a.sync_once().await.unwrap_err();
+    assert!(e.is_retryable(), "{e}");
+    assert!(e.to_string().contains("not ready"), "{e}");
+    assert!(a.state().is_none());
+    let o = a.sync_once().await.unwrap();
+    assert_eq!(o.step, 0, "{o:?}");
+    assert_bits(&a, &want);
+}

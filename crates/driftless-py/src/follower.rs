@@ -1078,7 +1078,8 @@ impl PyFollower {
 /// trouble, local I/O, bad arguments). A step that fails verification is refused, bound to
 /// its marker, for `refuse_for`; when no verified state was written over (nothing written
 /// yet, or a first load: `local` is `None`), the route is planned again
-/// without it (at most 32 times), as the agent does: the verified state is kept and the next
+/// without it (as often as the agent does: `plan::MAX_REFUSED_ROUNDS`,
+/// `plan::MAX_UNUSABLE_ROUNDS`): the verified state is kept and the next
 /// best route taken. When nothing is left to reach because of a refusal between `local` and
 /// `want`, that refusal is the error, not "nothing ready". Returns the result and whether any
 /// attempt wrote into its target.
@@ -1088,26 +1089,39 @@ fn with_refusals<T>(
     want: Option<u64>,
     mut attempt: impl FnMut(Planning<'_>, &mut Attempt) -> BindResult<T>,
 ) -> (BindResult<T>, bool) {
-    // The markers of refused steps are read again: a repaired step is seen.
-    let stale: Vec<(StepKind, u64)> = plans.refused.list().into_iter().map(|(k, s, _)| (k, s)).collect();
-    for (k, s) in stale {
+    plans.refused.begin_round();
+    // The markers of refused steps are read again once their refusal runs out (a repaired
+    // step has a new one), as the agent does.
+    for (k, s) in plans.refused.expired() {
         plans.markers.forget(k, s);
     }
-    plans.refused.begin_round();
+    plans.markers.begin_sync();
     let mut fault: Option<BindError> = None;
     // Whether any attempt wrote into the target (a first load goes on after a touched one).
     let mut touched = false;
-    for _ in 0..32 {
+    // Refused steps, as the agent counts them: those that failed before anything was written
+    // (a planted marker costs one GET) have a budget of their own (found by review: 40
+    // planted markers used up the 32 attempts and failed a cold `apply_to`).
+    let (mut written, mut unwritten) = (0, 0);
+    loop {
         let mut at = Attempt::default();
         let r = attempt(plans, &mut at);
         touched |= at.touched;
         match (r, at.at) {
             (Err(e), Some((kind, step, sha))) if e.is_step_fault() || e.is_missing() => {
                 plans.refused.refuse(kind, step, sha, e.message(), e.is_missing());
-                plans.markers.forget(kind, step);
+                // As the agent: a marker whose manifest did not match is read again next round.
+                if e.is_missing() {
+                    plans.markers.forget(kind, step);
+                }
                 if touched && local.is_some() {
                     // The target is no longer the verified state: the caller must know.
                     return (Err(e), true);
+                }
+                let n = if at.touched { &mut written } else { &mut unwritten };
+                *n += 1;
+                if written >= plan::MAX_REFUSED_ROUNDS || unwritten >= plan::MAX_UNUSABLE_ROUNDS {
+                    return (Err(e), touched);
                 }
                 // Untouched, or a first load (the target held nothing verified to lose): the
                 // next best route, in this call.
@@ -1137,7 +1151,6 @@ fn with_refusals<T>(
             (r, _) => return (r, touched),
         }
     }
-    (Err(fault.expect("32 refusals")), touched)
 }
 
 /// What `apply_to` tracks after a call, and so whose objects `owners` must hold.

@@ -3,6 +3,7 @@ apply_to (caller-owned arrays), iter_patches (scatter themselves) and sync_dir (
 directory read back with the safetensors package)."""
 
 import glob
+import json
 import os
 import tempfile
 
@@ -862,3 +863,30 @@ def test_ctrl_c_interrupts_a_poll_of_a_bucket_that_hangs(keys, monkeypatch):
         signal.signal(signal.SIGINT, old)
     srv.close()
     assert 0.9 < took < 5, took
+
+
+def test_planted_markers_do_not_stop_a_cold_apply_to(file_bucket, keys):
+    # Found by review: 40 ready markers planted above the real newest step (the stream's id,
+    # a manifest that does not exist) used up the 32 attempts of one call, and a cold
+    # apply_to failed; they are refused from their manifests alone, on a budget of their own.
+    url, kw = file_bucket
+    private, public = keys
+    tr = SimTrainer(seed=9)
+    with driftless.Publisher(url, signing_key=private, anchor_every=5) as pub:
+        for step in range(3):
+            if step:
+                tr.step()
+            pub.publish(step, tr.bf16())
+    root = url[len("file://"):]
+    with open(os.path.join(root, "ready/anchors", f"{0:012d}")) as fh:
+        sid = json.load(fh)["stream_id"]
+    for s in range(100, 140):
+        m = {"kind": "ready", "stream_id": sid, "of": "anchor", "step": s, "manifest_sha256": "00" * 32,
+             "payload_bytes": 10, "manifest": "g1-manifest.json"}
+        with open(os.path.join(root, "ready/anchors", f"{s:012d}"), "w") as fh:
+            json.dump(m, fh)
+    late = {n: np.zeros_like(a) for n, a in tr.bf16().items()}
+    o = driftless.Follower(url, trusted_keys=[public]).apply_to(late)
+    assert (o["step"], o["route"]) == (2, "anchor"), o
+    for n, a in tr.bf16().items():
+        assert np.array_equal(bits(late[n]), bits(a))
