@@ -295,7 +295,16 @@ impl Checkpoint {
         let mut seen = std::collections::HashSet::new();
         for (dir, file) in shard_files(path)? {
             let p = dir.join(&file);
-            let f = File::open(&p).map_err(|e| Error::io(&p, e))?;
+            // Non-blocking, and a regular file only: a FIFO named `*.safetensors` (found by
+            // review) blocked the opening for good, deaf to the publisher's SIGTERM.
+            let f = {
+                use std::os::unix::fs::OpenOptionsExt;
+                fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&p)
+            }
+            .map_err(|e| Error::io(&p, e))?;
+            if !f.metadata().map_err(|e| Error::io(&p, e))?.is_file() {
+                return Err(Error::invalid(format!("{} is not a regular file", p.display())));
+            }
             // SAFETY: the file is mapped read-only; driftless never truncates checkpoint files
             // while a map is alive. Another process truncating it would fault, as with any mmap.
             let map = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(&p, e))?;

@@ -499,3 +499,22 @@ proptest! {
         let _ = sign::seal_unsigned(&bytes);
     }
 }
+
+/// A FIFO named like a shard (found by review of `publish --watch`): opening it blocked for
+/// good, deaf to the publisher's SIGTERM. It is refused at once as not a regular file.
+#[test]
+fn a_fifo_named_like_a_shard_is_refused_not_waited_on() {
+    let d = tempfile::tempdir().unwrap();
+    let fifo = d.path().join("model.safetensors");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo(3) on a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = d.path().to_path_buf();
+    std::thread::spawn(move || {
+        let _ = tx.send(driftless_format::Checkpoint::open(&p).map(|_| ()).map_err(|e| e.to_string()));
+    });
+    let r = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("Checkpoint::open blocked on a FIFO");
+    let e = r.unwrap_err();
+    assert!(e.contains("not a regular file"), "{e}");
+}
