@@ -1265,3 +1265,74 @@ fn a_failed_collection_is_a_warning_after_a_published_step() {
     assert_eq!(code, Some(2), "{err}");
     assert!(one_error(&err).contains("fail the manifest check") && err.contains("retrying will not help"), "{err}");
 }
+
+/// A follower killed after claiming step 2 (`claims/2` of its generation, with the weights
+/// it saw) and restarted on a step 2 saved again with other weights (a trainer that resumed
+/// too): found by review, every restart stopped at that claim ("another publisher is writing
+/// this stream", exit 2) and no later step was ever published. The older generation can no
+/// longer commit: step 2 is skipped with a warning, step 3 published, and the agent lands on it.
+#[test]
+fn a_claim_left_by_a_killed_follower_does_not_stop_later_steps() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, mut chain) = watched_dir(t.path(), 1 << 20, 8, 2);
+    assert_eq!(steps_of(&watch_once(t.path(), &url, &[]).0), [0, 1]);
+    let mut claim: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(p("bucket/claims/000000000001")).unwrap()).unwrap();
+    claim["step"] = 2.into();
+    claim["root"] = "ab".repeat(32).into();
+    std::fs::write(p("bucket/claims/000000000002"), claim.to_string()).unwrap();
+    for step in 2..4 {
+        chain.step();
+        write(&chain, &p(&format!("ckpts/step_{step}")), 1 << 30);
+    }
+    let (data, stderr) = watch_once(t.path(), &url, &[]);
+    assert_eq!(steps_of(&data), [3], "{stderr}");
+    assert!(stderr.contains("step 2 was claimed by an earlier publisher"), "{stderr}");
+    assert!(stderr.contains("skipping step 2"), "{stderr}");
+    let (code, _, stderr) = out(&mut agent_once(&url, &p("key.pub"), &p("agent")));
+    assert_eq!(code, Some(0), "{stderr}");
+    let got = Checkpoint::open(p("agent/current")).unwrap();
+    for w in chain.views() {
+        assert!(got.views().iter().any(|g| g.name == w.name && g.data == w.data), "{} differs", w.name);
+    }
+}
+
+/// A file beside the weights whose name the format cannot carry (an editor's backup): found
+/// by review, the step was refused ("file name ... is not of the form ...") and `--watch`
+/// stopped there at every restart. It is left out with a warning; the step is published.
+#[test]
+fn an_odd_file_name_beside_the_weights_is_left_out_not_fatal() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, _) = watched_dir(t.path(), 1 << 20, 9, 2);
+    std::fs::write(p("ckpts/step_1/config.json"), b"{}").unwrap();
+    std::fs::write(p("ckpts/step_1/config.json~"), b"{").unwrap();
+    let (data, stderr) = watch_once(t.path(), &url, &[]);
+    assert_eq!(steps_of(&data), [0, 1], "{stderr}");
+    assert!(stderr.contains("config.json~: not shipped beside the weights"), "{stderr}");
+    let (code, _, stderr) = out(&mut agent_once(&url, &p("key.pub"), &p("agent")));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(std::fs::read(p("agent/current/config.json")).unwrap(), b"{}");
+    assert!(!p("agent/current/config.json~").exists());
+}
+
+/// A stray entry with a far step number, published once and then removed: every later
+/// checkpoint is at or below the bucket's newest step and cannot be published. Found by
+/// review: they were skipped silently; now the follower says why, once.
+#[test]
+fn entries_below_the_buckets_newest_step_are_not_skipped_silently() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, mut chain) = watched_dir(t.path(), 1 << 20, 10, 2);
+    chain.step();
+    write(&chain, &p("ckpts/step_99999"), 1 << 30);
+    assert_eq!(steps_of(&watch_once(t.path(), &url, &[]).0), [0, 1, 99999]);
+    std::fs::remove_dir_all(p("ckpts/step_99999")).unwrap();
+    chain.step();
+    write(&chain, &p("ckpts/step_2"), 1 << 30);
+    let (data, stderr) = watch_once(t.path(), &url, &[]);
+    assert_eq!(steps_of(&data), [] as [u64; 0]);
+    assert_eq!(stderr.matches("the bucket's newest step is 99999").count(), 1, "{stderr}");
+    assert!(stderr.contains("entries up to step 2 are not published"), "{stderr}");
+}

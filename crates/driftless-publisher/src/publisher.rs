@@ -981,6 +981,11 @@ impl Publisher {
                 r => r,
             };
         };
+        let taken = self.shared.state.lock().expect("state lock").taken.clone();
+        if let Some((_, detail)) = taken.filter(|(t, _)| *t == step) {
+            // Claimed by a killed predecessor: no try of this step can commit.
+            return Err(Error::StepTaken { step, detail });
+        }
         let why = r.err().map_or_else(|| "no marker".to_string(), |e| e.to_string());
         warn!(step, error = %why, "the newest step did not reach the bucket; publishing it again as an anchor");
         self.republish_lost(step, None)?;
@@ -1059,9 +1064,11 @@ impl Publisher {
             Ok(kind) => kind.is_some(),
             // The caller's weights differ from the step's committed ones: refused as any
             // `publish` of a taken step is (the publisher goes on).
-            Err(upload::CommitError::Conflict(detail)) if given.is_some() => {
+            Err(upload::CommitError::Conflict(detail) | upload::CommitError::Taken(detail)) if given.is_some() => {
                 return Err(Error::StepTaken { step, detail })
             }
+            // Claimed by a killed predecessor: this step cannot be published; later ones can.
+            Err(upload::CommitError::Taken(detail)) => return Err(Error::StepTaken { step, detail }),
             // The weights this publisher published as the step differ from the committed ones:
             // another writer committed it. This publisher stops, as on any conflict.
             Err(upload::CommitError::Conflict(detail)) => {

@@ -1064,6 +1064,7 @@ async fn upload_part(bucket: &Bucket, step: u64, part: &BuiltPart) -> Result<()>
     r.map_err(|e| match e {
         CommitError::Store(e) => Error::Store(e),
         CommitError::Conflict(detail) => Error::Conflict { step, detail },
+        CommitError::Taken(detail) => Error::StepTaken { step, detail },
         CommitError::Unconfirmed(detail) => Error::Upload { step, detail, retryable: true },
     })
 }
@@ -1673,7 +1674,7 @@ fn commit_refusal(step: u64, e: CommitError) -> Refusal {
     let retryable = match &e {
         CommitError::Store(e) => e.is_retryable(),
         // Another committer took the stream (or the step): this one never commits again.
-        CommitError::Conflict(_) => false,
+        CommitError::Conflict(_) | CommitError::Taken(_) => false,
         CommitError::Unconfirmed(_) => true,
     };
     Refusal { reason: format!("step {step}: commit failed: {e}"), next_anchor: true, retryable }

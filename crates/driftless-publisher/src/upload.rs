@@ -70,6 +70,9 @@ pub(crate) struct State {
     pub(crate) last_delta_bytes: u64,
     /// Set on a conflict: another writer owns the stream; the publisher stops.
     pub(crate) conflict: Option<(u64, String)>,
+    /// The newest step found claimed by an older generation ([`CommitError::Taken`]): it
+    /// cannot be published, so `flush` does not publish it again.
+    pub(crate) taken: Option<(u64, String)>,
     /// Until when the lease is known to be live (last successful renewal + TTL).
     pub(crate) lease_until: Option<Instant>,
     /// The step a sharded committer is at work on now: building and sending its own part,
@@ -96,13 +99,17 @@ pub(crate) enum CommitError {
     /// Objects could not be confirmed present, or the lease lapsed: nothing was committed;
     /// a later attempt may succeed.
     Unconfirmed(String),
+    /// The step is claimed, with other weights, by an older generation (a killed publisher
+    /// of this stream; a live one is fenced by this newer generation): this step cannot be
+    /// published, the publisher goes on with later ones.
+    Taken(String),
 }
 
 impl std::fmt::Display for CommitError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             CommitError::Store(e) => write!(f, "{e}"),
-            CommitError::Conflict(d) | CommitError::Unconfirmed(d) => f.write_str(d),
+            CommitError::Conflict(d) | CommitError::Unconfirmed(d) | CommitError::Taken(d) => f.write_str(d),
         }
     }
 }
@@ -112,7 +119,7 @@ impl CommitError {
     pub(crate) fn is_retryable(&self) -> bool {
         match self {
             CommitError::Store(e) => e.is_retryable(),
-            CommitError::Conflict(_) => false,
+            CommitError::Conflict(_) | CommitError::Taken(_) => false,
             CommitError::Unconfirmed(_) => true,
         }
     }
@@ -131,10 +138,10 @@ impl State {
         self.failures += 1;
         self.last_error = Some(format!("{what} {step}: {e}"));
         self.last_error_retryable = e.is_retryable();
-        if let CommitError::Conflict(d) = e {
-            if self.conflict.is_none() {
-                self.conflict = Some((step, d.clone()));
-            }
+        match e {
+            CommitError::Conflict(d) if self.conflict.is_none() => self.conflict = Some((step, d.clone())),
+            CommitError::Taken(d) => self.taken = Some((step, d.clone())),
+            _ => {}
         }
     }
 }
@@ -334,6 +341,20 @@ async fn claim_step(ctx: &Ctx, step: u64, root: Digest) -> Result<(), CommitErro
             let b = ctx.bucket.get_limited(&key, 64 << 10).await?;
             match serde_json::from_slice::<Claim>(&b) {
                 Ok(c) if c.root == root && c.step == step && c.stream_id == ctx.stream_id => Ok(()),
+                // Found by review: a follower killed after its claim, restarted on a checkpoint
+                // saved again with other weights, stopped at this step for good (every restart
+                // hit the same claim). An older generation whose lease ran out (killed, or
+                // stopped) cannot commit it any more; a live one is a second publisher.
+                Ok(c) if c.generation < ctx.generation
+                    && c.stream_id == ctx.stream_id
+                    && !lease_live(ctx, c.generation).await? =>
+                {
+                    Err(CommitError::Taken(format!(
+                        "step {step} was claimed by an earlier publisher (generation {}, stopped before committing it) with other weights (root {})",
+                        c.generation,
+                        &c.root.to_hex()[..12]
+                    )))
+                }
                 Ok(c) => Err(CommitError::Conflict(format!(
                     "step {step} is already claimed by publisher generation {} with other weights (root {}); publish a later step",
                     c.generation,
@@ -344,6 +365,28 @@ async fn claim_step(ctx: &Ctx, step: u64, root: Digest) -> Result<(), CommitErro
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// Whether generation `g`'s lease is live: its last write plus its TTL is after this
+/// generation's own last lease write (the bucket's clock on both sides; ours is at most a
+/// quarter TTL old, which only makes theirs look live longer).
+async fn lease_live(ctx: &Ctx, g: u64) -> Result<bool, CommitError> {
+    let key = layout::lease(g);
+    let theirs = match ctx.bucket.head(&key).await {
+        Ok(i) => i,
+        Err(e) if e.is_not_found() => return Ok(false),
+        Err(e) => return Err(e.into()),
+    };
+    let ttl = match ctx.bucket.get_limited(&key, 64 << 10).await {
+        Ok(b) => serde_json::from_slice::<serde_json::Value>(&b)
+            .ok()
+            .and_then(|v| v.get("ttl_ms").and_then(|t| t.as_u64()))
+            .map_or(Duration::ZERO, |ms| Duration::from_millis(ms).min(layout::MAX_LEASE_TTL)),
+        Err(e) if e.is_not_found() => return Ok(false),
+        Err(e) => return Err(e.into()),
+    };
+    let now = ctx.bucket.head(&layout::lease(ctx.generation)).await?.last_modified;
+    Ok(theirs.last_modified + ttl > now)
 }
 
 pub(crate) struct Ctx {

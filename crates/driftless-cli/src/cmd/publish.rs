@@ -233,6 +233,10 @@ fn publish_from(
     let before = p.status().bytes_uploaded;
     let mut r = p.publish_with_layout(step, &ck.views(), &stable_layout(&ck, ckpt))?;
     if let Err(e) = flush_with_progress(p, a.json) {
+        if is_taken(&e) {
+            // Claimed by a killed predecessor: publishing it again cannot help.
+            return Err(e);
+        }
         // The step (or its anchor) failed past the store's retries: `flush` publishes it
         // again, once, as an anchor of the publisher's copy, and errors only when it is still
         // not in the bucket (or another publisher took the stream).
@@ -311,6 +315,8 @@ fn follow(
     last_done: &mut Option<u64>,
 ) -> Result<()> {
     let mut warned = std::collections::BTreeSet::new();
+    let mut skipped = std::collections::BTreeSet::new();
+    let mut warned_below = std::collections::BTreeSet::new();
     loop {
         let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
             .with_context(|| format!("reading {}", dir.display()))?
@@ -320,6 +326,23 @@ fn follow(
         steps.sort();
         let twice: std::collections::BTreeSet<u64> =
             steps.windows(2).filter(|w| w[0].0 == w[1].0).map(|w| w[0].0).collect();
+        // Entries at or below the bucket's newest step are not published. When that step is
+        // not among them (a stray `step_99999999` published once, or a trainer that numbers
+        // from 0 again), say so once: found by review, every later checkpoint was skipped
+        // silently.
+        if let Some(l) = p.status().last_published {
+            let newest_below = steps.iter().map(|(t, _)| *t).filter(|&t| t <= l).max();
+            if let Some(t) = newest_below.filter(|_| !steps.iter().any(|(t, _)| *t == l)) {
+                if warned_below.insert(l) {
+                    eprintln!(
+                        "driftless publish: warning: the bucket's newest step is {l}, which {} does not hold: \
+                         its entries up to step {t} are not published (steps must increase; \
+                         a trainer numbering from 0 again needs a new stream)",
+                        dir.display()
+                    );
+                }
+            }
+        }
         for (i, (s, path)) in steps.iter().enumerate() {
             let (s, path) = (*s, path.as_path());
             // The bucket's newest committed step decides (the publisher's numbering); a saved
@@ -365,9 +388,30 @@ fn follow(
                     }
                 }
             }
+            if skipped.contains(&s) {
+                continue;
+            }
+            // A signal while idle (or during the scan) starts no new step (found by review: an
+            // anchor started after SIGTERM could outlast the grace period).
+            if stop::requested().is_some() {
+                break;
+            }
             // A signal during `publish_one` lets the step finish (publish, upload, marker);
             // it is acted on here, between steps.
-            publish_one(a, p, s, path, published)?;
+            match publish_one(a, p, s, path, published) {
+                // Claimed with other weights by a killed predecessor (found by review: every
+                // restart stopped at it, and no later step was published): the next step
+                // carries newer weights.
+                Err(e) if is_taken(&e) => {
+                    eprintln!(
+                        "driftless publish: warning: {}; skipping step {s}: the next step publishes newer weights",
+                        crate::exit::render(&e)
+                    );
+                    skipped.insert(s);
+                    continue;
+                }
+                r => r?,
+            }
             *last_done = Some(s);
             if stop::requested().is_some() {
                 break;
@@ -391,6 +435,11 @@ fn follow(
             std::thread::sleep(Duration::from_millis(100));
         }
     }
+}
+
+/// Whether `e` says the step cannot be published under its number (a later one can).
+fn is_taken(e: &anyhow::Error) -> bool {
+    matches!(e.downcast_ref::<driftless_publisher::Error>(), Some(driftless_publisher::Error::StepTaken { .. }))
 }
 
 /// The step number of a `--watch` entry: exactly `{pattern}{N}` (a directory) or
@@ -748,13 +797,35 @@ fn glob(pattern: &str, name: &str) -> bool {
 /// The non-weight files of a checkpoint directory shipped with its anchors (see [`role`]).
 fn extra_files(ckpt: &Path, exclude: &[String]) -> Vec<(String, Vec<u8>)> {
     let Ok(rd) = std::fs::read_dir(ckpt) else { return vec![] };
-    rd.filter_map(|e| e.ok())
-        .filter(|e| {
+    let mut listed: Vec<(String, u64, PathBuf)> = rd
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
             let n = e.file_name().to_string_lossy().to_string();
-            e.metadata().is_ok_and(|m| m.is_file() && role(&n, m.len(), exclude) == Some(false))
+            let m = e.metadata().ok()?;
+            (m.is_file() && role(&n, m.len(), exclude) == Some(false)).then(|| (n, m.len(), e.path()))
         })
-        .filter_map(|e| Some((e.file_name().to_string_lossy().to_string(), std::fs::read(e.path()).ok()?)))
-        .collect()
+        .collect();
+    listed.sort();
+    // A file the format cannot carry (an editor's `config.json~`, or past the total) is left
+    // out with a warning: found by review, the step was refused and `--watch` stopped there
+    // at every restart.
+    let mut total = 0u64;
+    let mut out = vec![];
+    for (name, len, path) in listed {
+        let why = if let Err(e) = driftless_format::validate_extra_file_name(&name) {
+            e.to_string()
+        } else if total + len > driftless_format::MAX_EXTRA_FILES_TOTAL {
+            format!("the files beside the weights would pass {} MiB", driftless_format::MAX_EXTRA_FILES_TOTAL >> 20)
+        } else if let Ok(b) = std::fs::read(&path) {
+            total += len;
+            out.push((name, b));
+            continue;
+        } else {
+            continue;
+        };
+        eprintln!("driftless publish: warning: {}: not shipped beside the weights: {why}", path.display());
+    }
+    out
 }
 
 /// Waits for the uploads; on a terminal (and without --json) shows a progress line on stderr.
