@@ -564,25 +564,34 @@ mod state {
             let m = std::fs::metadata(p).with_context(|| format!("reading {}", p.display()))?;
             Ok((m.len(), m.mtime(), m.mtime_nsec(), m.ino()))
         };
+        // The files to stage: (source, copy, whether it is a shard to check byte for byte).
+        let list = || -> Result<Vec<(PathBuf, PathBuf, bool)>> {
+            if ckpt.is_file() {
+                return Ok(vec![(ckpt.to_path_buf(), stage.join("model.safetensors"), true)]);
+            }
+            let mut v = vec![];
+            for e in std::fs::read_dir(ckpt).with_context(|| format!("reading {}", ckpt.display()))? {
+                let e = e?;
+                let Ok(m) = std::fs::metadata(e.path()) else { continue };
+                let name = e.file_name().to_string_lossy().to_string();
+                if let Some(checked) = super::role(&name, m.len(), exclude).filter(|_| m.is_file()) {
+                    v.push((e.path(), stage.join(e.file_name()), checked));
+                }
+            }
+            v.sort();
+            Ok(v)
+        };
         for attempt in 1..=3 {
             let _ = std::fs::remove_dir_all(stage);
             std::fs::create_dir_all(stage)?;
-            let files: Vec<(PathBuf, PathBuf, bool)> = if ckpt.is_file() {
-                vec![(ckpt.to_path_buf(), stage.join("model.safetensors"), true)]
-            } else {
-                let mut v = vec![];
-                for e in std::fs::read_dir(ckpt).with_context(|| format!("reading {}", ckpt.display()))? {
-                    let e = e?;
-                    let Ok(m) = std::fs::metadata(e.path()) else { continue };
-                    let name = e.file_name().to_string_lossy().to_string();
-                    if let Some(checked) = super::role(&name, m.len(), exclude).filter(|_| m.is_file()) {
-                        v.push((e.path(), stage.join(e.file_name()), checked));
-                    }
-                }
-                v
-            };
+            let files = list()?;
+            // Every file stamped before the first copy, and again after the last: each file
+            // unchanged by its own copy was not enough (found by review: shard 1 rewritten
+            // after its copy, shard 2 before its copy, gave a checkpoint that never existed).
+            let before: Vec<Option<(u64, i64, i64, u64)>> =
+                files.iter().map(|(src, _, checked)| checked.then(|| stamp(src)).transpose()).collect::<Result<_>>()?;
             let mut changed = None;
-            for (src, dst, checked) in &files {
+            for ((src, dst, checked), before) in files.iter().zip(&before) {
                 let symlink = std::fs::symlink_metadata(src).is_ok_and(|m| m.file_type().is_symlink());
                 if link && !symlink && std::fs::hard_link(src, dst).is_ok() {
                     continue;
@@ -591,14 +600,29 @@ mod state {
                     std::fs::copy(src, dst).with_context(|| format!("copying {}", src.display()))?;
                     continue;
                 }
-                let before = stamp(src)?;
                 std::fs::copy(src, dst).with_context(|| format!("copying {} to {}", src.display(), dst.display()))?;
                 // File times move in clock ticks (milliseconds): a write in the tick of the
                 // first stamp leaves them as they were. The copy is also compared with the
                 // file (one more read, from the page cache).
-                if stamp(src)? != before || !same_bytes(src, dst)? {
+                if Some(stamp(src)?) != *before || !same_bytes(src, dst)? {
                     changed = Some(src.clone());
                     break;
+                }
+                #[cfg(test)]
+                super::tests::AFTER_COPY.with(|h| (h.borrow_mut().0)(src));
+            }
+            // (Shards and the index only: files beside the weights are not checked unchanged,
+            // as a log the trainer keeps appending to refused every publish.)
+            if changed.is_none() {
+                let shards = |v: &[(PathBuf, PathBuf, bool)]| -> Vec<PathBuf> {
+                    v.iter().filter(|f| f.2).map(|f| f.0.clone()).collect()
+                };
+                if shards(&list()?) != shards(&files) {
+                    changed = Some(ckpt.to_path_buf());
+                } else if let Some(((src, _, _), _)) =
+                    files.iter().zip(&before).find(|((src, _, checked), b)| *checked && stamp(src).ok() != **b)
+                {
+                    changed = Some(src.clone());
                 }
             }
             let Some(f) = changed else { return Ok(()) };
@@ -862,6 +886,53 @@ fn flush_with_progress(p: &driftless_publisher::Publisher, json: bool) -> Result
 
 #[cfg(test)]
 mod tests {
+    /// A trainer's write, run after a copy.
+    pub(super) struct Hook(pub(super) Box<dyn FnMut(&std::path::Path)>);
+
+    thread_local! {
+        /// Called by `state::stage_into` after each shard it copied (a trainer's write).
+        pub(super) static AFTER_COPY: std::cell::RefCell<Hook> = std::cell::RefCell::new(Hook(Box::new(|_| {})));
+    }
+
+    /// Found by review: each shard unchanged by its own copy was all that was checked, so a
+    /// trainer that rewrote shard 1 after its copy and shard 2 before its copy had a mix of
+    /// its two checkpoints staged (and published). Every shard is now stamped before the first
+    /// copy and after the last: the first try is refused, the second stages the new checkpoint.
+    #[test]
+    fn staging_refuses_a_shard_rewritten_after_its_copy() {
+        let d = tempfile::tempdir().unwrap();
+        let ck = d.path().join("ck");
+        std::fs::create_dir_all(&ck).unwrap();
+        let (a, b) = (ck.join("model-00001-of-00002.safetensors"), ck.join("model-00002-of-00002.safetensors"));
+        std::fs::write(&a, b"old-1").unwrap();
+        std::fs::write(&b, b"old-2").unwrap();
+        let mut copies = 0;
+        let (a2, b2) = (a.clone(), b.clone());
+        AFTER_COPY.with(|h| {
+            *h.borrow_mut() = Hook(Box::new(move |src| {
+                copies += 1;
+                // First try: shard 2 saved before its copy, then shard 1 after its own.
+                if copies == 1 {
+                    assert_eq!(src, a2);
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    std::fs::write(&b2, b"new-2").unwrap();
+                }
+                if copies == 2 {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    std::fs::write(&a2, b"new-1").unwrap();
+                }
+            }))
+        });
+        let staged = super::state::stage(&d.path().join("st"), 1, &ck, false, &[]).unwrap();
+        AFTER_COPY.with(|h| *h.borrow_mut() = Hook(Box::new(|_| {})));
+        let got = |n: &str| std::fs::read(staged.join(n)).unwrap();
+        assert_eq!(
+            (got("model-00001-of-00002.safetensors"), got("model-00002-of-00002.safetensors")),
+            (b"new-1".to_vec(), b"new-2".to_vec()),
+            "a mix of two checkpoints was staged"
+        );
+    }
+
     use super::*;
 
     #[test]
