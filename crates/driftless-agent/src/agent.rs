@@ -1395,7 +1395,7 @@ impl Agent {
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<Stopped> {
         tokio::pin!(shutdown);
-        let mut p = PollState { interval: self.cfg.poll_min, failures: 0, etag: None, polls: 0 };
+        let mut p = PollState { interval: self.cfg.poll_min, failures: 0, etag: None, polls: 0, absent: false };
         let (notifying, stopping) = (self.notifying.clone(), self.stopping.clone());
         // The longest a load in flight is waited for at shutdown: the notifiers' own timeouts,
         // plus the control calls around a load.
@@ -1491,7 +1491,11 @@ impl Agent {
         let list = p.polls % 10 == 0;
         // After a failed sync, sync again even when latest.json did not change (its change was
         // taken by the poll whose sync failed).
-        if !list && p.failures == 0 && matches!(polled, Some(Ok(LatestPoll::Unchanged))) {
+        // Still absent, as at the last poll: nothing new either (it listed at every poll).
+        let absent = matches!(polled, Some(Ok(LatestPoll::Absent)));
+        let still_absent = absent && std::mem::replace(&mut p.absent, absent);
+        p.absent = absent;
+        if !list && p.failures == 0 && (matches!(polled, Some(Ok(LatestPoll::Unchanged))) || still_absent) {
             p.interval = (p.interval * 2).min(self.cfg.poll_max);
             return;
         }
@@ -1500,6 +1504,12 @@ impl Agent {
             // Deleted: the hint held is no longer trusted; this sync lists.
             Some(Ok(LatestPoll::Absent)) => {
                 p.etag = None;
+                None
+            }
+            // Does not verify: not trusted, and not read again until it changes (its ETag).
+            Some(Ok(LatestPoll::Invalid(tag, why))) => {
+                warn!(reason = %why, "latest.json does not verify; planning from the listing");
+                p.etag = tag;
                 None
             }
             _ => self.reader.latest(None).await.ok().flatten(),
@@ -1548,6 +1558,8 @@ struct PollState {
     interval: Duration,
     failures: u32,
     etag: Option<String>,
+    /// `latest.json` was absent at the last poll.
+    absent: bool,
     polls: u64,
 }
 

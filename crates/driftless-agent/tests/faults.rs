@@ -763,3 +763,46 @@ async fn more_planted_markers_than_a_sync_refuses_are_passed_by_the_next_sync() 
     assert_eq!(o.step, 0, "{o:?}");
     assert_bits(&a, &want);
 }
+
+// Found by review: a latest.json that does not verify (or is deleted) made an up-to-date agent
+// read it and list the bucket at every poll (116 listings in 6 s), against one conditional GET
+// per poll and a listing every 10th. Its ETag is kept; a deleted one that stays deleted is
+// "unchanged" too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_or_missing_latest_json_does_not_make_every_poll_list() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 100);
+    t.publish();
+    t.publish();
+    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+    cfg.poll_min = Duration::from_millis(10);
+    cfg.poll_max = Duration::from_millis(10);
+    let a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+    let metrics = a.metrics();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let run = {
+        let stop = stop.clone();
+        tokio::spawn(a.run(Arc::new(tokio::sync::Notify::new()), async move { stop.notified().await }))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while metrics.step.load(SeqCst) != 1 {
+        assert!(std::time::Instant::now() < deadline, "agent did not reach step 1");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for (case, body) in [("invalid", Some(r#"{"payload":"x","signatures":[]}"#)), ("deleted", None)] {
+        match body {
+            Some(b) => tb.bucket.put(layout::LATEST, Bytes::from_static(b.as_bytes())).await.unwrap(),
+            None => tb.bucket.delete(layout::LATEST).await.unwrap(),
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (g0, l0) = (tb.faults.calls(FaultOp::Get), tb.faults.calls(FaultOp::List));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (gets, lists) = (tb.faults.calls(FaultOp::Get) - g0, tb.faults.calls(FaultOp::List) - l0);
+        // About 100 polls in 2 s: a listing (2 LIST calls) every 10th, besides a GET or more per poll.
+        assert!(gets > 20, "{case}: the agent stopped polling ({gets} GETs)");
+        assert!(lists * 3 <= gets, "{case}: {lists} LIST calls for {gets} GETs: a listing at every poll");
+    }
+    stop.notify_one();
+    run.await.unwrap().unwrap();
+}

@@ -196,6 +196,7 @@ impl StreamReader {
         Ok(match self.poll_latest(etag).await? {
             LatestPoll::Changed(h, tag) => Some((*h, tag)),
             LatestPoll::Unchanged | LatestPoll::Absent => None,
+            LatestPoll::Invalid(_, why) => return Err(corrupt("latest.json", why)),
         })
     }
 
@@ -204,8 +205,11 @@ impl StreamReader {
     pub async fn poll_latest(&self, etag: Option<&str>) -> StreamResult<LatestPoll> {
         match self.bucket.get_if_changed_limited(layout::LATEST, etag, MAX_MARKER_BYTES).await {
             Ok(Some((b, tag))) => {
-                let (payload, _) = self.trust.open(&b)?;
-                Ok(LatestPoll::Changed(Box::new(LatestHint::from_slice(&payload)?), tag))
+                let hint = self.trust.open(&b).and_then(|(payload, _)| LatestHint::from_slice(&payload));
+                Ok(match hint {
+                    Ok(h) => LatestPoll::Changed(Box::new(h), tag),
+                    Err(e) => LatestPoll::Invalid(tag, e.to_string()),
+                })
             }
             Ok(None) => Ok(LatestPoll::Unchanged),
             Err(e) if e.is_not_found() => Ok(LatestPoll::Absent),
@@ -223,6 +227,10 @@ pub enum LatestPoll {
     Unchanged,
     /// No `latest.json`.
     Absent,
+    /// Changed, but it does not verify (a bad signature, not a hint): why, with its ETag, so
+    /// that a poller does not read it again until it changes (found by review: an up-to-date
+    /// agent read it and listed the bucket at every poll).
+    Invalid(Option<String>, String),
 }
 
 fn corrupt(what: &'static str, detail: String) -> StreamError {
