@@ -16,7 +16,7 @@ use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
 use driftless_format::manifest::{now_ms, DeltaManifest, LatestHint, ReadyMarker, StepKind};
 use driftless_format::{anchor, fused, ops, AnchorEncoding, Checkpoint, CheckpointFiles, Digest, TensorMeta, TrustSet};
-use driftless_store::stream::{LatestPoll, StreamError, StreamReader};
+use driftless_store::stream::{LatestWatch, StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use tracing::{debug, error, info, info_span, warn, Instrument};
@@ -1395,7 +1395,7 @@ impl Agent {
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<Stopped> {
         tokio::pin!(shutdown);
-        let mut p = PollState { interval: self.cfg.poll_min, failures: 0, etag: None, polls: 0, absent: false };
+        let mut p = PollState { interval: self.cfg.poll_min, failures: 0, polls: 0, latest: LatestWatch::default() };
         let (notifying, stopping) = (self.notifying.clone(), self.stopping.clone());
         // The longest a load in flight is waited for at shutdown: the notifiers' own timeouts,
         // plus the control calls around a load.
@@ -1483,40 +1483,28 @@ impl Agent {
         // nothing to do. Changed: the next sync plans from it (a follower one step behind
         // neither lists nor reads markers). Every 10th poll lists anyway (markers stay the
         // source of truth).
-        let polled = if self.state.is_some() && self.loaded.is_some() {
-            Some(self.reader.poll_latest(p.etag.as_deref()).await)
-        } else {
-            None
-        };
+        let polled = p.latest.poll(&self.reader).await;
         let list = p.polls % 10 == 0;
         // After a failed sync, sync again even when latest.json did not change (its change was
-        // taken by the poll whose sync failed).
-        // Still absent, as at the last poll: nothing new either (it listed at every poll).
-        let absent = matches!(polled, Some(Ok(LatestPoll::Absent)));
-        let still_absent = absent && std::mem::replace(&mut p.absent, absent);
-        p.absent = absent;
-        if !list && p.failures == 0 && (matches!(polled, Some(Ok(LatestPoll::Unchanged))) || still_absent) {
+        // taken by the poll whose sync failed). Not modified (or still absent, or still not
+        // verifying) and on a step: nothing new.
+        let on_step = self.state.is_some() && self.loaded.is_some();
+        if on_step && !list && p.failures == 0 && matches!(&polled, Ok(w) if !w.changed) {
             p.interval = (p.interval * 2).min(self.cfg.poll_max);
             return;
         }
-        let latest = match polled {
-            Some(Ok(LatestPoll::Changed(h, tag))) => Some((*h, tag)),
-            // Deleted: the hint held is no longer trusted; this sync lists.
-            Some(Ok(LatestPoll::Absent)) => {
-                p.etag = None;
-                None
+        match polled {
+            Ok(w) => {
+                if let Some(why) = &w.invalid {
+                    warn!(reason = %why, "latest.json does not verify; planning from the listing");
+                }
+                // Deleted or not verifying: the hint held before is no longer trusted.
+                self.hint = w.hint.cloned();
             }
-            // Does not verify: not trusted, and not read again until it changes (its ETag).
-            Some(Ok(LatestPoll::Invalid(tag, why))) => {
-                warn!(reason = %why, "latest.json does not verify; planning from the listing");
-                p.etag = tag;
-                None
+            Err(e) => {
+                debug!(error = %e, "reading latest.json failed; planning from the listing");
+                self.hint = None;
             }
-            _ => self.reader.latest(None).await.ok().flatten(),
-        };
-        if let Some((h, tag)) = latest {
-            p.etag = tag;
-            self.hint = Some(h);
         }
         self.list_next = list;
         match self.sync_once().await {
@@ -1557,10 +1545,9 @@ const MIN_RETRY: Duration = Duration::from_millis(100);
 struct PollState {
     interval: Duration,
     failures: u32,
-    etag: Option<String>,
-    /// `latest.json` was absent at the last poll.
-    absent: bool,
     polls: u64,
+    /// `latest.json` as the last poll read it.
+    latest: LatestWatch,
 }
 
 /// How [`Agent::run`] ended.

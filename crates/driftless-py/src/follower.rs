@@ -12,12 +12,12 @@ use driftless_agent::anchor_stream::{
     shard_tensors, stream_plain, stream_shard, FileSink, Hashing, ShardSink, ShardTensors,
 };
 use driftless_agent::{plan, Agent, AgentConfig};
-use driftless_format::manifest::{AnchorManifest, DeltaManifest, LatestHint, StepKind};
+use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
 use driftless_format::{
     delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
 };
 use driftless_store::spool::Spool;
-use driftless_store::stream::{LatestPoll, StreamReader};
+use driftless_store::stream::{LatestVersion, LatestWatch, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use pyo3::prelude::*;
@@ -67,7 +67,14 @@ struct Plans {
     /// The signed `latest.json` last read, with its ETag: a Follower on a step polls it with
     /// one conditional GET and, one step behind, plans from it alone ([`plan::from_hint`]),
     /// as the agent does.
-    latest: LatestCache,
+    latest: LatestWatch,
+    /// Per consumer ([`Who`]): the step a plan from the listing found up to date, and the
+    /// `latest.json` it was made at. While that `latest.json` stays (not modified, still
+    /// absent or still not verifying) and the hint cannot plan, that consumer is still up to
+    /// date there, as the agent does not sync while `latest.json` is unchanged (found by
+    /// review: a hint that did not verify, was deleted or named an older step made every
+    /// call list the bucket).
+    settled: [Option<(u64, LatestVersion)>; 2],
     /// Plans made from a step, per consumer ([`Who`]): every 10th lists the markers anyway
     /// (they are the source of truth; a stale hint only delays a step by that much). One
     /// count each, so that `apply_to` and `iter_patches` called in turn both list.
@@ -176,34 +183,13 @@ struct Polls {
     calls: u64,
     /// The stream of the verified `stream.json`, whose hints are taken.
     stream: Option<String>,
-    latest: LatestCache,
+    latest: LatestWatch,
     /// The newest step a hint of `stream` named (never lowered within the stream).
     hinted: Option<u64>,
     listed: Option<u64>,
-}
-
-/// The signed `latest.json` last read and its ETag, kept fresh with one conditional GET.
-#[derive(Default)]
-struct LatestCache(Option<(LatestHint, Option<String>)>);
-
-impl LatestCache {
-    /// Polls `latest.json`: `Some((hint, changed))` with a valid hint (`changed`: read anew,
-    /// not "not modified"); `None`, and forgotten, when it is gone, unreadable or invalid.
-    async fn refresh(&mut self, reader: &StreamReader) -> Option<(&LatestHint, bool)> {
-        let etag = self.0.as_ref().and_then(|(_, t)| t.clone());
-        let changed = match reader.poll_latest(etag.as_deref()).await {
-            Ok(LatestPoll::Changed(h, tag)) => {
-                self.0 = Some((*h, tag));
-                true
-            }
-            Ok(LatestPoll::Unchanged) if etag.is_some() => false,
-            _ => {
-                self.0 = None;
-                false
-            }
-        };
-        self.0.as_ref().map(|(h, _)| (h, changed))
-    }
+    /// The `latest.json` the last listing was made at: without a valid hint, the listing is
+    /// made again when `latest.json` changes (or at every 10th poll), not at every poll.
+    listed_at: Option<LatestVersion>,
 }
 
 fn outcome_dict<'py>(
@@ -285,7 +271,8 @@ impl PyFollower {
                     refused: plan::Refusals::new(refuse_for),
                     markers: plan::MarkerCache::default(),
                     stream: None,
-                    latest: LatestCache::default(),
+                    latest: LatestWatch::default(),
+                    settled: Default::default(),
                     calls: [0; 2],
                 },
             };
@@ -642,13 +629,16 @@ impl PyFollower {
         if let Some(planned) = self.plan_from_hint(hinted, want, pl, who).await {
             return Ok(planned);
         }
+        // The `latest.json` this listing is made at (polled by `plan_from_hint` just now).
+        let at = pl.latest.version();
+        pl.settled[who as usize] = None;
         let Some(desc) = self.reader.descriptor().await? else {
             return Err(BindError::NothingReady("the bucket holds no stream yet".into()));
         };
         if pl.stream.as_deref() != Some(desc.stream_id.as_str()) {
             pl.markers = plan::MarkerCache::default();
             pl.stream = Some(desc.stream_id.clone());
-            pl.latest = LatestCache::default();
+            pl.latest = LatestWatch::default();
         }
         let local = of_stream(&desc.stream_id);
         let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None).await?;
@@ -662,6 +652,11 @@ impl PyFollower {
         }
         if let Some(r) = plan::route(local, &cands, refused, want) {
             return Ok(Some((r.target, r.anchor, r.deltas, desc.stream_id, cands)));
+        }
+        if let (Some(l), Some(at)) = (local, at) {
+            if want.is_none_or(|w| w == l) {
+                pl.settled[who as usize] = Some((l, at));
+            }
         }
         match want {
             Some(w) if local != Some(w) => Err(BindError::NothingReady(format!(
@@ -678,13 +673,16 @@ impl PyFollower {
 
     async fn poll_inner(&self, ps: &mut Polls) -> BindResult<Option<u64>> {
         ps.calls += 1;
-        let hint = ps.latest.refresh(&self.reader).await.map(|(h, changed)| (h.clone(), changed));
+        let (hint, changed) = match ps.latest.poll(&self.reader).await {
+            Ok(w) => (w.hint.cloned(), w.changed),
+            Err(_) => (None, true),
+        };
         let mut valid = false;
         match hint {
             // No valid hint (deleted, or the prefix emptied for a new run): the listing alone
             // answers, not the newest step an earlier hint named.
             None => ps.hinted = None,
-            Some((h, changed)) => {
+            Some(h) => {
                 if changed && ps.stream.as_deref() != Some(h.stream_id.as_str()) {
                     // First poll, or a new hint naming another stream: which one is this
                     // bucket's? (Read once per hint: an unchanged foreign hint costs nothing.)
@@ -701,10 +699,15 @@ impl PyFollower {
                 }
             }
         }
-        if !valid || ps.calls % 10 == 0 {
+        // Without a valid hint of this stream, the listing answers; it is made again when
+        // latest.json changes (a publisher writes it after every step), not at every poll.
+        let at = ps.latest.version();
+        let stale = !valid && (at.is_none() || at != ps.listed_at);
+        if stale || ps.calls % 10 == 0 {
             let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
             let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
             ps.listed = a.last().copied().max(d.last().copied());
+            ps.listed_at = at;
         }
         Ok(ps.hinted.max(ps.listed))
     }
@@ -729,20 +732,28 @@ impl PyFollower {
         if *calls % 10 == 0 {
             return None;
         }
-        let (h, _) = pl.latest.refresh(&self.reader).await?;
-        let h = h.clone();
-        if h.stream_id != sid {
-            return None;
+        let h = pl.latest.poll(&self.reader).await.ok()?.hint.filter(|h| h.stream_id == sid).cloned();
+        if let Some(h) = h {
+            if h.delta.max(h.anchor) == Some(local) && want.is_none_or(|w| w == local) {
+                return Some(None);
+            }
+            if let Some(c) = plan::from_hint(&h, &sid, local) {
+                if let Some(r) = plan::route(Some(local), &c, &pl.refused, want) {
+                    for m in c.deltas.values() {
+                        pl.markers.insert(m.clone());
+                    }
+                    return Some(Some((r.target, r.anchor, r.deltas, sid, c)));
+                }
+            }
         }
-        if h.delta.max(h.anchor) == Some(local) && want.is_none_or(|w| w == local) {
+        // The hint cannot plan (it does not verify, is gone, is another stream's or names an
+        // older step): still up to date where the last listing found this consumer, as long
+        // as latest.json is the same object.
+        let settled = pl.settled[who as usize].as_ref().zip(pl.latest.version());
+        if settled.is_some_and(|((s, at), now)| *s == local && *at == now) && want.is_none_or(|w| w == local) {
             return Some(None);
         }
-        let c = plan::from_hint(&h, &sid, local)?;
-        let r = plan::route(Some(local), &c, &pl.refused, want)?;
-        for m in c.deltas.values() {
-            pl.markers.insert(m.clone());
-        }
-        Some(Some((r.target, r.anchor, r.deltas, sid, c)))
+        None
     }
 
     /// Loads anchor `step` (manifest `m`) into the arrays `by` (already checked to be exactly

@@ -140,7 +140,67 @@ def test_poll_with_another_streams_hint_reads_stream_json_once(monkeypatch, keys
         seen = proxy.take()
         descriptor = [r for r in seen if r[1].endswith("/stream.json")]
         assert len(descriptor) == 1, seen
-        # Every call: one conditional GET of latest.json and the listing (no valid hint).
+        # Every call: one conditional GET of latest.json; the listing (no valid hint of this
+        # stream) only when latest.json changes, and at every 10th call.
         assert len([r for r in seen if r[1].endswith("/latest.json")]) == 12, seen
+        assert len([r for r in seen if "list-type" in r[2]]) == 2 * 2, seen
+    finally:
+        proxy.close()
+
+
+def test_an_up_to_date_follower_does_not_list_while_latest_json_is_bad(monkeypatch, keys):
+    """A Follower on the newest step, with latest.json made invalid (garbled), deleted, or
+    replaced by an older signed hint (a replay): while it stays as it is, apply_to and poll()
+    list the markers at most every 10th call, as the agent does (found by review: the Follower
+    listed at every call, and read latest.json whole each time). A new step is still found."""
+    from conftest import Raw
+
+    url, kw = _seaweed(monkeypatch)
+    private, public = keys
+    raw = Raw(url, kw)
+    proxy = CountingProxy(kw["endpoint"])
+    try:
+        steps = bit_chain(45, (64, 64), 5)
+        with driftless.Publisher(url, signing_key=private, anchor_every=100, **kw) as pub:
+            for s in range(3):
+                pub.publish(s, {"x.w": steps[s].view(BF16)})
+            pub.flush()
+            old = raw.read("latest.json")
+            pub.publish(3, {"x.w": steps[3].view(BF16)})
+            pub.flush()
+        good = raw.read("latest.json")
+        f = driftless.Follower(url, trusted_keys=[public], **{**kw, "endpoint": proxy.endpoint})
+        arrays = {"x.w": np.zeros((64, 64), BF16)}
+        assert f.apply_to(arrays)["step"] == 3
+        assert f.poll() == 3
+        for name, bad in (("garbled", b"{not a hint"), ("replayed", old), ("deleted", None)):
+            if bad is None:
+                raw.delete("latest.json")
+            else:
+                raw.write("latest.json", bad)
+            proxy.take()
+            for _ in range(20):
+                o = f.apply_to(arrays)
+                assert (o["step"], o["route"]) == (3, "up_to_date"), (name, o)
+                assert f.poll() == 3, name
+            seen = proxy.take()
+            # A listing is two LIST requests (anchors, then deltas above the newest anchor).
+            listings = len([r for r in seen if "list-type" in r[2]]) / 2
+            # 20 calls of each: the first plan and the first poll after the change list, and
+            # every 10th of each. The old code: 40 listings.
+            assert listings <= 6, (name, listings, len(seen))
+            whole = [r for r in seen if r[1].endswith("/latest.json")]
+            assert len(whole) <= 40, (name, len(whole))
+            raw.write("latest.json", good)
+        # A new step with latest.json still bad is found by a listing within 10 calls.
+        raw.write("latest.json", b"{not a hint")
+        with driftless.Publisher(url, signing_key=private, anchor_every=100, **kw) as pub:
+            pub.publish(4, {"x.w": steps[4].view(BF16)})
+            pub.flush()
+        raw.write("latest.json", b"{still not a hint")
+        got = [f.apply_to(arrays)["step"] for _ in range(10)]
+        assert got[-1] == 4, got
+        assert np.array_equal(bits(arrays["x.w"]), steps[4])
+        assert 4 in [f.poll() for _ in range(10)]
     finally:
         proxy.close()

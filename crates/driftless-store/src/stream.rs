@@ -233,6 +233,100 @@ pub enum LatestPoll {
     Invalid(Option<String>, String),
 }
 
+/// `latest.json` as a poller last read it, kept fresh with one conditional GET per poll. The
+/// one implementation of "has `latest.json` changed?" for the agent's poll loop and the Python
+/// Follower (found by review: the Follower kept only valid hints, so while `latest.json` did
+/// not verify or was deleted it read it whole and listed the bucket at every call, a cost the
+/// agent had been rid of). A hint that does not verify, or a deleted `latest.json`, is
+/// remembered as such: not changed until it changes.
+#[derive(Debug, Default)]
+pub struct LatestWatch(Option<Seen>);
+
+#[derive(Debug)]
+enum Seen {
+    Valid(Box<LatestHint>, Option<String>),
+    Invalid(Option<String>),
+    Absent,
+}
+
+/// What one [`LatestWatch::poll`] found.
+#[derive(Debug)]
+pub struct Watched<'a> {
+    /// The valid hint held now (read now or not modified since); `None` when `latest.json` is
+    /// absent or does not verify.
+    pub hint: Option<&'a LatestHint>,
+    /// `latest.json` changed since the last poll (the first poll, or one after an error, counts
+    /// as a change).
+    pub changed: bool,
+    /// Why a `latest.json` read by this poll does not verify.
+    pub invalid: Option<String>,
+}
+
+/// Which `latest.json` a [`LatestWatch`] holds: equal versions are the same object, so a
+/// conclusion drawn at one holds at the other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LatestVersion {
+    /// The object with this ETag (valid or not).
+    Tagged(String),
+    /// No `latest.json`.
+    Absent,
+}
+
+impl LatestWatch {
+    /// One conditional GET of `latest.json`. An error (the bucket is down) forgets what was
+    /// held: the next poll reads it whole and counts as a change.
+    pub async fn poll(&mut self, reader: &StreamReader) -> StreamResult<Watched<'_>> {
+        let etag = match &self.0 {
+            Some(Seen::Valid(_, t) | Seen::Invalid(t)) => t.clone(),
+            _ => None,
+        };
+        let polled = match reader.poll_latest(etag.as_deref()).await {
+            Ok(p) => p,
+            Err(e) => {
+                self.0 = None;
+                return Err(e);
+            }
+        };
+        let mut invalid = None;
+        let changed = match polled {
+            LatestPoll::Unchanged if etag.is_some() => false,
+            LatestPoll::Unchanged => {
+                self.0 = None;
+                true
+            }
+            LatestPoll::Absent => !matches!(self.0.replace(Seen::Absent), Some(Seen::Absent)),
+            LatestPoll::Invalid(tag, why) => {
+                invalid = Some(why);
+                self.0 = Some(Seen::Invalid(tag));
+                true
+            }
+            LatestPoll::Changed(h, tag) => {
+                self.0 = Some(Seen::Valid(h, tag));
+                true
+            }
+        };
+        Ok(Watched { hint: self.hint(), changed, invalid })
+    }
+
+    /// The valid hint held (as of the last poll).
+    pub fn hint(&self) -> Option<&LatestHint> {
+        match &self.0 {
+            Some(Seen::Valid(h, _)) => Some(h),
+            _ => None,
+        }
+    }
+
+    /// Which `latest.json` is held; `None` when that is not known (never polled, an error, no
+    /// ETag from the backend).
+    pub fn version(&self) -> Option<LatestVersion> {
+        match &self.0 {
+            Some(Seen::Valid(_, Some(t)) | Seen::Invalid(Some(t))) => Some(LatestVersion::Tagged(t.clone())),
+            Some(Seen::Absent) => Some(LatestVersion::Absent),
+            _ => None,
+        }
+    }
+}
+
 fn corrupt(what: &'static str, detail: String) -> StreamError {
     driftless_format::Error::Corrupt { what, detail }.into()
 }

@@ -197,7 +197,8 @@ class Follower(_native.Follower):
         """The newest step with a ready marker, or None when the stream is empty.
 
         One conditional GET of the signed ``latest.json``; every 10th call, or when there is
-        no valid hint, the ready markers are listed too (they are the source of truth).
+        no valid hint and ``latest.json`` changed (or was deleted) since the last listing, the
+        ready markers are listed too (they are the source of truth).
         Ctrl-C (``KeyboardInterrupt``) stops it within 100 ms. The calls that write (``sync_dir``,
         ``apply_to``) are not interrupted mid-way: each ends within the store's retry and
         listing budgets (``retry_timeout``, 300 s per listing; a request that hangs is cut
