@@ -274,12 +274,8 @@ impl MarkerCache {
                     // Unparsable, over-sized, or naming another step: never a reason to touch
                     // local state; the step is simply not ready.
                     // (Markers are write-once: not read again while listed.)
-                    Err(StreamError::Format(e)) => {
+                    Err(e) if unusable_marker(&e) => {
                         warn!(step = s, kind = %kind, error = %e, "ignoring an invalid ready marker");
-                        Ok(Some(((kind, s), None)))
-                    }
-                    Err(StreamError::Store(e)) if matches!(e, driftless_store::Error::TooLarge { .. }) => {
-                        warn!(step = s, kind = %kind, error = %e, "ignoring an over-sized ready marker");
                         Ok(Some(((kind, s), None)))
                     }
                     Err(e) => Err(e),
@@ -380,6 +376,87 @@ impl MarkerCache {
         }
         out
     }
+}
+
+impl MarkerCache {
+    /// The newest of `steps` (listed steps of `kind`, ascending) whose ready marker parses,
+    /// names its step and belongs to `stream_id`: what "the newest ready step" means to a
+    /// poller (found by review: the Python `Follower.poll()` took the newest key, so one junk
+    /// key planted at step 999,999 was its answer for good). Markers are read newest first,
+    /// each once (valid ones cached, the others remembered by key), in batches that grow from
+    /// one (the newest marker is usually valid: one GET) to 16 at a time, at most `*budget`
+    /// reads; `Ok(None)` with `*budget` at 0 means it ran out before finding one. Entries of
+    /// `kind` no longer in `steps` are dropped.
+    pub async fn newest_valid(
+        &mut self,
+        reader: &StreamReader,
+        stream_id: &str,
+        kind: StepKind,
+        steps: &[u64],
+        budget: &mut usize,
+    ) -> Result<Option<u64>, StreamError> {
+        self.map.retain(|k, _| k.0 != kind || steps.binary_search(&k.1).is_ok());
+        self.foreign.retain(|k| k.0 != kind || steps.binary_search(&k.1).is_ok());
+        let mut batch = 1;
+        let mut top = steps.len();
+        while top > 0 {
+            // Cached answers first, then the unknown markers below them.
+            while top > 0 {
+                let s = steps[top - 1];
+                match self.map.get(&(kind, s)) {
+                    Some(m) if m.stream_id == stream_id => return Ok(Some(s)),
+                    Some(_) => top -= 1,
+                    None if self.foreign.contains(&(kind, s)) => top -= 1,
+                    None => break,
+                }
+            }
+            if top == 0 {
+                break;
+            }
+            if *budget == 0 {
+                return Ok(None);
+            }
+            let unknown: Vec<u64> = steps[..top]
+                .iter()
+                .rev()
+                .filter(|&&s| !self.map.contains_key(&(kind, s)) && !self.foreign.contains(&(kind, s)))
+                .take(batch.min(*budget))
+                .copied()
+                .collect();
+            *budget -= unknown.len();
+            batch = (batch * 2).min(16);
+            let read: Vec<(u64, Result<ReadyMarker, StreamError>)> = futures::stream::iter(unknown)
+                .map(|s| async move { (s, reader.marker(kind, s).await) })
+                .buffered(16)
+                .collect()
+                .await;
+            for (s, r) in read {
+                match r {
+                    Ok(m) if m.stream_id == stream_id => {
+                        self.map.insert((kind, s), m);
+                    }
+                    Err(e) if !unusable_marker(&e) => {
+                        // Deleted between the listing and the read: not ready, passed over.
+                        if !matches!(&e, StreamError::Store(se) if se.is_not_found()) {
+                            return Err(e);
+                        }
+                        self.foreign.insert((kind, s));
+                    }
+                    _ => {
+                        self.foreign.insert((kind, s));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// A ready marker that can never be used as read (does not parse, names another step, is
+/// over-sized): passed over, never a reason to touch local state; markers are write-once, so
+/// it is not read again while listed.
+fn unusable_marker(e: &StreamError) -> bool {
+    matches!(e, StreamError::Format(_) | StreamError::Store(driftless_store::Error::TooLarge { .. }))
 }
 
 /// Most delta markers [`MarkerCache::unlisted`] reads walking back from the newest delta (a

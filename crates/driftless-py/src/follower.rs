@@ -190,7 +190,14 @@ struct Polls {
     /// The `latest.json` the last listing was made at: without a valid hint, the listing is
     /// made again when `latest.json` changes (or at every 10th poll), not at every poll.
     listed_at: Option<LatestVersion>,
+    /// The markers the listings of `poll` read (each once).
+    markers: plan::MarkerCache,
 }
+
+/// Most ready markers one `poll` reads (a sync's budget of markers refused from their marker
+/// alone): planted junk above the newest step costs a poll at most this many GETs (16 at a
+/// time), and the polls after it go on where it stopped.
+const POLL_READS: usize = plan::MAX_UNUSABLE_ROUNDS as usize;
 
 fn outcome_dict<'py>(
     py: Python<'py>,
@@ -678,6 +685,7 @@ impl PyFollower {
             Err(_) => (None, true),
         };
         let mut valid = false;
+        let mut described = false;
         match hint {
             // No valid hint (deleted, or the prefix emptied for a new run): the listing alone
             // answers, not the newest step an earlier hint named.
@@ -687,6 +695,7 @@ impl PyFollower {
                     // First poll, or a new hint naming another stream: which one is this
                     // bucket's? (Read once per hint: an unchanged foreign hint costs nothing.)
                     let sid = self.reader.descriptor().await?.map(|d| d.stream_id);
+                    described = true;
                     if sid != ps.stream {
                         let latest = std::mem::take(&mut ps.latest);
                         *ps = Polls { calls: ps.calls, stream: sid, latest, ..Polls::default() };
@@ -704,10 +713,47 @@ impl PyFollower {
         let at = ps.latest.version();
         let stale = !valid && (at.is_none() || at != ps.listed_at);
         if stale || ps.calls % 10 == 0 {
+            // Without a valid hint of this stream, which stream the markers must belong to is
+            // read again (the prefix may have been emptied for a new run whose hint is gone).
+            if !valid && !described {
+                let sid = self.reader.descriptor().await?.map(|d| d.stream_id);
+                if sid != ps.stream {
+                    let latest = std::mem::take(&mut ps.latest);
+                    *ps = Polls { calls: ps.calls, stream: sid, latest, ..Polls::default() };
+                }
+            }
+            let Some(sid) = ps.stream.clone() else {
+                // No stream.json: nothing is ready (markers alone are no stream's).
+                ps.listed = None;
+                return Ok(ps.hinted);
+            };
+            // The newest listed markers that are this stream's (junk and other streams'
+            // markers are passed over, each read once), at most POLL_READS reads per poll.
+            let mut budget = POLL_READS;
             let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
-            let d = self.reader.ready_steps(StepKind::Delta, a.last().copied()).await?;
-            ps.listed = a.last().copied().max(d.last().copied());
-            ps.listed_at = at;
+            let anchor = ps.markers.newest_valid(&self.reader, &sid, StepKind::Anchor, &a, &mut budget).await?;
+            // `None` with no reads left: it ran out before finding one.
+            let mut out = anchor.is_none() && budget == 0;
+            let mut delta = None;
+            if !out {
+                let d = self.reader.ready_steps(StepKind::Delta, anchor).await?;
+                delta = ps.markers.newest_valid(&self.reader, &sid, StepKind::Delta, &d, &mut budget).await?;
+                out = delta.is_none() && budget == 0;
+            }
+            if !out {
+                ps.listed = anchor.max(delta);
+                ps.listed_at = at;
+            } else {
+                // Out of reads: the answer stands as it was; the next poll lists again and
+                // goes on from what is cached.
+                ps.listed_at = None;
+                if ps.listed.is_none() && ps.hinted.is_none() {
+                    return Err(BindError::NothingReady(format!(
+                        "more than {POLL_READS} ready markers at the top of the listing are junk or another \
+                         stream's; this poll read {POLL_READS} of them, the next goes on"
+                    )));
+                }
+            }
         }
         Ok(ps.hinted.max(ps.listed))
     }

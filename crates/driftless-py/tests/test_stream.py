@@ -5,6 +5,7 @@ directory read back with the safetensors package)."""
 import glob
 import json
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -893,3 +894,44 @@ def test_planted_markers_do_not_stop_a_cold_apply_to(file_bucket, keys):
     assert (o["step"], o["route"]) == (2, "anchor"), o
     for n, a in tr.bf16().items():
         assert np.array_equal(bits(late[n]), bits(a))
+
+
+def test_poll_does_not_count_junk_or_foreign_markers(file_bucket, keys, tmp_path):
+    """poll() answers from ready markers that parse and belong to this stream (found by
+    review: it took the newest key under ready/, so one junk key planted at step 999,999
+    made poll() name a step that never existed, for good). Each marker is read once."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    other = f"file://{tmp_path}/other"
+    for u, seed, n in ((other, 46, 7), (url, 47, 3)):
+        with driftless.Publisher(u, signing_key=private, anchor_every=100) as pub:
+            for s, x in enumerate(bit_chain(seed, (64, 64), n)):
+                pub.publish(s, {"x.w": x.view(BF16)})
+    # No latest.json: the listing answers at every change.
+    os.remove(os.path.join(root, "latest.json"))
+    f = driftless.Follower(url, trusted_keys=[public])
+    assert f.poll() == 3
+    for kind, s in (("deltas", 999_999), ("anchors", 888_888), ("deltas", 5000)):
+        with open(os.path.join(root, "ready", kind, f"{s:012d}"), "wb") as fh:
+            fh.write(b"\x00junk" * 10)
+    # Another stream's real markers, at their own step numbers (a copied-in run).
+    theirs = os.path.join(tmp_path, "other", "ready", "deltas")
+    above = [n for n in os.listdir(theirs) if int(n) > 3]
+    assert above
+    for n in above:
+        shutil.copy(os.path.join(theirs, n), os.path.join(root, "ready", "deltas", n))
+    assert [f.poll() for _ in range(12)] == [3] * 12
+    # A fresh Follower (its first poll lists) agrees.
+    assert driftless.Follower(url, trusted_keys=[public]).poll() == 3
+    # More junk than one poll reads (4,096): the answer stands until the polls after have
+    # read past it; a fresh Follower, with no answer to stand on, says "not ready" (retryable)
+    # once, then answers.
+    for s in range(10_000, 14_200):
+        with open(os.path.join(root, "ready", "deltas", f"{s:012d}"), "wb") as fh:
+            fh.write(b"junk")
+    assert [f.poll() for _ in range(12)] == [3] * 12
+    g = driftless.Follower(url, trusted_keys=[public])
+    with pytest.raises(driftless.NothingReadyError, match="junk"):
+        g.poll()
+    assert g.poll() == 3
