@@ -290,20 +290,6 @@ impl Drop for PyPublisher {
     /// publisher's own `Drop`): without the GIL, so that the rest of the interpreter runs
     /// meanwhile (it froze every Python thread for the whole flush).
     fn drop(&mut self) {
-        if self.origin.forked() {
-            // Leaked whole, lock untouched: its runtime's threads, and whoever held the lock
-            // at fork time, are the parent's (see `Origin`).
-            std::mem::forget(self.inner.clone());
-            return;
-        }
-        // The lock is taken without the GIL too: a flush left running by Ctrl-C may hold it
-        // (found by review: every Python thread froze until it ended).
-        let inner = self.inner.clone();
-        Python::with_gil(|py| {
-            py.allow_threads(move || {
-                let p = inner.lock().unwrap_or_else(|e| e.into_inner()).take();
-                drop(p)
-            })
-        });
+        self.origin.drop_without_gil(&self.inner);
     }
 }
