@@ -429,10 +429,7 @@ pub(crate) async fn load_leases(bucket: &Bucket) -> Result<BTreeMap<u64, LeaseEn
             async move {
                 let Some(g) = layout::parse_claim_or_lease(&info.key) else { return Ok(None) };
                 let ttl = match bucket.get_limited(&info.key, MAX_MARKER_BYTES).await {
-                    Ok(b) => serde_json::from_slice::<serde_json::Value>(&b)
-                        .ok()
-                        .and_then(|v| v.get("ttl_ms").and_then(|t| t.as_u64()))
-                        .map_or(Duration::ZERO, |ms| Duration::from_millis(ms).min(MAX_LEASE_TTL)),
+                    Ok(b) => layout::lease_ttl(&b),
                     Err(e) if e.is_not_found() => return Ok(None),
                     Err(driftless_store::Error::TooLarge { .. }) => Duration::ZERO,
                     Err(e) => return Err(e),

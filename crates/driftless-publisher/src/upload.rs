@@ -378,10 +378,9 @@ async fn lease_live(ctx: &Ctx, g: u64) -> Result<bool, CommitError> {
         Err(e) => return Err(e.into()),
     };
     let ttl = match ctx.bucket.get_limited(&key, 64 << 10).await {
-        Ok(b) => serde_json::from_slice::<serde_json::Value>(&b)
-            .ok()
-            .and_then(|v| v.get("ttl_ms").and_then(|t| t.as_u64()))
-            .map_or(Duration::ZERO, |ms| Duration::from_millis(ms).min(layout::MAX_LEASE_TTL)),
+        Ok(b) => layout::lease_ttl(&b),
+        // Over-sized: says no TTL that counts, as for GC.
+        Err(driftless_store::Error::TooLarge { .. }) => Duration::ZERO,
         Err(e) if e.is_not_found() => return Ok(false),
         Err(e) => return Err(e.into()),
     };

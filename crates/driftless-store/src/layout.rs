@@ -33,6 +33,16 @@ pub const MANIFEST_NAME: &str = "manifest.json";
 /// (with one, GC took its lease for expired and deleted its upload under it: found by review).
 pub const MAX_LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(3600);
 
+/// The TTL a lease object (`writers/<gen>`) claims, at most [`MAX_LEASE_TTL`]; zero when it
+/// does not say (not JSON, no `ttl_ms`): such a lease is never live. The one reading of a
+/// lease for GC and for publishers deciding whether an older generation is still writing.
+pub fn lease_ttl(bytes: &[u8]) -> std::time::Duration {
+    serde_json::from_slice::<serde_json::Value>(bytes)
+        .ok()
+        .and_then(|v| v.get("ttl_ms").and_then(|t| t.as_u64()))
+        .map_or(std::time::Duration::ZERO, |ms| std::time::Duration::from_millis(ms).min(MAX_LEASE_TTL))
+}
+
 const DELTAS: &str = "deltas/";
 const ANCHORS: &str = "anchors/";
 const READY_DELTAS: &str = "ready/deltas/";
@@ -195,6 +205,16 @@ pub fn strip_generation(name: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn lease_ttls_are_capped_and_default_to_zero() {
+        use std::time::Duration;
+        assert_eq!(lease_ttl(br#"{"kind":"lease","ttl_ms":30000}"#), Duration::from_secs(30));
+        assert_eq!(lease_ttl(br#"{"ttl_ms":99999999999}"#), MAX_LEASE_TTL);
+        for junk in [&b"not json"[..], br#"{"ttl_ms":-5}"#, br#"{"ttl_ms":"30000"}"#, b"{}"] {
+            assert_eq!(lease_ttl(junk), Duration::ZERO);
+        }
+    }
+
     #[test]
     fn generation_names() {
         assert_eq!(strip_generation("g7-extra-config.json"), "extra-config.json");
