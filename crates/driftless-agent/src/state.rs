@@ -158,19 +158,7 @@ impl AgentDir {
         std::fs::create_dir_all(dir.join("slots")).map_err(|e| {
             std::io::Error::new(e.kind(), format!("creating the agent directory {}: {e}", dir.display()))
         })?;
-        let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("lock"))?;
-        // SAFETY: flock on a file descriptor we own; no memory is involved.
-        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(if e.kind() == std::io::ErrorKind::WouldBlock {
-                std::io::Error::new(
-                    std::io::ErrorKind::WouldBlock,
-                    format!("{} is in use by another driftless agent (one agent per directory)", dir.display()),
-                )
-            } else {
-                e
-            });
-        }
+        let lock = driftless_store::lockfile::lock_dir(dir, "driftless agent (one agent per directory)")?;
         let running = dir.join("running");
         let unclean = running.exists();
         let mut f = File::create(&running)?;

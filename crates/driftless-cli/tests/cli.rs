@@ -8,7 +8,7 @@ use driftless_format::Checkpoint;
 
 mod common;
 
-use common::{agent_once, bin, check_current_vouched, seaweed, write};
+use common::{agent_once, bin, check_current_vouched, seaweed, write, KillOnDrop};
 
 fn files_equal(a: &Path, b: &Path) {
     let mut n = 0;
@@ -359,6 +359,22 @@ fn watch_once(dir: &Path, url: &str, args: &[&str]) -> (Vec<serde_json::Value>, 
     (data, stderr)
 }
 
+/// A continuous `publish --json --new-stream --watch DIR/ckpts` into `url` (state
+/// `DIR/pstate`, key `DIR/key`), stdout piped.
+fn spawn_watch(dir: &Path, url: &str, stderr: std::process::Stdio) -> std::process::Child {
+    bin()
+        .args(["publish", "--json", "--new-stream", "--bucket", url, "--watch"])
+        .arg(dir.join("ckpts"))
+        .arg("--state")
+        .arg(dir.join("pstate"))
+        .arg("--key")
+        .arg(dir.join("key"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap()
+}
+
 /// The steps of `watch_once`'s published data.
 fn steps_of(data: &[serde_json::Value]) -> Vec<u64> {
     data.iter().map(|d| d["step"].as_u64().unwrap()).collect()
@@ -692,17 +708,7 @@ fn publish_watch_stops_cleanly_on_sigterm() {
     for sig in ["-TERM", "-INT"] {
         let _ = std::fs::remove_dir_all(p("bucket"));
         let _ = std::fs::remove_dir_all(p("pstate"));
-        let mut child = bin()
-            .args(["publish", "--json", "--new-stream", "--bucket", &url, "--watch"])
-            .arg(p("ckpts"))
-            .arg("--state")
-            .arg(p("pstate"))
-            .arg("--key")
-            .arg(p("key"))
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = spawn_watch(t.path(), &url, std::process::Stdio::piped());
         // Signal as soon as the first step is out: the next one is in flight.
         let mut first = String::new();
         std::io::BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut first).unwrap();
@@ -721,6 +727,49 @@ fn publish_watch_stops_cleanly_on_sigterm() {
         // The publishers' leases and claims are the layout, not strays.
         assert_eq!(head["data"]["other_objects"], 0, "{sig}: {stdout}");
     }
+}
+
+/// Found by review: two `publish` commands on one `--state` directory (a second follower
+/// started by mistake, an old pod still terminating) staged, saved and pruned the same
+/// snapshots under each other. The second now stops at once with one line naming the
+/// directory (exit 2, retryable: the first may end), and touches nothing; once the first has
+/// ended, it runs.
+#[test]
+fn a_second_publish_on_one_state_directory_is_refused() {
+    use std::io::BufRead;
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, _) = watched_dir(t.path(), 1 << 20, 9, 2);
+    let mut first = spawn_watch(t.path(), &url, std::process::Stdio::null());
+    let _guard = KillOnDrop(Some(first.id()));
+    // Both steps out: the follower is idle, holding its state directory.
+    let mut lines = std::io::BufReader::new(first.stdout.take().unwrap()).lines();
+    for _ in 0..2 {
+        assert!(lines.next().unwrap().unwrap().contains("\"published\""));
+    }
+    let before: Vec<_> = std::fs::read_dir(p("pstate")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let second = |extra: &[&str]| {
+        out(bin()
+            .args(["publish", "--json", "--bucket", &url, "--state"])
+            .arg(p("pstate"))
+            .arg("--key")
+            .arg(p("key"))
+            .args(extra))
+    };
+    let ckpt = p("ckpts/step_1").display().to_string();
+    let (code, _, err) = second(&["--step", "1", &ckpt]);
+    assert_eq!(code, Some(2), "{err}");
+    let line = one_error(&err);
+    assert!(line.contains("in use by another driftless publish"), "{line}");
+    assert!(err.contains("retrying may help"), "{err}");
+    let after: Vec<_> = std::fs::read_dir(p("pstate")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(before, after);
+    let st = Command::new("kill").arg("-TERM").arg(first.id().to_string()).status().unwrap();
+    assert!(st.success());
+    assert_eq!(first.wait().unwrap().code(), Some(0));
+    // The first ended (or was killed: the kernel drops the lock): the state is free.
+    let (code, _, err) = second(&["--once", "--watch", &p("ckpts").display().to_string()]);
+    assert_eq!(code, Some(0), "{err}");
 }
 
 /// Issue 13 item 10: the demo shows the anchor's size, compares the bytes moved with sending

@@ -5,6 +5,7 @@ mod bucket;
 mod error;
 mod faulty;
 pub mod layout;
+pub mod lockfile;
 mod open;
 mod options;
 mod redact;

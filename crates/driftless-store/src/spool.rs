@@ -16,9 +16,9 @@
 //! over a network file system never remove each other's. Where `flock` is not supported at all,
 //! a spool is made unlocked and a sweep, failing to lock it, leaves it alone.
 
+use crate::lockfile::try_lock;
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -161,15 +161,6 @@ fn own_prefix() -> String {
 /// Opens a directory without following a link or blocking (a FIFO swapped in).
 fn open_dir(p: &Path) -> io::Result<File> {
     std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_NONBLOCK).open(p)
-}
-
-fn try_lock(f: &File) -> io::Result<()> {
-    // SAFETY: flock on a descriptor this function borrows; no memory is passed.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
 }
 
 #[cfg(test)]

@@ -72,6 +72,10 @@ impl Args {
 
 pub fn run(a: Args) -> Result<()> {
     std::fs::create_dir_all(&a.state).with_context(|| format!("creating state directory {}", a.state.display()))?;
+    // One process per state directory (found by review: two followers of one checkpoint
+    // directory staged, saved and pruned the same snapshots under each other). Held until the
+    // command ends; the kernel drops it with a killed process.
+    let _lock = driftless_store::lockfile::lock_dir(&a.state, "driftless publish (one per --state directory)")?;
     if a.key.is_none() {
         eprintln!("driftless: warning: no --key: the stream is unsigned; agents need --allow-unsigned");
     }
