@@ -88,9 +88,13 @@ impl StreamReader {
     /// Ready steps of a kind, ascending, strictly after `after` when given.
     pub async fn ready_steps(&self, kind: StepKind, after: Option<u64>) -> StreamResult<Vec<u64>> {
         let prefix = layout::ready_prefix(kind);
+        // Keys are steps zero-padded to 12 digits; wider ones (10^12 and more) start with
+        // 1..9, so they sort after the key of a step below 10^11 (which starts with 0) but may
+        // sort before the key of a larger one: past 10^11 the whole prefix is listed and
+        // filtered by number (found by review: a stream crossing 10^12 stopped for agents).
         let list = match after {
-            Some(s) => self.bucket.list_after(prefix, &layout::ready(kind, s)).await?,
-            None => self.bucket.list(prefix).await?,
+            Some(s) if s < 100_000_000_000 => self.bucket.list_after(prefix, &layout::ready(kind, s)).await?,
+            _ => self.bucket.list(prefix).await?,
         };
         let mut steps: Vec<u64> = list
             .iter()

@@ -317,3 +317,26 @@ async fn prefixes_isolate() {
     assert_eq!(a.get("k").await.unwrap(), Bytes::from_static(b"a"));
     assert_eq!(b2.list("").await.unwrap()[0].key, "k");
 }
+
+/// Ready steps after a step, across the 12-digit width of step keys (found by review: steps
+/// of 10^12 and more are accepted, but their 13-digit keys sort before 12-digit ones that
+/// start with 2..9, so a start-after listing from step 2*10^11 never saw step 10^12 + 5 and a
+/// stream crossing the width stopped for its agents). On a local directory and on S3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ready_steps_after_a_step_cross_the_key_width() {
+    use driftless_store::stream::StreamReader;
+    let dir = tempfile::tempdir().unwrap();
+    let mut buckets = vec![Bucket::open(&format!("file://{}", dir.path().display()), &test_opts()).unwrap()];
+    buckets.extend(s3_bucket("DRIFTLESS_TEST_S3_SEAWEED", "width"));
+    for b in buckets {
+        let steps = [7u64, 200_000_000_000, 999_999_999_999, 1_000_000_000_005, 12_345_678_901_234];
+        for s in steps {
+            b.put_create(&layout::ready(StepKind::Delta, s), Bytes::from_static(b"m")).await.unwrap();
+        }
+        let r = StreamReader::new(b.clone(), driftless_format::TrustSet::new().allow_unsigned(true));
+        for after in [None, Some(7), Some(200_000_000_000), Some(999_999_999_999), Some(1_000_000_000_005)] {
+            let want: Vec<u64> = steps.iter().copied().filter(|s| after.is_none_or(|a| *s > a)).collect();
+            assert_eq!(r.ready_steps(StepKind::Delta, after).await.unwrap(), want, "after {after:?} on {}", b.url());
+        }
+    }
+}
