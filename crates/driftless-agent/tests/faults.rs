@@ -659,53 +659,54 @@ async fn an_unparsable_key_under_ready_does_not_stop_syncs() {
 // running agent two steps behind pays no GET for them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_markers_do_not_stop_a_cold_start_and_are_read_once() {
-    let tb = file_bucket();
-    let (key, trust) = keys();
-    let mut t = Trainer::new(&tb.bucket, &key, 4);
-    let mut want = vec![];
-    for _ in 0..3 {
-        want = t.publish();
-    }
-    let real: serde_json::Value =
-        serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
-    // 20 naming a manifest that is not there, 20 junk under the SHA-256 they name.
-    let junk = Bytes::from_static(b"junk, not a manifest");
-    for s in 100..140u64 {
-        let sha = if s < 120 { "00".repeat(32) } else { driftless_format::Digest::of(&junk).to_hex() };
-        let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "anchor", "step": s,
-            "manifest_sha256": sha, "payload_bytes": 10, "manifest": "g1-manifest.json"});
-        if s >= 120 {
-            tb.bucket.put(&layout::object(StepKind::Anchor, s, "g1-manifest.json"), junk.clone()).await.unwrap();
+    for tb in buckets("planted") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 4);
+        let mut want = vec![];
+        for _ in 0..3 {
+            want = t.publish();
         }
-        tb.bucket.put(&layout::ready(StepKind::Anchor, s), Bytes::from(m.to_string())).await.unwrap();
-    }
-    for s in 1000..1050u64 {
-        tb.bucket.put(&layout::ready(StepKind::Delta, s), Bytes::from_static(b"junk")).await.unwrap();
-    }
-    // Refusals that hold (the default 30 s; the tests' default is none).
-    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
-    cfg.refuse_for = Duration::from_secs(30);
-    let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
-    let l0 = tb.faults.calls(FaultOp::List);
-    let o = a.sync_once().await.unwrap();
-    assert_eq!(o.step, 2, "{o:?}");
-    assert_bits(&a, &want);
-    assert_verified(&a, "cold start past 40 planted markers");
-    assert_eq!(o.refused.len(), 40, "{:?}", o.refused);
-    let lists = tb.faults.calls(FaultOp::List) - l0;
-    assert!(lists <= 2, "one listing (anchors, deltas) for the whole sync: {lists} LIST calls");
+        let real: serde_json::Value =
+            serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
+        // 20 naming a manifest that is not there, 20 junk under the SHA-256 they name.
+        let junk = Bytes::from_static(b"junk, not a manifest");
+        for s in 100..140u64 {
+            let sha = if s < 120 { "00".repeat(32) } else { driftless_format::Digest::of(&junk).to_hex() };
+            let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "anchor", "step": s,
+            "manifest_sha256": sha, "payload_bytes": 10, "manifest": "g1-manifest.json"});
+            if s >= 120 {
+                tb.bucket.put(&layout::object(StepKind::Anchor, s, "g1-manifest.json"), junk.clone()).await.unwrap();
+            }
+            tb.bucket.put(&layout::ready(StepKind::Anchor, s), Bytes::from(m.to_string())).await.unwrap();
+        }
+        for s in 1000..1050u64 {
+            tb.bucket.put(&layout::ready(StepKind::Delta, s), Bytes::from_static(b"junk")).await.unwrap();
+        }
+        // Refusals that hold (the default 30 s; the tests' default is none).
+        let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+        cfg.refuse_for = Duration::from_secs(30);
+        let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+        let l0 = tb.faults.calls(FaultOp::List);
+        let o = a.sync_once().await.unwrap();
+        assert_eq!(o.step, 2, "{o:?}");
+        assert_bits(&a, &want);
+        assert_verified(&a, "cold start past 40 planted markers");
+        assert_eq!(o.refused.len(), 40, "{:?}", o.refused);
+        let lists = tb.faults.calls(FaultOp::List) - l0;
+        assert!(lists <= 2, "one listing (anchors, deltas) for the whole sync: {lists} LIST calls");
 
-    // Two steps behind: a listing again. Of the 90 planted markers only the 20 whose manifest
-    // was missing are read again (a marker whose manifest does not match may have been
-    // replaced); the 20 refused for their manifest and the 50 junk ones are not.
-    t.publish();
-    let want = t.publish();
-    let g0 = tb.faults.calls(FaultOp::Get);
-    let o = a.sync_once().await.unwrap();
-    assert_eq!(o.step, 4, "{o:?}");
-    assert_bits(&a, &want);
-    let gets = tb.faults.calls(FaultOp::Get) - g0;
-    assert!(gets < 20 + 20, "{gets} GETs: planted markers read again");
+        // Two steps behind: a listing again. Of the 90 planted markers only the 20 whose manifest
+        // was missing are read again (a marker whose manifest does not match may have been
+        // replaced); the 20 refused for their manifest and the 50 junk ones are not.
+        t.publish();
+        let want = t.publish();
+        let g0 = tb.faults.calls(FaultOp::Get);
+        let o = a.sync_once().await.unwrap();
+        assert_eq!(o.step, 4, "{o:?}");
+        assert_bits(&a, &want);
+        let gets = tb.faults.calls(FaultOp::Get) - g0;
+        assert!(gets < 20 + 20, "{gets} GETs: planted markers read again");
+    }
 }
 
 // Found by review: more keys under ready/ than a listing may return (1 M by default; 200
@@ -713,24 +714,26 @@ async fn planted_markers_do_not_stop_a_cold_start_and_are_read_once() {
 // for a key the store cannot parse.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn too_many_keys_under_ready_do_not_stop_a_cold_start() {
-    let tb = file_bucket();
-    let (key, trust) = keys();
-    let mut t = Trainer::new(&tb.bucket, &key, 4);
-    let mut want = vec![];
-    for _ in 0..7 {
-        want = t.publish();
+    for tb in buckets("keys") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 4);
+        let mut want = vec![];
+        for _ in 0..7 {
+            want = t.publish();
+        }
+        for i in 0..200 {
+            tb.bucket.put(&format!("{}x{i:04}", layout::ready_prefix(StepKind::Delta)), Bytes::new()).await.unwrap();
+        }
+        let opts = driftless_store::StoreOptions::default().with_max_list_keys(200);
+        let small = Bucket::from_store(tb.faults.clone(), tb.bucket.prefix(), &opts)
+            .with_conditional_create(tb.bucket.supports_conditional_create());
+        assert!(small.list(layout::ready_prefix(StepKind::Delta)).await.is_err(), "the listing fails");
+        let mut b = Agent::new(small, config(tb.dir.path().join("b"), trust.clone())).unwrap();
+        let o = b.sync_once().await.unwrap();
+        assert_eq!((o.step, o.route, o.deltas), (6, SyncPath::Anchor, 2), "{o:?}");
+        assert_bits(&b, &want);
+        assert_verified(&b, "cold start past too many keys");
     }
-    for i in 0..200 {
-        tb.bucket.put(&format!("{}x{i:04}", layout::ready_prefix(StepKind::Delta)), Bytes::new()).await.unwrap();
-    }
-    let opts = driftless_store::StoreOptions::default().with_max_list_keys(200);
-    let small = Bucket::from_store(tb.faults.clone(), "", &opts);
-    assert!(small.list(layout::ready_prefix(StepKind::Delta)).await.is_err(), "the listing fails");
-    let mut b = Agent::new(small, config(tb.dir.path().join("b"), trust.clone())).unwrap();
-    let o = b.sync_once().await.unwrap();
-    assert_eq!((o.step, o.route, o.deltas), (6, SyncPath::Anchor, 2), "{o:?}");
-    assert_bits(&b, &want);
-    assert_verified(&b, "cold start past too many keys");
 }
 
 // More planted markers than one sync goes past (4,096): that sync ends "not ready"
@@ -770,39 +773,40 @@ async fn more_planted_markers_than_a_sync_refuses_are_passed_by_the_next_sync() 
 // "unchanged" too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_or_missing_latest_json_does_not_make_every_poll_list() {
-    let tb = file_bucket();
-    let (key, trust) = keys();
-    let mut t = Trainer::new(&tb.bucket, &key, 100);
-    t.publish();
-    t.publish();
-    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
-    cfg.poll_min = Duration::from_millis(10);
-    cfg.poll_max = Duration::from_millis(10);
-    let a = Agent::new(tb.bucket.clone(), cfg).unwrap();
-    let metrics = a.metrics();
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let run = {
-        let stop = stop.clone();
-        tokio::spawn(a.run(Arc::new(tokio::sync::Notify::new()), async move { stop.notified().await }))
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while metrics.step.load(SeqCst) != 1 {
-        assert!(std::time::Instant::now() < deadline, "agent did not reach step 1");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    for (case, body) in [("invalid", Some(r#"{"payload":"x","signatures":[]}"#)), ("deleted", None)] {
-        match body {
-            Some(b) => tb.bucket.put(layout::LATEST, Bytes::from_static(b.as_bytes())).await.unwrap(),
-            None => tb.bucket.delete(layout::LATEST).await.unwrap(),
+    for tb in buckets("latest") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 100);
+        t.publish();
+        t.publish();
+        let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+        cfg.poll_min = Duration::from_millis(10);
+        cfg.poll_max = Duration::from_millis(10);
+        let a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+        let metrics = a.metrics();
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let run = {
+            let stop = stop.clone();
+            tokio::spawn(a.run(Arc::new(tokio::sync::Notify::new()), async move { stop.notified().await }))
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while metrics.step.load(SeqCst) != 1 {
+            assert!(std::time::Instant::now() < deadline, "agent did not reach step 1");
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let (g0, l0) = (tb.faults.calls(FaultOp::Get), tb.faults.calls(FaultOp::List));
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let (gets, lists) = (tb.faults.calls(FaultOp::Get) - g0, tb.faults.calls(FaultOp::List) - l0);
-        // About 100 polls in 2 s: a listing (2 LIST calls) every 10th, besides a GET or more per poll.
-        assert!(gets > 20, "{case}: the agent stopped polling ({gets} GETs)");
-        assert!(lists * 3 <= gets, "{case}: {lists} LIST calls for {gets} GETs: a listing at every poll");
+        for (case, body) in [("invalid", Some(r#"{"payload":"x","signatures":[]}"#)), ("deleted", None)] {
+            match body {
+                Some(b) => tb.bucket.put(layout::LATEST, Bytes::from_static(b.as_bytes())).await.unwrap(),
+                None => tb.bucket.delete(layout::LATEST).await.unwrap(),
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let (g0, l0) = (tb.faults.calls(FaultOp::Get), tb.faults.calls(FaultOp::List));
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let (gets, lists) = (tb.faults.calls(FaultOp::Get) - g0, tb.faults.calls(FaultOp::List) - l0);
+            // About 100 polls in 2 s: a listing (2 LIST calls) every 10th, besides a GET or more per poll.
+            assert!(gets > 20, "{case}: the agent stopped polling ({gets} GETs)");
+            assert!(lists * 3 <= gets, "{case}: {lists} LIST calls for {gets} GETs: a listing at every poll");
+        }
+        stop.notify_one();
+        run.await.unwrap().unwrap();
     }
-    stop.notify_one();
-    run.await.unwrap().unwrap();
 }
