@@ -214,26 +214,6 @@ impl Origin {
         self.0 != std::process::id()
     }
 
-    /// Drops the object in `inner` the way a Python object's `Drop` must: in a forked child
-    /// leaked whole, lock untouched (its runtime's threads, and whoever held the lock at fork
-    /// time, are the parent's); otherwise taken and dropped without the GIL, so that the rest
-    /// of the interpreter runs while it flushes or waits for its step in flight. The lock is
-    /// taken without the GIL too: a flush left running by Ctrl-C may hold it (found by review:
-    /// every Python thread froze until it ended).
-    pub(crate) fn drop_without_gil<T: Send>(&self, inner: &std::sync::Arc<std::sync::Mutex<Option<T>>>) {
-        if self.forked() {
-            std::mem::forget(inner.clone());
-            return;
-        }
-        let inner = inner.clone();
-        pyo3::Python::with_gil(|py| {
-            py.allow_threads(move || {
-                let p = inner.lock().unwrap_or_else(|e| e.into_inner()).take();
-                drop(p)
-            })
-        });
-    }
-
     /// An error in a forked child of the creating process.
     pub(crate) fn check(&self, what: &str) -> Result<(), BindError> {
         if self.forked() {

@@ -6,6 +6,7 @@
 
 mod errors;
 mod follower;
+mod held;
 mod publisher;
 mod sharded;
 mod tensors;

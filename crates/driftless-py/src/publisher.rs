@@ -56,8 +56,7 @@ impl Common {
 #[pyclass(module = "driftless._native", name = "Publisher", subclass)]
 pub(crate) struct PyPublisher {
     /// Shared with a flush or close still running after Ctrl-C (see `wait_interruptible`).
-    inner: std::sync::Arc<Mutex<Option<Publisher>>>,
-    origin: crate::errors::Origin,
+    inner: crate::held::Held<Publisher>,
     /// Addresses of the tensors the last `publish` read, for the zero-copy test.
     last_addrs: Mutex<Vec<(String, usize)>>,
 }
@@ -104,11 +103,7 @@ impl PyPublisher {
                 b = b.with_extra_files(read_extra_files(&files)?);
             }
             let p = py.allow_threads(|| b.build()).map_err(BindError::from)?;
-            Ok(PyPublisher {
-                inner: std::sync::Arc::new(Mutex::new(Some(p))),
-                origin: crate::errors::Origin::here(),
-                last_addrs: Mutex::new(vec![]),
-            })
+            Ok(PyPublisher { inner: crate::held::Held::new(p, "Publisher"), last_addrs: Mutex::new(vec![]) })
         })
     }
 
@@ -117,11 +112,11 @@ impl PyPublisher {
     /// changed (added, removed or rewritten), sorted.
     fn set_extra_files(&self, py: Python<'_>, files: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         crate::errors::guard(|| {
-            self.origin.check("Publisher")?;
+            self.inner.check()?;
             let f = read_extra_files(files)?;
             // The lock is held as long as another thread's `flush` blocks: wait without the GIL.
             let r = py.allow_threads(|| {
-                let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                let mut g = self.inner.lock();
                 g.as_mut().ok_or(driftless_publisher::Error::Closed)?.set_extra_files(f)
             });
             Ok(r.map_err(BindError::from)?)
@@ -131,7 +126,7 @@ impl PyPublisher {
     /// Publishes the weights of `step`. Returns the receipt as a dict.
     fn publish<'py>(&self, py: Python<'py>, step: u64, tensors: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
-            self.origin.check("Publisher")?;
+            self.inner.check()?;
             let borrowed = borrow_mapping(tensors, false)?;
             let parts: Vec<(driftless_format::TensorMeta, Raw)> =
                 borrowed.iter().map(|b| (b.meta.clone(), b.raw)).collect();
@@ -148,7 +143,7 @@ impl PyPublisher {
                         data: unsafe { r.slice() },
                     })
                     .collect();
-                let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                let mut g = self.inner.lock();
                 let p = g.as_mut().ok_or(driftless_publisher::Error::Closed)?;
                 p.publish(step, &views)
             });
@@ -177,8 +172,8 @@ impl PyPublisher {
     /// Waits until every queued step and anchor is in the bucket.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         crate::errors::guard(|| {
-            self.origin.check("Publisher")?;
-            let inner = self.inner.clone();
+            self.inner.check()?;
+            let inner = self.inner.shared();
             crate::wait_interruptible(py, move || {
                 let mut g = inner.lock().unwrap_or_else(|e| e.into_inner());
                 g.as_mut().ok_or(driftless_publisher::Error::Closed)?.flush()
@@ -190,38 +185,20 @@ impl PyPublisher {
 
     /// Flushes and stops the uploader. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        crate::errors::guard(|| {
-            self.origin.check("Publisher")?;
-            let inner = self.inner.clone();
-            crate::wait_interruptible(py, move || {
-                let p = inner.lock().unwrap_or_else(|e| e.into_inner()).take();
-                p.map_or(Ok(()), |p| p.close())
-            })?
-            .map_err(BindError::from)?;
-            Ok(())
-        })
+        self.inner.close(py, |p| p.close())
     }
 
     /// Whether `close` was called.
     #[getter]
     fn closed(&self, py: Python<'_>) -> PyResult<bool> {
-        // Without the GIL: another thread's `flush` may hold the lock for the store's retry
-        // budget (found by review: `closed`, read by `repr` and the exit hook, froze every
-        // Python thread for a minute).
-        // In a forked child it is closed for this process (and its lock may never be free).
-        if self.origin.forked() {
-            return Ok(true);
-        }
-        crate::errors::guard(|| Ok(py.allow_threads(|| self.inner.lock().unwrap_or_else(|e| e.into_inner()).is_none())))
+        self.inner.closed(py)
     }
 
     /// Counters as a dict.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
-            self.origin.check("Publisher")?;
-            let s = py.allow_threads(|| {
-                self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|p| (p.status(), p.next_step()))
-            });
+            self.inner.check()?;
+            let s = py.allow_threads(|| self.inner.lock().as_ref().map(|p| (p.status(), p.next_step())));
             let Some((s, next)) = s else {
                 return Err(BindError::Publisher(driftless_publisher::Error::Closed).into());
             };
@@ -283,13 +260,4 @@ fn read_extra_files(obj: &Bound<'_, PyAny>) -> Result<Vec<(String, Vec<u8>)>, Bi
             Ok((name, data))
         })
         .collect()
-}
-
-impl Drop for PyPublisher {
-    /// A publisher garbage-collected without `close` flushes its queued steps (see the
-    /// publisher's own `Drop`): without the GIL, so that the rest of the interpreter runs
-    /// meanwhile (it froze every Python thread for the whole flush).
-    fn drop(&mut self) {
-        self.origin.drop_without_gil(&self.inner);
-    }
 }

@@ -1,7 +1,5 @@
 //! `driftless._native.ShardedPublisher`: one rank of a sharded trainer.
 
-use std::sync::Mutex;
-
 use driftless_format::numel;
 use driftless_format::slice::Slice;
 use driftless_publisher::{PartKind, PartReport, Shard, ShardedPublisher, StepOutcome};
@@ -17,8 +15,7 @@ use crate::tensors::{borrow, Borrowed};
 #[pyclass(module = "driftless._native", name = "ShardedPublisher", subclass)]
 pub(crate) struct PyShardedPublisher {
     /// Shared with a flush or close still running after Ctrl-C (see `wait_interruptible`).
-    inner: std::sync::Arc<Mutex<Option<ShardedPublisher>>>,
-    origin: crate::errors::Origin,
+    inner: crate::held::Held<ShardedPublisher>,
 }
 
 /// A shard as passed from Python: borrowed local data, global shape, its slice.
@@ -126,20 +123,17 @@ impl PyShardedPublisher {
             // Ranks other than 0 wait for the committer (up to the commit timeout): Ctrl-C may end it.
             let p = crate::wait_interruptible(py, move || b.build_sharded(rank, world_size, timeout))?
                 .map_err(BindError::from)?;
-            Ok(PyShardedPublisher {
-                inner: std::sync::Arc::new(Mutex::new(Some(p))),
-                origin: crate::errors::Origin::here(),
-            })
+            Ok(PyShardedPublisher { inner: crate::held::Held::new(p, "ShardedPublisher") })
         })
     }
 
     /// Publishes this rank's shards of `step`; returns the receipt as a dict.
     fn publish<'py>(&self, py: Python<'py>, step: u64, shards: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
-            self.origin.check("ShardedPublisher")?;
+            self.inner.check()?;
             // The wait for the previous step's outcome (up to the commit timeout) reads no
             // caller memory: Ctrl-C may end it.
-            let inner = self.inner.clone();
+            let inner = self.inner.shared();
             crate::wait_interruptible(py, move || {
                 inner.lock().unwrap_or_else(|e| e.into_inner()).as_mut().map_or(Ok(()), |p| p.wait_previous())
             })?
@@ -167,7 +161,7 @@ impl PyShardedPublisher {
                         data: unsafe { raw.slice() },
                     })
                     .collect();
-                let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                let mut g = self.inner.lock();
                 let p = g.as_mut().ok_or(driftless_publisher::Error::Closed)?;
                 p.publish(step, &views)
             });
@@ -188,8 +182,8 @@ impl PyShardedPublisher {
     /// was not committed.
     fn flush<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         crate::errors::guard(|| {
-            self.origin.check("ShardedPublisher")?;
-            let inner = self.inner.clone();
+            self.inner.check()?;
+            let inner = self.inner.shared();
             let o = crate::wait_interruptible(py, move || {
                 let mut g = inner.lock().unwrap_or_else(|e| e.into_inner());
                 g.as_mut().ok_or(driftless_publisher::Error::Closed)?.flush()
@@ -203,9 +197,9 @@ impl PyShardedPublisher {
     /// its report as a dict, or None when it could not be sent or nothing is in flight.
     fn wait_sent<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         crate::errors::guard(|| {
-            self.origin.check("ShardedPublisher")?;
+            self.inner.check()?;
             let r = py.allow_threads(|| {
-                let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+                let mut g = self.inner.lock();
                 g.as_mut().and_then(|p| p.wait_sent())
             });
             r.as_ref().map(|p| part_dict(py, p)).transpose()
@@ -227,16 +221,7 @@ impl PyShardedPublisher {
 
     /// Flushes and releases the rank. Idempotent.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        crate::errors::guard(|| {
-            self.origin.check("ShardedPublisher")?;
-            let inner = self.inner.clone();
-            crate::wait_interruptible(py, move || {
-                let p = inner.lock().unwrap_or_else(|e| e.into_inner()).take();
-                p.map_or(Ok(()), |p| p.close())
-            })?
-            .map_err(BindError::from)?;
-            Ok(())
-        })
+        self.inner.close(py, |p| p.close())
     }
 
     /// The group generation this rank publishes under.
@@ -251,17 +236,9 @@ impl PyShardedPublisher {
     /// for as long as another thread's `publish` or `flush` blocks.
     fn with<T>(&self, f: impl FnOnce(&ShardedPublisher) -> Option<T>) -> Option<T> {
         // Nothing in a forked child (its lock may never be free there).
-        if self.origin.forked() {
+        if self.inner.forked() {
             return None;
         }
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(f)
-    }
-}
-
-impl Drop for PyShardedPublisher {
-    /// Dropping a rank waits for its step in flight (rank 0: its commit, up to the commit
-    /// timeout): without the GIL, so that the rest of the interpreter runs meanwhile.
-    fn drop(&mut self) {
-        self.origin.drop_without_gil(&self.inner);
+        self.inner.lock().as_ref().and_then(f)
     }
 }
