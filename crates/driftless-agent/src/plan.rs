@@ -385,8 +385,7 @@ impl MarkerCache {
     /// key planted at step 999,999 was its answer for good). Markers are read newest first,
     /// each once (valid ones cached, the others remembered by key), in batches that grow from
     /// one (the newest marker is usually valid: one GET) to 16 at a time, at most `*budget`
-    /// reads; `Ok(None)` with `*budget` at 0 means it ran out before finding one. Entries of
-    /// `kind` no longer in `steps` are dropped.
+    /// reads. Entries of `kind` no longer in `steps` are dropped.
     pub async fn newest_valid(
         &mut self,
         reader: &StreamReader,
@@ -394,7 +393,7 @@ impl MarkerCache {
         kind: StepKind,
         steps: &[u64],
         budget: &mut usize,
-    ) -> Result<Option<u64>, StreamError> {
+    ) -> Result<Newest, StreamError> {
         self.map.retain(|k, _| k.0 != kind || steps.binary_search(&k.1).is_ok());
         self.foreign.retain(|k| k.0 != kind || steps.binary_search(&k.1).is_ok());
         let mut batch = 1;
@@ -404,7 +403,7 @@ impl MarkerCache {
             while top > 0 {
                 let s = steps[top - 1];
                 match self.map.get(&(kind, s)) {
-                    Some(m) if m.stream_id == stream_id => return Ok(Some(s)),
+                    Some(m) if m.stream_id == stream_id => return Ok(Newest::Step(s)),
                     Some(_) => top -= 1,
                     None if self.foreign.contains(&(kind, s)) => top -= 1,
                     None => break,
@@ -414,7 +413,7 @@ impl MarkerCache {
                 break;
             }
             if *budget == 0 {
-                return Ok(None);
+                return Ok(Newest::OutOfReads);
             }
             let unknown: Vec<u64> = steps[..top]
                 .iter()
@@ -448,7 +447,28 @@ impl MarkerCache {
                 }
             }
         }
-        Ok(None)
+        Ok(Newest::NoneValid)
+    }
+}
+
+/// What [`MarkerCache::newest_valid`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Newest {
+    /// The newest valid step.
+    Step(u64),
+    /// No listed step has a valid marker.
+    NoneValid,
+    /// The reads ran out before one was found.
+    OutOfReads,
+}
+
+impl Newest {
+    /// The step found, if any.
+    pub fn step(self) -> Option<u64> {
+        match self {
+            Newest::Step(s) => Some(s),
+            _ => None,
+        }
     }
 }
 

@@ -158,7 +158,7 @@ impl AgentDir {
         std::fs::create_dir_all(dir.join("slots")).map_err(|e| {
             std::io::Error::new(e.kind(), format!("creating the agent directory {}: {e}", dir.display()))
         })?;
-        let lock = driftless_store::lockfile::lock_dir(dir, "driftless agent (one agent per directory)")?;
+        let lock = driftless_store::lockfile::lock_dir(dir, "driftless agent (one agent per directory)", false)?;
         let running = dir.join("running");
         let unclean = running.exists();
         let mut f = File::create(&running)?;

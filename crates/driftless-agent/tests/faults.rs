@@ -793,9 +793,16 @@ async fn a_bad_or_missing_latest_json_does_not_make_every_poll_list() {
             assert!(std::time::Instant::now() < deadline, "agent did not reach step 1");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        for (case, body) in [("invalid", Some(r#"{"payload":"x","signatures":[]}"#)), ("deleted", None)] {
+        // Over-sized: refused before it is read, its ETag kept all the same (found by review:
+        // it lost its ETag, and the agent read it and listed at every poll).
+        let big = Bytes::from(vec![b' '; driftless_store::stream::MAX_MARKER_BYTES as usize + 1]);
+        for (case, body) in [
+            ("invalid", Some(Bytes::from_static(br#"{"payload":"x","signatures":[]}"#))),
+            ("oversized", Some(big)),
+            ("deleted", None),
+        ] {
             match body {
-                Some(b) => tb.bucket.put(layout::LATEST, Bytes::from_static(b.as_bytes())).await.unwrap(),
+                Some(b) => tb.bucket.put(layout::LATEST, b).await.unwrap(),
                 None => tb.bucket.delete(layout::LATEST).await.unwrap(),
             }
             tokio::time::sleep(Duration::from_millis(300)).await;

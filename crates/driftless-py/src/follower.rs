@@ -11,6 +11,7 @@ use bytes::Bytes;
 use driftless_agent::anchor_stream::{
     shard_tensors, stream_plain, stream_shard, FileSink, Hashing, ShardSink, ShardTensors,
 };
+use driftless_agent::plan::Newest;
 use driftless_agent::{plan, Agent, AgentConfig};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
 use driftless_format::{
@@ -660,10 +661,11 @@ impl PyFollower {
         if let Some(r) = plan::route(local, &cands, refused, want) {
             return Ok(Some((r.target, r.anchor, r.deltas, desc.stream_id, cands)));
         }
-        if let (Some(l), Some(at)) = (local, at) {
-            if want.is_none_or(|w| w == l) {
-                pl.settled[who as usize] = Some((l, at));
-            }
+        // Only a plan for the newest step settles: one for the local step itself is up to date
+        // whatever is newer (found by review: `apply_to(step=local)` then `apply_to()` said "up
+        // to date" past newer steps for up to 9 calls).
+        if let (Some(l), Some(at), None) = (local, at, want) {
+            pl.settled[who as usize] = Some((l, at));
         }
         match want {
             Some(w) if local != Some(w) => Err(BindError::NothingReady(format!(
@@ -732,20 +734,24 @@ impl PyFollower {
             let mut budget = POLL_READS;
             let a = self.reader.ready_steps(StepKind::Anchor, None).await?;
             let anchor = ps.markers.newest_valid(&self.reader, &sid, StepKind::Anchor, &a, &mut budget).await?;
-            // `None` with no reads left: it ran out before finding one.
-            let mut out = anchor.is_none() && budget == 0;
-            let mut delta = None;
+            let (found, out) = match anchor {
+                Newest::OutOfReads => (None, true),
+                anchor => {
+                    let anchor = anchor.step();
+                    let d = self.reader.ready_steps(StepKind::Delta, anchor).await?;
+                    match ps.markers.newest_valid(&self.reader, &sid, StepKind::Delta, &d, &mut budget).await? {
+                        Newest::OutOfReads => (anchor, true),
+                        delta => (anchor.max(delta.step()), false),
+                    }
+                }
+            };
             if !out {
-                let d = self.reader.ready_steps(StepKind::Delta, anchor).await?;
-                delta = ps.markers.newest_valid(&self.reader, &sid, StepKind::Delta, &d, &mut budget).await?;
-                out = delta.is_none() && budget == 0;
-            }
-            if !out {
-                ps.listed = anchor.max(delta);
+                ps.listed = found;
                 ps.listed_at = at;
             } else {
-                // Out of reads: the answer stands as it was; the next poll lists again and
-                // goes on from what is cached.
+                // Out of reads: the answer stands as it was (or the anchor found), and the
+                // next poll lists again and goes on from what is cached.
+                ps.listed = ps.listed.max(found);
                 ps.listed_at = None;
                 if ps.listed.is_none() && ps.hinted.is_none() {
                     return Err(BindError::NothingReady(format!(

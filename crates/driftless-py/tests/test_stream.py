@@ -928,10 +928,30 @@ def test_poll_does_not_count_junk_or_foreign_markers(file_bucket, keys, tmp_path
     # read past it; a fresh Follower, with no answer to stand on, says "not ready" (retryable)
     # once, then answers.
     for s in range(10_000, 14_200):
-        with open(os.path.join(root, "ready", "deltas", f"{s:012d}"), "wb") as fh:
+        with open(os.path.join(root, "ready", "anchors", f"{s:012d}"), "wb") as fh:
             fh.write(b"junk")
     assert [f.poll() for _ in range(12)] == [3] * 12
     g = driftless.Follower(url, trusted_keys=[public])
     with pytest.raises(driftless.NothingReadyError, match="junk"):
         g.poll()
     assert g.poll() == 3
+
+
+def test_a_plan_for_the_local_step_does_not_hide_newer_steps(file_bucket, keys):
+    """apply_to(step=local) on arrays already at local, then apply_to(): the second call moves
+    on to the newest step at once (found by review: the first was remembered as "up to date"
+    and, with a latest.json the hint could not plan from, the second said so too)."""
+    url, _ = file_bucket
+    private, public = keys
+    steps = bit_chain(48, (64, 64), 3)
+    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+        for s, x in enumerate(steps):
+            pub.publish(s, {"x.w": x.view(BF16)})
+            pub.flush()
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros((64, 64), BF16)}
+    assert f.apply_to(arrays, step=1)["step"] == 1
+    assert f.apply_to(arrays, step=1)["route"] == "up_to_date"
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"]) == (3, "catchup"), o
+    assert np.array_equal(bits(arrays["x.w"]), steps[3])

@@ -394,6 +394,22 @@ impl Bucket {
         etag: Option<&str>,
         max: u64,
     ) -> Result<Option<(Bytes, Option<String>)>> {
+        match self.poll_limited(key, etag, max).await? {
+            Some((body, tag)) => Ok(Some((body?, tag))),
+            None => Ok(None),
+        }
+    }
+
+    /// [`Bucket::get_if_changed_limited`] for a poller: a body over `max` comes back as
+    /// `Err(TooLarge)` beside its ETag, so that the poller need not fetch it again until it
+    /// changes (found by review: an over-sized `latest.json` lost its ETag, and an up-to-date
+    /// agent read it and listed the bucket at every poll).
+    pub async fn poll_limited(
+        &self,
+        key: &str,
+        etag: Option<&str>,
+        max: u64,
+    ) -> Result<Option<(Result<Bytes>, Option<String>)>> {
         let span = tracing::debug_span!("get_if_changed", bucket = %self.url(), key, etag);
         async {
             let path = self.path(key)?;
@@ -403,8 +419,11 @@ impl Bucket {
                 match self.inner.store.get_opts(&path, opts).await {
                     Ok(r) => {
                         let new_etag = r.meta.e_tag.clone();
-                        let bytes = read_limited(key, r, max).await?;
-                        Ok(Some((bytes, new_etag)))
+                        match read_limited(key, r, max).await {
+                            Ok(bytes) => Ok(Some((Ok(bytes), new_etag))),
+                            Err(e @ Error::TooLarge { .. }) => Ok(Some((Err(e), new_etag))),
+                            Err(e) => Err(e),
+                        }
                     }
                     Err(object_store::Error::NotModified { .. }) => Ok(None),
                     Err(e) => Err(Error::from_store(key, e)),

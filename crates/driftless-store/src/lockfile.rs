@@ -17,16 +17,40 @@ pub fn try_lock(f: &File) -> io::Result<()> {
     }
 }
 
+/// Whether `e` says the file system has no `flock` (NFS without a lock manager, Lustre
+/// mounted without `flock`): nothing can be locked there, by anyone.
+pub fn unsupported(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS))
+}
+
 /// Locks directory `dir` (its file `lock`, created) for this process: held until the file
 /// returned is dropped. Another process holding it: a `WouldBlock` error saying
-/// "`dir` is in use by another `holder`".
-pub fn lock_dir(dir: &Path, holder: &str) -> io::Result<File> {
-    let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("lock"))?;
+/// "`dir` is in use by another `holder`". Where the file system has no `flock`, with
+/// `allow_unlocked` the directory is used unlocked, with a warning (found by review: a publisher
+/// state directory on such a mount, which worked before there was a lock, failed with a bare
+/// "Function not implemented"); without, an error saying so. Any other error names the
+/// directory.
+pub fn lock_dir(dir: &Path, holder: &str, allow_unlocked: bool) -> io::Result<File> {
+    let named = |e: io::Error| io::Error::new(e.kind(), format!("locking {}: {e}", dir.display()));
+    let lock =
+        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("lock")).map_err(named)?;
     match try_lock(&lock) {
         Ok(()) => Ok(lock),
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
             Err(io::Error::new(io::ErrorKind::WouldBlock, format!("{} is in use by another {holder}", dir.display())))
         }
-        Err(e) => Err(e),
+        Err(e) if unsupported(&e) && !allow_unlocked => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "{}: the file system has no flock ({e}), so one {holder} cannot be ensured: use a local directory",
+                dir.display()
+            ),
+        )),
+        Err(e) if unsupported(&e) => {
+            tracing::warn!(dir = %dir.display(), error = %e,
+                "the file system has no flock: not locked, so make sure no other {holder} uses it");
+            Ok(lock)
+        }
+        Err(e) => Err(named(e)),
     }
 }

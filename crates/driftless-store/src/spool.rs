@@ -57,7 +57,7 @@ impl Spool {
                 match try_lock(&lock) {
                     Ok(()) => {}
                     // Not supported here: a sweep cannot take it either.
-                    Err(e) if matches!(e.raw_os_error(), Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS)) => {}
+                    Err(e) if crate::lockfile::unsupported(&e) => {}
                     Err(e) => return Err(e),
                 }
                 let path = parent.join(&name);

@@ -207,8 +207,10 @@ impl StreamReader {
     /// One conditional GET of `latest.json`, telling "not modified since `etag`" from "absent"
     /// (deleted: a poller must stop trusting the hint it holds).
     pub async fn poll_latest(&self, etag: Option<&str>) -> StreamResult<LatestPoll> {
-        match self.bucket.get_if_changed_limited(layout::LATEST, etag, MAX_MARKER_BYTES).await {
-            Ok(Some((b, tag))) => {
+        match self.bucket.poll_limited(layout::LATEST, etag, MAX_MARKER_BYTES).await {
+            // Over-sized: not a hint, and not read again until it changes.
+            Ok(Some((Err(e), tag))) => Ok(LatestPoll::Invalid(tag, e.to_string())),
+            Ok(Some((Ok(b), tag))) => {
                 let hint = self.trust.open(&b).and_then(|(payload, _)| LatestHint::from_slice(&payload));
                 Ok(match hint {
                     Ok(h) => LatestPoll::Changed(Box::new(h), tag),

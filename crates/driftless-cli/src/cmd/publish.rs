@@ -75,7 +75,7 @@ pub fn run(a: Args) -> Result<()> {
     // One process per state directory (found by review: two followers of one checkpoint
     // directory staged, saved and pruned the same snapshots under each other). Held until the
     // command ends; the kernel drops it with a killed process.
-    let _lock = driftless_store::lockfile::lock_dir(&a.state, "driftless publish (one per --state directory)")?;
+    let _lock = driftless_store::lockfile::lock_dir(&a.state, "driftless publish (one per --state directory)", true)?;
     if a.key.is_none() {
         eprintln!("driftless: warning: no --key: the stream is unsigned; agents need --allow-unsigned");
     }
