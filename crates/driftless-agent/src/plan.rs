@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use driftless_format::manifest::{LatestHint, ReadyMarker, StepKind};
 use driftless_format::Digest;
-use driftless_store::stream::{StreamError, StreamReader};
+use driftless_store::stream::{check_step, StreamError, StreamReader};
 use futures::{StreamExt, TryStreamExt};
 use tracing::warn;
 
@@ -380,12 +380,14 @@ impl MarkerCache {
 
 impl MarkerCache {
     /// The newest of `steps` (listed steps of `kind`, ascending) whose ready marker parses,
-    /// names its step and belongs to `stream_id`: what "the newest ready step" means to a
-    /// poller (found by review: the Python `Follower.poll()` took the newest key, so one junk
-    /// key planted at step 999,999 was its answer for good). Markers are read newest first,
-    /// each once (valid ones cached, the others remembered by key), in batches that grow from
-    /// one (the newest marker is usually valid: one GET) to 16 at a time, at most `*budget`
-    /// reads. Entries of `kind` no longer in `steps` are dropped.
+    /// names its step and belongs to `stream_id`, and whose manifest passes the agents' check
+    /// ([`check_step`]: there, the one the marker names, signed by the reader's keys, agreeing
+    /// with the marker): what "the newest ready step" means to a poller (found by review: the
+    /// Python `Follower.poll()` took the newest key, so one junk key planted at step 999,999
+    /// was its answer for good). Markers are read newest first, each once (valid ones cached,
+    /// the others remembered by key), in batches that grow from one (the newest marker is
+    /// usually valid: two GETs, marker and manifest) to 16 at a time, at most `*budget`
+    /// markers. Entries of `kind` no longer in `steps` are dropped.
     pub async fn newest_valid(
         &mut self,
         reader: &StreamReader,
@@ -424,14 +426,33 @@ impl MarkerCache {
                 .collect();
             *budget -= unknown.len();
             batch = (batch * 2).min(16);
-            let read: Vec<(u64, Result<ReadyMarker, StreamError>)> = futures::stream::iter(unknown)
-                .map(|s| async move { (s, reader.marker(kind, s).await) })
+            let read: Vec<(u64, Result<Option<ReadyMarker>, StreamError>)> = futures::stream::iter(unknown)
+                .map(|s| async move {
+                    // Markers are not signed: one of this stream's is taken only when the
+                    // manifest it names passes the agents' check (a marker planted with this
+                    // stream's id at step 999,999 was poll()'s answer for good otherwise).
+                    let r = match reader.marker(kind, s).await {
+                        Ok(m) if m.stream_id == stream_id => {
+                            match check_step(reader.bucket(), Some(reader.trust()), kind, s, &m).await {
+                                Ok(None) => Ok(Some(m)),
+                                Ok(Some(why)) => {
+                                    warn!(step = s, kind = %kind, reason = %why, "ignoring a ready marker whose manifest does not pass");
+                                    Ok(None)
+                                }
+                                Err(e) => Err(StreamError::Store(e)),
+                            }
+                        }
+                        Ok(_) => Ok(None),
+                        Err(e) => Err(e),
+                    };
+                    (s, r)
+                })
                 .buffered(16)
                 .collect()
                 .await;
             for (s, r) in read {
                 match r {
-                    Ok(m) if m.stream_id == stream_id => {
+                    Ok(Some(m)) => {
                         self.map.insert((kind, s), m);
                     }
                     Err(e) if !unusable_marker(&e) => {

@@ -3,6 +3,7 @@ apply_to (caller-owned arrays), iter_patches (scatter themselves) and sync_dir (
 directory read back with the safetensors package)."""
 
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -897,9 +898,10 @@ def test_planted_markers_do_not_stop_a_cold_apply_to(file_bucket, keys):
 
 
 def test_poll_does_not_count_junk_or_foreign_markers(file_bucket, keys, tmp_path):
-    """poll() answers from ready markers that parse and belong to this stream (found by
-    review: it took the newest key under ready/, so one junk key planted at step 999,999
-    made poll() name a step that never existed, for good). Each marker is read once."""
+    """poll() answers from ready markers that parse, belong to this stream and name a manifest
+    that passes the agents' check (found by review: it took the newest key under ready/, so
+    one junk key planted at step 999,999 made poll() name a step that never existed, for
+    good). Each marker is read once."""
     url, _ = file_bucket
     root = url.removeprefix("file://")
     private, public = keys
@@ -915,6 +917,19 @@ def test_poll_does_not_count_junk_or_foreign_markers(file_bucket, keys, tmp_path
     for kind, s in (("deltas", 999_999), ("anchors", 888_888), ("deltas", 5000)):
         with open(os.path.join(root, "ready", kind, f"{s:012d}"), "wb") as fh:
             fh.write(b"\x00junk" * 10)
+    # Well-formed markers with this stream's id (markers are not signed), naming a manifest
+    # that is not there, or one that is junk under the SHA-256 they name.
+    with open(os.path.join(root, "ready", "anchors", f"{0:012d}")) as fh:
+        sid = json.load(fh)["stream_id"]
+    junk = b"junk, not a manifest"
+    for s, sha in ((7000, "00" * 32), (7001, hashlib.sha256(junk).hexdigest())):
+        m = {"kind": "ready", "stream_id": sid, "of": "delta", "step": s, "base_step": 3,
+             "manifest_sha256": sha, "payload_bytes": 10, "manifest": "g1-manifest.json"}
+        os.makedirs(os.path.join(root, "deltas", f"{s:012d}"), exist_ok=True)
+        with open(os.path.join(root, "deltas", f"{s:012d}", "g1-manifest.json"), "wb") as fh:
+            fh.write(junk)
+        with open(os.path.join(root, "ready", "deltas", f"{s:012d}"), "w") as fh:
+            json.dump(m, fh)
     # Another stream's real markers, at their own step numbers (a copied-in run).
     theirs = os.path.join(tmp_path, "other", "ready", "deltas")
     above = [n for n in os.listdir(theirs) if int(n) > 3]

@@ -195,8 +195,9 @@ class Follower(_native.Follower):
 
     def poll(self) -> Optional[int]:
         """The newest step with a ready marker of this stream, or None when the stream is
-        empty. Markers that do not parse or are another stream's are passed over (each read
-        once; a poll reads at most 4,096, and a first poll that finds only those raises
+        empty. Markers that do not parse, are another stream's or name a manifest that does
+        not pass the agents' check (signature, SHA-256) are passed over (each read once; a
+        poll reads at most 4,096, and a first poll that finds only those raises
         :class:`NothingReadyError`, the next goes on).
 
         One conditional GET of the signed ``latest.json``; every 10th call, or when there is
