@@ -400,6 +400,11 @@ impl MarkerCache {
         self.foreign.retain(|k| k.0 != kind || steps.binary_search(&k.1).is_ok());
         let mut batch = 1;
         let mut top = steps.len();
+        // Markers found gone by this call's reads.
+        let mut gone = std::collections::HashSet::new();
+        let known = |c: &Self, gone: &std::collections::HashSet<u64>, s: u64| {
+            c.map.contains_key(&(kind, s)) || c.foreign.contains(&(kind, s)) || gone.contains(&s)
+        };
         while top > 0 {
             // Cached answers first, then the unknown markers below them.
             while top > 0 {
@@ -407,7 +412,7 @@ impl MarkerCache {
                 match self.map.get(&(kind, s)) {
                     Some(m) if m.stream_id == stream_id => return Ok(Newest::Step(s)),
                     Some(_) => top -= 1,
-                    None if self.foreign.contains(&(kind, s)) => top -= 1,
+                    None if known(self, &gone, s) => top -= 1,
                     None => break,
                 }
             }
@@ -420,7 +425,7 @@ impl MarkerCache {
             let unknown: Vec<u64> = steps[..top]
                 .iter()
                 .rev()
-                .filter(|&&s| !self.map.contains_key(&(kind, s)) && !self.foreign.contains(&(kind, s)))
+                .filter(|&&s| !known(self, &gone, s))
                 .take(batch.min(*budget))
                 .copied()
                 .collect();
@@ -455,13 +460,12 @@ impl MarkerCache {
                     Ok(Some(m)) => {
                         self.map.insert((kind, s), m);
                     }
-                    Err(e) if !unusable_marker(&e) => {
-                        // Deleted between the listing and the read: not ready, passed over.
-                        if !matches!(&e, StreamError::Store(se) if se.is_not_found()) {
-                            return Err(e);
-                        }
-                        self.foreign.insert((kind, s));
+                    // Deleted between the listing and the read: not ready, passed over (not
+                    // remembered: a later listing that still has it reads it again).
+                    Err(StreamError::Store(e)) if e.is_not_found() => {
+                        gone.insert(s);
                     }
+                    Err(e) if !unusable_marker(&e) => return Err(e),
                     _ => {
                         self.foreign.insert((kind, s));
                     }
@@ -896,5 +900,36 @@ mod tests {
         let c = cache.candidates(&reader, "ours", None).await.unwrap();
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, 0));
         assert_eq!(counting.calls(FaultOp::Get), gets, "cached markers read again");
+    }
+
+    /// `newest_valid` over junk markers and listed markers that are gone: each read once per
+    /// call (a gone one is not read again within the call, so the call ends), junk remembered
+    /// across calls, and the reads bounded by the budget.
+    #[tokio::test]
+    async fn newest_valid_reads_each_marker_once_within_its_budget() {
+        use driftless_store::{layout, Bucket, FaultOp, FaultyStore, StoreOptions};
+        let counting = std::sync::Arc::new(FaultyStore::new(std::sync::Arc::new(
+            driftless_store::object_store::memory::InMemory::new(),
+        )));
+        let bucket = Bucket::from_store(counting.clone(), "s", &StoreOptions::default());
+        for step in 1..=50 {
+            bucket.put(&layout::ready(StepKind::Delta, step), bytes::Bytes::from_static(b"junk")).await.unwrap();
+        }
+        // 51..=100 are listed but gone.
+        let steps: Vec<u64> = (1..=100).collect();
+        let reader = StreamReader::new(bucket, driftless_format::TrustSet::new());
+        let mut cache = MarkerCache::default();
+        let mut budget = 1000;
+        let n = cache.newest_valid(&reader, "ours", StepKind::Delta, &steps, &mut budget).await.unwrap();
+        assert_eq!(n, Newest::NoneValid);
+        assert_eq!((counting.calls(FaultOp::Get), budget), (100, 900));
+        let mut budget = 1000;
+        let n = cache.newest_valid(&reader, "ours", StepKind::Delta, &steps, &mut budget).await.unwrap();
+        assert_eq!(n, Newest::NoneValid);
+        assert_eq!(counting.calls(FaultOp::Get), 150, "junk read again, or gone ones not");
+        let mut budget = 10;
+        let n = cache.newest_valid(&reader, "ours", StepKind::Delta, &steps, &mut budget).await.unwrap();
+        assert_eq!((n, budget), (Newest::OutOfReads, 0));
+        assert_eq!(counting.calls(FaultOp::Get), 160);
     }
 }
