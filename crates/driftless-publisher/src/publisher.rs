@@ -1064,14 +1064,16 @@ impl Publisher {
             Ok(kind) => kind.is_some(),
             // The caller's weights differ from the step's committed ones: refused as any
             // `publish` of a taken step is (the publisher goes on).
-            Err(upload::CommitError::Conflict(detail) | upload::CommitError::Taken(detail)) if given.is_some() => {
-                return Err(Error::StepTaken { step, detail })
-            }
+            Err(
+                upload::CommitError::Conflict(detail)
+                | upload::CommitError::Claimed(detail)
+                | upload::CommitError::Taken(detail),
+            ) if given.is_some() => return Err(Error::StepTaken { step, detail }),
             // Claimed by a killed predecessor: this step cannot be published; later ones can.
             Err(upload::CommitError::Taken(detail)) => return Err(Error::StepTaken { step, detail }),
             // The weights this publisher published as the step differ from the committed ones:
             // another writer committed it. This publisher stops, as on any conflict.
-            Err(upload::CommitError::Conflict(detail)) => {
+            Err(upload::CommitError::Conflict(detail) | upload::CommitError::Claimed(detail)) => {
                 self.shared.update(|s| {
                     s.conflict.get_or_insert((step, detail.clone()));
                 });

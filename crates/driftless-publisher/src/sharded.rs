@@ -1063,7 +1063,7 @@ async fn upload_part(bucket: &Bucket, step: u64, part: &BuiltPart) -> Result<()>
     };
     r.map_err(|e| match e {
         CommitError::Store(e) => Error::Store(e),
-        CommitError::Conflict(detail) => Error::Conflict { step, detail },
+        CommitError::Conflict(detail) | CommitError::Claimed(detail) => Error::Conflict { step, detail },
         CommitError::Taken(detail) => Error::StepTaken { step, detail },
         CommitError::Unconfirmed(detail) => Error::Upload { step, detail, retryable: true },
     })
@@ -1673,8 +1673,13 @@ fn check_part(p: &PartManifest) -> std::result::Result<(), String> {
 fn commit_refusal(step: u64, e: CommitError) -> Refusal {
     let retryable = match &e {
         CommitError::Store(e) => e.is_retryable(),
-        // Another committer took the stream (or the step): this one never commits again.
-        CommitError::Conflict(_) | CommitError::Taken(_) => false,
+        // A newer committer took the stream, or the step's objects conflict: publishing again
+        // cannot help.
+        CommitError::Conflict(_) => false,
+        // An older generation (most often this group's killed committer, its lease live or
+        // run out) claimed this step with other weights: this step is lost, the next commits
+        // (found by review: reported as not retryable, a trainer following the docs stopped).
+        CommitError::Taken(_) | CommitError::Claimed(_) => true,
         CommitError::Unconfirmed(_) => true,
     };
     Refusal { reason: format!("step {step}: commit failed: {e}"), next_anchor: true, retryable }
@@ -2009,5 +2014,54 @@ mod tests {
         });
         assert!(!o.committed);
         assert!(o.reason.as_deref().unwrap().contains("edge bytes, over the committer's"), "{:?}", o.reason);
+    }
+}
+
+#[cfg(test)]
+mod claimed_tests {
+    use super::*;
+
+    /// Found by review: step 1 claimed with other weights by an older generation (the group's
+    /// killed committer: its lease still live, or run out) was reported as not retryable,
+    /// although step 2 commits; a trainer following the docs ("RetryableError only then")
+    /// stopped publishing over one lost step. Both cases are now retryable, and step 2 commits.
+    #[test]
+    fn a_step_claimed_by_a_killed_committer_is_retryable_and_the_next_commits() {
+        for ttl in [Duration::from_secs(60), Duration::ZERO] {
+            let td = tempfile::tempdir().unwrap();
+            let url = format!("file://{}", td.path().join("b").display());
+            let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            let bucket = Bucket::open(&cfg.url, &cfg.store).unwrap();
+            let mut p0 = cfg.clone().build_sharded(0, 1, Duration::from_secs(2)).unwrap();
+            let g = p0.generation().unwrap();
+            rt.block_on(async {
+                let claim = upload::Claim {
+                    kind: "claim".into(),
+                    stream_id: p0.stream_id().to_string(),
+                    step: 1,
+                    generation: g - 1,
+                    root: Digest::of(b"other weights"),
+                };
+                bucket.put(&layout::claim(1), Bytes::from(serde_json::to_vec(&claim).unwrap())).await.unwrap();
+                let lease = upload::lease_bytes(p0.stream_id(), g - 1, ttl, Some(1), None);
+                bucket.put(&layout::lease(g - 1), lease).await.unwrap();
+            });
+            let data: &'static [u8] = Box::leak(vec![3u8; 1 << 20].into_boxed_slice());
+            let shape = [1u64 << 19];
+            let sh = || Shard {
+                name: "w",
+                dtype: DType::BF16,
+                shape: &shape,
+                slice: Slice::flat(&shape, 0, 1 << 19).unwrap(),
+                data,
+            };
+            p0.publish(1, &[sh()]).unwrap();
+            let e = p0.flush().unwrap_err();
+            let o1 = p0.last_outcome().cloned().unwrap();
+            assert!(!o1.committed && o1.retryable, "lease ttl {ttl:?}: {e}: {o1:?}");
+            p0.publish(2, &[sh()]).unwrap();
+            assert!(p0.flush().unwrap().committed, "lease ttl {ttl:?}");
+        }
     }
 }

@@ -103,13 +103,21 @@ pub(crate) enum CommitError {
     /// of this stream; a live one is fenced by this newer generation): this step cannot be
     /// published, the publisher goes on with later ones.
     Taken(String),
+    /// The step is claimed, with other weights, by an older generation whose lease is still
+    /// live: for a plain publisher a second publisher (a conflict); for a sharded group, most
+    /// often the group's own killed committer, whose lease runs out within its TTL, and whose
+    /// claim costs this step only.
+    Claimed(String),
 }
 
 impl std::fmt::Display for CommitError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             CommitError::Store(e) => write!(f, "{e}"),
-            CommitError::Conflict(d) | CommitError::Unconfirmed(d) | CommitError::Taken(d) => f.write_str(d),
+            CommitError::Conflict(d)
+            | CommitError::Unconfirmed(d)
+            | CommitError::Taken(d)
+            | CommitError::Claimed(d) => f.write_str(d),
         }
     }
 }
@@ -119,7 +127,7 @@ impl CommitError {
     pub(crate) fn is_retryable(&self) -> bool {
         match self {
             CommitError::Store(e) => e.is_retryable(),
-            CommitError::Conflict(_) | CommitError::Taken(_) => false,
+            CommitError::Conflict(_) | CommitError::Taken(_) | CommitError::Claimed(_) => false,
             CommitError::Unconfirmed(_) => true,
         }
     }
@@ -139,7 +147,9 @@ impl State {
         self.last_error = Some(format!("{what} {step}: {e}"));
         self.last_error_retryable = e.is_retryable();
         match e {
-            CommitError::Conflict(d) if self.conflict.is_none() => self.conflict = Some((step, d.clone())),
+            CommitError::Conflict(d) | CommitError::Claimed(d) if self.conflict.is_none() => {
+                self.conflict = Some((step, d.clone()))
+            }
             CommitError::Taken(d) => self.taken = Some((step, d.clone())),
             _ => {}
         }
@@ -355,6 +365,11 @@ async fn claim_step(ctx: &Ctx, step: u64, root: Digest) -> Result<(), CommitErro
                         &c.root.to_hex()[..12]
                     )))
                 }
+                Ok(c) if c.generation < ctx.generation && c.stream_id == ctx.stream_id => Err(CommitError::Claimed(format!(
+                    "step {step} is already claimed by publisher generation {} with other weights (root {}); publish a later step",
+                    c.generation,
+                    &c.root.to_hex()[..12]
+                ))),
                 Ok(c) => Err(CommitError::Conflict(format!(
                     "step {step} is already claimed by publisher generation {} with other weights (root {}); publish a later step",
                     c.generation,
