@@ -1165,24 +1165,26 @@ async fn wait_outcome(
     let mut checked_lease = Instant::now();
     // The committer's last renewal seen (its own clock): a later one is a sign of life.
     let mut renewed: Option<u64> = None;
-    // The outcome, once there; `None` while not (yet), or on a transient error.
+    // The outcome, once there; `Ok(None)` while not (yet); `Err(())` on a transient error (not
+    // a sign that there is none).
     let read = || async {
         match bucket.get_limited(&key, max_outcome_bytes(world_size)).await {
             Ok(b) => {
-                Some(match trust.open(&b).ok().and_then(|(p, _)| serde_json::from_slice::<StepOutcome>(&p).ok()) {
+                Ok(Some(match trust.open(&b).ok().and_then(|(p, _)| serde_json::from_slice::<StepOutcome>(&p).ok()) {
                     Some(o) if o.step == step => o,
                     _ => StepOutcome::aborted(step, format!("{key} is not a valid signed outcome"), true),
-                })
+                }))
             }
             Err(driftless_store::Error::TooLarge { size, max, .. }) => {
                 let reason = format!("{key} is {size} bytes, more than an outcome of {world_size} ranks ({max})");
-                Some(StepOutcome::aborted(step, reason, true))
+                Ok(Some(StepOutcome::aborted(step, reason, true)))
             }
-            Err(_) => None,
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(_) => Err(()),
         }
     };
     loop {
-        if let Some(o) = read().await {
+        if let Ok(Some(o)) = read().await {
             return o;
         }
         if Instant::now() >= deadline {
@@ -1200,16 +1202,23 @@ async fn wait_outcome(
                 // not publish this step). Found by review: the other ranks waited out their
                 // whole deadline, and their parts of the later step came too late for it.
                 if let Some(later) = lease.committing.filter(|&s| s > step) {
-                    return match read().await {
-                        Some(o) => o,
+                    match read().await {
+                        Ok(Some(o)) => return o,
                         // No anchor asked for: this rank's base is still the last committed
                         // step, the one rank 0 builds its next part against too.
-                        None => StepOutcome::aborted(
-                            step,
-                            format!("the committer went on to step {later} without committing this one"),
-                            false,
-                        ),
-                    };
+                        Ok(None) => {
+                            return StepOutcome::aborted(
+                                step,
+                                format!("the committer went on to step {later} without committing this one"),
+                                false,
+                            )
+                        }
+                        // Unreadable (an outage), not absent: wait on (found by review: taken
+                        // for "not committed", this rank kept its older base while rank 0's
+                        // next part built on this step, and the next step was refused). Out
+                        // of time, the anchor asked for is the safe answer.
+                        Err(()) => {}
+                    }
                 }
                 // Still at work on this step (an anchor's gather and encode): wait on.
                 if renewed.is_some_and(|r| lease.renewed_at_ms > r) && lease.committing == Some(step) {

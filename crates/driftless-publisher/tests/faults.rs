@@ -1757,6 +1757,53 @@ fn a_step_rank_0_skips_does_not_stall_the_others() {
     assert!(p1.flush().unwrap().committed);
 }
 
+/// Found by review: rank 0 committed step 2 and went on to step 3, and rank 1 could not read
+/// step 2's outcome for a while (an outage, not an absent outcome). It took that for "not
+/// committed, no anchor": it kept step 1 as its base while rank 0 built on step 2, and step 3
+/// was refused for mixed bases. It now waits on and reads the outcome once it can.
+#[test]
+fn an_outcome_unreadable_for_a_while_is_not_taken_for_not_committed() {
+    let be = backends("sharded-outcome-outage", false).into_iter().next().expect("memory");
+    let timeout = Duration::from_secs(30);
+    let (_f0, b0) = be.bucket();
+    let mut p0 = PublisherBuilder::new("x")
+        .with_bucket(b0)
+        .with_key(key())
+        .with_new_stream(true)
+        .with_lease_ttl(Duration::from_secs(2))
+        .build_sharded(0, 2, timeout)
+        .unwrap();
+    let (f1, b1) = be.bucket();
+    let mut p1 = PublisherBuilder::new("x").with_bucket(b1).with_key(key()).build_sharded(1, 2, timeout).unwrap();
+    let mut c = chain();
+    rank_publish("outage", &mut p0, &c, 0, 1);
+    rank_publish("outage", &mut p1, &c, 1, 1);
+    assert!(p0.flush().unwrap().committed);
+    assert!(p1.flush().unwrap().committed);
+    c.step();
+    f1.inject(FaultOp::Get, "outcome.json", 1_000_000, FaultKind::Transient);
+    rank_publish("outage", &mut p0, &c, 0, 2);
+    rank_publish("outage", &mut p1, &c, 1, 2);
+    assert!(p0.flush().unwrap().committed);
+    c.step();
+    rank_publish("outage", &mut p0, &c, 0, 3);
+    // Rank 0's lease soon names step 3; rank 1's reads of step 2's outcome fail until then.
+    let clear = {
+        let f1 = f1.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(6));
+            f1.clear();
+        })
+    };
+    let r = rank_publish("outage", &mut p1, &c, 1, 3);
+    clear.join().unwrap();
+    let previous = r.previous.expect("step 2's outcome");
+    assert!(previous.committed, "{previous:?}");
+    let o3 = p0.flush().unwrap();
+    assert!(o3.committed, "{o3:?}");
+    assert!(p1.flush().unwrap().committed);
+}
+
 /// Rank 0's own part is slow to upload (the largest part, under the torch hook): the other
 /// ranks wait on while its lease says it is at work on the step, from its part on (found by
 /// review: rank 1 gave up at its first deadline, 32 s here, on a step that then committed,
