@@ -1718,6 +1718,25 @@ fn an_outcome_flush_returned_is_not_repeated_by_the_next_receipt() {
     assert!(p1.flush().unwrap().committed);
 }
 
+/// Ranks 0 and 1 of a new stream, each on its own view of `be` (its fault store returned),
+/// with a 30 s commit timeout; rank 0's lease is renewed every 500 ms, so that it soon says
+/// which step rank 0 is at.
+type Rank = (Arc<FaultyStore>, driftless_publisher::ShardedPublisher);
+fn pair_with_a_short_lease(be: &Backend) -> (Rank, Rank) {
+    let timeout = Duration::from_secs(30);
+    let (f0, b0) = be.bucket();
+    let p0 = PublisherBuilder::new("x")
+        .with_bucket(b0)
+        .with_key(key())
+        .with_new_stream(true)
+        .with_lease_ttl(Duration::from_secs(2))
+        .build_sharded(0, 2, timeout)
+        .unwrap();
+    let (f1, b1) = be.bucket();
+    let p1 = PublisherBuilder::new("x").with_bucket(b1).with_key(key()).build_sharded(1, 2, timeout).unwrap();
+    ((f0, p0), (f1, p1))
+}
+
 /// A step rank 0 does not publish (its `publish` raised, or the trainer skipped it there) is
 /// given up on by the other ranks as soon as the committer's lease names a later step (found
 /// by review: rank 1 waited out its whole deadline, 270 s with the default timeout, and its
@@ -1725,18 +1744,7 @@ fn an_outcome_flush_returned_is_not_repeated_by_the_next_receipt() {
 #[test]
 fn a_step_rank_0_skips_does_not_stall_the_others() {
     let be = backends("sharded-skipped", false).into_iter().next().expect("memory");
-    let timeout = Duration::from_secs(30);
-    let (_f0, b0) = be.bucket();
-    // Renewed every 500 ms, so that the lease soon says which step rank 0 is at.
-    let mut p0 = PublisherBuilder::new("x")
-        .with_bucket(b0)
-        .with_key(key())
-        .with_new_stream(true)
-        .with_lease_ttl(Duration::from_secs(2))
-        .build_sharded(0, 2, timeout)
-        .unwrap();
-    let (_f1, b1) = be.bucket();
-    let mut p1 = PublisherBuilder::new("x").with_bucket(b1).with_key(key()).build_sharded(1, 2, timeout).unwrap();
+    let ((_f0, mut p0), (_f1, mut p1)) = pair_with_a_short_lease(&be);
     let mut c = chain();
     rank_publish("skip", &mut p0, &c, 0, 1);
     rank_publish("skip", &mut p1, &c, 1, 1);
@@ -1764,17 +1772,7 @@ fn a_step_rank_0_skips_does_not_stall_the_others() {
 #[test]
 fn an_outcome_unreadable_for_a_while_is_not_taken_for_not_committed() {
     let be = backends("sharded-outcome-outage", false).into_iter().next().expect("memory");
-    let timeout = Duration::from_secs(30);
-    let (_f0, b0) = be.bucket();
-    let mut p0 = PublisherBuilder::new("x")
-        .with_bucket(b0)
-        .with_key(key())
-        .with_new_stream(true)
-        .with_lease_ttl(Duration::from_secs(2))
-        .build_sharded(0, 2, timeout)
-        .unwrap();
-    let (f1, b1) = be.bucket();
-    let mut p1 = PublisherBuilder::new("x").with_bucket(b1).with_key(key()).build_sharded(1, 2, timeout).unwrap();
+    let ((_f0, mut p0), (f1, mut p1)) = pair_with_a_short_lease(&be);
     let mut c = chain();
     rank_publish("outage", &mut p0, &c, 0, 1);
     rank_publish("outage", &mut p1, &c, 1, 1);
