@@ -153,8 +153,11 @@ pub struct Agent {
     /// Delta segment objects kept in `cache/` (step, SHA-256s), to bring the inactive slot
     /// forward without a second download.
     cached: Vec<(u64, Vec<Digest>)>,
-    /// A signed `latest.json` already read by the poll loop, for the next sync to plan from.
+    /// The signed `latest.json` this sync plans from: read by the poll loop, or once at the
+    /// start of the sync, and kept for all its rounds.
     hint: Option<LatestHint>,
+    /// The poll loop read `latest.json` for the next sync (`hint` is its answer).
+    hint_polled: bool,
     /// Plan the next sync from a listing even if a hint would do (the periodic full check).
     list_next: bool,
     /// The patch from the step the engine was last told to load to the current step, written
@@ -288,6 +291,7 @@ impl Agent {
             stream_id: None,
             cached: vec![],
             hint: None,
+            hint_polled: false,
             list_next: false,
             patch: None,
             decode_ahead: Arc::new(tokio::sync::Semaphore::new(DECODE_AHEAD_BYTES)),
@@ -347,6 +351,13 @@ impl Agent {
         // has a new one), not at every listing: 40 planted markers cost 40 GETs per listing.
         for (kind, step) in self.refused.expired() {
             self.markers.forget(kind, step);
+        }
+        // latest.json once per sync (found by review: a sync read it again although the poll
+        // had, twice when it did not verify, and once more per refused step). Not when this
+        // sync lists anyway, nor without a verified local step for it to plan from.
+        if !std::mem::take(&mut self.hint_polled) {
+            let useful = !self.list_next && self.active_ok && self.state.is_some();
+            self.hint = if useful { self.reader.latest(None).await.ok().flatten().map(|(h, _)| h) } else { None };
         }
         let mut careful = false;
         // Steps refused in this sync: after their payload was read (each costs a download),
@@ -563,6 +574,11 @@ impl Agent {
                     self.markers = MarkerCache::default();
                     self.refused = Refusals::new(self.cfg.refuse_for);
                 }
+                // A hint of another stream plans nothing here; dropped, so that the next round
+                // of this sync does not read stream.json again for it.
+                if self.hint.as_ref().is_some_and(|h| h.stream_id != d.stream_id) {
+                    self.hint = None;
+                }
                 self.stream_id = Some(d.stream_id.clone());
                 Ok(d.stream_id)
             }
@@ -588,17 +604,12 @@ impl Agent {
     /// the cache, or one GET each), so the inactive slot is brought forward as usual. `None`
     /// when the hint cannot plan this sync alone.
     async fn hinted_candidates(&mut self, sid: &str, local: Option<u64>) -> Option<Candidates> {
-        let hint = self.hint.take();
         if std::mem::take(&mut self.list_next) {
             return None;
         }
         let local = local?;
         let inactive = self.state.as_ref()?.inactive;
-        let hint = match hint {
-            Some(h) => h,
-            None => self.reader.latest(None).await.ok()??.0,
-        };
-        let mut c = plan::from_hint(&hint, sid, local)?;
+        let mut c = plan::from_hint(self.hint.as_ref()?, sid, local)?;
         for m in c.deltas.values() {
             self.markers.insert(m.clone());
         }
@@ -621,11 +632,6 @@ impl Agent {
     }
 
     async fn sync_inner(&mut self, careful: bool, t0: Instant) -> Result<SyncOutcome, BuildError> {
-        // The signed latest.json first (what `hinted_candidates` would read): the stream it
-        // names tells whether stream.json must be read again.
-        if self.hint.is_none() && !self.list_next && self.active_ok && self.state.is_some() {
-            self.hint = self.reader.latest(None).await.ok().flatten().map(|(h, _)| h);
-        }
         let sid = self.stream_id().await?;
         // A switch that was interrupted (a failed link, a crash after the state was written).
         if let Some(st) = self.state.as_ref().filter(|_| self.active_ok) {
@@ -1500,10 +1506,11 @@ impl Agent {
                 }
                 // Deleted or not verifying: the hint held before is no longer trusted.
                 self.hint = w.hint.cloned();
+                self.hint_polled = true;
             }
             Err(e) => {
-                debug!(error = %e, "reading latest.json failed; planning from the listing");
-                self.hint = None;
+                // The sync reads it once more (a transient error may have passed).
+                debug!(error = %e, "reading latest.json failed");
             }
         }
         self.list_next = list;

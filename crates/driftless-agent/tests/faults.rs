@@ -817,3 +817,46 @@ async fn a_bad_or_missing_latest_json_does_not_make_every_poll_list() {
         run.await.unwrap().unwrap();
     }
 }
+
+// Found by review: a sync read latest.json again although the poll had just read it, twice
+// when it did not verify or was deleted (once for the stream it names, once to plan), and
+// once more for every step it refused: past 10 planted markers an up-to-date sync read it 11
+// times. Now a sync reads it at most once (none when the poll loop read it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_reads_latest_json_at_most_once() {
+    for tb in buckets("latest-once") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 100);
+        t.publish();
+        t.publish();
+        let mut a = Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust.clone())).unwrap();
+        assert_eq!(a.sync_once().await.unwrap().step, 1);
+        let real: serde_json::Value =
+            serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Delta, 1)).await.unwrap()).unwrap();
+        for s in 100..110u64 {
+            let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "delta", "step": s,
+                "base_step": 1, "manifest_sha256": "00".repeat(32), "payload_bytes": 10, "manifest": "g1-manifest.json"});
+            tb.bucket.put(&layout::ready(StepKind::Delta, s), Bytes::from(m.to_string())).await.unwrap();
+        }
+        let latest_gets = || tb.faults.calls_to(FaultOp::Get, layout::LATEST);
+        // Up to date, a valid latest.json, ten planted steps refused in one sync.
+        let g0 = latest_gets();
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.refused.len()), (1, 10), "{o:?}");
+        assert_eq!(latest_gets() - g0, 1, "latest.json read more than once in one sync");
+        // One step behind, latest.json not verifying, then deleted: planned from the listing.
+        for (case, body) in
+            [("invalid", Some(Bytes::from_static(br#"{"payload":"x","signatures":[]}"#))), ("deleted", None)]
+        {
+            let want = t.publish();
+            match body {
+                Some(b) => tb.bucket.put(layout::LATEST, b).await.unwrap(),
+                None => tb.bucket.delete(layout::LATEST).await.unwrap(),
+            }
+            let g0 = latest_gets();
+            let o = a.sync_once().await.unwrap();
+            assert_bits(&a, &want);
+            assert_eq!(latest_gets() - g0, 1, "{case}: latest.json read more than once in one sync ({o:?})");
+        }
+    }
+}

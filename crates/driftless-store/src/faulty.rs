@@ -74,6 +74,8 @@ struct State {
     injected: AtomicUsize,
     /// Calls seen, by operation (Put, Get, Delete, List), faulted or not.
     calls: [AtomicU64; 4],
+    /// The same, by object path (or listed prefix): bounded by the number of distinct paths.
+    by_path: Mutex<std::collections::HashMap<String, [u64; 4]>>,
     /// MiB of [`FaultKind::LongBody`] bodies pulled by readers.
     body_mib: AtomicU64,
     /// Milliseconds added to every modification time reported (a bucket whose clock is off).
@@ -91,6 +93,16 @@ impl State {
     /// Consume one matching rule, if any.
     fn take(&self, op: FaultOp, location: &str) -> Option<FaultKind> {
         self.calls[op as usize].fetch_add(1, Ordering::Relaxed);
+        let mut paths = self.by_path.lock().unwrap_or_else(|e| e.into_inner());
+        match paths.get_mut(location) {
+            Some(c) => c[op as usize] += 1,
+            None => {
+                let mut c = [0; 4];
+                c[op as usize] = 1;
+                paths.insert(location.to_string(), c);
+            }
+        }
+        drop(paths);
         let mut rules = self.rules.lock().unwrap_or_else(|e| e.into_inner());
         let rule = rules.iter_mut().find(|r| r.op == op && r.remaining > 0 && location.contains(&r.pattern))?;
         rule.remaining -= 1;
@@ -206,6 +218,13 @@ impl FaultyStore {
     /// many pages it has), to count the requests an operation makes.
     pub fn calls(&self, op: FaultOp) -> u64 {
         self.state.calls[op as usize].load(Ordering::Relaxed)
+    }
+
+    /// Calls of one kind seen so far on paths (or listed prefixes) containing `pattern`: the
+    /// requests an operation makes for one object.
+    pub fn calls_to(&self, op: FaultOp, pattern: &str) -> u64 {
+        let paths = self.state.by_path.lock().unwrap_or_else(|e| e.into_inner());
+        paths.iter().filter(|(p, _)| p.contains(pattern)).map(|(_, c)| c[op as usize]).sum()
     }
 
     /// MiB of [`FaultKind::LongBody`] bodies readers pulled so far.
