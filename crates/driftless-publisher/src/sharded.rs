@@ -1159,7 +1159,8 @@ async fn wait_outcome(
     mut deadline: Instant,
 ) -> StepOutcome {
     let key = outcome_key(step, g);
-    let window = deadline.saturating_duration_since(Instant::now());
+    let start = Instant::now();
+    let mut window = deadline.saturating_duration_since(start);
     let cap = deadline + MAX_OUTCOME_WAIT;
     let mut wait = Duration::from_millis(50);
     let mut checked_lease = Instant::now();
@@ -1219,6 +1220,16 @@ async fn wait_outcome(
                         // of time, the anchor asked for is the safe answer.
                         Err(()) => {}
                     }
+                }
+                // The window holds one renewal of the committer's lease (every TTL/4) and a
+                // check after it: found by review, with a 10 min TTL and a short commit
+                // timeout the ranks never saw two renewals in it, never waited on, and gave
+                // up on anchor steps the committer did commit. A dead committer's lease holds
+                // its TTL anyway, so the ranks wait at most TTL/4 more.
+                let period = Duration::from_millis(lease.ttl_ms).min(layout::MAX_LEASE_TTL) / 4;
+                if period + Duration::from_secs(5) > window {
+                    window = period + Duration::from_secs(5);
+                    deadline = deadline.max((start + window).min(cap));
                 }
                 // Still at work on this step (an anchor's gather and encode): wait on.
                 if renewed.is_some_and(|r| lease.renewed_at_ms > r) && lease.committing == Some(step) {
@@ -1864,6 +1875,42 @@ mod tests {
         let (got, took) = wait(2, 2, 30);
         assert!(!got.committed && got.reason.as_deref().unwrap().contains("more than an outcome"), "{got:?}");
         assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    /// A committer whose lease has a long TTL renews it seldom (every TTL/4): the ranks wait
+    /// long enough to see it renewed while it commits their step. Found by review: with a
+    /// window shorter than TTL/4 they never saw two renewals, and gave up on a step the
+    /// committer then committed (16 s TTL and a 3 s window here; 10 min and 90 s in use).
+    #[test]
+    fn ranks_see_a_slowly_renewed_lease_at_work() {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let cfg = PublisherBuilder::new(url)
+            .with_key(driftless_format::Keypair::generate())
+            .with_new_stream(true)
+            .with_lease_ttl(Duration::from_secs(16));
+        let p0 = cfg.clone().build_sharded(0, 2, Duration::from_secs(1)).unwrap();
+        let (ctx, rt) = (p0.ctx.clone().unwrap(), p0.rt.as_ref().unwrap());
+        ctx.shared.update(|s| s.committing = Some(5));
+        let o = StepOutcome {
+            committed: true,
+            of: Some(StepKind::Delta),
+            root: Some(Digest::default()),
+            reason: None,
+            ..StepOutcome::aborted(5, String::new(), false)
+        };
+        let writer = {
+            let (cfg, ctx, o) = (cfg.clone(), ctx.clone(), o.clone());
+            let h = rt.handle().clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_secs(9));
+                h.block_on(write_outcome(&cfg, &ctx, &o));
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let got = rt.block_on(wait_outcome(&p0.bucket, &p0.trust, 5, ctx.generation, 2, deadline));
+        writer.join().unwrap();
+        assert_eq!(got, o, "the rank gave up on a step its committer was seen committing");
     }
 
     /// A committer that stopped releases its lease (TTL 0): ranks wait for the next committer
