@@ -339,6 +339,8 @@ impl Agent {
     ///   and `current` are untouched.
     pub async fn sync_once(&mut self) -> Result<SyncOutcome> {
         let t0 = Instant::now();
+        // Taken first: a sync that ends early must not leave it for the next one.
+        let polled = std::mem::take(&mut self.hint_polled);
         if self.reverify {
             self.reverify_active().await?;
         }
@@ -355,7 +357,7 @@ impl Agent {
         // latest.json once per sync (found by review: a sync read it again although the poll
         // had, twice when it did not verify, and once more per refused step). Not when this
         // sync lists anyway, nor without a verified local step for it to plan from.
-        if !std::mem::take(&mut self.hint_polled) {
+        if !polled {
             let useful = !self.list_next && self.active_ok && self.state.is_some();
             self.hint = if useful { self.reader.latest(None).await.ok().flatten().map(|(h, _)| h) } else { None };
         }
@@ -1511,6 +1513,7 @@ impl Agent {
             Err(e) => {
                 // The sync reads it once more (a transient error may have passed).
                 debug!(error = %e, "reading latest.json failed");
+                self.hint_polled = false;
             }
         }
         self.list_next = list;
