@@ -1042,8 +1042,16 @@ impl Publisher {
             }
         };
         let ctx = self.ctx.clone();
+        let fresh = given.is_some();
         let settled = self.rt.as_ref().ok_or(Error::Closed)?.block_on(async move {
             let kind = ctx.committed_kind(step, root).await?;
+            // The caller's weights: claimed now, so that a claim holding other weights (the
+            // failed try's own, or a killed predecessor's) refuses them here, not at the
+            // anchor's commit (found by review: there this publisher's own claim was taken
+            // for a second publisher's, and it stopped for good).
+            if kind.is_none() && fresh {
+                upload::claim_step(&ctx, step, root).await?;
+            }
             if let Some(kind) = kind {
                 ctx.shared.update(|s| {
                     s.tip = Some(step);

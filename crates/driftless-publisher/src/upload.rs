@@ -341,7 +341,7 @@ pub(crate) async fn put_own(
 }
 
 /// Creates `claims/N`, or accepts an existing claim for the same weights root.
-async fn claim_step(ctx: &Ctx, step: u64, root: Digest) -> Result<(), CommitError> {
+pub(crate) async fn claim_step(ctx: &Ctx, step: u64, root: Digest) -> Result<(), CommitError> {
     let claim =
         Claim { kind: "claim".into(), stream_id: ctx.stream_id.clone(), step, generation: ctx.generation, root };
     let key = layout::claim(step);
@@ -362,6 +362,16 @@ async fn claim_step(ctx: &Ctx, step: u64, root: Digest) -> Result<(), CommitErro
                     Err(CommitError::Taken(format!(
                         "step {step} was claimed by an earlier publisher (generation {}, stopped before committing it) with other weights (root {})",
                         c.generation,
+                        &c.root.to_hex()[..12]
+                    )))
+                }
+                // This generation's own earlier try, with other weights (a lost step published
+                // again with the caller's new weights; found by review: taken for a second
+                // publisher, it stopped this one for good). The claim is write-once, so the step
+                // cannot be published with these weights; later steps can.
+                Ok(c) if c.generation == ctx.generation && c.stream_id == ctx.stream_id => {
+                    Err(CommitError::Taken(format!(
+                        "step {step} was claimed by this publisher's failed try with other weights (root {}); publish a later step",
                         &c.root.to_hex()[..12]
                     )))
                 }

@@ -677,6 +677,38 @@ fn republishing_a_lost_step_with_other_weights_is_refused_not_fenced() {
     }
 }
 
+/// Step 2 is lost and never committed (its delta's marker and its anchor's fail, after both
+/// claimed the step). Published again with other weights once the bucket is back: refused as
+/// a taken step (the claim is write-once), and the publisher goes on. Found by review: the
+/// anchor of the new weights found the publisher's own claim, took it for a second
+/// publisher's, and every later `publish` and `flush` failed with a conflict.
+#[test]
+fn a_lost_step_claimed_by_its_own_failed_try_is_refused_not_fenced() {
+    for be in backends("lost-own-claim", false) {
+        let ctx = be.name.clone();
+        let (faulty, bucket) = be.bucket();
+        let (mut p, mut c, mut t) = lose_step_2(&bucket, &ctx, || {
+            faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1000, FaultKind::Transient);
+            faulty.inject(FaultOp::Put, "ready/anchors/000000000002", 1000, FaultKind::Transient);
+        });
+        faulty.clear();
+        c.step();
+        match p.publish(2, &c.views()) {
+            Err(e @ Error::StepTaken { step: 2, .. }) => assert!(!e.is_retryable(), "{ctx}: {e}"),
+            r => panic!("{ctx}: step 2 is claimed with other weights: {r:?}"),
+        }
+        c.step();
+        p.publish(3, &c.views()).unwrap_or_else(|e| panic!("{ctx}: the publisher goes on: {e}"));
+        t.published.insert(3, root_of(&c.views()));
+        p.flush().unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        let s = scan(&bucket, &trust());
+        t.check(&s, &ctx);
+        assert!(!s.ready_deltas.contains_key(&2) && !s.ready_anchors.contains(&2), "{ctx}: {s:?}");
+        assert_eq!(s.last_step(), Some(3), "{ctx}: {s:?}");
+        p.close().unwrap();
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Killed between manifest and marker
 
