@@ -905,9 +905,23 @@ impl Publisher {
         let shared = self.shared.clone();
         let spawned = std::thread::Builder::new().name("driftless-anchor".into()).spawn(move || {
             let _s = info_span!("encode_anchor", step).entered();
-            let r = spool_anchor(&cfg, &stream_id, ctx.generation, &snap, attempt);
+            // The snapshot is needed only until its bytes are in the spool: released before
+            // the encode, so the next delta step's `publish` does not wait for the anchor's
+            // compression (found by review: it waited 1.9 s at 256 MiB, against 0.25-0.5 s
+            // for a plain delta step).
+            let spooled = spool_plain(&cfg, &snap);
             drop(snap);
             ctx.shared.changed.notify_all();
+            let r = spooled.and_then(|(dir, plain)| {
+                let step = SpooledStep {
+                    step: plain.step,
+                    root: plain.root,
+                    layout: &plain.layout,
+                    digests: &plain.digests,
+                    attempt,
+                };
+                encode_spooled(&cfg, &stream_id, ctx.generation, step, dir)
+            });
             match r {
                 Ok(mut job) => {
                     job.done = done;
@@ -1242,14 +1256,16 @@ pub(crate) fn spool_dir(cfg: &PublisherBuilder) -> Result<Spool> {
     Ok(Spool::new(cfg.spool_dir.as_deref(), "anchor")?)
 }
 
-/// Writes the anchor's shards to spool files and maps them for upload.
-fn spool_anchor(
-    cfg: &PublisherBuilder,
-    stream_id: &str,
-    generation: u64,
-    snap: &Snapshot,
-    attempt: u32,
-) -> Result<AnchorJob> {
+/// What an anchor's encode needs of the snapshot once its bytes are in the spool.
+struct Spooled {
+    step: u64,
+    root: Digest,
+    layout: Layout,
+    digests: Vec<Digest>,
+}
+
+/// Writes the snapshot's shards as plain safetensors files into a new spool directory.
+fn spool_plain(cfg: &PublisherBuilder, snap: &Snapshot) -> Result<(Spool, Spooled)> {
     let dir = spool_dir(cfg)?;
     let by: BTreeMap<&str, &[u8]> = snap.tensors.iter().map(|(m, d)| (m.name.as_str(), d.as_slice())).collect();
     for shard in &snap.layout.shards {
@@ -1264,8 +1280,7 @@ fn spool_anchor(
     // Anchors start from a hashed snapshot only (a fresh copy, or a deferred delta's encode
     // waited for).
     let root = snap.root.ok_or_else(|| Error::Refused(format!("the snapshot of step {} is not hashed", snap.step)))?;
-    let step = SpooledStep { step: snap.step, root, layout: &snap.layout, digests: &snap.digests, attempt };
-    encode_spooled(cfg, stream_id, generation, step, dir)
+    Ok((dir, Spooled { step: snap.step, root, layout: snap.layout.clone(), digests: snap.digests.clone() }))
 }
 
 /// A step whose safetensors files lie in a spool directory.
