@@ -118,7 +118,7 @@ shapes = {"model.embed_tokens.weight": (2048, 1024), "model.layers.0.mlp.up_proj
 master = {k: rng.standard_normal(s, dtype=np.float32) * 0.02 for k, s in shapes.items()}
 for step in range(steps):
     if step:
-        for w in master.values():  # an RL-sized update: about 1% of the BF16 values change
+        for w in master.values():  # an RL-sized update: about 3% of the BF16 values change here (1% is typical at 7B+ RL learning rates)
             w += rng.standard_normal(w.shape, dtype=np.float32) * 2e-4 * np.abs(w)
     header, blobs, off = {}, [], 0
     for k, w in master.items():
@@ -145,10 +145,13 @@ driftless publish --bucket "$bucket" --key "$work/key" --state "$work/pstate" --
 pids+=($!)
 
 say "two agents, each with its own directory, ops endpoint and exec= notify hook"
+# A hook's output goes to the agent's stderr (its stdout is data): these hooks write to this
+# script's stdout, kept as fd 3, which the agents and their hooks inherit.
+exec 3>&1
 for a in 1 2; do
   listen=127.0.0.1:$((port + 10 + a))
   # exec= runs with DRIFTLESS_STEP, DRIFTLESS_WEIGHTS_ROOT and DRIFTLESS_DIR set.
-  hook="exec=echo \"   agent $a: now serving step \$DRIFTLESS_STEP, weights root \$DRIFTLESS_WEIGHTS_ROOT\""
+  hook="exec=echo \"   agent $a: now serving step \$DRIFTLESS_STEP, weights root \$DRIFTLESS_WEIGHTS_ROOT\" >&3"
   driftless agent --bucket "$bucket" --trust "$work/key.pub" --dir "$work/agent$a" \
     --listen "$listen" --poll-min 200ms --poll-max 1s --notify "$hook" 2>"$work/agent$a.log" &
   pids+=($!)

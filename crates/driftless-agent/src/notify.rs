@@ -194,7 +194,13 @@ impl std::str::FromStr for Notifier {
         match k {
             "sglang" => Ok(Notifier::Sglang(parse_engine(k, v, SGLANG_MODES)?)),
             "vllm" => Ok(Notifier::Vllm(parse_engine(k, v, VLLM_MODES)?)),
-            "http" => Ok(Notifier::Http(v.to_string())),
+            // Checked now (found by review: `http=URL,timeout=2` was taken, and every notify
+            // then failed as "temporary"); it takes no options.
+            "http" => match reqwest::Url::parse(v) {
+                Ok(u) if matches!(u.scheme(), "http" | "https") => Ok(Notifier::Http(v.to_string())),
+                Ok(_) => Err(format!("http: {:?} is not an http(s) URL", redact(v))),
+                Err(e) => Err(format!("http: {:?} is not a URL ({e}); http= takes no options", redact(v))),
+            },
             "exec" => Ok(Notifier::Exec(v.to_string())),
             _ => Err(format!("unknown notify kind {k:?} (sglang, vllm, http, exec)")),
         }
@@ -219,6 +225,9 @@ impl std::fmt::Display for EngineTarget {
         }
         if self.load_timeout != DEFAULT_LOAD_TIMEOUT {
             write!(f, ",timeout={}", self.load_timeout.as_secs())?;
+        }
+        if self.patch {
+            f.write_str(",patch=on")?;
         }
         Ok(())
     }
@@ -424,6 +433,10 @@ impl Notifier {
                     .env("DRIFTLESS_STEP", step.to_string())
                     .env("DRIFTLESS_WEIGHTS_ROOT", root.to_hex())
                     .env("DRIFTLESS_DIR", absolute(dir))
+                    // The agent's stdout is its data (`--json` lines): the hook's output goes
+                    // with the diagnostics (found by review: a hook's `echo` broke `--json`).
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::io::stderr())
                     .process_group(0)
                     .kill_on_drop(true)
                     .spawn()
@@ -706,6 +719,10 @@ mod tests {
         assert_eq!(n.to_string().parse::<Notifier>().unwrap(), n);
         let v: Notifier = "vllm=http://h:8000,token_env=VLLM_KEY".parse().unwrap();
         assert_eq!(v.to_string(), "vllm=http://h:8000,mode=keep,token_env=VLLM_KEY");
+        // Found by review: patch=on was left out of what the logs show.
+        let v: Notifier = "vllm=http://h:8000,patch=on,timeout=2".parse().unwrap();
+        assert_eq!(v.to_string(), "vllm=http://h:8000,mode=keep,timeout=2,patch=on");
+        assert_eq!(v.to_string().parse::<Notifier>().unwrap(), v);
     }
 
     #[test]
@@ -727,6 +744,11 @@ mod tests {
             "vllm=http://h,timeout=soon",
             "vllm=http://h,patch=maybe",
             "sglang=http://h,patch=on",
+            // http= takes a URL and nothing else (found by review: taken, then every notify
+            // failed with a "builder error" called temporary).
+            "http=http://127.0.0.1:1,timeout=2",
+            "http=127.0.0.1:8000/hook",
+            "http=ftp://h/x",
         ] {
             let e = bad.parse::<Notifier>().unwrap_err();
             assert!(!e.contains("secret"), "{e}");

@@ -14,7 +14,8 @@ const KEYS: &[(&str, &str, &str)] = &[
     ("trust", "DRIFTLESS_TRUST", ","),
     ("allow_unsigned", "DRIFTLESS_ALLOW_UNSIGNED", ""),
     ("dir", "DRIFTLESS_DIR", ""),
-    ("notify", "DRIFTLESS_NOTIFY", ";"),
+    // One target per line: an exec= command may hold `;`.
+    ("notify", "DRIFTLESS_NOTIFY", "\n"),
     ("listen", "DRIFTLESS_LISTEN", ""),
     ("poll_min", "DRIFTLESS_POLL_MIN", ""),
     ("poll_max", "DRIFTLESS_POLL_MAX", ""),

@@ -220,6 +220,40 @@ fn agent_config_file_and_precedence() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown key"));
 }
 
+/// `exec=` hooks: a `;` is part of the command (found by review: `--notify 'exec=a; b'` was
+/// split into two targets and refused), `DRIFTLESS_NOTIFY` and the config file's list hold one
+/// target per line, and a hook's output goes to stderr (it was on stdout, and broke `--json`).
+#[test]
+fn notify_hooks_are_shell_commands_and_keep_stdout_for_data() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, _) = small_stream(t.path(), 1);
+    let read = |f: &str| std::fs::read_to_string(p(f)).unwrap_or_default();
+    let mut c = agent_once(&url, &p("key.pub"), &p("a1"));
+    c.arg("--notify").arg(format!("exec=echo hook-out; echo second >> {}", p("f1").display()));
+    let (code, stdout, stderr) = out(&mut c);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(read("f1"), "second\n", "{stderr}");
+    for l in stdout.lines() {
+        serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|e| panic!("stdout line {l:?}: {e}"));
+    }
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    assert!(stderr.contains("hook-out"), "{stderr}");
+    // Two targets in the environment variable, one per line.
+    let env = format!("exec=echo a >> {0}; echo b >> {0}\nexec=echo c >> {1}", p("f2").display(), p("f3").display());
+    let (code, _, stderr) = out(agent_once(&url, &p("key.pub"), &p("a2")).env("DRIFTLESS_NOTIFY", env));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!((read("f2"), read("f3")), ("a\nb\n".into(), "c\n".into()), "{stderr}");
+    // The same from the config file's list.
+    let cfg = serde_json::json!({"notify": [format!("exec=echo d >> {0}; echo e >> {0}", p("f4").display()),
+        format!("exec=echo f >> {}", p("f5").display())]});
+    std::fs::write(p("agent.json"), cfg.to_string()).unwrap();
+    let mut c = agent_once(&url, &p("key.pub"), &p("a3"));
+    let (code, _, stderr) = out(c.arg("--config").arg(p("agent.json")).env_remove("DRIFTLESS_NOTIFY"));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!((read("f4"), read("f5")), ("d\ne\n".into(), "f\n".into()), "{stderr}");
+}
+
 /// `publish --watch DIR --once` publishes every complete `step_N` in order; an agent then lands
 /// on the last one bit for bit. An incomplete entry (not a valid checkpoint yet) stops the scan.
 #[test]

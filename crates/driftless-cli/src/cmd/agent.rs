@@ -24,10 +24,13 @@ pub struct Args {
     #[arg(long)]
     once: bool,
     /// Inference server to notify: sglang=URL[,mode=retract|in_place|abort],
-    /// vllm=URL[,mode=keep|wait|abort], options token_file=PATH | token_env=VAR, timeout=SECS;
-    /// http=URL, exec=COMMAND; repeatable (see docs/engines/).
+    /// vllm=URL[,mode=keep|wait|abort][,patch=on], options token_file=PATH | token_env=VAR,
+    /// timeout=SECS; http=URL, exec=COMMAND (run with sh -c, its output on stderr); repeatable
+    /// (see docs/engines/). DRIFTLESS_NOTIFY holds one target per line.
     // Parsed after clap, so that a refused value (say a token in clear) is not echoed back.
-    #[arg(long, env = "DRIFTLESS_NOTIFY", value_delimiter = ';')]
+    // Targets are split on newlines only: a `;` belongs to an exec= command (found by review:
+    // `exec=a; b` was split into two targets and refused).
+    #[arg(long, env = "DRIFTLESS_NOTIFY", value_delimiter = '\n')]
     notify: Vec<String>,
     /// Address of the ops endpoint (/healthz, /readyz, /metrics, /v1/status, POST /v1/poll).
     #[arg(long, env = "DRIFTLESS_LISTEN")]
