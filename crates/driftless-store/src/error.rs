@@ -161,12 +161,29 @@ impl Error {
 /// The S3 client falls back to the EC2 instance metadata service when no keys are configured;
 /// off EC2 that fails with a connection error or a 403 from 169.254.169.254, which says nothing
 /// about the real cause. Say it.
+/// GCS and Azure fall back to their own metadata services at the same address: each backend
+/// names its own settings (found by review: a gs:// bucket without credentials was told to set
+/// AWS keys).
 fn missing_credentials_hint(err: &object_store::Error) -> Option<Error> {
     let text = StoreError::new(err).message().to_string();
     let imds = text.contains("169.254.169.254") || text.contains("fd00:ec2::254");
-    (imds && (text.contains("credential") || text.contains("token") || text.contains("metadata")))
-        .then(|| Error::MissingCredentials(MISSING_S3_CREDENTIALS.to_string()))
+    if !(imds && (text.contains("credential") || text.contains("token") || text.contains("metadata"))) {
+        return None;
+    }
+    let hint = match err {
+        object_store::Error::Generic { store: "GCS", .. } => MISSING_GCS_CREDENTIALS,
+        object_store::Error::Generic { store: "MicrosoftAzure", .. } => MISSING_AZURE_CREDENTIALS,
+        _ => MISSING_S3_CREDENTIALS,
+    };
+    Some(Error::MissingCredentials(hint.to_string()))
 }
+
+const MISSING_GCS_CREDENTIALS: &str = "no Google Cloud credentials: set GOOGLE_APPLICATION_CREDENTIALS \
+(or GOOGLE_SERVICE_ACCOUNT_KEY); without them the client asked the GCE metadata server, which is only there on Google Cloud";
+
+const MISSING_AZURE_CREDENTIALS: &str = "no Azure credentials: set AZURE_STORAGE_ACCOUNT_NAME with \
+AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_KEY, or a client secret); without them the client asked \
+the Azure instance metadata service, which is only there on Azure";
 
 /// What to configure when an S3 client has no credentials.
 pub(crate) const MISSING_S3_CREDENTIALS: &str = "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
@@ -300,6 +317,15 @@ mod tests {
         assert!(matches!(e, Error::MissingCredentials(_)), "{e}");
         assert!(e.to_string().contains("AWS_ACCESS_KEY_ID"), "{e}");
         assert!(!e.is_retryable());
+        // Each backend names its own settings (a gs:// bucket was told to set AWS keys).
+        for (store, want) in
+            [("GCS", "GOOGLE_APPLICATION_CREDENTIALS"), ("MicrosoftAzure", "AZURE_STORAGE_ACCOUNT_NAME")]
+        {
+            let source = "Error getting token from metadata server: http://169.254.169.254/computeMetadata/v1/token";
+            let e = Error::from_store("stream.json", object_store::Error::Generic { store, source: source.into() });
+            assert!(matches!(e, Error::MissingCredentials(_)) && e.to_string().contains(want), "{store}: {e}");
+            assert!(!e.to_string().contains("AWS"), "{store}: {e}");
+        }
     }
 
     /// Issue 13.3: raw S3 XML bodies (several lines, pasted whole) in error messages.

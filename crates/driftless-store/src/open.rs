@@ -62,7 +62,10 @@ impl Bucket {
             "s3" | "s3a" => open_s3(rest, opts)?,
             "gs" | "gcs" => open_gcs(rest, opts)?,
             "az" | "azure" => open_azure(rest, opts)?,
-            "hf" => open_hf(rest, opts)?,
+            "hf" => {
+                let keys = std::env::var("HF_S3_ACCESS_KEY_ID").ok().zip(std::env::var("HF_S3_SECRET_ACCESS_KEY").ok());
+                open_hf(rest, opts, keys, s3_credentials_configured())?
+            }
             other => {
                 return Err(Error::InvalidUrl(format!(
                     "{redacted}: unsupported scheme {other:?} (file, memory, s3, gs, az, hf)"
@@ -228,7 +231,9 @@ fn open_s3(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     Ok(Bucket::assemble(Arc::new(store) as Arc<dyn ObjectStore>, prefix.to_string(), redact_url(&url), opts, true))
 }
 
-fn open_hf(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
+/// `keys`: the HF-derived S3 keys (`HF_S3_ACCESS_KEY_ID`, `HF_S3_SECRET_ACCESS_KEY`);
+/// `aws`: whether the AWS variables give the client credentials instead.
+fn open_hf(rest: &str, opts: &StoreOptions, keys: Option<(String, String)>, aws: bool) -> Result<Bucket> {
     let url = format!("hf://{rest}");
     let mut parts = rest.splitn(4, '/');
     let (kind, namespace, bucket) = (parts.next(), parts.next(), parts.next());
@@ -262,8 +267,16 @@ fn open_hf(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
     };
     let mut b = s3_builder(bucket, &hf_opts);
     // HF-derived S3 keys (HFAK...) may live beside AWS credentials for another store.
-    if let (Ok(id), Ok(secret)) = (std::env::var("HF_S3_ACCESS_KEY_ID"), std::env::var("HF_S3_SECRET_ACCESS_KEY")) {
+    if let Some((id, secret)) = keys {
         b = b.with_access_key_id(id).with_secret_access_key(secret);
+    } else if !aws {
+        // The gateway is no EC2 host: without keys the client would ask the EC2 metadata
+        // service, and the error would name AWS settings (found by review).
+        return Err(Error::MissingCredentials(
+            "no Hugging Face credentials: set HF_S3_ACCESS_KEY_ID and HF_S3_SECRET_ACCESS_KEY (S3 keys derived \
+             from a Hugging Face token)"
+                .into(),
+        ));
     }
     let store = b.build().map_err(|e| build_err(&url, e))?;
     // The gateway's handling of If-None-Match is not documented: do not rely on it.
@@ -354,9 +367,15 @@ mod tests {
         assert_eq!(b.url(), "s3://bkt/pre/fix");
         assert_eq!(b.prefix(), "pre/fix");
         assert!(b.supports_conditional_create());
-        let b = Bucket::open("hf://buckets/ns/bkt/p", &o).unwrap();
+        let keys = Some(("HFAKx".to_string(), "secret".to_string()));
+        let b = open_hf("buckets/ns/bkt/p", &o, keys, false).unwrap();
         assert!(!b.supports_conditional_create());
         assert_eq!(b.prefix(), "p");
+        open_hf("buckets/ns/bkt/p", &o, None, true).unwrap();
+        // No keys at all: named up front (the client would ask the EC2 metadata service, and
+        // the error named AWS settings; found by review).
+        let e = open_hf("buckets/ns/bkt/p", &o, None, false).unwrap_err();
+        assert!(matches!(e, Error::MissingCredentials(_)) && e.to_string().contains("HF_S3_ACCESS_KEY_ID"), "{e}");
         let b = Bucket::open("gs://bkt/p", &StoreOptions::default().with_endpoint("http://127.0.0.1:1")).unwrap();
         assert_eq!(b.prefix(), "p");
         let b = Bucket::open("az://c/p", &StoreOptions::default().with_endpoint("http://127.0.0.1:1/devstoreaccount1"))
