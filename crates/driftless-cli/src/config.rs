@@ -22,9 +22,29 @@ const KEYS: &[(&str, &str, &str)] = &[
     ("log", "DRIFTLESS_LOG", ""),
 ];
 
-/// Finds `--config PATH` (or `--config=PATH`, or DRIFTLESS_CONFIG) and exports its values.
+/// For `driftless agent`: finds `--config PATH` (or `--config=PATH`, or DRIFTLESS_CONFIG) and
+/// exports its values. Other commands do not read it (their keys differ: a `gc` took the
+/// file's bucket and dropped its trust keys); `--config` given to one is clap's error.
 pub fn load_into_env(args: impl Iterator<Item = OsString>) -> Result<()> {
     let args: Vec<String> = args.map(|a| a.to_string_lossy().into_owned()).collect();
+    // The subcommand: the first word that is neither a flag nor the value of a global flag.
+    let mut words = args.iter().skip(1);
+    let mut sub = None;
+    while let Some(a) = words.next() {
+        match a.as_str() {
+            "--log" => {
+                words.next();
+            }
+            a if a.starts_with('-') => {}
+            a => {
+                sub = Some(a);
+                break;
+            }
+        }
+    }
+    if sub != Some("agent") {
+        return Ok(());
+    }
     let mut path = std::env::var("DRIFTLESS_CONFIG").ok();
     for (i, a) in args.iter().enumerate() {
         if a == "--config" {

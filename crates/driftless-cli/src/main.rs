@@ -25,11 +25,6 @@ struct Cli {
     /// Print logs as JSON lines (on stderr).
     #[arg(long, global = true)]
     log_json: bool,
-    /// JSON config file (also DRIFTLESS_CONFIG): keys are the long flag names
-    /// (`{"bucket": "s3://b/p", "trust": ["k.pub"], "dir": "/w", "notify": ["sglang=http://..."]}`).
-    /// Precedence: flag > environment variable > config file > default.
-    #[arg(long, global = true, env = "DRIFTLESS_CONFIG")]
-    config: Option<std::path::PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }

@@ -218,6 +218,13 @@ fn agent_config_file_and_precedence() {
     let o = bin().args(["agent", "--once", "--config"]).arg(p("bad.json")).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown key"));
+    // The file is the agent's (found by review: `gc --config` took its bucket and silently
+    // dropped its trust keys): other commands refuse the flag and do not read the variable.
+    let (code, _, err) = out(bin().args(["gc", "--dry-run", "--config"]).arg(p("agent.json")));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(one_error(&err).contains("unexpected argument '--config'"), "{err}");
+    let (code, _, err) = out(bin().args(["gc", "--dry-run", "--bucket", &url]).env("DRIFTLESS_CONFIG", p("bad.json")));
+    assert_eq!(code, Some(0), "{err}");
 }
 
 /// `exec=` hooks: a `;` is part of the command (found by review: `--notify 'exec=a; b'` was

@@ -44,6 +44,14 @@ pub struct Args {
     /// JSON output (with --once).
     #[arg(long)]
     json: bool,
+    /// JSON config file: keys are the long flag names
+    /// (`{"bucket": "s3://b/p", "trust": ["k.pub"], "dir": "/w", "notify": ["sglang=http://..."]}`).
+    /// Precedence: flag > environment variable > config file > default.
+    // Read before clap parses (`crate::config`): declared here for --help and so that other
+    // commands refuse it (found by review: it was global, `gc --config` took the file's bucket
+    // and silently dropped its trust keys).
+    #[arg(long, env = "DRIFTLESS_CONFIG")]
+    config: Option<PathBuf>,
 }
 
 impl Args {
