@@ -1268,6 +1268,12 @@ fn keygen_force_makes_the_private_key_private() {
         assert_eq!(code, Some(2), "{args:?}: {err}");
         assert!(err.contains("is not in 1.."), "{args:?}: {err}");
     }
+    // bench --json has the envelope of every --json output (it printed a bare object).
+    let (code, stdout, err) = out(bin().args(["bench", "--mb", "1", "--steps", "1", "--json"]));
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["type"], "bench", "{stdout}");
+    assert!(v["data"]["ratio_driftless"].as_f64().is_some_and(|r| r > 1.0), "{stdout}");
 }
 
 // `--gc-every N` counted steps per process: each `publish --step` run is a new process, so

@@ -1,7 +1,7 @@
 //! Prints the weights root of a safetensors file or checkpoint directory.
 //!
 //! `cargo run -p driftless-format --example hash -- PATH`
-//! (the reference for `integration/test_hash.py` until the CLI's `driftless hash` exists).
+//! (the library call behind `driftless hash`).
 
 fn main() {
     let Some(path) = std::env::args_os().nth(1) else {

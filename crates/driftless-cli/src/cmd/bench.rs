@@ -177,7 +177,8 @@ pub fn run(a: Args) -> Result<()> {
         "anchor_plain_copy_gbps": gbps(file.len() as u64, copy_t),
     });
     if a.json {
-        println!("{summary}");
+        // The envelope every --json output has (found by review: bench's was bare).
+        println!("{}", serde_json::json!({"type": "bench", "data": summary}));
         return Ok(());
     }
     let s = &summary;

@@ -16,8 +16,9 @@ pub struct Args {
     /// Signing key (PKCS#8 PEM). Without it the delta is unsigned.
     #[arg(long)]
     key: Option<PathBuf>,
-    /// Value encoding.
-    #[arg(long, default_value = "ulp")]
+    /// Value encoding: ulp (integer difference of bit patterns, smaller; needs the exact
+    /// base) or overwrite (new bit patterns).
+    #[arg(long, default_value = "ulp", value_parser = value_modes())]
     values: ValueMode,
     /// zstd level; 0 stores the payload raw.
     #[arg(long, default_value_t = 1)]
@@ -68,4 +69,10 @@ pub fn run(a: Args) -> Result<()> {
         if key.is_none() { ", UNSIGNED" } else { "" }
     );
     Ok(())
+}
+
+/// `--values`: the modes by name, listed in `--help` and in the error for another value.
+fn value_modes() -> impl clap::builder::TypedValueParser<Value = ValueMode> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(["ulp", "overwrite"]).try_map(|s| s.parse::<ValueMode>())
 }
