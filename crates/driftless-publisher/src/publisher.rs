@@ -286,7 +286,6 @@ impl PublisherBuilder {
             }
             Err(e) => return Err(e.into()),
         };
-        let existing = bucket.list("").await?;
         if let Some(d) = desc {
             let mine = match &my_id {
                 Some(id) => d.trusted_keys.iter().any(|k| k == id),
@@ -302,12 +301,21 @@ impl PublisherBuilder {
                 return Ok(d.stream_id);
             }
             taken_id = Some(d.stream_id);
-        } else if !existing.is_empty() && !self.new_stream && !self.takeover {
-            return Err(Error::Refused(format!(
-                "{} holds {} objects but no stream.json; to create a stream there anyway, pass --new-stream (Python: new_stream=True; Rust: with_new_stream(true))",
-                bucket.url(),
-                existing.len()
-            )));
+        } else if !self.new_stream && !self.takeover {
+            // Listed only without a stream.json (found by review: every reopen listed the
+            // whole stream, and one with more keys than a listing may return could not be
+            // reopened at all).
+            let held = match bucket.list("").await {
+                Ok(v) => (!v.is_empty()).then(|| v.len().to_string()),
+                Err(driftless_store::Error::TooManyKeys { max, .. }) => Some(format!("more than {max}")),
+                Err(e) => return Err(e.into()),
+            };
+            if let Some(n) = held {
+                return Err(Error::Refused(format!(
+                    "{} holds {n} objects but no stream.json; to create a stream there anyway, pass --new-stream (Python: new_stream=True; Rust: with_new_stream(true))",
+                    bucket.url(),
+                )));
+            }
         }
         let stream_id = taken_id.unwrap_or_else(|| format!("{:016x}", rand::random::<u64>()));
         let desc = StreamDescriptor {
@@ -466,10 +474,11 @@ impl Publisher {
         let ctx = self.ctx.clone();
         let newest = self.last_step;
         let snap = rt.block_on(async move {
-            let committed = match ctx.committed_root(StepKind::Delta, step).await {
-                Ok(Some(r)) => Some(r),
-                _ => ctx.committed_root(StepKind::Anchor, step).await.ok().flatten(),
-            };
+            let committed = ctx.committed_root_of_step(step).await.map_err(|e| Error::Upload {
+                step,
+                detail: e.to_string(),
+                retryable: e.is_retryable(),
+            })?;
             match committed {
                 Some(r) if Some(r) == saved => {}
                 Some(r) => {
@@ -789,12 +798,7 @@ impl Publisher {
             self.rt
                 .as_ref()
                 .ok_or(Error::Closed)?
-                .block_on(async move {
-                    match ctx.committed_root(StepKind::Delta, step).await {
-                        Ok(Some(r)) => Ok(Some(r)),
-                        _ => ctx.committed_root(StepKind::Anchor, step).await,
-                    }
-                })
+                .block_on(async move { ctx.committed_root_of_step(step).await })
                 .map_err(|e| Error::Upload { step, detail: e.to_string(), retryable: e.is_retryable() })?
         };
         match committed {

@@ -518,6 +518,20 @@ impl Ctx {
         }
     }
 
+    /// The weights root step `step` is committed with, as a delta or as an anchor. A delta
+    /// that could not be read (an outage) is "not known", never "not committed": found by
+    /// review, `seed` then said a committed step was not one, as an error not worth retrying.
+    pub(crate) async fn committed_root_of_step(&self, step: u64) -> Result<Option<Digest>, CommitError> {
+        match self.committed_root(StepKind::Delta, step).await {
+            Ok(Some(r)) => Ok(Some(r)),
+            Ok(None) => self.committed_root(StepKind::Anchor, step).await,
+            Err(e) => match self.committed_root(StepKind::Anchor, step).await {
+                Ok(Some(r)) => Ok(Some(r)),
+                _ => Err(e),
+            },
+        }
+    }
+
     /// Whether lost step `step` (weights root `root`) is committed after all (its marker
     /// landed, the response was lost), and as which kind; an error when it is committed with
     /// other weights. Only a marker that is not there means "not committed": any other read

@@ -677,6 +677,40 @@ fn republishing_a_lost_step_with_other_weights_is_refused_not_fenced() {
     }
 }
 
+/// A restarted publisher seeds its snapshot from saved weights of committed step 2 while the
+/// bucket fails its reads: a retryable error, not "not a committed step" (found by review: an
+/// outage was reported as a step that was never published, not worth retrying). Once the
+/// bucket is back the same call seeds.
+#[test]
+fn seeding_during_an_outage_is_retryable() {
+    for be in backends("seed-outage", false) {
+        let ctx = be.name.clone();
+        let (faulty, bucket) = be.bucket();
+        let mut p = publisher(&bucket, 100).build().unwrap();
+        let mut c = chain();
+        for step in 0..3u64 {
+            if step > 0 {
+                c.step();
+            }
+            p.publish(step, &c.views()).unwrap();
+            p.flush().unwrap();
+        }
+        p.close().unwrap();
+        let mut p = publisher(&bucket, 100).build().unwrap();
+        let views = c.views();
+        let layout =
+            driftless_format::Layout::for_tensors(&views.iter().map(|v| v.meta()).collect::<Vec<_>>(), 2 << 30)
+                .unwrap();
+        faulty.inject(FaultOp::Get, "000000000002", 1000, FaultKind::Transient);
+        let e = p.seed(2, &views, &layout).unwrap_err();
+        assert!(e.is_retryable(), "{ctx}: an outage is reported as {e}");
+        faulty.clear();
+        p.seed(2, &views, &layout).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        assert_eq!(p.snapshot_step(), Some(2), "{ctx}");
+        p.close().unwrap();
+    }
+}
+
 /// Step 2 is lost and never committed (its delta's marker and its anchor's fail, after both
 /// claimed the step). Published again with other weights once the bucket is back: refused as
 /// a taken step (the claim is write-once), and the publisher goes on. Found by review: the
@@ -1040,6 +1074,18 @@ fn bucket_that_is_not_a_stream_is_refused_unless_new_stream() {
         assert!(keys.iter().any(|o| o.key == layout::STREAM));
         // A second start finds a stream it owns.
         assert!(PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().is_ok());
+        // Even when the prefix holds more keys than a listing may return (found by review:
+        // every start listed the whole prefix, and this one failed with TooManyKeys).
+        let small =
+            Bucket::from_store(b.store().clone(), b.prefix(), &be.opts.clone().with_max_list_keys(keys.len() - 1))
+                .with_conditional_create(b.supports_conditional_create());
+        assert!(rt.block_on(small.list("")).is_err(), "{}: the listing must fail", be.name);
+        let p = PublisherBuilder::new("x").with_bucket(small.clone()).with_key(key()).build();
+        assert!(p.is_ok(), "{}: {:?}", be.name, p.err());
+        // Without a stream.json, such a prefix is refused as not empty.
+        rt.block_on(b.delete(layout::STREAM)).unwrap();
+        let e = PublisherBuilder::new("x").with_bucket(small).with_key(key()).build().unwrap_err();
+        assert!(matches!(e, Error::Refused(_)) && e.to_string().contains("more than"), "{}: {e}", be.name);
     }
 }
 
