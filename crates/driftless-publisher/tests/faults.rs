@@ -646,34 +646,47 @@ fn a_lost_step_whose_marker_cannot_be_read_is_left_alone() {
     }
 }
 
-/// Delta 2's marker lands but its response is lost, its retries fail, and `flush` cannot read
-/// the marker (403): it reports the step. The caller then publishes step 2 again with other
-/// weights: refused as a taken step (`StepTaken`), and the publisher goes on: step 3 is
-/// published (as an anchor: the publisher's weights for step 2 were not what the bucket holds).
+/// Step 2 is lost, and the caller publishes it again with other weights: refused as a taken
+/// step (`StepTaken`, not retryable), and the publisher goes on with step 3. Two ways:
+/// - committed after all: delta 2's marker lands but its response is lost, its retries fail,
+///   and `flush` cannot read the marker (403), so it reports the step;
+/// - never committed: the marker of its delta and of its anchor fail, after both claimed the
+///   step, and the claim is write-once. Found by review: the anchor of the new weights found
+///   the publisher's own claim, took it for a second publisher's, and every later `publish`
+///   and `flush` failed with a conflict.
 #[test]
 fn republishing_a_lost_step_with_other_weights_is_refused_not_fenced() {
     for be in backends("lost-other-weights", false) {
-        let ctx = be.name.clone();
-        let (faulty, bucket) = be.bucket();
-        let (mut p, mut c, mut t) = lose_step_2(&bucket, &ctx, || {
-            faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1, FaultKind::LostResponse);
-            faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1000, FaultKind::Transient);
-            faulty.inject(FaultOp::Get, "ready/deltas/000000000002", 1, FaultKind::Permanent);
-        });
-        faulty.clear();
-        c.step();
-        match p.publish(2, &c.views()) {
-            Err(Error::StepTaken { step: 2, .. }) => {}
-            r => panic!("{ctx}: step 2 is committed with other weights: {r:?}"),
+        for committed in [true, false] {
+            let sub = be.sub(format!("{} / committed {committed}", be.name), &format!("committed-{committed}"));
+            let ctx = sub.name.clone();
+            let (faulty, bucket) = sub.bucket();
+            let (mut p, mut c, mut t) = lose_step_2(&bucket, &ctx, || {
+                if committed {
+                    faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1, FaultKind::LostResponse);
+                    faulty.inject(FaultOp::Get, "ready/deltas/000000000002", 1, FaultKind::Permanent);
+                } else {
+                    faulty.inject(FaultOp::Put, "ready/anchors/000000000002", 1000, FaultKind::Transient);
+                }
+                faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1000, FaultKind::Transient);
+            });
+            faulty.clear();
+            c.step();
+            match p.publish(2, &c.views()) {
+                Err(e @ Error::StepTaken { step: 2, .. }) => assert!(!e.is_retryable(), "{ctx}: {e}"),
+                r => panic!("{ctx}: step 2 is committed or claimed with other weights: {r:?}"),
+            }
+            c.step();
+            p.publish(3, &c.views()).unwrap_or_else(|e| panic!("{ctx}: the publisher goes on: {e}"));
+            t.published.insert(3, root_of(&c.views()));
+            p.flush().unwrap_or_else(|e| panic!("{ctx}: {e}"));
+            let s = scan(&bucket, &trust());
+            t.check(&s, &ctx);
+            assert_eq!(s.ready_deltas.contains_key(&2), committed, "{ctx}: {s:?}");
+            assert!(!s.ready_anchors.contains(&2), "{ctx}: {s:?}");
+            assert_eq!(s.last_step(), Some(3), "{ctx}: {s:?}");
+            p.close().unwrap();
         }
-        p.publish(3, &c.views()).unwrap_or_else(|e| panic!("{ctx}: the publisher goes on: {e}"));
-        t.published.insert(3, root_of(&c.views()));
-        p.flush().unwrap_or_else(|e| panic!("{ctx}: {e}"));
-        let s = scan(&bucket, &trust());
-        t.check(&s, &ctx);
-        assert!(s.ready_deltas.contains_key(&2), "{ctx}: step 2 is the committed delta: {s:?}");
-        assert_eq!(s.last_step(), Some(3), "{ctx}: {s:?}");
-        p.close().unwrap();
     }
 }
 
@@ -707,38 +720,6 @@ fn seeding_during_an_outage_is_retryable() {
         faulty.clear();
         p.seed(2, &views, &layout).unwrap_or_else(|e| panic!("{ctx}: {e}"));
         assert_eq!(p.snapshot_step(), Some(2), "{ctx}");
-        p.close().unwrap();
-    }
-}
-
-/// Step 2 is lost and never committed (its delta's marker and its anchor's fail, after both
-/// claimed the step). Published again with other weights once the bucket is back: refused as
-/// a taken step (the claim is write-once), and the publisher goes on. Found by review: the
-/// anchor of the new weights found the publisher's own claim, took it for a second
-/// publisher's, and every later `publish` and `flush` failed with a conflict.
-#[test]
-fn a_lost_step_claimed_by_its_own_failed_try_is_refused_not_fenced() {
-    for be in backends("lost-own-claim", false) {
-        let ctx = be.name.clone();
-        let (faulty, bucket) = be.bucket();
-        let (mut p, mut c, mut t) = lose_step_2(&bucket, &ctx, || {
-            faulty.inject(FaultOp::Put, "ready/deltas/000000000002", 1000, FaultKind::Transient);
-            faulty.inject(FaultOp::Put, "ready/anchors/000000000002", 1000, FaultKind::Transient);
-        });
-        faulty.clear();
-        c.step();
-        match p.publish(2, &c.views()) {
-            Err(e @ Error::StepTaken { step: 2, .. }) => assert!(!e.is_retryable(), "{ctx}: {e}"),
-            r => panic!("{ctx}: step 2 is claimed with other weights: {r:?}"),
-        }
-        c.step();
-        p.publish(3, &c.views()).unwrap_or_else(|e| panic!("{ctx}: the publisher goes on: {e}"));
-        t.published.insert(3, root_of(&c.views()));
-        p.flush().unwrap_or_else(|e| panic!("{ctx}: {e}"));
-        let s = scan(&bucket, &trust());
-        t.check(&s, &ctx);
-        assert!(!s.ready_deltas.contains_key(&2) && !s.ready_anchors.contains(&2), "{ctx}: {s:?}");
-        assert_eq!(s.last_step(), Some(3), "{ctx}: {s:?}");
         p.close().unwrap();
     }
 }
