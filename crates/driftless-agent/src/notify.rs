@@ -197,6 +197,16 @@ impl std::str::FromStr for Notifier {
             // Checked now (found by review: `http=URL,timeout=2` was taken, and every notify
             // then failed as "temporary"); it takes no options.
             "http" => match reqwest::Url::parse(v) {
+                // A comma is legal in a URL, so options are looked for by name (found by review:
+                // `http://hooks,timeout=2` parsed as a host).
+                _ if v.split(',').skip(1).any(|o| {
+                    o.split_once('=').is_some_and(|(k, _)| {
+                        ["mode", "timeout", "token", "token_file", "token_env", "patch"].contains(&k)
+                    })
+                }) =>
+                {
+                    Err(format!("http: {:?} has options; http= takes a URL and no options", redact(v)))
+                }
                 Ok(u) if matches!(u.scheme(), "http" | "https") => Ok(Notifier::Http(v.to_string())),
                 Ok(_) => Err(format!("http: {:?} is not an http(s) URL", redact(v))),
                 Err(e) => Err(format!("http: {:?} is not a URL ({e}); http= takes no options", redact(v))),
@@ -747,6 +757,8 @@ mod tests {
             // http= takes a URL and nothing else (found by review: taken, then every notify
             // failed with a "builder error" called temporary).
             "http=http://127.0.0.1:1,timeout=2",
+            "http=http://hooks,timeout=2",
+            "http=http://h:8000/hook,mode=keep",
             "http=127.0.0.1:8000/hook",
             "http=ftp://h/x",
         ] {

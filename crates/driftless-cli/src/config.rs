@@ -68,6 +68,13 @@ pub fn load_into_env(args: impl Iterator<Item = OsString>) -> Result<()> {
         if std::env::var_os(env).is_some() {
             continue;
         }
+        // A list element may not hold the separator: a notify command written over several
+        // lines would be split into targets (found by review).
+        if let serde_json::Value::Array(a) = val {
+            if !sep.is_empty() && a.iter().any(|x| x.as_str().is_some_and(|s| s.contains(sep))) {
+                bail!("config file {path}: an element of {k} holds {sep:?}, which separates its elements");
+            }
+        }
         let s = match val {
             serde_json::Value::String(s) => s.clone(),
             serde_json::Value::Bool(b) => b.to_string(),

@@ -259,6 +259,20 @@ fn notify_hooks_are_shell_commands_and_keep_stdout_for_data() {
     let (code, _, stderr) = out(c.arg("--config").arg(p("agent.json")).env_remove("DRIFTLESS_NOTIFY"));
     assert_eq!(code, Some(0), "{stderr}");
     assert_eq!((read("f4"), read("f5")), ("d\ne\n".into(), "f\n".into()), "{stderr}");
+    // A variable written as a Kubernetes `value: |` block ends with a newline: blank lines are
+    // no targets (found by review: the agent refused to start).
+    let env = format!("exec=echo g >> {}\n", p("f6").display());
+    let (code, _, stderr) = out(agent_once(&url, &p("key.pub"), &p("a4")).env("DRIFTLESS_NOTIFY", env));
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(read("f6"), "g\n", "{stderr}");
+    // A command over several lines in the config file's list is refused, not split.
+    let cfg = serde_json::json!({"notify": [format!("exec=echo h >> {0}\necho i >> {0}", p("f7").display())]});
+    std::fs::write(p("agent.json"), cfg.to_string()).unwrap();
+    let mut c = agent_once(&url, &p("key.pub"), &p("a5"));
+    let (code, _, stderr) = out(c.arg("--config").arg(p("agent.json")).env_remove("DRIFTLESS_NOTIFY"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(one_error(&stderr).contains("an element of notify holds"), "{stderr}");
+    assert_eq!(read("f7"), "", "{stderr}");
 }
 
 /// `publish --watch DIR --once` publishes every complete `step_N` in order; an agent then lands

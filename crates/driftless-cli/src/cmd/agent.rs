@@ -64,9 +64,13 @@ impl Args {
 pub fn run(a: Args) -> Result<()> {
     let trust = super::verifying_trust_set(&a.trust, a.allow_unsigned)?;
     let mut cfg = AgentConfig::new(&a.dir, trust);
+    // Blank lines are no targets: a Kubernetes `value: |` block ends with a newline (found
+    // by review: the empty last target stopped the agent at every start).
     cfg.notify = a
         .notify
         .iter()
+        .map(|s| s.trim_end_matches('\r'))
+        .filter(|s| !s.trim().is_empty())
         .map(|s| s.parse::<Notifier>().map_err(|e| anyhow::anyhow!("--notify: {e}")))
         .collect::<Result<_>>()?;
     cfg.poll_min = a.poll_min.into();
