@@ -1221,12 +1221,13 @@ async fn wait_outcome(
                         Err(()) => {}
                     }
                 }
-                // The window holds one renewal of the committer's lease (every TTL/4) and a
-                // check after it: found by review, with a 10 min TTL and a short commit
-                // timeout the ranks never saw two renewals in it, never waited on, and gave
-                // up on anchor steps the committer did commit. A dead committer's lease holds
-                // its TTL anyway, so the ranks wait at most TTL/4 more.
-                let period = Duration::from_millis(lease.ttl_ms).min(layout::MAX_LEASE_TTL) / 4;
+                // The window holds two renewals of the committer's lease (every TTL/4: one
+                // may fail, or land late) and a check after them: found by review, with a
+                // 10 min TTL and a short commit timeout the ranks never saw two renewals in
+                // it, never waited on, and gave up on anchor steps the committer did commit.
+                // A dead committer's lease holds its TTL anyway, so the ranks wait at most
+                // TTL/2 more.
+                let period = Duration::from_millis(lease.ttl_ms).min(layout::MAX_LEASE_TTL) / 2;
                 if period + Duration::from_secs(5) > window {
                     window = period + Duration::from_secs(5);
                     deadline = deadline.max((start + window).min(cap));
@@ -1875,6 +1876,34 @@ mod tests {
         let (got, took) = wait(2, 2, 30);
         assert!(!got.committed && got.reason.as_deref().unwrap().contains("more than an outcome"), "{got:?}");
         assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    /// A claim of this publisher's own generation with other weights is its own failed try
+    /// (`Taken`: the step is lost, later ones go on) only when this process made it. One it
+    /// did not make is another process under the same generation, which a store without
+    /// atomic create can let happen: a conflict, as before (found by review).
+    #[test]
+    fn a_claim_of_this_generation_is_its_own_only_when_this_process_made_it() {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let p0 = cfg.build_sharded(0, 1, Duration::from_secs(1)).unwrap();
+        let (ctx, rt) = (p0.ctx.clone().unwrap(), p0.rt.as_ref().unwrap());
+        let (a, b) = (Digest::of(b"a"), Digest::of(b"b"));
+        rt.block_on(upload::claim_step(&ctx, 7, a)).unwrap();
+        rt.block_on(upload::claim_step(&ctx, 7, a)).unwrap();
+        let e = rt.block_on(upload::claim_step(&ctx, 7, b)).unwrap_err();
+        assert!(matches!(e, upload::CommitError::Taken(_)), "{e}");
+        let other = upload::Claim {
+            kind: "claim".into(),
+            stream_id: ctx.stream_id.clone(),
+            step: 8,
+            generation: ctx.generation,
+            root: a,
+        };
+        rt.block_on(p0.bucket.put(&layout::claim(8), serde_json::to_vec(&other).unwrap().into())).unwrap();
+        let e = rt.block_on(upload::claim_step(&ctx, 8, b)).unwrap_err();
+        assert!(matches!(e, upload::CommitError::Conflict(_)), "{e}");
     }
 
     /// A committer whose lease has a long TTL renews it seldom (every TTL/4): the ranks wait

@@ -80,7 +80,14 @@ pub(crate) struct State {
     pub(crate) committing: Option<u64>,
     /// The lease was released (the publisher stopped): no renewal may make it live again.
     pub(crate) released: bool,
+    /// Claims this process made (step, root), the newest [`CLAIMS_KEPT`]: a claim of this
+    /// generation with other weights is this process's own failed try only when it is here;
+    /// otherwise another process shares the generation (a store without atomic create).
+    pub(crate) claimed: std::collections::BTreeMap<u64, Digest>,
 }
+
+/// How many of its own claims a publisher remembers.
+const CLAIMS_KEPT: usize = 256;
 
 #[derive(Debug, Default)]
 pub(crate) struct Shared {
@@ -345,12 +352,29 @@ pub(crate) async fn claim_step(ctx: &Ctx, step: u64, root: Digest) -> Result<(),
     let claim =
         Claim { kind: "claim".into(), stream_id: ctx.stream_id.clone(), step, generation: ctx.generation, root };
     let key = layout::claim(step);
+    let mine = |root: Digest| {
+        ctx.shared.update(|s| {
+            s.claimed.insert(step, root);
+            while s.claimed.len() > CLAIMS_KEPT {
+                s.claimed.pop_first();
+            }
+        })
+    };
     match ctx.bucket.put_create(&key, Bytes::from(serde_json::to_vec(&claim).expect("claim serializes"))).await {
-        Ok(()) => Ok(()),
+        Ok(()) => {
+            mine(root);
+            Ok(())
+        }
         Err(e) if e.is_already_exists() => {
             let b = ctx.bucket.get_limited(&key, 64 << 10).await?;
             match serde_json::from_slice::<Claim>(&b) {
-                Ok(c) if c.root == root && c.step == step && c.stream_id == ctx.stream_id => Ok(()),
+                Ok(c) if c.root == root && c.step == step && c.stream_id == ctx.stream_id => {
+                    // Its own claim whose create response was lost counts as made here.
+                    if c.generation == ctx.generation {
+                        mine(root);
+                    }
+                    Ok(())
+                }
                 // Found by review: a follower killed after its claim, restarted on a checkpoint
                 // saved again with other weights, stopped at this step for good (every restart
                 // hit the same claim). An older generation whose lease ran out (killed, or
@@ -365,11 +389,15 @@ pub(crate) async fn claim_step(ctx: &Ctx, step: u64, root: Digest) -> Result<(),
                         &c.root.to_hex()[..12]
                     )))
                 }
-                // This generation's own earlier try, with other weights (a lost step published
+                // This process's own earlier try, with other weights (a lost step published
                 // again with the caller's new weights; found by review: taken for a second
                 // publisher, it stopped this one for good). The claim is write-once, so the step
-                // cannot be published with these weights; later steps can.
-                Ok(c) if c.generation == ctx.generation && c.stream_id == ctx.stream_id => {
+                // cannot be published with these weights; later steps can. A claim of this
+                // generation that this process did not make is another process's: a conflict.
+                Ok(c) if c.generation == ctx.generation
+                    && c.stream_id == ctx.stream_id
+                    && ctx.shared.state.lock().expect("state lock").claimed.get(&step) == Some(&c.root) =>
+                {
                     Err(CommitError::Taken(format!(
                         "step {step} was claimed by this publisher's failed try with other weights (root {}); publish a later step",
                         &c.root.to_hex()[..12]
