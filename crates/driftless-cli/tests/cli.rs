@@ -96,6 +96,79 @@ fn diff_patch_hash_round_trip() {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["data"]["result_root"], root.to_hex());
     assert!(v["data"]["signature"].as_str().unwrap().starts_with("verified"));
+
+    // Found by review (hostile inputs). A directory --out that is not empty is refused, the
+    // base among them: files were moved in beside stale shards, which then read as the base.
+    let base_root = bin().arg("hash").arg(p("base")).output().unwrap().stdout;
+    for dir in ["out", "base"] {
+        let (code, _, err) = out(bin()
+            .arg("patch")
+            .arg(p("base"))
+            .arg(p("d.delta"))
+            .arg("-o")
+            .arg(p(dir))
+            .arg("--trust")
+            .arg(p("key.pub")));
+        assert_eq!(code, Some(2), "{dir}: {err}");
+        assert!(one_error(&err).contains("is not empty"), "{err}");
+    }
+    assert_eq!(bin().arg("hash").arg(p("base")).output().unwrap().stdout, base_root, "the base was changed");
+    files_equal(&p("target"), &p("out"));
+    // An empty directory takes the result whole.
+    std::fs::create_dir(p("empty")).unwrap();
+    let (code, _, err) = out(bin()
+        .arg("patch")
+        .arg(p("base"))
+        .arg(p("d.delta"))
+        .arg("-o")
+        .arg(p("empty"))
+        .arg("--trust")
+        .arg(p("key.pub")));
+    assert_eq!(code, Some(0), "{err}");
+    files_equal(&p("target"), &p("empty"));
+    // A FIFO where a delta or a checkpoint index goes is refused at once, not read for ever;
+    // a checkpoint given as the delta is refused from its first bytes.
+    let fifo = |path: &Path| {
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo(3) on a path this test owns.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    };
+    fifo(&p("fifo.delta"));
+    let bounded = |mut c: Command| {
+        let mut child = c.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+        let mut guard = KillOnDrop(Some(child.id()));
+        let t0 = std::time::Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(30), "{c:?} hangs");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        guard.0 = None;
+        let o = child.wait_with_output().unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let mut c = bin();
+    c.arg("inspect").arg(p("fifo.delta"));
+    let (code, err) = bounded(c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("not a regular file"), "{err}");
+    let shard = std::fs::read_dir(p("base"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .unwrap();
+    let mut c = bin();
+    c.arg("inspect").arg(&shard).arg("--trust").arg(p("key.pub"));
+    let (code, err) = bounded(c);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("is not a driftless delta file"), "{err}");
+    std::fs::create_dir(p("fifo-index")).unwrap();
+    std::fs::copy(&shard, p("fifo-index/model.safetensors")).unwrap();
+    fifo(&p("fifo-index/model.safetensors.index.json"));
+    let mut c = bin();
+    c.arg("hash").arg(p("fifo-index"));
+    let (code, err) = bounded(c);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("not a regular file"), "{err}");
 }
 
 /// SIGKILL `driftless agent --once` at random points of syncing; the state file must never
@@ -273,6 +346,40 @@ fn notify_hooks_are_shell_commands_and_keep_stdout_for_data() {
     assert_eq!(code, Some(2), "{stderr}");
     assert!(one_error(&stderr).contains("an element of notify holds"), "{stderr}");
     assert_eq!(read("f7"), "", "{stderr}");
+}
+
+/// `inspect --bucket` on planted manifests (unsigned, matching the markers planted with them):
+/// sizes that overflow a sum are shown saturated, not a panic (found by review: exit 101), and
+/// with --trust only the signer that verified is named, not every key id an envelope lists.
+#[test]
+fn inspect_survives_planted_sizes_and_names_only_real_signers() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, _) = small_stream(t.path(), 2);
+    let b = p("bucket");
+    let env: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(b.join("anchors/000000000000/g1-manifest.json")).unwrap()).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(env["payload"].as_str().unwrap()).unwrap();
+    m["step"] = 9.into();
+    m["objects"][0]["size"] = u64::MAX.into();
+    m["files"] = serde_json::json!([{"object": "config.json", "size": 1, "sha256": "00".repeat(32)}]);
+    let planted = serde_json::json!({"payload": m.to_string(), "signatures": []}).to_string();
+    std::fs::create_dir_all(b.join("anchors/000000000009")).unwrap();
+    std::fs::write(b.join("anchors/000000000009/g1-manifest.json"), &planted).unwrap();
+    let marker = serde_json::json!({"kind": "ready", "stream_id": m["stream_id"], "of": "anchor", "step": 9,
+        "manifest_sha256": driftless_format::Digest::of(planted.as_bytes()).to_hex(), "payload_bytes": 1,
+        "manifest": "g1-manifest.json"});
+    std::fs::write(b.join("ready/anchors/000000000009"), marker.to_string()).unwrap();
+    let (code, stdout, err) = out(bin().args(["inspect", "--bucket", &url]));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.contains(&u64::MAX.to_string()), "{stdout}");
+    // A signature under another key id appended to stream.json: not named as a signer.
+    let mut s: serde_json::Value = serde_json::from_slice(&std::fs::read(b.join("stream.json")).unwrap()).unwrap();
+    s["signatures"].as_array_mut().unwrap().push(serde_json::json!({"key_id": "ed25519:planted", "sig": "AAAA"}));
+    std::fs::write(b.join("stream.json"), s.to_string()).unwrap();
+    let (code, stdout, err) = out(bin().args(["inspect", "--json", "--bucket", &url, "--trust"]).arg(p("key.pub")));
+    assert!(!stdout.contains("ed25519:planted"), "{stdout}");
+    assert!(code.is_some_and(|c| c <= 2), "{err}");
 }
 
 /// `publish --watch DIR --once` publishes every complete `step_N` in order; an agent then lands

@@ -240,6 +240,20 @@ impl std::fmt::Debug for Checkpoint {
     }
 }
 
+/// Opens `p` for reading without blocking, and only when it is a regular file: a FIFO (or a
+/// device) under a checkpoint's name blocked the opening for good, or read without end.
+pub fn open_regular(p: &Path) -> Result<fs::File> {
+    let f = {
+        use std::os::unix::fs::OpenOptionsExt;
+        fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(p)
+    }
+    .map_err(|e| Error::io(p, e))?;
+    if !f.metadata().map_err(|e| Error::io(p, e))?.is_file() {
+        return Err(Error::invalid(format!("{} is not a regular file", p.display())));
+    }
+    Ok(f)
+}
+
 /// The shard files of a checkpoint path: `[(dir, file)]`.
 pub fn shard_files(path: &Path) -> Result<Vec<(PathBuf, String)>> {
     let md = fs::metadata(path).map_err(|e| Error::io(path, e))?;
@@ -253,7 +267,14 @@ pub fn shard_files(path: &Path) -> Result<Vec<(PathBuf, String)>> {
     }
     let index = path.join(INDEX_FILE);
     let mut files: Vec<String> = if index.exists() {
-        let bytes = fs::read(&index).map_err(|e| Error::io(&index, e))?;
+        // As a shard is opened (found by review: a FIFO here hung `hash` for good, and a link
+        // to /dev/zero read until memory ran out), and bounded like a header.
+        let mut bytes = vec![];
+        std::io::Read::read_to_end(&mut std::io::Read::take(open_regular(&index)?, MAX_HEADER as u64 + 1), &mut bytes)
+            .map_err(|e| Error::io(&index, e))?;
+        if bytes.len() > MAX_HEADER {
+            return Err(Error::corrupt("checkpoint index", format!("{} is over {MAX_HEADER} bytes", index.display())));
+        }
         #[derive(Deserialize)]
         struct Index {
             weight_map: BTreeMap<String, String>,
@@ -297,14 +318,7 @@ impl Checkpoint {
             let p = dir.join(&file);
             // Non-blocking, and a regular file only: a FIFO named `*.safetensors` (found by
             // review) blocked the opening for good, deaf to the publisher's SIGTERM.
-            let f = {
-                use std::os::unix::fs::OpenOptionsExt;
-                fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&p)
-            }
-            .map_err(|e| Error::io(&p, e))?;
-            if !f.metadata().map_err(|e| Error::io(&p, e))?.is_file() {
-                return Err(Error::invalid(format!("{} is not a regular file", p.display())));
-            }
+            let f = open_regular(&p)?;
             // SAFETY: the file is mapped read-only; driftless never truncates checkpoint files
             // while a map is alive. Another process truncating it would fault, as with any mmap.
             let map = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(&p, e))?;

@@ -43,6 +43,21 @@ fn bad(d: impl Into<String>) -> Error {
     Error::corrupt("delta file", d)
 }
 
+/// Reads the delta file at `path`: a regular file whose first bytes say it is one, then
+/// the rest (found by review: a checkpoint given in its place was read whole, gigabytes,
+/// before anything was checked, and `/dev/zero` until memory ran out).
+pub fn read_delta_path(path: &std::path::Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut f = crate::checkpoint::open_regular(path)?;
+    let mut bytes = Vec::with_capacity(32);
+    (&mut f).take(32).read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
+    if bytes.len() < 32 || &bytes[..16] != MAGIC {
+        return Err(bad(format!("{} is not a driftless delta file", path.display())));
+    }
+    f.read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
+    Ok(bytes)
+}
+
 /// Parses a delta file: checks the signature against `trust`, then each segment's size and
 /// SHA-256 against the manifest.
 pub fn read_delta_file<'a>(bytes: &'a [u8], trust: &TrustSet) -> Result<DeltaFile<'a>> {

@@ -32,7 +32,7 @@ pub fn run(a: Args) -> Result<()> {
     let Some(path) = a.delta.as_deref() else {
         return stream(&a);
     };
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let bytes = container::read_delta_path(path)?;
     let verify = !a.trust.is_empty();
     let trust = super::trust_set(&a.trust, !verify)?;
     // Without keys, read the manifest without checking who signed it: inspect is a viewer.
@@ -160,10 +160,13 @@ fn stream(a: &Args) -> Result<()> {
         // Without keys, read signed documents without checking who signed them: a viewer.
         let open = |bytes: &[u8]| -> Result<(Vec<u8>, Vec<String>)> {
             let env: driftless_format::sign::Envelope = serde_json::from_slice(bytes).context("not an envelope")?;
-            let signers = env.signatures.iter().map(|s| s.key_id.clone()).collect();
-            if verify {
-                trust.open(bytes)?;
-            }
+            // With keys, the signer that verified, not every key id the envelope lists (found
+            // by review: a junk signature appended under any key id was shown as verified).
+            let signers = if verify {
+                trust.open(bytes)?.1.into_iter().collect()
+            } else {
+                env.signatures.iter().map(|s| s.key_id.clone()).collect()
+            };
             Ok((env.payload.into_bytes(), signers))
         };
         let desc = match bucket.get_limited(layout::STREAM, 1 << 20).await {
@@ -231,9 +234,15 @@ fn stream(a: &Args) -> Result<()> {
             } else {
                 match read_anchor(&reader, &bucket, verify, s).await {
                     Ok((m, state)) => {
-                        let stored: u64 = m.objects.iter().map(|o| o.object.size).sum::<u64>()
-                            + m.files.iter().map(|f| f.size).sum::<u64>();
-                        let decoded: u64 = m.objects.iter().map(|o| o.decoded_size).sum();
+                        // Saturating: sizes of an unsigned manifest are whatever a bucket says
+                        // (found by review: a planted one overflowed the sum, a panic).
+                        let stored = m
+                            .objects
+                            .iter()
+                            .map(|o| o.object.size)
+                            .chain(m.files.iter().map(|f| f.size))
+                            .fold(0u64, u64::saturating_add);
+                        let decoded = m.objects.iter().map(|o| o.decoded_size).fold(0u64, u64::saturating_add);
                         StepRow {
                             kind: "anchor",
                             step: s,
@@ -274,7 +283,7 @@ fn stream(a: &Args) -> Result<()> {
         };
         let deltas = rows.iter().filter(|r| r.kind == "delta").count();
         let anchors = rows.iter().filter(|r| r.kind == "anchor").count();
-        let delta_bytes: u64 = rows.iter().filter(|r| r.kind == "delta").map(|r| r.bytes).sum();
+        let delta_bytes = rows.iter().filter(|r| r.kind == "delta").map(|r| r.bytes).fold(0u64, u64::saturating_add);
         let signature = if verify { "verified against --trust keys" } else { "not checked (pass --trust KEY.pub)" };
         if a.json {
             let (id, keys_, created) = match &desc {

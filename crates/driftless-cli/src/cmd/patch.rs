@@ -23,7 +23,19 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let trust = super::verifying_trust_set(&a.trust, a.allow_unsigned)?;
-    let bytes = std::fs::read(&a.delta).with_context(|| format!("reading {}", a.delta.display()))?;
+    // A directory OUT is new or empty, and is put in place whole by one rename (found by
+    // review: files were moved into an existing directory one by one, so stale shards and an
+    // old index stayed beside the result, which then read as the base, after "verified";
+    // and a failed move left it half new).
+    let as_file = a.out.extension().is_some_and(|e| e == "safetensors");
+    if !as_file {
+        if let Ok(mut entries) = std::fs::read_dir(&a.out) {
+            if entries.next().is_some() {
+                bail!("{} exists and is not empty: give a new or empty directory as --out", a.out.display());
+            }
+        }
+    }
+    let bytes = container::read_delta_path(&a.delta)?;
     let d = container::read_delta_file(&bytes, &trust)?;
     let base = super::open(&a.base)?;
     let (_, base_root) = driftless_format::weights_root(&base.views());
@@ -34,7 +46,6 @@ pub fn run(a: Args) -> Result<()> {
         }
         .into());
     }
-    let as_file = a.out.extension().is_some_and(|e| e == "safetensors");
     if as_file && d.manifest.shards.len() != 1 {
         bail!("the result has {} shards; give a directory as --out", d.manifest.shards.len());
     }
@@ -42,15 +53,14 @@ pub fn run(a: Args) -> Result<()> {
     let tmp = tempfile::Builder::new().prefix(".driftless-patch-").tempdir_in(parent)?;
     let root = ops::apply_rewrite(&base.views(), &d.manifest, &d.segments, tmp.path())?;
     drop(base);
-    if as_file {
-        std::fs::rename(tmp.path().join(&d.manifest.shards[0].file), &a.out)?;
+    let placed = if as_file {
+        std::fs::rename(tmp.path().join(&d.manifest.shards[0].file), &a.out)
     } else {
-        std::fs::create_dir_all(&a.out)?;
-        for e in std::fs::read_dir(tmp.path())? {
-            let e = e?;
-            std::fs::rename(e.path(), a.out.join(e.file_name()))?;
-        }
-    }
+        // Onto a missing or empty directory, rename(2) is atomic.
+        std::fs::set_permissions(tmp.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .and_then(|()| std::fs::rename(tmp.path(), &a.out))
+    };
+    placed.with_context(|| format!("putting the result in place at {}", a.out.display()))?;
     eprintln!(
         "verified weights root {root}{}",
         match &d.signer {
