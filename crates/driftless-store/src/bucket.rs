@@ -51,6 +51,10 @@ struct Inner {
     permits: Semaphore,
     opts: StoreOptions,
     conditional_create: bool,
+    /// The directory of a `file://` bucket: objects are read only when they are regular files
+    /// (found by review: a FIFO named `latest.json` hung every reader for good, and no HTTP
+    /// timeout bounds a local read).
+    local_root: Option<std::path::PathBuf>,
 }
 
 impl Bucket {
@@ -78,6 +82,7 @@ impl Bucket {
                 permits: Semaphore::new(opts.concurrency.max(1)),
                 opts: opts.clone(),
                 conditional_create,
+                local_root: None,
             }),
         }
     }
@@ -93,6 +98,7 @@ impl Bucket {
                 permits: Semaphore::new(inner.opts.concurrency.max(1)),
                 opts: inner.opts.clone(),
                 conditional_create: supported,
+                local_root: inner.local_root.clone(),
             }),
         }
     }
@@ -253,7 +259,7 @@ impl Bucket {
     pub async fn get(&self, key: &str) -> Result<Bytes> {
         let span = tracing::debug_span!("get", bucket = %self.url(), key);
         async {
-            let path = self.path(key)?;
+            let path = self.read_path(key)?;
             let part = self.inner.opts.part_size.max(1) as u64;
             let info = self.head(key).await?;
             if info.size <= part {
@@ -315,7 +321,7 @@ impl Bucket {
     /// For readers that stream a large object in parts they choose (the agent's anchor
     /// decode) instead of holding it whole.
     pub async fn get_range_of(&self, key: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
-        let path = self.path(key)?;
+        let path = self.read_path(key)?;
         let want = range.end.saturating_sub(range.start);
         let b = self.get_range(key, &path, range, None).await?;
         if b.len() as u64 != want {
@@ -363,7 +369,7 @@ impl Bucket {
     pub async fn get_limited(&self, key: &str, max: u64) -> Result<Bytes> {
         let span = tracing::debug_span!("get_limited", bucket = %self.url(), key, max);
         async {
-            let path = self.path(key)?;
+            let path = self.read_path(key)?;
             self.retry("get_limited", key, || async {
                 let _permit = self.permit().await;
                 let r = self
@@ -412,7 +418,7 @@ impl Bucket {
     ) -> Result<Option<(Result<Bytes>, Option<String>)>> {
         let span = tracing::debug_span!("get_if_changed", bucket = %self.url(), key, etag);
         async {
-            let path = self.path(key)?;
+            let path = self.read_path(key)?;
             self.retry("get_if_changed", key, || async {
                 let _permit = self.permit().await;
                 let opts = GetOptions { if_none_match: etag.map(str::to_string), ..Default::default() };
@@ -536,6 +542,34 @@ impl Bucket {
     }
 
     /// Full store path of a key relative to the prefix, validated.
+    /// Marks this bucket as the local directory `root` (see `Inner::local_root`).
+    pub(crate) fn with_local_root(mut self, root: std::path::PathBuf) -> Bucket {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.local_root = Some(root);
+        }
+        self
+    }
+
+    /// [`Bucket::path`] of an object about to be read: in a local directory, a regular file
+    /// only (a FIFO blocks its opening for ever, a device reads without end). A link to a
+    /// regular file is followed, as the store does.
+    fn read_path(&self, key: &str) -> Result<Path> {
+        let path = self.path(key)?;
+        if let Some(root) = &self.inner.local_root {
+            let file = root.join(path.as_ref());
+            if let Ok(md) = std::fs::metadata(&file) {
+                if !md.is_file() {
+                    let e = object_store::Error::Generic {
+                        store: "LocalFileSystem",
+                        source: format!("{} is not a regular file", file.display()).into(),
+                    };
+                    return Err(Error::Permanent { key: key.to_string(), source: crate::error::StoreError::new(&e) });
+                }
+            }
+        }
+        Ok(path)
+    }
+
     fn path(&self, key: &str) -> Result<Path> {
         if key.is_empty() || key.ends_with('/') || key.starts_with('/') {
             return Err(Error::InvalidKey {
