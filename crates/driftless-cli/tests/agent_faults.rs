@@ -11,7 +11,7 @@ use driftless_format::{Checkpoint, Digest};
 
 mod common;
 
-use common::{agent_once, bin, check_current_vouched, wait_until, write, KillOnDrop};
+use common::{agent_once, bin, check_current_vouched, run_bounded, wait_until, write, KillOnDrop};
 
 struct Env {
     t: tempfile::TempDir,
@@ -91,23 +91,6 @@ fn stamp(dir: &Path) -> Vec<(u64, i64, i64, u64)> {
         .collect();
     v.sort();
     v
-}
-
-/// Runs a command with a deadline (a hanging agent fails the test instead of the CI job).
-fn run_bounded(mut c: Command, secs: u64) -> Output {
-    let child = c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
-    let pid = child.id();
-    let t = Instant::now();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || tx.send(child.wait_with_output().unwrap()).unwrap());
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(o) => o,
-        Err(_) => {
-            // SAFETY: plain kill(2) of our own child.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            panic!("command did not finish within {secs} s ({:?})", t.elapsed());
-        }
-    }
 }
 
 fn stdout_json(o: &Output) -> serde_json::Value {

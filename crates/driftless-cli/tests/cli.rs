@@ -8,7 +8,7 @@ use driftless_format::Checkpoint;
 
 mod common;
 
-use common::{agent_once, bin, check_current_vouched, seaweed, write, KillOnDrop};
+use common::{agent_once, bin, check_current_vouched, run_bounded, seaweed, write, KillOnDrop};
 
 fn files_equal(a: &Path, b: &Path) {
     let mut n = 0;
@@ -134,16 +134,8 @@ fn diff_patch_hash_round_trip() {
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     };
     fifo(&p("fifo.delta"));
-    let bounded = |mut c: Command| {
-        let mut child = c.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
-        let mut guard = KillOnDrop(Some(child.id()));
-        let t0 = std::time::Instant::now();
-        while child.try_wait().unwrap().is_none() {
-            assert!(t0.elapsed() < std::time::Duration::from_secs(30), "{c:?} hangs");
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        guard.0 = None;
-        let o = child.wait_with_output().unwrap();
+    let bounded = |c: Command| {
+        let o = run_bounded(c, 30);
         (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
     };
     let mut c = bin();

@@ -95,3 +95,20 @@ pub fn check_current_vouched(agent: &Path) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// Runs a command with a deadline (a hanging command fails the test instead of the CI job).
+pub fn run_bounded(mut c: Command, secs: u64) -> std::process::Output {
+    let child = c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let pid = child.id();
+    let t = std::time::Instant::now();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output().unwrap()).unwrap());
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(o) => o,
+        Err(_) => {
+            // SAFETY: plain kill(2) of our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            panic!("command did not finish within {secs} s ({:?})", t.elapsed());
+        }
+    }
+}
