@@ -10,6 +10,13 @@ mod common;
 
 use common::{agent_once, bin, check_current_vouched, run_bounded, seaweed, write, KillOnDrop};
 
+/// `driftless patch BASE DELTA -o OUT`, flags to be added.
+fn patch_cmd(base: &Path, delta: &Path, out: &Path) -> Command {
+    let mut c = bin();
+    c.arg("patch").arg(base).arg(delta).arg("-o").arg(out);
+    c
+}
+
 fn files_equal(a: &Path, b: &Path) {
     let mut n = 0;
     for e in std::fs::read_dir(a).unwrap() {
@@ -42,41 +49,22 @@ fn diff_patch_hash_round_trip() {
         .unwrap();
     assert!(st.success());
     // Signed by a trusted key: patch reproduces the target byte for byte.
-    let st = bin()
-        .arg("patch")
-        .arg(p("base"))
-        .arg(p("d.delta"))
-        .arg("-o")
-        .arg(p("out"))
-        .arg("--trust")
-        .arg(p("key.pub"))
-        .status()
-        .unwrap();
+    let st = patch_cmd(&p("base"), &p("d.delta"), &p("out")).arg("--trust").arg(p("key.pub")).status().unwrap();
     assert!(st.success());
     files_equal(&p("target"), &p("out"));
     // Neither --trust nor --allow-unsigned: a usage error (exit 2, not "verification failed":
     // the data is fine, a flag is missing), nothing written.
-    let (code, _, err) = out(bin().arg("patch").arg(p("base")).arg(p("d.delta")).arg("-o").arg(p("out2")));
+    let (code, _, err) = out(&mut patch_cmd(&p("base"), &p("d.delta"), &p("out2")));
     assert_eq!(code, Some(2), "{err}");
     assert!(one_error(&err).contains("give --trust KEY.pub"), "{err}");
     assert!(!p("out2").exists());
     // Unsigned accepted but the delta is signed by a key nobody trusts: refused with exit
     // code 1, nothing written.
-    let (code, _, err) =
-        out(bin().arg("patch").arg(p("base")).arg(p("d.delta")).arg("-o").arg(p("out2")).arg("--allow-unsigned"));
+    let (code, _, err) = out(patch_cmd(&p("base"), &p("d.delta"), &p("out2")).arg("--allow-unsigned"));
     assert_eq!(code, Some(1), "{err}");
     assert!(!p("out2").exists());
     // Wrong base: refused with exit code 1.
-    let st = bin()
-        .arg("patch")
-        .arg(p("target"))
-        .arg(p("d.delta"))
-        .arg("-o")
-        .arg(p("out3"))
-        .arg("--trust")
-        .arg(p("key.pub"))
-        .status()
-        .unwrap();
+    let st = patch_cmd(&p("target"), &p("d.delta"), &p("out3")).arg("--trust").arg(p("key.pub")).status().unwrap();
     assert_eq!(st.code(), Some(1));
     // hash prints the root and nothing else.
     let o = bin().arg("hash").arg(p("target")).output().unwrap();
@@ -101,14 +89,7 @@ fn diff_patch_hash_round_trip() {
     // base among them: files were moved in beside stale shards, which then read as the base.
     let base_root = bin().arg("hash").arg(p("base")).output().unwrap().stdout;
     for dir in ["out", "base"] {
-        let (code, _, err) = out(bin()
-            .arg("patch")
-            .arg(p("base"))
-            .arg(p("d.delta"))
-            .arg("-o")
-            .arg(p(dir))
-            .arg("--trust")
-            .arg(p("key.pub")));
+        let (code, _, err) = out(patch_cmd(&p("base"), &p("d.delta"), &p(dir)).arg("--trust").arg(p("key.pub")));
         assert_eq!(code, Some(2), "{dir}: {err}");
         assert!(one_error(&err).contains("is not empty"), "{err}");
     }
@@ -116,14 +97,7 @@ fn diff_patch_hash_round_trip() {
     files_equal(&p("target"), &p("out"));
     // An empty directory takes the result whole.
     std::fs::create_dir(p("empty")).unwrap();
-    let (code, _, err) = out(bin()
-        .arg("patch")
-        .arg(p("base"))
-        .arg(p("d.delta"))
-        .arg("-o")
-        .arg(p("empty"))
-        .arg("--trust")
-        .arg(p("key.pub")));
+    let (code, _, err) = out(patch_cmd(&p("base"), &p("d.delta"), &p("empty")).arg("--trust").arg(p("key.pub")));
     assert_eq!(code, Some(0), "{err}");
     files_equal(&p("target"), &p("empty"));
     // A FIFO where a delta or a checkpoint index goes is refused at once, not read for ever;
@@ -622,14 +596,7 @@ fn exit_codes_are_the_same_for_every_command() {
     let n = bytes.len();
     bytes[n - 10] ^= 0xff;
     std::fs::write(p("bad.delta"), bytes).unwrap();
-    let (code, _, err) = out(bin()
-        .arg("patch")
-        .arg(p("ckpt0"))
-        .arg(p("bad.delta"))
-        .arg("-o")
-        .arg(p("o"))
-        .arg("--trust")
-        .arg(p("key.pub")));
+    let (code, _, err) = out(patch_cmd(&p("ckpt0"), &p("bad.delta"), &p("o")).arg("--trust").arg(p("key.pub")));
     assert_eq!(code, Some(1), "{err}");
     assert!(one_error(&err).contains("corrupt"), "{err}");
     assert!(err.contains("verification failed"), "{err}");
@@ -644,14 +611,7 @@ fn exit_codes_are_the_same_for_every_command() {
     assert!(matches!(code, Some(1 | 2)), "{err}");
     assert!(one_error(&err).contains("truncated"), "{err}");
     // patch with the wrong key trusted: untrusted key -> 1.
-    let (code, _, err) = out(bin()
-        .arg("patch")
-        .arg(p("ckpt0"))
-        .arg(p("d.delta"))
-        .arg("-o")
-        .arg(p("o"))
-        .arg("--trust")
-        .arg(p("other.pub")));
+    let (code, _, err) = out(patch_cmd(&p("ckpt0"), &p("d.delta"), &p("o")).arg("--trust").arg(p("other.pub")));
     assert_eq!(code, Some(1), "{err}");
     one_error(&err);
     // agent --once trusting another key: untrusted key -> 1 (was 2).
