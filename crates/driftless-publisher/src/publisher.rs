@@ -916,19 +916,10 @@ impl Publisher {
             // A panic is a failed anchor like any other (noted by review: it left the anchor
             // counted in flight, and `flush` waited for it for ever).
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let spooled = spool_plain(&cfg, &snap);
+                let spooled = spool_plain(&cfg, &snap, attempt);
                 drop(snap);
                 ctx.shared.changed.notify_all();
-                spooled.and_then(|(dir, plain)| {
-                    let step = SpooledStep {
-                        step: plain.step,
-                        root: plain.root,
-                        layout: &plain.layout,
-                        digests: &plain.digests,
-                        attempt,
-                    };
-                    encode_spooled(&cfg, &stream_id, ctx.generation, step, dir)
-                })
+                spooled.and_then(|(dir, step)| encode_spooled(&cfg, &stream_id, ctx.generation, step, dir))
             }))
             .unwrap_or_else(|_| {
                 Err(Error::Upload { step, detail: "anchor encoding panicked".into(), retryable: false })
@@ -1268,16 +1259,12 @@ pub(crate) fn spool_dir(cfg: &PublisherBuilder) -> Result<Spool> {
     Ok(Spool::new(cfg.spool_dir.as_deref(), "anchor")?)
 }
 
-/// What an anchor's encode needs of the snapshot once its bytes are in the spool.
-struct Spooled {
-    step: u64,
-    root: Digest,
-    layout: Layout,
-    digests: Vec<Digest>,
-}
-
-/// Writes the snapshot's shards as plain safetensors files into a new spool directory.
-fn spool_plain(cfg: &PublisherBuilder, snap: &Snapshot) -> Result<(Spool, Spooled)> {
+/// Writes the snapshot's shards as plain safetensors files into a new spool directory: what
+/// the anchor's encode (try `attempt`) needs of the snapshot, which can go once this returns.
+fn spool_plain(cfg: &PublisherBuilder, snap: &Snapshot, attempt: u32) -> Result<(Spool, SpooledStep)> {
+    // Anchors start from a hashed snapshot only (a fresh copy, or a deferred delta's encode
+    // waited for).
+    let root = snap.root.ok_or_else(|| Error::Refused(format!("the snapshot of step {} is not hashed", snap.step)))?;
     let dir = spool_dir(cfg)?;
     let by: BTreeMap<&str, &[u8]> = snap.tensors.iter().map(|(m, d)| (m.name.as_str(), d.as_slice())).collect();
     for shard in &snap.layout.shards {
@@ -1289,18 +1276,17 @@ fn spool_plain(cfg: &PublisherBuilder, snap: &Snapshot) -> Result<(Spool, Spoole
         }
         f.flush()?;
     }
-    // Anchors start from a hashed snapshot only (a fresh copy, or a deferred delta's encode
-    // waited for).
-    let root = snap.root.ok_or_else(|| Error::Refused(format!("the snapshot of step {} is not hashed", snap.step)))?;
-    Ok((dir, Spooled { step: snap.step, root, layout: snap.layout.clone(), digests: snap.digests.clone() }))
+    let step =
+        SpooledStep { step: snap.step, root, layout: snap.layout.clone(), digests: snap.digests.clone(), attempt };
+    Ok((dir, step))
 }
 
 /// A step whose safetensors files lie in a spool directory.
-pub(crate) struct SpooledStep<'a> {
+pub(crate) struct SpooledStep {
     pub(crate) step: u64,
     pub(crate) root: Digest,
-    pub(crate) layout: &'a Layout,
-    pub(crate) digests: &'a [Digest],
+    pub(crate) layout: Layout,
+    pub(crate) digests: Vec<Digest>,
     /// The try of this step its object names carry ([`layout::attempt_name`]).
     pub(crate) attempt: u32,
 }
@@ -1311,7 +1297,7 @@ pub(crate) fn encode_spooled(
     cfg: &PublisherBuilder,
     stream_id: &str,
     generation: u64,
-    step: SpooledStep<'_>,
+    step: SpooledStep,
     dir: Spool,
 ) -> Result<AnchorJob> {
     let mut objects = vec![];
@@ -1362,7 +1348,7 @@ pub(crate) fn encode_spooled(
         step: step.step,
         weights_root: step.root,
         encoding: cfg.anchor_encoding,
-        shards: manifest::shard_records(step.layout, step.digests)?,
+        shards: manifest::shard_records(&step.layout, &step.digests)?,
         objects: refs,
         files,
         created_at_ms: manifest::now_ms(),

@@ -1788,7 +1788,7 @@ async fn gather_anchor(
     for s in &layout.shards {
         std::fs::rename(files.join(&s.file), dir.path().join(&s.file)).map_err(|e| local(e.to_string()))?;
     }
-    let spooled = SpooledStep { step, root, layout, digests, attempt: 0 };
+    let spooled = SpooledStep { step, root, layout: layout.clone(), digests: digests.clone(), attempt: 0 };
     let stream_id = ctx.stream_id.clone();
     encode_spooled(cfg, &stream_id, ctx.generation, spooled, dir).map_err(|e| local(e.to_string()))
 }
