@@ -471,17 +471,22 @@ fn one_error(stderr: &str) -> String {
     errors[0].to_string()
 }
 
-/// `publish --watch DIR/ckpts --once --json` into `url` (state `DIR/pstate`, key `DIR/key`,
-/// then `args`): asserts exit 0; returns the `data` of each published step, and stderr.
-fn watch_once(dir: &Path, url: &str, args: &[&str]) -> (Vec<serde_json::Value>, String) {
-    let (code, stdout, stderr) = out(bin()
-        .args(["publish", "--json", "--once", "--bucket", url, "--watch"])
+/// `publish --json FLAG --bucket URL --watch DIR/ckpts --state DIR/pstate --key DIR/key`.
+fn watch_cmd(dir: &Path, url: &str, flag: &str) -> Command {
+    let mut c = bin();
+    c.args(["publish", "--json", flag, "--bucket", url, "--watch"])
         .arg(dir.join("ckpts"))
         .arg("--state")
         .arg(dir.join("pstate"))
         .arg("--key")
-        .arg(dir.join("key"))
-        .args(args));
+        .arg(dir.join("key"));
+    c
+}
+
+/// `publish --watch DIR/ckpts --once --json` into `url` (state `DIR/pstate`, key `DIR/key`,
+/// then `args`): asserts exit 0; returns the `data` of each published step, and stderr.
+fn watch_once(dir: &Path, url: &str, args: &[&str]) -> (Vec<serde_json::Value>, String) {
+    let (code, stdout, stderr) = out(watch_cmd(dir, url, "--once").args(args));
     assert_eq!(code, Some(0), "{stderr}");
     let data = stdout.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["data"].clone()).collect();
     (data, stderr)
@@ -490,17 +495,7 @@ fn watch_once(dir: &Path, url: &str, args: &[&str]) -> (Vec<serde_json::Value>, 
 /// A continuous `publish --json --new-stream --watch DIR/ckpts` into `url` (state
 /// `DIR/pstate`, key `DIR/key`), stdout piped.
 fn spawn_watch(dir: &Path, url: &str, stderr: std::process::Stdio) -> std::process::Child {
-    bin()
-        .args(["publish", "--json", "--new-stream", "--bucket", url, "--watch"])
-        .arg(dir.join("ckpts"))
-        .arg("--state")
-        .arg(dir.join("pstate"))
-        .arg("--key")
-        .arg(dir.join("key"))
-        .stdout(std::process::Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .unwrap()
+    watch_cmd(dir, url, "--new-stream").stdout(std::process::Stdio::piped()).stderr(stderr).spawn().unwrap()
 }
 
 /// The steps of `watch_once`'s published data.
