@@ -428,6 +428,10 @@ trait Base {
     fn bytes(&self) -> &[u8];
     /// Copies `src` to `at` (a no-op for a read-only base).
     fn put(&mut self, at: usize, src: &[u8]);
+    /// Splits into consecutive pieces of `per` bytes (the last one shorter).
+    fn chunks(self, per: usize) -> Vec<Self>
+    where
+        Self: Sized;
 }
 
 impl Base for &[u8] {
@@ -437,6 +441,9 @@ impl Base for &[u8] {
     }
     #[inline(always)]
     fn put(&mut self, _: usize, _: &[u8]) {}
+    fn chunks(self, per: usize) -> Vec<Self> {
+        <[u8]>::chunks(self, per).collect()
+    }
 }
 
 impl Base for &mut [u8] {
@@ -447,6 +454,9 @@ impl Base for &mut [u8] {
     #[inline(always)]
     fn put(&mut self, at: usize, src: &[u8]) {
         self[at..at + src.len()].copy_from_slice(src);
+    }
+    fn chunks(self, per: usize) -> Vec<Self> {
+        self.chunks_mut(per).collect()
     }
 }
 
@@ -590,6 +600,27 @@ impl DeltaDiff {
         st
     }
 
+    /// Bytes the found changes hold in memory (positions and values; a dense chunk holds its
+    /// whole size): about 1.5% of the dense size at 1% density, never more than the dense
+    /// size plus a few bytes per chunk.
+    pub fn held_bytes(&self) -> u64 {
+        self.entries.iter().map(|e| (e.positions.len() + e.values.len() + e.name.len()) as u64 + 64).sum()
+    }
+
+    /// Applies the changes to `tensors` (the base they were taken against, named as in the
+    /// target). Each entry goes through the one decoder agents use ([`decode_segment`] and
+    /// [`apply_segment`] of an uncompressed segment holding it), so what is applied here is
+    /// what readers of the encoded delta apply; entries are applied in parallel, so at most
+    /// one entry's segment per thread is held at a time.
+    pub fn apply(&self, tensors: &TensorsMut<'_>) -> Result<()> {
+        let mode = self.opts.values;
+        self.entries.par_iter().filter(|e| e.count > 0).try_for_each(|e| {
+            let seg = write_segment(&[e], mode, Codec::Raw)?;
+            let decoded = decode_segment(&seg.bytes, seg.raw_size)?;
+            apply_segment(&decoded, tensors)
+        })
+    }
+
     /// Packs the entries into segments and compresses them (in parallel).
     pub fn encode(self) -> Result<EncodedDelta> {
         let mut stats = self.stats();
@@ -621,6 +652,18 @@ impl DeltaDiff {
 /// a copy. The result encodes to exactly what [`encode_delta`] gives for the same inputs.
 /// Everything is checked before the first byte is written: on an error `base` is unchanged.
 pub fn diff_update(base: &mut [&mut [u8]], target: &[TensorView<'_>], opts: &DeltaOptions) -> Result<DeltaDiff> {
+    let bases: Vec<&mut [u8]> = base.iter_mut().map(|b| &mut **b).collect();
+    diff_with(bases, target, opts)
+}
+
+/// [`diff_update`] without writing `base`: the changes that turn `base` into `target`, for a
+/// caller that must keep `base` as it is until later (a publisher holding a coalesced step
+/// as its changes against the snapshot, then [`DeltaDiff::apply`] when it is published).
+pub fn diff(base: &[&[u8]], target: &[TensorView<'_>], opts: &DeltaOptions) -> Result<DeltaDiff> {
+    diff_with(base.to_vec(), target, opts)
+}
+
+fn diff_with<B: Base + Send>(base: Vec<B>, target: &[TensorView<'_>], opts: &DeltaOptions) -> Result<DeltaDiff> {
     if base.len() != target.len() {
         return Err(Error::invalid(format!(
             "diff_update: {} base tensors for {} target tensors",
@@ -635,11 +678,11 @@ pub fn diff_update(base: &mut [&mut [u8]], target: &[TensorView<'_>], opts: &Del
         if !names.insert(t.name) {
             return Err(Error::invalid("target has duplicate tensor names"));
         }
-        if b.len() != t.data.len() || t.data.len() % t.dtype.size() != 0 {
+        if b.bytes().len() != t.data.len() || t.data.len() % t.dtype.size() != 0 {
             return Err(Error::invalid(format!(
                 "diff_update: {} has {} base bytes for {}",
                 t.name,
-                b.len(),
+                b.bytes().len(),
                 t.data.len()
             )));
         }
@@ -647,11 +690,11 @@ pub fn diff_update(base: &mut [&mut [u8]], target: &[TensorView<'_>], opts: &Del
         stats.dense_bytes += t.data.len() as u64;
     }
     let mut work = Vec::new();
-    for (b, t) in base.iter_mut().zip(target) {
+    for (b, t) in base.into_iter().zip(target) {
         let name: std::sync::Arc<str> = t.name.into();
         let w = t.dtype.size();
         let per = (opts.chunk_bytes / w).max(1) * w;
-        for (i, (old, new)) in b.chunks_mut(per).zip(t.data.chunks(per)).enumerate() {
+        for (i, (old, new)) in b.chunks(per).into_iter().zip(t.data.chunks(per)).enumerate() {
             work.push((name.clone(), t.dtype, (i * per / w) as u64, old, new));
         }
     }

@@ -49,7 +49,7 @@ mod tensor;
 pub mod varint;
 
 pub use checkpoint::{Checkpoint, CheckpointFiles, CheckpointMut, Layout, ShardLayout, TensorsMut};
-pub use delta::{diff_update, encode_delta, Codec, DeltaDiff, DeltaOptions, ValueMode};
+pub use delta::{diff, diff_update, encode_delta, Codec, DeltaDiff, DeltaOptions, ValueMode};
 pub use dtype::DType;
 pub use error::{io_is_retryable, Error, ErrorKind, Result};
 pub use hash::weights_root;

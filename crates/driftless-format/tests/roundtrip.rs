@@ -292,6 +292,30 @@ fn check_diff_update(base: &[T], target: &[T], opts: &DeltaOptions, ctx: &str) {
     for (g, w) in got.segments.iter().zip(&want.segments) {
         assert!(g.bytes == w.bytes, "{ctx}: segment bytes differ");
     }
+    // The read-only diff (a coalesced step held as changes) leaves the base as it is, encodes
+    // to the same bytes, and its `apply` brings a copy of the base to the target bit for bit.
+    let kept: Vec<Vec<u8>> = base.iter().map(|t| t.data.clone()).collect();
+    let refs: Vec<&[u8]> = kept.iter().map(|d| &d[..]).collect();
+    let held = driftless_format::diff(&refs, &views(target), opts).unwrap();
+    for (k, b) in kept.iter().zip(base) {
+        assert!(k == &b.data, "{ctx}: the read-only diff wrote {}", b.name);
+    }
+    let mut copy = kept.clone();
+    {
+        let mut tm = driftless_format::TensorsMut::new();
+        for ((d, t), _) in copy.iter_mut().zip(target).zip(base) {
+            tm.insert(&t.name, t.dtype, d);
+        }
+        held.apply(&tm).unwrap();
+    }
+    for (c, t) in copy.iter().zip(target) {
+        assert!(c == &t.data, "{ctx}: apply of the held diff did not give {}", t.name);
+    }
+    let got = held.encode().unwrap();
+    assert_eq!(got.stats, want.stats, "{ctx}");
+    for (g, w) in got.segments.iter().zip(&want.segments) {
+        assert!(g.bytes == w.bytes, "{ctx}: the read-only diff's segment bytes differ");
+    }
 }
 
 #[test]

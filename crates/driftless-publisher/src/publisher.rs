@@ -467,6 +467,7 @@ impl Publisher {
     /// on a base readers do not have.
     pub fn seed(&mut self, step: u64, tensors: &[TensorView<'_>], layout: &Layout) -> Result<()> {
         self.finish_encoding();
+        self.hold_pending_as_copy()?;
         let ordered = order(tensors, layout)?;
         let mut snap = Snapshot::copy_from(step, layout.clone(), &ordered);
         let saved = snap.root;
@@ -571,20 +572,32 @@ impl Publisher {
             (s.need_anchor, s.queued)
         };
         let Some(snap) = self.snapshot.clone() else {
-            return self.anchor_only(step, tensors, layout, t0);
+            return self.anchor_only(step, Some((tensors, layout)), t0);
         };
         // No root: a background encode did not finish (it records the failure and sets
         // need_anchor too); the snapshot's step never reached the bucket.
         let Some(base_root) = snap.root.filter(|_| !need_anchor && !self.extra_changed) else {
             drop(snap);
-            return self.anchor_only(step, tensors, layout, t0);
+            return self.anchor_only(step, Some((tensors, layout)), t0);
         };
         if queued >= self.cfg.queue_depth {
             self.coalesced += 1;
             warn!(step, queued, "uploads are behind; coalescing this step into the next");
             // Kept so that `flush` can publish it if no newer step comes: the newest weights
-            // always reach the bucket.
-            self.pending = Some(Pending::copy(step, layout, &order(tensors, layout)?));
+            // always reach the bucket. Held as its changes against the snapshot (a read-only
+            // diff: about 1.5% of the model at RL densities), so the publisher keeps its
+            // memory bound while the bucket is slower than the trainer; a dense copy held
+            // 2x the model in all (found by review). Another layout is copied.
+            let ordered = order(tensors, layout)?;
+            let weights = if snap.layout == *layout {
+                let refs: Vec<&[u8]> = snap.tensors.iter().map(|(_, d)| &d[..]).collect();
+                let _s = info_span!("diff_coalesced").entered();
+                Held::Changes { base: snap.step, diff: driftless_format::diff(&refs, &ordered, &self.cfg.delta)? }
+            } else {
+                Held::Copy(ordered.iter().map(|v| (v.meta(), v.data.to_vec())).collect())
+            };
+            drop(snap);
+            self.pending = Some(Pending { step, layout: layout.clone(), weights });
             return Ok(PublishReceipt {
                 step,
                 outcome: Outcome::Coalesced,
@@ -598,21 +611,8 @@ impl Publisher {
         if snap.layout == *layout {
             let anchor = self.anchor_due(step, dense);
             drop(snap);
-            let mut r = self.deferred_delta(step, tensors, base_root, t0)?;
-            if anchor {
-                // The anchor is encoded from the snapshot at this step, and its manifest needs
-                // the step's root: wait for the delta's encode (never for the anchor's).
-                self.finish_encoding();
-                if self.snapshot.as_ref().is_some_and(|s| s.step == step && s.root.is_some()) {
-                    self.start_anchor(None, 0)?;
-                    let s = self.shared.state.lock().expect("state lock");
-                    r.outcome = Outcome::DeltaAndAnchor;
-                    r.delta_bytes = Some(s.last_delta_bytes);
-                    r.ratio = Some(s.last_ratio);
-                    r.encode_secs = t0.elapsed().as_secs_f64();
-                }
-            }
-            return Ok(r);
+            let r = self.deferred_delta(step, tensors, base_root, t0)?;
+            return self.anchor_after_delta(anchor, r, t0);
         }
         // A new layout: the delta is encoded here, and the snapshot replaced by the tensors.
         let spec = ops::DeltaSpec {
@@ -633,7 +633,7 @@ impl Publisher {
         // The manifest holds the new tensors' digests and root: no second hash of the model.
         let ordered = order(tensors, layout)?;
         let digests = m.shards.iter().flat_map(|s| s.tensors.iter().map(|t| t.digest)).collect();
-        self.replace_snapshot(step, layout, &ordered, Some((digests, m.result_root)));
+        self.replace_snapshot(step, layout, &ordered, Some((digests, m.result_root)))?;
         self.shared.update(|s| s.queued += 1);
         self.send(Job::Delta(job))?;
         self.chain_bytes += delta_bytes;
@@ -663,6 +663,25 @@ impl Publisher {
         Ok(r)
     }
 
+    /// Starts the anchor of the delta step just queued (`r`) when `due`. The anchor is encoded
+    /// from the snapshot at this step, and its manifest needs the step's root: this waits for
+    /// the delta's encode (never for the anchor's).
+    fn anchor_after_delta(&mut self, due: bool, mut r: PublishReceipt, t0: Instant) -> Result<PublishReceipt> {
+        let step = r.step;
+        if due {
+            self.finish_encoding();
+            if self.snapshot.as_ref().is_some_and(|s| s.step == step && s.root.is_some()) {
+                self.start_anchor(None, 0)?;
+                let s = self.shared.state.lock().expect("state lock");
+                r.outcome = Outcome::DeltaAndAnchor;
+                r.delta_bytes = Some(s.last_delta_bytes);
+                r.ratio = Some(s.last_ratio);
+                r.encode_secs = t0.elapsed().as_secs_f64();
+            }
+        }
+        Ok(r)
+    }
+
     /// Whether `step` should start an anchor: `anchor_every` steps since the last one, or the
     /// deltas since then past `anchor_chain_fraction` of the model (`dense` bytes), and no
     /// anchor already encoding.
@@ -687,7 +706,9 @@ impl Publisher {
         base_root: Digest,
         t0: Instant,
     ) -> Result<PublishReceipt> {
-        let tx = self.tx.clone().ok_or(Error::Closed)?;
+        if self.tx.is_none() {
+            return Err(Error::Closed);
+        }
         let opts = self.cfg.delta;
         let snap = self.snapshot_mut();
         let ordered = order(tensors, &snap.layout)?;
@@ -702,6 +723,20 @@ impl Publisher {
         snap.step = step;
         snap.root = None;
         snap.digests.clear();
+        self.encode_in_background(step, base_step, base_root, diff, t0)
+    }
+
+    /// Queues the delta of `step` (its changes `diff`, already in the snapshot) and starts its
+    /// background encode: packing, compression, the hash of the snapshot, the manifest.
+    fn encode_in_background(
+        &mut self,
+        step: u64,
+        base_step: u64,
+        base_root: Digest,
+        diff: driftless_format::DeltaDiff,
+        t0: Instant,
+    ) -> Result<PublishReceipt> {
+        let tx = self.tx.clone().ok_or(Error::Closed)?;
         let stats = diff.stats();
         let job = EncodeJob {
             cfg: self.cfg.clone(),
@@ -805,7 +840,7 @@ impl Publisher {
             Some(r) if r == root => {
                 if step == last && self.snapshot.as_ref().is_none_or(|s| s.step < step) {
                     // The newest committed step: deltas can be taken against it again.
-                    self.replace_snapshot(step, layout, &ordered, Some((digests, root)));
+                    self.replace_snapshot(step, layout, &ordered, Some((digests, root)))?;
                     self.shared.update(|s| s.tip = Some(step));
                 }
                 info!(step, "step is already published with these weights; nothing to do");
@@ -833,12 +868,21 @@ impl Publisher {
     fn anchor_only(
         &mut self,
         step: u64,
-        tensors: &[TensorView<'_>],
-        layout: &Layout,
+        weights: Option<(&[TensorView<'_>], &Layout)>,
         t0: Instant,
     ) -> Result<PublishReceipt> {
-        let ordered = order(tensors, layout)?;
-        self.replace_snapshot(step, layout, &ordered, None);
+        match weights {
+            Some((tensors, layout)) => {
+                let ordered = order(tensors, layout)?;
+                self.replace_snapshot(step, layout, &ordered, None)?;
+            }
+            // The snapshot holds the step (a coalesced one rebuilt in it): hashed in place.
+            None => {
+                let snap = self.snapshot_mut();
+                let (digests, root) = driftless_format::weights_root(&snap.views());
+                (snap.root, snap.digests) = (Some(root), digests);
+            }
+        }
         self.schedule_anchor(step, 0)?;
         self.last_step = Some(step);
         self.published += 1;
@@ -867,7 +911,8 @@ impl Publisher {
         layout: &Layout,
         ordered: &[TensorView<'_>],
         hashed: Option<(Vec<Digest>, Digest)>,
-    ) {
+    ) -> Result<()> {
+        self.hold_pending_as_copy()?;
         if self.snapshot.is_some() {
             let _ = self.snapshot_mut();
             self.snapshot = None;
@@ -877,6 +922,7 @@ impl Publisher {
             None => Snapshot::copy_from(step, layout.clone(), ordered),
         };
         self.snapshot = Some(Arc::new(snap));
+        Ok(())
     }
 
     /// Exclusive access to the snapshot: waits while an anchor is still being encoded from it.
@@ -978,15 +1024,8 @@ impl Publisher {
                     s = self.shared.changed.wait_timeout(s, Duration::from_millis(50)).expect("state lock").0;
                 }
             }
-            let views = p.views();
             info!(step = p.step, "publishing the coalesced newest step");
-            let r = self.publish_with_layout(p.step, &views, &p.layout);
-            drop(views);
-            if r.is_err() {
-                // Still the newest weights: the next `flush` tries again.
-                self.pending = Some(p);
-            }
-            r?;
+            self.publish_pending(p)?;
         }
         let r = self.wait();
         let Some(step) = self.newest_lost() else {
@@ -1007,6 +1046,97 @@ impl Publisher {
         warn!(step, error = %why, "the newest step did not reach the bucket; publishing it again as an anchor");
         self.republish_lost(step, None)?;
         self.wait()
+    }
+
+    /// Publishes a coalesced step (`flush`). Held as a copy, it is published as any step is;
+    /// on an error it is kept for the next `flush`. Held as changes, they are applied to the
+    /// snapshot (their base: every change of the snapshot's bytes turns a pending step into a
+    /// copy first, see [`Publisher::hold_pending_as_copy`]), and the step is published from
+    /// the snapshot as the delta of those changes, or as an anchor when one is needed. From
+    /// there on the snapshot holds the step and it is the newest accepted one, so a failure
+    /// leaves it lost, and `flush` publishes it again as an anchor of the snapshot.
+    fn publish_pending(&mut self, p: Pending) -> Result<PublishReceipt> {
+        let (step, layout) = (p.step, p.layout);
+        let (base, diff) = match p.weights {
+            Held::Copy(tensors) => {
+                let r = self.publish_with_layout(step, &crate::snapshot::views_of(&tensors), &layout);
+                if r.is_err() {
+                    // Still the newest weights: the next `flush` tries again.
+                    self.pending = Some(Pending { step, layout, weights: Held::Copy(tensors) });
+                }
+                return r;
+            }
+            Held::Changes { base, diff } => (base, diff),
+        };
+        if let Err(e) = self.check_conflict().and_then(|()| self.tx.as_ref().map(|_| ()).ok_or(Error::Closed)) {
+            self.pending = Some(Pending { step, layout, weights: Held::Changes { base, diff } });
+            return Err(e);
+        }
+        let t0 = Instant::now();
+        let (need_anchor, extra_changed) =
+            (self.shared.state.lock().expect("state lock").need_anchor, self.extra_changed);
+        let snap = self.snapshot_mut();
+        let applied = if snap.step == base && snap.layout == layout {
+            let _s = info_span!("apply_coalesced").entered();
+            diff.apply(&snap.tensors_mut()).map_err(|e| e.to_string())
+        } else {
+            Err(format!("the snapshot holds step {} instead of {base}, the base of the changes held", snap.step))
+        };
+        if let Err(e) = applied {
+            // Not reached: the changes were taken against these very bytes. Their weights are
+            // gone and the snapshot may be half changed: it is dropped, so the next publish
+            // is an anchor of the caller's weights, never of these bytes.
+            self.snapshot = None;
+            self.shared.update(|s| s.need_anchor = true);
+            return Err(Error::Upload {
+                step,
+                detail: format!("the coalesced step could not be rebuilt: {e}"),
+                retryable: false,
+            });
+        }
+        let base_root = snap.root;
+        let dense: u64 = snap.tensors.iter().map(|(_, d)| d.len() as u64).sum();
+        snap.step = step;
+        snap.root = None;
+        snap.digests.clear();
+        self.last_step = Some(step);
+        match base_root.filter(|_| !need_anchor && !extra_changed) {
+            Some(base_root) => {
+                let due = self.anchor_due(step, dense);
+                let r = self.encode_in_background(step, base, base_root, diff, t0)?;
+                self.anchor_after_delta(due, r, t0)
+            }
+            None => {
+                drop(diff);
+                self.anchor_only(step, None, t0)
+            }
+        }
+    }
+
+    /// Turns a pending step held as changes against the snapshot into a copy (the snapshot
+    /// plus the changes), before the snapshot's bytes change under them: a `publish` of a lost
+    /// step again or a `seed` while a newer step is coalesced. Costs one copy of the model,
+    /// only on those paths.
+    fn hold_pending_as_copy(&mut self) -> Result<()> {
+        let Some(Pending { weights: Held::Changes { .. }, .. }) = &self.pending else { return Ok(()) };
+        let Some(Pending { step, layout, weights: Held::Changes { base, diff } }) = self.pending.take() else {
+            unreachable!("matched above")
+        };
+        let snap = self.snapshot.as_ref().filter(|s| s.step == base).ok_or_else(|| Error::Upload {
+            step,
+            detail: "the coalesced step's base is no longer held".into(),
+            retryable: false,
+        })?;
+        let mut copy: Vec<(driftless_format::TensorMeta, Vec<u8>)> = snap.tensors.clone();
+        {
+            let mut tm = driftless_format::TensorsMut::new();
+            for (m, d) in copy.iter_mut() {
+                tm.insert(&m.name, m.dtype, d);
+            }
+            diff.apply(&tm)?;
+        }
+        self.pending = Some(Pending { step, layout, weights: Held::Copy(copy) });
+        Ok(())
     }
 
     /// The newest accepted step when it is lost: every job is done and it has no ready marker
@@ -1108,7 +1238,7 @@ impl Publisher {
         };
         if let Some((ordered, layout, digests, root)) = given {
             if self.snapshot.as_ref().is_none_or(|s| (s.step, s.root) != (step, Some(root))) {
-                self.replace_snapshot(step, layout, &ordered, Some((digests, root)));
+                self.replace_snapshot(step, layout, &ordered, Some((digests, root)))?;
             }
         }
         if committed {
@@ -1492,21 +1622,20 @@ impl EncodeJob {
     }
 }
 
-/// A coalesced step's weights, copied in layout order.
+/// A coalesced step: published by `flush` unless a newer step comes.
 struct Pending {
     step: u64,
     layout: Layout,
-    tensors: Vec<(driftless_format::TensorMeta, Vec<u8>)>,
+    weights: Held,
 }
 
-impl Pending {
-    fn copy(step: u64, layout: &Layout, ordered: &[TensorView<'_>]) -> Pending {
-        Pending { step, layout: layout.clone(), tensors: ordered.iter().map(|v| (v.meta(), v.data.to_vec())).collect() }
-    }
-
-    fn views(&self) -> Vec<TensorView<'_>> {
-        crate::snapshot::views_of(&self.tensors)
-    }
+/// How a coalesced step's weights are held.
+enum Held {
+    /// Its changes against the snapshot of step `base`, found by a read-only diff.
+    Changes { base: u64, diff: driftless_format::DeltaDiff },
+    /// A copy in layout order: another layout than the snapshot's, or the snapshot was about
+    /// to change under the changes ([`Publisher::hold_pending_as_copy`]).
+    Copy(Vec<(driftless_format::TensorMeta, Vec<u8>)>),
 }
 
 /// Takes the next free publisher generation: one more than any lease in the bucket, created
