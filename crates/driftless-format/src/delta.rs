@@ -600,13 +600,6 @@ impl DeltaDiff {
         st
     }
 
-    /// Bytes the found changes hold in memory (positions and values; a dense chunk holds its
-    /// whole size): about 1.5% of the dense size at 1% density, never more than the dense
-    /// size plus a few bytes per chunk.
-    pub fn held_bytes(&self) -> u64 {
-        self.entries.iter().map(|e| (e.positions.len() + e.values.len() + e.name.len()) as u64 + 64).sum()
-    }
-
     /// Applies the changes to `tensors` (the base they were taken against, named as in the
     /// target). Each entry goes through the one decoder agents use ([`decode_segment`] and
     /// [`apply_segment`] of an uncompressed segment holding it), so what is applied here is

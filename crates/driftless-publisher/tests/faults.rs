@@ -1242,6 +1242,55 @@ fn tensors_changed_right_after_publish_returns_do_not_leak_into_the_step() {
     }
 }
 
+/// A delta step published while the anchor of the step before still reads the snapshot (its
+/// spool write held 1.5 s by a hook, as a large model on a slow disk takes): `publish` returns
+/// without waiting for it (the changes are found by a read-only diff and applied by the encode
+/// thread once the anchor let the snapshot go), and every step, anchors included, reaches the
+/// bucket with the trainer's weights. Before, `publish` waited for the whole spool write.
+#[test]
+fn a_delta_right_after_an_anchor_step_does_not_wait_for_its_spool() {
+    for be in backends("after-anchor", false) {
+        let ctx = be.name.clone();
+        let (_, b) = be.bucket();
+        let hold = Duration::from_millis(1500);
+        let mut p = publisher(&b, 3).with_anchor_spool_delay(hold).build().unwrap();
+        let mut c = chain();
+        let mut t = Trainer::default();
+        let mut kinds = vec![];
+        for step in 0..8u64 {
+            if step > 0 {
+                c.step();
+            }
+            let t0 = std::time::Instant::now();
+            let r = p.publish(step, &c.views()).unwrap_or_else(|e| panic!("{ctx}: publish {step}: {e}"));
+            let secs = t0.elapsed();
+            t.published.insert(step, root_of(&c.views()));
+            kinds.push(r.outcome);
+            if step == 0 {
+                // The first anchor out of the way: step 3's is due on schedule.
+                p.flush().unwrap();
+            }
+            if step == 4 {
+                // Step 3 started an anchor, whose thread holds the snapshot for `hold`.
+                assert_eq!(kinds[3], Outcome::DeltaAndAnchor, "{ctx}: {kinds:?}");
+                assert_eq!(r.outcome, Outcome::Delta, "{ctx}");
+                assert!(secs < hold / 2, "{ctx}: publish of step 4 waited {secs:?} for the anchor's spool");
+                assert_eq!(p.snapshot_step(), Some(4), "{ctx}");
+            }
+        }
+        p.flush().unwrap_or_else(|e| panic!("{ctx}: flush: {e}"));
+        p.close().unwrap();
+        let s = scan(&b, &trust());
+        t.check(&s, &ctx);
+        assert_eq!(s.last_step(), Some(7), "{ctx}");
+        assert!(s.ready_anchors.contains(&3), "{ctx}: {s:?}");
+        for step in 1..8u64 {
+            assert!(s.ready_deltas.contains_key(&step), "{ctx}: delta {step} missing: {s:?}");
+        }
+        assert!(s.incomplete.is_empty(), "{ctx}: {s:?}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backpressure
 
