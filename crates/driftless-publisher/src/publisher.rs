@@ -550,6 +550,9 @@ impl Publisher {
 
     /// Publishes the weights of `step` with a layout derived from the tensor order.
     pub fn publish(&mut self, step: u64, tensors: &[TensorView<'_>]) -> Result<PublishReceipt> {
+        // The snapshot's layout decides below: take it back from an encode it was handed to
+        // (found by review: read as absent, a stable custom layout became a layout change).
+        self.finish_encoding();
         let metas: Vec<_> = tensors.iter().map(|t| t.meta()).collect();
         let layout = match &self.snapshot {
             // Keep the file layout stable while the tensor set is, so agents patch in place.
@@ -781,13 +784,9 @@ impl Publisher {
     ) -> Result<PublishReceipt> {
         let tx = self.tx.clone().ok_or(Error::Closed)?;
         let stats = diff.stats();
-        let snap = match hand_over {
-            true => {
-                self.handed_over = Some(step);
-                self.snapshot.take().expect("present")
-            }
-            false => self.snapshot.clone().expect("present"),
-        };
+        // A snapshot handed over is let go only once the thread runs (below): the job waits
+        // to be its only holder, and a failed spawn keeps it here.
+        let snap = self.snapshot.clone().expect("present");
         let job = EncodeJob {
             cfg: self.cfg.clone(),
             stream_id: self.stream_id.clone(),
@@ -805,11 +804,14 @@ impl Publisher {
         self.shared.update(|s| s.queued += 1);
         let spawned = std::thread::Builder::new().name("driftless-encode".into()).spawn(move || job.run(diff));
         match spawned {
-            Ok(h) => self.encoding = Some(h),
+            Ok(h) => {
+                self.encoding = Some(h);
+                if hand_over {
+                    self.handed_over = Some(step);
+                    self.snapshot = None;
+                }
+            }
             Err(e) => {
-                // A snapshot handed over is gone with the closure: the next publish (this
-                // step again included) is an anchor of the caller's weights.
-                self.handed_over = None;
                 self.shared.update(|s| {
                     s.queued -= 1;
                     s.need_anchor = true;
