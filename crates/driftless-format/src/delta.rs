@@ -1111,15 +1111,86 @@ fn redo_entry<'s>(seg: &'s DecodedSegment, e: &'s EntryInfo, tensors: &TensorsMu
 /// Decodes and applies all segments in parallel (the offline path: `driftless patch`, tests).
 /// `segments` are `(bytes, raw_size bound)`.
 pub fn apply_all(segments: &[(&[u8], u64)], tensors: &TensorsMut<'_>) -> Result<()> {
-    segments.par_iter().try_for_each(|(b, raw)| {
-        let seg = decode_segment(b, *raw)?;
+    let raws: Vec<u64> = segments.iter().map(|(_, r)| *r).collect();
+    for_each_decoded_bounded(&raws, |i| {
+        let (b, raw) = segments[i];
+        let seg = decode_segment(b, raw)?;
         apply_segment(&seg, tensors)
     })
+}
+
+/// Decoded bytes that parallel segment decodes may hold at once, by their declared raw
+/// bounds. Real segments are packed to 32 MiB, so this never serializes them; a hostile
+/// delta whose segments each declare up to [`MAX_SEGMENT_RAW`] (2 GiB) of zstd bomb is
+/// decoded one such segment at a time instead of one per core (found by review: `driftless
+/// patch` could peak at threads x 2 GiB).
+pub const DECODE_BUDGET: u64 = 1 << 30;
+
+/// Runs `f(i)` for every segment index, in parallel within consecutive groups whose declared
+/// raw sizes (`raws[i]`, each capped at [`MAX_SEGMENT_RAW`] as the decoder caps it) sum to at
+/// most [`DECODE_BUDGET`] (a larger segment is a group of its own), one group after another.
+pub fn for_each_decoded_bounded(raws: &[u64], f: impl Fn(usize) -> Result<()> + Sync) -> Result<()> {
+    let mut start = 0;
+    while start < raws.len() {
+        let mut end = start;
+        let mut sum = 0u64;
+        while end < raws.len() {
+            let r = raws[end].min(MAX_SEGMENT_RAW);
+            if end > start && sum + r > DECODE_BUDGET {
+                break;
+            }
+            sum += r;
+            end += 1;
+        }
+        (start..end).into_par_iter().try_for_each(&f)?;
+        start = end;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::lane_bits;
+
+    /// Groups hold at most the budget of declared raw bytes (a larger segment alone), cover
+    /// every index once, in order.
+    #[test]
+    fn decodes_are_grouped_within_the_budget() {
+        use super::{for_each_decoded_bounded, DECODE_BUDGET, MAX_SEGMENT_RAW};
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Mutex;
+        let raws = [MAX_SEGMENT_RAW, u64::MAX, 32 << 20, 32 << 20, DECODE_BUDGET, 1, 0, DECODE_BUDGET / 2];
+        let live = AtomicU64::new(0);
+        let peak = AtomicU64::new(0);
+        let seen = Mutex::new(vec![]);
+        for_each_decoded_bounded(&raws, |i| {
+            let r = raws[i].min(MAX_SEGMENT_RAW);
+            let now = live.fetch_add(r, Ordering::SeqCst) + r;
+            peak.fetch_max(now, Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            live.fetch_sub(r, Ordering::SeqCst);
+            seen.lock().unwrap().push(i);
+            Ok(())
+        })
+        .unwrap();
+        assert!(peak.load(Ordering::SeqCst) <= MAX_SEGMENT_RAW, "peak {}", peak.load(Ordering::SeqCst));
+        let mut seen = seen.into_inner().unwrap();
+        seen.sort();
+        assert_eq!(seen, (0..raws.len()).collect::<Vec<_>>());
+        // Small segments still run together: one group, so all of them at once on 2+ threads.
+        let small = [1u64 << 20; 64];
+        let live = AtomicU64::new(0);
+        let peak = AtomicU64::new(0);
+        for_each_decoded_bounded(&small, |_| {
+            let now = live.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(now, Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            live.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .unwrap();
+        assert!(rayon::current_num_threads() < 2 || peak.load(Ordering::SeqCst) >= 2, "small segments serialized");
+    }
 
     /// The branchless lane mask against a lane-by-lane loop, for every width, on words with
     /// lanes that are zero, one, only the high bit, and everything set.

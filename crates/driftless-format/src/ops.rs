@@ -4,8 +4,6 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use rayon::prelude::*;
-
 use crate::checkpoint::{CheckpointMut, Layout, TensorsMut};
 use crate::delta::{self, DecodedSegment, DeltaOptions, EncodedDelta, ValueMode};
 use crate::manifest::{self, DeltaManifest, ObjectRef, SegmentRef};
@@ -117,6 +115,16 @@ impl<'t, 'a> Applier<'t, 'a> {
     /// An applier. `journal` is required for crash safety of `ulp` deltas applied in place.
     pub fn new(tensors: &'t TensorsMut<'a>, manifest: &'t DeltaManifest, journal: Option<Journal>) -> Self {
         Applier { tensors, manifest, journal: journal.map(Mutex::new) }
+    }
+
+    /// Applies every segment of the delta (`segments[i]` is segment `i`) in parallel, at most
+    /// [`delta::DECODE_BUDGET`] of declared decoded bytes at a time.
+    pub fn apply_all(&self, segments: &[&[u8]]) -> Result<()> {
+        if segments.len() != self.manifest.segments.len() {
+            return Err(Error::corrupt("delta", "segment count differs from the manifest"));
+        }
+        let raws: Vec<u64> = self.manifest.segments.iter().map(|r| r.raw_size).collect();
+        delta::for_each_decoded_bounded(&raws, |i| self.apply(i, segments[i]))
     }
 
     /// Decodes segment `index` (bytes already checked against the manifest's SHA-256 by the
@@ -247,7 +255,7 @@ pub fn apply_in_place(
         let tm = ck.tensors_mut();
         let j = journal.map(|p| Journal::create(p, envelope_sha, m.base_root)).transpose()?;
         let ap = Applier::new(&tm, m, j);
-        segments.par_iter().enumerate().try_for_each(|(i, s)| ap.apply(i, s))?;
+        ap.apply_all(segments)?;
     }
     let root = verify_result(&ck.views(), m)?;
     if let Some(p) = journal {
@@ -285,7 +293,7 @@ pub fn apply_rewrite(base: &[TensorView<'_>], m: &DeltaManifest, segments: &[&[u
         }
         tm.reset_claims();
         let ap = Applier::new(&tm, m, None);
-        segments.par_iter().enumerate().try_for_each(|(i, s)| ap.apply(i, s))?;
+        ap.apply_all(segments)?;
     }
     ck.flush()?;
     verify_result(&ck.views(), m)
