@@ -589,7 +589,22 @@ impl Publisher {
         // Checked before a coalesced step is superseded: a call refused here keeps it (found
         // by review: it was dropped, and the newest accepted weights never published).
         order(tensors, layout)?;
-        self.pending = None;
+        let superseded = self.pending.take();
+        let r = self.publish_newer(step, tensors, layout);
+        if r.is_err() && self.pending.is_none() {
+            // This step failed (an internal error: the publisher closed, a thread that could
+            // not start): the coalesced step it was to supersede is still the newest accepted
+            // weights, kept for `flush` while its base still holds (a copy always does).
+            self.pending = superseded.filter(|p| match &p.weights {
+                Held::Copy(_) => true,
+                Held::Changes { base, .. } => self.snapshot.as_ref().is_some_and(|s| s.step == *base),
+            });
+        }
+        r
+    }
+
+    /// [`Publisher::publish_with_layout`] of a step newer than any accepted, once checked.
+    fn publish_newer(&mut self, step: u64, tensors: &[TensorView<'_>], layout: &Layout) -> Result<PublishReceipt> {
         let _span = info_span!("publish", step).entered();
         let t0 = Instant::now();
         let (need_anchor, queued) = {
