@@ -630,9 +630,11 @@ impl Publisher {
             // 2x the model in all (found by review). Another layout is copied.
             let ordered = order(tensors, layout)?;
             let weights = if snap.layout == *layout {
-                let refs: Vec<&[u8]> = snap.tensors.iter().map(|(_, d)| &d[..]).collect();
                 let _s = info_span!("diff_coalesced").entered();
-                Held::Changes { base: snap.step, diff: driftless_format::diff(&refs, &ordered, &self.cfg.delta)? }
+                Held::Changes {
+                    base: snap.step,
+                    diff: driftless_format::diff(&snap.bufs(), &ordered, &self.cfg.delta)?,
+                }
             } else {
                 Held::Copy(ordered.iter().map(|v| (v.meta(), v.data.to_vec())).collect())
             };
@@ -758,10 +760,9 @@ impl Publisher {
             // which applies them once the anchor thread has let go of it.
             let snap = self.snapshot.as_ref().expect("checked");
             let ordered = order(tensors, &snap.layout)?;
-            let refs: Vec<&[u8]> = snap.tensors.iter().map(|(_, d)| &d[..]).collect();
             let diff = {
                 let _s = info_span!("diff_beside_anchor").entered();
-                driftless_format::diff(&refs, &ordered, &opts)?
+                driftless_format::diff(&snap.bufs(), &ordered, &opts)?
             };
             let base_step = snap.step;
             return self.encode_in_background(step, base_step, base_root, diff, t0, true);
@@ -1016,17 +1017,7 @@ impl Publisher {
 
     /// Exclusive access to the snapshot: waits while an anchor is still being encoded from it.
     fn snapshot_mut(&mut self) -> &mut Snapshot {
-        let shared = self.shared.clone();
-        let mut guard = shared.state.lock().expect("state lock");
-        loop {
-            let arc = self.snapshot.as_mut().expect("snapshot present");
-            if Arc::strong_count(arc) == 1 {
-                break;
-            }
-            guard = shared.changed.wait_timeout(guard, Duration::from_millis(50)).expect("state lock").0;
-        }
-        drop(guard);
-        Arc::get_mut(self.snapshot.as_mut().expect("present")).expect("unique")
+        sole_holder(&self.shared, self.snapshot.as_mut().expect("snapshot present"))
     }
 
     /// Encodes an anchor of the current snapshot on a background thread into spool files,
@@ -1227,13 +1218,7 @@ impl Publisher {
             });
         };
         let mut copy: Vec<(driftless_format::TensorMeta, Vec<u8>)> = snap.tensors.clone();
-        {
-            let mut tm = driftless_format::TensorsMut::new();
-            for (m, d) in copy.iter_mut() {
-                tm.insert(&m.name, m.dtype, d);
-            }
-            diff.apply(&tm)?;
-        }
+        diff.apply(&crate::snapshot::tensors_mut_of(&mut copy))?;
         let p = self.pending.as_mut().expect("matched above");
         p.weights = Held::Copy(copy);
         Ok(())
@@ -1458,6 +1443,17 @@ impl Drop for Publisher {
         }
         self.shutdown();
     }
+}
+
+/// Waits until `snap` has no other holder (an anchor thread writing it to its spool lets go,
+/// then notifies `shared.changed`) and gives write access to it.
+fn sole_holder<'s>(shared: &Shared, snap: &'s mut Arc<Snapshot>) -> &'s mut Snapshot {
+    let mut guard = shared.state.lock().expect("state lock");
+    while Arc::strong_count(snap) > 1 {
+        guard = shared.changed.wait_timeout(guard, Duration::from_millis(50)).expect("state lock").0;
+    }
+    drop(guard);
+    Arc::get_mut(snap).expect("the only holder")
 }
 
 /// Views in layout order, checked against it.
@@ -1715,13 +1711,8 @@ impl EncodeJob {
     /// snapshot then holds this step, as [`driftless_format::diff_update`] would have left it.
     fn apply(&mut self, diff: &driftless_format::DeltaDiff) -> Result<()> {
         let _s = info_span!("apply_after_anchor").entered();
-        let mut guard = self.shared.state.lock().expect("state lock");
-        while Arc::strong_count(&self.snap) > 1 {
-            guard = self.shared.changed.wait_timeout(guard, Duration::from_millis(50)).expect("state lock").0;
-        }
-        drop(guard);
+        let snap = sole_holder(&self.shared, &mut self.snap);
         self.mid_apply = true;
-        let snap = Arc::get_mut(&mut self.snap).expect("the only holder");
         if let Err(e) = diff.apply(&snap.tensors_mut()) {
             // Not reached: the changes were taken against these bytes. The snapshot may be
             // half changed: never given back, so the next publish is an anchor.

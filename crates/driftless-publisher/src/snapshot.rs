@@ -45,12 +45,22 @@ impl Snapshot {
     }
 
     pub(crate) fn tensors_mut(&mut self) -> TensorsMut<'_> {
-        let mut tm = TensorsMut::new();
-        for (m, d) in self.tensors.iter_mut() {
-            tm.insert(&m.name, m.dtype, d);
-        }
-        tm
+        tensors_mut_of(&mut self.tensors)
     }
+
+    /// The tensors' bytes in layout order, read-only (the base of `driftless_format::diff`).
+    pub(crate) fn bufs(&self) -> Vec<&[u8]> {
+        self.tensors.iter().map(|(_, d)| &d[..]).collect()
+    }
+}
+
+/// Writable access by name to owned tensors (the snapshot's, a pending step's copy).
+pub(crate) fn tensors_mut_of(tensors: &mut [(TensorMeta, Vec<u8>)]) -> TensorsMut<'_> {
+    let mut tm = TensorsMut::new();
+    for (m, d) in tensors.iter_mut() {
+        tm.insert(&m.name, m.dtype, d);
+    }
+    tm
 }
 
 /// Borrowed views of owned tensors (the snapshot's, a pending step's).
