@@ -348,6 +348,37 @@ fn inspect_survives_planted_sizes_and_names_only_real_signers() {
     assert!(code.is_some_and(|c| c <= 2), "{err}");
 }
 
+/// `inspect --bucket` of a bucket whose stream.json and latest.json are junk: without keys it
+/// shows both as unreadable and still lists the steps (it stopped at the junk stream.json, and
+/// said nothing of a junk latest.json); with keys the stream must verify, so it fails (exit 1).
+#[test]
+fn inspect_shows_a_junk_stream_json_and_latest_json() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, _) = small_stream(t.path(), 2);
+    let b = p("bucket");
+    let (code, before, err) = out(bin().args(["inspect", "--bucket", &url]));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(before.contains("latest.json: delta"), "{before}");
+    std::fs::write(b.join("latest.json"), b"{\"payload\": 7").unwrap();
+    let (code, stdout, err) = out(bin().args(["inspect", "--bucket", &url]));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.contains("latest.json: unreadable"), "{stdout}");
+    std::fs::write(b.join("stream.json"), b"not json").unwrap();
+    let (code, stdout, err) = out(bin().args(["inspect", "--bucket", &url]));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.contains("unreadable stream.json"), "{stdout}");
+    let steps = |s: &str| s.lines().filter(|l| l.starts_with("delta ") || l.starts_with("anchor ")).count();
+    assert!(steps(&before) >= 2 && steps(&stdout) == steps(&before), "the steps are still listed:\n{before}\n{stdout}");
+    let (code, stdout, err) = out(bin().args(["inspect", "--json", "--bucket", &url]));
+    assert_eq!(code, Some(0), "{err}");
+    let head: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+    assert!(head["data"]["stream_error"].is_string() && head["data"]["latest"]["error"].is_string(), "{head}");
+    let (code, _, err) = out(bin().args(["inspect", "--bucket", &url, "--trust"]).arg(p("key.pub")));
+    assert_eq!(code, Some(1), "with keys the stream must verify: {err}");
+    assert!(one_error(&err).contains("stream.json") || one_error(&err).contains("envelope"), "{err}");
+}
+
 /// `publish --watch DIR --once` publishes every complete `step_N` in order; an agent then lands
 /// on the last one bit for bit. An incomplete entry (not a valid checkpoint yet) stops the scan.
 #[test]

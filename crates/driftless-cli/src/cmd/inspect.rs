@@ -159,24 +159,36 @@ fn stream(a: &Args) -> Result<()> {
     rt.block_on(async {
         // Without keys, read signed documents without checking who signed them: a viewer.
         let open = |bytes: &[u8]| -> Result<(Vec<u8>, Vec<String>)> {
-            let env: driftless_format::sign::Envelope = serde_json::from_slice(bytes).context("not an envelope")?;
             // With keys, the signer that verified, not every key id the envelope lists (found
-            // by review: a junk signature appended under any key id was shown as verified).
-            let signers = if verify {
-                trust.open(bytes)?.1.into_iter().collect()
-            } else {
-                env.signatures.iter().map(|s| s.key_id.clone()).collect()
-            };
+            // by review: a junk signature appended under any key id was shown as verified); a
+            // junk envelope is then the format's corrupt error (exit 1), as for an agent.
+            if verify {
+                let (payload, signer) = trust.open(bytes)?;
+                return Ok((payload, signer.into_iter().collect()));
+            }
+            let env: driftless_format::sign::Envelope = serde_json::from_slice(bytes).context("not an envelope")?;
+            let signers = env.signatures.iter().map(|s| s.key_id.clone()).collect();
             Ok((env.payload.into_bytes(), signers))
         };
+        // Without keys (a viewer), a stream.json that cannot be read or parsed is shown as such
+        // and the steps are still listed: a viewer of a damaged bucket shows the damage (it
+        // stopped at a junk stream.json). With keys the stream must verify: an error, as
+        // before. A latest.json that cannot be read, checked or parsed is shown either way (it
+        // was hidden); it is a hint, agents list the bucket without it.
         let desc = match bucket.get_limited(layout::STREAM, 1 << 20).await {
-            Ok(b) => {
-                let (p, signers) = open(&b)?;
-                Some((driftless_format::StreamDescriptor::from_slice(&p)?, signers))
-            }
+            Ok(b) => Some(open(&b).and_then(|(p, signers)| {
+                Ok((driftless_format::StreamDescriptor::from_slice(&p).context("not a stream descriptor")?, signers))
+            })),
             Err(e) if e.is_not_found() => None,
-            Err(e) => return Err(e.into()),
+            Err(e) if e.is_retryable() => return Err(e.into()),
+            Err(e) => Some(Err(anyhow::Error::from(e))),
         };
+        let desc_error = match desc {
+            Some(Err(e)) if verify => return Err(e),
+            Some(Err(ref e)) => Some(format!("{e:#}")),
+            _ => None,
+        };
+        let desc = desc.and_then(Result::ok);
         let keys = bucket.list("").await?;
         if desc.is_none() && keys.is_empty() {
             anyhow::bail!("no stream at {}: no stream.json and no objects (check the URL)", bucket.url());
@@ -277,9 +289,21 @@ fn stream(a: &Args) -> Result<()> {
             let kind = if k == 1 { "anchor" } else { "delta" };
             incomplete.push(serde_json::json!({"kind": kind, "step": s, "objects": objects, "bytes": bytes}));
         }
-        let latest = match bucket.get_limited(layout::LATEST, 1 << 20).await {
-            Ok(b) => open(&b).ok().and_then(|(p, _)| driftless_format::LatestHint::from_slice(&p).ok()),
-            Err(_) => None,
+        let latest: Option<Result<driftless_format::LatestHint, String>> = match bucket
+            .get_limited(layout::LATEST, 1 << 20)
+            .await
+        {
+            Ok(b) => Some(
+                open(&b)
+                    .and_then(|(p, _)| driftless_format::LatestHint::from_slice(&p).context("not a latest.json hint"))
+                    .map_err(|e| format!("{e:#}")),
+            ),
+            Err(e) if e.is_not_found() => None,
+            Err(e) => Some(Err(e.to_string())),
+        };
+        let latest_json = |l: &Result<driftless_format::LatestHint, String>| match l {
+            Ok(l) => serde_json::json!({"delta": l.delta, "anchor": l.anchor}),
+            Err(e) => serde_json::json!({"error": e}),
         };
         let deltas = rows.iter().filter(|r| r.kind == "delta").count();
         let anchors = rows.iter().filter(|r| r.kind == "anchor").count();
@@ -295,9 +319,10 @@ fn stream(a: &Args) -> Result<()> {
                 serde_json::json!({"type": "stream", "data": {
                 "url": bucket.url(), "stream_id": id, "keys": keys_, "created_at_ms": created,
                 "signer": desc.as_ref().map(|d| d.1.clone()), "signature": signature,
+                "stream_error": desc_error,
                 "ready_deltas": deltas, "ready_anchors": anchors, "delta_bytes": delta_bytes,
                 "incomplete": incomplete.len(), "other_objects": other,
-                "latest": latest.as_ref().map(|l| serde_json::json!({"delta": l.delta, "anchor": l.anchor}))}})
+                "latest": latest.as_ref().map(latest_json)}})
             );
             for r in &rows {
                 println!("{}", serde_json::json!({"type": "step", "data": r}));
@@ -316,7 +341,10 @@ fn stream(a: &Args) -> Result<()> {
                     if signers.is_empty() { "nobody".into() } else { signers.join(", ") }
                 );
             }
-            None => println!("no stream.json at {} ({} objects)", bucket.url(), keys.len()),
+            None => match &desc_error {
+                Some(e) => println!("unreadable stream.json at {}: {e} ({} objects)", bucket.url(), keys.len()),
+                None => println!("no stream.json at {} ({} objects)", bucket.url(), keys.len()),
+            },
         }
         println!(
             "{deltas} ready deltas ({:.2} MiB), {anchors} ready anchors, {} incomplete step directories{}",
@@ -324,9 +352,13 @@ fn stream(a: &Args) -> Result<()> {
             incomplete.len(),
             if other > 0 { format!(", {other} objects outside the layout") } else { String::new() }
         );
-        if let Some(l) = &latest {
-            let opt = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_else(|| "none".into());
-            println!("latest.json: delta {}, anchor {}", opt(l.delta), opt(l.anchor));
+        match &latest {
+            Some(Ok(l)) => {
+                let opt = |v: Option<u64>| v.map(|v| v.to_string()).unwrap_or_else(|| "none".into());
+                println!("latest.json: delta {}, anchor {}", opt(l.delta), opt(l.anchor));
+            }
+            Some(Err(e)) => println!("latest.json: unreadable: {e}"),
+            None => {}
         }
         println!(
             "{:<7} {:>12} {:>8} {:>14} {:>9} {:>9}  manifest",
