@@ -379,6 +379,32 @@ fn inspect_shows_a_junk_stream_json_and_latest_json() {
     assert!(one_error(&err).contains("stream.json") || one_error(&err).contains("envelope"), "{err}");
 }
 
+/// `inspect --bucket --max-steps N` reads the manifests of the newest N ready steps only (a
+/// bucket with planted markers took a read per marker, one at a time); counts cover them all.
+#[test]
+fn inspect_reads_at_most_max_steps_manifests() {
+    let t = tempfile::tempdir().unwrap();
+    let (url, _) = small_stream(t.path(), 3);
+    let rows = |s: &str| -> Vec<String> {
+        s.lines().filter(|l| l.starts_with("delta ") || l.starts_with("anchor ")).map(str::to_string).collect()
+    };
+    let (code, all, err) = out(bin().args(["inspect", "--bucket", &url]));
+    assert_eq!(code, Some(0), "{err}");
+    let all = rows(&all);
+    assert!(all.len() >= 3, "{all:?}");
+    let (code, some, err) = out(bin().args(["inspect", "--bucket", &url, "--max-steps", "2"]));
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(rows(&some), all[all.len() - 2..].to_vec(), "the newest two: {some}");
+    assert!(some.contains(&format!("the {} oldest ready steps are not read", all.len() - 2)), "{some}");
+    let (code, json, err) = out(bin().args(["inspect", "--json", "--bucket", &url, "--max-steps", "1"]));
+    assert_eq!(code, Some(0), "{err}");
+    let head: serde_json::Value = serde_json::from_str(json.lines().next().unwrap()).unwrap();
+    let n = head["data"]["ready_deltas"].as_u64().unwrap() + head["data"]["ready_anchors"].as_u64().unwrap();
+    assert_eq!(n as usize, all.len(), "{head}");
+    assert_eq!(head["data"]["unread_steps"].as_u64(), Some(all.len() as u64 - 1), "{head}");
+    assert_eq!(json.lines().filter(|l| l.contains("\"type\":\"step\"")).count(), 1, "{json}");
+}
+
 /// `publish --watch DIR --once` publishes every complete `step_N` in order; an agent then lands
 /// on the last one bit for bit. An incomplete entry (not a valid checkpoint yet) stops the scan.
 #[test]
