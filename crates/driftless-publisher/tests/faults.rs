@@ -1354,6 +1354,54 @@ fn slow_store_coalesces_steps_and_the_final_state_arrives() {
     }
 }
 
+/// A coalesced step held as its changes against the snapshot survives the snapshot changing
+/// under it. Step 2's claim never lands (so the step is lost and free), step 3 finds the
+/// upload queue full and is coalesced as its changes against step 2's weights, then the
+/// trainer publishes step 2 again with other weights: they replace the snapshot, so the held
+/// changes must first become a copy of step 3 (`hold_pending_as_copy`). Applied to the new
+/// step 2 instead, they would publish weights the trainer never had as step 3.
+#[test]
+fn a_coalesced_step_survives_its_base_being_replaced() {
+    for be in backends("coalesced-base-replaced", false) {
+        let ctx = be.name.clone();
+        let (faulty, bucket) = be.bucket();
+        let mut p = publisher(&bucket, 100).with_queue_depth(1).build().unwrap();
+        let (mut c, mut t) = (chain(), Trainer::default());
+        for step in 0..2u64 {
+            if step > 0 {
+                c.step();
+            }
+            p.publish(step, &c.views()).unwrap();
+            t.published.insert(step, root_of(&c.views()));
+            p.flush().unwrap();
+        }
+        faulty.inject(FaultOp::Put, "claims/000000000002", 1000, FaultKind::Transient);
+        c.step();
+        let step2: Tensors = c.views().iter().map(|v| (v.meta(), v.data.to_vec())).collect();
+        assert_ne!(p.publish(2, &c.views()).unwrap().outcome, Outcome::Coalesced, "{ctx}");
+        c.step();
+        let r = p.publish(3, &c.views()).unwrap();
+        assert_eq!(r.outcome, Outcome::Coalesced, "{ctx}: step 2's upload is still being retried");
+        t.published.insert(3, root_of(&c.views()));
+        assert!(p.wait().is_err(), "{ctx}: step 2's claim never landed");
+        faulty.clear();
+        // Other weights for step 2 (one element changed): the step is free, so they are
+        // published as its anchor, and they replace the snapshot step 3 was held against.
+        let mut other = step2.clone();
+        other[0].1[1] ^= 0x01;
+        let r = p.publish(2, &views(&other)).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+        assert_eq!(r.outcome, Outcome::Anchor, "{ctx}");
+        t.published.insert(2, root_of(&views(&other)));
+        p.flush().unwrap_or_else(|e| panic!("{ctx}: flush: {e}"));
+        let s = scan(&bucket, &trust());
+        t.check(&s, &ctx);
+        assert_eq!(s.roots.get(&3), Some(&t.published[&3]), "{ctx}: step 3 as the trainer had it: {s:?}");
+        assert_eq!(s.roots.get(&2), Some(&t.published[&2]), "{ctx}: {s:?}");
+        assert_eq!(s.last_step(), Some(3), "{ctx}: {s:?}");
+        p.close().unwrap();
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Sharded publishing: failures of a part sent in the background
 
