@@ -44,6 +44,10 @@ pub struct PublisherBuilder {
     pub(crate) encode_fault: Option<(u64, bool)>,
     #[cfg(feature = "fault-hooks")]
     pub(crate) anchor_spool_delay: Duration,
+    /// Test-only: the step whose encode thread panics halfway through applying its changes
+    /// to a snapshot handed over after an anchor step.
+    #[cfg(feature = "fault-hooks")]
+    pub(crate) apply_panic: Option<u64>,
 }
 
 impl PublisherBuilder {
@@ -70,6 +74,8 @@ impl PublisherBuilder {
             encode_fault: None,
             #[cfg(feature = "fault-hooks")]
             anchor_spool_delay: Duration::ZERO,
+            #[cfg(feature = "fault-hooks")]
+            apply_panic: None,
         }
     }
     /// Uses an already opened bucket (tests, fault injection) instead of the URL.
@@ -166,6 +172,16 @@ impl PublisherBuilder {
     #[doc(hidden)]
     pub fn with_anchor_spool_delay(mut self, delay: Duration) -> Self {
         self.anchor_spool_delay = delay;
+        self
+    }
+
+    /// Test-only (feature `fault-hooks`): the encode thread of `step`, handed the snapshot
+    /// after an anchor step, panics halfway through applying the step's changes to it (one
+    /// byte of the snapshot changed first), so tests reach a half-changed snapshot.
+    #[cfg(feature = "fault-hooks")]
+    #[doc(hidden)]
+    pub fn with_apply_panic(mut self, step: u64) -> Self {
+        self.apply_panic = Some(step);
         self
     }
 
@@ -1713,6 +1729,13 @@ impl EncodeJob {
         let _s = info_span!("apply_after_anchor").entered();
         let snap = sole_holder(&self.shared, &mut self.snap);
         self.mid_apply = true;
+        #[cfg(feature = "fault-hooks")]
+        if self.cfg.apply_panic == Some(self.step) {
+            if let Some(b) = snap.tensors.iter_mut().find_map(|(_, d)| d.first_mut()) {
+                *b ^= 0x40;
+            }
+            panic!("injected panic applying delta {}", self.step);
+        }
         if let Err(e) = diff.apply(&snap.tensors_mut()) {
             // Not reached: the changes were taken against these bytes. The snapshot may be
             // half changed: never given back, so the next publish is an anchor.

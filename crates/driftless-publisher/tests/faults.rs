@@ -1291,6 +1291,51 @@ fn a_delta_right_after_an_anchor_step_does_not_wait_for_its_spool() {
     }
 }
 
+/// The encode thread of the delta right after an anchor step (handed the snapshot while the
+/// anchor thread still read it) panics halfway through applying the step's changes: the
+/// half-changed snapshot is never used again. That step is lost, the next step is an anchor
+/// of the trainer's weights, the chain goes on as deltas from there, and every state in the
+/// bucket is what the trainer published.
+#[test]
+fn a_panic_while_applying_after_an_anchor_step_loses_only_that_step() {
+    for be in backends("apply-panic", false) {
+        let ctx = be.name.clone();
+        let (_, b) = be.bucket();
+        let mut p =
+            publisher(&b, 3).with_anchor_spool_delay(Duration::from_millis(800)).with_apply_panic(4).build().unwrap();
+        let (mut c, mut t, mut kinds) = (chain(), Trainer::default(), vec![]);
+        for step in 0..8u64 {
+            if step > 0 {
+                c.step();
+            }
+            let r = p.publish(step, &c.views()).unwrap_or_else(|e| panic!("{ctx}: publish {step}: {e}"));
+            t.published.insert(step, root_of(&c.views()));
+            kinds.push(r.outcome);
+            if step == 0 {
+                p.flush().unwrap();
+            }
+            if step == 4 {
+                // Lost, and its weights are not held: the half-changed snapshot was dropped
+                // (given back, it would still claim to be step 3's weights).
+                let e = p.flush().expect_err("step 4 is lost");
+                assert!(!e.is_retryable(), "{ctx}: {e}");
+                assert_eq!(p.snapshot_step(), None, "{ctx}: the half-changed snapshot is dropped");
+            }
+        }
+        assert_eq!(kinds[3], Outcome::DeltaAndAnchor, "{ctx}: {kinds:?}");
+        assert_eq!(kinds[5], Outcome::Anchor, "{ctx}: the step after the lost one anchors: {kinds:?}");
+        assert!(p.status().failures >= 1, "{ctx}");
+        p.flush().unwrap_or_else(|e| panic!("{ctx}: flush: {e}"));
+        p.close().unwrap();
+        let s = scan(&b, &trust());
+        t.check(&s, &ctx);
+        assert!(!s.roots.contains_key(&4), "{ctx}: the panicked step never reached the bucket: {s:?}");
+        assert!(s.ready_anchors.contains(&5), "{ctx}: {s:?}");
+        assert!(s.ready_deltas.contains_key(&6) && s.ready_deltas.contains_key(&7), "{ctx}: {s:?}");
+        assert_eq!(s.last_step(), Some(7), "{ctx}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backpressure
 
