@@ -193,13 +193,22 @@ fn model_bytes(d: &Path) -> u64 {
 /// that differ per call.
 fn durable_write(dir: &Path, bytes: u64, fresh: bool) -> f64 {
     use std::os::unix::fs::FileExt;
-    static ROUND: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(1);
+    static ROUND: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
     let p = agent_root(dir).join("write-floor.bin");
     if fresh {
         let _ = std::fs::remove_file(&p);
     }
-    let r = ROUND.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let buf: Vec<u8> = (0..8usize << 20).map(|i| (i as u8).wrapping_mul(31) ^ r).collect();
+    assert!(bytes > 0, "no *.safetensors files to size the write by");
+    // Pseudo-random bytes, new each call: a compressing file system must not shrink the floor.
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ ROUND.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u64;
+    let buf: Vec<u8> = (0..1usize << 20)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect();
     let t = Instant::now();
     let f = std::fs::OpenOptions::new().create(true).write(true).truncate(false).open(&p).unwrap();
     let mut at = 0;
@@ -390,6 +399,9 @@ fn run(dir: &Path, bin: &Path) {
     for d in ["A", "B", "C", "D"] {
         let _ = std::fs::remove_dir_all(agent_root(dir).join(d));
     }
+    // The write floor's file holds a model's worth of page cache (of RAM on a tmpfs).
+    let floor_file = agent_root(dir).join("write-floor.bin");
+    let _ = std::fs::remove_file(&floor_file);
     let cx =
         Ctx { dir: dir.to_path_buf(), bin: bin.to_path_buf(), url: format!("file://{}", dir.join("bucket").display()) };
     println!("| operation (CLI) | s | baseline (same run) | s | ratio |\n|---|---|---|---|---|");
@@ -460,6 +472,7 @@ fn run(dir: &Path, bin: &Path) {
         );
     }
     if std::env::var_os("BENCH_FAST_ONLY").is_some() {
+        let _ = std::fs::remove_file(&floor_file);
         return;
     }
     let shown = (1 + reps).min(n);
@@ -486,6 +499,7 @@ fn run(dir: &Path, bin: &Path) {
         anon >> 10,
         rss >> 10
     );
+    let _ = std::fs::remove_file(&floor_file);
     // Bit-exact check against the trainer's weights at the last revealed step, when it is n.
     if shown == n {
         let (_, want) = timed(Command::new(bin).arg("hash").arg(dir.join("last")));

@@ -1429,6 +1429,9 @@ fn a_coalesced_step_survives_its_base_being_replaced() {
         assert_eq!(r.outcome, Outcome::Coalesced, "{ctx}: step 2's upload is still being retried");
         t.published.insert(3, root_of(&c.views()));
         assert!(p.wait().is_err(), "{ctx}: step 2's claim never landed");
+        // Step 3 is still only held (as its changes: the same layout), not in the bucket.
+        let st = p.status();
+        assert_eq!((st.coalesced, st.last_delta_ready, st.last_anchor_ready), (1, Some(1), Some(0)), "{ctx}");
         faulty.clear();
         // Other weights for step 2 (one element changed): the step is free, so they are
         // published as its anchor, and they replace the snapshot step 3 was held against.

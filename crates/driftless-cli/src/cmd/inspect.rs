@@ -14,10 +14,10 @@ pub struct Args {
     #[arg(long, conflicts_with = "delta")]
     bucket: Option<String>,
     /// S3 endpoint (S3-compatible servers); also AWS_ENDPOINT_URL.
-    #[arg(long, requires = "bucket")]
+    #[arg(long, requires = "bucket", conflicts_with = "delta")]
     endpoint: Option<String>,
     /// Allow plain HTTP endpoints.
-    #[arg(long, requires = "bucket")]
+    #[arg(long, requires = "bucket", conflicts_with = "delta")]
     allow_http: bool,
     /// Trusted public key to verify the signature with; without one the signature is shown
     /// but not checked.
@@ -28,7 +28,7 @@ pub struct Args {
     json: bool,
     /// With --bucket: read the manifests of at most this many ready steps, the newest (the
     /// counts cover every step). Bounds the time a bucket with planted markers takes.
-    #[arg(long, default_value_t = 1000, requires = "bucket")]
+    #[arg(long, default_value_t = 1000, requires = "bucket", conflicts_with = "delta")]
     max_steps: usize,
 }
 
@@ -200,13 +200,20 @@ fn stream(a: &Args) -> Result<()> {
         let mut dirs: BTreeMap<(u8, u64), (u64, usize)> = BTreeMap::new();
         let mut ready: BTreeMap<(u8, u64), ()> = BTreeMap::new();
         let mut other = 0usize;
+        // The largest manifest object listed in each step directory: what reading its row may
+        // fetch (bounded by the manifest limit), to bound the bytes in flight below.
+        let mut manifest_bytes: BTreeMap<(u8, u64), u64> = BTreeMap::new();
         let kid = |k: StepKind| if k == StepKind::Anchor { 1u8 } else { 0u8 };
         for o in &keys {
             match layout::parse_step_key(&o.key) {
-                Some((k, s, Some(_))) => {
+                Some((k, s, Some(name))) => {
                     let e = dirs.entry((kid(k), s)).or_default();
                     e.0 += o.size;
                     e.1 += 1;
+                    if name.ends_with("manifest.json") {
+                        let m = manifest_bytes.entry((kid(k), s)).or_insert(0u64);
+                        *m = (*m).max(o.size);
+                    }
                 }
                 Some((k, s, None)) => {
                     ready.insert((kid(k), s), ());
@@ -233,7 +240,14 @@ fn stream(a: &Args) -> Result<()> {
             all
         };
         let (reader, bucket) = (&reader, &bucket);
+        // At most 16 reads, and at most 256 MiB of listed manifest bytes, in flight: planted
+        // manifests near the 64 MiB limit are then read a few at a time, not 16.
+        const IN_FLIGHT_MIB: u32 = 256;
+        let budget = tokio::sync::Semaphore::new(IN_FLIGHT_MIB as usize);
+        let (budget, manifest_bytes) = (&budget, &manifest_bytes);
         let read_row = |(k, s): (u8, u64)| async move {
+            let mib = manifest_bytes.get(&(k, s)).map_or(1, |b| (b >> 20) as u32 + 1).min(IN_FLIGHT_MIB);
+            let _permit = budget.acquire_many(mib).await.expect("never closed");
             if k == 0 {
                 match read_delta(reader, bucket, verify, s).await {
                     Ok((m, state)) => StepRow {
