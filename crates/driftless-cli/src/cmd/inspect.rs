@@ -16,6 +16,9 @@ pub struct Args {
     /// S3 endpoint (S3-compatible servers); also AWS_ENDPOINT_URL.
     #[arg(long, requires = "bucket", conflicts_with = "delta")]
     endpoint: Option<String>,
+    /// Region; also AWS_REGION.
+    #[arg(long, requires = "bucket", conflicts_with = "delta")]
+    region: Option<String>,
     /// Allow plain HTTP endpoints.
     #[arg(long, requires = "bucket", conflicts_with = "delta")]
     allow_http: bool,
@@ -153,7 +156,7 @@ fn stream(a: &Args) -> Result<()> {
     let b = &super::bucket::BucketArgs {
         bucket: url,
         endpoint: a.endpoint.clone().or_else(|| std::env::var("AWS_ENDPOINT_URL").ok()),
-        region: std::env::var("AWS_REGION").ok(),
+        region: a.region.clone().or_else(|| std::env::var("AWS_REGION").ok()),
         allow_http: a.allow_http,
     };
     let bucket = b.open_existing()?;
