@@ -151,11 +151,15 @@ fn agent(e: &driftless_agent::Error) -> Class {
 /// The error chain on one line, each distinct cause once: `thiserror` variants that print
 /// their source in their own message would otherwise repeat it (`No such file or directory
 /// (os error 2): No such file or directory (os error 2)`).
+///
+/// Control characters are escaped (`\n`, `\u{1b}`): messages quote keys and bodies read from a
+/// bucket, and a planted key with a line break or a terminal escape must neither break the one
+/// line nor reach the terminal (found by review: a junk key in a listing did both).
 pub fn render(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for c in e.chain() {
-        let s = c.to_string();
-        let s = s.trim();
+        let s = escape_controls(c.to_string().trim());
+        let s = s.as_str();
         if s.is_empty() || out.contains(s) {
             continue;
         }
@@ -163,6 +167,19 @@ pub fn render(e: &anyhow::Error) -> String {
             out.push_str(": ");
         }
         out.push_str(s);
+    }
+    out
+}
+
+/// `s` with every control character written as its escape.
+fn escape_controls(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
     }
     out
 }
@@ -202,6 +219,14 @@ mod tests {
         assert_eq!(r.matches("No such file").count(), 1, "{r}");
         assert!(r.starts_with("opening checkpoint /x: I/O error on /x"), "{r}");
         assert_eq!(classify(&e), Class::Fatal);
+    }
+
+    #[test]
+    fn control_characters_from_a_bucket_stay_on_one_line_and_off_the_terminal() {
+        let e = anyhow::anyhow!("invalid key ready/deltas/junk\nsecond line\x1b[2J").context("listing ready/");
+        let r = render(&e);
+        assert_eq!(r, "listing ready/: invalid key ready/deltas/junk\\nsecond line\\u{1b}[2J");
+        assert!(!r.chars().any(char::is_control), "{r}");
     }
 
     #[test]

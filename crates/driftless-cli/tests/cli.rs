@@ -125,8 +125,15 @@ fn diff_patch_hash_round_trip() {
     let mut c = bin();
     c.arg("inspect").arg(&shard).arg("--trust").arg(p("key.pub"));
     let (code, err) = bounded(c);
-    assert_eq!(code, Some(1), "{err}");
+    // A usage mistake, not tampering (found by review: it said "verification failed", exit 1).
+    assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("is not a driftless delta file"), "{err}");
+    assert!(!err.contains("verification failed"), "{err}");
+    // BASE and DELTA swapped: the same, and nothing written.
+    let (code, _, err) = out(patch_cmd(&p("d.delta"), &shard, &p("swapped")).arg("--trust").arg(p("key.pub")));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("is not a driftless delta file"), "{err}");
+    assert!(!p("swapped").exists());
     std::fs::create_dir(p("fifo-index")).unwrap();
     std::fs::copy(&shard, p("fifo-index/model.safetensors")).unwrap();
     fifo(&p("fifo-index/model.safetensors.index.json"));
@@ -346,6 +353,71 @@ fn inspect_survives_planted_sizes_and_names_only_real_signers() {
     let (code, stdout, err) = out(bin().args(["inspect", "--json", "--bucket", &url, "--trust"]).arg(p("key.pub")));
     assert!(!stdout.contains("ed25519:planted"), "{stdout}");
     assert!(code.is_some_and(|c| c <= 2), "{err}");
+}
+
+#[path = "../../driftless-store/tests/support/hostile_s3.rs"]
+mod hostile_s3;
+
+/// `inspect --bucket` of an S3 endpoint whose listing says two objects of a step are u64::MAX
+/// bytes each (found by review: the sum overflowed, a panic in a debug build and a wrapped
+/// size in a release build). The sizes saturate; nothing else is read from them.
+#[test]
+fn inspect_survives_listed_sizes_that_overflow() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Listings name two objects of step 5; every other request is a missing key.
+    let (endpoint, _) = rt.block_on(hostile_s3::serve(|line| match line.contains("list-type=2") {
+        true => (
+            200,
+            ["seg-0", "seg-1"]
+                .iter()
+                .map(|n| {
+                    format!(
+                        "<Contents><Key>run/deltas/000000000005/{n}</Key><Size>18446744073709551615</Size>\
+                         <LastModified>2026-11-24T00:00:00.000Z</LastModified><ETag>\"e\"</ETag></Contents>"
+                    )
+                })
+                .fold("<ListBucketResult><IsTruncated>false</IsTruncated>".to_string(), |a, c| a + &c)
+                + "</ListBucketResult>",
+        ),
+        false => (404, "<Error><Code>NoSuchKey</Code></Error>".into()),
+    }));
+    let (code, stdout, err) = out(bin()
+        .args(["inspect", "--json", "--bucket", "s3://bkt/run", "--endpoint", &endpoint])
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test"));
+    assert_eq!(code, Some(0), "{err}");
+    let row = stdout
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["type"] == "incomplete")
+        .unwrap_or_else(|| panic!("no incomplete step: {stdout}"));
+    assert_eq!(row["data"]["step"], 5, "{stdout}");
+    assert_eq!(row["data"]["objects"], 2, "{stdout}");
+    assert_eq!(row["data"]["bytes"], u64::MAX, "{stdout}");
+}
+
+/// A key planted in the bucket with a line break and a terminal escape in its name: no path
+/// of this store can read or delete it, so listings skip it with one warning, control
+/// characters escaped (found by review: `gc` and `inspect` failed on it, printing three lines
+/// and the raw escape, so one such key stopped retention for good).
+#[test]
+fn a_junk_key_with_control_characters_is_skipped_with_one_escaped_warning() {
+    let t = tempfile::tempdir().unwrap();
+    let (url, _) = small_stream(t.path(), 3);
+    std::fs::write(t.path().join("bucket/ready/deltas/junk\nsecond line\x1b[2J"), b"x").unwrap();
+    for args in [&["gc", "--dry-run", "--bucket", &url][..], &["inspect", "--bucket", &url][..]] {
+        let (code, stdout, err) = out(bin().args(args));
+        assert_eq!(code, Some(0), "{args:?}: {err}");
+        assert!(!err.contains('\x1b') && !stdout.contains('\x1b'), "{args:?}: {err:?}");
+        let warnings: Vec<&str> = err.lines().filter(|l| l.contains("not valid object paths")).collect();
+        assert_eq!(warnings.len(), 1, "{args:?}: {err}");
+        assert!(warnings[0].contains("junk\\nsecond line\\u{1b}[2J"), "{args:?}: {err}");
+    }
+    // A collection runs to its end, leaving the key alone.
+    let (code, stdout, err) = out(bin().args(["gc", "--bucket", &url, "--grace", "0s"]));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.contains("kept 3 steps") && stdout.contains("deleted 0 steps"), "{stdout}");
+    assert!(t.path().join("bucket/ready/deltas/junk\nsecond line\x1b[2J").exists());
 }
 
 /// `inspect --bucket` of a bucket whose stream.json and latest.json are junk: without keys it

@@ -52,7 +52,11 @@ pub fn read_delta_path(path: &std::path::Path) -> Result<Vec<u8>> {
     let mut bytes = Vec::with_capacity(32);
     (&mut f).take(32).read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
     if bytes.len() < 32 || &bytes[..16] != MAGIC {
-        return Err(bad(format!("{} is not a driftless delta file", path.display())));
+        // Bad input, not a verification failure: a file without the magic is another kind of
+        // file given by mistake (a checkpoint shard, BASE and DELTA swapped), and saying
+        // "verification failed" (exit 1) would read as tampering. One that has the magic and
+        // then fails is corrupt.
+        return Err(Error::InvalidInput(format!("{} is not a driftless delta file", path.display())));
     }
     f.read_to_end(&mut bytes).map_err(|e| Error::io(path, e))?;
     Ok(bytes)

@@ -153,7 +153,11 @@ impl Bucket {
                 if bytes.len() >= self.inner.opts.multipart_threshold {
                     return self.put_multipart(key, &path, bytes).await;
                 }
-                return self.put_single(key, &path, bytes, PutMode::Overwrite).await.map(|_| ());
+                // Without conditional create the HEAD above is the check; the put itself is an
+                // overwrite of our own bytes, so a retry after a lost response is harmless.
+                return self
+                    .retry("put_create", key, || self.put_single(key, &path, bytes.clone(), PutMode::Overwrite))
+                    .await;
             }
             let mut attempts = 0usize;
             let res = self
@@ -497,13 +501,34 @@ impl Bucket {
                 // or with empty pages that say "more to come".
                 let max = self.inner.opts.max_list_keys;
                 let limit = self.inner.opts.list_timeout;
-                let collect =
-                    stream.map_err(|e| Error::from_store(prefix, e)).take(max.saturating_add(1)).try_collect();
+                // A key that is not a valid object path (a control character, an empty or `..`
+                // segment, planted by hand) cannot be read or deleted through this store
+                // anyway: it is skipped with one warning per listing, not allowed to fail the
+                // listing (found by review: one such key stopped every `gc` for good, and so
+                // retention, and every `inspect`).
+                let (mut skipped, mut first) = (0usize, None::<String>);
+                let collect = stream
+                    .filter_map(|r| {
+                        let r = match r {
+                            Err(object_store::Error::InvalidPath { source }) => {
+                                skipped += 1;
+                                first.get_or_insert_with(|| source.to_string().escape_debug().to_string());
+                                None
+                            }
+                            other => Some(other.map_err(|e| Error::from_store(prefix, e))),
+                        };
+                        std::future::ready(r)
+                    })
+                    .take(max.saturating_add(1))
+                    .try_collect();
                 let metas: Vec<ObjectMeta> = tokio::time::timeout(limit.saturating_sub(started.elapsed()), collect)
                     .await
                     .map_err(|_| Error::ListTimeout { prefix: prefix.to_string(), secs: limit.as_secs() })??;
                 if metas.len() > max {
                     return Err(Error::TooManyKeys { prefix: prefix.to_string(), max });
+                }
+                if let Some(first) = first {
+                    tracing::warn!(bucket = %self.url(), prefix, skipped, "listing skipped keys that are not valid object paths (nothing can read or delete them here; remove them with the store's own tools): {first}");
                 }
                 Ok(metas)
             })

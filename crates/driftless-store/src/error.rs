@@ -194,11 +194,17 @@ without them the client asked the EC2 instance metadata service, which is only t
 /// status code in its message. Connection/timeout errors, 5xx, 408 and 429 are transient; other
 /// 4xx are permanent; anything else (local I/O, a torn response) is treated as transient and is
 /// bounded by the retry budget.
+///
+/// Except a request the HTTP client refused to build (reqwest's "builder error", e.g. a plain
+/// `http://` endpoint without allow-http): it never reaches the network, so retrying cannot
+/// help (found by review: `--endpoint HTTP://...` was retried and then called temporary).
 fn is_transient_generic(err: &object_store::Error) -> bool {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = cur {
-        if e.downcast_ref::<object_store::client::HttpError>().is_some() {
-            return true;
+        if let Some(h) = e.downcast_ref::<object_store::client::HttpError>() {
+            let unbuilt = h.kind() == object_store::client::HttpErrorKind::Unknown
+                && StoreError::new(h).message().contains("builder error");
+            return !unbuilt;
         }
         cur = e.source();
     }

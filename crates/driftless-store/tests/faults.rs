@@ -26,6 +26,24 @@ async fn transient_put_faults_are_retried() {
     assert_eq!(b.get("deltas/000000000001/manifest.json").await.unwrap(), Bytes::from_static(b"m"));
 }
 
+/// Found by review: on a store without conditional create (`hf://`) the write-once put was sent
+/// once, so one 503 on a marker or manifest failed the step (and `flush` republished it as an
+/// anchor). Both modes retry it.
+#[tokio::test]
+async fn transient_put_create_faults_are_retried_without_conditional_create_too() {
+    for conditional in [true, false] {
+        let (store, b) = faulty();
+        let b = b.with_conditional_create(conditional);
+        store.inject(FaultOp::Put, "ready/", 2, FaultKind::Transient);
+        b.put_create("ready/deltas/000000000001", Bytes::from_static(b"r")).await.unwrap();
+        assert_eq!(store.injected(), 2, "conditional create {conditional}");
+        assert_eq!(b.get("ready/deltas/000000000001").await.unwrap(), Bytes::from_static(b"r"));
+        // Still write-once: the HEAD before the put finds it.
+        let err = b.put_create("ready/deltas/000000000001", Bytes::from_static(b"x")).await.unwrap_err();
+        assert!(matches!(err, Error::AlreadyExists { .. }), "conditional create {conditional}: {err:?}");
+    }
+}
+
 #[tokio::test]
 async fn retries_are_bounded_by_count() {
     let (store, b) = faulty();

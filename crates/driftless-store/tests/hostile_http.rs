@@ -3,65 +3,13 @@
 //! throttling storm, and a body longer than the object's declared size. Each must end within
 //! its bound, with a bounded number of requests and bounded memory.
 
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::sync::Arc;
+use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
 use driftless_store::{Bucket, Error, StoreOptions};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::TcpListener;
-
-/// Serves every request with `answer(request line)` -> (status, body); counts requests. A HEAD
-/// is answered with the headers only (its Content-Length is the body's length).
-async fn serve(answer: fn(&str) -> (u16, String)) -> (String, Arc<AtomicUsize>) {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let n = Arc::new(AtomicUsize::new(0));
-    let count = n.clone();
-    tokio::spawn(async move {
-        while let Ok((sock, _)) = l.accept().await {
-            let count = count.clone();
-            tokio::spawn(async move {
-                let mut r = BufReader::new(sock);
-                loop {
-                    let mut line = String::new();
-                    if r.read_line(&mut line).await.unwrap_or(0) == 0 {
-                        return;
-                    }
-                    let mut len = 0usize;
-                    loop {
-                        let mut h = String::new();
-                        if r.read_line(&mut h).await.unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if h == "\r\n" {
-                            break;
-                        }
-                        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                            len = v.trim().parse().unwrap_or(0);
-                        }
-                    }
-                    let mut body = vec![0u8; len];
-                    if r.read_exact(&mut body).await.is_err() {
-                        return;
-                    }
-                    count.fetch_add(1, SeqCst);
-                    let (status, b) = answer(&line);
-                    let head = format!(
-                        "HTTP/1.1 {status} X\r\nContent-Type: application/xml\r\nETag: \"e\"\r\n\
-                         Last-Modified: Tue, 24 Nov 2026 00:00:00 GMT\r\nContent-Length: {}\r\n\r\n",
-                        b.len()
-                    );
-                    let resp = if line.starts_with("HEAD ") { head } else { head + &b };
-                    if r.get_mut().write_all(resp.as_bytes()).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (url, n)
-}
+#[path = "support/hostile_s3.rs"]
+mod hostile_s3;
+use hostile_s3::serve;
 
 fn open(endpoint: &str, opts: StoreOptions) -> Bucket {
     // Credentials are only signed with; the server never checks them. Every test of this
@@ -121,4 +69,26 @@ async fn a_body_longer_than_the_declared_object_is_cut_off() {
     assert!(e.to_string().contains("more than one part"), "{e}");
     // One HEAD, then the GET and its one retry.
     assert_eq!(n.load(SeqCst), 3, "{e}");
+}
+
+/// Found by review: a request the HTTP client refuses to build (here a plain `http://`
+/// endpoint without allow-http, as `--endpoint HTTP://...` was before its scheme was compared
+/// case-insensitively) was retried for seconds and then called temporary. It never reaches the
+/// server: one permanent error at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_client_refuses_to_build_is_permanent() {
+    let (url, n) = serve(|_| (404, "<Error><Code>NoSuchKey</Code></Error>".into())).await;
+    std::env::remove_var("AWS_ALLOW_HTTP");
+    std::env::remove_var("ALLOW_HTTP");
+    std::env::set_var("AWS_ACCESS_KEY_ID", "test");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "test");
+    let opts =
+        StoreOptions::default().with_endpoint(url).with_max_retries(3).with_retry_timeout(Duration::from_secs(30));
+    let b = Bucket::open("s3://bkt/run", &opts).unwrap();
+    let t = Instant::now();
+    let e = b.get_limited("stream.json", 1 << 16).await.unwrap_err();
+    assert!(!e.is_retryable(), "{e}");
+    assert!(e.to_string().contains("builder error"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(1), "retried: {:?}", t.elapsed());
+    assert_eq!(n.load(SeqCst), 0, "{e}");
 }

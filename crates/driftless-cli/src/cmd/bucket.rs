@@ -28,7 +28,9 @@ impl BucketArgs {
         if let Some(r) = &self.region {
             o = o.with_region(r.clone());
         }
-        o.with_allow_http(self.allow_http || self.endpoint.as_deref().is_some_and(|e| e.starts_with("http://")))
+        o.with_allow_http(
+            self.allow_http || self.endpoint.as_deref().is_some_and(|e| e.to_ascii_lowercase().starts_with("http://")),
+        )
     }
 
     pub fn open(&self) -> anyhow::Result<driftless_store::Bucket> {
@@ -40,5 +42,25 @@ impl BucketArgs {
     /// bucket ([`driftless_store::Bucket::open_existing`]).
     pub fn open_existing(&self) -> anyhow::Result<driftless_store::Bucket> {
         Ok(driftless_store::Bucket::open_existing(&self.bucket, &self.options())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// URL schemes are case-insensitive: `HTTP://host` is a plain-HTTP endpoint too (found by
+    /// review: it was refused by the client, retried, and called temporary).
+    #[test]
+    fn an_http_endpoint_implies_allow_http_whatever_its_case() {
+        let args = |e: &str| BucketArgs {
+            bucket: "s3://b/p".into(),
+            endpoint: Some(e.into()),
+            region: None,
+            allow_http: false,
+        };
+        assert!(args("http://127.0.0.1:8333").options().allow_http);
+        assert!(args("HTTP://127.0.0.1:8333").options().allow_http);
+        assert!(!args("https://s3.example.com").options().allow_http);
     }
 }

@@ -82,8 +82,9 @@ fn report(a: &Args, segs: &[&[u8]], m: driftless_format::DeltaManifest, signer: 
         let d = delta::decode_segment(seg, s.raw_size)?;
         for e in &d.entries {
             let r = rows.entry(e.name.clone()).or_default();
-            r.changed += e.count;
-            r.dense_chunks += e.dense as u64;
+            // Saturating, like every sum of sizes read here (a delta file may come from a bucket).
+            r.changed = r.changed.saturating_add(e.count);
+            r.dense_chunks = r.dense_chunks.saturating_add(e.dense as u64);
         }
     }
     let signature = match (&signer, a.trust.is_empty()) {
@@ -211,7 +212,9 @@ fn stream(a: &Args) -> Result<()> {
             match layout::parse_step_key(&o.key) {
                 Some((k, s, Some(name))) => {
                     let e = dirs.entry((kid(k), s)).or_default();
-                    e.0 += o.size;
+                    // Listed sizes are whatever the bucket says (found by review: two objects
+                    // listed at u64::MAX overflowed the sum, a panic in a debug build).
+                    e.0 = e.0.saturating_add(o.size);
                     e.1 += 1;
                     if name.ends_with("manifest.json") {
                         let m = manifest_bytes.entry((kid(k), s)).or_insert(0u64);
@@ -249,7 +252,8 @@ fn stream(a: &Args) -> Result<()> {
         let budget = tokio::sync::Semaphore::new(IN_FLIGHT_MIB as usize);
         let (budget, manifest_bytes) = (&budget, &manifest_bytes);
         let read_row = |(k, s): (u8, u64)| async move {
-            let mib = manifest_bytes.get(&(k, s)).map_or(1, |b| (b >> 20) as u32 + 1).min(IN_FLIGHT_MIB);
+            let mib =
+                manifest_bytes.get(&(k, s)).map_or(1, |b| (b >> 20).saturating_add(1).min(IN_FLIGHT_MIB.into()) as u32);
             let _permit = budget.acquire_many(mib).await.expect("never closed");
             if k == 0 {
                 match read_delta(reader, bucket, verify, s).await {
