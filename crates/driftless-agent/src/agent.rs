@@ -160,6 +160,9 @@ pub struct Agent {
     hint_polled: bool,
     /// Plan the next sync from a listing even if a hint would do (the periodic full check).
     list_next: bool,
+    /// This build has not yet written the work slot, nor told `state.json` that the slot no
+    /// longer holds the inactive step ([`Agent::release_work_slot`]).
+    release_pending: bool,
     /// The patch from the step the engine was last told to load to the current step, written
     /// after a delta-only sync when a notifier applies patches; used at most once.
     patch: Option<PatchFile>,
@@ -293,6 +296,7 @@ impl Agent {
             hint: None,
             hint_polled: false,
             list_next: false,
+            release_pending: false,
             patch: None,
             decode_ahead: Arc::new(tokio::sync::Semaphore::new(DECODE_AHEAD_BYTES)),
             notifying: Arc::default(),
@@ -652,9 +656,7 @@ impl Agent {
             Some((c, r)) => (c, Some(r)),
             None => {
                 let cands = self.markers.candidates(&self.reader, &sid, None).await.map_err(Error::from)?;
-                if let Some(oldest) = cands.anchors.keys().next().copied() {
-                    self.refused.prune_below(oldest);
-                }
+                self.refused.retain_listed(&cands);
                 let route = plan::route(local, &cands, &self.refused, None);
                 (cands, route)
             }
@@ -734,18 +736,11 @@ impl Agent {
         if let Some(file) = self.dir.open_elsewhere(work)? {
             return Err(Error::SlotInUse { file }.into());
         }
-        // The inactive slot is about to change: it holds no verified step until the switch.
         let held_before =
             prev.as_ref().and_then(|s| s.inactive).filter(|_| prev.as_ref().is_some_and(|s| s.stream_id == sid));
-        // Written whenever there is a state, not only when it names an inactive step: after a
-        // failed `store` (renamed, then the fsync of `DIR` failed) the disk may say that the
-        // work slot is active; this puts the disk back in step with memory before the work
-        // slot is touched.
-        if let Some(mut s) = prev.clone() {
-            s.inactive = None;
-            s.store(self.dir.path())?;
-            self.state = Some(s);
-        }
+        // The inactive slot is about to change, but only once a manifest has verified and its
+        // objects have arrived: every write to it goes through `release_work_slot` first.
+        self.release_pending = prev.is_some();
         let mut bytes = 0u64;
         let mut rebuilt = false;
         // The slot the work slot is rebuilt from, by its first pass (`apply_group`).
@@ -913,7 +908,7 @@ impl Agent {
         // Durable before announced: data, then state, then the link, then notify.
         let w2 = wdir.clone();
         // The slot directory may be new (an anchor, a rebuild): its entry in `slots/` too.
-        tokio::task::spawn_blocking(move || sync_tree(&w2).and_then(|()| w2.parent().map_or(Ok(()), sync_dir)))
+        self.blocking(move || sync_tree(&w2).and_then(|()| w2.parent().map_or(Ok(()), sync_dir)))
             .await
             .map_err(|e| Error::Io(std::io::Error::other(format!("sync task: {e}"))))??;
         let inactive = prev.as_ref().filter(|s| self.active_ok && s.stream_id == sid).map(|s| s.held());
@@ -940,21 +935,52 @@ impl Agent {
         Ok((bytes, rebuilt))
     }
 
+    /// Runs `f` on the blocking pool holding a share of the directory's lock
+    /// ([`AgentDir::guard`]): everything that writes under `DIR` goes through here.
+    fn blocking<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> tokio::task::JoinHandle<T> {
+        let guard = self.dir.guard();
+        tokio::task::spawn_blocking(move || {
+            let _guard = guard;
+            f()
+        })
+    }
+
+    /// Called before anything writes the work slot: from then on it holds no verified step
+    /// until the switch, so `state.json` stops naming it as the inactive step first.
+    ///
+    /// Not at the start of a build (found by review: a planted marker, a forged manifest or a
+    /// 5xx then cost the rollback step although the slot was never touched, and the next step
+    /// a whole-model rewrite; 200 planted markers cost 200 state rewrites in one sync).
+    /// Written whenever there is a state, not only when it names an inactive step: after a
+    /// failed `store` (renamed, then the fsync of `DIR` failed) the disk may say that the work
+    /// slot is active; this puts the disk back in step with memory before the slot is touched.
+    fn release_work_slot(&mut self) -> Result<()> {
+        if std::mem::take(&mut self.release_pending) {
+            if let Some(mut s) = self.state.clone() {
+                s.inactive = None;
+                s.store(self.dir.path())?;
+                self.state = Some(s);
+            }
+        }
+        Ok(())
+    }
+
     /// Writes the patch of this sync into `DIR/patch` (replacing any earlier one). A failure
     /// costs only the patch: the engine then reloads from the directory.
     async fn write_patch(&self, pb: PatchBuilder, wdir: &Path, at: Held) -> Option<PatchFile> {
         let pdir = self.dir.patches();
         let wdir = wdir.to_path_buf();
         let t = Instant::now();
-        let r = tokio::task::spawn_blocking(move || -> Result<PatchFile> {
-            if pdir.exists() {
-                std::fs::remove_dir_all(&pdir)?;
-            }
-            std::fs::create_dir_all(&pdir)?;
-            let out = pdir.join(format!("{}-{}.safetensors", pb.base(), at.step));
-            pb.write(&wdir, at.step, at.root, &out)
-        })
-        .await;
+        let r = self
+            .blocking(move || -> Result<PatchFile> {
+                if pdir.exists() {
+                    std::fs::remove_dir_all(&pdir)?;
+                }
+                std::fs::create_dir_all(&pdir)?;
+                let out = pdir.join(format!("{}-{}.safetensors", pb.base(), at.step));
+                pb.write(&wdir, at.step, at.root, &out)
+            })
+            .await;
         match r {
             Ok(Ok(p)) => {
                 info!(base = p.base, step = p.step, bytes = p.bytes, secs = t.elapsed().as_secs_f64(), "patch written");
@@ -973,11 +999,12 @@ impl Agent {
 
     /// Replaces the inactive slot with a copy of the active one (copy_file_range: a reflink
     /// where the filesystem has them). Space runs out as an error here, never as a signal.
-    async fn copy_active(&self, wdir: &Path) -> Result<()> {
+    async fn copy_active(&mut self, wdir: &Path) -> Result<()> {
+        self.release_work_slot()?;
         let st = self.state.as_ref().expect("active state");
         let from = self.dir.slot(st.active);
         let to = wdir.to_path_buf();
-        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+        self.blocking(move || -> std::io::Result<()> {
             if to.exists() {
                 std::fs::remove_dir_all(&to)?;
             }
@@ -1016,6 +1043,7 @@ impl Agent {
         if m.stream_id != sid {
             return Err(BuildError::Unusable(StepKind::Anchor, step, "signed for another stream".into(), false));
         }
+        self.release_work_slot()?;
         if wdir.exists() {
             std::fs::remove_dir_all(wdir)?;
         }
@@ -1063,7 +1091,7 @@ impl Agent {
         let dir = wdir.to_path_buf();
         let m2 = m.clone();
         let tv = Instant::now();
-        tokio::task::spawn_blocking(move || -> Result<()> {
+        self.blocking(move || -> Result<()> {
             for (o, b) in m2.files.iter().zip(&files) {
                 let bare = driftless_store::layout::strip_generation(&o.object);
                 let name = bare.strip_prefix("extra-").unwrap_or(bare);
@@ -1111,7 +1139,7 @@ impl Agent {
             return Err(corrupt("anchor manifest", "shard too large"));
         }
         let (bucket, parts) = (self.reader.bucket(), self.cfg.anchor_parts);
-        let file = FileSink::new(wdir.join(&o.file), o.decoded_size, writeback);
+        let file = FileSink::new(wdir.join(&o.file), o.decoded_size, writeback).holding(self.dir.guard());
         let go = |sink: Arc<dyn ShardSink>| async move {
             match encoding {
                 AnchorEncoding::PlanesZstd => stream_shard(bucket, step, o, tensors, parts, sink).await,
@@ -1290,53 +1318,55 @@ impl Agent {
         seed: Option<PathBuf>,
     ) -> Result<(), BuildError> {
         let Some(last) = group.last().map(|(m, _)| m.clone()) else { return Ok(()) };
+        self.release_work_slot()?;
         // Several unverified deltas in one pass: a fault names no single step (retried carefully).
         let pinpoint = pinpoint && group.len() == 1;
         let dir = wdir.to_path_buf();
         let t = Instant::now();
         let n = group.len();
-        let verify_ms = tokio::task::spawn_blocking(move || -> Result<u64> {
-            // Blocks are read, changed and written back with pread/pwrite (no writable map),
-            // and each finished piece's writeback starts at once, so that the disk writes
-            // while the pass goes on and the fdatasync after it waits for the tail only.
-            // `speed_bench proc`, 1 GiB model, 2 cores: hash alone 0.32 s; the pass on a
-            // writable map then msync 0.59 s (writeback could not start earlier there: see
-            // `CheckpointFiles`); this way 0.40 s.
-            // With a seed (the active slot, when the work slot cannot be brought forward), the
-            // pass reads the seed and writes every block into a fresh frame of it: the rebuild
-            // and the apply are one pass, not a copy then a pass.
-            let files = match &seed {
-                Some(from) => {
-                    let from = CheckpointFiles::open_read_only(from)?;
-                    if dir.exists() {
-                        std::fs::remove_dir_all(&dir)?;
+        let verify_ms = self
+            .blocking(move || -> Result<u64> {
+                // Blocks are read, changed and written back with pread/pwrite (no writable map),
+                // and each finished piece's writeback starts at once, so that the disk writes
+                // while the pass goes on and the fdatasync after it waits for the tail only.
+                // `speed_bench proc`, 1 GiB model, 2 cores: hash alone 0.32 s; the pass on a
+                // writable map then msync 0.59 s (writeback could not start earlier there: see
+                // `CheckpointFiles`); this way 0.40 s.
+                // With a seed (the active slot, when the work slot cannot be brought forward), the
+                // pass reads the seed and writes every block into a fresh frame of it: the rebuild
+                // and the apply are one pass, not a copy then a pass.
+                let files = match &seed {
+                    Some(from) => {
+                        let from = CheckpointFiles::open_read_only(from)?;
+                        if dir.exists() {
+                            std::fs::remove_dir_all(&dir)?;
+                        }
+                        PassFiles::Copy { to: from.frame_copy(&dir)?, from }
                     }
-                    PassFiles::Copy { to: from.frame_copy(&dir)?, from }
+                    None => PassFiles::InPlace(CheckpointFiles::open(&dir)?),
+                };
+                let metas = files.written().metas();
+                let tv = Instant::now();
+                let chain: Vec<&[DecodedSegment]> = group.iter().map(|(_, s)| &s[..]).collect();
+                let digests = fused::apply_and_hash(files.target(), &metas, &chain, verify)?;
+                if let Some(d) = digests {
+                    ops::check_root(&metas, &d, &last.shards, last.result_root)?;
                 }
-                None => PassFiles::InPlace(CheckpointFiles::open(&dir)?),
-            };
-            let metas = files.written().metas();
-            let tv = Instant::now();
-            let chain: Vec<&[DecodedSegment]> = group.iter().map(|(_, s)| &s[..]).collect();
-            let digests = fused::apply_and_hash(files.target(), &metas, &chain, verify)?;
-            if let Some(d) = digests {
-                ops::check_root(&metas, &d, &last.shards, last.result_root)?;
-            }
-            let verified = tv.elapsed();
-            let tf = Instant::now();
-            files.written().sync()?;
-            debug!(pass_secs = verified.as_secs_f64(), flush_secs = tf.elapsed().as_secs_f64(), "pass and flush");
-            Ok(verified.as_millis() as u64)
-        })
-        .await
-        .map_err(|e| Error::Io(std::io::Error::other(format!("apply task: {e}"))))?
-        .map_err(|e| {
-            if n > 1 && step_fault(&e) {
-                BuildError::ChainMismatch
-            } else {
-                classify_apply(e, last.step, pinpoint)
-            }
-        })?;
+                let verified = tv.elapsed();
+                let tf = Instant::now();
+                files.written().sync()?;
+                debug!(pass_secs = verified.as_secs_f64(), flush_secs = tf.elapsed().as_secs_f64(), "pass and flush");
+                Ok(verified.as_millis() as u64)
+            })
+            .await
+            .map_err(|e| Error::Io(std::io::Error::other(format!("apply task: {e}"))))?
+            .map_err(|e| {
+                if n > 1 && step_fault(&e) {
+                    BuildError::ChainMismatch
+                } else {
+                    classify_apply(e, last.step, pinpoint)
+                }
+            })?;
         if verify {
             self.metrics.record_verify(Duration::from_millis(verify_ms.max(1)));
         }
@@ -1358,14 +1388,15 @@ impl Agent {
         verify: bool,
         pinpoint: bool,
     ) -> Result<(), BuildError> {
+        self.release_work_slot()?;
         let dir = wdir.to_path_buf();
         let m2 = m.clone();
         let step = m.step;
-        let verify_ms =
-            tokio::task::spawn_blocking(move || -> Result<u64> { rewrite_slot(&dir, seed, &m2, &segs, verify) })
-                .await
-                .map_err(|e| Error::Io(std::io::Error::other(format!("rewrite task: {e}"))))?
-                .map_err(|e| classify_apply(e, step, pinpoint))?;
+        let verify_ms = self
+            .blocking(move || -> Result<u64> { rewrite_slot(&dir, seed, &m2, &segs, verify) })
+            .await
+            .map_err(|e| Error::Io(std::io::Error::other(format!("rewrite task: {e}"))))?
+            .map_err(|e| classify_apply(e, step, pinpoint))?;
         if verify {
             self.metrics.record_verify(Duration::from_millis(verify_ms.max(1)));
         }
@@ -1498,7 +1529,7 @@ impl Agent {
         // verifying) and on a step: nothing new.
         let on_step = self.state.is_some() && self.loaded.is_some();
         if on_step && !list && p.failures == 0 && matches!(&polled, Ok(w) if !w.changed) {
-            p.interval = (p.interval * 2).min(self.cfg.poll_max);
+            p.interval = p.interval.saturating_mul(2).min(self.cfg.poll_max);
             return;
         }
         match polled {
@@ -1528,7 +1559,7 @@ impl Agent {
                         .map(|r| format!("{} step {} refused: {}", r.kind, r.step, r.reason)),
                 );
                 p.interval = if o.route == SyncPath::UpToDate {
-                    (p.interval * 2).min(self.cfg.poll_max)
+                    p.interval.saturating_mul(2).min(self.cfg.poll_max)
                 } else {
                     self.cfg.poll_min
                 };
@@ -1538,7 +1569,11 @@ impl Agent {
             }
             Err(e) => {
                 p.failures += 1;
-                p.interval = (self.cfg.poll_min * 2u32.saturating_pow(p.failures.min(6))).min(self.cfg.poll_max * 3);
+                p.interval = self
+                    .cfg
+                    .poll_min
+                    .saturating_mul(2u32.saturating_pow(p.failures.min(6)))
+                    .min(self.cfg.poll_max.saturating_mul(3));
                 warn!(error = %e, failures = p.failures, retry_in_s = p.interval.as_secs_f64(), "sync failed");
                 self.metrics.set_last_error(Some(e.to_string()));
             }

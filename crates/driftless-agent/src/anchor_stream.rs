@@ -48,6 +48,9 @@ pub struct FileSink {
     size: u64,
     file: std::sync::OnceLock<std::fs::File>,
     writeback: bool,
+    /// Lives as long as the sink (held by writes on the blocking pool): the agent's share of
+    /// its directory lock ([`crate::state::AgentDir::guard`]).
+    keep: Option<crate::state::DirGuard>,
 }
 
 impl FileSink {
@@ -55,7 +58,13 @@ impl FileSink {
     /// deltas after it, the pass rewrites every page, so writing them back now would write
     /// the model twice and make the pass wait for pages under writeback).
     pub fn new(path: std::path::PathBuf, size: u64, writeback: bool) -> Self {
-        FileSink { path, size, file: std::sync::OnceLock::new(), writeback }
+        FileSink { path, size, file: std::sync::OnceLock::new(), writeback, keep: None }
+    }
+
+    /// Holds `guard` for as long as the sink lives.
+    pub fn holding(mut self, guard: crate::state::DirGuard) -> Self {
+        self.keep = Some(guard);
+        self
     }
 }
 

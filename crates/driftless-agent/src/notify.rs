@@ -169,6 +169,11 @@ fn parse_engine(kind: &str, spec: &str, modes: &[&str]) -> std::result::Result<E
                     .trim_end_matches('s')
                     .parse()
                     .map_err(|_| format!("{kind}: timeout {v:?} is not a number of seconds"))?;
+                // A day at most: deadlines are computed from it (found by review: a huge value
+                // overflowed one, a panic at the first load).
+                if s > 86_400 {
+                    return Err(format!("{kind}: timeout {v:?} is over a day (86400 s)"));
+                }
                 t.load_timeout = Duration::from_secs(s.max(1));
             }
             "patch" if kind == "vllm" => {
@@ -752,6 +757,7 @@ mod tests {
             "vllm=http://h,color=red",
             "vllm=h:8000",
             "vllm=http://h,timeout=soon",
+            "vllm=http://h,timeout=18446744073709551615",
             "vllm=http://h,patch=maybe",
             "sglang=http://h,patch=on",
             // http= takes a URL and nothing else (found by review: taken, then every notify

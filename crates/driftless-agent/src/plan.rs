@@ -125,7 +125,10 @@ impl Refusals {
     /// Refuses a step.
     pub fn refuse(&mut self, kind: StepKind, step: u64, sha: Option<Digest>, reason: String, missing: bool) {
         let count = self.map.get(&(kind, step)).map_or(1, |r| r.count.saturating_add(1));
-        let until = Instant::now() + self.ttl * (1u32 << (count - 1).min(6));
+        // Capped: a library caller's `refuse_for` may be anything, and an `Instant` past its
+        // range panics.
+        let hold = self.ttl.saturating_mul(1u32 << (count - 1).min(6)).min(Duration::from_secs(365 * 86_400));
+        let until = Instant::now() + hold;
         self.map.insert((kind, step), Refusal { manifest_sha256: sha, reason, until, count, missing, pinned: true });
     }
 
@@ -156,9 +159,15 @@ impl Refusals {
         self.map.remove(&(kind, step));
     }
 
-    /// Drops refusals of steps below `step` (collected by GC, never planned again).
-    pub fn prune_below(&mut self, step: u64) {
-        self.map.retain(|(_, s), _| *s >= step);
+    /// Drops refusals of steps a fresh listing no longer holds (collected, or planted and
+    /// removed): they cannot be planned, and a step listed again later is read again. Found by
+    /// review: a bucket planting markers at new step numbers and removing them grew the map,
+    /// and the work of every sync, without bound. Kept, it holds at most one entry per listed
+    /// step, which the listing's own bound (`max_list_keys`) bounds.
+    /// Steps below the oldest listed anchor go too: never planned again (collected by GC).
+    pub fn retain_listed(&mut self, listed: &Candidates) {
+        let oldest = listed.anchors.keys().next().copied().unwrap_or(0);
+        self.map.retain(|&(kind, step), _| step >= oldest && listed.marker(kind, step).is_some());
     }
 
     /// Current refusals, oldest step first.

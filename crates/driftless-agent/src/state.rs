@@ -145,12 +145,17 @@ pub fn sync_tree(dir: &Path) -> std::io::Result<()> {
 #[derive(Debug)]
 pub struct AgentDir {
     dir: PathBuf,
-    _lock: File,
+    /// The `flock`ed `DIR/lock`: held until the last clone is dropped ([`AgentDir::guard`]).
+    lock: std::sync::Arc<File>,
     /// Whether the previous agent on this directory ended without a clean shutdown.
     pub unclean: bool,
     /// Leave `running` behind at the end (see [`AgentDir::set_keep_running`]).
     keep_running: bool,
 }
+
+/// See [`AgentDir::guard`].
+#[derive(Clone)]
+pub struct DirGuard(#[allow(dead_code)] std::sync::Arc<File>);
 
 impl AgentDir {
     /// Opens (creating) `dir`, takes its lock, and records that an agent runs.
@@ -168,7 +173,7 @@ impl AgentDir {
         // Left by a crash, `running` stays until its owner says the local weights were
         // checked (`set_keep_running(false)`): a start that fails before that (found by review:
         // an unreadable state.json) must not hand them to the next start as verified.
-        Ok(AgentDir { dir: dir.to_path_buf(), _lock: lock, unclean, keep_running: unclean })
+        Ok(AgentDir { dir: dir.to_path_buf(), lock: std::sync::Arc::new(lock), unclean, keep_running: unclean })
     }
 
     /// Whether this agent ends as if it crashed: `running` stays, and the next agent on the
@@ -176,6 +181,15 @@ impl AgentDir {
     /// this start found `running` left behind.
     pub fn set_keep_running(&mut self, keep: bool) {
         self.keep_running = keep;
+    }
+
+    /// A share of the directory's lock: another agent cannot take `DIR` while it lives. Work
+    /// on the blocking pool holds one, because it outlives its future: a sync abandoned when
+    /// its `Agent` is dropped goes on writing the work slot (and a layout rewrite ends with a
+    /// rename by path), which must not happen after another agent took the directory (found
+    /// by review: a library that opens a new `Agent` on the same `DIR` in-process).
+    pub fn guard(&self) -> DirGuard {
+        DirGuard(self.lock.clone())
     }
 
     /// `DIR`.
@@ -344,4 +358,24 @@ const F_SETSIG: libc::c_int = 10;
 #[cfg(not(target_os = "linux"))]
 fn open_elsewhere(_: &Path) -> std::io::Result<Option<bool>> {
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Work on the blocking pool holds a guard: after its `Agent` (and `AgentDir`) is gone,
+    /// no other agent takes the directory until that work has ended.
+    #[test]
+    fn a_guard_keeps_the_directory_locked_after_its_agent_dir_is_dropped() {
+        let t = tempfile::tempdir().unwrap();
+        let d = AgentDir::open(t.path()).unwrap();
+        let g = d.guard();
+        drop(d);
+        let Err(e) = AgentDir::open(t.path()) else { panic!("opened while a guard lives") };
+        assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
+        assert!(e.to_string().contains("in use"), "{e}");
+        drop(g);
+        AgentDir::open(t.path()).unwrap();
+    }
 }

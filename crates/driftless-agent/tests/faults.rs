@@ -611,8 +611,10 @@ async fn slow_notify_target_never_sees_files_change_under_it() {
 }
 
 // A key the store's client cannot parse (here a non-UTF-8 file name; on S3 `//`, `.`, `..` or
-// a control character) fails every listing of its prefix. Planted under `ready/`, it stopped
-// every cold start and every poll that lists; now they plan from the signed latest.json.
+// a control character) failed every listing of its prefix. Planted under `ready/`, it stopped
+// every cold start and every poll that lists; then they planned from the signed latest.json,
+// and now listings skip such keys (no path of the store can read or delete them), so even an
+// agent without a latest.json plans from the listing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unparsable_key_under_ready_does_not_stop_syncs() {
     use std::os::unix::ffi::OsStrExt;
@@ -629,7 +631,8 @@ async fn an_unparsable_key_under_ready_does_not_stop_syncs() {
         let d = root.join(layout::ready_prefix(kind));
         std::fs::write(d.join(std::ffi::OsStr::from_bytes(b"planted\xff")), b"x").unwrap();
     }
-    assert!(tb.bucket.list(layout::ready_prefix(StepKind::Delta)).await.is_err(), "the planted key fails the listing");
+    let listed = tb.bucket.list(layout::ready_prefix(StepKind::Delta)).await.unwrap();
+    assert!(listed.iter().all(|o| !o.key.contains("planted")), "the planted key is skipped");
     t.publish();
     let want = t.publish();
     // Two steps behind: the hint alone cannot plan it (the walk from latest.json does).
@@ -643,12 +646,12 @@ async fn an_unparsable_key_under_ready_does_not_stop_syncs() {
     assert_eq!((o.step, o.route, o.deltas), (6, SyncPath::Anchor, 2), "{o:?}");
     assert_bits(&b, &want);
     assert_verified(&b, "cold start");
-    // Without a latest.json there is nothing to plan from: the listing's error, state kept.
+    // Without a latest.json: planned from the listing.
     tb.bucket.delete(layout::LATEST).await.unwrap();
     let mut c = agent(&tb, "c", &trust);
-    let e = c.sync_once().await.unwrap_err();
-    assert!(e.to_string().contains("invalid object key"), "{e}");
-    assert!(c.state().is_none());
+    let o = c.sync_once().await.unwrap();
+    assert_eq!((o.step, o.route, o.deltas), (6, SyncPath::Anchor, 2), "{o:?}");
+    assert_bits(&c, &want);
 }
 
 // Found by review: ready markers planted above the real newest step (the public stream id,
@@ -859,4 +862,90 @@ async fn a_sync_reads_latest_json_at_most_once() {
             assert_eq!(latest_gets() - g0, 1, "{case}: latest.json read more than once in one sync ({o:?})");
         }
     }
+}
+
+// Found by review: every build first rewrote `state.json` without the inactive step, before
+// anything was read, so a planted marker, a forged manifest or a failed download cost the
+// rollback step although its slot was never touched (the next step then rewrote the whole
+// model instead of two sparse applies), and each planted marker cost a state rewrite. The
+// state now changes only when the work slot is about to be written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_or_failed_step_keeps_the_rollback_step() {
+    for tb in buckets("rollback") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 100);
+        let dir = tb.dir.path().join("a");
+        let mut cfg = config(&dir, trust.clone());
+        cfg.refuse_for = Duration::from_secs(30);
+        let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+        for _ in 0..3 {
+            t.publish();
+            a.sync_once().await.unwrap();
+        }
+        let before = LocalState::load(&dir).unwrap().unwrap();
+        assert_eq!((before.step, before.inactive.map(|h| h.step)), (2, Some(1)), "{}: the steady state", tb.name);
+        let inode = || std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(dir.join("state.json")).unwrap());
+        let (ino, rebuilds) = (inode(), counter(&a, |m| &m.slot_rebuilds));
+        // 20 planted delta markers on the served step, naming manifests that are not there.
+        let real: serde_json::Value =
+            serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
+        for s in 1000..1020u64 {
+            let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "delta", "step": s,
+                "base_step": 2, "manifest_sha256": "00".repeat(32), "payload_bytes": 10, "manifest": "g1-manifest.json"});
+            tb.bucket.put(&layout::ready(StepKind::Delta, s), Bytes::from(m.to_string())).await.unwrap();
+        }
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.refused.len()), (2, 20), "{}: {o:?}", tb.name);
+        assert_eq!(LocalState::load(&dir).unwrap().unwrap(), before, "{}", tb.name);
+        assert_eq!(inode(), ino, "{}: state.json rewritten for refused steps", tb.name);
+        // A real step whose segment fails to download: nothing written, the state kept.
+        let want = t.publish();
+        tb.faults.inject(FaultOp::Get, "deltas/000000000003/g1-seg-", usize::MAX, FaultKind::Permanent);
+        assert!(a.sync_once().await.is_err(), "{}", tb.name);
+        assert_eq!(LocalState::load(&dir).unwrap().unwrap(), before, "{}", tb.name);
+        assert_eq!(inode(), ino, "{}", tb.name);
+        assert_verified(&a, &tb.name);
+        // Back: the step is two sparse applies onto the kept slot, not a rebuild.
+        tb.faults.clear();
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.route, o.rebuilt), (3, SyncPath::Fast, false), "{}: {o:?}", tb.name);
+        assert_bits(&a, &want);
+        assert_eq!(counter(&a, |m| &m.slot_rebuilds), rebuilds, "{}", tb.name);
+    }
+}
+
+// Found by review: refusals were dropped only when a step was used or fell below the oldest
+// anchor, so markers planted at new step numbers and then removed grew the agent's refusals
+// (its memory, and the work of every sync) without bound. A listing now drops the refusals
+// of steps it no longer holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_of_steps_no_longer_listed_are_dropped() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 100);
+    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+    cfg.refuse_for = Duration::from_secs(600);
+    let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+    t.publish();
+    a.sync_once().await.unwrap();
+    let real: serde_json::Value =
+        serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
+    for round in 0..4u64 {
+        let planted = 10_000 + round * 1000..10_000 + round * 1000 + 50;
+        for s in planted.clone() {
+            let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "delta", "step": s,
+                "base_step": 0, "manifest_sha256": "00".repeat(32), "payload_bytes": 10, "manifest": "g1-manifest.json"});
+            tb.bucket.put(&layout::ready(StepKind::Delta, s), Bytes::from(m.to_string())).await.unwrap();
+        }
+        let o = a.sync_once().await.unwrap();
+        assert_eq!(o.step, 0);
+        assert_eq!(o.refused.len(), 50, "round {round}: only this round's planted steps: {:?}", o.refused.len());
+        assert!(o.refused.iter().all(|r| planted.contains(&r.step)), "round {round}");
+        for s in planted {
+            tb.bucket.delete(&layout::ready(StepKind::Delta, s)).await.unwrap();
+        }
+    }
+    let o = a.sync_once().await.unwrap();
+    assert!(o.refused.is_empty(), "{} refusals of steps no longer in the bucket", o.refused.len());
+    assert_verified(&a, "after planted markers came and went");
 }

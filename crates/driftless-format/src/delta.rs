@@ -848,6 +848,15 @@ fn decompress_block(stored: &[u8], raw_len: u64, zstd: bool) -> Result<Vec<u8>> 
     Ok(out)
 }
 
+/// The largest segment object an encoder writes for `raw_size` decoded bytes: the fixed
+/// header plus its three blocks, each stored raw or as one zstd frame, which is never more
+/// than zstd's `ZSTD_COMPRESSBOUND` (`n + n/256 + 64` at most). Readers refuse a manifest
+/// declaring more (found by review: a segment object's size was bounded only by the marker,
+/// up to 2^50, and is downloaded into memory whole).
+pub fn max_segment_object(raw_size: u64) -> u64 {
+    (FIXED_HEADER as u64).saturating_add(raw_size).saturating_add(raw_size / 256).saturating_add(3 * 64 + 3 * 64)
+}
+
 /// Decodes a segment, never allocating more than `max_raw` bytes (the manifest's `raw_size`,
 /// itself capped at [`MAX_SEGMENT_RAW`]). Every length and offset is checked; no entry points
 /// outside the blocks.

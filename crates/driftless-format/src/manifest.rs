@@ -326,6 +326,15 @@ impl DeltaManifest {
             if s.raw_size > crate::delta::MAX_SEGMENT_RAW || s.entries > crate::delta::MAX_ENTRIES {
                 return Err(Error::corrupt("delta manifest", "segment raw size or entry count over the limit"));
             }
+            if s.object.size > crate::delta::max_segment_object(s.raw_size) {
+                return Err(Error::corrupt(
+                    "delta manifest",
+                    format!(
+                        "segment {} is {} bytes, more than an encoder writes for {} decoded bytes",
+                        s.object.object, s.object.size, s.raw_size
+                    ),
+                ));
+            }
             raw = raw.saturating_add(s.raw_size);
             entries = entries.saturating_add(u64::from(s.entries));
         }

@@ -276,13 +276,16 @@ fn manifest_hostile_values() {
     let big = vec![b' '; driftless_format::manifest::MAX_MANIFEST_BYTES + 1];
     assert_eq!(DeltaManifest::from_slice(&big).unwrap_err().kind(), ErrorKind::Corrupt);
     assert_eq!(TrustSet::new().open(&big).unwrap_err().kind(), ErrorKind::Corrupt);
-    // Sizes that overflow a sum.
-    let mut v = good.clone();
-    for s in v["segments"].as_array_mut().unwrap() {
-        s["size"] = u64::MAX.into();
-    }
-    let mm = DeltaManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap();
-    assert_eq!(mm.payload_bytes(), u64::MAX, "regression: payload_bytes overflowed");
+    // Sizes that would overflow a sum (regression: payload_bytes overflowed) are refused now,
+    // being more than an encoder writes for the segments' decoded size.
+    bad(
+        &|v| {
+            for s in v["segments"].as_array_mut().unwrap() {
+                s["size"] = u64::MAX.into();
+            }
+        },
+        "segment sizes over what their raw size allows",
+    );
     // Anchor manifest: objects must line up with shards and have safe names.
     let docs = anchor_doc(&m);
     AnchorManifest::from_slice(&serde_json::to_vec(&docs).unwrap()).unwrap();
@@ -382,6 +385,8 @@ fn regression_delta_raw_size_bounded_by_layout() {
                 s.object.object = format!("seg-{i:05}.dls");
                 s.raw_size = raw;
                 s.entries = entries;
+                // (Within what an encoder writes for `raw`: only the raw sizes are on trial.)
+                s.object.size = s.object.size.min(delta::max_segment_object(raw));
                 s
             })
             .collect();
@@ -398,6 +403,37 @@ fn regression_delta_raw_size_bounded_by_layout() {
     assert_eq!(most, 4096 + 4 * delta::max_entry_header(1));
     with(2, most / 2, 2).unwrap();
     assert_eq!(with(2, most / 2 + 1, 2).unwrap_err().kind(), ErrorKind::Corrupt);
+}
+
+/// A segment object is no larger than an encoder writes for its decoded size (found by review:
+/// only the marker bounded it, up to 2^50 bytes, and readers download a segment into memory
+/// whole). An honest incompressible segment of 4 MiB fits; a byte over the bound is refused.
+#[test]
+fn regression_segment_object_size_bounded_by_its_raw_size() {
+    let mut r = rng(33);
+    let base = vec![T::random("t", DType::U8, &[4 << 20], &mut r)];
+    let target: Vec<T> = base.iter().map(|t| mutate(t, 1.0, &mut r)).collect();
+    let layout = Layout::for_tensors(&metas(&base), 1 << 30).unwrap();
+    for codec in [Codec::Raw, Codec::Zstd { level: 1 }, Codec::Zstd { level: 19 }] {
+        let opts = DeltaOptions { values: ValueMode::Overwrite, codec, segment_target: 64 << 20, chunk_bytes: 8 << 20 };
+        let (m, enc) = make(&base, &target, &layout, &opts);
+        for s in &enc.segments {
+            assert!(s.bytes.len() as u64 <= delta::max_segment_object(s.raw_size), "{codec:?}");
+        }
+        DeltaManifest::from_slice(&serde_json::to_vec(&m).unwrap()).unwrap();
+        let mut big = m.clone();
+        big.segments[0].object.size = delta::max_segment_object(big.segments[0].raw_size);
+        DeltaManifest::from_slice(&serde_json::to_vec(&big).unwrap()).unwrap();
+        big.segments[0].object.size += 1;
+        let e = DeltaManifest::from_slice(&serde_json::to_vec(&big).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(e.to_string().contains("more than an encoder writes for"), "{e}");
+        big.segments[0].object.size = 1 << 50;
+        assert_eq!(
+            DeltaManifest::from_slice(&serde_json::to_vec(&big).unwrap()).unwrap_err().kind(),
+            ErrorKind::Corrupt
+        );
+    }
 }
 
 /// The worst an honest encoder does stays within the bound: every element changed, chunks of

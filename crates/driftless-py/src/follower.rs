@@ -650,10 +650,8 @@ impl PyFollower {
         }
         let local = of_stream(&desc.stream_id);
         let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None).await?;
-        // Steps before the oldest anchor are never planned again (as the agent prunes).
-        if let Some(&oldest) = cands.anchors.keys().next() {
-            pl.refused.prune_below(oldest);
-        }
+        // Refusals of steps no longer listed, or before the oldest anchor, go (as the agent's).
+        pl.refused.retain_listed(&cands);
         let refused = &pl.refused;
         if cands.anchors.is_empty() && local.is_none() {
             return Err(BindError::NothingReady("no anchor is ready in the stream yet".into()));

@@ -75,9 +75,12 @@ pub fn run(a: Args) -> Result<()> {
         .collect::<Result<_>>()?;
     cfg.poll_min = a.poll_min.into();
     cfg.poll_max = a.poll_max.into();
-    if cfg.poll_min < driftless_agent::MIN_POLL || cfg.poll_max < cfg.poll_min {
+    // --poll-max at most a day: intervals and deadlines are computed from it (found by review:
+    // `300000000000y` overflowed one, a panic at the first failed sync).
+    const DAY: std::time::Duration = std::time::Duration::from_secs(86_400);
+    if cfg.poll_min < driftless_agent::MIN_POLL || cfg.poll_max < cfg.poll_min || cfg.poll_max > DAY {
         anyhow::bail!(
-            "--poll-min must be at least {:?} and --poll-max at least --poll-min (got {} and {})",
+            "--poll-min must be at least {:?}, --poll-max at least --poll-min and at most a day (got {} and {})",
             driftless_agent::MIN_POLL,
             a.poll_min,
             a.poll_max
