@@ -656,7 +656,7 @@ impl Agent {
             Some((c, r)) => (c, Some(r)),
             None => {
                 let cands = self.markers.candidates(&self.reader, &sid, None).await.map_err(Error::from)?;
-                self.refused.retain_listed(&cands);
+                self.refused.retain_listed(&cands, self.hint.as_ref());
                 let route = plan::route(local, &cands, &self.refused, None);
                 (cands, route)
             }
@@ -817,18 +817,26 @@ impl Agent {
         // Up to FETCH_AHEAD deltas download and decode at once (on the blocking pool) while
         // earlier ones are received: a catch-up is not a sequence of round trips.
         let marker = |d: u64| cands.marker(StepKind::Delta, d).cloned();
-        // (`None`: a delta skipped after a re-seed, never fetched.)
-        let mut ahead: std::collections::VecDeque<Option<Fetch>> =
-            deltas.iter().take(FETCH_AHEAD).map(|&d| Some(self.start_fetch(d, marker(d)))).collect();
+        let payload = |d: u64| cands.marker(StepKind::Delta, d).map_or(u64::MAX, |m| m.payload_bytes);
+        // The downloads of deltas[k..next] (`None`: a delta skipped after a re-seed, never
+        // fetched); at most FETCH_AHEAD of them and FETCH_AHEAD_BYTES of payload.
+        let mut ahead: std::collections::VecDeque<Option<Fetch>> = Default::default();
+        let mut next = 0usize;
         // Deltas at or before this step are skipped: the served slot already holds it and the
         // work slot is rebuilt from there (see the layout change below).
         let mut skip_to: Option<u64> = None;
         let skipped = |skip_to: Option<u64>, d: u64| skip_to.is_some_and(|s| d <= s);
         for (k, &d) in deltas.iter().enumerate() {
-            let fetch = ahead.pop_front().expect("a fetch per delta");
-            if let Some(&d) = deltas.get(k + FETCH_AHEAD) {
-                ahead.push_back((!skipped(skip_to, d)).then(|| self.start_fetch(d, marker(d))));
+            while next < n && next - k < FETCH_AHEAD {
+                let window = deltas[k..=next].iter().map(|&x| payload(x)).fold(0u64, u64::saturating_add);
+                if next > k && window > FETCH_AHEAD_BYTES {
+                    break;
+                }
+                let x = deltas[next];
+                ahead.push_back((!skipped(skip_to, x)).then(|| self.start_fetch(x, marker(x))));
+                next += 1;
             }
+            let fetch = ahead.pop_front().expect("a fetch per delta");
             if skipped(skip_to, d) {
                 continue;
             }
@@ -1673,6 +1681,13 @@ impl Drop for AbortOnDrop {
 /// be pinned on one step: the caller retries carefully. Otherwise the step is at fault.
 /// Deltas of a chain downloaded and decoded ahead of the one being received.
 const FETCH_AHEAD: usize = 4;
+
+/// Payload bytes (as their ready markers state them, which their signed manifests must match
+/// before a segment is read) of the deltas downloading at once, the one being received
+/// included; one delta always downloads, whatever its size. Their segments wait as stored
+/// bytes when the decode budget is spent, so this bounds that memory (found by review: four
+/// deltas of any size were fetched ahead).
+const FETCH_AHEAD_BYTES: u64 = 2 << 30;
 
 /// Decoded segment bytes held ahead of their delta being received, all fetches together: what
 /// the download overlap may cost in memory, whatever the (signed, still hostile) manifests

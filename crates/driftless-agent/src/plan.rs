@@ -165,9 +165,18 @@ impl Refusals {
     /// and the work of every sync, without bound. Kept, it holds at most one entry per listed
     /// step, which the listing's own bound (`max_list_keys`) bounds.
     /// Steps below the oldest listed anchor go too: never planned again (collected by GC).
-    pub fn retain_listed(&mut self, listed: &Candidates) {
+    /// The steps the signed `hint` names stay refused though unlisted: it is planned from
+    /// between listings, and its step refused for being missing must stay so.
+    pub fn retain_listed(&mut self, listed: &Candidates, hint: Option<&LatestHint>) {
         let oldest = listed.anchors.keys().next().copied().unwrap_or(0);
-        self.map.retain(|&(kind, step), _| step >= oldest && listed.marker(kind, step).is_some());
+        let hinted = |kind: StepKind, step: u64| {
+            hint.is_some_and(|h| match kind {
+                StepKind::Delta => h.delta == Some(step),
+                StepKind::Anchor => h.anchor == Some(step),
+            })
+        };
+        self.map
+            .retain(|&(kind, step), _| hinted(kind, step) || (step >= oldest && listed.marker(kind, step).is_some()));
     }
 
     /// Current refusals, oldest step first.

@@ -611,10 +611,8 @@ async fn slow_notify_target_never_sees_files_change_under_it() {
 }
 
 // A key the store's client cannot parse (here a non-UTF-8 file name; on S3 `//`, `.`, `..` or
-// a control character) failed every listing of its prefix. Planted under `ready/`, it stopped
-// every cold start and every poll that lists; then they planned from the signed latest.json,
-// and now listings skip such keys (no path of the store can read or delete them), so even an
-// agent without a latest.json plans from the listing.
+// a control character) fails every listing of its prefix. Planted under `ready/`, it stopped
+// every cold start and every poll that lists; now they plan from the signed latest.json.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unparsable_key_under_ready_does_not_stop_syncs() {
     use std::os::unix::ffi::OsStrExt;
@@ -631,8 +629,7 @@ async fn an_unparsable_key_under_ready_does_not_stop_syncs() {
         let d = root.join(layout::ready_prefix(kind));
         std::fs::write(d.join(std::ffi::OsStr::from_bytes(b"planted\xff")), b"x").unwrap();
     }
-    let listed = tb.bucket.list(layout::ready_prefix(StepKind::Delta)).await.unwrap();
-    assert!(listed.iter().all(|o| !o.key.contains("planted")), "the planted key is skipped");
+    assert!(tb.bucket.list(layout::ready_prefix(StepKind::Delta)).await.is_err(), "the planted key fails the listing");
     t.publish();
     let want = t.publish();
     // Two steps behind: the hint alone cannot plan it (the walk from latest.json does).
@@ -646,12 +643,12 @@ async fn an_unparsable_key_under_ready_does_not_stop_syncs() {
     assert_eq!((o.step, o.route, o.deltas), (6, SyncPath::Anchor, 2), "{o:?}");
     assert_bits(&b, &want);
     assert_verified(&b, "cold start");
-    // Without a latest.json: planned from the listing.
+    // Without a latest.json there is nothing to plan from: the listing's error, state kept.
     tb.bucket.delete(layout::LATEST).await.unwrap();
     let mut c = agent(&tb, "c", &trust);
-    let o = c.sync_once().await.unwrap();
-    assert_eq!((o.step, o.route, o.deltas), (6, SyncPath::Anchor, 2), "{o:?}");
-    assert_bits(&c, &want);
+    let e = c.sync_once().await.unwrap_err();
+    assert!(e.to_string().contains("invalid object key"), "{e}");
+    assert!(c.state().is_none());
 }
 
 // Found by review: ready markers planted above the real newest step (the public stream id,

@@ -651,7 +651,7 @@ impl PyFollower {
         let local = of_stream(&desc.stream_id);
         let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None).await?;
         // Refusals of steps no longer listed, or before the oldest anchor, go (as the agent's).
-        pl.refused.retain_listed(&cands);
+        pl.refused.retain_listed(&cands, pl.latest.hint());
         let refused = &pl.refused;
         if cands.anchors.is_empty() && local.is_none() {
             return Err(BindError::NothingReady("no anchor is ready in the stream yet".into()));

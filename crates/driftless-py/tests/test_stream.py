@@ -784,9 +784,8 @@ def test_a_failed_call_on_other_arrays_keeps_the_verified_ones_tracked(file_buck
 
 
 def test_an_unparsable_key_under_ready_does_not_stop_a_cold_start(file_bucket, keys, tmp_path):
-    # One key the store cannot parse (a non-UTF-8 name here; `//`, `.`, `..` on S3) failed
-    # every listing of ready/; the planner shared with the agent planned from latest.json, and
-    # now listings skip such keys, so a follower without latest.json plans from the listing.
+    # One key the store cannot parse (a non-UTF-8 name here; `//`, `.`, `..` on S3) fails
+    # every listing of ready/: the planner shared with the agent plans from latest.json.
     url, kw = file_bucket
     private, public = keys
     tr = SimTrainer(seed=4)
@@ -806,13 +805,12 @@ def test_an_unparsable_key_under_ready_does_not_stop_a_cold_start(file_bucket, k
         assert np.array_equal(bits(late[n]), bits(a))
     o = driftless.Follower(url, trusted_keys=[public]).sync_dir(str(tmp_path / "dir"))
     assert o["step"] == 7
-    # Without latest.json: planned from the listing, which skips the key.
+    # Without latest.json nothing plans around the key: the listing's error, nothing written.
     os.remove(os.path.join(root, "latest.json"))
     fresh = {n: np.zeros_like(a) for n, a in tr.bf16().items()}
-    o = driftless.Follower(url, trusted_keys=[public]).apply_to(fresh)
-    assert (o["step"], o["route"]) == (7, "anchor")
-    for n, a in tr.bf16().items():
-        assert np.array_equal(bits(fresh[n]), bits(a))
+    with pytest.raises(driftless.DriftlessError, match="invalid object key"):
+        driftless.Follower(url, trusted_keys=[public]).apply_to(fresh)
+    assert all(not a.any() for a in fresh.values())
 
 
 def test_sync_dir_raises_corrupt_error_for_a_corrupt_anchor(file_bucket, keys, tmp_path, monkeypatch):

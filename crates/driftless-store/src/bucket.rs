@@ -502,33 +502,17 @@ impl Bucket {
                 let max = self.inner.opts.max_list_keys;
                 let limit = self.inner.opts.list_timeout;
                 // A key that is not a valid object path (a control character, an empty or `..`
-                // segment, planted by hand) cannot be read or deleted through this store
-                // anyway: it is skipped with one warning per listing, not allowed to fail the
-                // listing (found by review: one such key stopped every `gc` for good, and so
-                // retention, and every `inspect`).
-                let (mut skipped, mut first) = (0usize, None::<String>);
-                let collect = stream
-                    .filter_map(|r| {
-                        let r = match r {
-                            Err(object_store::Error::InvalidPath { source }) => {
-                                skipped += 1;
-                                first.get_or_insert_with(|| source.to_string().escape_debug().to_string());
-                                None
-                            }
-                            other => Some(other.map_err(|e| Error::from_store(prefix, e))),
-                        };
-                        std::future::ready(r)
-                    })
-                    .take(max.saturating_add(1))
-                    .try_collect();
+                // segment, planted by hand) fails the listing: it cannot be skipped, because
+                // the store's listing stream ends at its first error (`file://` and S3 alike),
+                // so what would follow it is lost, and a listing silently partial is worse than
+                // none (tried: it lost the newest step of a `file://` listing).
+                let collect =
+                    stream.map_err(|e| Error::from_store(prefix, e)).take(max.saturating_add(1)).try_collect();
                 let metas: Vec<ObjectMeta> = tokio::time::timeout(limit.saturating_sub(started.elapsed()), collect)
                     .await
                     .map_err(|_| Error::ListTimeout { prefix: prefix.to_string(), secs: limit.as_secs() })??;
                 if metas.len() > max {
                     return Err(Error::TooManyKeys { prefix: prefix.to_string(), max });
-                }
-                if let Some(first) = first {
-                    tracing::warn!(bucket = %self.url(), prefix, skipped, "listing skipped keys that are not valid object paths (nothing can read or delete them here; remove them with the store's own tools): {first}");
                 }
                 Ok(metas)
             })
