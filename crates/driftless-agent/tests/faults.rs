@@ -80,6 +80,18 @@ async fn following(tb: &TestBucket, key: &Keypair, trust: &TrustSet, n: u64) -> 
     (t, a)
 }
 
+/// Plants ready markers of delta steps `steps` on `base`: this stream's id (read from anchor
+/// 0's marker), a manifest that is not there.
+async fn plant_delta_markers(b: &Bucket, steps: std::ops::Range<u64>, base: u64) {
+    let real: serde_json::Value =
+        serde_json::from_slice(&b.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
+    for s in steps {
+        let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "delta", "step": s,
+            "base_step": base, "manifest_sha256": "00".repeat(32), "payload_bytes": 10, "manifest": "g1-manifest.json"});
+        b.put(&layout::ready(StepKind::Delta, s), Bytes::from(m.to_string())).await.unwrap();
+    }
+}
+
 fn counter(a: &Agent, f: impl Fn(&driftless_agent::metrics::Metrics) -> &AtomicU64) -> u64 {
     f(&a.metrics()).load(SeqCst)
 }
@@ -831,13 +843,7 @@ async fn a_sync_reads_latest_json_at_most_once() {
         t.publish();
         let mut a = Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust.clone())).unwrap();
         assert_eq!(a.sync_once().await.unwrap().step, 1);
-        let real: serde_json::Value =
-            serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Delta, 1)).await.unwrap()).unwrap();
-        for s in 100..110u64 {
-            let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "delta", "step": s,
-                "base_step": 1, "manifest_sha256": "00".repeat(32), "payload_bytes": 10, "manifest": "g1-manifest.json"});
-            tb.bucket.put(&layout::ready(StepKind::Delta, s), Bytes::from(m.to_string())).await.unwrap();
-        }
+        plant_delta_markers(&tb.bucket, 100..110, 1).await;
         let latest_gets = || tb.faults.calls_to(FaultOp::Get, layout::LATEST);
         // Up to date, a valid latest.json, ten planted steps refused in one sync.
         let g0 = latest_gets();
@@ -884,13 +890,7 @@ async fn a_refused_or_failed_step_keeps_the_rollback_step() {
         let inode = || std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(dir.join("state.json")).unwrap());
         let (ino, rebuilds) = (inode(), counter(&a, |m| &m.slot_rebuilds));
         // 20 planted delta markers on the served step, naming manifests that are not there.
-        let real: serde_json::Value =
-            serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
-        for s in 1000..1020u64 {
-            let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "delta", "step": s,
-                "base_step": 2, "manifest_sha256": "00".repeat(32), "payload_bytes": 10, "manifest": "g1-manifest.json"});
-            tb.bucket.put(&layout::ready(StepKind::Delta, s), Bytes::from(m.to_string())).await.unwrap();
-        }
+        plant_delta_markers(&tb.bucket, 1000..1020, 2).await;
         let o = a.sync_once().await.unwrap();
         assert_eq!((o.step, o.refused.len()), (2, 20), "{}: {o:?}", tb.name);
         assert_eq!(LocalState::load(&dir).unwrap().unwrap(), before, "{}", tb.name);
@@ -925,15 +925,9 @@ async fn refusals_of_steps_no_longer_listed_are_dropped() {
     let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
     t.publish();
     a.sync_once().await.unwrap();
-    let real: serde_json::Value =
-        serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
     for round in 0..4u64 {
         let planted = 10_000 + round * 1000..10_000 + round * 1000 + 50;
-        for s in planted.clone() {
-            let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "delta", "step": s,
-                "base_step": 0, "manifest_sha256": "00".repeat(32), "payload_bytes": 10, "manifest": "g1-manifest.json"});
-            tb.bucket.put(&layout::ready(StepKind::Delta, s), Bytes::from(m.to_string())).await.unwrap();
-        }
+        plant_delta_markers(&tb.bucket, planted.clone(), 0).await;
         let o = a.sync_once().await.unwrap();
         assert_eq!(o.step, 0);
         assert_eq!(o.refused.len(), 50, "round {round}: only this round's planted steps: {:?}", o.refused.len());

@@ -81,7 +81,7 @@ pub(crate) fn store_options(
 ) -> PyResult<StoreOptions> {
     // An `http://` endpoint says plain HTTP is meant, as the CLI takes it; without this the
     // client refused every request and the error looked temporary (found by review).
-    let http = endpoint.as_deref().is_some_and(|e| e.to_ascii_lowercase().starts_with("http://"));
+    let http = endpoint.as_deref().is_some_and(driftless_store::is_plain_http);
     let mut o = StoreOptions::new().with_allow_http(allow_http || http);
     if let Some(e) = endpoint {
         o = o.with_endpoint(e);

@@ -17,4 +17,4 @@ pub use error::{Error, Result, StoreError};
 pub use faulty::{FaultKind, FaultOp, FaultyStore};
 pub use object_store::{self, ObjectStore};
 pub use open::HF_S3_ENDPOINT;
-pub use options::StoreOptions;
+pub use options::{is_plain_http, StoreOptions};

@@ -338,7 +338,7 @@ fn open_gcs(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
             // A custom endpoint without credentials (fake-gcs-server): anonymous requests.
             b = b.with_credentials(Arc::new(StaticCredentialProvider::new(GcpCredential { bearer: String::new() })));
         }
-        if opts.allow_http || endpoint.to_ascii_lowercase().starts_with("http://") {
+        if opts.allow_http || crate::is_plain_http(endpoint) {
             b = b.with_client_options(client_options(&StoreOptions { allow_http: true, ..opts.clone() }));
         }
     }

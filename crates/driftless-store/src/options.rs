@@ -129,3 +129,10 @@ impl StoreOptions {
         }
     }
 }
+
+/// Whether `endpoint` is a plain-HTTP URL (`http://`, the scheme in any case): callers take it
+/// as asking for plain HTTP (`StoreOptions::allow_http`), as the CLI, the Python package and
+/// the GCS opener do.
+pub fn is_plain_http(endpoint: &str) -> bool {
+    endpoint.get(..7).is_some_and(|s| s.eq_ignore_ascii_case("http://"))
+}

@@ -28,9 +28,7 @@ impl BucketArgs {
         if let Some(r) = &self.region {
             o = o.with_region(r.clone());
         }
-        o.with_allow_http(
-            self.allow_http || self.endpoint.as_deref().is_some_and(|e| e.to_ascii_lowercase().starts_with("http://")),
-        )
+        o.with_allow_http(self.allow_http || self.endpoint.as_deref().is_some_and(driftless_store::is_plain_http))
     }
 
     pub fn open(&self) -> anyhow::Result<driftless_store::Bucket> {
