@@ -361,14 +361,46 @@ fn cold_memory(dir: &Path, bin: &Path) {
             p.close().unwrap();
             url
         };
-        let cx = Ctx { dir: d.clone(), bin: bin.to_path_buf(), url };
+        let cx = Ctx { dir: d.clone(), bin: bin.to_path_buf(), url: url.clone() };
         cx.read_anchor();
-        let (t, _) = cx.agent("A");
-        let anon = PEAK_ANON_KIB.load(std::sync::atomic::Ordering::Relaxed);
-        let ra = cx.read_anchor();
-        let (h, _) = cx.hash("A");
-        row(&format!("cold start, anchor only, {gib} GiB"), t, "max(read anchor, hash)", ra.max(h));
-        println!("|   peak anonymous memory of the agent: {} MiB | | | | |", anon >> 10);
+        // Variants, each round in the same order: `BENCH_BASE_BIN` (another build, its
+        // defaults), then this build with each `BENCH_PARTS` value as DRIFTLESS_ANCHOR_PARTS
+        // (or its default).
+        let base = std::env::var_os("BENCH_BASE_BIN").map(PathBuf::from);
+        let parts: Vec<Option<String>> = match std::env::var("BENCH_PARTS") {
+            Ok(v) => v.split(',').map(|p| Some(p.trim().to_string())).collect(),
+            Err(_) => vec![None],
+        };
+        for round in 0..env("BENCH_COLD_ROUNDS", 1u32) {
+            let mut runs: Vec<(String, Ctx, Option<String>)> = vec![];
+            if let Some(b) = &base {
+                runs.push(("base build".into(), Ctx { dir: d.clone(), bin: b.clone(), url: url.clone() }, None));
+            }
+            for p in &parts {
+                let what = p.as_ref().map_or("default parts".to_string(), |p| format!("{p} parts"));
+                let kv = p.as_ref().map(|p| format!("DRIFTLESS_ANCHOR_PARTS={p}"));
+                runs.push((what, Ctx { dir: d.clone(), bin: bin.to_path_buf(), url: url.clone() }, kv));
+            }
+            for (what, c, kv) in runs {
+                let _ = std::fs::remove_dir_all(agent_root(&d).join("A"));
+                let (t, _) = c.agent_env("A", None, kv.as_deref());
+                let anon = PEAK_ANON_KIB.load(std::sync::atomic::Ordering::Relaxed);
+                let ra = cx.read_anchor();
+                let (h, _) = cx.hash("A");
+                row(&format!("cold start, {gib} GiB, {what}, round {round}"), t, "max(read anchor, hash)", ra.max(h));
+                println!("|   peak anonymous memory of the agent: {} MiB | | | | |", anon >> 10);
+            }
+        }
+        // The one serial stage of a one-shard stream: the object's SHA-256, one thread.
+        let t = Instant::now();
+        for e in std::fs::read_dir(d.join("bucket").join(layout::anchor_dir(0))).unwrap() {
+            use sha2::Digest as _;
+            std::hint::black_box(sha2::Sha256::digest(std::fs::read(e.unwrap().path()).unwrap()));
+        }
+        println!(
+            "|   SHA-256 of the anchor objects, one thread (read included): {:.3} s | | | | |",
+            t.elapsed().as_secs_f64()
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 }

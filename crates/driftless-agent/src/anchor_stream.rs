@@ -306,7 +306,7 @@ pub async fn stream_shard(
             }
         })
         .buffered(parts.max(1));
-    drain(chunks, &mut sha, &stop).await?;
+    let mut sha = drain(chunks, sha, parts, &stop).await?;
     sha.update(&table);
     sha.update(&footer);
     if Digest(sha.finalize().into()) != o.object.sha256 {
@@ -354,7 +354,7 @@ pub async fn stream_plain(
     sink.write_at(0, &hdr)?;
     let mut sha = sha2::Sha256::new();
     sha.update(&hdr);
-    copy_parts(&bucket, &key, head_end..size, parts, sink, &mut sha).await?;
+    let sha = copy_parts(&bucket, &key, head_end..size, parts, sink, sha).await?;
     if Digest(sha.finalize().into()) != o.object.sha256 {
         return Err(mismatch(&key));
     }
@@ -363,15 +363,15 @@ pub async fn stream_plain(
 
 /// Bytes `range` of `key`, unchanged, into `sink`: ranged GETs of [`PLAIN_PART`], `parts` in
 /// flight, each written once from the blocking pool and taken in order into `sha`
-/// ([`drain`]).
+/// ([`drain`]), which is returned.
 async fn copy_parts(
     bucket: &Bucket,
     key: &str,
     range: std::ops::Range<u64>,
     parts: usize,
     sink: Arc<dyn ShardSink>,
-    sha: &mut sha2::Sha256,
-) -> Result<()> {
+    sha: sha2::Sha256,
+) -> Result<sha2::Sha256> {
     let stop = Stop(Arc::default());
     let end = range.end;
     let ranges: Vec<(u64, u64)> = range.step_by(PLAIN_PART as usize).map(|a| (a, (a + PLAIN_PART).min(end))).collect();
@@ -397,7 +397,7 @@ async fn copy_parts(
             }
         })
         .buffered(parts.max(1));
-    drain(got, sha, &stop).await
+    drain(got, sha, parts, &stop).await
 }
 
 /// The object's size in the bucket is the manifest's `size`: a missing object is a step not
@@ -416,19 +416,37 @@ fn mismatch(key: &str) -> Error {
     corrupt("object", format!("{key} does not match its manifest (size or SHA-256)"))
 }
 
-/// Takes a shard's parts in order into the object's SHA-256. On the first error, stops: the
-/// parts not yet fetched are skipped and those in flight waited for (their writes would
-/// otherwise land after the call returned).
+/// Takes a shard's parts in order into the object's SHA-256, returned once every part is in.
+/// On the first error, stops: the parts not yet fetched are skipped and those in flight waited
+/// for (their writes would otherwise land after the call returned).
+///
+/// The hash runs on a thread of the blocking pool, fed through a queue of `queue` parts: it
+/// is the one serial stage of a stream (one SHA-256 over the whole object), and run on the
+/// runtime thread that polls the parts it held up their polling as well as the runtime.
+/// The queue bounds what waits for it, so memory stays bounded by the parts in flight.
 async fn drain(
     mut parts: impl futures::Stream<Item = Result<Bytes>> + Unpin,
-    sha: &mut sha2::Sha256,
+    sha: sha2::Sha256,
+    queue: usize,
     stop: &Stop,
-) -> Result<()> {
+) -> Result<sha2::Sha256> {
     use sha2::Digest as _;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(queue.max(1));
+    let hasher = tokio::task::spawn_blocking(move || {
+        let mut sha = sha;
+        while let Some(b) = rx.blocking_recv() {
+            sha.update(&b);
+        }
+        sha
+    });
     let mut first_err = None;
     while let Some(b) = parts.next().await {
         match b {
-            Ok(b) if first_err.is_none() => sha.update(&b),
+            Ok(b) if first_err.is_none() => {
+                // The receiver lives until `tx` is dropped below; a send fails only if the
+                // hashing thread panicked, which the join reports.
+                let _ = tx.send(b).await;
+            }
             Ok(_) => {}
             Err(e) => {
                 stop.0.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -436,5 +454,7 @@ async fn drain(
             }
         }
     }
-    first_err.map_or(Ok(()), Err)
+    drop(tx);
+    let sha = hasher.await.map_err(|e| Error::Io(std::io::Error::other(format!("hash task: {e}"))))?;
+    first_err.map_or(Ok(sha), Err)
 }

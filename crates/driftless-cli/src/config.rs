@@ -19,6 +19,7 @@ const KEYS: &[(&str, &str, &str)] = &[
     ("listen", "DRIFTLESS_LISTEN", ""),
     ("poll_min", "DRIFTLESS_POLL_MIN", ""),
     ("poll_max", "DRIFTLESS_POLL_MAX", ""),
+    ("anchor_parts", "DRIFTLESS_ANCHOR_PARTS", ""),
     ("log", "DRIFTLESS_LOG", ""),
 ];
 

@@ -1442,6 +1442,38 @@ fn poll_intervals_below_the_floor_are_refused() {
     }
 }
 
+// `--anchor-parts` (cold-start parts in flight) is bounded, refused before anything is
+// created, and taken from the flag, the environment or the config file.
+#[test]
+fn anchor_parts_is_bounded_and_read_from_every_source() {
+    let t = tempfile::tempdir().unwrap();
+    let p = |s: &str| t.path().join(s);
+    let (url, _) = small_stream(t.path(), 1);
+    let agent = |d: &str| {
+        let mut c = bin();
+        c.args(["agent", "--once", "--bucket", &url, "--trust"]).arg(p("key.pub")).arg("--dir").arg(p(d));
+        c
+    };
+    for bad in ["0", "65", "x"] {
+        let (code, _, err) = out(agent("bad").args(["--anchor-parts", bad]));
+        assert_eq!(code, Some(2), "{bad}: {err}");
+        assert!(one_error(&err).contains("--anchor-parts"), "{err}");
+        let (code, _, err) = out(agent("bad").env("DRIFTLESS_ANCHOR_PARTS", bad));
+        assert_eq!(code, Some(2), "{bad}: {err}");
+        assert!(!p("bad").exists());
+    }
+    std::fs::write(p("cfg.json"), r#"{"anchor_parts": 0}"#).unwrap();
+    let (code, _, err) = out(agent("bad").arg("--config").arg(p("cfg.json")));
+    assert_eq!(code, Some(2), "{err}");
+    let mut roots = vec![];
+    for (d, parts) in [("a1", "1"), ("a64", "64")] {
+        let (code, stdout, err) = out(agent(d).args(["--anchor-parts", parts]));
+        assert_eq!(code, Some(0), "{err}");
+        roots.push(stdout.split_whitespace().nth(3).unwrap().to_string());
+    }
+    assert_eq!(roots[0], roots[1]);
+}
+
 // `keygen --force` over an existing world-readable file left the new private key 0644
 // (open(2) keeps an existing file's mode; found by review).
 #[test]

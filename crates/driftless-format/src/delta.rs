@@ -144,7 +144,9 @@ pub struct DeltaOptions {
     /// Compression.
     pub codec: Codec,
     /// Target size of one segment (bytes before compression, so compressed segments are at
-    /// most this). Default 32 MiB.
+    /// most this). Default 32 MiB. Large deltas are cut smaller, into up to
+    /// [`SPLIT_SEGMENTS`] segments of at least [`MIN_SPLIT_SEGMENT`] each, so that readers
+    /// decode them on several cores.
     pub segment_target: usize,
     /// Tensor bytes scanned per chunk (the unit of parallelism and of segment packing).
     /// Default 8 MiB.
@@ -618,11 +620,14 @@ impl DeltaDiff {
     pub fn encode(self) -> Result<EncodedDelta> {
         let mut stats = self.stats();
         // Pack entries into segments; unchanged sparse chunks carry no entry at all.
+        let size = |e: &Entry| e.positions.len() + e.values.len() + e.name.len() + 32;
+        let live = || self.entries.iter().filter(|e| e.count > 0);
+        let target = split_target(live().map(size).sum(), self.opts.segment_target);
         let mut groups: Vec<Vec<&Entry>> = vec![];
         let mut cur = 0usize;
-        for e in self.entries.iter().filter(|e| e.count > 0) {
-            let size = e.positions.len() + e.values.len() + e.name.len() + 32;
-            if groups.is_empty() || (cur > 0 && cur + size > self.opts.segment_target) {
+        for e in live() {
+            let size = size(e);
+            if groups.is_empty() || (cur > 0 && cur + size > target) {
                 groups.push(vec![]);
                 cur = 0;
             }
@@ -635,6 +640,22 @@ impl DeltaDiff {
         stats.payload_bytes = segments.iter().map(|s| s.bytes.len() as u64).sum();
         Ok(EncodedDelta { segments, stats })
     }
+}
+
+/// Segments a delta is cut into at least, when each keeps [`MIN_SPLIT_SEGMENT`]: a segment is
+/// the unit a reader downloads, checks and decodes in parallel before its pass over the model
+/// can start. One segment (what a 1 GiB model's 1% delta was under the 32 MiB target) left
+/// that stage on one core: on a 16-core host it was 40 ms of a 140 ms fast path whose pass
+/// took 90 ms (`speed_bench`, 2026-11-27). More segments cost a GET each.
+pub const SPLIT_SEGMENTS: usize = 16;
+
+/// The smallest segment (bytes before compression) a delta is split into for parallel decoding.
+pub const MIN_SPLIT_SEGMENT: usize = 1 << 20;
+
+/// The segment size [`DeltaDiff::encode`] packs `total` bytes of entries into: `target`, or
+/// less so that there are [`SPLIT_SEGMENTS`] segments of at least [`MIN_SPLIT_SEGMENT`].
+fn split_target(total: usize, target: usize) -> usize {
+    target.min(total.div_ceil(SPLIT_SEGMENTS).max(MIN_SPLIT_SEGMENT))
 }
 
 /// Diffs `target` against `base` and makes `base` equal to `target` in the same pass.
@@ -1160,6 +1181,33 @@ pub fn for_each_decoded_bounded(raws: &[u64], f: impl Fn(usize) -> Result<()> + 
 #[cfg(test)]
 mod tests {
     use super::lane_bits;
+
+    /// Large deltas are cut into up to 16 segments of at least 1 MiB, never above the target;
+    /// small targets (tests, callers that ask) are kept.
+    #[test]
+    fn large_deltas_are_split_for_parallel_decoding() {
+        use super::{split_target, MIN_SPLIT_SEGMENT, SPLIT_SEGMENTS};
+        let t = 32 << 20;
+        assert_eq!(split_target(20 << 20, t), (20 << 20) / SPLIT_SEGMENTS);
+        assert_eq!(split_target(4 << 20, t), MIN_SPLIT_SEGMENT);
+        assert_eq!(split_target(1 << 30, t), t);
+        assert_eq!(split_target(0, t), MIN_SPLIT_SEGMENT);
+        assert_eq!(split_target(1 << 30, 64), 64);
+        // Through the encoder: 64 BF16 tensors of 512 KiB with every element changed (32 MiB
+        // of entries) are cut into 16 segments, not the one the target alone gives.
+        let base = vec![0u8; 512 << 10];
+        let target: Vec<u8> = (0..512u32 << 10).map(|i| (i % 251) as u8 | 1).collect();
+        let shape = [256u64 << 10];
+        let names: Vec<String> = (0..64).map(|i| format!("w{i:02}")).collect();
+        fn view<'a>(n: &'a str, shape: &'a [u64], d: &'a [u8]) -> crate::TensorView<'a> {
+            crate::TensorView::new(n, crate::DType::BF16, shape, d).unwrap()
+        }
+        let b: Vec<_> = names.iter().map(|n| view(n, &shape, &base)).collect();
+        let n: Vec<_> = names.iter().map(|n| view(n, &shape, &target)).collect();
+        let opts = super::DeltaOptions { codec: super::Codec::Raw, ..Default::default() };
+        let enc = super::encode_delta(&b, &n, &opts).unwrap();
+        assert!((SPLIT_SEGMENTS..=SPLIT_SEGMENTS + 1).contains(&enc.segments.len()), "{}", enc.segments.len());
+    }
 
     /// Groups hold at most the budget of declared raw bytes (a larger segment alone), cover
     /// every index once, in order.

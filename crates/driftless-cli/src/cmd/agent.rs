@@ -41,6 +41,11 @@ pub struct Args {
     /// Slowest poll interval.
     #[arg(long, env = "DRIFTLESS_POLL_MAX", default_value = "10s")]
     poll_max: humantime::Duration,
+    /// Anchor chunks (16 MiB decoded each) downloaded and decoded at once per shard during a
+    /// cold start: its memory is about 64 MiB per part, whatever the model's size. Default 4
+    /// (more helped little on 16 cores: see the README's Agent numbers).
+    #[arg(long, env = "DRIFTLESS_ANCHOR_PARTS", value_parser = clap::value_parser!(u16).range(1..=64))]
+    anchor_parts: Option<u16>,
     /// JSON output (with --once).
     #[arg(long)]
     json: bool,
@@ -75,6 +80,9 @@ pub fn run(a: Args) -> Result<()> {
         .collect::<Result<_>>()?;
     cfg.poll_min = a.poll_min.into();
     cfg.poll_max = a.poll_max.into();
+    if let Some(n) = a.anchor_parts {
+        cfg.anchor_parts = n.into();
+    }
     // --poll-max at most a day: intervals and deadlines are computed from it (found by review:
     // `300000000000y` overflowed one, a panic at the first failed sync).
     const DAY: std::time::Duration = std::time::Duration::from_secs(86_400);
