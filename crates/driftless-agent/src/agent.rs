@@ -47,8 +47,9 @@ pub struct AgentConfig {
     pub download_concurrency: usize,
     /// Chunks of an anchor shard (16 MiB decoded each) downloaded and decoded at once during a
     /// cold start: the memory of a cold start is about 4 x 16 MiB per part (the chunk as
-    /// stored, waiting for the object's hash, its planes and its decoded bytes), whatever the
-    /// model size. Default 4 ([`default_anchor_parts`]).
+    /// stored, waiting for the object's hash, its planes and its decoded bytes) plus two
+    /// chunks (one being hashed, one waiting to be queued), whatever the model size. Default 4
+    /// ([`default_anchor_parts`]).
     pub anchor_parts: usize,
     /// How long a refused step stays out of plans before it is tried again (doubling on each
     /// repeated failure). Default 30 s.
@@ -1205,15 +1206,21 @@ impl Agent {
                         let r = reader.clone();
                         let cache = cache.clone();
                         let budget = budget.clone();
-                        let fut = async move {
-                            let (b, downloaded) = match cached_object(&cache, s.object.size, s.object.sha256) {
+                        async move {
+                            // File reads, writes and hashes on the blocking pool, as the store
+                            // hashes downloads: this task polls every segment of the delta, and
+                            // work done on its thread runs one segment at a time.
+                            let (size, sha) = (s.object.size, s.object.sha256);
+                            let c = cache.clone();
+                            let cached =
+                                tokio::task::spawn_blocking(move || cached_object(&c, size, sha)).await.ok().flatten();
+                            let (b, downloaded) = match cached {
                                 Some(b) => (b, 0),
                                 None => {
-                                    let b = r
-                                        .object(StepKind::Delta, step, &s.object.object, s.object.size, s.object.sha256)
-                                        .await?;
-                                    keep_object(&cache, s.object.sha256, &b);
-                                    (b, s.object.size)
+                                    let b = r.object(StepKind::Delta, step, &s.object.object, size, sha).await?;
+                                    let (c, k) = (cache.clone(), b.clone());
+                                    let _ = tokio::task::spawn_blocking(move || keep_object(&c, sha, &k)).await;
+                                    (b, size)
                                 }
                             };
                             let raw = s.raw_size;
@@ -1224,16 +1231,6 @@ impl Agent {
                                 Err(_) => Got::Stored(b, raw),
                             };
                             Ok::<_, Error>((i, got, downloaded))
-                        };
-                        // Each segment on its own task, so that the object checks (SHA-256) and
-                        // decodes of a delta's segments run on several cores: polled together in
-                        // this task they took turns on one. Aborted if this task is dropped.
-                        let task = tokio::spawn(fut.in_current_span());
-                        let guard = AbortOnDrop(task.abort_handle());
-                        async move {
-                            let r = task.await;
-                            drop(guard);
-                            r.map_err(|e| Error::Io(std::io::Error::other(format!("segment task: {e}"))))?
                         }
                     })
                     .buffered(conc);

@@ -144,7 +144,7 @@ pub struct DeltaOptions {
     /// Compression.
     pub codec: Codec,
     /// Target size of one segment (bytes before compression, so compressed segments are at
-    /// most this). Default 32 MiB. Large deltas are cut smaller, into up to
+    /// most this). Default 32 MiB. Large deltas are cut smaller, into about
     /// [`SPLIT_SEGMENTS`] segments of at least [`MIN_SPLIT_SEGMENT`] each, so that readers
     /// decode them on several cores.
     pub segment_target: usize,
@@ -642,9 +642,11 @@ impl DeltaDiff {
     }
 }
 
-/// Segments a delta is cut into at least, when each keeps [`MIN_SPLIT_SEGMENT`]: a segment is
-/// the unit a reader downloads, checks and decodes in parallel before its pass over the model
-/// can start. One segment (what a 1 GiB model's 1% delta was under the 32 MiB target) left
+/// About how many segments a delta is cut into, when each keeps [`MIN_SPLIT_SEGMENT`]: a
+/// segment is the unit a reader downloads, checks and decodes in parallel before its pass over
+/// the model can start. Not a bound: entries (one per chunk scanned) are never split, so
+/// uneven entries can give up to about twice as many (and the sharded publisher cuts each
+/// rank's part on its own). One segment (what a 1 GiB model's 1% delta was under the 32 MiB target) left
 /// that stage on one core: on a 16-core host it was 40 ms of a 140 ms fast path whose pass
 /// took 90 ms (`speed_bench`, 2026-11-27). More segments cost a GET each.
 pub const SPLIT_SEGMENTS: usize = 16;
@@ -653,7 +655,7 @@ pub const SPLIT_SEGMENTS: usize = 16;
 pub const MIN_SPLIT_SEGMENT: usize = 1 << 20;
 
 /// The segment size [`DeltaDiff::encode`] packs `total` bytes of entries into: `target`, or
-/// less so that there are [`SPLIT_SEGMENTS`] segments of at least [`MIN_SPLIT_SEGMENT`].
+/// less so that there are about [`SPLIT_SEGMENTS`] segments of at least [`MIN_SPLIT_SEGMENT`].
 fn split_target(total: usize, target: usize) -> usize {
     target.min(total.div_ceil(SPLIT_SEGMENTS).max(MIN_SPLIT_SEGMENT))
 }
