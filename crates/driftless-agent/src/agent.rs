@@ -49,7 +49,7 @@ pub struct AgentConfig {
     /// cold start: the memory of a cold start is about 4 x 16 MiB per part (the chunk as
     /// stored, waiting for the object's hash, its planes and its decoded bytes) plus two
     /// chunks (one being hashed, one waiting to be queued), whatever the model size. Default 4
-    /// ([`default_anchor_parts`]).
+    /// ([`DEFAULT_ANCHOR_PARTS`]).
     pub anchor_parts: usize,
     /// How long a refused step stays out of plans before it is tried again (doubling on each
     /// repeated failure). Default 30 s.
@@ -66,19 +66,17 @@ impl AgentConfig {
             poll_min: Duration::from_millis(500),
             poll_max: Duration::from_secs(10),
             download_concurrency: 8,
-            anchor_parts: default_anchor_parts(),
+            anchor_parts: DEFAULT_ANCHOR_PARTS,
             refuse_for: Duration::from_secs(30),
         }
     }
 }
 
-/// Anchor parts in flight by default: 4. Measured on a 16-core host (`speed_bench coldmem`,
+/// Anchor parts in flight by default. Measured on a 16-core host (`speed_bench coldmem`,
 /// two rounds): a 4 GiB cold start took 3.01-3.14 s at 4 parts (338-386 MiB of anonymous
 /// memory), 2.84-2.86 s at 8 (752-771 MiB) and 3.09-3.35 s at 16 (1.3 GiB): past 4 the
 /// object's SHA-256, one stream per shard, is what a one-shard cold start waits for.
-pub fn default_anchor_parts() -> usize {
-    4
-}
+pub const DEFAULT_ANCHOR_PARTS: usize = 4;
 
 /// Which route a sync took.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

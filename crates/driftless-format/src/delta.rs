@@ -646,9 +646,9 @@ impl DeltaDiff {
 /// segment is the unit a reader downloads, checks and decodes in parallel before its pass over
 /// the model can start. Not a bound: entries (one per chunk scanned) are never split, so
 /// uneven entries can give up to about twice as many (and the sharded publisher cuts each
-/// rank's part on its own). One segment (what a 1 GiB model's 1% delta was under the 32 MiB target) left
-/// that stage on one core: on a 16-core host it was 40 ms of a 140 ms fast path whose pass
-/// took 90 ms (`speed_bench`, 2026-11-27). More segments cost a GET each.
+/// rank's part on its own). One segment (what a 1 GiB model's 1% delta was under the 32 MiB
+/// target) left that stage on one core: on a 16-core host it was 40 ms of a 140 ms fast path
+/// whose pass took 90 ms (`speed_bench`, 2026-11-27). More segments cost a GET each.
 pub const SPLIT_SEGMENTS: usize = 16;
 
 /// The smallest segment (bytes before compression) a delta is split into for parallel decoding.

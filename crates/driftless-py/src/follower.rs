@@ -1271,9 +1271,9 @@ async fn stream_anchor_from(
         };
         bytes += match m.encoding {
             AnchorEncoding::PlanesZstd => {
-                stream_shard(bucket, step, o, &shard.tensors, anchor_parts(), sink.clone()).await?
+                stream_shard(bucket, step, o, &shard.tensors, ANCHOR_PARTS, sink.clone()).await?
             }
-            AnchorEncoding::Safetensors => stream_plain(bucket, step, o, anchor_parts(), sink.clone()).await?,
+            AnchorEncoding::Safetensors => stream_plain(bucket, step, o, ANCHOR_PARTS, sink.clone()).await?,
         };
         if let Some(h) = hashing {
             digests.extend(h.digests()?);
@@ -1385,10 +1385,8 @@ fn spool_io(e: std::io::Error) -> BindError {
     driftless_agent::Error::Io(std::io::Error::new(e.kind(), format!("spool: {e}"))).into()
 }
 
-/// Anchor parts in flight per shard: the agent's default `anchor_parts`.
-fn anchor_parts() -> usize {
-    driftless_agent::default_anchor_parts()
-}
+// Anchor parts in flight per shard: the agent's default `anchor_parts`.
+use driftless_agent::DEFAULT_ANCHOR_PARTS as ANCHOR_PARTS;
 
 fn corrupt(what: &'static str, detail: impl Into<String>) -> BindError {
     driftless_format::Error::Corrupt { what, detail: detail.into() }.into()
