@@ -31,7 +31,9 @@
 //! `coldmem DIR BIN` publishes an anchor of a 1 GiB and of a 4 GiB model (`BENCH_SIZES_GIB`,
 //! default `1,4`; synthetic BF16-like bytes, so no generator holding several times the model)
 //! and cold-starts an agent on each: the agent's peak anonymous memory must not grow with
-//! the model (anchor parts are streamed into the slot, a few in flight).
+//! the model (anchor parts are streamed into the slot, a few in flight). `BENCH_SHARD_BYTES`
+//! cuts the model into shards of at most that many bytes (shards stream side by side);
+//! `BENCH_KEEP=1` keeps the bucket for profiling.
 //!
 //! `gen` publishes the whole chain, then moves the delta ready markers aside (`held/`); `run`
 //! reveals them one at a time, so every step is measured as a follower sees it live.
@@ -356,7 +358,15 @@ fn cold_memory(dir: &Path, bin: &Path) {
                 .zip(&names)
                 .map(|(t, n)| driftless_format::TensorView::new(n, driftless_format::DType::BF16, &shape, t).unwrap())
                 .collect();
-            let (url, mut p) = new_stream(&d);
+            let key = Keypair::from_seed([3; 32]);
+            std::fs::write(d.join("key.pub"), key.public_pem().unwrap()).unwrap();
+            let url = format!("file://{}", d.join("bucket").display());
+            let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
+            let mut p = PublisherBuilder::new("unused").with_bucket(bucket).with_key(key);
+            if let Ok(n) = std::env::var("BENCH_SHARD_BYTES") {
+                p = p.with_max_shard_bytes(n.parse().expect("BENCH_SHARD_BYTES: bytes"));
+            }
+            let mut p = p.build().unwrap();
             p.publish(0, &views).unwrap();
             p.close().unwrap();
             url
@@ -391,7 +401,8 @@ fn cold_memory(dir: &Path, bin: &Path) {
                 println!("|   peak anonymous memory of the agent: {} MiB | | | | |", anon >> 10);
             }
         }
-        // The one serial stage of a one-shard stream: the object's SHA-256, one thread.
+        // The one serial stage of a shard's stream: its object's SHA-256, one thread (the sum
+        // over all shards).
         let t = Instant::now();
         for e in std::fs::read_dir(d.join("bucket").join(layout::anchor_dir(0))).unwrap() {
             std::hint::black_box(driftless_format::Digest::of(&std::fs::read(e.unwrap().path()).unwrap()));
@@ -400,7 +411,9 @@ fn cold_memory(dir: &Path, bin: &Path) {
             "|   SHA-256 of the anchor objects, one thread (read included): {:.3} s | | | | |",
             t.elapsed().as_secs_f64()
         );
-        let _ = std::fs::remove_dir_all(&d);
+        if std::env::var_os("BENCH_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&d);
+        }
     }
 }
 

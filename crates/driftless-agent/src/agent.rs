@@ -15,13 +15,13 @@ use bytes::Bytes;
 use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
 use driftless_format::manifest::{now_ms, DeltaManifest, LatestHint, ReadyMarker, StepKind};
-use driftless_format::{anchor, fused, ops, AnchorEncoding, Checkpoint, CheckpointFiles, Digest, TensorMeta, TrustSet};
+use driftless_format::{anchor, fused, ops, Checkpoint, CheckpointFiles, Digest, TensorMeta, TrustSet};
 use driftless_store::stream::{LatestWatch, StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::anchor_stream::{stream_plain, stream_shard, FileSink, Hashing, ShardSink};
+use crate::anchor_stream::{stream_anchor, FileSink, Hashing, ShardJob, ShardSink};
 use crate::metrics::Metrics;
 use crate::notify::Notifier;
 use crate::patch::{PatchBuilder, PatchFile};
@@ -1066,13 +1066,6 @@ impl Agent {
         std::fs::create_dir_all(wdir)?;
         let t0 = Instant::now();
         let r = &self.reader;
-        // Shards stream (ranged GETs, byte-plane chunks decoded, written as they arrive):
-        // memory is bounded by the parts in flight. They are hashed as they are written (when
-        // the anchor is verified on its own): the model is not read back.
-        let mut streamed = 0u64;
-        let mut digests: Vec<(TensorMeta, Digest)> = vec![];
-        // Early writeback only when the anchor is the result (`alone`): with deltas after it,
-        // the pass rewrites every page (a careful retry verifies the anchor, then applies).
         let layout = m.layout();
         if layout.shards.len() != m.objects.len() {
             return Err(BuildError::Unusable(
@@ -1082,18 +1075,41 @@ impl Agent {
                 false,
             ));
         }
+        // Shards stream (ranged GETs, byte-plane chunks decoded, written once with `pwrite`
+        // into a file allocated on its header's write: no page-cache zeroing), side by side
+        // where the parts in flight allow, which bound the memory. They are hashed as they are
+        // written (when the anchor is verified on its own): the model is not read back. Bytes
+        // decoded before an object's SHA-256 is checked only ever reach the inactive slot,
+        // which is not trusted until its weights root is verified. Early writeback only when
+        // the anchor is the result (`alone`): with deltas after it, the pass rewrites every
+        // page (a careful retry verifies the anchor, then applies).
+        let mut jobs = Vec::with_capacity(m.objects.len());
+        let mut hashing = Vec::new();
         for (o, shard) in m.objects.iter().zip(&layout.shards) {
             if o.file != shard.file {
                 let why = format!("shard {} is not the layout's {}", o.file, shard.file);
                 return Err(BuildError::Unusable(StepKind::Anchor, step, why, false));
             }
-            let (n, d) = self
-                .stream_shard(step, (o, &shard.tensors), m.encoding, wdir, verify, alone)
-                .instrument(info_span!("stream_anchor_shard", step, file = %o.file))
-                .await
-                .map_err(&at)?;
-            streamed += n;
-            digests.extend(d);
+            if o.decoded_size > anchor::MAX_SHARD {
+                return Err(at(corrupt("anchor manifest", "shard too large")));
+            }
+            let file = FileSink::new(wdir.join(&o.file), o.decoded_size, alone).holding(self.dir.guard());
+            let sink: Arc<dyn ShardSink> = if verify {
+                let h = Arc::new(Hashing::new(file, o.decoded_size));
+                hashing.push(h.clone());
+                h
+            } else {
+                Arc::new(file)
+            };
+            jobs.push(ShardJob { object: o, tensors: &shard.tensors, sink });
+        }
+        let streamed = stream_anchor(self.reader.bucket(), step, m.encoding, jobs, self.cfg.anchor_parts)
+            .instrument(info_span!("stream_anchor", step, shards = m.objects.len()))
+            .await
+            .map_err(&at)?;
+        let mut digests: Vec<(TensorMeta, Digest)> = vec![];
+        for h in hashing {
+            digests.extend(h.digests().map_err(&at)?);
         }
         let keys: Vec<(String, u64, Digest)> = m.files.iter().map(|o| (o.object.clone(), o.size, o.sha256)).collect();
         let files: Vec<Bytes> = futures::stream::iter(keys)
@@ -1135,40 +1151,6 @@ impl Agent {
         self.metrics.record_verify(tv.elapsed());
         info!(step, bytes, verified = verify, verify_secs = tv.elapsed().as_secs_f64(), "anchor loaded");
         Ok((bytes, Held { step, root: m.weights_root }))
-    }
-
-    /// Streams one byte-plane anchor shard into `wdir/<file>` ([`stream_shard`]), written
-    /// once with `pwrite` into a file whose space is allocated when its header arrives (no
-    /// page-cache zeroing, no SIGBUS). Bytes decoded before the object's SHA-256 is checked only ever reach the
-    /// inactive slot, which is not trusted until its weights root is verified. Returns the
-    /// bytes read.
-    async fn stream_shard(
-        &self,
-        step: u64,
-        (o, tensors): (&driftless_format::manifest::AnchorShardRef, &[TensorMeta]),
-        encoding: AnchorEncoding,
-        wdir: &Path,
-        hash: bool,
-        writeback: bool,
-    ) -> Result<(u64, Vec<(TensorMeta, Digest)>)> {
-        if o.decoded_size > anchor::MAX_SHARD {
-            return Err(corrupt("anchor manifest", "shard too large"));
-        }
-        let (bucket, parts) = (self.reader.bucket(), self.cfg.anchor_parts);
-        let file = FileSink::new(wdir.join(&o.file), o.decoded_size, writeback).holding(self.dir.guard());
-        let go = |sink: Arc<dyn ShardSink>| async move {
-            match encoding {
-                AnchorEncoding::PlanesZstd => stream_shard(bucket, step, o, tensors, parts, sink).await,
-                AnchorEncoding::Safetensors => stream_plain(bucket, step, o, parts, sink).await,
-            }
-        };
-        if hash {
-            let sink = Arc::new(Hashing::new(file, o.decoded_size));
-            let n = go(sink.clone()).await?;
-            Ok((n, sink.digests()?))
-        } else {
-            Ok((go(Arc::new(file)).await?, vec![]))
-        }
     }
 
     /// Starts downloading delta `step` in the background: its manifest, then its segments

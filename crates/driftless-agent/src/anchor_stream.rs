@@ -1,5 +1,6 @@
-//! Streaming one anchor shard out of the bucket, shared by the agent (into a file
-//! of its work slot) and the Python `Follower` (into the caller's arrays): ranged GETs of the
+//! Streaming an anchor out of the bucket, shared by the agent (into files of its work slot)
+//! and the Python `Follower` (into the caller's arrays). Shards stream side by side where the
+//! parts in flight allow ([`share_parts`]); each one: ranged GETs of the
 //! object's footer and prefix, its header (which says how the encoder cut the file), its
 //! table, then one ranged GET per chunk (16 MiB of decoded bytes), `parts` in flight, each
 //! decoded on the blocking pool and handed to a [`ShardSink`] once. Memory is bounded by the
@@ -9,11 +10,12 @@
 //! verified. Shards of a plain-safetensors anchor stream the same way, without the decoding
 //! ([`stream_plain`]).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
 use driftless_format::checkpoint::parse_safetensors_head;
-use driftless_format::manifest::{AnchorShardRef, StepKind};
+use driftless_format::manifest::{AnchorEncoding, AnchorShardRef, StepKind};
 use driftless_format::slice::{self, PartDigest};
 use driftless_format::{anchor, hash, Digest, TensorMeta};
 use driftless_store::stream::StreamError;
@@ -25,7 +27,7 @@ use crate::{Error, Result};
 
 /// Where the decoded bytes of a shard go.
 ///
-/// [`stream_shard`] returns, with its result or its first error, only once every write it
+/// [`stream_anchor`] returns, with its result or its first error, only once every write it
 /// started has finished: a sink may borrow memory for the duration of the call. (Its future
 /// must then be run to completion: dropped early, decode tasks already on the blocking pool
 /// finish on their own; they check a stop flag before writing, which narrows but cannot close
@@ -214,27 +216,112 @@ impl<S: ShardSink> ShardSink for Hashing<S> {
 /// Bytes of partial leaves and leaf digests a [`Hashing`] keeps for one shard at most.
 const MAX_KEPT: u64 = 64 << 20;
 
-/// Set on the first error and when [`stream_shard`]'s future is dropped: parts not yet
-/// fetched are skipped, decodes not yet written are not written.
-struct Stop(Arc<std::sync::atomic::AtomicBool>);
+/// Set on the first error of any shard and when [`stream_anchor`]'s future is dropped: parts
+/// not yet fetched are skipped, decodes not yet written are not written, shards not yet
+/// started are not started.
+struct Stop(Arc<AtomicBool>);
 
 impl Drop for Stop {
     fn drop(&mut self) {
-        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.0.store(true, Ordering::SeqCst);
     }
+}
+
+/// One shard of an anchor for [`stream_anchor`]: its manifest entry, the signed layout's
+/// tensors of the shard (which its header must list), and where its decoded bytes go.
+pub struct ShardJob<'a> {
+    /// The signed manifest's entry of the shard.
+    pub object: &'a AnchorShardRef,
+    /// The signed layout's tensors of the shard.
+    pub tensors: &'a [driftless_format::TensorMeta],
+    /// Where its decoded bytes go.
+    pub sink: Arc<dyn ShardSink>,
+}
+
+/// How `parts` in flight are shared by an anchor of `shards` shards: (shards streamed at once,
+/// parts in flight for each). Each shard's object SHA-256 is one serial stream (its digest is
+/// signed whole), about 1 GB/s on one core: a one-shard stream cannot go faster, so shards go
+/// side by side, two parts each (one fetched and decoded while the one before it is hashed),
+/// and the memory bound stays `parts` parts whatever the split.
+pub fn share_parts(parts: usize, shards: usize) -> (usize, usize) {
+    let parts = parts.max(1);
+    let at_once = (parts / 2).clamp(1, shards.max(1));
+    (at_once, (parts / at_once).max(1))
+}
+
+/// Streams every shard of anchor `step` (`encoding` says how its objects are stored) into its
+/// sink, [`share_parts`] of `parts` at once; returns the bytes read. On the first error, the
+/// shards not yet started are not, the others stop at their next part, every write in flight
+/// is waited for, and that first error is returned (a shard stopped by another's error
+/// reports nothing of its own, so a missing object is never reported as a mismatch).
+pub async fn stream_anchor(
+    bucket: &Bucket,
+    step: u64,
+    encoding: AnchorEncoding,
+    jobs: Vec<ShardJob<'_>>,
+    parts: usize,
+) -> Result<u64> {
+    let (at_once, each) = share_parts(parts, jobs.len());
+    let stop = Stop(Arc::default());
+    let flag = &stop.0;
+    // The futures made first, then buffered (a stream mapping with a closure over borrows
+    // makes the caller's future not `Send` for every lifetime, which spawning it needs).
+    let futures: Vec<_> = jobs.into_iter().map(|j| stream_job(bucket, step, encoding, j, each, flag)).collect();
+    let mut results = futures::stream::iter(futures).buffered(at_once);
+    // Every shard's future runs to its end (none is dropped with writes in flight).
+    let (mut bytes, mut first_err, mut stopped) = (0u64, None, false);
+    while let Some(r) = results.next().await {
+        match r {
+            Ok(Some(n)) => bytes = bytes.saturating_add(n),
+            Ok(None) => stopped = true,
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    match (first_err, stopped) {
+        (Some(e), _) => Err(e),
+        // Only an error sets the flag while this future lives.
+        (None, true) => Err(Error::Io(std::io::Error::other("anchor stream stopped without an error"))),
+        (None, false) => Ok(bytes),
+    }
+}
+
+/// One shard of [`stream_anchor`].
+async fn stream_job(
+    bucket: &Bucket,
+    step: u64,
+    encoding: AnchorEncoding,
+    j: ShardJob<'_>,
+    each: usize,
+    flag: &Arc<AtomicBool>,
+) -> Result<Option<u64>> {
+    if flag.load(Ordering::SeqCst) {
+        return Ok(None);
+    }
+    let r = match encoding {
+        AnchorEncoding::PlanesZstd => stream_shard(bucket, step, j.object, j.tensors, each, j.sink, flag).await,
+        AnchorEncoding::Safetensors => stream_plain(bucket, step, j.object, each, j.sink, flag).await,
+    };
+    if r.is_err() {
+        flag.store(true, Ordering::SeqCst);
+    }
+    r
 }
 
 /// Streams shard `o` of anchor `step` into `sink` (see the module docs), `parts` chunks in
 /// flight; `tensors` are the signed layout's tensors of the shard, which its header must list.
-/// Returns the bytes read.
-pub async fn stream_shard(
+/// Returns the bytes read, or `None` when `stop` was set by another shard's stream (what was
+/// hashed is then incomplete, and nothing is said about this shard).
+async fn stream_shard(
     bucket: &Bucket,
     step: u64,
     o: &AnchorShardRef,
     tensors: &[driftless_format::TensorMeta],
     parts: usize,
     sink: Arc<dyn ShardSink>,
-) -> Result<u64> {
+    stop: &Arc<AtomicBool>,
+) -> Result<Option<u64>> {
     use sha2::Digest as _;
     if o.decoded_size > anchor::MAX_SHARD {
         return Err(corrupt("anchor manifest", "shard too large"));
@@ -272,12 +359,11 @@ pub async fn stream_shard(
     let mut sha = sha2::Sha256::new();
     sha.update(&prefix);
     sha.update(&hz);
-    let stop = Stop(Arc::default());
     let chunks = futures::stream::iter(plan.chunks)
         .map(|c| {
-            let (bucket, key, sink, pool, stop) = (bucket.clone(), key.clone(), sink.clone(), &pool, stop.0.clone());
+            let (bucket, key, sink, pool, stop) = (bucket.clone(), key.clone(), sink.clone(), &pool, stop.clone());
             async move {
-                if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if stop.load(Ordering::SeqCst) {
                     return Ok(Bytes::new());
                 }
                 let b = bucket.get_range_of(&key, c.stored.clone()).await?;
@@ -293,7 +379,7 @@ pub async fn stream_shard(
                     }
                     let r = anchor::decode_chunk_with(&c, &stored, &mut out[..n], &mut scratch)
                         .map_err(Error::from)
-                        .and_then(|()| match stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        .and_then(|()| match stop.load(Ordering::SeqCst) {
                             true => Ok(()),
                             false => sink.write_at(c.out.start, &out[..n]),
                         });
@@ -306,13 +392,16 @@ pub async fn stream_shard(
             }
         })
         .buffered(parts.max(1));
-    let mut sha = drain(chunks, sha, parts, &stop).await?;
+    let mut sha = drain(chunks, sha, parts, stop).await?;
+    if stop.load(Ordering::SeqCst) {
+        return Ok(None);
+    }
     sha.update(&table);
     sha.update(&footer);
     if Digest(sha.finalize().into()) != o.object.sha256 {
         return Err(mismatch(&key));
     }
-    Ok(size)
+    Ok(Some(size))
 }
 
 /// Bytes of a plain-safetensors shard fetched per ranged GET.
@@ -322,13 +411,15 @@ const PLAIN_PART: u64 = 16 << 20;
 /// [`stream_shard`] does for byte-plane shards: the header first, alone, then 16 MiB parts,
 /// `parts` in flight, each written once from the blocking pool; the object's SHA-256 over the
 /// parts in order, checked at the end. Memory is bounded by the parts in flight, not the shard.
-pub async fn stream_plain(
+/// `None` as for [`stream_shard`].
+async fn stream_plain(
     bucket: &Bucket,
     step: u64,
     o: &AnchorShardRef,
     parts: usize,
     sink: Arc<dyn ShardSink>,
-) -> Result<u64> {
+    stop: &Arc<AtomicBool>,
+) -> Result<Option<u64>> {
     use sha2::Digest as _;
     let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
     let size = o.object.size;
@@ -354,11 +445,14 @@ pub async fn stream_plain(
     sink.write_at(0, &hdr)?;
     let mut sha = sha2::Sha256::new();
     sha.update(&hdr);
-    let sha = copy_parts(&bucket, &key, head_end..size, parts, sink, sha).await?;
+    let sha = copy_parts(&bucket, &key, head_end..size, parts, sink, sha, stop).await?;
+    if stop.load(Ordering::SeqCst) {
+        return Ok(None);
+    }
     if Digest(sha.finalize().into()) != o.object.sha256 {
         return Err(mismatch(&key));
     }
-    Ok(size)
+    Ok(Some(size))
 }
 
 /// Bytes `range` of `key`, unchanged, into `sink`: ranged GETs of [`PLAIN_PART`], `parts` in
@@ -371,15 +465,15 @@ async fn copy_parts(
     parts: usize,
     sink: Arc<dyn ShardSink>,
     sha: sha2::Sha256,
+    stop: &Arc<AtomicBool>,
 ) -> Result<sha2::Sha256> {
-    let stop = Stop(Arc::default());
     let end = range.end;
     let ranges: Vec<(u64, u64)> = range.step_by(PLAIN_PART as usize).map(|a| (a, (a + PLAIN_PART).min(end))).collect();
     let got = futures::stream::iter(ranges)
         .map(|(a, e)| {
-            let (bucket, key, sink, stop) = (bucket.clone(), key.to_string(), sink.clone(), stop.0.clone());
+            let (bucket, key, sink, stop) = (bucket.clone(), key.to_string(), sink.clone(), stop.clone());
             async move {
-                if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if stop.load(Ordering::SeqCst) {
                     return Ok(Bytes::new());
                 }
                 let b = bucket.get_range_of(&key, a..e).await?;
@@ -387,7 +481,7 @@ async fn copy_parts(
                     return Err(corrupt("object", format!("{key} is shorter than its manifest says")));
                 }
                 let part = b.clone();
-                tokio::task::spawn_blocking(move || match stop.load(std::sync::atomic::Ordering::SeqCst) {
+                tokio::task::spawn_blocking(move || match stop.load(Ordering::SeqCst) {
                     true => Ok(()),
                     false => sink.write_at(a, &part),
                 })
@@ -397,7 +491,7 @@ async fn copy_parts(
             }
         })
         .buffered(parts.max(1));
-    drain(got, sha, parts, &stop).await
+    drain(got, sha, parts, stop).await
 }
 
 /// The object's size in the bucket is the manifest's `size`: a missing object is a step not
@@ -428,7 +522,7 @@ async fn drain(
     mut parts: impl futures::Stream<Item = Result<Bytes>> + Unpin,
     sha: sha2::Sha256,
     queue: usize,
-    stop: &Stop,
+    stop: &AtomicBool,
 ) -> Result<sha2::Sha256> {
     use sha2::Digest as _;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(queue.max(1));
@@ -449,7 +543,7 @@ async fn drain(
             }
             Ok(_) => {}
             Err(e) => {
-                stop.0.store(true, std::sync::atomic::Ordering::SeqCst);
+                stop.store(true, Ordering::SeqCst);
                 first_err.get_or_insert(e);
             }
         }

@@ -1,9 +1,10 @@
-//! Streaming an anchor shard (`anchor_stream::stream_shard`, shared by the agent and the
-//! Python `Follower`, whose sink writes into the caller's arrays): hashed as it passes
-//! (`Hashing`), every tensor's digest is that of the published bytes; when one part fails, the
-//! call returns its error only after the parts in flight are done, so no write lands after it
-//! returned (the arrays may be released or reused by then), and parts after the error are not
-//! written at all.
+//! Streaming an anchor (`anchor_stream::stream_anchor`, shared by the agent and the Python
+//! `Follower`, whose sink writes into the caller's arrays): hashed as it passes (`Hashing`),
+//! every tensor's digest is that of the published bytes; when one part fails, the call returns
+//! its error only after the parts in flight are done, so no write lands after it returned (the
+//! arrays may be released or reused by then), and parts after the error are not written at
+//! all. Shards stream side by side, and one shard's error stops the others without being
+//! reported as theirs.
 
 mod common;
 
@@ -12,31 +13,58 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use driftless_agent::anchor_stream::{stream_shard, Hashing, ShardSink};
+use driftless_agent::anchor_stream::{stream_anchor, Hashing, ShardJob, ShardSink};
 use driftless_format::gen::{ModelSpec, RlChain};
+use driftless_format::manifest::{AnchorEncoding, AnchorShardRef};
+use driftless_format::TensorMeta;
 use driftless_format::{anchor, Keypair, TrustSet};
 use driftless_publisher::PublisherBuilder;
 use driftless_store::layout;
 use driftless_store::stream::StreamReader;
 
 /// Counts writes, and those that land after the call returned; each write takes a while so
-/// that decodes are still in flight when a part fails.
+/// that decodes are still in flight when a part fails. With `busy`, counts the sinks writing
+/// at once (the most in `most`).
 #[derive(Default)]
 struct Counting {
     returned: AtomicBool,
     writes: AtomicU64,
     late: AtomicU64,
+    busy: Option<Arc<(AtomicU64, AtomicU64)>>,
+    in_flight: AtomicU64,
 }
 
 impl ShardSink for Counting {
     fn write_at(&self, _at: u64, _bytes: &[u8]) -> driftless_agent::Result<()> {
+        // A sink counts as writing from its first write in flight to its last.
+        if let Some(b) = &self.busy {
+            if self.in_flight.fetch_add(1, SeqCst) == 0 {
+                let now = b.0.fetch_add(1, SeqCst) + 1;
+                b.1.fetch_max(now, SeqCst);
+            }
+        }
         std::thread::sleep(Duration::from_millis(40));
+        if let Some(b) = &self.busy {
+            if self.in_flight.fetch_sub(1, SeqCst) == 1 {
+                b.0.fetch_sub(1, SeqCst);
+            }
+        }
         self.writes.fetch_add(1, SeqCst);
         if self.returned.load(SeqCst) {
             self.late.fetch_add(1, SeqCst);
         }
         Ok(())
     }
+}
+
+/// One shard's stream, as the callers stream a one-shard anchor.
+async fn stream_one(
+    b: &driftless_store::Bucket,
+    o: &AnchorShardRef,
+    tensors: &[TensorMeta],
+    sink: Arc<dyn ShardSink>,
+) -> driftless_agent::Result<u64> {
+    stream_anchor(b, 0, AnchorEncoding::PlanesZstd, vec![ShardJob { object: o, tensors, sink }], 4).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -58,14 +86,14 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     let tensors = m.layout().shards.into_iter().find(|s| s.file == o.file).unwrap().tensors;
     // A header that does not list the signed layout's tensors is refused before any chunk is
     // read (a replaced object could declare millions of tiny tensors, a GET per chunk).
-    let e = stream_shard(&tb.bucket, 0, &o, &tensors[1..], 4, Arc::new(Counting::default())).await.unwrap_err();
+    let e = stream_one(&tb.bucket, &o, &tensors[1..], Arc::new(Counting::default())).await.unwrap_err();
     assert!(e.to_string().contains("not the") && e.to_string().contains("signed layout"), "{e}");
 
     // Intact: every part written once (plus the header), nothing after the call; hashed as
     // it passes, every tensor's digest is that of the published bytes.
     let counting = Counting::default();
     let sink = Arc::new(Hashing::new(counting, o.decoded_size));
-    let n = stream_shard(&tb.bucket, 0, &o, &tensors, 4, sink.clone()).await.unwrap();
+    let n = stream_one(&tb.bucket, &o, &tensors, sink.clone()).await.unwrap();
     assert_eq!(n, o.object.size);
     let got: std::collections::HashMap<String, driftless_format::Digest> =
         sink.digests().unwrap().into_iter().map(|(m, d)| (m.name, d)).collect();
@@ -76,7 +104,7 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
         assert_eq!(got[v.name], d, "digest of {} hashed while streaming", v.name);
     }
     let writes = Arc::new(Counting::default());
-    stream_shard(&tb.bucket, 0, &o, &tensors, 4, writes.clone()).await.unwrap();
+    stream_one(&tb.bucket, &o, &tensors, writes.clone()).await.unwrap();
     let parts = writes.writes.load(SeqCst) - 1;
     assert!(parts >= 3, "{parts} parts: the model should span several");
 
@@ -100,13 +128,97 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     }
     std::fs::write(&path, &bytes).unwrap();
     let sink = Arc::new(Counting::default());
-    let e = stream_shard(&tb.bucket, 0, &o, &tensors, 4, sink.clone()).await.unwrap_err();
+    let e = stream_one(&tb.bucket, &o, &tensors, sink.clone()).await.unwrap_err();
     sink.returned.store(true, SeqCst);
     assert!(e.to_string().contains("zstd"), "{e}");
     // Decodes still in flight when it returned would write now.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(sink.late.load(SeqCst), 0, "writes landed after stream_shard returned its error");
+    assert_eq!(sink.late.load(SeqCst), 0, "writes landed after stream_anchor returned its error");
     assert!(sink.writes.load(SeqCst) <= parts, "parts after the error were written");
+}
+
+/// A sharded anchor streams two shards at once with 4 parts in flight (`share_parts`), every
+/// tensor hashed as published; when one shard's object is missing, the error is that (a step
+/// not ready), not the mismatch the shard stopped beside it would compute from the parts it
+/// skipped, and no write lands after the call returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_stream_side_by_side_and_one_missing_shard_is_reported_as_such() {
+    assert_eq!(driftless_agent::anchor_stream::share_parts(4, 1), (1, 4));
+    assert_eq!(driftless_agent::anchor_stream::share_parts(4, 5), (2, 2));
+    assert_eq!(driftless_agent::anchor_stream::share_parts(1, 5), (1, 1));
+    assert_eq!(driftless_agent::anchor_stream::share_parts(9, 2), (2, 4));
+    let tb = file_bucket();
+    let key = Keypair::from_seed([9; 32]);
+    let (b, k) = (tb.bucket.clone(), key.clone());
+    // 96 MiB in shards of at most 32 MiB: several shards of several 16 MiB parts.
+    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(96 << 20), 2e-6, 3);
+    tokio::task::block_in_place(|| {
+        let mut p =
+            PublisherBuilder::new("unused").with_bucket(b).with_key(k).with_max_shard_bytes(32 << 20).build().unwrap();
+        p.publish(0, &chain.views()).unwrap();
+        p.close().unwrap();
+    });
+    let reader = StreamReader::new(tb.bucket.clone(), TrustSet::new().with_key(key.public()));
+    let (m, _) = reader.anchor(0).await.unwrap();
+    let layout = m.layout();
+    assert!(m.objects.len() >= 3, "{} shards", m.objects.len());
+    let busy = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+    let sinks: Vec<Arc<Hashing<Counting>>> = m
+        .objects
+        .iter()
+        .map(|o| Arc::new(Hashing::new(Counting { busy: Some(busy.clone()), ..Default::default() }, o.decoded_size)))
+        .collect();
+    let jobs = |sinks: Vec<Arc<dyn ShardSink>>| -> Vec<ShardJob<'_>> {
+        m.objects
+            .iter()
+            .zip(&layout.shards)
+            .zip(sinks)
+            .map(|((o, s), sink)| ShardJob { object: o, tensors: &s.tensors, sink })
+            .collect()
+    };
+    let n = stream_anchor(
+        &tb.bucket,
+        0,
+        m.encoding,
+        jobs(sinks.iter().map(|s| s.clone() as Arc<dyn ShardSink>).collect()),
+        4,
+    )
+    .await
+    .unwrap();
+    assert_eq!(n, m.objects.iter().map(|o| o.object.size).sum::<u64>());
+    let got: std::collections::HashMap<String, driftless_format::Digest> =
+        sinks.iter().flat_map(|s| s.digests().unwrap()).map(|(m, d)| (m.name, d)).collect();
+    let views = chain.views();
+    let (want, _) = driftless_format::weights_root(&views);
+    assert_eq!(got.len(), views.len());
+    for (v, d) in views.iter().zip(want) {
+        assert_eq!(got[v.name], d, "digest of {} hashed while streaming", v.name);
+    }
+    assert_eq!(busy.1.load(SeqCst), 2, "shards written at once (4 parts: two shards of two parts)");
+
+    // The second shard's object gone: the first, streaming beside it, is stopped.
+    let gone = &m.objects[1];
+    let path =
+        tb.root.as_ref().unwrap().join(layout::object(driftless_format::StepKind::Anchor, 0, &gone.object.object));
+    std::fs::remove_file(&path).unwrap();
+    let counting: Vec<Arc<Counting>> = m.objects.iter().map(|_| Arc::new(Counting::default())).collect();
+    let e = stream_anchor(
+        &tb.bucket,
+        0,
+        m.encoding,
+        jobs(counting.iter().map(|s| s.clone() as Arc<dyn ShardSink>).collect()),
+        4,
+    )
+    .await
+    .unwrap_err();
+    for c in &counting {
+        c.returned.store(true, SeqCst);
+    }
+    assert!(!e.is_integrity(), "a missing object is not a corrupt one: {e}");
+    assert!(e.to_string().contains("missing"), "{e}");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(counting.iter().map(|c| c.late.load(SeqCst)).sum::<u64>(), 0, "writes after the call returned");
+    assert_eq!(counting.last().unwrap().writes.load(SeqCst), 0, "a shard after the error was started");
 }
 
 /// A cold start verifies a streamed anchor through the digests hashed as it was written: an

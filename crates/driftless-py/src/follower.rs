@@ -9,13 +9,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
 use driftless_agent::anchor_stream::{
-    shard_tensors, stream_plain, stream_shard, FileSink, Hashing, ShardSink, ShardTensors,
+    shard_tensors, stream_anchor, FileSink, Hashing, ShardJob, ShardSink, ShardTensors,
 };
 use driftless_agent::plan::Newest;
 use driftless_agent::{plan, Agent, AgentConfig};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
 use driftless_format::{
-    delta, ops, AnchorEncoding, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
+    delta, ops, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
 };
 use driftless_store::spool::Spool;
 use driftless_store::stream::{LatestVersion, LatestWatch, StreamReader};
@@ -1255,29 +1255,26 @@ async fn stream_anchor_from(
     if m.objects.len() != layout.shards.len() {
         return Err(corrupt("anchor", "shard count differs from the manifest"));
     }
-    let (mut bytes, mut digests) = (0, vec![]);
+    let (mut jobs, mut hashing) = (Vec::with_capacity(m.objects.len()), Vec::new());
     for (i, (o, shard)) in m.objects.iter().zip(&layout.shards).enumerate() {
         if o.file != shard.file {
             return Err(corrupt("anchor", format!("shard {} is not the manifest's {}", o.file, shard.file)));
         }
         let spool = spool.map(|d| FileSink::new(spooled(d, i), o.decoded_size, false));
         let arrays = ArraySink::new(o.decoded_size, shard, by, spool);
-        type Hashed = Arc<Hashing<ArraySink>>;
-        let (sink, hashing): (Arc<dyn ShardSink>, Option<Hashed>) = if hash {
+        let sink: Arc<dyn ShardSink> = if hash {
             let h = Arc::new(Hashing::new(arrays, o.decoded_size));
-            (h.clone(), Some(h))
+            hashing.push(h.clone());
+            h
         } else {
-            (Arc::new(arrays), None)
+            Arc::new(arrays)
         };
-        bytes += match m.encoding {
-            AnchorEncoding::PlanesZstd => {
-                stream_shard(bucket, step, o, &shard.tensors, ANCHOR_PARTS, sink.clone()).await?
-            }
-            AnchorEncoding::Safetensors => stream_plain(bucket, step, o, ANCHOR_PARTS, sink.clone()).await?,
-        };
-        if let Some(h) = hashing {
-            digests.extend(h.digests()?);
-        }
+        jobs.push(ShardJob { object: o, tensors: &shard.tensors, sink });
+    }
+    let bytes = stream_anchor(bucket, step, m.encoding, jobs, ANCHOR_PARTS).await?;
+    let mut digests = vec![];
+    for h in hashing {
+        digests.extend(h.digests()?);
     }
     Ok((bytes, digests))
 }
