@@ -45,11 +45,12 @@ pub struct AgentConfig {
     pub poll_max: Duration,
     /// Concurrent object downloads. Default 8.
     pub download_concurrency: usize,
-    /// Chunks of an anchor shard (16 MiB decoded each) downloaded and decoded at once during a
-    /// cold start: the memory of a cold start is about 4 x 16 MiB per part (the chunk as
-    /// stored, waiting for the object's hash, its planes and its decoded bytes) plus two
-    /// chunks (one being hashed, one waiting to be queued), whatever the model size. Default 4
-    /// ([`DEFAULT_ANCHOR_PARTS`]).
+    /// Chunks of an anchor (16 MiB decoded each) downloaded and decoded at once during a cold
+    /// start, shared by the shards streaming side by side (`anchor_stream::share_parts`: 4
+    /// parts are two shards of two): the memory of a cold start is about 4 x 16 MiB per part
+    /// (the chunk as stored, waiting for its object's hash, its planes and its decoded bytes)
+    /// plus two chunks per shard streaming (one being hashed, one waiting to be queued),
+    /// whatever the model size. Default 4 ([`DEFAULT_ANCHOR_PARTS`]).
     pub anchor_parts: usize,
     /// How long a refused step stays out of plans before it is tried again (doubling on each
     /// repeated failure). Default 30 s.

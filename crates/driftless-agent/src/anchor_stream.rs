@@ -1,14 +1,13 @@
-//! Streaming an anchor out of the bucket, shared by the agent (into files of its work slot)
-//! and the Python `Follower` (into the caller's arrays). Shards stream side by side where the
-//! parts in flight allow ([`share_parts`]); each one: ranged GETs of the
-//! object's footer and prefix, its header (which says how the encoder cut the file), its
-//! table, then one ranged GET per chunk (16 MiB of decoded bytes), `parts` in flight, each
+//! Streaming an anchor out of the bucket ([`stream_anchor`]), shared by the agent (into files
+//! of its work slot) and the Python `Follower` (into the caller's arrays). Shards stream side by
+//! side, sharing the parts in flight ([`share_parts`]); each one: ranged GETs of the object's
+//! footer and prefix, its header (which says how the encoder cut the file), its table, then one
+//! ranged GET per chunk (16 MiB of decoded bytes), its share of the parts in flight, each
 //! decoded on the blocking pool and handed to a [`ShardSink`] once. Memory is bounded by the
 //! parts in flight, whatever the model's size. The object's SHA-256 is computed over the
 //! parts in order and checked against the manifest at the end: a sink receives bytes before
 //! that check, so it must write only where nothing is trusted until a weights root is
-//! verified. Shards of a plain-safetensors anchor stream the same way, without the decoding
-//! ([`stream_plain`]).
+//! verified. Shards of a plain-safetensors anchor stream the same way, without the decoding.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -37,6 +36,13 @@ pub trait ShardSink: Send + Sync + 'static {
     /// header comes first, alone, at 0; then every chunk once, from blocking threads, in any
     /// order, never overlapping.
     fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()>;
+
+    /// Called once every byte of the shard was written and its object checked (never after
+    /// an error): what a sink kept per part can be settled now rather than when the whole
+    /// anchor is done (shards stream side by side).
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A decoded shard file (a file of the agent's work slot; the Python `Follower`'s spool of a
@@ -159,17 +165,33 @@ pub struct Hashing<S> {
     parts: Mutex<Vec<(usize, PartDigest)>>,
     /// Bytes the parts keep (partial leaves, leaf digests), bounded by [`MAX_KEPT`].
     kept: std::sync::atomic::AtomicU64,
+    /// The digests, once [`ShardSink::finish`] assembled them (the parts are dropped then).
+    done: Mutex<Option<Vec<(TensorMeta, Digest)>>>,
 }
 
 impl<S: ShardSink> Hashing<S> {
     /// Hashes what goes to `inner`, a shard file of `size` decoded bytes.
     pub fn new(inner: S, size: u64) -> Self {
-        Hashing { inner, size, tensors: OnceLock::new(), parts: Mutex::default(), kept: Default::default() }
+        Hashing {
+            inner,
+            size,
+            tensors: OnceLock::new(),
+            parts: Mutex::default(),
+            kept: Default::default(),
+            done: Mutex::default(),
+        }
     }
 
     /// The digest of every tensor of the shard (in header order), once every byte passed.
     /// An error when the parts do not cover a tensor exactly (a stream that did not finish).
     pub fn digests(&self) -> Result<Vec<(TensorMeta, Digest)>> {
+        if let Some(d) = self.done.lock().expect("digests lock").take() {
+            return Ok(d);
+        }
+        self.assemble()
+    }
+
+    fn assemble(&self) -> Result<Vec<(TensorMeta, Digest)>> {
         let tensors = self.tensors.get().ok_or_else(|| corrupt("anchor shard", "no header"))?.tensors();
         let mut by: Vec<Vec<PartDigest>> = vec![vec![]; tensors.len()];
         for (t, p) in std::mem::take(&mut *self.parts.lock().expect("parts lock")) {
@@ -211,9 +233,16 @@ impl<S: ShardSink> ShardSink for Hashing<S> {
         self.parts.lock().expect("parts lock").extend(mine);
         Ok(())
     }
+
+    fn finish(&self) -> Result<()> {
+        let d = self.assemble()?;
+        *self.done.lock().expect("digests lock") = Some(d);
+        self.inner.finish()
+    }
 }
 
-/// Bytes of partial leaves and leaf digests a [`Hashing`] keeps for one shard at most.
+/// Bytes of partial leaves and leaf digests a [`Hashing`] keeps for one shard at most (until
+/// the shard is finished; a hostile plan can make every shard streaming at once keep that).
 const MAX_KEPT: u64 = 64 << 20;
 
 /// Set on the first error of any shard and when [`stream_anchor`]'s future is dropped: parts
@@ -250,10 +279,12 @@ pub fn share_parts(parts: usize, shards: usize) -> (usize, usize) {
 }
 
 /// Streams every shard of anchor `step` (`encoding` says how its objects are stored) into its
-/// sink, [`share_parts`] of `parts` at once; returns the bytes read. On the first error, the
-/// shards not yet started are not, the others stop at their next part, every write in flight
-/// is waited for, and that first error is returned (a shard stopped by another's error
-/// reports nothing of its own, so a missing object is never reported as a mismatch).
+/// sink, [`share_parts`] of `parts` at once (a shard starts as soon as one ends, in any
+/// order); returns the bytes read. Each shard's sink is finished ([`ShardSink::finish`]) as
+/// soon as its object is checked. On the first error, the shards not yet started are not, the
+/// others stop at their next part, every write in flight is waited for, and the first error
+/// to come back is returned: a shard stopped by another's error reports nothing of its own,
+/// so a missing object is never reported as a mismatch.
 pub async fn stream_anchor(
     bucket: &Bucket,
     step: u64,
@@ -267,7 +298,10 @@ pub async fn stream_anchor(
     // The futures made first, then buffered (a stream mapping with a closure over borrows
     // makes the caller's future not `Send` for every lifetime, which spawning it needs).
     let futures: Vec<_> = jobs.into_iter().map(|j| stream_job(bucket, step, encoding, j, each, flag)).collect();
-    let mut results = futures::stream::iter(futures).buffered(at_once);
+    let mut results = futures::stream::iter(futures).buffer_unordered(at_once);
+    // Dropped before `results` when this future is dropped: decodes still running on the
+    // blocking pool see the flag before they write.
+    let _stop_first = Stop(flag.clone());
     // Every shard's future runs to its end (none is dropped with writes in flight).
     let (mut bytes, mut first_err, mut stopped) = (0u64, None, false);
     while let Some(r) = results.next().await {
@@ -300,11 +334,18 @@ async fn stream_job(
         return Ok(None);
     }
     let r = match encoding {
-        AnchorEncoding::PlanesZstd => stream_shard(bucket, step, j.object, j.tensors, each, j.sink, flag).await,
-        AnchorEncoding::Safetensors => stream_plain(bucket, step, j.object, each, j.sink, flag).await,
+        AnchorEncoding::PlanesZstd => stream_shard(bucket, step, j.object, j.tensors, each, j.sink.clone(), flag).await,
+        AnchorEncoding::Safetensors => stream_plain(bucket, step, j.object, each, j.sink.clone(), flag).await,
     };
-    if r.is_err() {
-        flag.store(true, Ordering::SeqCst);
+    match r {
+        Ok(Some(_)) => {
+            if let Err(e) = j.sink.finish() {
+                flag.store(true, Ordering::SeqCst);
+                return Err(e);
+            }
+        }
+        Ok(None) => {}
+        Err(_) => flag.store(true, Ordering::SeqCst),
     }
     r
 }
@@ -351,6 +392,10 @@ async fn stream_shard(
         false => bucket.get_range_of(&key, tr).await?,
     };
     let plan = anchor::plan_shard(&prefix, &cuts, &table, &footer, size, o.decoded_size)?;
+    // Another shard failed meanwhile: no file is allocated for a load already failing.
+    if stop.load(Ordering::SeqCst) {
+        return Ok(None);
+    }
     sink.write_at(0, &head)?;
     // Output and plane buffers of the chunk decoders (16 MiB each per part in flight),
     // reused from chunk to chunk so their pages are faulted in once.
@@ -441,6 +486,9 @@ async fn stream_plain(
     let hdr = bucket.get_range_of(&key, 0..head_end).await?;
     if hdr.len() as u64 != head_end {
         return Err(mismatch(&key));
+    }
+    if stop.load(Ordering::SeqCst) {
+        return Ok(None);
     }
     sink.write_at(0, &hdr)?;
     let mut sha = sha2::Sha256::new();

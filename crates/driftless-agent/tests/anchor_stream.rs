@@ -23,37 +23,40 @@ use driftless_store::layout;
 use driftless_store::stream::StreamReader;
 
 /// Counts writes, and those that land after the call returned; each write takes a while so
-/// that decodes are still in flight when a part fails. With `busy`, counts the sinks writing
-/// at once (the most in `most`).
+/// that decodes are still in flight when a part fails. With `seq`, a sequence shared by
+/// several sinks, each write takes a number from it: the sink's first and last are kept.
 #[derive(Default)]
 struct Counting {
     returned: AtomicBool,
     writes: AtomicU64,
     late: AtomicU64,
-    busy: Option<Arc<(AtomicU64, AtomicU64)>>,
-    in_flight: AtomicU64,
+    seq: Option<Arc<AtomicU64>>,
+    first: AtomicU64,
+    last: AtomicU64,
 }
 
 impl ShardSink for Counting {
     fn write_at(&self, _at: u64, _bytes: &[u8]) -> driftless_agent::Result<()> {
-        // A sink counts as writing from its first write in flight to its last.
-        if let Some(b) = &self.busy {
-            if self.in_flight.fetch_add(1, SeqCst) == 0 {
-                let now = b.0.fetch_add(1, SeqCst) + 1;
-                b.1.fetch_max(now, SeqCst);
-            }
+        if let Some(seq) = &self.seq {
+            let n = seq.fetch_add(1, SeqCst) + 1;
+            let _ = self.first.compare_exchange(0, n, SeqCst, SeqCst);
+            self.last.fetch_max(n, SeqCst);
         }
         std::thread::sleep(Duration::from_millis(40));
-        if let Some(b) = &self.busy {
-            if self.in_flight.fetch_sub(1, SeqCst) == 1 {
-                b.0.fetch_sub(1, SeqCst);
-            }
-        }
         self.writes.fetch_add(1, SeqCst);
         if self.returned.load(SeqCst) {
             self.late.fetch_add(1, SeqCst);
         }
         Ok(())
+    }
+}
+
+/// A [`Counting`] the test reads while a `Hashing` owns the sink.
+struct Shared(Arc<Counting>);
+
+impl ShardSink for Shared {
+    fn write_at(&self, at: u64, bytes: &[u8]) -> driftless_agent::Result<()> {
+        self.0.write_at(at, bytes)
     }
 }
 
@@ -162,11 +165,14 @@ async fn shards_stream_side_by_side_and_one_missing_shard_is_reported_as_such() 
     let (m, _) = reader.anchor(0).await.unwrap();
     let layout = m.layout();
     assert!(m.objects.len() >= 3, "{} shards", m.objects.len());
-    let busy = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
-    let sinks: Vec<Arc<Hashing<Counting>>> = m
+    let seq = Arc::new(AtomicU64::new(0));
+    let counting: Vec<Arc<Counting>> =
+        m.objects.iter().map(|_| Arc::new(Counting { seq: Some(seq.clone()), ..Default::default() })).collect();
+    let sinks: Vec<Arc<Hashing<Shared>>> = m
         .objects
         .iter()
-        .map(|o| Arc::new(Hashing::new(Counting { busy: Some(busy.clone()), ..Default::default() }, o.decoded_size)))
+        .zip(&counting)
+        .map(|(o, c)| Arc::new(Hashing::new(Shared(c.clone()), o.decoded_size)))
         .collect();
     let jobs = |sinks: Vec<Arc<dyn ShardSink>>| -> Vec<ShardJob<'_>> {
         m.objects
@@ -194,7 +200,12 @@ async fn shards_stream_side_by_side_and_one_missing_shard_is_reported_as_such() 
     for (v, d) in views.iter().zip(want) {
         assert_eq!(got[v.name], d, "digest of {} hashed while streaming", v.name);
     }
-    assert_eq!(busy.1.load(SeqCst), 2, "shards written at once (4 parts: two shards of two parts)");
+    // 4 parts: two shards of two parts. The second shard's first write (its header) comes
+    // before the first shard's last; the third's after the first of them ended.
+    let first = |i: usize| counting[i].first.load(SeqCst);
+    assert!(first(1) < counting[0].last.load(SeqCst), "the second shard started after the first ended");
+    let ended = counting[0].last.load(SeqCst).min(counting[1].last.load(SeqCst));
+    assert!(first(2) > ended, "a third shard streamed beside the first two");
 
     // The second shard's object gone: the first, streaming beside it, is stopped.
     let gone = &m.objects[1];

@@ -810,7 +810,7 @@ impl PyFollower {
     /// the layout's tensors): byte-plane shards stream as for the agent
     /// ([`driftless_agent::anchor_stream`]: ranged GETs decoded as they arrive, written once
     /// into the arrays, memory bounded by the parts in flight; plain safetensors shards the
-    /// same way, undecoded: `stream_plain`). With `hash` (the anchor is the result, checked alone) every tensor is hashed
+    /// same way, undecoded; shards side by side). With `hash` (the anchor is the result, checked alone) every tensor is hashed
     /// as it is written (`Hashing`: the arrays are not read back); otherwise the root of the
     /// chain's result checks it. Returns the bytes read and the digests (empty without `hash`).
     async fn stream_anchor(
@@ -1382,7 +1382,7 @@ fn spool_io(e: std::io::Error) -> BindError {
     driftless_agent::Error::Io(std::io::Error::new(e.kind(), format!("spool: {e}"))).into()
 }
 
-// Anchor parts in flight per shard: the agent's default `anchor_parts`.
+// Anchor parts in flight (all shards together): the agent's default `anchor_parts`.
 use driftless_agent::DEFAULT_ANCHOR_PARTS as ANCHOR_PARTS;
 
 fn corrupt(what: &'static str, detail: impl Into<String>) -> BindError {
