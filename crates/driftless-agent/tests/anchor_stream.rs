@@ -24,23 +24,39 @@ use driftless_store::stream::StreamReader;
 
 /// Counts writes, and those that land after the call returned; each write takes a while so
 /// that decodes are still in flight when a part fails. With `seq`, a sequence shared by
-/// several sinks, each write takes a number from it: the sink's first and last are kept.
+/// several sinks (and the number of those sinks that started writing), each write takes a
+/// number from it: the sink's first and last are kept. With `hold`, the sink's writes after
+/// its first wait (10 s at most in all) for a second sink to start: a second shard that can only start
+/// once this one ended shows as a timeout, whatever the machine's speed.
 #[derive(Default)]
 struct Counting {
     returned: AtomicBool,
     writes: AtomicU64,
     late: AtomicU64,
-    seq: Option<Arc<AtomicU64>>,
+    seq: Option<Arc<(AtomicU64, AtomicU64)>>,
     first: AtomicU64,
     last: AtomicU64,
+    hold: bool,
+    gave_up: AtomicBool,
 }
 
 impl ShardSink for Counting {
     fn write_at(&self, _at: u64, _bytes: &[u8]) -> driftless_agent::Result<()> {
         if let Some(seq) = &self.seq {
-            let n = seq.fetch_add(1, SeqCst) + 1;
-            let _ = self.first.compare_exchange(0, n, SeqCst, SeqCst);
-            self.last.fetch_max(n, SeqCst);
+            let n = seq.0.fetch_add(1, SeqCst) + 1;
+            if self.first.compare_exchange(0, n, SeqCst, SeqCst).is_ok() {
+                seq.1.fetch_add(1, SeqCst);
+            } else if self.hold && !self.gave_up.load(SeqCst) {
+                let t = std::time::Instant::now();
+                while seq.1.load(SeqCst) < 2 {
+                    if t.elapsed() > Duration::from_secs(10) {
+                        self.gave_up.store(true, SeqCst);
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+            self.last.fetch_max(seq.0.fetch_add(1, SeqCst) + 1, SeqCst);
         }
         std::thread::sleep(Duration::from_millis(40));
         self.writes.fetch_add(1, SeqCst);
@@ -165,9 +181,10 @@ async fn shards_stream_side_by_side_and_one_missing_shard_is_reported_as_such() 
     let (m, _) = reader.anchor(0).await.unwrap();
     let layout = m.layout();
     assert!(m.objects.len() >= 3, "{} shards", m.objects.len());
-    let seq = Arc::new(AtomicU64::new(0));
-    let counting: Vec<Arc<Counting>> =
-        m.objects.iter().map(|_| Arc::new(Counting { seq: Some(seq.clone()), ..Default::default() })).collect();
+    let seq = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+    let counting: Vec<Arc<Counting>> = (0..m.objects.len())
+        .map(|i| Arc::new(Counting { seq: Some(seq.clone()), hold: i == 0, ..Default::default() }))
+        .collect();
     let sinks: Vec<Arc<Hashing<Shared>>> = m
         .objects
         .iter()
@@ -201,7 +218,8 @@ async fn shards_stream_side_by_side_and_one_missing_shard_is_reported_as_such() 
         assert_eq!(got[v.name], d, "digest of {} hashed while streaming", v.name);
     }
     // 4 parts: two shards of two parts. The second shard's first write (its header) comes
-    // before the first shard's last; the third's after the first of them ended.
+    // before the first shard's last (which waits for it); the third's after the first of
+    // them ended.
     let first = |i: usize| counting[i].first.load(SeqCst);
     assert!(first(1) < counting[0].last.load(SeqCst), "the second shard started after the first ended");
     let ended = counting[0].last.load(SeqCst).min(counting[1].last.load(SeqCst));
