@@ -21,7 +21,7 @@ use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::anchor_stream::{stream_anchor, FileSink, Hashing, ShardJob, ShardSink};
+use crate::anchor_stream::{digests_of, hashed, stream_anchor, FileSink, ShardJob};
 use crate::metrics::Metrics;
 use crate::notify::Notifier;
 use crate::patch::{PatchBuilder, PatchFile};
@@ -1095,23 +1095,14 @@ impl Agent {
                 return Err(at(corrupt("anchor manifest", "shard too large")));
             }
             let file = FileSink::new(wdir.join(&o.file), o.decoded_size, alone).holding(self.dir.guard());
-            let sink: Arc<dyn ShardSink> = if verify {
-                let h = Arc::new(Hashing::new(file, o.decoded_size));
-                hashing.push(h.clone());
-                h
-            } else {
-                Arc::new(file)
-            };
+            let sink = hashed(file, o.decoded_size, verify, &mut hashing);
             jobs.push(ShardJob { object: o, tensors: &shard.tensors, sink });
         }
         let streamed = stream_anchor(self.reader.bucket(), step, m.encoding, jobs, self.cfg.anchor_parts)
             .instrument(info_span!("stream_anchor", step, shards = m.objects.len()))
             .await
             .map_err(&at)?;
-        let mut digests: Vec<(TensorMeta, Digest)> = vec![];
-        for h in hashing {
-            digests.extend(h.digests().map_err(&at)?);
-        }
+        let digests = digests_of(hashing).map_err(&at)?;
         let keys: Vec<(String, u64, Digest)> = m.files.iter().map(|o| (o.object.clone(), o.size, o.sha256)).collect();
         let files: Vec<Bytes> = futures::stream::iter(keys)
             .map(|(k, n, sha)| async move { r.object(StepKind::Anchor, step, &k, n, sha).await })

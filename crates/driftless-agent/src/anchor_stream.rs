@@ -241,6 +241,27 @@ impl<S: ShardSink> ShardSink for Hashing<S> {
     }
 }
 
+/// `sink` for [`ShardJob::sink`], wrapped in a [`Hashing`] when `hash` (the anchor is the
+/// result, checked alone), whose handle is kept in `hashing` for [`digests_of`].
+pub fn hashed<S: ShardSink>(sink: S, size: u64, hash: bool, hashing: &mut Vec<Arc<Hashing<S>>>) -> Arc<dyn ShardSink> {
+    if !hash {
+        return Arc::new(sink);
+    }
+    let h = Arc::new(Hashing::new(sink, size));
+    hashing.push(h.clone());
+    h
+}
+
+/// The digests of every tensor of the shards [`hashed`] kept, in shard order, once
+/// [`stream_anchor`] returned.
+pub fn digests_of<S: ShardSink>(hashing: Vec<Arc<Hashing<S>>>) -> Result<Vec<(TensorMeta, Digest)>> {
+    let mut out = vec![];
+    for h in hashing {
+        out.extend(h.digests()?);
+    }
+    Ok(out)
+}
+
 /// Bytes of partial leaves and leaf digests a [`Hashing`] keeps for one shard at most (until
 /// the shard is finished; a hostile plan can make every shard streaming at once keep that).
 const MAX_KEPT: u64 = 64 << 20;

@@ -5,11 +5,11 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 use bytes::Bytes;
 use driftless_agent::anchor_stream::{
-    shard_tensors, stream_anchor, FileSink, Hashing, ShardJob, ShardSink, ShardTensors,
+    digests_of, hashed, shard_tensors, stream_anchor, FileSink, ShardJob, ShardSink, ShardTensors,
 };
 use driftless_agent::plan::Newest;
 use driftless_agent::{plan, Agent, AgentConfig};
@@ -1262,21 +1262,11 @@ async fn stream_anchor_from(
         }
         let spool = spool.map(|d| FileSink::new(spooled(d, i), o.decoded_size, false));
         let arrays = ArraySink::new(o.decoded_size, shard, by, spool);
-        let sink: Arc<dyn ShardSink> = if hash {
-            let h = Arc::new(Hashing::new(arrays, o.decoded_size));
-            hashing.push(h.clone());
-            h
-        } else {
-            Arc::new(arrays)
-        };
+        let sink = hashed(arrays, o.decoded_size, hash, &mut hashing);
         jobs.push(ShardJob { object: o, tensors: &shard.tensors, sink });
     }
     let bytes = stream_anchor(bucket, step, m.encoding, jobs, ANCHOR_PARTS).await?;
-    let mut digests = vec![];
-    for h in hashing {
-        digests.extend(h.digests()?);
-    }
-    Ok((bytes, digests))
+    Ok((bytes, digests_of(hashing)?))
 }
 
 /// A zeroed buffer of `n` bytes for the host mirror, or an error when it cannot be had: the
