@@ -47,10 +47,9 @@ pub struct AgentConfig {
     pub download_concurrency: usize,
     /// Chunks of an anchor (16 MiB decoded each) downloaded and decoded at once during a cold
     /// start, shared by the shards streaming side by side (`anchor_stream::share_parts`: 4
-    /// parts are two shards of two): the memory of a cold start is about 4 x 16 MiB per part
-    /// (the chunk as stored, waiting for its object's hash, its planes and its decoded bytes)
-    /// plus two chunks per shard streaming (one being hashed, one waiting to be queued),
-    /// whatever the model size. Default 4 ([`DEFAULT_ANCHOR_PARTS`]).
+    /// parts are two shards of two): the memory of a cold start is about 50-65 MiB per part
+    /// (the chunk as stored, its planes and its decoded bytes) on top of about 150 MiB,
+    /// whatever the model size. Default [`default_anchor_parts`]: half the cores, 4 to 8.
     pub anchor_parts: usize,
     /// How long a refused step stays out of plans before it is tried again (doubling on each
     /// repeated failure). Default 30 s.
@@ -67,17 +66,23 @@ impl AgentConfig {
             poll_min: Duration::from_millis(500),
             poll_max: Duration::from_secs(10),
             download_concurrency: 8,
-            anchor_parts: DEFAULT_ANCHOR_PARTS,
+            anchor_parts: default_anchor_parts(),
             refuse_for: Duration::from_secs(30),
         }
     }
 }
 
-/// Anchor parts in flight by default. Measured on a 16-core host (`speed_bench coldmem`,
-/// two rounds): a 4 GiB cold start took 3.01-3.14 s at 4 parts (338-386 MiB of anonymous
-/// memory), 2.84-2.86 s at 8 (752-771 MiB) and 3.09-3.35 s at 16 (1.3 GiB): past 4 the
-/// object's SHA-256, one stream per shard, is what a one-shard cold start waits for.
-pub const DEFAULT_ANCHOR_PARTS: usize = 4;
+/// Anchor parts in flight by default: half the cores the process may use, at least 4 and at
+/// most 8. With signed parts (each checked as it arrives, no serial stage), a cold start is
+/// bounded by the parts in flight times each one's turn (fetch, check beside decode, write,
+/// hash). Measured on a 16-core host (`speed_bench coldmem`, one-shard anchors, two rounds,
+/// next to the build before signed parts at its 4 parts: 2.56-2.93 s, 269-310 MiB): 4 GiB at
+/// 4 parts 2.61-2.68 s (263-272 MiB), at 8 parts 1.70-1.71 s (1.08-1.10x max(read, hash);
+/// 477 MiB), at 16 parts 1.48-1.88 s (867-886 MiB): past 8, memory doubles for little. On 2
+/// cores (this project's VM) a cold start is CPU-bound, and more parts only add memory.
+pub fn default_anchor_parts() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get() / 2).clamp(4, 8)
+}
 
 /// Which route a sync took.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

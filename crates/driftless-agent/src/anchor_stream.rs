@@ -1,13 +1,18 @@
 //! Streaming an anchor out of the bucket ([`stream_anchor`]), shared by the agent (into files
 //! of its work slot) and the Python `Follower` (into the caller's arrays). Shards stream side by
-//! side, sharing the parts in flight ([`share_parts`]); each one: ranged GETs of the object's
-//! footer and prefix, its header (which says how the encoder cut the file), its table, then one
-//! ranged GET per chunk (16 MiB of decoded bytes), its share of the parts in flight, each
-//! decoded on the blocking pool and handed to a [`ShardSink`] once. Memory is bounded by the
-//! parts in flight, whatever the model's size. The object's SHA-256 is computed over the
-//! parts in order and checked against the manifest at the end: a sink receives bytes before
-//! that check, so it must write only where nothing is trusted until a weights root is
-//! verified. Shards of a plain-safetensors anchor stream the same way, without the decoding.
+//! side, sharing the parts in flight ([`share_parts`]); each one: its header (which says how the
+//! encoder cut the file), its table, then one ranged GET per chunk (16 MiB of decoded bytes),
+//! its share of the parts in flight, each decoded on the blocking pool and handed to a
+//! [`ShardSink`] once. Memory is bounded by the parts in flight, whatever the model's size.
+//!
+//! Checking: with signed parts (`AnchorShardRef::parts`, what publishers write now), every
+//! range fetched is exactly one part, checked against its SHA-256 as it arrives (a chunk's
+//! beside its decode, on a thread of its own), and nothing from it reaches a sink before that
+//! check passed; every part must have been checked once. Without them (manifests of older
+//! publishers) the object's SHA-256 is computed over the parts in order, on a thread of its
+//! own, and checked at the end: a sink then receives bytes before that check. Either way a
+//! sink must write only where nothing is trusted until a weights root is verified. Shards of a
+//! plain-safetensors anchor stream the same way, without the decoding.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -289,10 +294,9 @@ pub struct ShardJob<'a> {
 }
 
 /// How `parts` in flight are shared by an anchor of `shards` shards: (shards streamed at once,
-/// parts in flight for each). Each shard's object SHA-256 is one serial stream (its digest is
-/// signed whole), about 1 GB/s on one core: a one-shard stream cannot go faster, so shards go
-/// side by side, two parts each (one fetched and decoded while the one before it is hashed),
-/// and the memory bound stays `parts` parts whatever the split.
+/// parts in flight for each): two parts each (one fetched and decoded while the one before it
+/// is written; without signed parts, one more is hashed by the object's SHA-256, a serial
+/// stream of about 1 GB/s), and the memory bound stays `parts` parts whatever the split.
 pub fn share_parts(parts: usize, shards: usize) -> (usize, usize) {
     let parts = parts.max(1);
     let at_once = (parts / 2).clamp(1, shards.max(1));
@@ -395,24 +399,11 @@ async fn stream_shard(
     }
     let bucket = bucket.clone();
     check_size(&bucket, step, &key, size).await?;
-    let (footer, prefix) = futures::try_join!(
-        bucket.get_range_of(&key, size - anchor::FOOTER_LEN..size),
-        bucket.get_range_of(&key, 0..anchor::PREFIX_LEN)
-    )?;
-    // The header first (bounded as a safetensors header): it says how the encoder cut the
-    // file, and the table must be exactly that (the object's SHA-256 is only known once it has
-    // all been read, one ranged GET per chunk).
-    let (hr, header_len) = anchor::header_range(&prefix, o.decoded_size)?;
-    let hz = bucket.get_range_of(&key, hr).await?;
-    let mut head = vec![0u8; header_len as usize];
-    anchor::decode_header(&hz, &mut head)?;
-    let cuts = anchor::shard_cuts(&head, o.decoded_size, Some(tensors))?;
-    let tr = anchor::table_range(&prefix, &cuts, &footer, size, o.decoded_size)?;
-    let table = match tr.is_empty() {
-        true => Bytes::new(),
-        false => bucket.get_range_of(&key, tr).await?,
+    let signed = Signed::of(&key, o);
+    let (prefix, hz, head, plan, table, footer) = match &signed {
+        Some(s) => plan_signed(&bucket, &key, o, tensors, s).await?,
+        None => plan_unsigned(&bucket, &key, o, tensors).await?,
     };
-    let plan = anchor::plan_shard(&prefix, &cuts, &table, &footer, size, o.decoded_size)?;
     // Another shard failed meanwhile: no file is allocated for a load already failing.
     if stop.load(Ordering::SeqCst) {
         return Ok(None);
@@ -422,62 +413,242 @@ async fn stream_shard(
     // reused from chunk to chunk so their pages are faulted in once.
     type Buffers = std::sync::Mutex<Vec<(Vec<u8>, Vec<u8>)>>;
     let pool: Arc<Buffers> = Arc::default();
-    let mut sha = sha2::Sha256::new();
-    sha.update(&prefix);
-    sha.update(&hz);
-    let chunks = futures::stream::iter(plan.chunks)
-        .map(|c| {
-            let (bucket, key, sink, pool, stop) = (bucket.clone(), key.clone(), sink.clone(), &pool, stop.clone());
-            async move {
-                if stop.load(Ordering::SeqCst) {
-                    return Ok(Bytes::new());
-                }
-                let b = bucket.get_range_of(&key, c.stored.clone()).await?;
-                let stored = b.clone();
-                let pool = pool.clone();
-                tokio::task::spawn_blocking(move || -> Result<()> {
-                    // At most `parts` decodes run at once, so the pool never holds more
-                    // buffers than that.
-                    let (mut out, mut scratch) = pool.lock().expect("buffer pool").pop().unwrap_or_default();
-                    let n = (c.out.end - c.out.start) as usize;
-                    if out.len() < n {
-                        out.resize(n, 0);
-                    }
-                    let r = anchor::decode_chunk_with(&c, &stored, &mut out[..n], &mut scratch)
-                        .map_err(Error::from)
-                        .and_then(|()| match stop.load(Ordering::SeqCst) {
-                            true => Ok(()),
-                            false => sink.write_at(c.out.start, &out[..n]),
-                        });
-                    pool.lock().expect("buffer pool").push((out, scratch));
-                    r
-                })
-                .await
-                .map_err(|e| Error::Io(std::io::Error::other(format!("decode task: {e}"))))??;
-                Ok::<Bytes, Error>(b)
+    // Without signed parts, one SHA-256 over the object in order.
+    let sha = signed.is_none().then(|| {
+        let mut sha = sha2::Sha256::new();
+        sha.update(&prefix);
+        sha.update(&hz);
+        sha
+    });
+    let chunks = futures::stream::iter(plan.chunks).map(|c| {
+        let (bucket, key, sink, pool, stop) = (bucket.clone(), key.clone(), sink.clone(), &pool, stop.clone());
+        let signed = signed.clone();
+        async move {
+            if stop.load(Ordering::SeqCst) {
+                return Ok(Bytes::new());
             }
-        })
-        .buffered(parts.max(1));
-    let mut sha = drain(chunks, sha, parts, stop).await?;
+            let b = bucket.get_range_of(&key, c.stored.clone()).await?;
+            let stored = b.clone();
+            let pool = pool.clone();
+            let checked = signed.is_some();
+            tokio::task::spawn_blocking(move || -> Result<()> {
+                // At most `parts` decodes run at once, so the pool never holds more
+                // buffers than that.
+                let (mut out, mut scratch) = pool.lock().expect("buffer pool").pop().unwrap_or_default();
+                let n = (c.out.end - c.out.start) as usize;
+                if out.len() < n {
+                    out.resize(n, 0);
+                }
+                let mut decode = || anchor::decode_chunk_with(&c, &stored, &mut out[..n], &mut scratch);
+                // A signed part is checked beside its decode, on a thread of its own (its
+                // SHA-256 is serial: before the decode, it made each part's turn that much
+                // longer; in the shared pool, it queued behind the hashing), and nothing
+                // decoded from it is written before the check passed. The decoder takes
+                // any bytes, bounded, as it does without signed parts.
+                let (checked, decoded) = match &signed {
+                    Some(s) => std::thread::scope(|sc| {
+                        let h = sc.spawn(|| s.check(c.stored.clone(), &stored));
+                        let d = decode();
+                        (h.join().unwrap_or_else(|_| Err(s.bad("part check panicked"))), d)
+                    }),
+                    None => (Ok(()), decode()),
+                };
+                let r = checked.and(decoded.map_err(Error::from)).and_then(|()| match stop.load(Ordering::SeqCst) {
+                    true => Ok(()),
+                    false => sink.write_at(c.out.start, &out[..n]),
+                });
+                pool.lock().expect("buffer pool").push((out, scratch));
+                r
+            })
+            .await
+            .map_err(|e| Error::Io(std::io::Error::other(format!("decode task: {e}"))))??;
+            // Checked parts are not hashed again.
+            Ok::<Bytes, Error>(if checked { Bytes::new() } else { b })
+        }
+    });
+    let sha = drain(in_flight(chunks, signed.is_none(), parts), sha, parts, stop).await?;
     if stop.load(Ordering::SeqCst) {
         return Ok(None);
     }
-    sha.update(&table);
-    sha.update(&footer);
-    if Digest(sha.finalize().into()) != o.object.sha256 {
-        return Err(mismatch(&key));
+    match (sha, &signed) {
+        (Some(mut sha), _) => {
+            sha.update(&table);
+            sha.update(&footer);
+            if Digest(sha.finalize().into()) != o.object.sha256 {
+                return Err(mismatch(&key));
+            }
+        }
+        (None, Some(s)) => s.all_checked()?,
+        (None, None) => unreachable!("hashed when not signed"),
     }
     Ok(Some(size))
 }
 
-/// Bytes of a plain-safetensors shard fetched per ranged GET.
-const PLAIN_PART: u64 = 16 << 20;
+/// The pieces of a byte-plane shard a stream needs before its chunks: (prefix, compressed
+/// header, decoded header, plan, table, footer).
+type Planned = (Bytes, Bytes, Vec<u8>, anchor::ShardPlan, Bytes, Bytes);
+
+/// [`Planned`] of a shard without signed parts: ranged GETs of the object's footer and
+/// prefix, its header (which says how the encoder cut the file), its table, all checked only
+/// by the object's SHA-256 once every part was read.
+async fn plan_unsigned(
+    bucket: &Bucket,
+    key: &str,
+    o: &AnchorShardRef,
+    tensors: &[driftless_format::TensorMeta],
+) -> Result<Planned> {
+    let size = o.object.size;
+    let (footer, prefix) = futures::try_join!(
+        bucket.get_range_of(key, size - anchor::FOOTER_LEN..size),
+        bucket.get_range_of(key, 0..anchor::PREFIX_LEN)
+    )?;
+    // The header first (bounded as a safetensors header): it says how the encoder cut the
+    // file, and the table must be exactly that (the object's SHA-256 is only known once it has
+    // all been read, one ranged GET per chunk).
+    let (hr, header_len) = anchor::header_range(&prefix, o.decoded_size)?;
+    let hz = bucket.get_range_of(key, hr).await?;
+    let mut head = vec![0u8; header_len as usize];
+    anchor::decode_header(&hz, &mut head)?;
+    let cuts = anchor::shard_cuts(&head, o.decoded_size, Some(tensors))?;
+    let tr = anchor::table_range(&prefix, &cuts, &footer, size, o.decoded_size)?;
+    let table = match tr.is_empty() {
+        true => Bytes::new(),
+        false => bucket.get_range_of(key, tr).await?,
+    };
+    let plan = anchor::plan_shard(&prefix, &cuts, &table, &footer, size, o.decoded_size)?;
+    Ok((prefix, hz, head, plan, table, footer))
+}
+
+/// [`Planned`] of a shard with signed parts ([`anchor::part_ranges`]): the first part (the
+/// prefix and the compressed header) and the last (the table and the footer), each bounded
+/// before it is fetched and checked before it is read; then every chunk must be one part.
+async fn plan_signed(
+    bucket: &Bucket,
+    key: &str,
+    o: &AnchorShardRef,
+    tensors: &[driftless_format::TensorMeta],
+    signed: &Arc<Signed>,
+) -> Result<Planned> {
+    let size = o.object.size;
+    let first = signed.range(0);
+    if first.end < anchor::PREFIX_LEN || first.end > anchor::head_part_bound(o.decoded_size) {
+        return Err(signed.bad("its first part is not a prefix and a header"));
+    }
+    let head_part = checked_get(bucket, key, first, signed).await?;
+    let prefix = head_part.slice(..anchor::PREFIX_LEN as usize);
+    let (hr, header_len) = anchor::header_range(&prefix, o.decoded_size)?;
+    if hr.end != head_part.len() as u64 {
+        return Err(signed.bad("its first part is not the prefix and the header"));
+    }
+    let hz = head_part.slice(hr.start as usize..);
+    let mut head = vec![0u8; header_len as usize];
+    anchor::decode_header(&hz, &mut head)?;
+    let cuts = anchor::shard_cuts(&head, o.decoded_size, Some(tensors))?;
+    // The table and footer: exactly what the encoder writes for these cuts.
+    let n = signed.len();
+    let last = signed.range(n - 1);
+    if n != cuts.len() + 2 || last.end - last.start != cuts.table_len() + anchor::FOOTER_LEN {
+        return Err(signed.bad("its parts are not its chunks"));
+    }
+    let tail = checked_get(bucket, key, last, signed).await?;
+    let (table, footer) = (
+        tail.slice(..tail.len() - anchor::FOOTER_LEN as usize),
+        tail.slice(tail.len() - anchor::FOOTER_LEN as usize..),
+    );
+    let plan = anchor::plan_shard(&prefix, &cuts, &table, &footer, size, o.decoded_size)?;
+    Ok((prefix, hz, head, plan, table, footer))
+}
+
+/// Range `r` of `key`, checked against its signed part on the blocking pool.
+async fn checked_get(bucket: &Bucket, key: &str, r: std::ops::Range<u64>, signed: &Arc<Signed>) -> Result<Bytes> {
+    let b = bucket.get_range_of(key, r.clone()).await?;
+    let (s, c) = (signed.clone(), b.clone());
+    tokio::task::spawn_blocking(move || s.check(r, &c))
+        .await
+        .map_err(|e| Error::Io(std::io::Error::other(format!("check task: {e}"))))??;
+    Ok(b)
+}
+
+/// The signed parts of a shard object ([`AnchorShardRef::parts`]): every range a stream
+/// fetches is one of them, checked on the thread that received it before anything is decoded
+/// or written from it; at the end every part must have been checked, once.
+pub(crate) struct Signed {
+    key: String,
+    starts: Vec<u64>,
+    parts: Vec<driftless_format::manifest::PartRef>,
+    checked: Vec<AtomicBool>,
+}
+
+impl Signed {
+    /// `None` for an object without signed parts. The manifest checked that they tile it.
+    fn of(key: &str, o: &AnchorShardRef) -> Option<Arc<Self>> {
+        if o.parts.is_empty() {
+            return None;
+        }
+        let mut at = 0u64;
+        let starts = o
+            .parts
+            .iter()
+            .map(|p| {
+                let s = at;
+                at = at.saturating_add(p.len);
+                s
+            })
+            .collect();
+        Some(Arc::new(Signed {
+            key: key.to_string(),
+            starts,
+            parts: o.parts.clone(),
+            checked: o.parts.iter().map(|_| AtomicBool::new(false)).collect(),
+        }))
+    }
+
+    fn len(&self) -> usize {
+        self.parts.len()
+    }
+
+    fn range(&self, i: usize) -> std::ops::Range<u64> {
+        self.starts[i]..self.starts[i] + self.parts[i].len
+    }
+
+    fn bad(&self, what: &str) -> Error {
+        corrupt("anchor shard", format!("{}: {what}", self.key))
+    }
+
+    /// `bytes`, fetched as `r`, are exactly one signed part.
+    fn check(&self, r: std::ops::Range<u64>, bytes: &[u8]) -> Result<()> {
+        let i = self.starts.binary_search(&r.start).map_err(|_| self.bad("a range off its signed parts"))?;
+        let p = &self.parts[i];
+        if r.end - r.start != p.len {
+            return Err(self.bad("a range off its signed parts"));
+        }
+        if bytes.len() as u64 != p.len || Digest::of(bytes) != p.sha256 {
+            return Err(corrupt(
+                "object",
+                format!("{} bytes {}..{} do not match their signed SHA-256", self.key, r.start, r.end),
+            ));
+        }
+        if self.checked[i].swap(true, Ordering::SeqCst) {
+            return Err(self.bad("a part read twice"));
+        }
+        Ok(())
+    }
+
+    /// Every part was checked.
+    fn all_checked(&self) -> Result<()> {
+        match self.checked.iter().all(|c| c.load(Ordering::SeqCst)) {
+            true => Ok(()),
+            false => Err(self.bad("parts never read")),
+        }
+    }
+}
 
 /// Streams shard `o` of a plain-safetensors anchor (the object is the file) into `sink`, as
-/// [`stream_shard`] does for byte-plane shards: the header first, alone, then 16 MiB parts,
-/// `parts` in flight, each written once from the blocking pool; the object's SHA-256 over the
-/// parts in order, checked at the end. Memory is bounded by the parts in flight, not the shard.
-/// `None` as for [`stream_shard`].
+/// [`stream_shard`] does for byte-plane shards: the header first, alone, then its signed parts
+/// (each checked before it is written) or, without them, [`anchor::PLAIN_PART`] pieces and
+/// the object's SHA-256 over them in order, checked at the end; `parts` in flight, each
+/// written once from the blocking pool. Memory is bounded by the parts in flight, not the
+/// shard. `None` as for [`stream_shard`].
 async fn stream_plain(
     bucket: &Bucket,
     step: u64,
@@ -497,70 +668,120 @@ async fn stream_plain(
     if size < 8 {
         return Err(mismatch(&key));
     }
+    let max_head = 8 + driftless_format::checkpoint::MAX_HEADER as u64;
+    let signed = Signed::of(&key, o);
     // The safetensors header, bounded as any reader bounds it, before anything is allocated
-    // by a size from the object.
-    let n = u64::from_le_bytes(bucket.get_range_of(&key, 0..8).await?[..].try_into().map_err(|_| mismatch(&key))?);
-    let head_end = n
-        .checked_add(8)
-        .filter(|&e| e <= size && n <= driftless_format::checkpoint::MAX_HEADER as u64)
-        .ok_or_else(|| mismatch(&key))?;
-    let hdr = bucket.get_range_of(&key, 0..head_end).await?;
-    if hdr.len() as u64 != head_end {
+    // by a size from the object: with signed parts, the first part, checked.
+    let hdr = match &signed {
+        Some(s) => {
+            let r = s.range(0);
+            if r.end < 8 || r.end > max_head {
+                return Err(s.bad("its first part is not a safetensors header"));
+            }
+            checked_get(&bucket, &key, r, s).await?
+        }
+        None => {
+            let n =
+                u64::from_le_bytes(bucket.get_range_of(&key, 0..8).await?[..].try_into().map_err(|_| mismatch(&key))?);
+            let end = n.checked_add(8).filter(|&e| e <= size && e <= max_head).ok_or_else(|| mismatch(&key))?;
+            bucket.get_range_of(&key, 0..end).await?
+        }
+    };
+    let n = u64::from_le_bytes(hdr[..8].try_into().expect("8"));
+    if n.checked_add(8) != Some(hdr.len() as u64) {
         return Err(mismatch(&key));
+    }
+    let head_end = hdr.len() as u64;
+    // What follows the header: the signed parts, each bounded before any is fetched.
+    let ranges: Vec<(u64, u64)> = match &signed {
+        Some(s) => (1..s.len()).map(|i| s.range(i)).map(|r| (r.start, r.end)).collect(),
+        None => (head_end..size)
+            .step_by(anchor::PLAIN_PART as usize)
+            .map(|a| (a, (a + anchor::PLAIN_PART).min(size)))
+            .collect(),
+    };
+    if ranges.iter().any(|(a, e)| e - a > anchor::MAX_PLAIN_PART) {
+        return Err(corrupt("anchor manifest", format!("{key}: a part larger than a reader holds")));
     }
     if stop.load(Ordering::SeqCst) {
         return Ok(None);
     }
     sink.write_at(0, &hdr)?;
-    let mut sha = sha2::Sha256::new();
-    sha.update(&hdr);
-    let sha = copy_parts(&bucket, &key, head_end..size, parts, sink, sha, stop).await?;
+    let sha = signed.is_none().then(|| {
+        let mut sha = sha2::Sha256::new();
+        sha.update(&hdr);
+        sha
+    });
+    let sha = copy_parts(&bucket, &key, ranges, parts, sink, sha, signed.clone(), stop).await?;
     if stop.load(Ordering::SeqCst) {
         return Ok(None);
     }
-    if Digest(sha.finalize().into()) != o.object.sha256 {
-        return Err(mismatch(&key));
+    match (sha, &signed) {
+        (Some(sha), _) => match Digest(sha.finalize().into()) == o.object.sha256 {
+            true => Ok(Some(size)),
+            false => Err(mismatch(&key)),
+        },
+        (None, Some(s)) => s.all_checked().map(|()| Some(size)),
+        (None, None) => unreachable!("hashed when not signed"),
     }
-    Ok(Some(size))
 }
 
-/// Bytes `range` of `key`, unchanged, into `sink`: ranged GETs of [`PLAIN_PART`], `parts` in
-/// flight, each written once from the blocking pool and taken in order into `sha`
-/// ([`drain`]), which is returned.
+/// `ranges` of `key`, unchanged, into `sink`: one ranged GET each, `parts` in flight, each
+/// checked against its signed part when `signed` (before it is written), written once from
+/// the blocking pool and, when not signed, taken in order into `sha` ([`drain`]), which is
+/// returned.
+#[allow(clippy::too_many_arguments)]
 async fn copy_parts(
     bucket: &Bucket,
     key: &str,
-    range: std::ops::Range<u64>,
+    ranges: Vec<(u64, u64)>,
     parts: usize,
     sink: Arc<dyn ShardSink>,
-    sha: sha2::Sha256,
+    sha: Option<sha2::Sha256>,
+    signed: Option<Arc<Signed>>,
     stop: &Arc<AtomicBool>,
-) -> Result<sha2::Sha256> {
-    let end = range.end;
-    let ranges: Vec<(u64, u64)> = range.step_by(PLAIN_PART as usize).map(|a| (a, (a + PLAIN_PART).min(end))).collect();
-    let got = futures::stream::iter(ranges)
-        .map(|(a, e)| {
-            let (bucket, key, sink, stop) = (bucket.clone(), key.to_string(), sink.clone(), stop.clone());
-            async move {
-                if stop.load(Ordering::SeqCst) {
-                    return Ok(Bytes::new());
+) -> Result<Option<sha2::Sha256>> {
+    let got = futures::stream::iter(ranges).map(|(a, e)| {
+        let (bucket, key, sink, stop, signed) =
+            (bucket.clone(), key.to_string(), sink.clone(), stop.clone(), signed.clone());
+        async move {
+            if stop.load(Ordering::SeqCst) {
+                return Ok(Bytes::new());
+            }
+            let b = bucket.get_range_of(&key, a..e).await?;
+            if b.len() as u64 != e - a {
+                return Err(corrupt("object", format!("{key} is shorter than its manifest says")));
+            }
+            let part = b.clone();
+            let checked = signed.is_some();
+            tokio::task::spawn_blocking(move || {
+                if let Some(s) = &signed {
+                    s.check(a..e, &part)?;
                 }
-                let b = bucket.get_range_of(&key, a..e).await?;
-                if b.len() as u64 != e - a {
-                    return Err(corrupt("object", format!("{key} is shorter than its manifest says")));
-                }
-                let part = b.clone();
-                tokio::task::spawn_blocking(move || match stop.load(Ordering::SeqCst) {
+                match stop.load(Ordering::SeqCst) {
                     true => Ok(()),
                     false => sink.write_at(a, &part),
-                })
-                .await
-                .map_err(|e| Error::Io(std::io::Error::other(format!("write task: {e}"))))??;
-                Ok::<Bytes, Error>(b)
-            }
-        })
-        .buffered(parts.max(1));
-    drain(got, sha, parts, stop).await
+                }
+            })
+            .await
+            .map_err(|e| Error::Io(std::io::Error::other(format!("write task: {e}"))))??;
+            Ok::<Bytes, Error>(if checked { Bytes::new() } else { b })
+        }
+    });
+    drain(in_flight(got, signed.is_none(), parts), sha, parts, stop).await
+}
+
+/// Part futures, `parts` at once: `ordered` when the object's SHA-256 takes the parts in order
+/// (no signed parts), else as they finish, so that a part done frees its place at once.
+fn in_flight<F: std::future::Future<Output = Result<Bytes>>>(
+    parts_to_run: impl futures::Stream<Item = F> + Unpin,
+    ordered: bool,
+    parts: usize,
+) -> impl futures::Stream<Item = Result<Bytes>> + Unpin {
+    match ordered {
+        true => futures::future::Either::Left(parts_to_run.buffered(parts.max(1))),
+        false => futures::future::Either::Right(parts_to_run.buffer_unordered(parts.max(1))),
+    }
 }
 
 /// The object's size in the bucket is the manifest's `size`: a missing object is a step not
@@ -589,26 +810,31 @@ fn mismatch(key: &str) -> Error {
 /// The queue bounds what waits for it, so memory stays bounded by the parts in flight.
 async fn drain(
     mut parts: impl futures::Stream<Item = Result<Bytes>> + Unpin,
-    sha: sha2::Sha256,
+    sha: Option<sha2::Sha256>,
     queue: usize,
     stop: &AtomicBool,
-) -> Result<sha2::Sha256> {
+) -> Result<Option<sha2::Sha256>> {
     use sha2::Digest as _;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(queue.max(1));
-    let hasher = tokio::task::spawn_blocking(move || {
-        let mut sha = sha;
-        while let Some(b) = rx.blocking_recv() {
-            sha.update(&b);
-        }
-        sha
+    // Without a SHA-256 to take (signed parts, checked as they arrived), no thread.
+    let hasher = sha.map(|mut sha| {
+        tokio::task::spawn_blocking(move || {
+            while let Some(b) = rx.blocking_recv() {
+                sha.update(&b);
+            }
+            sha
+        })
     });
+    let tx = hasher.as_ref().map(|_| tx);
     let mut first_err = None;
     while let Some(b) = parts.next().await {
         match b {
             Ok(b) if first_err.is_none() => {
                 // The receiver lives until `tx` is dropped below; a send fails only if the
                 // hashing thread panicked, which the join reports.
-                let _ = tx.send(b).await;
+                if let Some(tx) = &tx {
+                    let _ = tx.send(b).await;
+                }
             }
             Ok(_) => {}
             Err(e) => {
@@ -618,6 +844,9 @@ async fn drain(
         }
     }
     drop(tx);
-    let sha = hasher.await.map_err(|e| Error::Io(std::io::Error::other(format!("hash task: {e}"))))?;
+    let sha = match hasher {
+        Some(h) => Some(h.await.map_err(|e| Error::Io(std::io::Error::other(format!("hash task: {e}"))))?),
+        None => None,
+    };
     first_err.map_or(Ok(sha), Err)
 }

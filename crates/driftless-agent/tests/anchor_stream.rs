@@ -146,14 +146,107 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
         *b ^= 0xFF;
     }
     std::fs::write(&path, &bytes).unwrap();
-    let sink = Arc::new(Counting::default());
-    let e = stream_one(&tb.bucket, &o, &tensors, sink.clone()).await.unwrap_err();
-    sink.returned.store(true, SeqCst);
-    assert!(e.to_string().contains("zstd"), "{e}");
-    // Decodes still in flight when it returned would write now.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(sink.late.load(SeqCst), 0, "writes landed after stream_anchor returned its error");
-    assert!(sink.writes.load(SeqCst) <= parts, "parts after the error were written");
+    // Signed parts (what this publisher writes): the part is refused before it is decoded,
+    // and the error names its bytes; the first chunk's range is never written.
+    assert!(!o.parts.is_empty(), "the publisher signs the object's parts");
+    let first_out = plan.chunks[0].out.start;
+    let wrote_first = Arc::new(AtomicBool::new(false));
+    struct Watch(Arc<AtomicBool>, u64);
+    impl ShardSink for Watch {
+        fn write_at(&self, at: u64, _: &[u8]) -> driftless_agent::Result<()> {
+            if at == self.1 {
+                self.0.store(true, SeqCst);
+            }
+            std::thread::sleep(Duration::from_millis(40));
+            Ok(())
+        }
+    }
+    let e = stream_one(&tb.bucket, &o, &tensors, Arc::new(Watch(wrote_first.clone(), first_out))).await.unwrap_err();
+    let c = &plan.chunks[0].stored;
+    assert!(e.to_string().contains(&format!("bytes {}..{} do not match their signed SHA-256", c.start, c.end)), "{e}");
+    assert!(!wrote_first.load(SeqCst), "a part that failed its signed SHA-256 was decoded and written");
+    // A manifest of a publisher before signed parts: the corrupt part reaches the decoder,
+    // whose error stops the stream the same way.
+    let mut old = o.clone();
+    old.parts.clear();
+    for (what, o, want) in [("signed", o.clone(), "signed SHA-256"), ("unsigned", old, "zstd")] {
+        let sink = Arc::new(Counting::default());
+        let e = stream_one(&tb.bucket, &o, &tensors, sink.clone()).await.unwrap_err();
+        sink.returned.store(true, SeqCst);
+        assert!(e.to_string().contains(want), "{what}: {e}");
+        // Decodes still in flight when it returned would write now.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(sink.late.load(SeqCst), 0, "{what}: writes landed after stream_anchor returned its error");
+        assert!(sink.writes.load(SeqCst) <= parts, "{what}: parts after the error were written");
+    }
+}
+
+/// Signed parts must be exactly the ranges a reader fetches: parts that tile the object with
+/// every digest right but cut elsewhere (a 1 MiB grid, the chunks merged into one part, one
+/// byte moved from a chunk's part to the next) are refused, and so is a first part whose
+/// digest is wrong, with nothing written and no part decoded off its signed range. A manifest
+/// without parts (publishers before them) still streams, checked by the object's SHA-256.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_parts_must_be_the_ranges_a_reader_fetches() {
+    use driftless_format::manifest::PartRef;
+    use driftless_format::Digest;
+    let tb = file_bucket();
+    let key = Keypair::from_seed([12; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let (b, k) = (tb.bucket.clone(), key.clone());
+    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(40 << 20), 2e-6, 5);
+    tokio::task::block_in_place(|| {
+        let mut p = PublisherBuilder::new("unused").with_bucket(b).with_key(k).build().unwrap();
+        p.publish(0, &chain.views()).unwrap();
+        p.close().unwrap();
+    });
+    let (m, _) = StreamReader::new(tb.bucket.clone(), trust).anchor(0).await.unwrap();
+    let o = m.objects.iter().max_by_key(|o| o.object.size).unwrap().clone();
+    let tensors = m.layout().shards.into_iter().find(|s| s.file == o.file).unwrap().tensors;
+    let path = tb.root.as_ref().unwrap().join(layout::object(driftless_format::StepKind::Anchor, 0, &o.object.object));
+    let bytes = std::fs::read(&path).unwrap();
+    let n = o.parts.len();
+    assert!(n >= 4, "{n} parts: a prefix, chunks, a table");
+    let part = |a: usize, e: usize| PartRef { len: (e - a) as u64, sha256: Digest::of(&bytes[a..e]) };
+    let starts: Vec<usize> =
+        o.parts.iter().scan(0usize, |at, p| Some(std::mem::replace(at, *at + p.len as usize))).collect();
+
+    // Older manifests: no parts, the whole object's SHA-256; every tensor hashed as published.
+    let mut old = o.clone();
+    old.parts.clear();
+    let sink = Arc::new(Hashing::new(Counting::default(), o.decoded_size));
+    assert_eq!(stream_one(&tb.bucket, &old, &tensors, sink.clone()).await.unwrap(), o.object.size);
+    let (want, _) = driftless_format::weights_root(&chain.views());
+    let got: Vec<_> = sink.digests().unwrap().into_iter().map(|(_, d)| d).collect();
+    assert_eq!(got.len(), want.len());
+    assert!(want.iter().all(|d| got.contains(d)), "digests of an unsigned-parts stream");
+
+    let grid: Vec<PartRef> =
+        (0..bytes.len()).step_by(1 << 20).map(|a| part(a, (a + (1 << 20)).min(bytes.len()))).collect();
+    let merged = vec![o.parts[0].clone(), part(starts[1], starts[n - 1]), o.parts[n - 1].clone()];
+    let mut moved = o.parts.clone();
+    moved[1] = part(starts[1], starts[2] - 1);
+    moved[2] = part(starts[2] - 1, starts[3]);
+    let mut wrong_head = o.parts.clone();
+    wrong_head[0].sha256 = Digest::of(b"another header");
+    for (what, parts, want) in [
+        ("a 1 MiB grid", grid, "not the prefix and the header"),
+        ("chunks merged", merged, "parts are not its chunks"),
+        ("a byte moved", moved, "off its signed parts"),
+        ("the first part's digest", wrong_head, "do not match their signed SHA-256"),
+    ] {
+        assert_eq!(parts.iter().map(|p| p.len).sum::<u64>(), o.object.size, "{what}: tiles the object");
+        let mut h = o.clone();
+        h.parts = parts;
+        let sink = Arc::new(Counting::default());
+        let e = stream_one(&tb.bucket, &h, &tensors, sink.clone()).await.unwrap_err();
+        assert!(e.to_string().contains(want), "{what}: {e}");
+        assert!(e.is_integrity() && !e.is_retryable(), "{what}: {e} is not an integrity failure");
+        // The moved byte: the header was written, the chunks not (the first one is refused
+        // before its decode, the others stop).
+        let max = if what == "a byte moved" { 1 + n as u64 - 3 } else { 0 };
+        assert!(sink.writes.load(SeqCst) <= max, "{what}: {} writes", sink.writes.load(SeqCst));
+    }
 }
 
 /// A sharded anchor streams two shards at once with 4 parts in flight (`share_parts`), every
@@ -255,8 +348,6 @@ async fn shards_stream_side_by_side_and_one_missing_shard_is_reported_as_such() 
 /// its bytes have is refused, and nothing becomes current.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_signed_anchor_whose_bytes_are_not_its_root_is_refused() {
-    use driftless_format::manifest::{AnchorManifest, ReadyMarker};
-    use driftless_format::StepKind;
     let tb = file_bucket();
     let key = Keypair::from_seed([10; 32]);
     let trust = TrustSet::new().with_key(key.public());
@@ -267,17 +358,7 @@ async fn a_signed_anchor_whose_bytes_are_not_its_root_is_refused() {
         p.publish(0, &chain.views()).unwrap();
         p.close().unwrap();
     });
-    let root = tb.root.clone().unwrap();
-    let marker_path = root.join(layout::ready(StepKind::Anchor, 0));
-    let mut marker: ReadyMarker = serde_json::from_slice(&std::fs::read(&marker_path).unwrap()).unwrap();
-    let env_path = root.join(layout::object(StepKind::Anchor, 0, marker.manifest_name()));
-    let (payload, _) = trust.open(&std::fs::read(&env_path).unwrap()).unwrap();
-    let mut m: AnchorManifest = serde_json::from_slice(&payload).unwrap();
-    m.weights_root = driftless_format::Digest::of(b"another model");
-    let env = key.seal(&serde_json::to_vec(&m).unwrap()).unwrap();
-    std::fs::write(&env_path, &env).unwrap();
-    marker.manifest_sha256 = driftless_format::Digest::of(&env);
-    std::fs::write(&marker_path, serde_json::to_vec(&marker).unwrap()).unwrap();
+    resign_anchor(&tb, &key, &trust, 0, |m| m.weights_root = driftless_format::Digest::of(b"another model"));
 
     let mut a = driftless_agent::Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust)).unwrap();
     let r = a.sync_once().await;
@@ -329,6 +410,13 @@ async fn an_anchor_with_numbers_no_encoder_writes_is_refused_and_routed_around()
     let pl = u64::from_le_bytes(bytes[first_plane..first_plane + 8].try_into().unwrap());
     bytes[first_plane..first_plane + 8].copy_from_slice(&(pl + header_stored).to_le_bytes());
     std::fs::write(&path, &bytes).unwrap();
+    // Signed as they are (a signer with a bug), without parts: the object's SHA-256 is only
+    // known at the end, so the numbers themselves must be refused (with the publisher's
+    // parts, the first part's digest would refuse the object before its numbers are read).
+    resign_anchor(&tb, &key, &trust, 2, |m| {
+        m.objects[0].parts.clear();
+        m.objects[0].object.sha256 = driftless_format::Digest::of(&bytes);
+    });
     // Delta 1 gone: anchor 2 is the only route to step 2 (else anchor 0 and two deltas are
     // cheaper, and the bad anchor is never read).
     tb.bucket.delete(&layout::ready(StepKind::Delta, 1)).await.unwrap();
@@ -336,6 +424,7 @@ async fn an_anchor_with_numbers_no_encoder_writes_is_refused_and_routed_around()
     let mut a = driftless_agent::Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust)).unwrap();
     let o = a.sync_once().await.unwrap_or_else(|e| panic!("a cold agent stuck on a hostile anchor: {e}"));
     assert!(o.refused.iter().any(|r| r.kind == StepKind::Anchor && r.step == 2), "{o:?}");
+    assert!(o.refused.iter().any(|r| r.reason.contains("compressed header of 0 bytes")), "the numbers refused: {o:?}");
     assert_eq!((o.step, o.root), (0, roots[0]), "the next best route: {o:?}");
     assert_eq!(a.state().map(|s| s.step), Some(0));
 }
@@ -403,4 +492,28 @@ fn hashing_sees_every_byte_once_however_the_parts_are_cut() {
     assert!(digests(&[(h0 as u64, &file[h0..])]).is_err());
     assert!(digests(&[(0, &file[..h0]), (2, &file[2..10])]).is_err());
     assert!(digests(&[(0, &file[..h0]), (size - 2, &file[..8])]).is_err());
+}
+
+/// Rewrites the signed manifest of anchor `step` with `edit` applied, signed by `key`, and its
+/// ready marker to match: what a signer with a bug would publish.
+fn resign_anchor(
+    tb: &TestBucket,
+    key: &Keypair,
+    trust: &TrustSet,
+    step: u64,
+    edit: impl FnOnce(&mut driftless_format::manifest::AnchorManifest),
+) {
+    use driftless_format::manifest::{AnchorManifest, ReadyMarker};
+    use driftless_format::StepKind;
+    let root = tb.root.clone().unwrap();
+    let marker_path = root.join(layout::ready(StepKind::Anchor, step));
+    let mut marker: ReadyMarker = serde_json::from_slice(&std::fs::read(&marker_path).unwrap()).unwrap();
+    let env_path = root.join(layout::object(StepKind::Anchor, step, marker.manifest_name()));
+    let (payload, _) = trust.open(&std::fs::read(&env_path).unwrap()).unwrap();
+    let mut m: AnchorManifest = serde_json::from_slice(&payload).unwrap();
+    edit(&mut m);
+    let env = key.seal(&serde_json::to_vec(&m).unwrap()).unwrap();
+    std::fs::write(&env_path, &env).unwrap();
+    marker.manifest_sha256 = driftless_format::Digest::of(&env);
+    std::fs::write(&marker_path, serde_json::to_vec(&marker).unwrap()).unwrap();
 }

@@ -122,7 +122,7 @@ impl Cuts {
         self.0.is_empty()
     }
     /// Bytes of the chunk table that lists them.
-    fn table_len(&self) -> u64 {
+    pub fn table_len(&self) -> u64 {
         self.0.iter().map(|&(_, _, w)| 17 + 8 * u64::from(w)).sum()
     }
 }
@@ -453,6 +453,87 @@ pub fn plan_shard(
     Ok(ShardPlan { decoded_size: size, header_len, header: PREFIX_LEN..planes_start, chunks })
 }
 
+// ---------------------------------------------------------------------------------------------
+// Signed parts: the manifest lists the SHA-256 of each range a streaming reader fetches, so
+// that each is checked as it arrives, on any core, before it is decoded (one SHA-256 over a
+// whole object is a serial stream of about 1 GB/s, which bounded a one-shard cold start).
+
+/// Bytes of the pieces after the header of a plain safetensors anchor shard.
+pub const PLAIN_PART: u64 = 16 << 20;
+/// Longest part after the header a reader of a plain safetensors shard accepts (memory per
+/// part in flight; an encoder writes [`PLAIN_PART`]).
+pub const MAX_PLAIN_PART: u64 = 64 << 20;
+
+/// The longest first part (the prefix and the compressed header) of a byte-plane shard that
+/// decodes to `decoded_size` bytes: what a reader accepts before fetching it.
+pub fn head_part_bound(decoded_size: u64) -> u64 {
+    PREFIX_LEN + stored_bound(decoded_size.min(MAX_HEADER_LEN))
+}
+
+/// The parts an anchor shard object is signed in ([`crate::manifest::PartRef`]), in order,
+/// tiling it: for the byte-plane form, the prefix with the compressed header, each chunk's
+/// planes, and the table with the footer (what a streaming reader fetches, each range once);
+/// for a plain safetensors file, its header, then pieces of [`PLAIN_PART`]. `stored` is the
+/// object, which decodes to `decoded_size` bytes.
+pub fn part_ranges(
+    stored: &[u8],
+    decoded_size: u64,
+    encoding: crate::manifest::AnchorEncoding,
+) -> Result<Vec<std::ops::Range<u64>>> {
+    let size = stored.len() as u64;
+    match encoding {
+        crate::manifest::AnchorEncoding::PlanesZstd => {
+            if size < PREFIX_LEN + FOOTER_LEN {
+                return Err(bad("truncated"));
+            }
+            let prefix = &stored[..PREFIX_LEN as usize];
+            let footer = &stored[(size - FOOTER_LEN) as usize..];
+            let (hr, header_len) = header_range(prefix, decoded_size)?;
+            let hz = stored.get(hr.start as usize..hr.end as usize).ok_or_else(|| bad("truncated"))?;
+            let mut head = vec![0u8; header_len as usize];
+            decode_header(hz, &mut head)?;
+            let cuts = shard_cuts(&head, decoded_size, None)?;
+            let tr = table_range(prefix, &cuts, footer, size, decoded_size)?;
+            let plan =
+                plan_shard(prefix, &cuts, &stored[tr.start as usize..tr.end as usize], footer, size, decoded_size)?;
+            let mut r = Vec::with_capacity(plan.chunks.len() + 2);
+            r.push(0..hr.end);
+            r.extend(plan.chunks.iter().map(|c| c.stored.clone()));
+            r.push(tr.start..size);
+            Ok(r)
+        }
+        crate::manifest::AnchorEncoding::Safetensors => {
+            let n = stored
+                .get(..8)
+                .map(|b| u64::from_le_bytes(b.try_into().expect("8")))
+                .ok_or_else(|| bad("truncated"))?;
+            let head_end = n
+                .checked_add(8)
+                .filter(|&e| e <= size && n <= crate::checkpoint::MAX_HEADER as u64)
+                .ok_or_else(|| bad("header length"))?;
+            let mut r = Vec::with_capacity(1 + ((size - head_end) / PLAIN_PART) as usize + 1);
+            r.push(0..head_end);
+            r.extend((head_end..size).step_by(PLAIN_PART as usize).map(|a| a..(a + PLAIN_PART).min(size)));
+            Ok(r)
+        }
+    }
+}
+
+/// [`part_ranges`] with the SHA-256 of each, hashed on all cores.
+pub fn part_refs(
+    stored: &[u8],
+    decoded_size: u64,
+    encoding: crate::manifest::AnchorEncoding,
+) -> Result<Vec<crate::manifest::PartRef>> {
+    Ok(part_ranges(stored, decoded_size, encoding)?
+        .into_par_iter()
+        .map(|r| crate::manifest::PartRef {
+            len: r.end - r.start,
+            sha256: crate::Digest::of(&stored[r.start as usize..r.end as usize]),
+        })
+        .collect())
+}
+
 /// Decodes the compressed header (the stored bytes of [`ShardPlan::header`]) into `out`, the
 /// file's first [`ShardPlan::header_len`] bytes.
 pub fn decode_header(hz: &[u8], out: &mut [u8]) -> Result<()> {
@@ -480,24 +561,43 @@ pub fn decode_chunk_with(c: &ChunkPlan, stored: &[u8], out: &mut [u8], scratch: 
     }
     let w = c.width;
     let n = out.len() / w;
-    let mut d = zstd::bulk::Decompressor::new().map_err(|e| bad(e.to_string()))?;
+    let plane = |p: &[u8], dst: &mut [u8]| -> Result<()> {
+        let mut d = zstd::bulk::Decompressor::new().map_err(|e| bad(e.to_string()))?;
+        let got = d.decompress_to_buffer(p, dst).map_err(|e| bad(format!("zstd: {e}")))?;
+        if got == n {
+            Ok(())
+        } else {
+            Err(bad("plane size mismatch"))
+        }
+    };
     if w == 1 {
-        let got = d.decompress_to_buffer(stored, out).map_err(|e| bad(format!("zstd: {e}")))?;
-        return if got == n { Ok(()) } else { Err(bad("plane size mismatch")) };
+        return plane(stored, out);
     }
     if scratch.len() < out.len() {
         scratch.resize(out.len(), 0);
     }
     let scratch = &mut scratch[..out.len()];
+    // The planes are independent zstd frames: each on a thread of its own (a chunk's decode
+    // is on the critical path of a cold start, a few chunks in flight; a pool shared with
+    // the hashing would queue it behind that).
     let mut at = 0usize;
-    for (i, &pl) in c.plane_lens.iter().enumerate() {
-        let p = &stored[at..at + pl as usize];
-        at += pl as usize;
-        let got = d.decompress_to_buffer(p, &mut scratch[i * n..(i + 1) * n]).map_err(|e| bad(format!("zstd: {e}")))?;
-        if got != n {
-            return Err(bad("plane size mismatch"));
-        }
-    }
+    let jobs: Vec<(&[u8], &mut [u8])> = c
+        .plane_lens
+        .iter()
+        .zip(scratch.chunks_mut(n))
+        .map(|(&pl, dst)| {
+            let p = &stored[at..at + pl as usize];
+            at += pl as usize;
+            (p, dst)
+        })
+        .collect();
+    std::thread::scope(|sc| {
+        let mut jobs = jobs.into_iter();
+        let (p0, d0) = jobs.next().expect("width of at least 2");
+        let rest: Vec<_> = jobs.map(|(p, d)| sc.spawn(move || plane(p, d))).collect();
+        let first = plane(p0, d0);
+        rest.into_iter().fold(first, |r, h| r.and(h.join().unwrap_or_else(|_| Err(bad("plane decode panicked")))))
+    })?;
     from_planes(scratch, w, out);
     Ok(())
 }

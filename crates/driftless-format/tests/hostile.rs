@@ -303,6 +303,12 @@ fn manifest_hostile_values() {
                 v["objects"].as_array_mut().unwrap().pop();
             }),
         ),
+        // Signed parts must tile the object: lengths of at least 1 adding up to its size,
+        // with no sum that wraps.
+        ("parts short of the object", Box::new(move |v: &mut serde_json::Value| set_parts(v, &[-1]))),
+        ("parts past the object", Box::new(move |v: &mut serde_json::Value| set_parts(v, &[0, 1]))),
+        ("a part of no bytes", Box::new(move |v: &mut serde_json::Value| set_parts(v, &[0, -2]))),
+        ("part lengths that wrap", Box::new(move |v: &mut serde_json::Value| set_parts(v, &[-3, -4]))),
     ] {
         let mut v = docs.clone();
         f(&mut v);
@@ -312,6 +318,10 @@ fn manifest_hostile_values() {
             "{what}"
         );
     }
+    // Parts that tile the object are accepted.
+    let mut v = docs.clone();
+    set_parts(&mut v, &[0]);
+    assert_eq!(AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap().objects[0].parts.len(), 1);
     // Decoded sizes the shard's tensors cannot fill, or that no header explains (regression: a
     // layout of 1000 tensors of 2^46 bytes each was accepted for a 100-byte shard, and the
     // Python mirror allocated the layout's bytes before reading any).
@@ -553,4 +563,26 @@ fn a_fifo_named_like_a_shard_is_refused_not_waited_on() {
     let r = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("Checkpoint::open blocked on a FIFO");
     let e = r.unwrap_err();
     assert!(e.contains("not a regular file"), "{e}");
+}
+
+/// Sets the first object's signed parts from codes: `0` the object's size, `1` one byte, `-1`
+/// the size less one, `-2` no bytes, `-3` `u64::MAX`, `-4` the size plus one (with `-3`, a sum
+/// that wraps to the size).
+fn set_parts(v: &mut serde_json::Value, codes: &[i8]) {
+    let size = v["objects"][0]["size"].as_u64().unwrap();
+    let parts: Vec<_> = codes
+        .iter()
+        .map(|c| {
+            let len = match c {
+                0 => size,
+                1 => 1,
+                -1 => size - 1,
+                -2 => 0,
+                -3 => u64::MAX,
+                _ => size + 1,
+            };
+            serde_json::json!({"len": len, "sha256": v["objects"][0]["sha256"].clone()})
+        })
+        .collect();
+    v["objects"][0]["parts"] = parts.into();
 }

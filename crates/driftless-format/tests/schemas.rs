@@ -83,6 +83,7 @@ fn anchors() -> Vec<AnchorManifest> {
                     },
                     decoded_size: file.len() as u64,
                     decoded_sha256: Digest::of(&file),
+                    parts: anchor::part_refs(&stored, file.len() as u64, encoding).unwrap(),
                 }],
                 files: if encoding == AnchorEncoding::Safetensors {
                     vec![]

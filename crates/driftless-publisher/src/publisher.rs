@@ -1571,11 +1571,15 @@ pub(crate) fn encode_spooled(
                 )
             }
         };
+        // The whole object's SHA-256 (for readers before signed parts) beside its parts'.
+        let (sha256, parts) =
+            rayon::join(|| Digest::of(&bytes), || anchor::part_refs(&bytes, decoded_size, cfg.anchor_encoding));
         refs.push(AnchorShardRef {
             file: shard.file.clone(),
-            object: ObjectRef { object: name.clone(), size: bytes.len() as u64, sha256: Digest::of(&bytes) },
+            object: ObjectRef { object: name.clone(), size: bytes.len() as u64, sha256 },
             decoded_size,
             decoded_sha256,
+            parts: parts?,
         });
         objects.push((name, bytes));
     }

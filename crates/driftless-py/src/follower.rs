@@ -1265,7 +1265,7 @@ async fn stream_anchor_from(
         let sink = hashed(arrays, o.decoded_size, hash, &mut hashing);
         jobs.push(ShardJob { object: o, tensors: &shard.tensors, sink });
     }
-    let bytes = stream_anchor(bucket, step, m.encoding, jobs, ANCHOR_PARTS).await?;
+    let bytes = stream_anchor(bucket, step, m.encoding, jobs, default_anchor_parts()).await?;
     Ok((bytes, digests_of(hashing)?))
 }
 
@@ -1373,7 +1373,7 @@ fn spool_io(e: std::io::Error) -> BindError {
 }
 
 // Anchor parts in flight (all shards together): the agent's default `anchor_parts`.
-use driftless_agent::DEFAULT_ANCHOR_PARTS as ANCHOR_PARTS;
+use driftless_agent::default_anchor_parts;
 
 fn corrupt(what: &'static str, detail: impl Into<String>) -> BindError {
     driftless_format::Error::Corrupt { what, detail: detail.into() }.into()

@@ -188,6 +188,7 @@ pub fn manifest_of_stream(
                     object: obj(o),
                     decoded_size: 16,
                     decoded_sha256: Digest([0; 32]),
+                    parts: vec![],
                 })
                 .collect(),
             files: vec![],
