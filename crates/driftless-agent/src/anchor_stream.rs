@@ -399,7 +399,7 @@ async fn stream_shard(
     }
     let bucket = bucket.clone();
     check_size(&bucket, step, &key, size).await?;
-    let signed = Signed::of(&key, o);
+    let signed = Signed::of(&key, o)?;
     let (prefix, hz, head, plan, table, footer) = match &signed {
         Some(s) => plan_signed(&bucket, &key, o, tensors, s).await?,
         None => plan_unsigned(&bucket, &key, o, tensors).await?,
@@ -447,9 +447,21 @@ async fn stream_shard(
                 // any bytes, bounded, as it does without signed parts.
                 let (checked, decoded) = match &signed {
                     Some(s) => std::thread::scope(|sc| {
-                        let h = sc.spawn(|| s.check(c.stored.clone(), &stored));
-                        let d = decode();
-                        (h.join().unwrap_or_else(|_| Err(s.bad("part check panicked"))), d)
+                        let check = || s.check(c.stored.clone(), &stored);
+                        match std::thread::Builder::new().spawn_scoped(sc, check) {
+                            Ok(h) => {
+                                let d = decode();
+                                let checked = h.join().unwrap_or_else(|_| {
+                                    Err(Error::Io(std::io::Error::other("part check thread panicked")))
+                                });
+                                (checked, d)
+                            }
+                            // No thread to be had: checked first, then decoded.
+                            Err(_) => match check() {
+                                Ok(()) => (Ok(()), decode()),
+                                Err(e) => (Err(e), Ok(())),
+                            },
+                        }
                     }),
                     None => (Ok(()), decode()),
                 };
@@ -570,8 +582,9 @@ async fn checked_get(bucket: &Bucket, key: &str, r: std::ops::Range<u64>, signed
 }
 
 /// The signed parts of a shard object ([`AnchorShardRef::parts`]): every range a stream
-/// fetches is one of them, checked on the thread that received it before anything is decoded
-/// or written from it; at the end every part must have been checked, once.
+/// fetches is one of them, checked when it arrives (a chunk's beside its decode), and nothing
+/// from it is written before that check passed; at the end every part must have been
+/// checked, once.
 pub(crate) struct Signed {
     key: String,
     starts: Vec<u64>,
@@ -580,27 +593,28 @@ pub(crate) struct Signed {
 }
 
 impl Signed {
-    /// `None` for an object without signed parts. The manifest checked that they tile it.
-    fn of(key: &str, o: &AnchorShardRef) -> Option<Arc<Self>> {
+    /// `None` for an object without signed parts; an integrity error for parts that do not
+    /// tile the object (the manifest parser refuses those, but a caller may build an entry).
+    fn of(key: &str, o: &AnchorShardRef) -> Result<Option<Arc<Self>>> {
         if o.parts.is_empty() {
-            return None;
+            return Ok(None);
         }
+        let bad = || corrupt("anchor manifest", format!("{key}: parts that do not tile it"));
         let mut at = 0u64;
-        let starts = o
-            .parts
-            .iter()
-            .map(|p| {
-                let s = at;
-                at = at.saturating_add(p.len);
-                s
-            })
-            .collect();
-        Some(Arc::new(Signed {
+        let mut starts = Vec::with_capacity(o.parts.len());
+        for p in &o.parts {
+            starts.push(at);
+            at = at.checked_add(p.len).filter(|_| p.len > 0).ok_or_else(bad)?;
+        }
+        if at != o.object.size {
+            return Err(bad());
+        }
+        Ok(Some(Arc::new(Signed {
             key: key.to_string(),
             starts,
             parts: o.parts.clone(),
             checked: o.parts.iter().map(|_| AtomicBool::new(false)).collect(),
-        }))
+        })))
     }
 
     fn len(&self) -> usize {
@@ -625,7 +639,10 @@ impl Signed {
         if bytes.len() as u64 != p.len || Digest::of(bytes) != p.sha256 {
             return Err(corrupt(
                 "object",
-                format!("{} bytes {}..{} do not match their signed SHA-256", self.key, r.start, r.end),
+                format!(
+                    "{} does not match its manifest: bytes {}..{} (a signed part's SHA-256)",
+                    self.key, r.start, r.end
+                ),
             ));
         }
         if self.checked[i].swap(true, Ordering::SeqCst) {
@@ -669,7 +686,15 @@ async fn stream_plain(
         return Err(mismatch(&key));
     }
     let max_head = 8 + driftless_format::checkpoint::MAX_HEADER as u64;
-    let signed = Signed::of(&key, o);
+    let signed = Signed::of(&key, o)?;
+    // Every part after the header is a whole PLAIN_PART but the last (what `part_ranges`
+    // cuts): a buggy signer cannot make a GET per byte, nor a part larger than a reader holds.
+    if let Some(s) = &signed {
+        let n = s.len();
+        if (1..n).any(|i| s.parts[i].len > anchor::PLAIN_PART || (i + 1 < n && s.parts[i].len != anchor::PLAIN_PART)) {
+            return Err(s.bad("parts after the header that are not 16 MiB pieces"));
+        }
+    }
     // The safetensors header, bounded as any reader bounds it, before anything is allocated
     // by a size from the object: with signed parts, the first part, checked.
     let hdr = match &signed {
@@ -700,9 +725,6 @@ async fn stream_plain(
             .map(|a| (a, (a + anchor::PLAIN_PART).min(size)))
             .collect(),
     };
-    if ranges.iter().any(|(a, e)| e - a > anchor::MAX_PLAIN_PART) {
-        return Err(corrupt("anchor manifest", format!("{key}: a part larger than a reader holds")));
-    }
     if stop.load(Ordering::SeqCst) {
         return Ok(None);
     }
@@ -800,14 +822,15 @@ fn mismatch(key: &str) -> Error {
     corrupt("object", format!("{key} does not match its manifest (size or SHA-256)"))
 }
 
-/// Takes a shard's parts in order into the object's SHA-256, returned once every part is in.
-/// On the first error, stops: the parts not yet fetched are skipped and those in flight waited
-/// for (their writes would otherwise land after the call returned).
+/// Runs a shard's parts to their end and, with `sha` (no signed parts), takes them in order
+/// into the object's SHA-256, returned once every part is in. On the first error, stops: the
+/// parts not yet fetched are skipped and those in flight waited for (their writes would
+/// otherwise land after the call returned).
 ///
 /// The hash runs on a thread of the blocking pool, fed through a queue of `queue` parts: it
-/// is the one serial stage of a stream (one SHA-256 over the whole object), and run on the
-/// runtime thread that polls the parts it held up their polling as well as the runtime.
-/// The queue bounds what waits for it, so memory stays bounded by the parts in flight.
+/// is the one serial stage of an unsigned stream (one SHA-256 over the whole object), and run
+/// on the runtime thread that polls the parts it held up their polling as well as the
+/// runtime. The queue bounds what waits for it, so memory stays bounded by the parts in flight.
 async fn drain(
     mut parts: impl futures::Stream<Item = Result<Bytes>> + Unpin,
     sha: Option<sha2::Sha256>,

@@ -127,7 +127,6 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     let parts = writes.writes.load(SeqCst) - 1;
     assert!(parts >= 3, "{parts} parts: the model should span several");
 
-    // The first part's first plane no longer a zstd frame: its decode fails at once.
     let path = tb.root.as_ref().unwrap().join(layout::object(driftless_format::StepKind::Anchor, 0, &o.object.object));
     let mut bytes = std::fs::read(&path).unwrap();
     let size = bytes.len() as u64;
@@ -141,13 +140,8 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     let plan =
         anchor::plan_shard(prefix, &cuts, &bytes[tr.start as usize..tr.end as usize], &footer, size, o.decoded_size)
             .unwrap();
-    let first = plan.chunks[0].stored.start as usize;
-    for b in &mut bytes[first..first + 4] {
-        *b ^= 0xFF;
-    }
-    std::fs::write(&path, &bytes).unwrap();
-    // Signed parts (what this publisher writes): the part is refused before it is decoded,
-    // and the error names its bytes; the first chunk's range is never written.
+    // A wrong digest for the first chunk's part, the bytes intact (so that its decode
+    // succeeds): the error names the part's bytes, and nothing decoded from it is written.
     assert!(!o.parts.is_empty(), "the publisher signs the object's parts");
     let first_out = plan.chunks[0].out.start;
     let wrote_first = Arc::new(AtomicBool::new(false));
@@ -161,15 +155,26 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
             Ok(())
         }
     }
-    let e = stream_one(&tb.bucket, &o, &tensors, Arc::new(Watch(wrote_first.clone(), first_out))).await.unwrap_err();
+    let mut wrong = o.clone();
+    wrong.parts[1].sha256 = driftless_format::Digest::of(b"not these bytes");
+    let e =
+        stream_one(&tb.bucket, &wrong, &tensors, Arc::new(Watch(wrote_first.clone(), first_out))).await.unwrap_err();
     let c = &plan.chunks[0].stored;
-    assert!(e.to_string().contains(&format!("bytes {}..{} do not match their signed SHA-256", c.start, c.end)), "{e}");
-    assert!(!wrote_first.load(SeqCst), "a part that failed its signed SHA-256 was decoded and written");
-    // A manifest of a publisher before signed parts: the corrupt part reaches the decoder,
-    // whose error stops the stream the same way.
+    let named = format!("does not match its manifest: bytes {}..{} (a signed part's SHA-256)", c.start, c.end);
+    assert!(e.to_string().contains(&named), "{e}");
+    assert!(!wrote_first.load(SeqCst), "a part that failed its signed SHA-256 was written");
+
+    // The first part's first plane no longer a zstd frame.
+    let first = plan.chunks[0].stored.start as usize;
+    for b in &mut bytes[first..first + 4] {
+        *b ^= 0xFF;
+    }
+    std::fs::write(&path, &bytes).unwrap();
+    // Refused by its signed part's SHA-256; in a manifest of a publisher before signed parts,
+    // the corrupt part reaches the decoder, whose error stops the stream the same way.
     let mut old = o.clone();
     old.parts.clear();
-    for (what, o, want) in [("signed", o.clone(), "signed SHA-256"), ("unsigned", old, "zstd")] {
+    for (what, o, want) in [("signed", o.clone(), named.as_str()), ("unsigned", old, "zstd")] {
         let sink = Arc::new(Counting::default());
         let e = stream_one(&tb.bucket, &o, &tensors, sink.clone()).await.unwrap_err();
         sink.returned.store(true, SeqCst);
@@ -184,7 +189,7 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
 /// Signed parts must be exactly the ranges a reader fetches: parts that tile the object with
 /// every digest right but cut elsewhere (a 1 MiB grid, the chunks merged into one part, one
 /// byte moved from a chunk's part to the next) are refused, and so is a first part whose
-/// digest is wrong, with nothing written and no part decoded off its signed range. A manifest
+/// digest is wrong, with nothing written from a part off its signed range. A manifest
 /// without parts (publishers before them) still streams, checked by the object's SHA-256.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn signed_parts_must_be_the_ranges_a_reader_fetches() {
@@ -233,7 +238,7 @@ async fn signed_parts_must_be_the_ranges_a_reader_fetches() {
         ("a 1 MiB grid", grid, "not the prefix and the header"),
         ("chunks merged", merged, "parts are not its chunks"),
         ("a byte moved", moved, "off its signed parts"),
-        ("the first part's digest", wrong_head, "do not match their signed SHA-256"),
+        ("the first part's digest", wrong_head, "bytes 0.."),
     ] {
         assert_eq!(parts.iter().map(|p| p.len).sum::<u64>(), o.object.size, "{what}: tiles the object");
         let mut h = o.clone();
@@ -242,10 +247,96 @@ async fn signed_parts_must_be_the_ranges_a_reader_fetches() {
         let e = stream_one(&tb.bucket, &h, &tensors, sink.clone()).await.unwrap_err();
         assert!(e.to_string().contains(want), "{what}: {e}");
         assert!(e.is_integrity() && !e.is_retryable(), "{what}: {e} is not an integrity failure");
-        // The moved byte: the header was written, the chunks not (the first one is refused
-        // before its decode, the others stop).
-        let max = if what == "a byte moved" { 1 + n as u64 - 3 } else { 0 };
+        // The moved byte: the header and at most the n - 4 chunks after the two whose ranges
+        // are off their parts were written.
+        let max = if what == "a byte moved" { n as u64 - 3 } else { 0 };
         assert!(sink.writes.load(SeqCst) <= max, "{what}: {} writes", sink.writes.load(SeqCst));
+    }
+}
+
+/// A plain-safetensors anchor's signed parts: a wrong digest for the piece after the header is
+/// refused with its bytes named and nothing written from them; pieces other than the 16 MiB
+/// ones `part_ranges` cuts (each digest right) are refused before anything is fetched or
+/// written; the intact parts stream every byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_anchor_parts_are_checked_before_they_are_written() {
+    use driftless_format::manifest::PartRef;
+    use driftless_format::Digest;
+    let tb = file_bucket();
+    let key = Keypair::from_seed([13; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let (b, k) = (tb.bucket.clone(), key.clone());
+    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(40 << 20), 2e-6, 6);
+    tokio::task::block_in_place(|| {
+        let mut p = PublisherBuilder::new("unused")
+            .with_bucket(b)
+            .with_key(k)
+            .with_anchor_encoding(AnchorEncoding::Safetensors)
+            .build()
+            .unwrap();
+        p.publish(0, &chain.views()).unwrap();
+        p.close().unwrap();
+    });
+    let (m, _) = StreamReader::new(tb.bucket.clone(), trust).anchor(0).await.unwrap();
+    let o = m.objects.iter().max_by_key(|o| o.object.size).unwrap().clone();
+    let tensors = m.layout().shards.into_iter().find(|s| s.file == o.file).unwrap().tensors;
+    let path = tb.root.as_ref().unwrap().join(layout::object(driftless_format::StepKind::Anchor, 0, &o.object.object));
+    let bytes = std::fs::read(&path).unwrap();
+    assert!(o.parts.len() >= 3, "{} parts: a header and 16 MiB pieces", o.parts.len());
+    let head = o.parts[0].len;
+    let run = |o: AnchorShardRef| {
+        let tensors = tensors.clone();
+        let sink = Arc::new(Offsets::default());
+        let b = tb.bucket.clone();
+        async move {
+            let r = stream_anchor(
+                &b,
+                0,
+                AnchorEncoding::Safetensors,
+                vec![ShardJob { object: &o, tensors: &tensors, sink: sink.clone() }],
+                4,
+            )
+            .await;
+            (r, sink.0.lock().unwrap().clone())
+        }
+    };
+    let (r, wrote) = run(o.clone()).await;
+    assert_eq!(r.unwrap(), o.object.size);
+    assert_eq!(wrote.iter().map(|(_, n)| n).sum::<u64>(), o.object.size, "every byte written once");
+
+    let mut wrong = o.clone();
+    wrong.parts[1].sha256 = Digest::of(b"not these bytes");
+    let (r, wrote) = run(wrong).await;
+    let e = r.unwrap_err();
+    let named = format!("bytes {}..{} (a signed part's SHA-256)", head, head + o.parts[1].len);
+    assert!(e.to_string().contains(&named) && e.is_integrity(), "{e}");
+    assert!(!wrote.iter().any(|(at, _)| *at == head), "a part that failed its check was written");
+
+    let mut split = o.clone();
+    let a = head as usize;
+    let mid = a + (1 << 20);
+    let end = a + o.parts[1].len as usize;
+    split.parts.splice(
+        1..2,
+        [
+            PartRef { len: (mid - a) as u64, sha256: Digest::of(&bytes[a..mid]) },
+            PartRef { len: (end - mid) as u64, sha256: Digest::of(&bytes[mid..end]) },
+        ],
+    );
+    let (r, wrote) = run(split).await;
+    let e = r.unwrap_err();
+    assert!(e.to_string().contains("not 16 MiB pieces") && e.is_integrity(), "{e}");
+    assert!(wrote.is_empty(), "{wrote:?}");
+}
+
+/// Records every write's offset and length.
+#[derive(Default)]
+struct Offsets(std::sync::Mutex<Vec<(u64, u64)>>);
+
+impl ShardSink for Offsets {
+    fn write_at(&self, at: u64, bytes: &[u8]) -> driftless_agent::Result<()> {
+        self.0.lock().unwrap().push((at, bytes.len() as u64));
+        Ok(())
     }
 }
 

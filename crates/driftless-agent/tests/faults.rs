@@ -322,8 +322,8 @@ async fn marker_understating_its_payload_is_refused() {
 }
 
 /// An anchor written as plain safetensors (not byte planes) streams like any other: 16 MiB
-/// ranged parts written as they arrive, hashed as written, the object's SHA-256 checked at the
-/// end. A flipped byte in it is refused and costs nothing served.
+/// ranged parts, each checked against its signed SHA-256 and written as it arrives, hashed as
+/// written. A flipped byte in it is refused and costs nothing served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_safetensors_anchor_streams_and_is_checked() {
     for tb in buckets("plain-anchor") {

@@ -284,7 +284,7 @@ pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
         jobs.push((c, dst));
     }
     jobs.into_par_iter()
-        .try_for_each_init(Vec::new, |scratch, (c, dst)| decode_chunk_with(c, at(&c.stored), dst, scratch))
+        .try_for_each_init(Vec::new, |scratch, (c, dst)| decode_planes(c, at(&c.stored), dst, scratch, false))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -455,14 +455,11 @@ pub fn plan_shard(
 
 // ---------------------------------------------------------------------------------------------
 // Signed parts: the manifest lists the SHA-256 of each range a streaming reader fetches, so
-// that each is checked as it arrives, on any core, before it is decoded (one SHA-256 over a
+// that each is checked as it arrives, on any core, before anything from it is written (one SHA-256 over a
 // whole object is a serial stream of about 1 GB/s, which bounded a one-shard cold start).
 
 /// Bytes of the pieces after the header of a plain safetensors anchor shard.
 pub const PLAIN_PART: u64 = 16 << 20;
-/// Longest part after the header a reader of a plain safetensors shard accepts (memory per
-/// part in flight; an encoder writes [`PLAIN_PART`]).
-pub const MAX_PLAIN_PART: u64 = 64 << 20;
 
 /// The longest first part (the prefix and the compressed header) of a byte-plane shard that
 /// decodes to `decoded_size` bytes: what a reader accepts before fetching it.
@@ -556,6 +553,19 @@ pub fn decode_chunk(c: &ChunkPlan, stored: &[u8], out: &mut [u8]) -> Result<()> 
 /// never shrunk or cleared: a decoder thread reuses its pages instead of faulting in fresh
 /// ones for every chunk).
 pub fn decode_chunk_with(c: &ChunkPlan, stored: &[u8], out: &mut [u8], scratch: &mut Vec<u8>) -> Result<()> {
+    decode_planes(c, stored, out, scratch, true)
+}
+
+/// [`decode_chunk_with`], its planes on threads of their own when `side_by_side` (each is its
+/// own zstd frame), else one after another (callers that already decode chunks on every
+/// core, [`decode_shard`]).
+fn decode_planes(
+    c: &ChunkPlan,
+    stored: &[u8],
+    out: &mut [u8],
+    scratch: &mut Vec<u8>,
+    side_by_side: bool,
+) -> Result<()> {
     if stored.len() as u64 != c.stored.end - c.stored.start || out.len() as u64 != c.out.end - c.out.start {
         return Err(bad("chunk sizes"));
     }
@@ -592,11 +602,28 @@ pub fn decode_chunk_with(c: &ChunkPlan, stored: &[u8], out: &mut [u8], scratch: 
         })
         .collect();
     std::thread::scope(|sc| {
-        let mut jobs = jobs.into_iter();
-        let (p0, d0) = jobs.next().expect("width of at least 2");
-        let rest: Vec<_> = jobs.map(|(p, d)| sc.spawn(move || plane(p, d))).collect();
-        let first = plane(p0, d0);
-        rest.into_iter().fold(first, |r, h| r.and(h.join().unwrap_or_else(|_| Err(bad("plane decode panicked")))))
+        // A plane whose thread cannot be started is decoded here, after the first.
+        let mut here = vec![];
+        let mut spawned = vec![];
+        for (i, (p, d)) in jobs.into_iter().enumerate() {
+            if i == 0 || !side_by_side {
+                here.push((p, d));
+                continue;
+            }
+            // Shared with the thread so that it can be taken back when none starts.
+            let job = std::sync::Arc::new(std::sync::Mutex::new(Some((p, d))));
+            let theirs = job.clone();
+            let run = move || theirs.lock().ok().and_then(|mut j| j.take()).map(|(p, d)| plane(p, d));
+            match std::thread::Builder::new().spawn_scoped(sc, run) {
+                Ok(h) => spawned.push(h),
+                Err(_) => here.extend(job.lock().ok().and_then(|mut j| j.take())),
+            }
+        }
+        let mut r = here.into_iter().try_for_each(|(p, d)| plane(p, d));
+        for h in spawned {
+            r = r.and(h.join().ok().flatten().unwrap_or_else(|| Err(bad("plane decode thread failed"))));
+        }
+        r
     })?;
     from_planes(scratch, w, out);
     Ok(())

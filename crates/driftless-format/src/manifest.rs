@@ -174,7 +174,7 @@ pub struct AnchorShardRef {
     pub decoded_sha256: Digest,
     /// The object cut into parts that tile it in order, each with the SHA-256 of its bytes
     /// ([`crate::anchor::part_ranges`]: exactly the ranges a streaming reader fetches). A reader
-    /// checks each part as it arrives, on any core, before decoding it, instead of one serial
+    /// checks each part as it arrives, on any core, before writing anything from it, instead of one serial
     /// SHA-256 over the whole object (about 1 GB/s on one core: what a one-shard cold start
     /// waited for). Empty in manifests of publishers before this field: readers then check
     /// `sha256`, which is still written for them.
