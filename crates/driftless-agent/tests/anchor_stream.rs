@@ -86,23 +86,40 @@ async fn stream_one(
     stream_anchor(b, 0, AnchorEncoding::PlanesZstd, vec![ShardJob { object: o, tensors, sink }], 4).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write_after_it_returned() {
-    let tb = file_bucket();
-    let key = Keypair::from_seed([9; 32]);
+/// Anchor 0 of a `bytes`-byte chain (seed `seed`) published in `tb` with `encoding`: the chain,
+/// its largest shard's manifest entry, that shard's signed tensors and its object's path.
+async fn published_anchor(
+    tb: &TestBucket,
+    seed: u8,
+    bytes: u64,
+    encoding: AnchorEncoding,
+) -> (RlChain, AnchorShardRef, Vec<TensorMeta>, std::path::PathBuf) {
+    let key = Keypair::from_seed([seed; 32]);
     let trust = TrustSet::new().with_key(key.public());
-    let (b, k) = (tb.bucket.clone(), key.clone());
-    // 48 MiB: three 16 MiB parts, all in flight at once.
-    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(48 << 20), 2e-6, 3);
+    let b = tb.bucket.clone();
+    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(bytes), 2e-6, seed.into());
     tokio::task::block_in_place(|| {
-        let mut p = PublisherBuilder::new("unused").with_bucket(b).with_key(k).build().unwrap();
+        let mut p = PublisherBuilder::new("unused")
+            .with_bucket(b)
+            .with_key(key)
+            .with_anchor_encoding(encoding)
+            .build()
+            .unwrap();
         p.publish(0, &chain.views()).unwrap();
         p.close().unwrap();
     });
-    let reader = StreamReader::new(tb.bucket.clone(), trust);
-    let (m, _) = reader.anchor(0).await.unwrap();
+    let (m, _) = StreamReader::new(tb.bucket.clone(), trust).anchor(0).await.unwrap();
     let o = m.objects.iter().max_by_key(|o| o.object.size).unwrap().clone();
     let tensors = m.layout().shards.into_iter().find(|s| s.file == o.file).unwrap().tensors;
+    let path = tb.root.as_ref().unwrap().join(layout::object(driftless_format::StepKind::Anchor, 0, &o.object.object));
+    (chain, o, tensors, path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write_after_it_returned() {
+    let tb = file_bucket();
+    // 48 MiB: three 16 MiB parts, all in flight at once.
+    let (chain, o, tensors, path) = published_anchor(&tb, 9, 48 << 20, AnchorEncoding::PlanesZstd).await;
     // A header that does not list the signed layout's tensors is refused before any chunk is
     // read (a replaced object could declare millions of tiny tensors, a GET per chunk).
     let e = stream_one(&tb.bucket, &o, &tensors[1..], Arc::new(Counting::default())).await.unwrap_err();
@@ -127,7 +144,6 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     let parts = writes.writes.load(SeqCst) - 1;
     assert!(parts >= 3, "{parts} parts: the model should span several");
 
-    let path = tb.root.as_ref().unwrap().join(layout::object(driftless_format::StepKind::Anchor, 0, &o.object.object));
     let mut bytes = std::fs::read(&path).unwrap();
     let size = bytes.len() as u64;
     let footer = bytes[bytes.len() - anchor::FOOTER_LEN as usize..].to_vec();
@@ -196,19 +212,7 @@ async fn signed_parts_must_be_the_ranges_a_reader_fetches() {
     use driftless_format::manifest::PartRef;
     use driftless_format::Digest;
     let tb = file_bucket();
-    let key = Keypair::from_seed([12; 32]);
-    let trust = TrustSet::new().with_key(key.public());
-    let (b, k) = (tb.bucket.clone(), key.clone());
-    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(40 << 20), 2e-6, 5);
-    tokio::task::block_in_place(|| {
-        let mut p = PublisherBuilder::new("unused").with_bucket(b).with_key(k).build().unwrap();
-        p.publish(0, &chain.views()).unwrap();
-        p.close().unwrap();
-    });
-    let (m, _) = StreamReader::new(tb.bucket.clone(), trust).anchor(0).await.unwrap();
-    let o = m.objects.iter().max_by_key(|o| o.object.size).unwrap().clone();
-    let tensors = m.layout().shards.into_iter().find(|s| s.file == o.file).unwrap().tensors;
-    let path = tb.root.as_ref().unwrap().join(layout::object(driftless_format::StepKind::Anchor, 0, &o.object.object));
+    let (chain, o, tensors, path) = published_anchor(&tb, 12, 40 << 20, AnchorEncoding::PlanesZstd).await;
     let bytes = std::fs::read(&path).unwrap();
     let n = o.parts.len();
     assert!(n >= 4, "{n} parts: a prefix, chunks, a table");
@@ -263,24 +267,7 @@ async fn plain_anchor_parts_are_checked_before_they_are_written() {
     use driftless_format::manifest::PartRef;
     use driftless_format::Digest;
     let tb = file_bucket();
-    let key = Keypair::from_seed([13; 32]);
-    let trust = TrustSet::new().with_key(key.public());
-    let (b, k) = (tb.bucket.clone(), key.clone());
-    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(40 << 20), 2e-6, 6);
-    tokio::task::block_in_place(|| {
-        let mut p = PublisherBuilder::new("unused")
-            .with_bucket(b)
-            .with_key(k)
-            .with_anchor_encoding(AnchorEncoding::Safetensors)
-            .build()
-            .unwrap();
-        p.publish(0, &chain.views()).unwrap();
-        p.close().unwrap();
-    });
-    let (m, _) = StreamReader::new(tb.bucket.clone(), trust).anchor(0).await.unwrap();
-    let o = m.objects.iter().max_by_key(|o| o.object.size).unwrap().clone();
-    let tensors = m.layout().shards.into_iter().find(|s| s.file == o.file).unwrap().tensors;
-    let path = tb.root.as_ref().unwrap().join(layout::object(driftless_format::StepKind::Anchor, 0, &o.object.object));
+    let (_, o, tensors, path) = published_anchor(&tb, 13, 40 << 20, AnchorEncoding::Safetensors).await;
     let bytes = std::fs::read(&path).unwrap();
     assert!(o.parts.len() >= 3, "{} parts: a header and 16 MiB pieces", o.parts.len());
     let head = o.parts[0].len;
