@@ -1086,8 +1086,9 @@ impl Agent {
         // into a file allocated on its header's write: no page-cache zeroing), side by side
         // where the parts in flight allow, which bound the memory. They are hashed as they are
         // written (when the anchor is verified on its own): the model is not read back. Bytes
-        // decoded before an object's SHA-256 is checked only ever reach the inactive slot,
-        // which is not trusted until its weights root is verified. Early writeback only when
+        // decoded before an object is checked (an object without signed parts) only ever
+        // reach the inactive slot, which is not trusted until its weights root is verified.
+        // Early writeback only when
         // the anchor is the result (`alone`): with deltas after it, the pass rewrites every
         // page (a careful retry verifies the anchor, then applies).
         let mut jobs = Vec::with_capacity(m.objects.len());

@@ -825,7 +825,7 @@ impl PyFollower {
 
     /// The first half of loading an anchor into arrays that hold verified weights: nothing is
     /// written into them before the whole anchor is proven. Each shard is streamed out of the
-    /// bucket once, as for a cold start (object SHA-256 checked, every tensor hashed as it
+    /// bucket once, as for a cold start (object checked by its signed SHA-256s, every tensor hashed as it
     /// passes, its header checked against the arrays), but its decoded bytes go to a local
     /// spool ([`Spool`]: `TMPDIR`, one decoded shard file per anchor object, at most the size
     /// of the arrays; swept if this process is killed); the digests are then checked against
