@@ -482,18 +482,32 @@ async fn stream_shard(
     if stop.load(Ordering::SeqCst) {
         return Ok(None);
     }
-    match (sha, &signed) {
+    object_checked(sha, &[&table, &footer], signed.as_deref(), o, &key)?;
+    Ok(Some(size))
+}
+
+/// The end of a shard object's check: without signed parts, the object's SHA-256 over what
+/// [`drain`] took and `rest` (the bytes after the last part), against the manifest's; with
+/// them, every part checked.
+fn object_checked(
+    sha: Option<sha2::Sha256>,
+    rest: &[&[u8]],
+    signed: Option<&Signed>,
+    o: &AnchorShardRef,
+    key: &str,
+) -> Result<()> {
+    use sha2::Digest as _;
+    match (sha, signed) {
         (Some(mut sha), _) => {
-            sha.update(&table);
-            sha.update(&footer);
-            if Digest(sha.finalize().into()) != o.object.sha256 {
-                return Err(mismatch(&key));
+            rest.iter().for_each(|b| sha.update(b));
+            match Digest(sha.finalize().into()) == o.object.sha256 {
+                true => Ok(()),
+                false => Err(mismatch(key)),
             }
         }
-        (None, Some(s)) => s.all_checked()?,
-        (None, None) => unreachable!("hashed when not signed"),
+        (None, Some(s)) => s.all_checked(),
+        (None, None) => Err(Error::Io(std::io::Error::other("neither a SHA-256 nor signed parts checked the object"))),
     }
-    Ok(Some(size))
 }
 
 /// The pieces of a byte-plane shard a stream needs before its chunks: (prefix, compressed
@@ -599,19 +613,9 @@ impl Signed {
         if o.parts.is_empty() {
             return Ok(None);
         }
-        let bad = || corrupt("anchor manifest", format!("{key}: parts that do not tile it"));
-        let mut at = 0u64;
-        let mut starts = Vec::with_capacity(o.parts.len());
-        for p in &o.parts {
-            starts.push(at);
-            at = at.checked_add(p.len).filter(|_| p.len > 0).ok_or_else(bad)?;
-        }
-        if at != o.object.size {
-            return Err(bad());
-        }
         Ok(Some(Arc::new(Signed {
             key: key.to_string(),
-            starts,
+            starts: o.part_starts()?,
             parts: o.parts.clone(),
             checked: o.parts.iter().map(|_| AtomicBool::new(false)).collect(),
         })))
@@ -738,14 +742,8 @@ async fn stream_plain(
     if stop.load(Ordering::SeqCst) {
         return Ok(None);
     }
-    match (sha, &signed) {
-        (Some(sha), _) => match Digest(sha.finalize().into()) == o.object.sha256 {
-            true => Ok(Some(size)),
-            false => Err(mismatch(&key)),
-        },
-        (None, Some(s)) => s.all_checked().map(|()| Some(size)),
-        (None, None) => unreachable!("hashed when not signed"),
-    }
+    object_checked(sha, &[], signed.as_deref(), o, &key)?;
+    Ok(Some(size))
 }
 
 /// `ranges` of `key`, unchanged, into `sink`: one ranged GET each, `parts` in flight, each

@@ -182,6 +182,29 @@ pub struct AnchorShardRef {
     pub parts: Vec<PartRef>,
 }
 
+impl AnchorShardRef {
+    /// Where each of [`Self::parts`] starts in the object; a corrupt-manifest error when they do
+    /// not tile it (lengths of at least 1 adding up to its size, no sum that wraps).
+    pub fn part_starts(&self) -> Result<Vec<u64>> {
+        let bad = || {
+            Error::corrupt(
+                "anchor manifest",
+                format!("the parts of shard {} do not tile its {} bytes", self.file, self.object.size),
+            )
+        };
+        let mut at = 0u64;
+        let mut starts = Vec::with_capacity(self.parts.len());
+        for p in &self.parts {
+            starts.push(at);
+            at = at.checked_add(p.len).filter(|_| p.len > 0).ok_or_else(bad)?;
+        }
+        match at == self.object.size || self.parts.is_empty() {
+            true => Ok(starts),
+            false => Err(bad()),
+        }
+    }
+}
+
 /// A part of an object: its length and the SHA-256 of its bytes. The parts of an object
 /// follow each other from its first byte to its last.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -396,15 +419,7 @@ impl AnchorManifest {
                 return Err(Error::corrupt("anchor manifest", format!("shard {} of {} bytes", o.file, o.decoded_size)));
             }
             // Parts, when listed, tile the object exactly.
-            if !o.parts.is_empty() {
-                let sum = o.parts.iter().try_fold(0u64, |a, p| a.checked_add(p.len).filter(|_| p.len > 0));
-                if sum != Some(o.object.size) {
-                    return Err(Error::corrupt(
-                        "anchor manifest",
-                        format!("the parts of shard {} do not tile its {} bytes", o.file, o.object.size),
-                    ));
-                }
-            }
+            o.part_starts()?;
             // A safetensors file is its header (8 bytes of length, then at least `{}`, at most
             // MAX_HEADER bytes of JSON) and its tensors' bytes, contiguous: readers size the
             // tensors by the layout, which must be the file's.
