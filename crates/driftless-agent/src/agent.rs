@@ -47,9 +47,10 @@ pub struct AgentConfig {
     pub download_concurrency: usize,
     /// Chunks of an anchor (16 MiB decoded each) downloaded and decoded at once during a cold
     /// start, shared by the shards streaming side by side (`anchor_stream::share_parts`: 4
-    /// parts are two shards of two): the memory of a cold start is about 50-65 MiB per part
-    /// (the chunk as stored, its planes and its decoded bytes) on top of about 150 MiB,
-    /// whatever the model size. Default [`default_anchor_parts`]: half the cores, 4 to 8.
+    /// parts are two shards of two): the memory of a cold start is about 25-30 MiB per part
+    /// (the chunk as stored and its decoded planes; its bytes are interleaved 1 MiB at a time)
+    /// on top of about 100 MiB, whatever the model size. Default [`default_anchor_parts`]: half
+    /// the cores, 4 to 8.
     pub anchor_parts: usize,
     /// How long a refused step stays out of plans before it is tried again (doubling on each
     /// repeated failure). Default 30 s.

@@ -2,8 +2,10 @@
 //! of its work slot) and the Python `Follower` (into the caller's arrays). Shards stream side by
 //! side, sharing the parts in flight ([`share_parts`]); each one: its header (which says how the
 //! encoder cut the file), its table, then one ranged GET per chunk (16 MiB of decoded bytes),
-//! its share of the parts in flight, each decoded on the blocking pool and handed to a
-//! [`ShardSink`] once. Memory is bounded by the parts in flight, whatever the model's size.
+//! its share of the parts in flight, each decoded into its byte planes on the blocking pool and
+//! handed to a [`ShardSink`] in pieces of 1 MiB, interleaved from the planes on all cores (a
+//! chunk's decoded bytes are never held whole). Memory is bounded by the parts in flight (each
+//! its stored bytes and its planes), whatever the model's size.
 //!
 //! Checking: with signed parts (`AnchorShardRef::parts`, what publishers write now), every
 //! range fetched is exactly one part, checked against its SHA-256 as it arrives (a chunk's
@@ -38,8 +40,9 @@ use crate::{Error, Result};
 /// that window.)
 pub trait ShardSink: Send + Sync + 'static {
     /// Bytes `[at, at + bytes.len())` of the decoded shard file (a safetensors file). The
-    /// header comes first, alone, at 0; then every chunk once, from blocking threads, in any
-    /// order, never overlapping.
+    /// header comes first, alone, at 0; then every other byte once, from blocking and rayon
+    /// threads, in any order, never overlapping: a byte-plane chunk in pieces of at most 1 MiB
+    /// (on the weights-root hash's chunk grid), a plain anchor's 16 MiB parts whole.
     fn write_at(&self, at: u64, bytes: &[u8]) -> Result<()>;
 
     /// Called once every byte of the shard was written and its object checked (never after
@@ -409,10 +412,10 @@ async fn stream_shard(
         return Ok(None);
     }
     sink.write_at(0, &head)?;
-    // Output and plane buffers of the chunk decoders (16 MiB each per part in flight),
-    // reused from chunk to chunk so their pages are faulted in once.
-    type Buffers = std::sync::Mutex<Vec<(Vec<u8>, Vec<u8>)>>;
-    let pool: Arc<Buffers> = Arc::default();
+    // Plane buffers of the chunk decoders (16 MiB each per part in flight; the decoded bytes
+    // are interleaved from them a piece at a time), reused from chunk to chunk so their pages
+    // are faulted in once.
+    let pool: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
     // Without signed parts, one SHA-256 over the object in order.
     let sha = signed.is_none().then(|| {
         let mut sha = sha2::Sha256::new();
@@ -434,12 +437,12 @@ async fn stream_shard(
             tokio::task::spawn_blocking(move || -> Result<()> {
                 // At most `parts` decodes run at once, so the pool never holds more
                 // buffers than that.
-                let (mut out, mut scratch) = pool.lock().expect("buffer pool").pop().unwrap_or_default();
-                let n = (c.out.end - c.out.start) as usize;
-                if out.len() < n {
-                    out.resize(n, 0);
-                }
-                let mut decode = || anchor::decode_chunk_with(&c, &stored, &mut out[..n], &mut scratch);
+                let mut scratch = pool.lock().expect("buffer pool").pop().unwrap_or_default();
+                let (chunk, bytes, buf) = (&c, &stored, &mut scratch);
+                let decode = move || {
+                    let buf = buf; // moved: the planes borrow it past the call
+                    anchor::decode_chunk_planes(chunk, bytes, buf)
+                };
                 // A signed part is checked beside its decode, on a thread of its own (its
                 // SHA-256 is serial: before the decode, it made each part's turn that much
                 // longer; in the shared pool, it queued behind the hashing), and nothing
@@ -454,22 +457,23 @@ async fn stream_shard(
                                 let checked = h.join().unwrap_or_else(|_| {
                                     Err(Error::Io(std::io::Error::other("part check thread panicked")))
                                 });
-                                (checked, d)
+                                (checked, Some(d))
                             }
                             // No thread to be had: checked first, then decoded.
                             Err(_) => match check() {
-                                Ok(()) => (Ok(()), decode()),
-                                Err(e) => (Err(e), Ok(())),
+                                Ok(()) => (Ok(()), Some(decode())),
+                                Err(e) => (Err(e), None),
                             },
                         }
                     }),
-                    None => (Ok(()), decode()),
+                    None => (Ok(()), Some(decode())),
                 };
-                let r = checked.and(decoded.map_err(Error::from)).and_then(|()| match stop.load(Ordering::SeqCst) {
-                    true => Ok(()),
-                    false => sink.write_at(c.out.start, &out[..n]),
+                let r = checked.and_then(|()| match decoded {
+                    Some(Ok(planes)) if !stop.load(Ordering::SeqCst) => write_pieces(&*sink, c.out.start, &planes),
+                    Some(Err(e)) => Err(e.into()),
+                    _ => Ok(()),
                 });
-                pool.lock().expect("buffer pool").push((out, scratch));
+                pool.lock().expect("buffer pool").push(scratch);
                 r
             })
             .await
@@ -508,6 +512,35 @@ fn object_checked(
         (None, Some(s)) => s.all_checked(),
         (None, None) => Err(Error::Io(std::io::Error::other("neither a SHA-256 nor signed parts checked the object"))),
     }
+}
+
+/// Writes a decoded chunk (at `at` in its shard file) to `sink` a piece at a time, the pieces
+/// on all cores, each interleaved from the planes into a buffer its thread keeps: the chunk's
+/// decoded bytes are never held whole, and a piece is still in cache when the sink writes it
+/// and [`Hashing`] hashes it. A piece is one chunk of the weights-root hash
+/// ([`hash::CHUNK`], a multiple of every element width): a chunk of the anchor starts on a
+/// multiple of 16 MiB of its tensor, so pieces fall on the hash's grid and leave no partial
+/// leaves to keep.
+fn write_pieces(sink: &dyn ShardSink, at: u64, planes: &anchor::ChunkPlanes) -> Result<()> {
+    use rayon::prelude::*;
+    thread_local! {
+        static PIECE: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+    }
+    let piece = hash::CHUNK / planes.width() * planes.width();
+    (0..planes.len().div_ceil(piece)).into_par_iter().try_for_each(|i| {
+        let a = i * piece;
+        let n = piece.min(planes.len() - a);
+        // Taken, not borrowed: a sink that waits on the pool may run another piece on this
+        // thread meanwhile, which then finds no buffer and makes one.
+        let mut buf = PIECE.take();
+        if buf.len() < n {
+            buf.resize(n, 0);
+        }
+        planes.interleave(a, &mut buf[..n]);
+        let r = sink.write_at(at + a as u64, &buf[..n]);
+        PIECE.set(buf);
+        r
+    })
 }
 
 /// The pieces of a byte-plane shard a stream needs before its chunks: (prefix, compressed

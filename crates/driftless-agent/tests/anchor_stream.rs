@@ -32,6 +32,7 @@ use driftless_store::stream::StreamReader;
 struct Counting {
     returned: AtomicBool,
     writes: AtomicU64,
+    bytes: AtomicU64,
     late: AtomicU64,
     seq: Option<Arc<(AtomicU64, AtomicU64)>>,
     first: AtomicU64,
@@ -41,7 +42,7 @@ struct Counting {
 }
 
 impl ShardSink for Counting {
-    fn write_at(&self, _at: u64, _bytes: &[u8]) -> driftless_agent::Result<()> {
+    fn write_at(&self, _at: u64, bytes: &[u8]) -> driftless_agent::Result<()> {
         if let Some(seq) = &self.seq {
             let n = seq.0.fetch_add(1, SeqCst) + 1;
             if self.first.compare_exchange(0, n, SeqCst, SeqCst).is_ok() {
@@ -60,6 +61,7 @@ impl ShardSink for Counting {
         }
         std::thread::sleep(Duration::from_millis(40));
         self.writes.fetch_add(1, SeqCst);
+        self.bytes.fetch_add(bytes.len() as u64, SeqCst);
         if self.returned.load(SeqCst) {
             self.late.fetch_add(1, SeqCst);
         }
@@ -139,23 +141,25 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
     for (v, d) in views.iter().zip(want) {
         assert_eq!(got[v.name], d, "digest of {} hashed while streaming", v.name);
     }
-    let writes = Arc::new(Counting::default());
-    stream_one(&tb.bucket, &o, &tensors, writes.clone()).await.unwrap();
-    let parts = writes.writes.load(SeqCst) - 1;
-    assert!(parts >= 3, "{parts} parts: the model should span several");
-
+    // The header alone, then each chunk in pieces of at most 1 MiB (its decoded bytes are never
+    // held whole), inside the chunk, tiling the file once.
     let mut bytes = std::fs::read(&path).unwrap();
-    let size = bytes.len() as u64;
-    let footer = bytes[bytes.len() - anchor::FOOTER_LEN as usize..].to_vec();
-    let prefix = &bytes[..anchor::PREFIX_LEN as usize];
-    let (hr, header_len) = anchor::header_range(prefix, o.decoded_size).unwrap();
-    let mut head = vec![0u8; header_len as usize];
-    anchor::decode_header(&bytes[hr.start as usize..hr.end as usize], &mut head).unwrap();
-    let cuts = anchor::shard_cuts(&head, o.decoded_size, None).unwrap();
-    let tr = anchor::table_range(prefix, &cuts, &footer, size, o.decoded_size).unwrap();
-    let plan =
-        anchor::plan_shard(prefix, &cuts, &bytes[tr.start as usize..tr.end as usize], &footer, size, o.decoded_size)
-            .unwrap();
+    let plan = plan_of(&bytes, o.decoded_size);
+    assert!(plan.chunks.len() >= 3, "{} chunks: the model should span several", plan.chunks.len());
+    let offsets = Arc::new(Offsets::default());
+    stream_one(&tb.bucket, &o, &tensors, offsets.clone()).await.unwrap();
+    let mut wrote = offsets.0.lock().unwrap().clone();
+    wrote.sort();
+    assert_eq!(wrote[0], (0, plan.chunks[0].out.start), "the header first, alone");
+    let mut at = wrote[0].1;
+    for &(a, n) in &wrote[1..] {
+        assert_eq!(a, at, "pieces tile the file once");
+        assert!(n > 0 && n <= driftless_format::hash::CHUNK as u64, "a piece of {n} bytes");
+        assert!(plan.chunks.iter().any(|c| c.out.start <= a && a + n <= c.out.end), "piece {a}+{n} across chunks");
+        at += n;
+    }
+    assert_eq!(at, o.decoded_size);
+    let first_len = plan.chunks[0].out.end - plan.chunks[0].out.start;
     // A wrong digest for the first chunk's part, the bytes intact (so that its decode
     // succeeds): the error names the part's bytes, and nothing decoded from it is written.
     assert!(!o.parts.is_empty(), "the publisher signs the object's parts");
@@ -198,7 +202,8 @@ async fn a_stream_hashes_what_it_writes_and_a_failed_part_stops_it_with_no_write
         // Decodes still in flight when it returned would write now.
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert_eq!(sink.late.load(SeqCst), 0, "{what}: writes landed after stream_anchor returned its error");
-        assert!(sink.writes.load(SeqCst) <= parts, "{what}: parts after the error were written");
+        let wrote = sink.bytes.load(SeqCst);
+        assert!(wrote + first_len <= o.decoded_size, "{what}: {wrote} bytes: the failed part was written");
     }
 }
 
@@ -214,6 +219,7 @@ async fn signed_parts_must_be_the_ranges_a_reader_fetches() {
     let tb = file_bucket();
     let (chain, o, tensors, path) = published_anchor(&tb, 12, 40 << 20, AnchorEncoding::PlanesZstd).await;
     let bytes = std::fs::read(&path).unwrap();
+    let plan = plan_of(&bytes, o.decoded_size);
     let n = o.parts.len();
     assert!(n >= 4, "{n} parts: a prefix, chunks, a table");
     let part = |a: usize, e: usize| PartRef { len: (e - a) as u64, sha256: Digest::of(&bytes[a..e]) };
@@ -251,10 +257,15 @@ async fn signed_parts_must_be_the_ranges_a_reader_fetches() {
         let e = stream_one(&tb.bucket, &h, &tensors, sink.clone()).await.unwrap_err();
         assert!(e.to_string().contains(want), "{what}: {e}");
         assert!(e.is_integrity() && !e.is_retryable(), "{what}: {e} is not an integrity failure");
-        // The moved byte: the header and at most the n - 4 chunks after the two whose ranges
-        // are off their parts were written.
-        let max = if what == "a byte moved" { n as u64 - 3 } else { 0 };
-        assert!(sink.writes.load(SeqCst) <= max, "{what}: {} writes", sink.writes.load(SeqCst));
+        // The moved byte: the header and at most the chunks after the two whose ranges are off
+        // their parts were written.
+        let off = |c: &anchor::ChunkPlan| c.out.end - c.out.start;
+        let max = match what {
+            "a byte moved" => o.decoded_size - off(&plan.chunks[0]) - off(&plan.chunks[1]),
+            _ => 0,
+        };
+        let wrote = sink.bytes.load(SeqCst);
+        assert!(wrote <= max, "{what}: {wrote} bytes written, at most {max}");
     }
 }
 
@@ -570,6 +581,20 @@ fn hashing_sees_every_byte_once_however_the_parts_are_cut() {
     assert!(digests(&[(h0 as u64, &file[h0..])]).is_err());
     assert!(digests(&[(0, &file[..h0]), (2, &file[2..10])]).is_err());
     assert!(digests(&[(0, &file[..h0]), (size - 2, &file[..8])]).is_err());
+}
+
+/// The plan of a byte-plane shard object (`bytes`, decoding to `decoded_size`), as a reader
+/// makes it.
+fn plan_of(bytes: &[u8], decoded_size: u64) -> anchor::ShardPlan {
+    let size = bytes.len() as u64;
+    let footer = &bytes[bytes.len() - anchor::FOOTER_LEN as usize..];
+    let prefix = &bytes[..anchor::PREFIX_LEN as usize];
+    let (hr, header_len) = anchor::header_range(prefix, decoded_size).unwrap();
+    let mut head = vec![0u8; header_len as usize];
+    anchor::decode_header(&bytes[hr.start as usize..hr.end as usize], &mut head).unwrap();
+    let cuts = anchor::shard_cuts(&head, decoded_size, None).unwrap();
+    let tr = anchor::table_range(prefix, &cuts, footer, size, decoded_size).unwrap();
+    anchor::plan_shard(prefix, &cuts, &bytes[tr.start as usize..tr.end as usize], footer, size, decoded_size).unwrap()
 }
 
 /// Rewrites the signed manifest of anchor `step` with `edit` applied, signed by `key`, and its

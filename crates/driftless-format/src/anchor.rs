@@ -19,7 +19,7 @@
 use rayon::prelude::*;
 
 use crate::checkpoint::parse_safetensors_header;
-use crate::delta::{from_planes, to_planes};
+use crate::delta::{from_planes_at, to_planes};
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 4] = b"DLA1";
@@ -546,31 +546,68 @@ pub fn decode_header(hz: &[u8], out: &mut [u8]) -> Result<()> {
 /// Decodes one chunk from its stored planes (the bytes of [`ChunkPlan::stored`]) into `out`
 /// (its [`ChunkPlan::out`] range of the file).
 pub fn decode_chunk(c: &ChunkPlan, stored: &[u8], out: &mut [u8]) -> Result<()> {
-    decode_chunk_with(c, stored, out, &mut Vec::new())
+    decode_planes(c, stored, out, &mut Vec::new(), true)
 }
 
-/// [`decode_chunk`] with a scratch buffer the caller keeps between calls (grown as needed,
-/// never shrunk or cleared: a decoder thread reuses its pages instead of faulting in fresh
-/// ones for every chunk).
-pub fn decode_chunk_with(c: &ChunkPlan, stored: &[u8], out: &mut [u8], scratch: &mut Vec<u8>) -> Result<()> {
-    decode_planes(c, stored, out, scratch, true)
+/// A chunk's byte planes, decoded ([`decode_chunk_planes`]) but not yet interleaved into its
+/// bytes: a streaming reader takes them a piece at a time ([`ChunkPlanes::interleave`]), so
+/// that it never holds a chunk's decoded bytes whole (16 MiB per chunk in flight) and each
+/// piece is still in cache when it is written and hashed.
+pub struct ChunkPlanes<'a> {
+    planes: &'a [u8],
+    w: usize,
 }
 
-/// [`decode_chunk_with`], its planes on threads of their own when `side_by_side` (each is its
-/// own zstd frame), else one after another (callers that already decode chunks on every
-/// core, [`decode_shard`]).
-fn decode_planes(
+impl ChunkPlanes<'_> {
+    /// Decoded bytes of the chunk (its [`ChunkPlan::out`] length).
+    pub fn len(&self) -> usize {
+        self.planes.len()
+    }
+
+    /// Whether the chunk has no bytes (an encoder never cuts one).
+    pub fn is_empty(&self) -> bool {
+        self.planes.is_empty()
+    }
+
+    /// Its element width: pieces start and end on multiples of it.
+    pub fn width(&self) -> usize {
+        self.w
+    }
+
+    /// Writes the chunk's decoded bytes `[at, at + dst.len())` into `dst`.
+    ///
+    /// # Panics
+    /// When the range is not inside the chunk or not on element boundaries (a caller's bug:
+    /// [`decode_chunk_planes`] checked that the chunk's length is a multiple of its width).
+    pub fn interleave(&self, at: usize, dst: &mut [u8]) {
+        assert!(at % self.w == 0 && dst.len() % self.w == 0 && at + dst.len() <= self.len(), "piece off the chunk");
+        from_planes_at(self.planes, self.w, at / self.w, dst)
+    }
+}
+
+/// Decodes one chunk's stored planes (the bytes of [`ChunkPlan::stored`]) into `scratch`
+/// (grown as needed, never shrunk or cleared: a caller that keeps it between chunks reuses its
+/// pages instead of faulting in fresh ones), each plane on a thread of its own (each is its
+/// own zstd frame; a chunk's decode is on the critical path of a cold start, a few chunks in
+/// flight, and a pool shared with the hashing would queue it behind that).
+pub fn decode_chunk_planes<'s>(c: &ChunkPlan, stored: &[u8], scratch: &'s mut Vec<u8>) -> Result<ChunkPlanes<'s>> {
+    planes_of(c, stored, scratch, true)
+}
+
+/// [`decode_chunk_planes`], the planes on threads of their own when `side_by_side`, else one
+/// after another (callers that already decode chunks on every core, [`decode_shard`]).
+fn planes_of<'s>(
     c: &ChunkPlan,
     stored: &[u8],
-    out: &mut [u8],
-    scratch: &mut Vec<u8>,
+    scratch: &'s mut Vec<u8>,
     side_by_side: bool,
-) -> Result<()> {
-    if stored.len() as u64 != c.stored.end - c.stored.start || out.len() as u64 != c.out.end - c.out.start {
+) -> Result<ChunkPlanes<'s>> {
+    let len = (c.out.end - c.out.start) as usize;
+    let w = c.width;
+    if stored.len() as u64 != c.stored.end - c.stored.start || w == 0 || len % w != 0 {
         return Err(bad("chunk sizes"));
     }
-    let w = c.width;
-    let n = out.len() / w;
+    let n = len / w;
     let plane = |p: &[u8], dst: &mut [u8]| -> Result<()> {
         let mut d = zstd::bulk::Decompressor::new().map_err(|e| bad(e.to_string()))?;
         let got = d.decompress_to_buffer(p, dst).map_err(|e| bad(format!("zstd: {e}")))?;
@@ -580,21 +617,15 @@ fn decode_planes(
             Err(bad("plane size mismatch"))
         }
     };
-    if w == 1 {
-        return plane(stored, out);
+    if scratch.len() < len {
+        scratch.resize(len, 0);
     }
-    if scratch.len() < out.len() {
-        scratch.resize(out.len(), 0);
-    }
-    let scratch = &mut scratch[..out.len()];
-    // The planes are independent zstd frames: each on a thread of its own (a chunk's decode
-    // is on the critical path of a cold start, a few chunks in flight; a pool shared with
-    // the hashing would queue it behind that).
+    let scratch = &mut scratch[..len];
     let mut at = 0usize;
     let jobs: Vec<(&[u8], &mut [u8])> = c
         .plane_lens
         .iter()
-        .zip(scratch.chunks_mut(n))
+        .zip(scratch.chunks_mut(n.max(1)))
         .map(|(&pl, dst)| {
             let p = &stored[at..at + pl as usize];
             at += pl as usize;
@@ -625,7 +656,22 @@ fn decode_planes(
         }
         r
     })?;
-    from_planes(scratch, w, out);
+    Ok(ChunkPlanes { planes: scratch, w })
+}
+
+/// Decodes a chunk into `out`, its [`ChunkPlan::out`] range, through `scratch`.
+fn decode_planes(
+    c: &ChunkPlan,
+    stored: &[u8],
+    out: &mut [u8],
+    scratch: &mut Vec<u8>,
+    side_by_side: bool,
+) -> Result<()> {
+    if out.len() as u64 != c.out.end - c.out.start {
+        return Err(bad("chunk sizes"));
+    }
+    let planes = planes_of(c, stored, scratch, side_by_side)?;
+    planes.interleave(0, out);
     Ok(())
 }
 

@@ -283,24 +283,32 @@ pub(crate) fn to_planes(data: &[u8], w: usize, out: &mut Vec<u8>) {
 
 /// Inverse of [`to_planes`]: writes elements of `w` bytes from planes into `dst`.
 pub(crate) fn from_planes(planes: &[u8], w: usize, dst: &mut [u8]) {
+    from_planes_at(planes, w, 0, dst)
+}
+
+/// [`from_planes`] of elements `[first, first + dst.len() / w)` of the `planes.len() / w`
+/// elements the planes hold: a piece of them interleaved at a time (a streaming reader's
+/// pieces stay in cache while they are written and hashed).
+pub(crate) fn from_planes_at(planes: &[u8], w: usize, first: usize, dst: &mut [u8]) {
+    let m = dst.len() / w;
+    if m == 0 {
+        return;
+    }
     if w == 1 {
-        dst.copy_from_slice(planes);
+        dst.copy_from_slice(&planes[first..first + m]);
         return;
     }
-    let n = dst.len() / w;
-    if n == 0 {
-        return;
-    }
+    let n = planes.len() / w;
+    let plane = |p: usize| &planes[p * n + first..p * n + first + m];
     if w == 2 {
-        let (lo, hi) = planes.split_at(n);
-        for ((d, &l), &h) in dst.chunks_exact_mut(2).zip(lo).zip(hi) {
+        for ((d, &l), &h) in dst.chunks_exact_mut(2).zip(plane(0)).zip(plane(1)) {
             d[0] = l;
             d[1] = h;
         }
         return;
     }
-    for (p, plane) in planes.chunks_exact(n).enumerate() {
-        for (i, &b) in plane.iter().enumerate() {
+    for p in 0..w {
+        for (i, &b) in plane(p).iter().enumerate() {
             dst[i * w + p] = b;
         }
     }

@@ -123,7 +123,8 @@ proptest! {
 }
 
 /// What the agent's cold start does with ranged reads: footer, table, prefix, header, then
-/// each chunk on its own. The result is the file, byte for byte.
+/// each chunk on its own, its planes decoded and interleaved a piece at a time (pieces of 1 to
+/// 5 elements, in turn, and the rest of the chunk last). The result is the file, byte for byte.
 fn stream_decode(enc: &[u8], decoded_size: u64) -> driftless_format::Result<Vec<u8>> {
     let size = enc.len() as u64;
     if size < 48 {
@@ -142,9 +143,20 @@ fn stream_decode(enc: &[u8], decoded_size: u64) -> driftless_format::Result<Vec<
     let table = &enc[tr.start as usize..tr.end as usize];
     let plan = anchor::plan_shard(prefix, &cuts, table, footer, size, decoded_size)?;
     assert_eq!(plan.header, hr);
+    let mut scratch = vec![];
     for c in &plan.chunks {
         let stored = &enc[c.stored.start as usize..c.stored.end as usize];
-        anchor::decode_chunk(c, stored, &mut out[c.out.start as usize..c.out.end as usize])?;
+        let planes = anchor::decode_chunk_planes(c, stored, &mut scratch)?;
+        let dst = &mut out[c.out.start as usize..c.out.end as usize];
+        let (w, mut at) = (planes.width(), 0);
+        for k in (1..=5).cycle() {
+            let n = (k * w).min(planes.len() - at);
+            planes.interleave(at, &mut dst[at..at + n]);
+            at += n;
+            if at == planes.len() {
+                break;
+            }
+        }
     }
     Ok(out)
 }

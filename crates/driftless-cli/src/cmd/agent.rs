@@ -42,7 +42,7 @@ pub struct Args {
     #[arg(long, env = "DRIFTLESS_POLL_MAX", default_value = "10s")]
     poll_max: humantime::Duration,
     /// Anchor chunks (16 MiB decoded each) downloaded, checked and decoded at once during a
-    /// cold start: its memory is about 50-65 MiB per part, whatever the model's size. Default:
+    /// cold start: its memory is about 25-30 MiB per part, whatever the model's size. Default:
     /// half the cores, 4 to 8 (see the README's "On 16 cores").
     #[arg(long, env = "DRIFTLESS_ANCHOR_PARTS", value_parser = clap::value_parser!(u16).range(1..=64))]
     anchor_parts: Option<u16>,
