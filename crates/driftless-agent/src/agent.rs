@@ -80,8 +80,10 @@ impl AgentConfig {
 /// next to the build before signed parts at its 4 parts: 2.56-2.93 s, 269-310 MiB): 4 GiB at
 /// 4 parts 2.61-2.68 s (263-272 MiB), at 8 parts 1.70-1.71 s (1.08-1.10x max(read, hash);
 /// 477 MiB; 1.89-2.31 s, 1.33x, in a noisier later run), at 16 parts 1.48-1.88 s (867-886
-/// MiB): past 8, memory doubles for little. On 2
-/// cores (this project's VM) a cold start is CPU-bound, and more parts only add memory.
+/// MiB): past 8, memory doubles for little. (Those figures are of a build whose parts held
+/// their decoded bytes too; a part now holds about 26 MiB: README, "A part without its decoded
+/// bytes".) On 2 cores (this project's VM) a cold start is CPU-bound, and more parts only add
+/// memory.
 pub fn default_anchor_parts() -> usize {
     std::thread::available_parallelism().map_or(4, |n| n.get() / 2).clamp(4, 8)
 }
