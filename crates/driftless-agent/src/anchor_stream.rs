@@ -161,8 +161,9 @@ pub fn shard_tensors<'a>(
 }
 
 /// Wraps a sink and computes the weights-root digest of every tensor of the shard from the
-/// bytes as they pass (each chunk hashed on its decode thread while it is in cache), so that
-/// a verified cold start never reads the model back: per chunk and tensor a
+/// bytes as they pass (each write hashed on the thread that makes it, while it is in cache:
+/// a byte-plane chunk's 1 MiB pieces on the rayon pool), so that a verified cold start never
+/// reads the model back: per write and tensor a
 /// [`slice::part_digest`] (chunk and leaf digests, the bytes of at most two partial leaves),
 /// stitched by [`slice::assemble`] at the end, as the sharded commit does with ranks' parts.
 pub struct Hashing<S> {
@@ -469,7 +470,9 @@ async fn stream_shard(
                     None => (Ok(()), Some(decode())),
                 };
                 let r = checked.and_then(|()| match decoded {
-                    Some(Ok(planes)) if !stop.load(Ordering::SeqCst) => write_pieces(&*sink, c.out.start, &planes),
+                    Some(Ok(planes)) if !stop.load(Ordering::SeqCst) => {
+                        write_pieces(&*sink, c.out.start, &planes, &stop)
+                    }
                     Some(Err(e)) => Err(e.into()),
                     _ => Ok(()),
                 });
@@ -521,13 +524,19 @@ fn object_checked(
 /// ([`hash::CHUNK`], a multiple of every element width): a chunk of the anchor starts on a
 /// multiple of 16 MiB of its tensor, so pieces fall on the hash's grid and leave no partial
 /// leaves to keep.
-fn write_pieces(sink: &dyn ShardSink, at: u64, planes: &anchor::ChunkPlanes) -> Result<()> {
+///
+/// `stop` is checked before each piece: a chunk that started writing when another shard
+/// failed (or the stream was dropped) writes no more of its pieces than were under way.
+fn write_pieces(sink: &dyn ShardSink, at: u64, planes: &anchor::ChunkPlanes, stop: &AtomicBool) -> Result<()> {
     use rayon::prelude::*;
     thread_local! {
         static PIECE: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
     }
     let piece = hash::CHUNK / planes.width() * planes.width();
     (0..planes.len().div_ceil(piece)).into_par_iter().try_for_each(|i| {
+        if stop.load(Ordering::SeqCst) {
+            return Ok(());
+        }
         let a = i * piece;
         let n = piece.min(planes.len() - a);
         // Taken, not borrowed: a sink that waits on the pool may run another piece on this

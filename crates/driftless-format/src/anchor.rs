@@ -602,9 +602,24 @@ fn planes_of<'s>(
     scratch: &'s mut Vec<u8>,
     side_by_side: bool,
 ) -> Result<ChunkPlanes<'s>> {
-    let len = (c.out.end - c.out.start) as usize;
+    let len = usize::try_from(c.out.end - c.out.start).map_err(|_| bad("chunk sizes"))?;
+    if scratch.len() < len {
+        scratch.resize(len, 0);
+    }
+    decode_planes_into(c, stored, &mut scratch[..len], side_by_side)?;
+    Ok(ChunkPlanes { planes: &scratch[..len], w: c.width })
+}
+
+/// Decodes a chunk's planes into `dst` (as long as the chunk), plane after plane: on threads of
+/// their own when `side_by_side`.
+fn decode_planes_into(c: &ChunkPlan, stored: &[u8], dst: &mut [u8], side_by_side: bool) -> Result<()> {
+    let len = dst.len();
     let w = c.width;
-    if stored.len() as u64 != c.stored.end - c.stored.start || w == 0 || len % w != 0 {
+    if stored.len() as u64 != c.stored.end - c.stored.start
+        || len as u64 != c.out.end - c.out.start
+        || w == 0
+        || len % w != 0
+    {
         return Err(bad("chunk sizes"));
     }
     let n = len / w;
@@ -617,15 +632,11 @@ fn planes_of<'s>(
             Err(bad("plane size mismatch"))
         }
     };
-    if scratch.len() < len {
-        scratch.resize(len, 0);
-    }
-    let scratch = &mut scratch[..len];
     let mut at = 0usize;
     let jobs: Vec<(&[u8], &mut [u8])> = c
         .plane_lens
         .iter()
-        .zip(scratch.chunks_mut(n.max(1)))
+        .zip(dst.chunks_mut(n.max(1)))
         .map(|(&pl, dst)| {
             let p = &stored[at..at + pl as usize];
             at += pl as usize;
@@ -655,11 +666,11 @@ fn planes_of<'s>(
             r = r.and(h.join().ok().flatten().unwrap_or_else(|| Err(bad("plane decode thread failed"))));
         }
         r
-    })?;
-    Ok(ChunkPlanes { planes: scratch, w })
+    })
 }
 
-/// Decodes a chunk into `out`, its [`ChunkPlan::out`] range, through `scratch`.
+/// Decodes a chunk into `out`, its [`ChunkPlan::out`] range: through `scratch` (its planes),
+/// then interleaved; a chunk of one plane straight into `out`.
 fn decode_planes(
     c: &ChunkPlan,
     stored: &[u8],
@@ -667,6 +678,10 @@ fn decode_planes(
     scratch: &mut Vec<u8>,
     side_by_side: bool,
 ) -> Result<()> {
+    if c.width == 1 {
+        // One plane: its bytes are the chunk's.
+        return decode_planes_into(c, stored, out, side_by_side);
+    }
     if out.len() as u64 != c.out.end - c.out.start {
         return Err(bad("chunk sizes"));
     }
