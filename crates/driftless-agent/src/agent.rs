@@ -553,10 +553,14 @@ impl Agent {
                 r => r.is_ok_and(|r| r == h.root),
             };
             if held {
+                // `current` first: it may name the slot that just failed, and the other one
+                // is verified now. A crash between the two leaves the state naming the bad
+                // slot, which the next start re-verifies and rolls back again (found by
+                // review: state first left `current` on the bad slot in between).
+                self.dir.link(other)?;
                 let back = LocalState { step: h.step, root: h.root, active: other, inactive: None, ..st };
                 back.store(self.dir.path())?;
                 self.state = Some(back);
-                self.dir.link(other)?;
                 warn!(step = h.step, "serving the previous verified step from the other slot");
                 self.reverify = false;
                 self.active_ok = true;

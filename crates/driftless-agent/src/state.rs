@@ -160,10 +160,33 @@ pub struct DirGuard(#[allow(dead_code)] std::sync::Arc<File>);
 impl AgentDir {
     /// Opens (creating) `dir`, takes its lock, and records that an agent runs.
     pub fn open(dir: &Path) -> std::io::Result<AgentDir> {
+        let created = !dir.exists();
         std::fs::create_dir_all(dir.join("slots")).map_err(|e| {
             std::io::Error::new(e.kind(), format!("creating the agent directory {}: {e}", dir.display()))
         })?;
+        if created {
+            // The directory's own entry: without it a power loss can take `DIR` (state and
+            // slots with it) after the first switch; a cold start, never a mix, but avoidable.
+            // A parent this process may not open (a root-owned mount point) is left as is.
+            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                match sync_dir(parent) {
+                    Err(e) if e.kind() != std::io::ErrorKind::PermissionDenied => return Err(e),
+                    _ => {}
+                }
+            }
+        }
         let lock = driftless_store::lockfile::lock_dir(dir, "driftless agent (one agent per directory)", false)?;
+        // What a crash inside `link` can leave: the exchange's temp name (a symlink, or the
+        // older layout's `current` directory, a whole model, already swapped out), or that
+        // directory moved aside with no `current` yet, which is put back: it is still the
+        // step served.
+        let (cur, old) = (dir.join("current"), dir.join("current.old"));
+        if std::fs::symlink_metadata(&cur).is_err() && std::fs::symlink_metadata(&old).is_ok_and(|m| m.is_dir()) {
+            std::fs::rename(&old, &cur)?;
+            sync_dir(dir)?;
+        }
+        remove_any(&dir.join("current.swap"))?;
+        remove_any(&old)?;
         let running = dir.join("running");
         let unclean = running.exists();
         let mut f = File::create(&running)?;
@@ -225,24 +248,40 @@ impl AgentDir {
     }
 
     /// Points `current` at `slot` atomically (symlink to a temp name, rename over `current`,
-    /// fsync of `DIR`). A `current` left as a real directory by an older layout is moved aside
-    /// first (`current.old`, removed afterwards).
+    /// fsync of `DIR`).
+    ///
+    /// A `current` left as a real directory by an older layout (it held that agent's verified
+    /// step) cannot be replaced by `rename(2)`, which will not put a symlink over a directory.
+    /// It is swapped with the new symlink in one step (`renameat2(RENAME_EXCHANGE)`) and removed
+    /// afterwards, so that `current` never goes missing: moving it aside first left a window,
+    /// and after a crash inside it no `current` at all until the agent ran again (found by
+    /// review). Where the file system cannot exchange names (`EINVAL`/`ENOSYS`: some network
+    /// and FUSE file systems) it is still moved aside first; a crash between the two renames is
+    /// repaired when the directory is next opened ([`Self::open`] puts it back as `current`).
     pub fn link(&self, slot: Slot) -> std::io::Result<()> {
         let cur = self.current();
-        if let Ok(md) = std::fs::symlink_metadata(&cur) {
-            if md.is_dir() {
-                let old = self.dir.join("current.old");
-                let _ = std::fs::remove_dir_all(&old);
-                std::fs::rename(&cur, &old)?;
+        let target = Path::new("slots").join(slot.name());
+        if std::fs::symlink_metadata(&cur).is_ok_and(|md| md.is_dir()) {
+            // Its own temp name: after the exchange it names the old directory, which a crash
+            // can leave behind (`open` removes it).
+            let swap = self.dir.join("current.swap");
+            let old = self.dir.join("current.old");
+            remove_any(&swap)?;
+            remove_any(&old)?;
+            std::os::unix::fs::symlink(&target, &swap)?;
+            if exchange(&swap, &cur)? {
+                sync_dir(&self.dir)?;
+                return remove_any(&swap);
             }
+            std::fs::remove_file(&swap)?;
+            std::fs::rename(&cur, &old)?;
         }
         let tmp = self.dir.join("current.tmp");
         let _ = std::fs::remove_file(&tmp);
-        std::os::unix::fs::symlink(Path::new("slots").join(slot.name()), &tmp)?;
+        std::os::unix::fs::symlink(&target, &tmp)?;
         std::fs::rename(&tmp, &cur)?;
         sync_dir(&self.dir)?;
-        let _ = std::fs::remove_dir_all(self.dir.join("current.old"));
-        Ok(())
+        remove_any(&self.dir.join("current.old"))
     }
 
     /// A file of `slot` that another process has open, if any: a server that resolved
@@ -307,6 +346,43 @@ impl Drop for AgentDir {
             let _ = std::fs::remove_file(self.dir.join("running"));
         }
     }
+}
+
+/// Removes `path` whatever it is (file, symlink or directory tree); absent is fine.
+fn remove_any(path: &Path) -> std::io::Result<()> {
+    let r = match std::fs::symlink_metadata(path) {
+        Ok(md) if md.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) => Err(e),
+    };
+    match r {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}
+
+/// Swaps the names `a` and `b` atomically (`renameat2(RENAME_EXCHANGE)`); `Ok(false)` where
+/// the file system or kernel cannot.
+#[cfg(target_os = "linux")]
+fn exchange(a: &Path, b: &Path) -> std::io::Result<bool> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: two NUL-terminated paths that outlive the call.
+    let r = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
+    if r == 0 {
+        return Ok(true);
+    }
+    match std::io::Error::last_os_error() {
+        e if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP)) => Ok(false),
+        e => Err(e),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn exchange(_: &Path, _: &Path) -> std::io::Result<bool> {
+    Ok(false)
 }
 
 /// Whether every file of slot directory `dir` is its own: a regular file with one link. A
@@ -377,5 +453,71 @@ mod tests {
         assert!(e.to_string().contains("in use"), "{e}");
         drop(g);
         AgentDir::open(t.path()).unwrap();
+    }
+
+    /// `current` as a real directory (an older layout's served step) is replaced by the link
+    /// without ever going missing: a reader polling it throughout many switches always finds
+    /// it (moving the directory aside first, as before, left a window it saw).
+    #[test]
+    fn a_current_directory_is_replaced_without_a_moment_without_current() {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+        use std::sync::Arc;
+        let t = tempfile::tempdir().unwrap();
+        let d = AgentDir::open(t.path()).unwrap();
+        std::fs::create_dir_all(d.slot(Slot::A)).unwrap();
+        let cur = d.current();
+        // Odd while a link runs; a miss counts only when the generation did not move.
+        let (gen, done, missed) =
+            (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let watcher = {
+            let (gen, done, missed, cur) = (gen.clone(), done.clone(), missed.clone(), cur.clone());
+            std::thread::spawn(move || {
+                while !done.load(SeqCst) {
+                    let g1 = gen.load(SeqCst);
+                    let there = std::fs::symlink_metadata(&cur).is_ok();
+                    if !there && g1 % 2 == 1 && gen.load(SeqCst) == g1 {
+                        missed.fetch_add(1, SeqCst);
+                    }
+                }
+            })
+        };
+        for _ in 0..300 {
+            let _ = std::fs::remove_file(&cur);
+            std::fs::create_dir(&cur).unwrap();
+            std::fs::write(cur.join("model.safetensors"), b"older layout").unwrap();
+            gen.fetch_add(1, SeqCst);
+            d.link(Slot::A).unwrap();
+            gen.fetch_add(1, SeqCst);
+            assert_eq!(d.linked(), Some(Slot::A));
+            for left in ["current.tmp", "current.swap", "current.old"] {
+                assert!(std::fs::symlink_metadata(t.path().join(left)).is_err(), "{left} left behind");
+            }
+        }
+        done.store(true, SeqCst);
+        watcher.join().unwrap();
+        assert_eq!(missed.load(SeqCst), 0, "current was missing while a link ran");
+    }
+
+    /// What a crash inside a switch leaves is repaired when the directory is opened: the old
+    /// layout's directory swapped out is removed (`current` already names a slot), and one
+    /// moved aside with no `current` yet is put back as `current`.
+    #[test]
+    fn opening_the_directory_finishes_a_switch_a_crash_interrupted() {
+        let t = tempfile::tempdir().unwrap();
+        let (cur, tmp, old) = (t.path().join("current"), t.path().join("current.swap"), t.path().join("current.old"));
+        drop(AgentDir::open(t.path()).unwrap());
+        std::os::unix::fs::symlink("slots/a", &cur).unwrap();
+        std::fs::create_dir(&tmp).unwrap();
+        std::fs::write(tmp.join("model.safetensors"), b"x").unwrap();
+        drop(AgentDir::open(t.path()).unwrap());
+        assert!(!tmp.exists(), "the swapped-out directory stays");
+        assert_eq!(std::fs::read_link(&cur).unwrap(), Path::new("slots/a"));
+
+        std::fs::remove_file(&cur).unwrap();
+        std::fs::create_dir(&old).unwrap();
+        std::fs::write(old.join("model.safetensors"), b"served").unwrap();
+        drop(AgentDir::open(t.path()).unwrap());
+        assert!(!old.exists());
+        assert_eq!(std::fs::read(cur.join("model.safetensors")).unwrap(), b"served");
     }
 }

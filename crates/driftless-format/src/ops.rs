@@ -233,10 +233,11 @@ pub fn check_root(
 /// `local_root`, journaled at `journal` when given, then verifies the result. The layouts must
 /// be equal (see [`needs_rewrite`]).
 ///
-/// The maps are not msync'ed here: after a process crash the page cache still holds every
-/// write, and after a machine crash the redo journal (fsync'ed before any write) replays the
-/// delta. Callers that delete the journal and need power-loss durability call
-/// [`CheckpointMut::flush`] first.
+/// With a journal, the maps are made durable ([`CheckpointMut::flush`], msync) before the
+/// journal is removed: the redo journal (fsync'ed before any write) is what replays the delta
+/// after a machine crash, so it may only go once every write it covers is on disk (found by
+/// review: it was removed first, and a power loss then left a torn checkpoint with nothing to
+/// repair it). Without a journal nothing is flushed: the caller owns durability.
 pub fn apply_in_place(
     ck: &mut CheckpointMut,
     m: &DeltaManifest,
@@ -259,6 +260,7 @@ pub fn apply_in_place(
     }
     let root = verify_result(&ck.views(), m)?;
     if let Some(p) = journal {
+        ck.flush()?;
         Journal::remove(p)?;
     }
     Ok(root)
