@@ -470,11 +470,10 @@ async fn stream_shard(
                     None => (Ok(()), Some(decode())),
                 };
                 let r = checked.and_then(|()| match decoded {
-                    Some(Ok(planes)) if !stop.load(Ordering::SeqCst) => {
-                        write_pieces(&*sink, c.out.start, &planes, &stop)
-                    }
+                    // `write_pieces` checks `stop` before each piece.
+                    Some(Ok(planes)) => write_pieces(&*sink, c.out.start, &planes, &stop),
                     Some(Err(e)) => Err(e.into()),
-                    _ => Ok(()),
+                    None => Ok(()),
                 });
                 pool.lock().expect("buffer pool").push(scratch);
                 r
