@@ -283,7 +283,7 @@ fn attribute(kind: StepKind, step: u64) -> impl Fn(Error) -> BuildError {
 }
 
 pub(crate) fn corrupt(what: &'static str, detail: impl Into<String>) -> Error {
-    driftless_format::Error::Corrupt { what, detail: detail.into() }.into()
+    driftless_format::Error::Corrupt { what, detail: driftless_format::one_line(&detail.into()) }.into()
 }
 
 impl Agent {
@@ -469,6 +469,9 @@ impl Agent {
         if !missing {
             self.metrics.verify_failures.fetch_add(1, Relaxed);
         }
+        // Kept while the marker is listed and logged again at every poll: one line, bounded,
+        // whatever the bucket made an error quote.
+        let reason = &driftless_format::one_line(reason);
         warn!(kind = %kind, step, reason = %reason, "refusing step; keeping the verified weights");
         let sha = cands.marker(kind, step).map(|m| m.manifest_sha256);
         // Its manifest did not match (or was missing): the marker we hold may have been

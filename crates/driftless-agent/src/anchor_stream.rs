@@ -572,7 +572,7 @@ async fn plan_unsigned(
     // The header first (bounded as a safetensors header): it says how the encoder cut the
     // file, and the table must be exactly that (the object's SHA-256 is only known once it has
     // all been read, one ranged GET per chunk).
-    let (hr, header_len) = anchor::header_range(&prefix, o.decoded_size)?;
+    let (hr, header_len) = anchor::header_range(&prefix, o.decoded_size, size)?;
     let hz = bucket.get_range_of(key, hr).await?;
     let mut head = vec![0u8; header_len as usize];
     anchor::decode_header(&hz, &mut head)?;
@@ -603,7 +603,7 @@ async fn plan_signed(
     }
     let head_part = checked_get(bucket, key, first, signed).await?;
     let prefix = head_part.slice(..anchor::PREFIX_LEN as usize);
-    let (hr, header_len) = anchor::header_range(&prefix, o.decoded_size)?;
+    let (hr, header_len) = anchor::header_range(&prefix, o.decoded_size, size)?;
     if hr.end != head_part.len() as u64 {
         return Err(signed.bad("its first part is not the prefix and the header"));
     }

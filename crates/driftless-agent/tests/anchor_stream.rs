@@ -465,10 +465,43 @@ async fn a_signed_anchor_whose_bytes_are_not_its_root_is_refused() {
 /// says the compressed header is 0 bytes long, the bytes moved into the first plane: the
 /// numbers still add up, but no encoder writes them, and the empty ranged GET they ask for
 /// failed as a store error (transient), so the anchor was never refused and a cold agent never
-/// took the older anchor and its deltas. Now it is refused as corrupt and the agent reaches
-/// the same step through the deltas, verified.
+/// took the older anchor and its deltas. Now it is refused as corrupt and the agent takes the
+/// next best route, verified.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_anchor_with_numbers_no_encoder_writes_is_refused_and_routed_around() {
+    refused_and_routed_around("compressed header of 0 bytes", |bytes| {
+        let size = bytes.len();
+        let table_offset = u64::from_le_bytes(bytes[size - 16..size - 8].try_into().unwrap()) as usize;
+        let header_stored = u64::from_le_bytes(bytes[24..32].try_into().unwrap());
+        bytes[24..32].copy_from_slice(&0u64.to_le_bytes());
+        let first_plane = table_offset + 17;
+        let pl = u64::from_le_bytes(bytes[first_plane..first_plane + 8].try_into().unwrap());
+        bytes[first_plane..first_plane + 8].copy_from_slice(&(pl + header_stored).to_le_bytes());
+    })
+    .await;
+}
+
+/// The same with a prefix whose compressed header runs past the end of the object (as long as
+/// the decoded size allows): the ranged GET came back short, a transient store error, and a cold
+/// agent retried the anchor at every poll (found by review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anchor_whose_header_runs_past_its_object_is_refused_and_routed_around() {
+    refused_and_routed_around("past the end of an object", |bytes| {
+        let size = bytes.len() as u64;
+        let decoded = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
+        bytes[16..24].copy_from_slice(&decoded.to_le_bytes());
+        bytes[24..32].copy_from_slice(&size.to_le_bytes());
+    })
+    .await;
+}
+
+/// Publishes anchor 0, deltas 1-2 and anchor 2, rewrites anchor 2's object with `tamper`,
+/// re-signs its manifest without parts (a signer with a bug: the object's SHA-256 is only
+/// known at the end, so the numbers themselves must be refused; with the publisher's parts,
+/// the first part's digest would refuse the object before its numbers are read), removes
+/// delta 1 so that anchor 2 is the only route to step 2, and checks that a cold agent refuses
+/// it with `reason` and serves anchor 0, verified.
+async fn refused_and_routed_around(reason: &str, tamper: impl FnOnce(&mut Vec<u8>)) {
     use driftless_format::StepKind;
     let tb = file_bucket();
     let key = Keypair::from_seed([11; 32]);
@@ -495,29 +528,18 @@ async fn an_anchor_with_numbers_no_encoder_writes_is_refused_and_routed_around()
     let o = &m.objects[0];
     let path = tb.root.as_ref().unwrap().join(layout::object(StepKind::Anchor, 2, &o.object.object));
     let mut bytes = std::fs::read(&path).unwrap();
-    let size = bytes.len();
-    let table_offset = u64::from_le_bytes(bytes[size - 16..size - 8].try_into().unwrap()) as usize;
-    let header_stored = u64::from_le_bytes(bytes[24..32].try_into().unwrap());
-    bytes[24..32].copy_from_slice(&0u64.to_le_bytes());
-    let first_plane = table_offset + 17;
-    let pl = u64::from_le_bytes(bytes[first_plane..first_plane + 8].try_into().unwrap());
-    bytes[first_plane..first_plane + 8].copy_from_slice(&(pl + header_stored).to_le_bytes());
+    tamper(&mut bytes);
     std::fs::write(&path, &bytes).unwrap();
-    // Signed as they are (a signer with a bug), without parts: the object's SHA-256 is only
-    // known at the end, so the numbers themselves must be refused (with the publisher's
-    // parts, the first part's digest would refuse the object before its numbers are read).
     resign_anchor(&tb, &key, &trust, 2, |m| {
         m.objects[0].parts.clear();
         m.objects[0].object.sha256 = driftless_format::Digest::of(&bytes);
     });
-    // Delta 1 gone: anchor 2 is the only route to step 2 (else anchor 0 and two deltas are
-    // cheaper, and the bad anchor is never read).
     tb.bucket.delete(&layout::ready(StepKind::Delta, 1)).await.unwrap();
 
     let mut a = driftless_agent::Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust)).unwrap();
     let o = a.sync_once().await.unwrap_or_else(|e| panic!("a cold agent stuck on a hostile anchor: {e}"));
     assert!(o.refused.iter().any(|r| r.kind == StepKind::Anchor && r.step == 2), "{o:?}");
-    assert!(o.refused.iter().any(|r| r.reason.contains("compressed header of 0 bytes")), "the numbers refused: {o:?}");
+    assert!(o.refused.iter().any(|r| r.reason.contains(reason)), "the numbers refused: {o:?}");
     assert_eq!((o.step, o.root), (0, roots[0]), "the next best route: {o:?}");
     assert_eq!(a.state().map(|s| s.step), Some(0));
 }
@@ -593,7 +615,7 @@ fn plan_of(bytes: &[u8], decoded_size: u64) -> anchor::ShardPlan {
     let size = bytes.len() as u64;
     let footer = &bytes[bytes.len() - anchor::FOOTER_LEN as usize..];
     let prefix = &bytes[..anchor::PREFIX_LEN as usize];
-    let (hr, header_len) = anchor::header_range(prefix, decoded_size).unwrap();
+    let (hr, header_len) = anchor::header_range(prefix, decoded_size, size).unwrap();
     let mut head = vec![0u8; header_len as usize];
     anchor::decode_header(&bytes[hr.start as usize..hr.end as usize], &mut head).unwrap();
     let cuts = anchor::shard_cuts(&head, decoded_size, None).unwrap();

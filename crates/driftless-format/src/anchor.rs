@@ -268,7 +268,7 @@ pub fn decode_shard(stored: &[u8], out: &mut [u8]) -> Result<()> {
     }
     let (prefix, footer) = (&stored[..PREFIX_LEN as usize], &stored[(len - FOOTER_LEN) as usize..]);
     let size = out.len() as u64;
-    let (hr, header_len) = header_range(prefix, size)?;
+    let (hr, header_len) = header_range(prefix, size, len)?;
     let at = |r: &std::ops::Range<u64>| stored.get(r.start as usize..r.end as usize).ok_or_else(|| bad("truncated"));
     let (head, mut rest) = out.split_at_mut(header_len as usize);
     decode_header(at(&hr)?, head)?;
@@ -363,10 +363,21 @@ fn read_prefix(prefix: &[u8], decoded_size: u64) -> Result<Prefix> {
 /// The stored range of a shard's compressed header and the length of the decoded header (the
 /// file's first bytes), from the prefix of a shard that decodes to `decoded_size` bytes. A
 /// reader fetches and decodes the header first: it says how the encoder cut the file
-/// ([`shard_cuts`]), which bounds the table.
-pub fn header_range(prefix: &[u8], decoded_size: u64) -> Result<(std::ops::Range<u64>, u64)> {
+/// ([`shard_cuts`]), which bounds the table. The range must lie inside a shard object of
+/// `stored_size` bytes, before its footer: a reader fetches it before the object can be
+/// checked, and a range past the end would come back short, which is a transient error of the
+/// store, not this object's (found by review: an agent retried such an anchor for good
+/// instead of refusing it and routing around it).
+pub fn header_range(prefix: &[u8], decoded_size: u64, stored_size: u64) -> Result<(std::ops::Range<u64>, u64)> {
     let p = read_prefix(prefix, decoded_size)?;
-    Ok((PREFIX_LEN..PREFIX_LEN + p.header_stored, p.header_len))
+    let end = PREFIX_LEN + p.header_stored;
+    if end > stored_size.saturating_sub(FOOTER_LEN) {
+        return Err(bad(format!(
+            "compressed header of {} bytes past the end of an object of {stored_size}",
+            p.header_stored
+        )));
+    }
+    Ok((PREFIX_LEN..end, p.header_len))
 }
 
 /// The stored range of the chunk table, from the footer (the last [`FOOTER_LEN`] bytes of a
@@ -485,7 +496,7 @@ pub fn part_ranges(
             }
             let prefix = &stored[..PREFIX_LEN as usize];
             let footer = &stored[(size - FOOTER_LEN) as usize..];
-            let (hr, header_len) = header_range(prefix, decoded_size)?;
+            let (hr, header_len) = header_range(prefix, decoded_size, size)?;
             let hz = stored.get(hr.start as usize..hr.end as usize).ok_or_else(|| bad("truncated"))?;
             let mut head = vec![0u8; header_len as usize];
             decode_header(hz, &mut head)?;

@@ -21,6 +21,9 @@ use crate::{DType, Error, Result, TensorMeta, TensorView};
 /// Name of the shard index file of a sharded Hugging Face checkpoint.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
+/// Most bytes of tensors a layout read from a manifest may claim, all shards together (1 PiB).
+pub const MAX_LAYOUT_BYTES: u64 = 1 << 50;
+
 /// Largest safetensors header accepted (bytes), as in the safetensors crate.
 pub const MAX_HEADER: usize = 100_000_000;
 
@@ -86,10 +89,11 @@ impl Layout {
         self.shards.iter().flat_map(|s| s.tensors.iter())
     }
 
-    /// Checks names, shapes and uniqueness (used on layouts read from manifests).
+    /// Checks names, shapes, uniqueness and sizes (used on layouts read from manifests).
     pub fn validate(&self) -> Result<()> {
         let mut seen_files = std::collections::HashSet::new();
         let mut seen = std::collections::HashSet::new();
+        let mut total = 0u64;
         for s in &self.shards {
             validate_file_name(&s.file)?;
             if !s.file.ends_with(".safetensors") || s.file == INDEX_FILE {
@@ -98,11 +102,25 @@ impl Layout {
             if !seen_files.insert(s.file.as_str()) {
                 return Err(Error::invalid(format!("shard file {:?} listed twice", s.file)));
             }
+            // Bounded as a whole, not only tensor by tensor: enough tensors of the largest size
+            // wrapped the offsets of a shard's header, which failed only when the agent built
+            // the shard, an error that was not the step's fault, so a signed manifest with a
+            // bug was retried at every poll instead of refused (found by review).
+            let mut bytes = 0u64;
             for t in &s.tensors {
                 t.validate()?;
                 if !seen.insert(t.name.as_str()) {
                     return Err(Error::invalid(format!("tensor {:?} listed twice", t.name)));
                 }
+                bytes = bytes.saturating_add(t.nbytes()?);
+            }
+            if bytes > crate::tensor::MAX_TENSOR_BYTES {
+                return Err(Error::invalid(format!("shard {:?} claims {bytes} bytes of tensors", s.file)));
+            }
+            // So that sums over a layout (element counts, byte totals) cannot wrap either.
+            total = total.saturating_add(bytes);
+            if total > MAX_LAYOUT_BYTES {
+                return Err(Error::invalid(format!("the layout claims more than {MAX_LAYOUT_BYTES} bytes of tensors")));
             }
         }
         Ok(())

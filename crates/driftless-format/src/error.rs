@@ -87,7 +87,11 @@ impl Error {
     }
 
     pub(crate) fn corrupt(what: &'static str, detail: impl Into<String>) -> Self {
-        Error::Corrupt { what, detail: detail.into() }
+        Error::Corrupt { what, detail: one_line(&detail.into()) }
+    }
+
+    pub(crate) fn untrusted(what: &'static str, detail: impl Into<String>) -> Self {
+        Error::Untrusted { what, detail: one_line(&detail.into()) }
     }
 
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
@@ -95,8 +99,32 @@ impl Error {
     }
 
     pub(crate) fn invalid(detail: impl Into<String>) -> Self {
-        Error::InvalidInput(detail.into())
+        Error::InvalidInput(one_line(&detail.into()))
     }
+}
+
+/// Most bytes of an error's detail kept by [`one_line`].
+pub const MAX_DETAIL: usize = 1024;
+
+/// `detail` made fit for one line of a log or a status page: control characters (a newline
+/// above all) escaped, and cut after [`MAX_DETAIL`] bytes with the full length said. Error
+/// details quote what was read, and what was read from a bucket is hostile: a parser's error
+/// quoted a planted 60 MB string whole, which the agent then kept in its list of refused steps
+/// and logged again at every poll (found by review).
+pub fn one_line(detail: &str) -> String {
+    let mut out = String::with_capacity(detail.len().min(MAX_DETAIL + 32));
+    for (i, c) in detail.char_indices() {
+        if out.len() >= MAX_DETAIL {
+            out.push_str(&format!("... ({} bytes in all, {} more)", detail.len(), detail.len() - i));
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Result alias of the format crate.

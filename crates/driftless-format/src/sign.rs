@@ -198,7 +198,7 @@ impl TrustSet {
                 "unsigned, and a trusted key is configured: unsigned manifests are refused \
                  (the publisher signs nothing, or the signature was stripped)"
             };
-            return Err(Error::Untrusted { what: "manifest", detail: detail.into() });
+            return Err(Error::untrusted("manifest", detail));
         }
         let msg = [DOMAIN, env.payload.as_bytes()].concat();
         let mut seen = vec![];
@@ -207,15 +207,13 @@ impl TrustSet {
             let Some(k) = self.keys.get(&s.key_id) else { continue };
             let raw = base64::engine::general_purpose::STANDARD
                 .decode(&s.sig)
-                .map_err(|_| Error::Untrusted { what: "manifest", detail: "signature is not base64".into() })?;
+                .map_err(|_| Error::untrusted("manifest", "signature is not base64"))?;
             let sig = ed25519_dalek::Signature::from_slice(&raw)
-                .map_err(|_| Error::Untrusted { what: "manifest", detail: "malformed signature".into() })?;
-            k.verify(&msg, &sig).map_err(|_| Error::Untrusted {
-                what: "manifest",
-                detail: format!("signature by {} does not verify", s.key_id),
-            })?;
+                .map_err(|_| Error::untrusted("manifest", "malformed signature"))?;
+            k.verify(&msg, &sig)
+                .map_err(|_| Error::untrusted("manifest", format!("signature by {} does not verify", s.key_id)))?;
             return Ok((env.payload.into_bytes(), Some(s.key_id.clone())));
         }
-        Err(Error::Untrusted { what: "manifest", detail: format!("signed by unknown key(s) {}", seen.join(", ")) })
+        Err(Error::untrusted("manifest", format!("signed by unknown key(s) {}", seen.join(", "))))
     }
 }

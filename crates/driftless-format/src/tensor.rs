@@ -110,12 +110,16 @@ impl TensorMeta {
             return Err(Error::invalid(format!("tensor {} has {} dims", self.name, self.shape.len())));
         }
         let n = self.nbytes()?;
-        if n > (1u64 << 46) {
+        if n > MAX_TENSOR_BYTES {
             return Err(Error::invalid(format!("tensor {} claims {n} bytes", self.name)));
         }
         Ok(())
     }
 }
+
+/// Largest tensor accepted from untrusted metadata (64 TiB), and the most bytes of data one
+/// shard of a layout read from a manifest may hold.
+pub const MAX_TENSOR_BYTES: u64 = 1 << 46;
 
 /// Product of dims with overflow checking.
 pub fn numel(shape: &[u64]) -> Result<u64> {

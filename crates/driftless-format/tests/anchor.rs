@@ -132,7 +132,7 @@ fn stream_decode(enc: &[u8], decoded_size: u64) -> driftless_format::Result<Vec<
     }
     let footer = &enc[(size - anchor::FOOTER_LEN) as usize..];
     let prefix = &enc[..anchor::PREFIX_LEN as usize];
-    let (hr, header_len) = anchor::header_range(prefix, decoded_size)?;
+    let (hr, header_len) = anchor::header_range(prefix, decoded_size, size)?;
     let hz = enc
         .get(hr.start as usize..hr.end as usize)
         .ok_or_else(|| driftless_format::Error::Corrupt { what: "anchor shard", detail: "truncated".into() })?;
@@ -292,7 +292,7 @@ fn regression_a_table_of_more_chunks_than_the_encoder_cuts_is_refused() {
         table.push(1);
         table.extend_from_slice(&1u64.to_le_bytes());
     }
-    let (hr, _) = anchor::header_range(prefix, decoded).unwrap();
+    let (hr, _) = anchor::header_range(prefix, decoded, u64::MAX).unwrap();
     let table_offset = hr.end + ones;
     let stored = table_offset + table.len() as u64 + anchor::FOOTER_LEN;
     let mut f = table_offset.to_le_bytes().to_vec();

@@ -156,7 +156,9 @@ fn regression_sparse_count_bounded_by_its_bytes() {
 }
 
 /// A layout listing enough maximal tensors to wrap a 64-bit offset is refused, not wrapped
-/// into a small file with huge tensor ranges (regression: `shard_header` added unchecked).
+/// into a small file with huge tensor ranges (regression: `shard_header` added unchecked), and
+/// `validate` (what every manifest's layout goes through) refuses it up front, so that a
+/// manifest carrying it is corrupt, not an error at build time that was retried for good.
 #[test]
 fn regression_layout_offsets_overflow() {
     let tensors: Vec<TensorMeta> = (0..(1u64 << 18))
@@ -166,7 +168,7 @@ fn regression_layout_offsets_overflow() {
     let e = Layout::shard_header(&shard).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
     let layout = Layout { shards: vec![shard] };
-    layout.validate().unwrap();
+    assert_eq!(layout.validate().unwrap_err().kind(), ErrorKind::InvalidInput);
     assert!(layout.shard_sizes().is_err());
     let dir = tempfile::tempdir().unwrap();
     assert!(CheckpointMut::create(dir.path(), &layout).is_err());
@@ -255,6 +257,33 @@ fn manifest_hostile_values() {
     bad(&|v| v["shards"][0]["tensors"][0]["name"] = "a\nb".into(), "control char in name");
     bad(&|v| v["shards"][0]["tensors"][0]["shape"] = serde_json::json!([1u64 << 40, 1u64 << 40]), "shape overflow");
     bad(&|v| v["shards"][0]["tensors"][0]["shape"] = serde_json::json!(vec![1; 17]), "too many dims");
+    bad(
+        &|v| {
+            let mut t = v["shards"][0]["tensors"][0].clone();
+            t["dtype"] = "U8".into();
+            t["shape"] = serde_json::json!([1u64 << 46]);
+            let mut u = t.clone();
+            u["name"] = "second.weight".into();
+            v["shards"][0]["tensors"] = serde_json::json!([t, u]);
+        },
+        "a shard of two largest tensors",
+    );
+    bad(
+        &|v| {
+            let mut t = v["shards"][0]["tensors"][0].clone();
+            t["dtype"] = "U8".into();
+            t["shape"] = serde_json::json!([1u64 << 46]);
+            let shards: Vec<serde_json::Value> = (0..17)
+                .map(|i| {
+                    let mut t = t.clone();
+                    t["name"] = format!("t{i}").into();
+                    serde_json::json!({"file": format!("m{i}.safetensors"), "tensors": [t]})
+                })
+                .collect();
+            v["shards"] = shards.into();
+        },
+        "a layout of more than 1 PiB",
+    );
     bad(&|v| v["shards"][0]["tensors"][0]["dtype"] = "F4".into(), "unknown dtype");
     bad(&|v| v["shards"][0]["tensors"][0]["digest"] = "00".into(), "short digest");
     bad(&|v| v["codec"] = serde_json::json!({"name": "lz4"}), "unknown codec");
@@ -349,7 +378,9 @@ fn manifest_hostile_values() {
     v["objects"][0]["decoded_size"] = 100.into();
     let e = AnchorManifest::from_slice(&serde_json::to_vec(&v).unwrap()).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
-    assert!(e.to_string().contains("do not fit"), "{e}");
+    // Refused by the layout's own bound now (64 TiB of tensors a shard), before the objects
+    // are compared with it.
+    assert!(e.to_string().contains("claims"), "{e}");
     let mut v = docs.clone();
     v["objects"][0]["size"] = u64::MAX.into();
     v["files"][0]["size"] = 1.into();

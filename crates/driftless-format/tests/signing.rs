@@ -146,3 +146,39 @@ fn pem_round_trip() {
     let dbg = format!("{k:?}");
     assert!(dbg.contains(k.id()) && !dbg.contains(&pem[30..60]));
 }
+
+/// An envelope is hostile before its signature is checked, and its error is kept and logged
+/// by agents: whatever it quotes (a parser's type error quotes the offending string whole; a
+/// list of unknown key ids), the error is one bounded line (found by review: 60 MB envelopes
+/// made 60 MB errors).
+#[test]
+fn an_envelope_error_is_one_bounded_line_whatever_it_quotes() {
+    let k = Keypair::from_seed([1; 32]);
+    let trust = TrustSet::new().with_key(k.public());
+    let long = "y\n".repeat(8 << 20);
+    let key_ids: Vec<String> =
+        (0..8).map(|i| format!("{{\"key_id\":\"{i}{}\",\"sig\":\"\"}}", "k".repeat(1 << 20))).collect();
+    for (what, env) in [
+        (
+            "a string where signatures go",
+            format!("{{\"payload\":\"{{}}\",\"signatures\":\"{}\"}}", long.replace('\n', "\\n")),
+        ),
+        ("unknown key ids", format!("{{\"payload\":\"{{}}\",\"signatures\":[{}]}}", key_ids.join(","))),
+    ] {
+        let e = trust.open(env.as_bytes()).unwrap_err();
+        let s = e.to_string();
+        assert!(s.len() <= driftless_format::MAX_DETAIL + 200, "{what}: {} bytes of error", s.len());
+        assert!(!s.contains('\n'), "{what}: more than one line");
+        assert!(s.contains("bytes in all"), "{what}: the cut is not said: {s}");
+    }
+}
+
+/// `one_line` escapes control characters and cuts on a character boundary.
+#[test]
+fn one_line_escapes_and_cuts_on_a_character() {
+    assert_eq!(driftless_format::one_line("a\nb\u{1b}[31m"), "a\\nb\\u{1b}[31m");
+    let s = "é".repeat(driftless_format::MAX_DETAIL);
+    let o = driftless_format::one_line(&s);
+    assert!(o.starts_with(&"é".repeat(driftless_format::MAX_DETAIL / 2)), "{o}");
+    assert!(o.contains(&format!("({} bytes in all", s.len())), "{o}");
+}
