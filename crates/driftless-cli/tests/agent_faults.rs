@@ -372,7 +372,18 @@ fn durability_order_in_a_syscall_trace() {
     let mut e = Env::new();
     e.publish();
     e.publish();
-    assert!(run_bounded(e.agent("a"), 60).status.success());
+    // The first start creates `DIR`: its entry in the parent is made durable too (a power loss
+    // could otherwise take the whole directory after the first switch).
+    let lines = run_traced(traced_agent(&e, "bucket", "openat,fsync", &e.p("trace-create")), &e.p("trace-create"));
+    let parent = format!("\"{}\"", e.t.path().display());
+    let fd = lines
+        .iter()
+        .find(|l| l.contains("openat(") && l.contains(&parent))
+        .and_then(|l| l.rsplit("= ").next())
+        .unwrap_or_else(|| panic!("the parent of DIR never opened: {lines:?}"))
+        .trim()
+        .to_string();
+    assert!(lines.iter().any(|l| l.contains(&format!("fsync({fd})"))), "the parent of DIR never synced: {lines:?}");
     for round in ["rebuild", "steady", "layout rewrite", "layout rebuild"] {
         if round.starts_with("layout") {
             // A new shard layout: the work slot is rewritten beside itself (a frame renamed
