@@ -226,18 +226,21 @@ pub struct StoreError {
 
 impl StoreError {
     pub(crate) fn new(err: &dyn std::error::Error) -> StoreError {
-        // Flatten the chain: the original types hold unredacted URLs.
-        let mut message = err.to_string();
+        // Flatten the chain: the original types hold unredacted URLs. An error can quote the
+        // server's response body whole (found by review: a 16 MiB body made a 16 MiB error,
+        // which agents keep and log at every poll), so each piece is cut before it is joined
+        // and the result is one bounded line.
+        let mut message = head(err.to_string());
         let mut cur = err.source();
         while let Some(e) = cur {
-            let s = e.to_string();
+            let s = head(e.to_string());
             if !message.contains(&s) {
                 message.push_str(": ");
                 message.push_str(&s);
             }
             cur = e.source();
         }
-        StoreError { message: redact_text(&tidy_body(&message)) }
+        StoreError { message: driftless_format::one_line(&redact_text(&tidy_body(&message))) }
     }
 
     /// The redacted message.
@@ -253,6 +256,20 @@ impl std::fmt::Display for StoreError {
 }
 
 impl std::error::Error for StoreError {}
+
+/// The first 64 KiB of `s` (on a character boundary): enough for any XML error document a
+/// store sends, a bound on what the tidying and redaction work through.
+fn head(mut s: String) -> String {
+    const MAX: usize = 64 << 10;
+    if s.len() > MAX {
+        let mut at = MAX;
+        while !s.is_char_boundary(at) {
+            at -= 1;
+        }
+        s.truncate(at);
+    }
+    s
+}
 
 /// S3 and Azure answer errors with an XML document (`<?xml ...?><Error><Code>NoSuchBucket</Code>
 /// <Message>...</Message>...</Error>`), which the HTTP client pastes into its message, line

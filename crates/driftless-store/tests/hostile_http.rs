@@ -92,3 +92,19 @@ async fn a_request_the_client_refuses_to_build_is_permanent() {
     assert!(t.elapsed() < Duration::from_secs(1), "retried: {:?}", t.elapsed());
     assert_eq!(n.load(SeqCst), 0, "{e}");
 }
+
+/// An endpoint that answers every request with an error whose body is 16 MiB: the error
+/// reported (kept and logged by agents at every poll) is one bounded line. (The client itself
+/// still reads such a body whole before it fails: `object_store`'s retry layer does.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_with_a_huge_body_is_one_bounded_line() {
+    let (url, _) = serve(|_| {
+        (500, format!("<Error><Code>InternalError</Code><Message>{}\n</Message></Error>", "m".repeat(16 << 20)))
+    })
+    .await;
+    let b = open(&url, StoreOptions::default().with_max_retries(1).with_retry_timeout(Duration::from_secs(30)));
+    let e = b.get_limited("stream.json", 1 << 16).await.unwrap_err();
+    let s = e.to_string();
+    assert!(s.len() < 4096, "{} bytes of error", s.len());
+    assert!(!s.contains('\n'), "more than one line");
+}
