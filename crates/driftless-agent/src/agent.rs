@@ -470,8 +470,9 @@ impl Agent {
             self.metrics.verify_failures.fetch_add(1, Relaxed);
         }
         // Kept while the marker is listed and logged again at every poll: one line, bounded,
-        // whatever the bucket made an error quote.
-        let reason = &driftless_format::one_line(reason);
+        // whatever the bucket made an error quote (details inside are cut at 1 KiB already;
+        // this bounds what wraps them without cutting them again).
+        let reason = &driftless_format::one_line_within(reason, 4 * driftless_format::MAX_DETAIL);
         warn!(kind = %kind, step, reason = %reason, "refusing step; keeping the verified weights");
         let sha = cands.marker(kind, step).map(|m| m.manifest_sha256);
         // Its manifest did not match (or was missing): the marker we hold may have been

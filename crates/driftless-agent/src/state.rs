@@ -179,14 +179,18 @@ impl AgentDir {
         // What a crash inside `link` can leave: the exchange's temp name (a symlink, or the
         // older layout's `current` directory, a whole model, already swapped out), or that
         // directory moved aside with no `current` yet, which is put back: it is still the
-        // step served.
+        // step served. Only `link` moves it there, and only for the moment between two renames:
+        // once `current` names a slot, `link` moves it on to `current.trash` before deleting it,
+        // so a directory left half-deleted is never put back. Removing leftovers is best effort:
+        // one that cannot be deleted (another owner's files, NFS) must not stop the agent.
         let (cur, old) = (dir.join("current"), dir.join("current.old"));
         if std::fs::symlink_metadata(&cur).is_err() && std::fs::symlink_metadata(&old).is_ok_and(|m| m.is_dir()) {
             std::fs::rename(&old, &cur)?;
             sync_dir(dir)?;
         }
-        remove_any(&dir.join("current.swap"))?;
-        remove_any(&old)?;
+        for left in ["current.swap", "current.old", "current.trash"] {
+            discard(dir, &dir.join(left));
+        }
         let running = dir.join("running");
         let unclean = running.exists();
         let mut f = File::create(&running)?;
@@ -261,19 +265,20 @@ impl AgentDir {
     pub fn link(&self, slot: Slot) -> std::io::Result<()> {
         let cur = self.current();
         let target = Path::new("slots").join(slot.name());
+        let old = self.dir.join("current.old");
         if std::fs::symlink_metadata(&cur).is_ok_and(|md| md.is_dir()) {
             // Its own temp name: after the exchange it names the old directory, which a crash
             // can leave behind (`open` removes it).
             let swap = self.dir.join("current.swap");
-            let old = self.dir.join("current.old");
             remove_any(&swap)?;
-            remove_any(&old)?;
             std::os::unix::fs::symlink(&target, &swap)?;
             if exchange(&swap, &cur)? {
                 sync_dir(&self.dir)?;
-                return remove_any(&swap);
+                discard(&self.dir, &swap);
+                return Ok(());
             }
             std::fs::remove_file(&swap)?;
+            discard(&self.dir, &old);
             std::fs::rename(&cur, &old)?;
         }
         let tmp = self.dir.join("current.tmp");
@@ -281,7 +286,9 @@ impl AgentDir {
         std::os::unix::fs::symlink(&target, &tmp)?;
         std::fs::rename(&tmp, &cur)?;
         sync_dir(&self.dir)?;
-        remove_any(&self.dir.join("current.old"))
+        // The switch is made: what is left is cleanup, which must not fail it.
+        discard(&self.dir, &old);
+        Ok(())
     }
 
     /// A file of `slot` that another process has open, if any: a server that resolved
@@ -361,6 +368,28 @@ fn remove_any(path: &Path) -> std::io::Result<()> {
     }
 }
 
+/// Removes `path` (a leftover of `link`) in `dir`, best effort: moved to `current.trash` first,
+/// so that a directory whose removal fails halfway is never taken for the `current.old` that
+/// [`AgentDir::open`] puts back; a failure is logged, not returned.
+fn discard(dir: &Path, path: &Path) {
+    if std::fs::symlink_metadata(path).is_err() {
+        return;
+    }
+    let trash = dir.join("current.trash");
+    let gone = if path == trash {
+        trash
+    } else {
+        let _ = remove_any(&trash);
+        match std::fs::rename(path, &trash) {
+            Ok(()) => trash,
+            Err(_) => path.to_path_buf(),
+        }
+    };
+    if let Err(e) = remove_any(&gone) {
+        tracing::warn!(path = %gone.display(), error = %e, "could not remove a leftover of a switch; remove it by hand");
+    }
+}
+
 /// Swaps the names `a` and `b` atomically (`renameat2(RENAME_EXCHANGE)`); `Ok(false)` where
 /// the file system or kernel cannot.
 #[cfg(target_os = "linux")]
@@ -369,8 +398,18 @@ fn exchange(a: &Path, b: &Path) -> std::io::Result<bool> {
     use std::os::unix::ffi::OsStrExt;
     let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
     let (a, b) = (c(a)?, c(b)?);
-    // SAFETY: two NUL-terminated paths that outlive the call.
-    let r = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
+    // The raw system call, not glibc's wrapper (glibc 2.28+), so that a wheel built for older
+    // glibc (manylinux2014) still links. SAFETY: two NUL-terminated paths that outlive the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_renameat2,
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
     if r == 0 {
         return Ok(true);
     }
@@ -519,5 +558,31 @@ mod tests {
         drop(AgentDir::open(t.path()).unwrap());
         assert!(!old.exists());
         assert_eq!(std::fs::read(cur.join("model.safetensors")).unwrap(), b"served");
+    }
+
+    /// A leftover that cannot be deleted (here a file marked immutable; in the field another
+    /// owner's files, or NFS) fails neither the switch nor the next start (found by review:
+    /// both returned the removal's error, and the agent could not start again).
+    #[test]
+    fn a_leftover_that_cannot_be_deleted_fails_neither_the_switch_nor_a_start() {
+        let t = tempfile::tempdir().unwrap();
+        let d = AgentDir::open(t.path()).unwrap();
+        let cur = d.current();
+        std::fs::create_dir(&cur).unwrap();
+        let stuck = cur.join("model.safetensors");
+        std::fs::write(&stuck, b"older layout").unwrap();
+        let chattr = |flag: &str, f: &Path| std::process::Command::new("chattr").arg(flag).arg(f).status().unwrap();
+        assert!(chattr("+i", &stuck).success(), "chattr +i (this test needs root and a file system with attributes)");
+        let r = d.link(Slot::A);
+        let trash = t.path().join("current.trash");
+        let left = std::fs::symlink_metadata(&trash).is_ok();
+        drop(d);
+        let reopened = AgentDir::open(t.path()).map(drop);
+        assert!(chattr("-i", &trash.join("model.safetensors")).success());
+        r.unwrap();
+        reopened.unwrap();
+        assert_eq!(std::fs::read_link(&cur).unwrap(), Path::new("slots/a"));
+        assert!(left, "the half-deleted directory is not kept under current.trash");
+        assert!(std::fs::symlink_metadata(t.path().join("current.old")).is_err());
     }
 }

@@ -112,9 +112,15 @@ pub const MAX_DETAIL: usize = 1024;
 /// quoted a planted 60 MB string whole, which the agent then kept in its list of refused steps
 /// and logged again at every poll (found by review).
 pub fn one_line(detail: &str) -> String {
-    let mut out = String::with_capacity(detail.len().min(MAX_DETAIL + 32));
+    one_line_within(detail, MAX_DETAIL)
+}
+
+/// [`one_line`] cut after `max` bytes instead (for text that wraps details already cut, which a
+/// second cut at the same length would cut again and misreport).
+pub fn one_line_within(detail: &str, max: usize) -> String {
+    let mut out = String::with_capacity(detail.len().min(max + 32));
     for (i, c) in detail.char_indices() {
-        if out.len() >= MAX_DETAIL {
+        if out.len() >= max {
             out.push_str(&format!("... ({} bytes in all, {} more)", detail.len(), detail.len() - i));
             break;
         }

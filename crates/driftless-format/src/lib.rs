@@ -51,7 +51,7 @@ pub mod varint;
 pub use checkpoint::{Checkpoint, CheckpointFiles, CheckpointMut, Layout, ShardLayout, TensorsMut};
 pub use delta::{diff, diff_update, encode_delta, Codec, DeltaDiff, DeltaOptions, ValueMode};
 pub use dtype::DType;
-pub use error::{io_is_retryable, one_line, Error, ErrorKind, Result, MAX_DETAIL};
+pub use error::{io_is_retryable, one_line, one_line_within, Error, ErrorKind, Result, MAX_DETAIL};
 pub use hash::weights_root;
 pub use journal::Journal;
 pub use manifest::{
