@@ -283,7 +283,7 @@ fn attribute(kind: StepKind, step: u64) -> impl Fn(Error) -> BuildError {
 }
 
 pub(crate) fn corrupt(what: &'static str, detail: impl Into<String>) -> Error {
-    driftless_format::Error::Corrupt { what, detail: driftless_format::one_line(&detail.into()) }.into()
+    driftless_format::Error::corrupt(what, detail).into()
 }
 
 impl Agent {

@@ -86,7 +86,9 @@ impl Error {
         }
     }
 
-    pub(crate) fn corrupt(what: &'static str, detail: impl Into<String>) -> Self {
+    /// A [`Error::Corrupt`] whose detail is made one bounded line ([`one_line`]): every crate
+    /// that reports bad bucket bytes builds its error here, so none quotes them unbounded.
+    pub fn corrupt(what: &'static str, detail: impl Into<String>) -> Self {
         Error::Corrupt { what, detail: one_line(&detail.into()) }
     }
 

@@ -1376,7 +1376,7 @@ fn spool_io(e: std::io::Error) -> BindError {
 use driftless_agent::default_anchor_parts;
 
 fn corrupt(what: &'static str, detail: impl Into<String>) -> BindError {
-    driftless_format::Error::Corrupt { what, detail: driftless_format::one_line(&detail.into()) }.into()
+    driftless_format::Error::corrupt(what, detail).into()
 }
 
 /// One anchor shard going into arrays: its header (the first write) must list exactly the

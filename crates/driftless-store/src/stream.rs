@@ -334,7 +334,7 @@ impl LatestWatch {
 }
 
 fn corrupt(what: &'static str, detail: String) -> StreamError {
-    driftless_format::Error::Corrupt { what, detail: driftless_format::one_line(&detail) }.into()
+    driftless_format::Error::corrupt(what, detail).into()
 }
 
 /// Why an agent would refuse the manifest the ready marker `marker` of step `step` announces,
@@ -364,10 +364,7 @@ pub async fn check_step(
         Some(t) => t.open(&bytes).map(|(p, _)| p),
         None => serde_json::from_slice::<driftless_format::sign::Envelope>(&bytes)
             .map(|e| e.payload.into_bytes())
-            .map_err(|e| driftless_format::Error::Corrupt {
-                what: "envelope",
-                detail: driftless_format::one_line(&e.to_string()),
-            }),
+            .map_err(|e| driftless_format::Error::corrupt("envelope", e.to_string())),
     };
     let checked = payload.and_then(|p| match kind {
         StepKind::Delta => delta_manifest_of(step, marker, &p).map(drop),
