@@ -14,9 +14,7 @@ use driftless_agent::anchor_stream::{
 use driftless_agent::plan::Newest;
 use driftless_agent::{plan, Agent, AgentConfig};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
-use driftless_format::{
-    delta, ops, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet,
-};
+use driftless_format::{delta, ops, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet};
 use driftless_store::spool::Spool;
 use driftless_store::stream::{LatestVersion, LatestWatch, StreamReader};
 use driftless_store::Bucket;
@@ -116,8 +114,7 @@ fn same_stream(sid: &str, got: &str, what: &'static str, step: u64) -> BindResul
     if got == sid {
         return Ok(());
     }
-    Err(driftless_format::Error::Corrupt { what, detail: format!("step {step} is signed for another stream ({got})") }
-        .into())
+    Err(driftless_format::Error::corrupt(what, format!("step {step} is signed for another stream ({got})")).into())
 }
 
 /// Low-level follower; use `driftless.Follower`.
@@ -1105,10 +1102,10 @@ impl PyFollower {
                     .map(|(b, r)| -> BindResult<Vec<(String, Vec<u64>)>> {
                         let seg = delta::decode_segment(b, r.raw_size)?;
                         if seg.mode != m.value_mode {
-                            return Err(driftless_format::Error::Corrupt {
-                                what: "segment",
-                                detail: "value mode differs from the manifest".into(),
-                            }
+                            return Err(driftless_format::Error::corrupt(
+                                "segment",
+                                "value mode differs from the manifest",
+                            )
                             .into());
                         }
                         delta::apply_segment(&seg, &tm)?;
@@ -1201,10 +1198,10 @@ fn with_refusals<T>(
                     .filter(|(_, s, _)| local.is_none_or(|l| *s > l) && want.is_none_or(|w| *s <= w))
                     .max_by_key(|(_, s, _)| *s);
                 let e = match newest {
-                    Some((kind, step, r)) => BindError::Format(driftless_format::Error::Corrupt {
-                        what: "step",
-                        detail: format!("{kind} {step} is refused for now (it failed verification: {})", r.reason),
-                    }),
+                    Some((kind, step, r)) => BindError::Format(driftless_format::Error::corrupt(
+                        "step",
+                        format!("{kind} {step} is refused for now (it failed verification: {})", r.reason),
+                    )),
                     None => BindError::NothingReady(m),
                 };
                 return (Err(e), touched);
@@ -1413,9 +1410,7 @@ impl ArraySink {
 
     /// The array of every tensor of the header, checked against the manifest's tensors.
     fn map_arrays(&self, tensors: &ShardTensors) -> driftless_agent::Result<Vec<Raw>> {
-        let bad = |d: String| -> driftless_agent::Error {
-            driftless_format::Error::Corrupt { what: "anchor", detail: d }.into()
-        };
+        let bad = |d: String| -> driftless_agent::Error { driftless_format::Error::corrupt("anchor", d).into() };
         if tensors.tensors().len() != self.expect.len() {
             return Err(bad(format!("{} has other tensors than its manifest", self.file)));
         }

@@ -113,10 +113,10 @@ impl StreamReader {
         let b = self.bucket.get_limited(&layout::ready(kind, step), MAX_MARKER_BYTES).await?;
         let m = ReadyMarker::from_slice(&b)?;
         if m.step != step || m.of != kind {
-            return Err(driftless_format::Error::Corrupt {
-                what: "ready marker",
-                detail: format!("marker at step {step} describes {} {}", m.of, m.step),
-            }
+            return Err(driftless_format::Error::corrupt(
+                "ready marker",
+                format!("marker at step {step} describes {} {}", m.of, m.step),
+            )
             .into());
         }
         Ok(m)
@@ -186,10 +186,10 @@ impl StreamReader {
             Err(e) => return Err(e.into()),
         };
         if b.len() as u64 != size || digest_off_thread(&b).await != sha {
-            return Err(driftless_format::Error::Corrupt {
-                what: "object",
-                detail: format!("{key} does not match its manifest (size or SHA-256)"),
-            }
+            return Err(driftless_format::Error::corrupt(
+                "object",
+                format!("{key} does not match its manifest (size or SHA-256)"),
+            )
             .into());
         }
         Ok(b)
@@ -384,10 +384,10 @@ pub fn delta_manifest_of(
     let m = DeltaManifest::from_slice(payload)?;
     same_stream(marker, &m.stream_id)?;
     if m.step != step || Some(m.base_step) != marker.base_step {
-        return Err(driftless_format::Error::Corrupt {
-            what: "delta manifest",
-            detail: format!("manifest of step {} (base {}) found at step {step}", m.step, m.base_step),
-        });
+        return Err(driftless_format::Error::corrupt(
+            "delta manifest",
+            format!("manifest of step {} (base {}) found at step {step}", m.step, m.base_step),
+        ));
     }
     same_payload(marker, m.payload_bytes())?;
     Ok(m)
@@ -411,10 +411,10 @@ pub fn anchor_manifest_of(
     let m = AnchorManifest::from_slice(payload)?;
     same_stream(marker, &m.stream_id)?;
     if m.step != step {
-        return Err(driftless_format::Error::Corrupt {
-            what: "anchor manifest",
-            detail: format!("manifest of step {} found at step {step}", m.step),
-        });
+        return Err(driftless_format::Error::corrupt(
+            "anchor manifest",
+            format!("manifest of step {} found at step {step}", m.step),
+        ));
     }
     same_payload(marker, m.payload_bytes())?;
     Ok(m)
@@ -428,15 +428,15 @@ fn same_stream(marker: &ReadyMarker, signed: &str) -> Result<(), driftless_forma
     if marker.stream_id == signed {
         return Ok(());
     }
-    Err(driftless_format::Error::Corrupt {
-        what: "ready marker",
-        detail: format!(
+    Err(driftless_format::Error::corrupt(
+        "ready marker",
+        format!(
             "{:?} {} names stream {:?}; its signed manifest is of another stream, {signed:?}",
             marker.of,
             marker.step,
             marker.stream_id.chars().take(64).collect::<String>()
         ),
-    })
+    ))
 }
 
 /// A ready marker's payload bytes (unsigned: planners compare routes by them) must be its
@@ -446,11 +446,11 @@ fn same_payload(marker: &ReadyMarker, signed: u64) -> Result<(), driftless_forma
     if marker.payload_bytes == signed {
         return Ok(());
     }
-    Err(driftless_format::Error::Corrupt {
-        what: "ready marker",
-        detail: format!(
+    Err(driftless_format::Error::corrupt(
+        "ready marker",
+        format!(
             "{:?} {} declares {} payload bytes, its signed manifest {signed}",
             marker.of, marker.step, marker.payload_bytes
         ),
-    })
+    ))
 }
