@@ -4,6 +4,7 @@
 mod bucket;
 mod error;
 mod faulty;
+pub mod http_bounds;
 pub mod layout;
 pub mod lockfile;
 mod open;

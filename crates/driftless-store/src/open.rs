@@ -12,6 +12,7 @@ use object_store::{ClientOptions, ObjectStore, StaticCredentialProvider};
 
 use crate::bucket::Bucket;
 use crate::error::{Error, Result};
+use crate::http_bounds::BoundedConnector;
 use crate::options::StoreOptions;
 use crate::redact::{redact_as_typed, redact_url};
 
@@ -151,7 +152,10 @@ fn env_true(key: &str) -> bool {
 }
 
 fn s3_builder(bucket: &str, opts: &StoreOptions) -> AmazonS3Builder {
-    let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket).with_retry(opts.retry_config());
+    let mut b = AmazonS3Builder::from_env()
+        .with_bucket_name(bucket)
+        .with_retry(opts.retry_config())
+        .with_http_connector(BoundedConnector);
     if let Some(endpoint) = &opts.endpoint {
         b = b.with_endpoint(endpoint);
     }
@@ -298,7 +302,10 @@ fn open_azure(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
         return Err(Error::InvalidUrl(format!("{}: missing container", redact_url(&url))));
     }
     check_prefix(prefix, &url)?;
-    let mut b = MicrosoftAzureBuilder::from_env().with_container_name(container).with_retry(opts.retry_config());
+    let mut b = MicrosoftAzureBuilder::from_env()
+        .with_container_name(container)
+        .with_retry(opts.retry_config())
+        .with_http_connector(BoundedConnector);
     if opts.allow_http {
         b = b.with_allow_http(true);
     }
@@ -322,7 +329,10 @@ fn open_gcs(rest: &str, opts: &StoreOptions) -> Result<Bucket> {
         return Err(Error::InvalidUrl(format!("{}: missing bucket", redact_url(&url))));
     }
     check_prefix(prefix, &url)?;
-    let mut b = GoogleCloudStorageBuilder::from_env().with_bucket_name(bucket).with_retry(opts.retry_config());
+    let mut b = GoogleCloudStorageBuilder::from_env()
+        .with_bucket_name(bucket)
+        .with_retry(opts.retry_config())
+        .with_http_connector(BoundedConnector);
     if let Some(endpoint) = &opts.endpoint {
         check_endpoint(endpoint, "--endpoint")?;
         b = b.with_base_url(endpoint.trim_end_matches('/'));

@@ -3,8 +3,12 @@
 //! throttling storm, and a body longer than the object's declared size. Each must end within
 //! its bound, with a bounded number of requests and bounded memory.
 
-use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpListener;
 
 use driftless_store::{Bucket, Error, StoreOptions};
 #[path = "support/hostile_s3.rs"]
@@ -94,8 +98,7 @@ async fn a_request_the_client_refuses_to_build_is_permanent() {
 }
 
 /// An endpoint that answers every request with an error whose body is 16 MiB: the error
-/// reported (kept and logged by agents at every poll) is one bounded line. (The client itself
-/// still reads such a body whole before it fails: `object_store`'s retry layer does.)
+/// reported (kept and logged by agents at every poll) is one bounded line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_with_a_huge_body_is_one_bounded_line() {
     let (url, _) = serve(|_| {
@@ -107,4 +110,86 @@ async fn an_error_with_a_huge_body_is_one_bounded_line() {
     let s = e.to_string();
     assert!(s.len() < 4096, "{} bytes of error", s.len());
     assert!(!s.contains('\n'), "more than one line");
+}
+
+/// Serves every request with `answer(request line)` -> (status, body length), the body streamed
+/// in 64 KiB writes; returns the number of body bytes the sockets accepted. A client that stops
+/// reading and closes the connection ends the writes (after the socket buffers fill).
+async fn serve_streaming(answer: fn(&str) -> (u16, usize)) -> (String, Arc<AtomicUsize>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let sent = Arc::new(AtomicUsize::new(0));
+    let count = sent.clone();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = l.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let mut r = BufReader::new(sock);
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    loop {
+                        let mut h = String::new();
+                        if r.read_line(&mut h).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if h == "\r\n" {
+                            break;
+                        }
+                    }
+                    let (status, len) = answer(&line);
+                    let head = format!(
+                        "HTTP/1.1 {status} X\r\nContent-Type: application/xml\r\nContent-Length: {len}\r\n\r\n"
+                    );
+                    if r.get_mut().write_all(head.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    let piece = vec![b'm'; 64 << 10];
+                    let mut left = len;
+                    while left > 0 {
+                        let n = left.min(piece.len());
+                        if r.get_mut().write_all(&piece[..n]).await.is_err() {
+                            return;
+                        }
+                        count.fetch_add(n, SeqCst);
+                        left -= n;
+                    }
+                }
+            });
+        }
+    });
+    (url, sent)
+}
+
+/// The client collects an error response's body before it fails (for the message, at every
+/// retry): a 256 MiB error body is read only up to its bound (`http_bounds::MAX_ERROR_BODY`)
+/// and the connection dropped, so a request holds kilobytes, not the body. Fails without the
+/// bound: every byte is sent and held, twice (the retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_error_body_is_not_read() {
+    let (url, sent) = serve_streaming(|_| (500, 256 << 20)).await;
+    let b = open(&url, StoreOptions::default().with_max_retries(1).with_retry_timeout(Duration::from_secs(30)));
+    let e = b.get_limited("stream.json", 1 << 16).await.unwrap_err();
+    assert!(e.is_retryable(), "{e}");
+    assert!(e.to_string().len() < 4096, "{e}");
+    let sent = sent.load(SeqCst);
+    assert!(sent < 64 << 20, "{sent} bytes of error body sent for two requests");
+}
+
+/// A listing page is collected whole by the client too: one of 256 MiB fails at 16 MiB
+/// (`http_bounds::MAX_SMALL_BODY`) instead of being held. Fails without the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_listing_page_is_refused() {
+    let (url, sent) = serve_streaming(|line| match line.contains("list-type=2") {
+        true => (200, 256 << 20),
+        false => (404, 16),
+    })
+    .await;
+    let b = open(&url, StoreOptions::default().with_max_retries(1).with_retry_timeout(Duration::from_secs(30)));
+    let e = b.list("ready/deltas/").await.unwrap_err();
+    assert!(e.to_string().len() < 4096, "{e}");
+    let sent = sent.load(SeqCst);
+    assert!(sent < 96 << 20, "{sent} bytes of listing sent");
 }
