@@ -1094,7 +1094,7 @@ impl Agent {
             ));
         }
         // Shards stream (ranged GETs, byte-plane chunks decoded, written once with `pwrite`
-        // into a file allocated on its header's write: no page-cache zeroing), side by side
+        // into a file created on its header's write, `checkpoint::create_sized`), side by side
         // where the parts in flight allow, which bound the memory. They are hashed as they are
         // written (when the anchor is verified on its own): the model is not read back. Bytes
         // decoded before an object is checked (an object without signed parts) only ever

@@ -54,7 +54,8 @@ pub trait ShardSink: Send + Sync + 'static {
 }
 
 /// A decoded shard file (a file of the agent's work slot; the Python `Follower`'s spool of a
-/// proven anchor), created and allocated at the shard's decoded size on the header's write
+/// proven anchor), created at the shard's decoded size on the header's write
+/// ([`driftless_format::checkpoint::create_sized`]: blocks reserved, except on a tmpfs)
 /// (so that a missing object is reported as such, before any disk space is taken). With
 /// `writeback`, each write's writeback is started at once (`sync_file_range`, asynchronous),
 /// so that the disk writes while the stream goes on and the fsync before the state is written
@@ -90,7 +91,7 @@ impl ShardSink for FileSink {
             Some(f) => f,
             None => {
                 // The header's write: it comes alone, before any chunk's.
-                let f = driftless_format::checkpoint::allocate_file(&self.path, self.size)?;
+                let f = driftless_format::checkpoint::create_sized(&self.path, self.size)?;
                 self.file.get_or_init(|| f)
             }
         };

@@ -274,3 +274,89 @@ fn a_tensor_no_delta_touches_is_kept_by_every_target() {
         assert_same_tensors(&views(&got), &next, &format!("block {block}"));
     }
 }
+
+/// Whether `p` is on a tmpfs.
+fn on_tmpfs(p: &std::path::Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid path; `st` is written by the call before it is read.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    (unsafe { libc::statfs(c.as_ptr(), &mut st) }) == 0 && st.f_type == libc::TMPFS_MAGIC
+}
+
+/// (bytes allocated, length) of every file of `dir`, by name.
+fn allocation(dir: &std::path::Path) -> Vec<(String, u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .map(|e| {
+            let m = e.metadata().unwrap();
+            (e.file_name().to_string_lossy().into_owned(), m.blocks() * 512, m.len())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// A frame on a tmpfs is sparse until the pass fills it (`checkpoint::create_sized`: there
+/// `posix_fallocate` allocates every page up front, on one thread, while the writers wait),
+/// and the copying pass leaves the same bytes as in a frame whose blocks were reserved; a
+/// tmpfs without room for the frame refuses it up front, as a reservation would.
+#[test]
+fn a_frame_on_a_tmpfs_is_filled_by_the_pass_and_refused_without_room() {
+    let shm = std::path::Path::new("/dev/shm");
+    assert!(on_tmpfs(shm), "/dev/shm is not a tmpfs here: this test needs one");
+    let base: Vec<T> = {
+        let mut r = rng(41);
+        vec![T::random("a.big", DType::BF16, &[1 << 20], &mut r), T::random("b.small", DType::BF16, &[4096], &mut r)]
+    };
+    let mut target = base.clone();
+    for t in target.iter_mut() {
+        for b in t.data.iter_mut().step_by(151) {
+            *b ^= 1;
+        }
+    }
+    let enc = driftless_format::delta::encode_delta(&views(&base), &views(&target), &DeltaOptions::default()).unwrap();
+    let chain = [decode(&enc)];
+    let refs: Vec<&[DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
+    let src_dir = tempfile::tempdir().unwrap();
+    write(src_dir.path(), &base, 1 << 20);
+    let src = CheckpointFiles::open_read_only(src_dir.path()).unwrap();
+    let on_shm = tempfile::tempdir_in(shm).unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let mut results = vec![];
+    for (root, tmpfs) in [(on_shm.path(), true), (elsewhere.path(), on_tmpfs(elsewhere.path()))] {
+        let slot = root.join("slot");
+        let dst = src.frame_copy(&slot).unwrap();
+        for (name, allocated, len) in allocation(&slot) {
+            if !name.ends_with(".safetensors") {
+                continue;
+            }
+            match tmpfs {
+                // Only the header's pages were written.
+                true => assert!(allocated < len / 2, "{name}: {allocated} of {len} bytes allocated before the pass"),
+                false => assert!(allocated >= len, "{name}: {allocated} of {len} bytes reserved"),
+            }
+        }
+        let d = fused::apply_and_hash(Target::Copy { from: &src, to: &dst }, &src.metas(), &refs, true).unwrap();
+        dst.sync().unwrap();
+        for (name, allocated, len) in allocation(&slot) {
+            assert!(allocated >= len, "{name}: {allocated} of {len} bytes after the pass");
+        }
+        let got = Checkpoint::open(&slot).unwrap();
+        assert_same_tensors(&got.views(), &target, "the frame after the pass");
+        results.push(d);
+    }
+    assert_eq!(results[0], results[1], "digests on a tmpfs and elsewhere");
+    // No room: refused before anything is written, the file gone.
+    // SAFETY: a valid path; `st` is written by the call before it is read.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statfs(c"/dev/shm".as_ptr(), &mut st) }, 0);
+    let free = st.f_bavail * st.f_bsize as u64;
+    let p = on_shm.path().join("too-big.safetensors");
+    let e = driftless_format::checkpoint::create_sized(&p, free + (1 << 30)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Io, "{e}");
+    assert!(e.to_string().contains("No space left"), "{e}");
+    assert!(!p.exists(), "a refused file was left behind");
+}
