@@ -1116,6 +1116,10 @@ impl Agent {
             let sink = hashed(file, o.decoded_size, verify, &mut hashing);
             jobs.push(ShardJob { object: o, tensors: &shard.tensors, sink });
         }
+        // Each shard file is checked for room on its own as it is created (sparse on a tmpfs):
+        // the whole anchor first.
+        let total = m.objects.iter().map(|o| o.decoded_size).fold(0u64, u64::saturating_add);
+        driftless_format::checkpoint::check_room(wdir, total).map_err(Error::from)?;
         let streamed = stream_anchor(self.reader.bucket(), step, m.encoding, jobs, self.cfg.anchor_parts)
             .instrument(info_span!("stream_anchor", step, shards = m.objects.len()))
             .await

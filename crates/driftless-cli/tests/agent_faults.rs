@@ -361,6 +361,22 @@ fn disk_full_is_an_error_not_a_signal() {
     assert_eq!(st["step"].as_u64(), Some(before), "state and current agree after disk full");
 }
 
+/// A tmpfs without a size limit (`size=0`) reports no blocks at all: the up-front room check of
+/// a sparse slot file must not read that as full (found by review). A cold start and a step
+/// through both slots go through.
+#[test]
+fn a_tmpfs_without_a_size_limit_is_not_full() {
+    let mut e = Env::new();
+    e.publish();
+    let _t = Tmpfs::mount(e.p("unlimited"), 0);
+    let o = run_bounded(e.agent("unlimited/a"), 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    e.publish();
+    let o = run_bounded(e.agent("unlimited/a"), 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(e.current_step("unlimited/a"), 1);
+}
+
 // Issue 9.3/9.4: the durability order of a switch, read from the agent's own system calls:
 // the new slot's files are flushed, then state.json is renamed into place, then the directory
 // is synced, then `current` is re-pointed (rename of the temp symlink), then synced again; the

@@ -565,6 +565,11 @@ pub fn allocate_file(path: &Path, len: u64) -> Result<File> {
     if len == 0 {
         return Ok(f);
     }
+    reserve(f, path, len)
+}
+
+/// `posix_fallocate` of `len` bytes of `f` (a sized sparse file where it is not supported).
+fn reserve(f: File, path: &Path, len: u64) -> Result<File> {
     let n = i64::try_from(len).map_err(|_| Error::invalid(format!("{}: size {len} too large", path.display())))?;
     // SAFETY: plain syscall on a descriptor owned by `f`.
     let rc = unsafe { libc::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, n) };
@@ -582,20 +587,16 @@ pub fn allocate_file(path: &Path, len: u64) -> Result<File> {
 /// (never through a writable map): the anchor stream's shard files and the frames of
 /// [`CheckpointFiles::frame_copy`] and [`CheckpointFiles::frame_layout`].
 ///
-/// Blocks are reserved up front with [`allocate_file`] (running out of space is an error here,
+/// Blocks are reserved up front with `posix_fallocate` (running out of space is an error here,
 /// and the file is not fragmented), except on a tmpfs: there `posix_fallocate` allocates and
 /// charges every page of the file on one thread while the writers wait (0.38 CPU-seconds for
 /// a 1 GiB cold start on this project's VM, 11% of its samples, before the first chunk was
 /// written), so the file is made sparse and its pages are allocated by the `pwrite`s that
 /// fill them, on the writers' threads. Running out of space is still an error up front when
-/// the file system's free space is short of `len` (a `pwrite` that fails later is an error
-/// too: no map is written).
+/// the tmpfs's free space is short of `len` (a `pwrite` that fails later is an error too: no
+/// map is written). Callers creating several files check their sum first ([`check_room`]),
+/// as the reservations of the earlier files did.
 pub fn create_sized(path: &Path, len: u64) -> Result<File> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let Some(free) = tmpfs_free_bytes(dir) else { return allocate_file(path, len) };
     let f = OpenOptions::new()
         .read(true)
         .write(true)
@@ -603,25 +604,51 @@ pub fn create_sized(path: &Path, len: u64) -> Result<File> {
         .truncate(true)
         .open(path)
         .map_err(|e| Error::io(path, e))?;
-    // Measured after the truncation, so that a file being replaced counts as free space.
-    let free = tmpfs_free_bytes(dir).unwrap_or(free);
-    if len > free {
-        drop(f);
-        let _ = fs::remove_file(path);
-        return Err(Error::io(path, std::io::Error::from_raw_os_error(libc::ENOSPC)));
+    if len == 0 {
+        return Ok(f);
     }
-    f.set_len(len).map_err(|e| Error::io(path, e))?;
-    Ok(f)
+    // Measured after the truncation, so that a file being replaced counts as free space.
+    match tmpfs_free_bytes(&f) {
+        None => reserve(f, path, len),
+        Some(free) if len > free => {
+            drop(f);
+            let _ = fs::remove_file(path);
+            Err(no_room(path))
+        }
+        Some(_) => {
+            f.set_len(len).map_err(|e| Error::io(path, e))?;
+            Ok(f)
+        }
+    }
 }
 
-/// The bytes free to an unprivileged writer on `dir`'s file system when it is a tmpfs.
-fn tmpfs_free_bytes(dir: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    // SAFETY: `c` is a valid NUL-terminated path; `st` is written by the call before it is read.
+/// Refuses (ENOSPC) to fill `total` more bytes under `dir` when it is on a tmpfs without
+/// that much free space: the files of a frame or an anchor are each created sparse there
+/// ([`create_sized`]), so without this check a model twice the free space would pass each
+/// file's own check and fill the tmpfs before a write failed. Elsewhere each file's
+/// reservation refuses it.
+pub fn check_room(dir: &Path, total: u64) -> Result<()> {
+    let Ok(d) = File::open(dir) else { return Ok(()) };
+    match tmpfs_free_bytes(&d) {
+        Some(free) if total > free => Err(no_room(dir)),
+        _ => Ok(()),
+    }
+}
+
+fn no_room(path: &Path) -> Error {
+    Error::io(path, std::io::Error::from_raw_os_error(libc::ENOSPC))
+}
+
+/// The bytes free to an unprivileged writer on `f`'s file system when it is a tmpfs (with no
+/// size limit, `size=0`, it reports no blocks at all: then no bound).
+fn tmpfs_free_bytes(f: &File) -> Option<u64> {
+    // SAFETY: `f` is an open descriptor; `st` is written by the call before it is read.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 || st.f_type != libc::TMPFS_MAGIC {
+    if unsafe { libc::fstatfs(std::os::fd::AsRawFd::as_raw_fd(f), &mut st) } != 0 || st.f_type != libc::TMPFS_MAGIC {
         return None;
+    }
+    if st.f_blocks == 0 {
+        return Some(u64::MAX);
     }
     Some((st.f_bavail as u64).saturating_mul(st.f_bsize as u64))
 }
@@ -749,6 +776,7 @@ impl CheckpointFiles {
     pub fn frame_copy(&self, to: &Path) -> Result<CheckpointFiles> {
         use std::os::unix::fs::FileExt;
         fs::create_dir_all(to).map_err(|e| Error::io(to, e))?;
+        check_room(to, self.files.iter().map(|(_, _, len)| *len).fold(0u64, u64::saturating_add))?;
         let mut shard_names = std::collections::HashSet::new();
         for (i, (p, f, len)) in self.files.iter().enumerate() {
             let name = p.file_name().ok_or_else(|| Error::invalid(format!("{}: no file name", p.display())))?;
@@ -793,16 +821,22 @@ impl CheckpointFiles {
         use std::os::unix::fs::FileExt;
         layout.validate()?;
         fs::create_dir_all(to).map_err(|e| Error::io(to, e))?;
+        // (header, file length) of each shard.
+        let mut shards = Vec::with_capacity(layout.shards.len());
+        for s in &layout.shards {
+            let (header, ranges) = Layout::shard_header(s)?;
+            let len = header.len() as u64 + ranges.last().map(|r| r.end).unwrap_or(0);
+            shards.push((header, len));
+        }
+        check_room(to, shards.iter().map(|(_, len)| *len).fold(0u64, u64::saturating_add))?;
         let mut skip: std::collections::HashSet<std::ffi::OsString> =
             self.files.iter().filter_map(|(p, _, _)| p.file_name().map(|n| n.to_os_string())).collect();
         skip.insert(INDEX_FILE.into());
-        for s in &layout.shards {
+        for (s, (header, len)) in layout.shards.iter().zip(&shards) {
             skip.insert(s.file.clone().into());
-            let (header, ranges) = Layout::shard_header(s)?;
-            let total = header.len() as u64 + ranges.last().map(|r| r.end).unwrap_or(0);
             let p = to.join(&s.file);
-            let f = create_sized(&p, total)?;
-            f.write_all_at(&header, 0).map_err(|e| Error::io(&p, e))?;
+            let f = create_sized(&p, *len)?;
+            f.write_all_at(header, 0).map_err(|e| Error::io(&p, e))?;
         }
         write_index(to, layout)?;
         if self.dir.is_dir() {

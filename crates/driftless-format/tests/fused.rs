@@ -309,7 +309,8 @@ fn a_frame_on_a_tmpfs_is_filled_by_the_pass_and_refused_without_room() {
     assert!(on_tmpfs(shm), "/dev/shm is not a tmpfs here: this test needs one");
     let base: Vec<T> = {
         let mut r = rng(41);
-        vec![T::random("a.big", DType::BF16, &[1 << 20], &mut r), T::random("b.small", DType::BF16, &[4096], &mut r)]
+        // 16 MiB: even a huge page (2 MiB) for the header's write is under half of it.
+        vec![T::random("a.big", DType::BF16, &[8 << 20], &mut r), T::random("b.small", DType::BF16, &[4096], &mut r)]
     };
     let mut target = base.clone();
     for t in target.iter_mut() {
@@ -321,7 +322,7 @@ fn a_frame_on_a_tmpfs_is_filled_by_the_pass_and_refused_without_room() {
     let chain = [decode(&enc)];
     let refs: Vec<&[DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
     let src_dir = tempfile::tempdir().unwrap();
-    write(src_dir.path(), &base, 1 << 20);
+    write(src_dir.path(), &base, 16 << 20);
     let src = CheckpointFiles::open_read_only(src_dir.path()).unwrap();
     let on_shm = tempfile::tempdir_in(shm).unwrap();
     let elsewhere = tempfile::tempdir().unwrap();
@@ -359,4 +360,28 @@ fn a_frame_on_a_tmpfs_is_filled_by_the_pass_and_refused_without_room() {
     assert_eq!(e.kind(), ErrorKind::Io, "{e}");
     assert!(e.to_string().contains("No space left"), "{e}");
     assert!(!p.exists(), "a refused file was left behind");
+    // Room for each shard of a frame but not for both: refused up front, before any file is
+    // made (each file alone would pass its own check, sparse, and the pass would fill the
+    // tmpfs before a write failed). The source is two sparse files on another file system.
+    let big = tempfile::tempdir().unwrap();
+    let each = (free / 2 + (64 << 20)) & !1;
+    for name in ["a.safetensors", "b.safetensors"] {
+        let t = format!("t.{name}");
+        let mut head =
+            format!(r#"{{"{t}":{{"dtype":"BF16","shape":[{}],"data_offsets":[0,{each}]}}}}"#, each / 2).into_bytes();
+        while head.len() % 8 != 0 {
+            head.push(b' ');
+        }
+        let mut bytes = (head.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&head);
+        let f = big.path().join(name);
+        std::fs::write(&f, &bytes).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(bytes.len() as u64 + each).unwrap();
+    }
+    let src = CheckpointFiles::open_read_only(big.path()).unwrap();
+    let slot = on_shm.path().join("big-slot");
+    let e = src.frame_copy(&slot).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("No space left"), "{e}");
+    let made: Vec<_> = std::fs::read_dir(&slot).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(made.is_empty(), "files made before the refusal: {made:?}");
 }

@@ -1198,10 +1198,14 @@ fn with_refusals<T>(
                     .filter(|(_, s, _)| local.is_none_or(|l| *s > l) && want.is_none_or(|w| *s <= w))
                     .max_by_key(|(_, s, _)| *s);
                 let e = match newest {
-                    Some((kind, step, r)) => BindError::Format(driftless_format::Error::corrupt(
-                        "step",
-                        format!("{kind} {step} is refused for now (it failed verification: {})", r.reason),
-                    )),
+                    Some((kind, step, r)) => BindError::Format(driftless_format::Error::Corrupt {
+                        what: "step",
+                        // The reason is bounded already (`one_line_within`, 4 KiB): not cut again.
+                        detail: driftless_format::one_line_within(
+                            &format!("{kind} {step} is refused for now (it failed verification: {})", r.reason),
+                            5 * driftless_format::MAX_DETAIL,
+                        ),
+                    }),
                     None => BindError::NothingReady(m),
                 };
                 return (Err(e), touched);
@@ -1261,6 +1265,11 @@ async fn stream_anchor_from(
         let arrays = ArraySink::new(o.decoded_size, shard, by, spool);
         let sink = hashed(arrays, o.decoded_size, hash, &mut hashing);
         jobs.push(ShardJob { object: o, tensors: &shard.tensors, sink });
+    }
+    if let Some(d) = spool {
+        // Each spooled file is checked for room on its own (sparse on a tmpfs): all of them first.
+        let total = m.objects.iter().map(|o| o.decoded_size).fold(0u64, u64::saturating_add);
+        driftless_format::checkpoint::check_room(d, total)?;
     }
     let bytes = stream_anchor(bucket, step, m.encoding, jobs, default_anchor_parts()).await?;
     Ok((bytes, digests_of(hashing)?))

@@ -198,7 +198,17 @@ without them the client asked the EC2 instance metadata service, which is only t
 /// Except a request the HTTP client refused to build (reqwest's "builder error", e.g. a plain
 /// `http://` endpoint without allow-http): it never reaches the network, so retrying cannot
 /// help (found by review: `--endpoint HTTP://...` was retried and then called temporary).
+///
+/// And except an answer too large to hold (`http_bounds::BodyTooLarge`): the endpoint would send
+/// it again (found by review: it was fetched again at every retry and every poll).
 fn is_transient_generic(err: &object_store::Error) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = cur {
+        if e.downcast_ref::<crate::http_bounds::BodyTooLarge>().is_some() {
+            return false;
+        }
+        cur = e.source();
+    }
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = cur {
         if let Some(h) = e.downcast_ref::<object_store::client::HttpError>() {

@@ -14,7 +14,9 @@
 //!   1,000 keys of at most 1 KiB each is about 1.5 MB).
 //!
 //! An object GET's body passes untouched: [`crate::Bucket`] reads it as a stream and stops at
-//! the size it expects.
+//! the size it expects. So do the plain GETs of the clients' credential providers to instance
+//! metadata services (EC2, ECS, GCE, Azure IMDS): configuration the deployment trusts, not the
+//! storage endpoint.
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -66,14 +68,30 @@ impl HttpService for Bounded {
         let limit = if ok { MAX_SMALL_BODY } else { MAX_ERROR_BODY };
         let (bytes, over) = read_up_to(body, limit).await?;
         if over && ok {
-            return Err(HttpError::new(
-                HttpErrorKind::Decode,
-                std::io::Error::other(format!("response body over {limit} bytes (status {})", parts.status)),
-            ));
+            return Err(HttpError::new(HttpErrorKind::Decode, BodyTooLarge { limit, status: parts.status.as_u16() }));
         }
         Ok(HttpResponse::from_parts(parts, HttpResponseBody::from(bytes)))
     }
 }
+
+/// A successful answer whose body is not an object's bytes ran past [`MAX_SMALL_BODY`]: not
+/// retryable (the store's error classification finds it in the chain), since the endpoint
+/// answered and would answer the same again.
+#[derive(Debug)]
+pub struct BodyTooLarge {
+    /// The bound, in bytes.
+    pub limit: usize,
+    /// The response's status.
+    pub status: u16,
+}
+
+impl std::fmt::Display for BodyTooLarge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "response body over {} bytes (status {})", self.limit, self.status)
+    }
+}
+
+impl std::error::Error for BodyTooLarge {}
 
 /// The first `limit` bytes of `body`, and whether it held more (the rest is not read).
 async fn read_up_to(body: HttpResponseBody, limit: usize) -> Result<(Bytes, bool), HttpError> {
