@@ -555,17 +555,16 @@ pub fn start_writeback(file: &File, at: u64, len: u64) {
 /// so that running out of space is an error here, not a SIGBUS when a map of the file is
 /// written later. Filesystems without fallocate support fall back to a sized sparse file.
 pub fn allocate_file(path: &Path, len: u64) -> Result<File> {
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)
-        .map_err(|e| Error::io(path, e))?;
+    let f = create_truncated(path)?;
     if len == 0 {
         return Ok(f);
     }
     reserve(f, path, len)
+}
+
+/// `path` created, or truncated, for reading and writing.
+fn create_truncated(path: &Path) -> Result<File> {
+    OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path).map_err(|e| Error::io(path, e))
 }
 
 /// `posix_fallocate` of `len` bytes of `f` (a sized sparse file where it is not supported).
@@ -597,13 +596,7 @@ fn reserve(f: File, path: &Path, len: u64) -> Result<File> {
 /// map is written). Callers creating several files check their sum first ([`check_room`]),
 /// as the reservations of the earlier files did.
 pub fn create_sized(path: &Path, len: u64) -> Result<File> {
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)
-        .map_err(|e| Error::io(path, e))?;
+    let f = create_truncated(path)?;
     if len == 0 {
         return Ok(f);
     }

@@ -202,12 +202,9 @@ without them the client asked the EC2 instance metadata service, which is only t
 /// And except an answer too large to hold (`http_bounds::BodyTooLarge`): the endpoint would send
 /// it again (found by review: it was fetched again at every retry and every poll).
 fn is_transient_generic(err: &object_store::Error) -> bool {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
-    while let Some(e) = cur {
-        if e.downcast_ref::<crate::http_bounds::BodyTooLarge>().is_some() {
-            return false;
-        }
-        cur = e.source();
+    let chain = std::iter::successors(Some(err as &(dyn std::error::Error + 'static)), |e| e.source());
+    if chain.into_iter().any(|e| e.is::<crate::http_bounds::BodyTooLarge>()) {
+        return false;
     }
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = cur {

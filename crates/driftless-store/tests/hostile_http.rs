@@ -3,17 +3,13 @@
 //! throttling storm, and a body longer than the object's declared size. Each must end within
 //! its bound, with a bounded number of requests and bounded memory.
 
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-use std::sync::Arc;
+use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
-
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::net::TcpListener;
 
 use driftless_store::{Bucket, Error, StoreOptions};
 #[path = "support/hostile_s3.rs"]
 mod hostile_s3;
-use hostile_s3::serve;
+use hostile_s3::{serve, serve_streaming};
 
 fn open(endpoint: &str, opts: StoreOptions) -> Bucket {
     // Credentials are only signed with; the server never checks them. Every test of this
@@ -110,57 +106,6 @@ async fn an_error_with_a_huge_body_is_one_bounded_line() {
     let s = e.to_string();
     assert!(s.len() < 4096, "{} bytes of error", s.len());
     assert!(!s.contains('\n'), "more than one line");
-}
-
-/// Serves every request with `answer(request line)` -> (status, body length), the body streamed
-/// in 64 KiB writes; returns the number of body bytes the sockets accepted. A client that stops
-/// reading and closes the connection ends the writes (after the socket buffers fill).
-async fn serve_streaming(answer: fn(&str) -> (u16, usize)) -> (String, Arc<AtomicUsize>) {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let sent = Arc::new(AtomicUsize::new(0));
-    let count = sent.clone();
-    tokio::spawn(async move {
-        while let Ok((sock, _)) = l.accept().await {
-            let count = count.clone();
-            tokio::spawn(async move {
-                let mut r = BufReader::new(sock);
-                loop {
-                    let mut line = String::new();
-                    if r.read_line(&mut line).await.unwrap_or(0) == 0 {
-                        return;
-                    }
-                    loop {
-                        let mut h = String::new();
-                        if r.read_line(&mut h).await.unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if h == "\r\n" {
-                            break;
-                        }
-                    }
-                    let (status, len) = answer(&line);
-                    let head = format!(
-                        "HTTP/1.1 {status} X\r\nContent-Type: application/xml\r\nContent-Length: {len}\r\n\r\n"
-                    );
-                    if r.get_mut().write_all(head.as_bytes()).await.is_err() {
-                        return;
-                    }
-                    let piece = vec![b'm'; 64 << 10];
-                    let mut left = len;
-                    while left > 0 {
-                        let n = left.min(piece.len());
-                        if r.get_mut().write_all(&piece[..n]).await.is_err() {
-                            return;
-                        }
-                        count.fetch_add(n, SeqCst);
-                        left -= n;
-                    }
-                }
-            });
-        }
-    });
-    (url, sent)
 }
 
 /// The client collects an error response's body before it fails (for the message, at every
