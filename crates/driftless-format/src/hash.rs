@@ -48,7 +48,7 @@ pub const CHUNK: usize = 1 << 20;
 /// Bytes of tensor data per leaf digest (chunks are made of whole leaves).
 pub const LEAF: usize = 8 << 10;
 
-const LEAF_DOMAIN: &[u8] = b"driftless.leaf.v3\0";
+pub(crate) const LEAF_DOMAIN: &[u8] = b"driftless.leaf.v3\0";
 const CHUNK_DOMAIN: &[u8] = b"driftless.chunk.v3\0";
 const TENSOR_DOMAIN: &[u8] = b"driftless.tensor.v3\0";
 const ROOT_DOMAIN: &[u8] = b"driftless.root.v3\0";
@@ -70,10 +70,24 @@ pub fn chunk_of_leaves(leaves: &[Digest]) -> Digest {
 /// Digest of one chunk of tensor data (at most [`CHUNK`] bytes; the last may be shorter).
 pub fn chunk_digest(data: &[u8]) -> Digest {
     let mut h = Sha256::new().chain_update(CHUNK_DOMAIN);
-    for leaf in data.chunks(LEAF) {
-        h.update(leaf_digest(leaf).0);
+    let whole = data.len() / LEAF * LEAF;
+    crate::sha_x2::whole_leaves(&data[..whole], |d| h.update(d.0));
+    if whole < data.len() {
+        h.update(leaf_digest(&data[whole..]).0);
     }
     Digest(h.finalize().into())
+}
+
+/// The digests of the leaves of `data` in order (the last one short if `data` ends inside a
+/// leaf), whole leaves hashed two at a time where the CPU allows ([`crate::sha_x2`]).
+pub fn leaf_digests(data: &[u8]) -> Vec<Digest> {
+    let mut v = Vec::with_capacity(data.len().div_ceil(LEAF));
+    let whole = data.len() / LEAF * LEAF;
+    crate::sha_x2::whole_leaves(&data[..whole], |d| v.push(d));
+    if whole < data.len() {
+        v.push(leaf_digest(&data[whole..]));
+    }
+    v
 }
 
 /// Digest of one tensor, its chunks hashed in parallel.
@@ -130,6 +144,18 @@ impl ChunkHasher {
     pub fn update(&mut self, mut data: &[u8]) {
         self.fed += data.len() as u64;
         while !data.is_empty() {
+            if self.in_leaf == 0 && data.len() >= 2 * LEAF {
+                // Whole leaves of the current chunk, hashed in pairs (`sha_x2`).
+                let n = (data.len() / LEAF).min((CHUNK - self.in_chunk) / LEAF) * LEAF;
+                let chunk = &mut self.chunk;
+                crate::sha_x2::whole_leaves(&data[..n], |d| chunk.update(d.0));
+                self.in_chunk += n;
+                data = &data[n..];
+                if self.in_chunk == CHUNK {
+                    self.end_chunk();
+                }
+                continue;
+            }
             let take = (LEAF - self.in_leaf).min(data.len());
             self.leaf.update(&data[..take]);
             self.in_leaf += take;

@@ -43,6 +43,7 @@ pub mod journal;
 pub mod manifest;
 pub mod ops;
 pub mod reference;
+mod sha_x2;
 pub mod sign;
 pub mod slice;
 mod tensor;

@@ -22,7 +22,7 @@
 //! its bytes travel as partial leaves: column-sharded tensors are hashed at commit from their
 //! bytes, which is a gather of those tensors (documented in `docs/sharded.md`).
 
-use crate::hash::{chunk_digest, chunk_of_leaves, leaf_digest, CHUNK, LEAF};
+use crate::hash::{chunk_digest, chunk_of_leaves, leaf_digest, leaf_digests, CHUNK, LEAF};
 use crate::{numel, DType, Digest, Error, Result};
 
 /// A hyper-rectangular part of a tensor: `offsets[d] .. offsets[d] + lengths[d]` in every
@@ -242,9 +242,9 @@ pub fn part_digest(data_len: u64, start: u64, data: &[u8]) -> Result<PartDigest>
         start,
         len: data.len() as u64,
         head: data[..at(p1)].to_vec(),
-        head_leaves: data[at(p1)..at(p2)].chunks(LEAF).map(leaf_digest).collect(),
+        head_leaves: leaf_digests(&data[at(p1)..at(p2)]),
         chunks: data[at(p2)..at(p3)].par_chunks(CHUNK).map(chunk_digest).collect(),
-        tail_leaves: data[at(p3)..at(p4)].chunks(LEAF).map(leaf_digest).collect(),
+        tail_leaves: leaf_digests(&data[at(p3)..at(p4)]),
         tail: data[at(p4)..].to_vec(),
     })
 }
