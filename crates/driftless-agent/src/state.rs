@@ -395,6 +395,11 @@ fn discard(dir: &Path, path: &Path) {
 #[cfg(target_os = "linux")]
 fn exchange(a: &Path, b: &Path) -> std::io::Result<bool> {
     use std::ffi::CString;
+    #[cfg(test)]
+    if tests::NO_EXCHANGE.get() {
+        // A file system without the exchange (NFS, FUSE): none here to mount in a test.
+        return Ok(false);
+    }
     use std::os::unix::ffi::OsStrExt;
     let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
     let (a, b) = (c(a)?, c(b)?);
@@ -535,6 +540,36 @@ mod tests {
         done.store(true, SeqCst);
         watcher.join().unwrap();
         assert_eq!(missed.load(SeqCst), 0, "current was missing while a link ran");
+    }
+
+    thread_local! {
+        /// `exchange` answers as on a file system that cannot swap names.
+        pub(super) static NO_EXCHANGE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Where names cannot be exchanged, the older layout's `current` directory is moved aside,
+    /// the link put in its place and the directory removed: the switch ends with `current`
+    /// naming the slot and nothing left behind, and the next start finds nothing to repair.
+    #[test]
+    fn without_an_exchange_a_current_directory_is_moved_aside_then_removed() {
+        let t = tempfile::tempdir().unwrap();
+        let d = AgentDir::open(t.path()).unwrap();
+        std::fs::create_dir_all(d.slot(Slot::B)).unwrap();
+        let cur = d.current();
+        std::fs::create_dir(&cur).unwrap();
+        std::fs::write(cur.join("model.safetensors"), b"older layout").unwrap();
+        NO_EXCHANGE.set(true);
+        let r = d.link(Slot::B);
+        NO_EXCHANGE.set(false);
+        r.unwrap();
+        assert_eq!(std::fs::read_link(&cur).unwrap(), Path::new("slots/b"));
+        assert_eq!(d.linked(), Some(Slot::B));
+        for left in ["current.tmp", "current.swap", "current.old", "current.trash"] {
+            assert!(std::fs::symlink_metadata(t.path().join(left)).is_err(), "{left} left behind");
+        }
+        drop(d);
+        drop(AgentDir::open(t.path()).unwrap());
+        assert_eq!(std::fs::read_link(&cur).unwrap(), Path::new("slots/b"));
     }
 
     /// What a crash inside a switch leaves is repaired when the directory is opened: the old

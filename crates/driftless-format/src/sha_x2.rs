@@ -5,9 +5,9 @@
 //! messages whose rounds are interleaved in one instruction stream keep the unit busy while
 //! each waits on its own previous result. Every leaf of the weights root (`hash::LEAF`, 8 KiB
 //! behind the same 18-byte domain) is an independent message of the same length, so whole
-//! leaves are hashed in pairs. `speed_bench`'s siblings `root_bench` (`cargo run --release -p
-//! driftless-format --example root_bench -- leaves`) prints the single-stream and paired rates
-//! side by side; the README's "Weights root" section has the figures.
+//! leaves are hashed in pairs. `root_bench` (`cargo run --release -p driftless-format --example
+//! root_bench`) prints the chunk digests with leaves one by one next to leaves in pairs; the
+//! README's "Weights root" section has the figures.
 //!
 //! The output is SHA-256, bit for bit: the tests compare every pair against the `sha2` crate's
 //! digest of the same message, on random data, and the root's own tests hash through here.
