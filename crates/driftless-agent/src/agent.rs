@@ -1541,7 +1541,7 @@ impl Agent {
         // neither lists nor reads markers). Every 10th poll lists anyway (markers stay the
         // source of truth).
         let polled = p.latest.poll(&self.reader).await;
-        let list = p.polls % 10 == 0;
+        let list = p.polls.is_multiple_of(10);
         // After a failed sync, sync again even when latest.json did not change (its change was
         // taken by the poll whose sync failed). Not modified (or still absent, or still not
         // verifying) and on a step: nothing new.

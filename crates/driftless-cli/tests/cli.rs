@@ -157,7 +157,7 @@ fn agent_survives_sigkill_loop() {
     let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(8 << 20), 1e-6, 4);
     let publish = |chain: &RlChain, step: u64| {
         let d = p(&format!("ckpt{step}"));
-        write(chain, &d, if (step / 2) % 2 == 0 { 4 << 20 } else { 3 << 20 });
+        write(chain, &d, if (step / 2).is_multiple_of(2) { 4 << 20 } else { 3 << 20 });
         let st = bin()
             .args(["publish", "--bucket", &url, "--anchor-every", "1000", "--step", &step.to_string(), "--state"])
             .arg(p("pstate"))

@@ -301,7 +301,7 @@ fn publisher_killed_at_each_write_restarts_without_loss() {
         // kill at write 1, 2, 3, ... until a run completes without reaching the kill point.
         let mut at: usize = 1;
         loop {
-            let after = at % 2 == 0;
+            let after = at.is_multiple_of(2);
             proxy.set(Rules { kill_at: Some((at.div_ceil(2), after)), ..Rules::default() });
             let child = run.publish(&proxy.endpoint(), step, &ckpt);
             proxy.pid.store(child.id() as i32, Ordering::SeqCst);

@@ -591,7 +591,10 @@ impl ChunkPlanes<'_> {
     /// When the range is not inside the chunk or not on element boundaries (a caller's bug:
     /// [`decode_chunk_planes`] checked that the chunk's length is a multiple of its width).
     pub fn interleave(&self, at: usize, dst: &mut [u8]) {
-        assert!(at % self.w == 0 && dst.len() % self.w == 0 && at + dst.len() <= self.len(), "piece off the chunk");
+        assert!(
+            at.is_multiple_of(self.w) && dst.len().is_multiple_of(self.w) && at + dst.len() <= self.len(),
+            "piece off the chunk"
+        );
         from_planes_at(self.planes, self.w, at / self.w, dst)
     }
 }
@@ -629,7 +632,7 @@ fn decode_planes_into(c: &ChunkPlan, stored: &[u8], dst: &mut [u8], side_by_side
     if stored.len() as u64 != c.stored.end - c.stored.start
         || len as u64 != c.out.end - c.out.start
         || w == 0
-        || len % w != 0
+        || !len.is_multiple_of(w)
     {
         return Err(bad("chunk sizes"));
     }

@@ -79,7 +79,7 @@ pub fn chunk_digest(data: &[u8]) -> Digest {
 }
 
 /// The digests of the leaves of `data` in order (the last one short if `data` ends inside a
-/// leaf), whole leaves hashed two at a time where the CPU allows ([`crate::sha_x2`]).
+/// leaf), whole leaves hashed two at a time where the CPU allows (`sha_x2.rs`).
 pub fn leaf_digests(data: &[u8]) -> Vec<Digest> {
     let mut v = Vec::with_capacity(data.len().div_ceil(LEAF));
     let whole = data.len() / LEAF * LEAF;

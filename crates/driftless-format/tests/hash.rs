@@ -118,6 +118,44 @@ fn chunked_tensors_match_the_spec_and_the_streaming_hasher() {
     }
 }
 
+/// The streaming hasher fed pieces of random sizes (some of whole leaves, some not, some
+/// crossing chunks, starting anywhere in a leaf or a chunk) gives the spec's tensor digest:
+/// the run of whole leaves it hashes in pairs must stop at the end of the current chunk.
+#[test]
+fn the_streaming_hasher_takes_pieces_of_any_size_anywhere() {
+    use rand::Rng as _;
+    let (c, l) = (hash::CHUNK, hash::LEAF);
+    let mut r = rng(12);
+    let t = T::random("t", DType::U8, &[3 * c as u64 + 5 * l as u64 + 77], &mut r);
+    let want = driftless_format::weights_root(&views(std::slice::from_ref(&t))).0[0];
+    assert_eq!(
+        driftless_format::weights_root(&views(std::slice::from_ref(&t))).1 .0,
+        spec_root(std::slice::from_ref(&t))
+    );
+    let sizes = [1, 77, l - 1, l, l + 1, 2 * l, 2 * l + 3, 5 * l, c - l, c - 1, c, c + l + 1, 3 * c];
+    for round in 0..40 {
+        let mut h = hash::TensorHasher::new(&t.name, t.dtype, &t.shape, t.data.len() as u64);
+        let mut rest = &t.data[..];
+        while !rest.is_empty() {
+            let n = match round {
+                // A leaf and a byte, then a run longer than what is left of the chunk.
+                0 => {
+                    if rest.len() == t.data.len() {
+                        l + 1
+                    } else {
+                        3 * c
+                    }
+                }
+                _ => sizes[r.gen_range(0..sizes.len())],
+            }
+            .min(rest.len());
+            h.update(&rest[..n]);
+            rest = &rest[n..];
+        }
+        assert_eq!(h.finalize(), want, "round {round}");
+    }
+}
+
 #[test]
 fn independent_of_layout_and_order() {
     let ts = mixed(1);

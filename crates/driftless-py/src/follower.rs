@@ -709,7 +709,7 @@ impl PyFollower {
         // latest.json changes (a publisher writes it after every step), not at every poll.
         let at = ps.latest.version();
         let stale = !valid && (at.is_none() || at != ps.listed_at);
-        if stale || ps.calls % 10 == 0 {
+        if stale || ps.calls.is_multiple_of(10) {
             // Without a valid hint of this stream, which stream the markers must belong to is
             // read again (the prefix may have been emptied for a new run whose hint is gone).
             if !valid && !described {
@@ -776,7 +776,7 @@ impl PyFollower {
         let sid = pl.stream.clone()?;
         let calls = &mut pl.calls[who as usize];
         *calls += 1;
-        if *calls % 10 == 0 {
+        if (*calls).is_multiple_of(10) {
             return None;
         }
         let h = pl.latest.poll(&self.reader).await.ok()?.hint.filter(|h| h.stream_id == sid).cloned();

@@ -286,7 +286,7 @@ fn publish_from(
     *published += 1;
     // By step number too: each `--step` run is a new process whose count starts at 1, so a
     // count alone never reached N > 1 there (found by review).
-    if a.gc_every > 0 && (step % a.gc_every == 0 || *published % a.gc_every == 0) {
+    if a.gc_every > 0 && (step.is_multiple_of(a.gc_every) || (*published).is_multiple_of(a.gc_every)) {
         // The step is published: a failed collection is a warning, not a failed step (as an
         // error it aborted `--step` after the commit and reopened `--watch` under a new
         // generation; found by review). The next collection finishes the job.
