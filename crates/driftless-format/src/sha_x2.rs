@@ -27,6 +27,8 @@ pub(crate) fn whole_leaves(data: &[u8], out: impl FnMut(Digest)) {
 fn whole_leaves_with(data: &[u8], paired: bool, mut out: impl FnMut(Digest)) {
     assert_eq!(data.len() % LEAF, 0, "whole leaves only");
     let mut pairs = data.chunks_exact(2 * LEAF);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = paired;
     #[cfg(target_arch = "x86_64")]
     if paired && ni::available() {
         for p in pairs.by_ref() {
