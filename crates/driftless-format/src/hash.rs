@@ -70,11 +70,7 @@ pub fn chunk_of_leaves(leaves: &[Digest]) -> Digest {
 /// Digest of one chunk of tensor data (at most [`CHUNK`] bytes; the last may be shorter).
 pub fn chunk_digest(data: &[u8]) -> Digest {
     let mut h = Sha256::new().chain_update(CHUNK_DOMAIN);
-    let whole = data.len() / LEAF * LEAF;
-    crate::sha_x2::whole_leaves(&data[..whole], |d| h.update(d.0));
-    if whole < data.len() {
-        h.update(leaf_digest(&data[whole..]).0);
-    }
+    crate::sha_x2::leaves(data, |d| h.update(d.0));
     Digest(h.finalize().into())
 }
 
@@ -82,11 +78,7 @@ pub fn chunk_digest(data: &[u8]) -> Digest {
 /// leaf), whole leaves hashed two at a time where the CPU allows (`sha_x2.rs`).
 pub fn leaf_digests(data: &[u8]) -> Vec<Digest> {
     let mut v = Vec::with_capacity(data.len().div_ceil(LEAF));
-    let whole = data.len() / LEAF * LEAF;
-    crate::sha_x2::whole_leaves(&data[..whole], |d| v.push(d));
-    if whole < data.len() {
-        v.push(leaf_digest(&data[whole..]));
-    }
+    crate::sha_x2::leaves(data, |d| v.push(d));
     v
 }
 
@@ -148,7 +140,7 @@ impl ChunkHasher {
                 // Whole leaves of the current chunk, hashed in pairs (`sha_x2`).
                 let n = (data.len() / LEAF).min((CHUNK - self.in_chunk) / LEAF) * LEAF;
                 let chunk = &mut self.chunk;
-                crate::sha_x2::whole_leaves(&data[..n], |d| chunk.update(d.0));
+                crate::sha_x2::leaves(&data[..n], |d| chunk.update(d.0));
                 self.in_chunk += n;
                 data = &data[n..];
                 if self.in_chunk == CHUNK {

@@ -17,15 +17,14 @@
 use crate::hash::{leaf_digest, LEAF};
 use crate::Digest;
 
-/// Calls `out` with the digest of each whole leaf of `data` in order (`data.len()` must be a
-/// multiple of [`LEAF`]; a caller bug otherwise).
-pub(crate) fn whole_leaves(data: &[u8], out: impl FnMut(Digest)) {
-    whole_leaves_with(data, true, out)
+/// Calls `out` with the digest of each leaf of `data` in order (the last one short if `data`
+/// ends inside a leaf): whole leaves in pairs where the CPU allows, the rest one at a time.
+pub(crate) fn leaves(data: &[u8], out: impl FnMut(Digest)) {
+    leaves_with(data, true, out)
 }
 
-/// [`whole_leaves`], in pairs only when `paired` (the tests take both routes on one machine).
-fn whole_leaves_with(data: &[u8], paired: bool, mut out: impl FnMut(Digest)) {
-    assert_eq!(data.len() % LEAF, 0, "whole leaves only");
+/// [`leaves`], in pairs only when `paired` (the tests take both routes on one machine).
+fn leaves_with(data: &[u8], paired: bool, mut out: impl FnMut(Digest)) {
     let mut pairs = data.chunks_exact(2 * LEAF);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = paired;
@@ -44,9 +43,8 @@ fn whole_leaves_with(data: &[u8], paired: bool, mut out: impl FnMut(Digest)) {
         out(leaf_digest(a));
         out(leaf_digest(b));
     }
-    if !pairs.remainder().is_empty() {
-        out(leaf_digest(pairs.remainder()));
-    }
+    // Under two leaves: a whole one and a short one, or one of either.
+    pairs.remainder().chunks(LEAF).for_each(|l| out(leaf_digest(l)));
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -267,7 +265,7 @@ mod tests {
             let want: Vec<Digest> = data.chunks(LEAF).map(leaf_digest).collect();
             for paired in [true, false] {
                 let mut got = vec![];
-                whole_leaves_with(data, paired, |d| got.push(d));
+                leaves_with(data, paired, |d| got.push(d));
                 assert_eq!(got, want, "{} leaves, paired {paired}", data.len() / LEAF);
             }
         }
