@@ -35,6 +35,12 @@
 //! cuts the model into shards of at most that many bytes (shards stream side by side);
 //! `BENCH_KEEP=1` keeps the bucket for profiling.
 //!
+//! `live DIR BIN` (after `gen`) runs one continuous `driftless agent`, as a deployment does,
+//! and reveals the steps one at a time: each step's sync (the agent's own `synced step ...
+//! secs`, from the start of the sync to the switch, poll wait excluded) next to a `driftless
+//! hash` of its `current` directory run while the agent idles. Unlike `run`'s one process per
+//! step, the agent keeps what it holds in memory between steps.
+//!
 //! `gen` publishes the whole chain, then moves the delta ready markers aside (`held/`); `run`
 //! reveals them one at a time, so every step is measured as a follower sees it live.
 
@@ -59,8 +65,9 @@ fn main() {
         Some("proc") => processing(Path::new(&args[2])),
         Some("rewrite") => rewrite(Path::new(&args[2]), Path::new(&args[3])),
         Some("coldmem") => cold_memory(Path::new(&args[2]), Path::new(&args[3])),
+        Some("live") => live(Path::new(&args[2]), Path::new(&args[3])),
         _ => eprintln!(
-            "usage: speed_bench gen DIR | run DIR DRIFTLESS_BIN | proc DIR | rewrite DIR DRIFTLESS_BIN | coldmem DIR DRIFTLESS_BIN"
+            "usage: speed_bench gen DIR | run DIR DRIFTLESS_BIN | live DIR DRIFTLESS_BIN | proc DIR | rewrite DIR DRIFTLESS_BIN | coldmem DIR DRIFTLESS_BIN"
         ),
     }
 }
@@ -551,6 +558,111 @@ fn run(dir: &Path, bin: &Path) {
         assert_eq!(want, got, "agent result differs from the trainer's weights");
         println!("|   bit-exact against the trainer's step {n}: yes | | | | |");
     }
+}
+
+/// See the module docs: one continuous agent, the steps revealed one at a time.
+fn live(dir: &Path, bin: &Path) {
+    use std::io::BufRead;
+    let n = (1..)
+        .take_while(|s| {
+            dir.join("held").join(s.to_string()).exists()
+                || dir.join("bucket").join(layout::ready(StepKind::Delta, *s)).exists()
+        })
+        .last()
+        .expect("gen first");
+    hide(dir, n);
+    let ad = agent_root(dir).join("L");
+    let _ = std::fs::remove_dir_all(&ad);
+    let cx =
+        Ctx { dir: dir.to_path_buf(), bin: bin.to_path_buf(), url: format!("file://{}", dir.join("bucket").display()) };
+    cx.read_anchor();
+    let mut child = Command::new(bin)
+        .env("DRIFTLESS_LOG", std::env::var("BENCH_AGENT_LOG").unwrap_or_else(|_| "info".into()))
+        .args(["agent", "--poll-min", "50ms", "--poll-max", "50ms", "--bucket", &cx.url, "--trust"])
+        .arg(dir.join("key.pub"))
+        .arg("--dir")
+        .arg(&ad)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // (step, route, secs) of each "synced step" line of the agent's log.
+    let (tx, rx) = std::sync::mpsc::channel::<(u64, String, f64)>();
+    let err = child.stderr.take().unwrap();
+    let verbose = std::env::var_os("BENCH_VERBOSE").is_some();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            if verbose {
+                eprintln!("{l}");
+            }
+            if !l.contains("synced step") {
+                continue;
+            }
+            let field = |k: &str| l.split_whitespace().find_map(|w| w.strip_prefix(k)).map(str::to_string);
+            if let (Some(s), Some(r), Some(t)) = (field("step="), field("route="), field("secs=")) {
+                let _ = tx.send((s.parse().unwrap(), r, t.parse().unwrap()));
+            }
+        }
+    });
+    let wait = |want: u64| loop {
+        let (s, r, t) = rx.recv_timeout(std::time::Duration::from_secs(120)).expect("the agent synced no step");
+        if s == want {
+            return (r, t);
+        }
+    };
+    println!("| operation (one continuous agent) | s | baseline (same run) | s | ratio |\n|---|---|---|---|---|");
+    // CPU-seconds (user + system) the agent used so far: on a machine where the step is
+    // CPU-bound, the work a change saves shows here with less noise than in the wall time.
+    let pid = child.id();
+    let cpu = move || -> f64 {
+        let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        // Fields after the command name (which may hold spaces): utime, stime are 14 and 15.
+        let rest = &st[st.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // SAFETY: sysconf reads a constant.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / hz
+    };
+    let (r, t) = wait(0);
+    let (h, _) = cx.hash("L");
+    row(&format!("step 0 ({r}, {:.2} CPU-s)", cpu()), t, "driftless hash of L/current", h);
+    let (mut ratios, mut cpus) = (vec![], vec![]);
+    for s in 1..=n {
+        let c0 = cpu();
+        reveal(dir, s);
+        let (r, t) = wait(s);
+        let c = cpu() - c0;
+        let (h, _) = cx.hash("L");
+        row(&format!("step {s} ({r}, {c:.2} CPU-s)"), t, "driftless hash of L/current", h);
+        if s > 1 {
+            ratios.push(t / h);
+            cpus.push(c);
+        }
+    }
+    cpus.sort_by(f64::total_cmp);
+    if !cpus.is_empty() {
+        println!(
+            "|   steps 2-{n}: median {:.2} CPU-s of the agent per step (polls included) | | | | |",
+            cpus[cpus.len() / 2]
+        );
+    }
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success(), "the agent did not stop cleanly");
+    ratios.sort_by(f64::total_cmp);
+    if !ratios.is_empty() {
+        println!(
+            "|   steps 2-{n} / hash: median {:.2}x, min {:.2}x, max {:.2}x | | | | |",
+            ratios[ratios.len() / 2],
+            ratios[0],
+            ratios[ratios.len() - 1]
+        );
+    }
+    let (_, want) = timed(Command::new(bin).arg("hash").arg(dir.join("last")));
+    let (_, got) = cx.hash("L");
+    assert_eq!(want, got, "agent result differs from the trainer's weights");
+    println!("|   bit-exact against the trainer's step {n}: yes | | | | |");
+    let _ = std::fs::remove_dir_all(&ad);
 }
 
 /// Processing only (no process start, no planning, no download), in one process, rounds

@@ -187,6 +187,10 @@ pub struct Agent {
     /// Decoded bytes of segments decoded ahead of their delta being received (permits are
     /// bytes, [`DECODE_AHEAD_BYTES`] in all); see `start_fetch`.
     decode_ahead: Arc<tokio::sync::Semaphore>,
+    /// The last delta this agent applied, decoded, when it was at most [`KEEP_DECODED_BYTES`]:
+    /// the next step brings the other slot over it ([`Agent::start_fetch`] hands it over
+    /// instead of reading its manifest from the bucket and its segments from the cache).
+    kept: Option<KeptDelta>,
     /// Set while the servers are being told to load: [`Agent::run`] lets that finish before
     /// it stops (an engine paused for a load must be resumed).
     notifying: Arc<std::sync::atomic::AtomicBool>,
@@ -317,6 +321,7 @@ impl Agent {
             release_pending: false,
             patch: None,
             decode_ahead: Arc::new(tokio::sync::Semaphore::new(DECODE_AHEAD_BYTES)),
+            kept: None,
             notifying: Arc::default(),
             stopping: Arc::default(),
         })
@@ -834,6 +839,10 @@ impl Agent {
             _ => None,
         };
         let mut group: Vec<(DeltaManifest, Vec<DecodedSegment>)> = vec![];
+        // The previous sync's last delta, decoded (bringing the work slot over it); a careful
+        // retry reads everything again. `keep`: this sync's last delta, once applied.
+        let mut kept = self.kept.take().filter(|_| !careful);
+        let mut keep: Option<(DeltaManifest, Vec<DecodedSegment>)> = None;
         let mut group_raw = 0u64;
         // A wrong final root names one step only when it is the only unverified one.
         // A single delta names its step only when its pass reads the active slot, whose bytes
@@ -859,7 +868,7 @@ impl Agent {
                     break;
                 }
                 let x = deltas[next];
-                ahead.push_back((!skipped(skip_to, x)).then(|| self.start_fetch(x, marker(x))));
+                ahead.push_back((!skipped(skip_to, x)).then(|| self.start_fetch(x, marker(x), &mut kept)));
                 next += 1;
             }
             let fetch = ahead.pop_front().expect("a fetch per delta");
@@ -930,7 +939,8 @@ impl Agent {
                 if verify || group_raw > GROUP_RAW_BYTES {
                     let pending = std::mem::take(&mut group);
                     group_raw = 0;
-                    self.apply_group(&wdir, pending, verify, pinpoint, seed.take()).await?;
+                    let applied = self.apply_group(&wdir, pending, verify, pinpoint, seed.take()).await?;
+                    keep = applied.filter(|_| last);
                 }
             }
             self.cached.push((d, shas));
@@ -956,6 +966,12 @@ impl Agent {
         self.active_ok = true;
         self.metrics.step.store(at.step, Relaxed);
         self.dir.link(work)?;
+        self.kept = keep.and_then(|(m, segs)| {
+            let sha = cands.marker(StepKind::Delta, m.step)?.manifest_sha256;
+            let raw = m.segments.iter().map(|s| s.raw_size).fold(0u64, u64::saturating_add);
+            let fits = raw <= KEEP_DECODED_BYTES && m.stream_id == sid;
+            fits.then_some(KeptDelta { manifest_sha: sha, manifest: m, segs })
+        });
         if let Some(pb) = patch {
             self.patch = self.write_patch(pb, &wdir, at).await;
         }
@@ -1173,7 +1189,22 @@ impl Agent {
     /// fetched ahead) fit in [`DECODE_AHEAD_BYTES`]; a segment that does not fit is handed over
     /// as stored and decoded when its delta is received. Nothing local changes; dropping the
     /// handle stops it.
-    fn start_fetch(&self, step: u64, marker: Option<ReadyMarker>) -> Fetch {
+    fn start_fetch(&self, step: u64, marker: Option<ReadyMarker>, kept: &mut Option<KeptDelta>) -> Fetch {
+        // The delta this agent applied last, if it is this one (the same signed manifest the
+        // marker names): its manifest and segments were checked when they were downloaded.
+        let same = |k: &mut KeptDelta| {
+            k.manifest.step == step && marker.as_ref().is_some_and(|mk| mk.manifest_sha256 == k.manifest_sha)
+        };
+        if let Some(k) = kept.take_if(same) {
+            debug!(step, "the delta applied last, kept decoded");
+            let (mtx, manifest) = tokio::sync::oneshot::channel();
+            let (stx, segments) = tokio::sync::mpsc::unbounded_channel();
+            let _ = mtx.send(Ok((k.manifest, k.manifest_sha)));
+            for (i, seg) in k.segs.into_iter().enumerate() {
+                let _ = stx.send(Ok((i, Got::Kept(seg), 0)));
+            }
+            return Fetch { manifest, segments, _abort: None };
+        }
         let reader = self.reader.clone();
         let budget = self.decode_ahead.clone();
         let conc = self.cfg.download_concurrency.max(1);
@@ -1237,7 +1268,7 @@ impl Agent {
             }
             .instrument(info_span!("download_delta", step)),
         );
-        Fetch { manifest, segments, _abort: AbortOnDrop(task.abort_handle()) }
+        Fetch { manifest, segments, _abort: Some(AbortOnDrop(task.abort_handle())) }
     }
 
     /// The weights root the stream's own signed manifest gives `step` (its delta's result, else
@@ -1308,6 +1339,7 @@ impl Agent {
             match got {
                 // Received: its bytes leave the decode-ahead budget (the permit is dropped).
                 Got::Decoded(seg, _permit) => segs[i] = Some(seg),
+                Got::Kept(seg) => segs[i] = Some(seg),
                 Got::Stored(b, raw) => late.push(async move { (i, decode_blocking(b, raw, mode).await) }),
             }
         }
@@ -1327,6 +1359,7 @@ impl Agent {
     /// result against the last delta's signed result root. The writes are made durable (fdatasync).
     /// With `seed`, the work slot is first replaced by a frame of that slot and the pass reads
     /// `seed` and writes every block of the work slot (a rebuild and an apply in one pass).
+    /// Returns the group's last delta, decoded, once applied.
     async fn apply_group(
         &mut self,
         wdir: &Path,
@@ -1334,62 +1367,69 @@ impl Agent {
         verify: bool,
         pinpoint: bool,
         seed: Option<PathBuf>,
-    ) -> Result<(), BuildError> {
-        let Some(last) = group.last().map(|(m, _)| m.clone()) else { return Ok(()) };
+    ) -> Result<Option<(DeltaManifest, Vec<DecodedSegment>)>, BuildError> {
+        let Some(last) = group.last().map(|(m, _)| m.clone()) else { return Ok(None) };
         self.release_work_slot()?;
         // Several unverified deltas in one pass: a fault names no single step (retried carefully).
         let pinpoint = pinpoint && group.len() == 1;
         let dir = wdir.to_path_buf();
         let t = Instant::now();
         let n = group.len();
-        let verify_ms = self
-            .blocking(move || -> Result<u64> {
-                // Blocks are read, changed and written back with pread/pwrite (no writable map),
-                // and each finished piece's writeback starts at once, so that the disk writes
-                // while the pass goes on and the fdatasync after it waits for the tail only.
-                // `speed_bench proc`, 1 GiB model, 2 cores: hash alone 0.32 s; the pass on a
-                // writable map then msync 0.59 s (writeback could not start earlier there: see
-                // `CheckpointFiles`); this way 0.40 s.
-                // With a seed (the active slot, when the work slot cannot be brought forward), the
-                // pass reads the seed and writes every block into a fresh frame of it: the rebuild
-                // and the apply are one pass, not a copy then a pass.
-                let files = match &seed {
-                    Some(from) => {
-                        let from = CheckpointFiles::open_read_only(from)?;
-                        if dir.exists() {
-                            std::fs::remove_dir_all(&dir)?;
+        let (verify_ms, mut group) = self
+            .blocking(move || {
+                let r = (|| -> Result<u64> {
+                    // Blocks are read, changed and written back with pread/pwrite (no writable map),
+                    // and each finished piece's writeback starts at once, so that the disk writes
+                    // while the pass goes on and the fdatasync after it waits for the tail only.
+                    // `speed_bench proc`, 1 GiB model, 2 cores: hash alone 0.32 s; the pass on a
+                    // writable map then msync 0.59 s (writeback could not start earlier there: see
+                    // `CheckpointFiles`); this way 0.40 s.
+                    // With a seed (the active slot, when the work slot cannot be brought forward), the
+                    // pass reads the seed and writes every block into a fresh frame of it: the rebuild
+                    // and the apply are one pass, not a copy then a pass.
+                    let files = match &seed {
+                        Some(from) => {
+                            let from = CheckpointFiles::open_read_only(from)?;
+                            if dir.exists() {
+                                std::fs::remove_dir_all(&dir)?;
+                            }
+                            PassFiles::Copy { to: from.frame_copy(&dir)?, from }
                         }
-                        PassFiles::Copy { to: from.frame_copy(&dir)?, from }
+                        None => PassFiles::InPlace(CheckpointFiles::open(&dir)?),
+                    };
+                    let metas = files.written().metas();
+                    let tv = Instant::now();
+                    let chain: Vec<&[DecodedSegment]> = group.iter().map(|(_, s)| &s[..]).collect();
+                    let digests = fused::apply_and_hash(files.target(), &metas, &chain, verify)?;
+                    if let Some(d) = digests {
+                        ops::check_root(&metas, &d, &last.shards, last.result_root)?;
                     }
-                    None => PassFiles::InPlace(CheckpointFiles::open(&dir)?),
-                };
-                let metas = files.written().metas();
-                let tv = Instant::now();
-                let chain: Vec<&[DecodedSegment]> = group.iter().map(|(_, s)| &s[..]).collect();
-                let digests = fused::apply_and_hash(files.target(), &metas, &chain, verify)?;
-                if let Some(d) = digests {
-                    ops::check_root(&metas, &d, &last.shards, last.result_root)?;
-                }
-                let verified = tv.elapsed();
-                let tf = Instant::now();
-                files.written().sync()?;
-                debug!(pass_secs = verified.as_secs_f64(), flush_secs = tf.elapsed().as_secs_f64(), "pass and flush");
-                Ok(verified.as_millis() as u64)
+                    let verified = tv.elapsed();
+                    let tf = Instant::now();
+                    files.written().sync()?;
+                    debug!(
+                        pass_secs = verified.as_secs_f64(),
+                        flush_secs = tf.elapsed().as_secs_f64(),
+                        "pass and flush"
+                    );
+                    Ok(verified.as_millis() as u64)
+                })();
+                (r, group)
             })
             .await
-            .map_err(|e| Error::Io(std::io::Error::other(format!("apply task: {e}"))))?
-            .map_err(|e| {
-                if n > 1 && step_fault(&e) {
-                    BuildError::ChainMismatch
-                } else {
-                    classify_apply(e, last.step, pinpoint)
-                }
-            })?;
+            .map_err(|e| Error::Io(std::io::Error::other(format!("apply task: {e}"))))?;
+        let verify_ms = verify_ms.map_err(|e| {
+            if n > 1 && step_fault(&e) {
+                BuildError::ChainMismatch
+            } else {
+                classify_apply(e, last.step, pinpoint)
+            }
+        })?;
         if verify {
             self.metrics.record_verify(Duration::from_millis(verify_ms.max(1)));
         }
         info!(deltas = n, step = last.step, secs = t.elapsed().as_secs_f64(), verified = verify, "deltas applied");
-        Ok(())
+        Ok(group.pop())
     }
 
     /// Applies a layout-changing delta (tensors added, removed, reshaped or retyped): one
@@ -1654,7 +1694,19 @@ impl Drop for Flag<'_> {
 struct Fetch {
     manifest: tokio::sync::oneshot::Receiver<Result<(DeltaManifest, Digest)>>,
     segments: tokio::sync::mpsc::UnboundedReceiver<Result<(usize, Got, u64)>>,
-    _abort: AbortOnDrop,
+    /// None when nothing runs in the background (a kept delta).
+    _abort: Option<AbortOnDrop>,
+}
+
+/// The last delta an agent applied, decoded, and the digest of its signed manifest envelope
+/// (what its ready marker names). Kept in memory for the next sync, which brings the other
+/// slot over the same delta (two sparse applies per step in the steady state): it then reads
+/// neither the manifest from the bucket nor the segments from the local cache, nor decodes
+/// them again.
+struct KeptDelta {
+    manifest_sha: Digest,
+    manifest: DeltaManifest,
+    segs: Vec<DecodedSegment>,
 }
 
 /// A segment of a delta being fetched: decoded ahead (holding its bytes of the decode-ahead
@@ -1662,6 +1714,8 @@ struct Fetch {
 enum Got {
     Decoded(DecodedSegment, tokio::sync::OwnedSemaphorePermit),
     Stored(Bytes, u64),
+    /// Kept from the previous sync (see [`KeptDelta`]).
+    Kept(DecodedSegment),
 }
 
 /// Decodes a segment (at most `raw` decoded bytes) on the blocking pool, checking its value
@@ -1707,6 +1761,12 @@ const DECODE_AHEAD_BYTES: usize = 1 << 30;
 /// Decoded delta bytes applied in one pass at most (bounds the memory of a long catch-up; a
 /// pass is one read of the model, so this also bounds how often it is read).
 const GROUP_RAW_BYTES: u64 = 512 << 20;
+
+/// The most decoded bytes of a delta an agent keeps in memory between syncs ([`KeptDelta`]).
+/// Deltas of `speed_bench`'s 1 GiB chain decode to 9.3-20.2 MiB (0.77-1.9% of elements
+/// changed): about 12 MiB per GiB of BF16 at 1%, so a 7B model's (13 GiB) about 160 MiB, and
+/// a 70B model's is read from the local cache again.
+const KEEP_DECODED_BYTES: u64 = 256 << 20;
 
 fn classify_apply(e: Error, step: u64, pinpoint: bool) -> BuildError {
     let is_result = matches!(&e, Error::Format(driftless_format::Error::Corrupt { what: "result", .. }));
