@@ -642,7 +642,7 @@ fn live(dir: &Path, bin: &Path) {
     cpus.sort_by(f64::total_cmp);
     if !cpus.is_empty() {
         println!(
-            "|   steps 2-{n}: median {:.2} CPU-s of the agent per step (polls included) | | | | |",
+            "|   steps 2-{n}: median {:.2} CPU-s of the agent per step (polls during the step included) | | | | |",
             cpus[cpus.len() / 2]
         );
     }

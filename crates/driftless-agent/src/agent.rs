@@ -774,6 +774,12 @@ impl Agent {
         self.release_pending = prev.is_some();
         let mut bytes = 0u64;
         let mut rebuilt = false;
+        // The previous sync's last delta, kept decoded, is of no use to an anchor route (whose
+        // memory is bounded by its parts in flight) nor to a careful retry (which reads
+        // everything again): freed before anything is loaded.
+        if careful || route.anchor.is_some() {
+            self.kept = None;
+        }
         // The slot the work slot is rebuilt from, by its first pass (`apply_group`).
         let mut seed: Option<PathBuf> = None;
         // (step, root) the work slot holds as the chain starts.
@@ -839,9 +845,10 @@ impl Agent {
             _ => None,
         };
         let mut group: Vec<(DeltaManifest, Vec<DecodedSegment>)> = vec![];
-        // The previous sync's last delta, decoded (bringing the work slot over it); a careful
-        // retry reads everything again. `keep`: this sync's last delta, once applied.
-        let mut kept = self.kept.take().filter(|_| !careful);
+        // The previous sync's last delta, decoded, when this route brings the work slot over
+        // it (else it was dropped before an anchor could be loaded, above). `keep`: this
+        // sync's last delta, once applied.
+        let mut kept = self.kept.take().filter(|k| deltas.contains(&k.manifest.step));
         let mut keep: Option<(DeltaManifest, Vec<DecodedSegment>)> = None;
         let mut group_raw = 0u64;
         // A wrong final root names one step only when it is the only unverified one.
@@ -967,10 +974,10 @@ impl Agent {
         self.metrics.step.store(at.step, Relaxed);
         self.dir.link(work)?;
         self.kept = keep.and_then(|(m, segs)| {
-            let sha = cands.marker(StepKind::Delta, m.step)?.manifest_sha256;
-            let raw = m.segments.iter().map(|s| s.raw_size).fold(0u64, u64::saturating_add);
-            let fits = raw <= KEEP_DECODED_BYTES && m.stream_id == sid;
-            fits.then_some(KeptDelta { manifest_sha: sha, manifest: m, segs })
+            let marker = cands.marker(StepKind::Delta, m.step)?.clone();
+            let held = segs.iter().map(DecodedSegment::heap_bytes).fold(0u64, u64::saturating_add);
+            let fits = held <= KEEP_DECODED_BYTES && m.stream_id == sid;
+            fits.then_some(KeptDelta { marker, manifest: m, segs })
         });
         if let Some(pb) = patch {
             self.patch = self.write_patch(pb, &wdir, at).await;
@@ -1192,14 +1199,12 @@ impl Agent {
     fn start_fetch(&self, step: u64, marker: Option<ReadyMarker>, kept: &mut Option<KeptDelta>) -> Fetch {
         // The delta this agent applied last, if it is this one (the same signed manifest the
         // marker names): its manifest and segments were checked when they were downloaded.
-        let same = |k: &mut KeptDelta| {
-            k.manifest.step == step && marker.as_ref().is_some_and(|mk| mk.manifest_sha256 == k.manifest_sha)
-        };
+        let same = |k: &mut KeptDelta| k.manifest.step == step && marker.as_ref() == Some(&k.marker);
         if let Some(k) = kept.take_if(same) {
             debug!(step, "the delta applied last, kept decoded");
             let (mtx, manifest) = tokio::sync::oneshot::channel();
             let (stx, segments) = tokio::sync::mpsc::unbounded_channel();
-            let _ = mtx.send(Ok((k.manifest, k.manifest_sha)));
+            let _ = mtx.send(Ok((k.manifest, k.marker.manifest_sha256)));
             for (i, seg) in k.segs.into_iter().enumerate() {
                 let _ = stx.send(Ok((i, Got::Kept(seg), 0)));
             }
@@ -1698,13 +1703,13 @@ struct Fetch {
     _abort: Option<AbortOnDrop>,
 }
 
-/// The last delta an agent applied, decoded, and the digest of its signed manifest envelope
-/// (what its ready marker names). Kept in memory for the next sync, which brings the other
-/// slot over the same delta (two sparse applies per step in the steady state): it then reads
-/// neither the manifest from the bucket nor the segments from the local cache, nor decodes
-/// them again.
+/// The last delta an agent applied, decoded, and the ready marker it was read through (which
+/// names the digest of its signed manifest envelope). Kept in memory for the next sync, which
+/// brings the other slot over the same delta (two sparse applies per step in the steady state)
+/// and takes it when that sync's marker for the step is the same: it then reads neither the
+/// manifest from the bucket nor the segments from the local cache, nor decodes them again.
 struct KeptDelta {
-    manifest_sha: Digest,
+    marker: ReadyMarker,
     manifest: DeltaManifest,
     segs: Vec<DecodedSegment>,
 }
@@ -1763,9 +1768,11 @@ const DECODE_AHEAD_BYTES: usize = 1 << 30;
 const GROUP_RAW_BYTES: u64 = 512 << 20;
 
 /// The most decoded bytes of a delta an agent keeps in memory between syncs ([`KeptDelta`]).
-/// Deltas of `speed_bench`'s 1 GiB chain decode to 9.3-20.2 MiB (0.77-1.9% of elements
-/// changed): about 12 MiB per GiB of BF16 at 1%, so a 7B model's (13 GiB) about 160 MiB, and
-/// a 70B model's is read from the local cache again.
+/// Counted by [`DecodedSegment::heap_bytes`]. Deltas of `speed_bench`'s 1 GiB chain decode to
+/// 9.3-20.2 MiB (0.77-1.9% of elements changed): about 12 MiB per GiB of BF16 at 1%, so a 7B
+/// model's (13 GiB) about 160 MiB; past about 20 GiB of weights (10B parameters) at 1% the
+/// delta is read from the local cache again, and the step costs one manifest GET more. Held
+/// while the agent idles between steps.
 const KEEP_DECODED_BYTES: u64 = 256 << 20;
 
 fn classify_apply(e: Error, step: u64, pinpoint: bool) -> BuildError {

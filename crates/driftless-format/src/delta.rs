@@ -822,6 +822,15 @@ pub struct DecodedSegment {
 }
 
 impl DecodedSegment {
+    /// Heap bytes this segment holds: its position and value blocks and its entries (names
+    /// included). At least its `raw_size` minus the header, and more where a segment has many
+    /// small entries (each [`EntryInfo`] is larger than its encoded header).
+    pub fn heap_bytes(&self) -> u64 {
+        let entries = self.entries.capacity() * std::mem::size_of::<EntryInfo>()
+            + self.entries.iter().map(|e| e.name.capacity()).sum::<usize>();
+        (self.positions.capacity() + self.values.capacity() + entries) as u64
+    }
+
     /// Position and value bytes of entry `e` (an entry of this segment).
     pub(crate) fn entry_blocks(&self, e: &EntryInfo) -> (&[u8], &[u8]) {
         (&self.positions[e.pos.clone()], &self.values[e.val.clone()])
