@@ -86,6 +86,13 @@ fn gen(dir: &Path) {
         let r = p.publish(s, &chain.views()).unwrap();
         p.flush().unwrap();
         eprintln!("published step {s}: {r:?}");
+        // Each step's signed latest.json, put back by `reveal` with the step's marker: a
+        // follower one step behind then plans from it as it would live (no listing).
+        let latest = dir.join("bucket").join(layout::LATEST);
+        if latest.exists() {
+            std::fs::create_dir_all(dir.join("held")).unwrap();
+            std::fs::copy(&latest, dir.join("held").join(format!("latest-{s}.json"))).unwrap();
+        }
     }
     p.close().unwrap();
     // The newest weights, to check the agent's result bit for bit.
@@ -124,6 +131,14 @@ fn hide(dir: &Path, n: u64) {
 fn reveal(dir: &Path, s: u64) {
     let to = dir.join("bucket").join(layout::ready(StepKind::Delta, s));
     std::fs::rename(dir.join("held").join(s.to_string()), to).unwrap();
+    // The step's latest.json after its marker, as the publisher writes them (directories
+    // generated before `gen` kept them have none: followers then list).
+    let latest = dir.join("held").join(format!("latest-{s}.json"));
+    if latest.exists() {
+        let tmp = dir.join("bucket").join(".latest.tmp");
+        std::fs::copy(&latest, &tmp).unwrap();
+        std::fs::rename(&tmp, dir.join("bucket").join(layout::LATEST)).unwrap();
+    }
 }
 
 /// Peak anonymous memory (RssAnon, KiB) of the last command run by [`timed`], sampled every
