@@ -443,23 +443,35 @@ fn row(what: &str, secs: f64, base_what: &str, base: f64) {
     println!("| {what:<44} | {secs:>7.3} | {base_what:<34} | {base:>7.3} | {:>5.2}x |", secs / base);
 }
 
+/// Prints the median, min and max of `v` (ratios) as a summary row, unless it is empty.
+fn spread(label: &str, v: &mut [f64]) {
+    v.sort_by(f64::total_cmp);
+    if !v.is_empty() {
+        println!("|   {label}: median {:.2}x, min {:.2}x, max {:.2}x | | | | |", v[v.len() / 2], v[0], v[v.len() - 1]);
+    }
+}
+
+/// The newest step of the chain `gen` wrote in `dir`: its delta markers held aside or revealed.
+fn chain_len(dir: &Path) -> u64 {
+    let held = std::fs::read_dir(dir.join("held"))
+        .map(|r| r.flatten().filter_map(|e| e.file_name().to_str()?.parse::<u64>().ok()).max())
+        .unwrap_or_default();
+    let revealed = (1..).take_while(|s| dir.join("bucket").join(layout::ready(StepKind::Delta, *s)).exists()).last();
+    held.max(revealed).expect("gen first")
+}
+
+/// Asserts that agent `d`'s `current` holds the trainer's weights of step `n` (`gen`'s `last`),
+/// bit for bit (same weights root).
+fn bit_exact(cx: &Ctx, d: &str, n: u64) {
+    let (_, want) = timed(Command::new(&cx.bin).arg("hash").arg(cx.dir.join("last")));
+    let (_, got) = cx.hash(d);
+    assert_eq!(want, got, "agent result differs from the trainer's weights");
+    println!("|   bit-exact against the trainer's step {n}: yes | | | | |");
+}
+
 fn run(dir: &Path, bin: &Path) {
     let reps: u64 = env("BENCH_REPS", 7);
-    let held: Vec<u64> = {
-        let mut v: Vec<u64> = std::fs::read_dir(dir.join("held"))
-            .map(|r| r.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
-            .unwrap_or_default();
-        v.sort();
-        v
-    };
-    let mut all = held.clone();
-    let revealed_max =
-        (1..).take_while(|s| dir.join("bucket").join(layout::ready(StepKind::Delta, *s)).exists()).last();
-    if let Some(m) = revealed_max {
-        all.extend(1..=m);
-    }
-    all.sort();
-    let n = *all.last().expect("gen first");
+    let n = chain_len(dir);
     // Start over: everything hidden, agent directories removed.
     hide(dir, n);
     for d in ["A", "B", "C", "D"] {
@@ -516,27 +528,9 @@ fn run(dir: &Path, bin: &Path) {
         }
         eprintln!("  {out}");
     }
-    for (what, r) in [("hash", &mut ratios), ("max(hash, durable rewrite)", &mut ratios_w)] {
-        r.sort_by(f64::total_cmp);
-        if !r.is_empty() {
-            println!(
-                "|   fast path / {what}: median {:.2}x, min {:.2}x, max {:.2}x | | | | |",
-                r[r.len() / 2],
-                r[0],
-                r[r.len() - 1]
-            );
-        }
-    }
-    ratios_b.sort_by(f64::total_cmp);
-    if !ratios_b.is_empty() {
-        println!(
-            "|   with {}: median {:.2}x, min {:.2}x, max {:.2}x | | | | |",
-            ab.as_deref().unwrap_or(""),
-            ratios_b[ratios_b.len() / 2],
-            ratios_b[0],
-            ratios_b[ratios_b.len() - 1]
-        );
-    }
+    spread("fast path / hash", &mut ratios);
+    spread("fast path / max(hash, durable rewrite)", &mut ratios_w);
+    spread(&format!("with {}", ab.as_deref().unwrap_or("")), &mut ratios_b);
     if std::env::var_os("BENCH_FAST_ONLY").is_some() {
         let _ = std::fs::remove_file(&floor_file);
         return;
@@ -568,23 +562,14 @@ fn run(dir: &Path, bin: &Path) {
     let _ = std::fs::remove_file(&floor_file);
     // Bit-exact check against the trainer's weights at the last revealed step, when it is n.
     if shown == n {
-        let (_, want) = timed(Command::new(bin).arg("hash").arg(dir.join("last")));
-        let (_, got) = cx.hash("A");
-        assert_eq!(want, got, "agent result differs from the trainer's weights");
-        println!("|   bit-exact against the trainer's step {n}: yes | | | | |");
+        bit_exact(&cx, "A", n);
     }
 }
 
 /// See the module docs: one continuous agent, the steps revealed one at a time.
 fn live(dir: &Path, bin: &Path) {
     use std::io::BufRead;
-    let n = (1..)
-        .take_while(|s| {
-            dir.join("held").join(s.to_string()).exists()
-                || dir.join("bucket").join(layout::ready(StepKind::Delta, *s)).exists()
-        })
-        .last()
-        .expect("gen first");
+    let n = chain_len(dir);
     hide(dir, n);
     let ad = agent_root(dir).join("L");
     let _ = std::fs::remove_dir_all(&ad);
@@ -664,19 +649,8 @@ fn live(dir: &Path, bin: &Path) {
     // SAFETY: a signal to our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     assert!(child.wait().unwrap().success(), "the agent did not stop cleanly");
-    ratios.sort_by(f64::total_cmp);
-    if !ratios.is_empty() {
-        println!(
-            "|   steps 2-{n} / hash: median {:.2}x, min {:.2}x, max {:.2}x | | | | |",
-            ratios[ratios.len() / 2],
-            ratios[0],
-            ratios[ratios.len() - 1]
-        );
-    }
-    let (_, want) = timed(Command::new(bin).arg("hash").arg(dir.join("last")));
-    let (_, got) = cx.hash("L");
-    assert_eq!(want, got, "agent result differs from the trainer's weights");
-    println!("|   bit-exact against the trainer's step {n}: yes | | | | |");
+    spread(&format!("steps 2-{n} / hash"), &mut ratios);
+    bit_exact(&cx, "L", n);
     let _ = std::fs::remove_dir_all(&ad);
 }
 

@@ -1373,7 +1373,7 @@ impl Agent {
         pinpoint: bool,
         seed: Option<PathBuf>,
     ) -> Result<Option<(DeltaManifest, Vec<DecodedSegment>)>, BuildError> {
-        let Some(last) = group.last().map(|(m, _)| m.clone()) else { return Ok(None) };
+        let Some(step) = group.last().map(|(m, _)| m.step) else { return Ok(None) };
         self.release_work_slot()?;
         // Several unverified deltas in one pass: a fault names no single step (retried carefully).
         let pinpoint = pinpoint && group.len() == 1;
@@ -1382,43 +1382,7 @@ impl Agent {
         let n = group.len();
         let (verify_ms, mut group) = self
             .blocking(move || {
-                let r = (|| -> Result<u64> {
-                    // Blocks are read, changed and written back with pread/pwrite (no writable map),
-                    // and each finished piece's writeback starts at once, so that the disk writes
-                    // while the pass goes on and the fdatasync after it waits for the tail only.
-                    // `speed_bench proc`, 1 GiB model, 2 cores: hash alone 0.32 s; the pass on a
-                    // writable map then msync 0.59 s (writeback could not start earlier there: see
-                    // `CheckpointFiles`); this way 0.40 s.
-                    // With a seed (the active slot, when the work slot cannot be brought forward), the
-                    // pass reads the seed and writes every block into a fresh frame of it: the rebuild
-                    // and the apply are one pass, not a copy then a pass.
-                    let files = match &seed {
-                        Some(from) => {
-                            let from = CheckpointFiles::open_read_only(from)?;
-                            if dir.exists() {
-                                std::fs::remove_dir_all(&dir)?;
-                            }
-                            PassFiles::Copy { to: from.frame_copy(&dir)?, from }
-                        }
-                        None => PassFiles::InPlace(CheckpointFiles::open(&dir)?),
-                    };
-                    let metas = files.written().metas();
-                    let tv = Instant::now();
-                    let chain: Vec<&[DecodedSegment]> = group.iter().map(|(_, s)| &s[..]).collect();
-                    let digests = fused::apply_and_hash(files.target(), &metas, &chain, verify)?;
-                    if let Some(d) = digests {
-                        ops::check_root(&metas, &d, &last.shards, last.result_root)?;
-                    }
-                    let verified = tv.elapsed();
-                    let tf = Instant::now();
-                    files.written().sync()?;
-                    debug!(
-                        pass_secs = verified.as_secs_f64(),
-                        flush_secs = tf.elapsed().as_secs_f64(),
-                        "pass and flush"
-                    );
-                    Ok(verified.as_millis() as u64)
-                })();
+                let r = pass_group(&dir, seed.as_deref(), &group, verify);
                 (r, group)
             })
             .await
@@ -1427,13 +1391,13 @@ impl Agent {
             if n > 1 && step_fault(&e) {
                 BuildError::ChainMismatch
             } else {
-                classify_apply(e, last.step, pinpoint)
+                classify_apply(e, step, pinpoint)
             }
         })?;
         if verify {
             self.metrics.record_verify(Duration::from_millis(verify_ms.max(1)));
         }
-        info!(deltas = n, step = last.step, secs = t.elapsed().as_secs_f64(), verified = verify, "deltas applied");
+        info!(deltas = n, step, secs = t.elapsed().as_secs_f64(), verified = verify, "deltas applied");
         Ok(group.pop())
     }
 
@@ -1693,6 +1657,49 @@ impl Drop for Flag<'_> {
     fn drop(&mut self) {
         self.0.store(false, Relaxed);
     }
+}
+
+/// [`Agent::apply_group`]'s pass, on the blocking pool: applies `group` (not empty) to the work
+/// slot `dir` (rebuilt from `seed` by the same pass when given), checks the result against the
+/// last delta's signed result root when `verify`, and makes it durable. Returns the
+/// milliseconds of the pass.
+fn pass_group(
+    dir: &Path,
+    seed: Option<&Path>,
+    group: &[(DeltaManifest, Vec<DecodedSegment>)],
+    verify: bool,
+) -> Result<u64> {
+    // Blocks are read, changed and written back with pread/pwrite (no writable map),
+    // and each finished piece's writeback starts at once, so that the disk writes
+    // while the pass goes on and the fdatasync after it waits for the tail only.
+    // `speed_bench proc`, 1 GiB model, 2 cores: hash alone 0.32 s; the pass on a
+    // writable map then msync 0.59 s (writeback could not start earlier there: see
+    // `CheckpointFiles`); this way 0.40 s.
+    // With a seed (the active slot, when the work slot cannot be brought forward), the
+    // pass reads the seed and writes every block into a fresh frame of it: the rebuild
+    // and the apply are one pass, not a copy then a pass.
+    let files = match seed {
+        Some(from) => {
+            let from = CheckpointFiles::open_read_only(from)?;
+            if dir.exists() {
+                std::fs::remove_dir_all(dir)?;
+            }
+            PassFiles::Copy { to: from.frame_copy(dir)?, from }
+        }
+        None => PassFiles::InPlace(CheckpointFiles::open(dir)?),
+    };
+    let metas = files.written().metas();
+    let tv = Instant::now();
+    let chain: Vec<&[DecodedSegment]> = group.iter().map(|(_, s)| &s[..]).collect();
+    let digests = fused::apply_and_hash(files.target(), &metas, &chain, verify)?;
+    if let (Some(d), Some((last, _))) = (digests, group.last()) {
+        ops::check_root(&metas, &d, &last.shards, last.result_root)?;
+    }
+    let verified = tv.elapsed();
+    let tf = Instant::now();
+    files.written().sync()?;
+    debug!(pass_secs = verified.as_secs_f64(), flush_secs = tf.elapsed().as_secs_f64(), "pass and flush");
+    Ok(verified.as_millis() as u64)
 }
 
 /// A delta being downloaded in the background (see `Agent::start_fetch`).
