@@ -13,6 +13,10 @@ use rand::Rng;
 use tokio::sync::Semaphore;
 use tracing::Instrument;
 
+/// Puts of at most this many bytes (and reads bounded by it) take a permit of the small
+/// requests' pool, never queued behind bulk transfers (see `Inner::control`).
+const SMALL_PUT: usize = 1 << 20;
+
 /// Most keys one listing returns by default before it is refused ([`Error::TooManyKeys`],
 /// [`StoreOptions::max_list_keys`]): a hostile server can page forever. A stream holds some thousands of objects (100 deltas of a 70B model
 /// with their segments, anchors of 100 shards); this is a hundred times that.
@@ -47,8 +51,14 @@ struct Inner {
     prefix: String,
     /// Redacted URL for logs and errors.
     url: String,
-    /// Bounds requests in flight (each leaf request holds one permit).
+    /// Bounds requests in flight that move bulk bytes (each leaf request holds one permit).
     permits: Semaphore,
+    /// The same for small requests (lists, heads, deletes, conditional reads, puts of at most
+    /// [`SMALL_PUT`] bytes): leases, claims, markers and manifests. Found by review: one
+    /// FIFO pool for everything queued a lease renewal behind every part of an anchor's
+    /// multipart uploads (16 shards x 16 parts at the default concurrency, minutes at 400
+    /// Mbit/s for a 70B model), so the lease lapsed and every commit in the meantime failed.
+    control: Semaphore,
     opts: StoreOptions,
     conditional_create: bool,
     /// The directory of a `file://` bucket: objects are read only when they are regular files
@@ -80,6 +90,7 @@ impl Bucket {
                 prefix,
                 url,
                 permits: Semaphore::new(opts.concurrency.max(1)),
+                control: Semaphore::new(opts.concurrency.max(1)),
                 opts: opts.clone(),
                 conditional_create,
                 local_root: None,
@@ -96,6 +107,7 @@ impl Bucket {
                 prefix: inner.prefix.clone(),
                 url: inner.url.clone(),
                 permits: Semaphore::new(inner.opts.concurrency.max(1)),
+                control: Semaphore::new(inner.opts.concurrency.max(1)),
                 opts: inner.opts.clone(),
                 conditional_create: supported,
                 local_root: inner.local_root.clone(),
@@ -198,7 +210,7 @@ impl Bucket {
     }
 
     async fn put_single(&self, key: &str, path: &Path, bytes: Bytes, mode: PutMode) -> Result<()> {
-        let _permit = self.permit().await;
+        let _permit = if bytes.len() <= SMALL_PUT { self.control_permit().await } else { self.permit().await };
         let opts = PutOptions { mode, ..Default::default() };
         self.inner
             .store
@@ -375,7 +387,7 @@ impl Bucket {
         async {
             let path = self.read_path(key)?;
             self.retry("get_limited", key, || async {
-                let _permit = self.permit().await;
+                let _permit = if max <= SMALL_PUT as u64 { self.control_permit().await } else { self.permit().await };
                 let r = self
                     .inner
                     .store
@@ -424,7 +436,7 @@ impl Bucket {
         async {
             let path = self.read_path(key)?;
             self.retry("get_if_changed", key, || async {
-                let _permit = self.permit().await;
+                let _permit = self.control_permit().await;
                 let opts = GetOptions { if_none_match: etag.map(str::to_string), ..Default::default() };
                 match self.inner.store.get_opts(&path, opts).await {
                     Ok(r) => {
@@ -449,7 +461,7 @@ impl Bucket {
     pub async fn head(&self, key: &str) -> Result<ObjectInfo> {
         let path = self.path(key)?;
         self.retry("head", key, || async {
-            let _permit = self.permit().await;
+            let _permit = self.control_permit().await;
             let meta = self.inner.store.head(&path).await.map_err(|e| Error::from_store(key, e))?;
             Ok(self.info(meta))
         })
@@ -492,7 +504,7 @@ impl Bucket {
         let started = tokio::time::Instant::now();
         let mut out = self
             .retry("list", prefix, || async {
-                let _permit = self.permit().await;
+                let _permit = self.control_permit().await;
                 let stream = match &offset_path {
                     Some(off) => self.inner.store.list_with_offset(dir_path.as_ref(), off),
                     None => self.inner.store.list(dir_path.as_ref()),
@@ -532,7 +544,7 @@ impl Bucket {
     pub async fn delete(&self, key: &str) -> Result<()> {
         let path = self.path(key)?;
         self.retry("delete", key, || async {
-            let _permit = self.permit().await;
+            let _permit = self.control_permit().await;
             match self.inner.store.delete(&path).await {
                 Ok(()) => Ok(()),
                 Err(object_store::Error::NotFound { .. }) => Ok(()),
@@ -548,6 +560,11 @@ impl Bucket {
     async fn permit(&self) -> tokio::sync::SemaphorePermit<'_> {
         // The semaphore is never closed.
         self.inner.permits.acquire().await.expect("bucket semaphore is never closed")
+    }
+
+    /// A permit of the small requests' pool (see `Inner::control`).
+    async fn control_permit(&self) -> tokio::sync::SemaphorePermit<'_> {
+        self.inner.control.acquire().await.expect("bucket semaphore is never closed")
     }
 
     /// Full store path of a key relative to the prefix, validated.

@@ -57,6 +57,9 @@ pub enum FaultKind {
     /// endpoint); [`FaultyStore::body_mib_sent`] counts the MiB the reader pulled. Other
     /// operations fail as with `Transient`.
     LongBody(u64),
+    /// Panic inside a put (a bug in a client or in code on the request's path, to test that
+    /// callers survive it). Other operations fail as with `Transient`.
+    Panic,
 }
 
 #[derive(Debug)]
@@ -121,9 +124,11 @@ impl State {
 fn injected_error(kind: FaultKind, op: FaultOp, location: &str) -> object_store::Error {
     let status = match kind {
         FaultKind::Permanent => "403 Forbidden",
-        FaultKind::Transient | FaultKind::LostResponse | FaultKind::Slow(_) | FaultKind::LongBody(_) => {
-            "503 Service Unavailable"
-        }
+        FaultKind::Transient
+        | FaultKind::LostResponse
+        | FaultKind::Slow(_)
+        | FaultKind::LongBody(_)
+        | FaultKind::Panic => "503 Service Unavailable",
     };
     object_store::Error::Generic {
         store: "FaultyStore",
@@ -259,6 +264,7 @@ impl ObjectStore for FaultyStore {
                 tokio::time::sleep(d).await;
                 self.inner.put_opts(location, payload, opts).await
             }
+            Some(FaultKind::Panic) => panic!("injected panic on a put of {location}"),
             Some(FaultKind::LostResponse) => {
                 self.inner.put_opts(location, payload, opts).await?;
                 Err(injected_error(FaultKind::LostResponse, FaultOp::Put, location.as_ref()))

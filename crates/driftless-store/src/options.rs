@@ -20,7 +20,10 @@ pub struct StoreOptions {
     pub max_retries: usize,
     /// Total time one call may spend retrying. Default: 60 s.
     pub retry_timeout: Duration,
-    /// Requests in flight per [`Bucket`](crate::Bucket) (shared by its clones). Default: 16.
+    /// Requests in flight per [`Bucket`](crate::Bucket) (shared by its clones), in each of two
+    /// pools: transfers of bulk bytes, and small requests (lists, heads, deletes, objects of at
+    /// most 1 MiB: leases, claims, markers, manifests), so that a lease renewal or a ready
+    /// marker never waits behind an anchor's uploads. Default: 16.
     pub concurrency: usize,
     /// Objects at least this big are uploaded in parallel parts. Default: 64 MiB.
     pub multipart_threshold: usize,

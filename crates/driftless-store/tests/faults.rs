@@ -172,3 +172,35 @@ async fn a_body_longer_than_asked_is_cut_off_not_collected() {
     assert!(matches!(e, Error::TooLarge { .. }), "{e:?}");
     assert!(store.body_mib_sent() <= 2, "{} MiB pulled for 4 KiB", store.body_mib_sent());
 }
+
+/// Found by review: one FIFO pool for every request queued a lease renewal (a small put)
+/// behind every part of an anchor's uploads, so on a slow link the lease lapsed and commits
+/// failed. Small requests have a pool of their own: with the bulk pool full of slow puts and
+/// more queued, a small put, a listing, a head and a delete each finish before any bulk put.
+#[tokio::test]
+async fn small_requests_do_not_queue_behind_bulk_transfers() {
+    let store = Arc::new(FaultyStore::new(Arc::new(InMemory::new())));
+    let b = Bucket::from_store(store.clone(), "p", &opts().with_concurrency(2));
+    store.inject(FaultOp::Put, "bulk/", 6, FaultKind::Slow(Duration::from_millis(800)));
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut bulk = Vec::new();
+    for i in 0..6 {
+        let (b, done) = (b.clone(), done.clone());
+        bulk.push(tokio::spawn(async move {
+            b.put(&format!("bulk/{i}"), Bytes::from(vec![7u8; (1 << 20) + 1])).await.unwrap();
+            done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }));
+    }
+    // Let the bulk puts take both permits and queue the rest.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    b.put("leases/g1", Bytes::from_static(b"lease")).await.unwrap();
+    b.put_create("ready/deltas/000000000001", Bytes::from_static(b"r")).await.unwrap();
+    b.list("leases/").await.unwrap();
+    b.head("leases/g1").await.unwrap();
+    b.delete("leases/g1").await.unwrap();
+    assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 0, "a small request waited for a bulk put");
+    for h in bulk {
+        h.await.unwrap();
+    }
+    assert_eq!(done.load(std::sync::atomic::Ordering::SeqCst), 6);
+}
