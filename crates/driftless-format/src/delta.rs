@@ -74,6 +74,28 @@ pub fn max_delta_raw(layout: &crate::Layout, entries: u64) -> u64 {
     bytes.saturating_add(entries.min(elements).saturating_mul(max_entry_header(longest)))
 }
 
+/// Heap a reader holds for one decoded entry besides its raw bytes: the entry's record and its
+/// name's allocation (with the allocator's smallest block).
+pub fn entry_heap(name_len: usize) -> u64 {
+    (std::mem::size_of::<EntryInfo>() + name_len.max(16) + 16) as u64
+}
+
+/// Most heap a reader may hold for the decoded segments of one delta whose result is
+/// `layout`: a quarter more than the result's bytes, plus 64 MiB. A delta is decoded whole
+/// before it is applied, and each entry costs [`entry_heap`] besides its raw bytes, so a
+/// manifest whose `raw_size`s and `entries` add up to more is refused (found by review: a
+/// signed delta of millions of one-element entries, within [`max_delta_raw`], decoded to
+/// about ten times its raw bytes and had agents killed for memory at every start).
+///
+/// An encoder stays far below it: a delta's raw bytes are at most the result's bytes plus the
+/// entries' headers, and the default chunk of 8 MiB gives about one entry per 8 MiB of tensor
+/// (a few hundred for a 7B model). Only [`DeltaOptions::chunk_bytes`] of a few hundred bytes
+/// or less on a large model would reach it (a library setting for tests; no tool exposes it).
+pub fn max_delta_heap(layout: &crate::Layout) -> u64 {
+    let bytes = layout.tensors().fold(0u64, |a, t| a.saturating_add(t.nbytes().unwrap_or(u64::MAX)));
+    bytes.saturating_add(bytes / 4).saturating_add(64 << 20)
+}
+
 /// How changed values are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -901,6 +923,18 @@ pub fn max_segment_object(raw_size: u64) -> u64 {
 /// itself capped at [`MAX_SEGMENT_RAW`]). Every length and offset is checked; no entry points
 /// outside the blocks.
 pub fn decode_segment(bytes: &[u8], max_raw: u64) -> Result<DecodedSegment> {
+    decode_checked(bytes, max_raw, None)
+}
+
+/// Decodes the segment a manifest names: [`decode_segment`] bounded by its `raw_size`, and
+/// refused before anything is decompressed unless it holds exactly the `entries` the manifest
+/// declares (the manifest's bound on a delta's decoded memory, [`max_delta_heap`], counts
+/// them: found by review, a segment of many tiny entries decoded to ten times its raw bytes).
+pub fn decode_segment_of(bytes: &[u8], r: &crate::manifest::SegmentRef) -> Result<DecodedSegment> {
+    decode_checked(bytes, r.raw_size, Some(r.entries))
+}
+
+fn decode_checked(bytes: &[u8], max_raw: u64, entries: Option<u32>) -> Result<DecodedSegment> {
     let max_raw = max_raw.min(MAX_SEGMENT_RAW);
     if bytes.len() < FIXED_HEADER || &bytes[..4] != MAGIC {
         return Err(bad("bad magic or too short"));
@@ -921,6 +955,9 @@ pub fn decode_segment(bytes: &[u8], max_raw: u64) -> Result<DecodedSegment> {
     let n_entries = u32::from_le_bytes(bytes[8..12].try_into().expect("4"));
     if n_entries > MAX_ENTRIES {
         return Err(bad(format!("{n_entries} entries")));
+    }
+    if let Some(want) = entries.filter(|&w| w != n_entries) {
+        return Err(bad(format!("{n_entries} entries, the manifest declares {want}")));
     }
     let mut lens = [(0u64, 0u64); 3];
     let mut total_raw = 0u64;

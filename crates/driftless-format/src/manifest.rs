@@ -381,11 +381,23 @@ impl DeltaManifest {
         }
         // Readers decode every segment of a delta before applying it: the total is bounded by
         // what an encoder writes for this result, not only segment by segment.
-        let most = crate::delta::max_delta_raw(&m.layout(), entries);
+        let layout = m.layout();
+        let most = crate::delta::max_delta_raw(&layout, entries);
         if raw > most {
             return Err(Error::corrupt(
                 "delta manifest",
                 format!("segments decode to {raw} bytes, more than an encoder writes for the result ({most})"),
+            ));
+        }
+        // And what they hold in memory decoded, entries counted (readers decode each segment
+        // with `decode_segment_of`, which holds it to its declared entries).
+        let longest = layout.tensors().map(|t| t.name.len()).max().unwrap_or(0);
+        let heap = raw.saturating_add(entries.saturating_mul(crate::delta::entry_heap(longest)));
+        let most = crate::delta::max_delta_heap(&layout);
+        if heap > most {
+            return Err(Error::corrupt(
+                "delta manifest",
+                format!("segments decode to {heap} bytes in memory, more than a reader holds for the result ({most})"),
             ));
         }
         Ok(m)

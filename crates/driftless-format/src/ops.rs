@@ -135,7 +135,7 @@ impl<'t, 'a> Applier<'t, 'a> {
         if bytes.len() as u64 != r.object.size || Digest::of(bytes) != r.object.sha256 {
             return Err(Error::corrupt("segment", format!("{} does not match its manifest entry", r.object.object)));
         }
-        let seg = delta::decode_segment(bytes, r.raw_size)?;
+        let seg = delta::decode_segment_of(bytes, r)?;
         if seg.mode != self.manifest.value_mode {
             return Err(Error::corrupt("segment", "value mode differs from the manifest"));
         }

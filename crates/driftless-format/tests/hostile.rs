@@ -446,6 +446,50 @@ fn regression_delta_raw_size_bounded_by_layout() {
     assert_eq!(with(2, most / 2 + 1, 2).unwrap_err().kind(), ErrorKind::Corrupt);
 }
 
+/// A delta's decoded memory is bounded by its result too, entries counted (found by review: a
+/// signed manifest within the raw bound could declare millions of one-element entries, each
+/// costing a reader ten times its raw bytes in memory), and a segment must hold exactly the
+/// entries its manifest declares, refused before anything is decompressed.
+#[test]
+fn regression_delta_heap_bounded_by_layout() {
+    let mut r = rng(34);
+    let base = vec![T::random("t", DType::U8, &[4096], &mut r)];
+    let target: Vec<T> = base.iter().map(|t| mutate(t, 0.5, &mut r)).collect();
+    let layout = Layout::for_tensors(&metas(&base), 1 << 30).unwrap();
+    let (m, enc) = make(&base, &target, &layout, &DeltaOptions::default());
+    DeltaManifest::from_slice(&serde_json::to_vec(&m).unwrap()).unwrap();
+    // 100 segments of a million entries and 2,000 raw bytes each: within the raw bound (the
+    // header allowance counts at most one entry per element), 12 GB of entries decoded.
+    let mut many = m.clone();
+    many.segments = (0..100)
+        .map(|i| {
+            let mut s = m.segments[0].clone();
+            s.object.object = format!("seg-{i:05}.dls");
+            s.raw_size = 2000;
+            s.entries = delta::MAX_ENTRIES;
+            s.object.size = s.object.size.min(delta::max_segment_object(2000));
+            s
+        })
+        .collect();
+    let raw: u64 = many.segments.iter().map(|s| s.raw_size).sum();
+    assert!(raw <= delta::max_delta_raw(&layout, 100 * u64::from(delta::MAX_ENTRIES)));
+    let e = DeltaManifest::from_slice(&serde_json::to_vec(&many).unwrap()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.to_string().contains("in memory"), "{e}");
+    // The bound: the result's bytes and a quarter, plus 64 MiB.
+    assert_eq!(delta::max_delta_heap(&layout), 4096 + 1024 + (64 << 20));
+    // A segment is held to its declared entry count, either way.
+    let seg = &enc.segments[0];
+    let good = &m.segments[0];
+    assert_eq!(delta::decode_segment_of(&seg.bytes, good).unwrap().entries.len() as u32, good.entries);
+    for entries in [good.entries - 1, good.entries + 1] {
+        let lie = driftless_format::manifest::SegmentRef { entries, ..good.clone() };
+        let e = delta::decode_segment_of(&seg.bytes, &lie).map(|_| ()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(e.to_string().contains("the manifest declares"), "{e}");
+    }
+}
+
 /// A segment object is no larger than an encoder writes for its decoded size (found by review:
 /// only the marker bounded it, up to 2^50 bytes, and readers download a segment into memory
 /// whole). An honest incompressible segment of 4 MiB fits; a byte over the bound is refused.

@@ -1100,7 +1100,7 @@ impl PyFollower {
                     .par_iter()
                     .zip(&m.segments)
                     .map(|(b, r)| -> BindResult<Vec<(String, Vec<u64>)>> {
-                        let seg = delta::decode_segment(b, r.raw_size)?;
+                        let seg = delta::decode_segment_of(b, r)?;
                         if seg.mode != m.value_mode {
                             return Err(driftless_format::Error::corrupt(
                                 "segment",
