@@ -273,9 +273,14 @@ pub struct LeaseEntry {
 }
 
 impl LeaseEntry {
-    /// Whether the lease is live at `now`: renewed (by the bucket's clock) within its TTL.
+    /// Whether the lease is live at `now`: renewed (by the bucket's clock) within its TTL, and
+    /// a second (found by review: S3 and most stores give `Last-Modified` in whole seconds,
+    /// rounded down, so a lease renewed a moment ago could look up to a second old, and one
+    /// with a TTL under a second expired; the publisher gives up a ready marker's write when
+    /// its lease runs out by its own count, from before the renewal was sent, which is never
+    /// after this). A released lease (TTL 0: the publisher stopped) is expired at once.
     pub fn live_at(&self, now: SystemTime) -> bool {
-        self.info.last_modified + self.ttl > now
+        !self.ttl.is_zero() && self.info.last_modified + self.ttl + Duration::from_secs(1) > now
     }
 }
 

@@ -1121,7 +1121,16 @@ impl Publisher {
                 }
             }
             info!(step = p.step, "publishing the coalesced newest step");
-            self.publish_pending(p)?;
+            if let Err(e) = self.publish_pending(p) {
+                // The steps queued before it still finish before this returns (found by review:
+                // `close` and drop then released the lease under them and cancelled the
+                // queue). The newest step's failure is the one reported; an older step's is
+                // logged by its upload and kept in `status()`.
+                if let Err(older) = self.wait() {
+                    warn!(error = %older, "an earlier queued step failed too");
+                }
+                return Err(e);
+            }
         }
         let r = self.wait();
         let Some(step) = self.newest_lost() else {

@@ -264,7 +264,7 @@ pub(crate) async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitE
             )));
         }
     }
-    ctx.check_lease(c.step)?;
+    let lease_until = ctx.check_lease(c.step)?;
     let marker = ReadyMarker {
         kind: "ready".into(),
         stream_id: ctx.stream_id.clone(),
@@ -276,7 +276,23 @@ pub(crate) async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitE
         manifest: Some(manifest_name),
     };
     let mb = Bytes::from(serde_json::to_vec(&marker).expect("marker serializes"));
-    match bucket.put_create(&layout::ready(c.kind, c.step), mb).await {
+    // The marker lands while the lease is live, or its request is given up (found by review:
+    // its retries could run for `retry_timeout`, past the lease, and a GC with a short grace
+    // could then delete the step's objects as an abandoned upload just before the marker
+    // naming them landed). GC counts a lease live for its TTL from its `Last-Modified` and a
+    // second (stores round that down to the second), which is never before `lease_until`,
+    // measured from before the renewal was sent. Given up, the step is unconfirmed, as after
+    // a lost response: `flush` looks for the marker and publishes the step again if it is
+    // not there.
+    let left = lease_until.saturating_duration_since(Instant::now());
+    let put = tokio::time::timeout(left, bucket.put_create(&layout::ready(c.kind, c.step), mb)).await;
+    let put = put.map_err(|_| {
+        CommitError::Unconfirmed(format!(
+            "step {}: the ready marker was not written before the publisher's lease ran out; not confirmed",
+            c.step
+        ))
+    })?;
+    match put {
         Ok(()) => {}
         Err(e) if e.is_already_exists() => {
             // Committed before: by this process's own retried request, or by a killed
@@ -513,20 +529,20 @@ impl Ctx {
 
     /// Fails unless this generation's lease is live (renewed within its TTL, with a margin of
     /// a quarter TTL for the marker write) and no newer generation was seen.
-    fn check_lease(&self, step: u64) -> Result<(), CommitError> {
+    /// Returns when the lease runs out, by this host's clock.
+    fn check_lease(&self, step: u64) -> Result<Instant, CommitError> {
         let s = self.shared.state.lock().expect("state lock");
         if let Some((_, d)) = &s.conflict {
             return Err(CommitError::Conflict(d.clone()));
         }
         // Released (the publisher stopped): GC may already be removing this generation's
         // uncommitted objects, so no marker of it may land now.
-        let live = !s.released && s.lease_until.is_some_and(|t| t > Instant::now() + self.lease_ttl / 4);
-        if !live {
-            return Err(CommitError::Unconfirmed(format!(
+        match s.lease_until.filter(|&t| !s.released && t > Instant::now() + self.lease_ttl / 4) {
+            Some(t) => Ok(t),
+            None => Err(CommitError::Unconfirmed(format!(
                 "step {step}: the publisher's lease could not be renewed in time; not committed"
-            )));
+            ))),
         }
-        Ok(())
     }
 
     /// The weights root of a committed step as its manifest says (`None` when it is not
@@ -718,7 +734,7 @@ pub(crate) async fn delta_loop(ctx: Arc<Ctx>, mut rx: tokio::sync::mpsc::Receive
                     attempt: 0,
                     uploaded: &[],
                 };
-                let r = commit_step(&ctx, c).instrument(span).await;
+                let r = commit_caught(&ctx, c).instrument(span).await;
                 match r {
                     Ok(bytes) => {
                         info!(step = d.step, bytes, secs = t.elapsed().as_secs_f64(), "delta ready");
@@ -744,6 +760,18 @@ pub(crate) async fn delta_loop(ctx: Arc<Ctx>, mut rx: tokio::sync::mpsc::Receive
     }
 }
 
+/// [`commit_step`], a panic in it taken for a failed step (found by review: a panic ended the
+/// upload task with the step still counted as queued, and `flush`, `close` and drop of the
+/// publisher then waited for it for ever). A later attempt (`flush` publishes the newest
+/// step again) may succeed.
+async fn commit_caught(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitError> {
+    use futures::FutureExt;
+    let step = c.step;
+    std::panic::AssertUnwindSafe(commit_step(ctx, c)).catch_unwind().await.unwrap_or_else(|_| {
+        Err(CommitError::Unconfirmed(format!("step {step}: the upload panicked (a bug: please report it)")))
+    })
+}
+
 /// Uploads one spooled anchor.
 pub(crate) async fn anchor_upload(ctx: Arc<Ctx>, mut job: AnchorJob) {
     let t = Instant::now();
@@ -759,7 +787,7 @@ pub(crate) async fn anchor_upload(ctx: Arc<Ctx>, mut job: AnchorJob) {
         attempt: job.attempt,
         uploaded: &[],
     };
-    let r = commit_step(&ctx, c).instrument(span).await;
+    let r = commit_caught(&ctx, c).instrument(span).await;
     match r {
         Ok(bytes) => {
             info!(step = job.step, bytes, secs = t.elapsed().as_secs_f64(), "anchor ready");

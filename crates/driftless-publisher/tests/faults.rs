@@ -2095,3 +2095,59 @@ fn a_rank_waits_out_the_lease_of_another_group() {
         assert!(rank0.join().unwrap().unwrap().committed);
     });
 }
+
+/// Found by review: nothing bounded a ready marker's write by the publisher's lease. Its retries
+/// could run past the lease, and a GC with a short grace could take the step for an abandoned
+/// upload and delete its objects just before the marker naming them landed. A marker request
+/// that outlives the lease (held here for 5 s against a TTL of 2 s) is now given up: the delta
+/// step is never committed late, and `flush`, finding no marker, publishes the step again as
+/// an anchor, which lands.
+#[test]
+fn a_marker_write_that_outlives_the_lease_is_given_up() {
+    let be = backends("marker-past-lease", false).into_iter().next().expect("memory");
+    let (faulty, bucket) = be.bucket();
+    let mut p = publisher(&bucket, 100).with_lease_ttl(Duration::from_secs(2)).build().unwrap();
+    let mut c = chain();
+    p.publish(0, &c.views()).unwrap();
+    p.flush().unwrap();
+    c.step();
+    faulty.inject(FaultOp::Put, "ready/deltas/000000000001", 1, FaultKind::Slow(Duration::from_secs(5)));
+    p.publish(1, &c.views()).unwrap();
+    p.flush().unwrap();
+    // Well past the held request's 5 s: it never landed.
+    std::thread::sleep(Duration::from_secs(4));
+    let s = scan(&bucket, &trust());
+    assert!(!s.ready_deltas.contains_key(&1), "the marker landed after the lease: {s:?}");
+    assert!(s.ready_anchors.contains(&1), "{s:?}");
+    assert_eq!(s.roots.get(&1), Some(&root_of(&c.views())), "{s:?}");
+    p.close().unwrap();
+}
+
+/// Found by review: a panic in an upload task (a bug on the request's path) ended the task with
+/// its step still counted as queued, and `flush`, `close` and drop then waited for ever. It is
+/// a failed step now: `flush` returns, publishing the newest step again as an anchor.
+#[test]
+fn a_panic_in_an_upload_is_a_failed_step_not_a_hang() {
+    let be = backends("upload-panic", false).into_iter().next().expect("memory");
+    let (faulty, bucket) = be.bucket();
+    let mut p = publisher(&bucket, 100).build().unwrap();
+    let mut c = chain();
+    p.publish(0, &c.views()).unwrap();
+    p.flush().unwrap();
+    c.step();
+    faulty.inject(FaultOp::Put, "ready/deltas/000000000001", 1, FaultKind::Panic);
+    p.publish(1, &c.views()).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let r = p.flush();
+        tx.send(r.as_ref().map_err(|e| e.to_string()).map(|_| ()).clone()).unwrap();
+        p
+    });
+    let r = rx.recv_timeout(Duration::from_secs(60)).expect("flush hung after a panic in an upload");
+    r.unwrap_or_else(|e| panic!("flush: {e}"));
+    let p = waiter.join().unwrap();
+    let s = scan(&bucket, &trust());
+    assert!(s.ready_anchors.contains(&1) && !s.ready_deltas.contains_key(&1), "{s:?}");
+    assert_eq!(s.roots.get(&1), Some(&root_of(&c.views())), "{s:?}");
+    p.close().unwrap();
+}
