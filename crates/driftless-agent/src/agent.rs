@@ -168,6 +168,9 @@ pub struct Agent {
     refused: Refusals,
     markers: MarkerCache,
     stream_id: Option<String>,
+    /// When the stream followed was created (its signed descriptor's `created_at_ms`): a
+    /// descriptor of another stream is followed only when it is newer (see `stream_id`).
+    stream_created: Option<u64>,
     /// Delta segment objects kept in `cache/` (step, SHA-256s), to bring the inactive slot
     /// forward without a second download.
     cached: Vec<(u64, Vec<Digest>)>,
@@ -301,6 +304,7 @@ impl Agent {
             metrics.step.store(s.step, Relaxed);
         }
         let reverify = dir.unclean && state.is_some();
+        let stream_created = state.as_ref().and_then(|s| s.stream_created_ms);
         Ok(Agent {
             reader: StreamReader::new(bucket, cfg.trust.clone()),
             refused: Refusals::new(cfg.refuse_for),
@@ -314,6 +318,7 @@ impl Agent {
             loaded: None,
             markers: MarkerCache::default(),
             stream_id: None,
+            stream_created,
             cached: vec![],
             hint: None,
             hint_polled: false,
@@ -462,6 +467,12 @@ impl Agent {
             Err(e) => format!("the served slot cannot be read: {e}"),
         };
         if let Err(e) = self.dir.unlink() {
+            // The files are known bad whether or not `current` could be removed: never link,
+            // announce or report them again, and have the next start re-verify them (found by
+            // review: `active_ok` stayed set, so the next sync re-linked the damaged slot and
+            // a clean stop removed `running`, skipping the re-verification).
+            self.active_ok = false;
+            self.metrics.step.store(u64::MAX, Relaxed);
             return BuildError::Other(e.into());
         }
         error!(step = st.step, reason = %why, "the served weights changed on disk: current removed until a verified step is built");
@@ -606,6 +617,28 @@ impl Agent {
         }
         match self.reader.descriptor().await? {
             Some(d) => {
+                // Another stream than the one followed (or than the local weights'): a new run
+                // in this prefix, followed only when created after it. Found by review: a
+                // replayed older run's `stream.json` (signed by the same key, with its objects
+                // copied back) rolled agents back to that run's weights, and alternating two
+                // descriptors had every agent download an anchor and reload at each switch.
+                let known = self.stream_id.as_ref().or(self.state.as_ref().map(|s| &s.stream_id));
+                if let (Some(k), Some(c)) = (known.filter(|k| **k != d.stream_id), self.stream_created) {
+                    if d.created_at_ms < c {
+                        self.hint = None;
+                        return Err(driftless_format::Error::corrupt(
+                            "stream.json",
+                            format!(
+                                "it names stream {}, created at {} ms, not after stream {k} that this agent follows                                  (created at {c} ms): an older run is not followed (to follow it anyway, start the                                  agent on an empty --dir)",
+                                d.stream_id, d.created_at_ms
+                            ),
+                        )
+                        .into());
+                    }
+                }
+                if known.is_none_or(|k| *k != d.stream_id) || self.stream_created.is_none() {
+                    self.stream_created = Some(d.created_at_ms);
+                }
                 if let Some(old) = self.stream_id.as_ref().filter(|s| **s != d.stream_id) {
                     info!(old = %old, new = %d.stream_id, "the bucket holds a new stream: following it");
                     self.markers = MarkerCache::default();
@@ -721,6 +754,10 @@ impl Agent {
             &built
         {
             self.refuse_step(&cands, *kind, *step, reason, *missing);
+        }
+        // (Not when a reader holds the slot open: its files stay as they are for it.)
+        if built.is_err() && !matches!(built, Err(BuildError::Other(Error::SlotInUse { .. }))) {
+            self.drop_partial_work().await;
         }
         let (bytes, rebuilt) = built?;
         let ctr = match path {
@@ -963,8 +1000,15 @@ impl Agent {
             .await
             .map_err(|e| Error::Io(std::io::Error::other(format!("sync task: {e}"))))??;
         let inactive = prev.as_ref().filter(|s| self.active_ok && s.stream_id == sid).map(|s| s.held());
-        let st =
-            LocalState { version: 2, stream_id: sid.to_string(), step: at.step, root: at.root, active: work, inactive };
+        let st = LocalState {
+            version: 2,
+            stream_id: sid.to_string(),
+            stream_created_ms: self.stream_created,
+            step: at.step,
+            root: at.root,
+            active: work,
+            inactive,
+        };
         st.store(self.dir.path())?;
         // Memory follows the disk at once: if the link fails (or this future is dropped), the
         // next sync links `current` to the slot the state names instead of rebuilding it as
@@ -990,6 +1034,48 @@ impl Agent {
         }
         self.prune_cache();
         Ok((bytes, rebuilt))
+    }
+
+    /// After a failed build: the work slot (and a layout rewrite's `.new` beside it) is removed
+    /// when nothing names it, neither the state (released before its first write, or no state)
+    /// nor `current`. Found by review: an anchor or rebuild that ran out of space on ext4 left
+    /// its partly written (and allocated) files, and every later sync then failed at its first
+    /// write, the state's, before it reached the code that would have replaced them; the agent
+    /// served its verified step but never advanced until the slot was deleted by hand. A slot
+    /// that still holds the inactive verified step is kept (a download failed before any
+    /// write, a slot in use). Best effort: a failure is logged.
+    async fn drop_partial_work(&self) {
+        let named: Vec<Slot> = match &self.state {
+            Some(s) => std::iter::once(s.active).chain(s.inactive.map(|_| s.active.other())).collect(),
+            None => vec![],
+        };
+        let linked = self.dir.linked();
+        let work = match self.state.as_ref().map(|s| s.active) {
+            Some(a) => a.other(),
+            None => linked.map_or(Slot::A, Slot::other),
+        };
+        if named.contains(&work) || linked == Some(work) {
+            return;
+        }
+        let wdir = self.dir.slot(work);
+        let r = self
+            .blocking(move || -> std::io::Result<bool> {
+                let mut removed = false;
+                for d in [wdir.with_extension("new"), wdir] {
+                    if d.exists() {
+                        std::fs::remove_dir_all(&d)?;
+                        removed = true;
+                    }
+                }
+                Ok(removed)
+            })
+            .await;
+        match r {
+            Ok(Ok(true)) => info!(slot = ?work, "removed the failed build's partial slot"),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => warn!(error = %e, "could not remove the failed build's partial slot"),
+            Err(e) => warn!(error = %e, "could not remove the failed build's partial slot"),
+        }
     }
 
     /// Runs `f` on the blocking pool holding a share of the directory's lock
@@ -1253,12 +1339,11 @@ impl Agent {
                                     (b, size)
                                 }
                             };
-                            let raw = s.raw_size;
                             // Capped by the manifest (`MAX_SEGMENT_RAW` < 2^32).
-                            let permits = u32::try_from(raw).unwrap_or(u32::MAX);
+                            let permits = u32::try_from(s.raw_size).unwrap_or(u32::MAX);
                             let got = match budget.try_acquire_many_owned(permits) {
-                                Ok(permit) => Got::Decoded(decode_blocking(b, raw, mode).await?, permit),
-                                Err(_) => Got::Stored(b, raw),
+                                Ok(permit) => Got::Decoded(decode_blocking(b, s, mode).await?, permit),
+                                Err(_) => Got::Stored(b, s),
                             };
                             Ok::<_, Error>((i, got, downloaded))
                         }
@@ -1345,7 +1430,7 @@ impl Agent {
                 // Received: its bytes leave the decode-ahead budget (the permit is dropped).
                 Got::Decoded(seg, _permit) => segs[i] = Some(seg),
                 Got::Kept(seg) => segs[i] = Some(seg),
-                Got::Stored(b, raw) => late.push(async move { (i, decode_blocking(b, raw, mode).await) }),
+                Got::Stored(b, r) => late.push(async move { (i, decode_blocking(b, r, mode).await) }),
             }
         }
         while let Some((i, r)) = late.next().await {
@@ -1725,16 +1810,20 @@ struct KeptDelta {
 /// budget until received), or stored, with its `raw_size`, to be decoded when received.
 enum Got {
     Decoded(DecodedSegment, tokio::sync::OwnedSemaphorePermit),
-    Stored(Bytes, u64),
+    Stored(Bytes, driftless_format::manifest::SegmentRef),
     /// Kept from the previous sync (see [`KeptDelta`]).
     Kept(DecodedSegment),
 }
 
-/// Decodes a segment (at most `raw` decoded bytes) on the blocking pool, checking its value
-/// mode against the manifest's.
-async fn decode_blocking(b: Bytes, raw: u64, mode: delta::ValueMode) -> Result<DecodedSegment> {
+/// Decodes a segment (at most its `raw_size`, exactly its `entries`) on the blocking pool,
+/// checking its value mode against the manifest's.
+async fn decode_blocking(
+    b: Bytes,
+    r: driftless_format::manifest::SegmentRef,
+    mode: delta::ValueMode,
+) -> Result<DecodedSegment> {
     tokio::task::spawn_blocking(move || -> Result<DecodedSegment> {
-        let seg = delta::decode_segment(&b, raw)?;
+        let seg = delta::decode_segment_of(&b, &r)?;
         if seg.mode != mode {
             return Err(corrupt("segment", "value mode differs from the manifest"));
         }

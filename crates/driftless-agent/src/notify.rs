@@ -623,6 +623,9 @@ async fn vllm(
     }
     // The mode goes in the query string: /pause ignores a JSON body.
     let paused = e.post(&format!("/pause?mode={}", t.mode), &json!({})).await;
+    // Set when a reload answered with an error: the weights may be partly those of the new
+    // step, and vLLM has no rollback.
+    let mut partial = false;
     let load = async {
         paused.map_err(|x| x.to_string())?;
         let patched = match patch {
@@ -636,6 +639,7 @@ async fn vllm(
                 // with the old step, and a patch from that step could be applied onto the
                 // mix). The next attempt reloads in full.
                 let _ = e.post("/update_weight_version", &json!({"new_version": UNKNOWN})).await;
+                partial = !why.contains(NOT_RESENT);
                 return Err(why);
             }
         }
@@ -665,10 +669,21 @@ async fn vllm(
         Ok(())
     }
     .await;
+    if partial {
+        // Not resumed (found by review: resumed, the engine generated from a mix of two steps
+        // until the next load succeeded, and rollouts carried only the version's label to
+        // tell). It stays paused, reporting `driftless-unknown`, until a reload of a verified
+        // step succeeds: the agent's next attempt, at its next poll.
+        return Err(format!("{}; the engine is left paused until a reload succeeds", load.err().unwrap_or_default()));
+    }
     let resume = e.post("/resume", &json!({})).await;
     join(load, resume)?;
     confirm(e, "/weight_info", want).await
 }
+
+/// What [`reload`]'s error says when the reload timed out (it may still be running: the engine
+/// is resumed as after any load that timed out, rather than held paused with a load in flight).
+const NOT_RESENT: &str = "not re-sent";
 
 /// `reload_weights` from the verified directory (a full, in-place reload).
 async fn reload(e: &Engine<'_>, t: &EngineTarget, dir: &str) -> std::result::Result<(), String> {
@@ -683,7 +698,7 @@ async fn reload(e: &Engine<'_>, t: &EngineTarget, dir: &str) -> std::result::Res
                 short(&r.text)
             ))
         }
-        Err(CallError::Timeout(m)) => return Err(format!("{m}; the reload may still be running, not re-sent")),
+        Err(CallError::Timeout(m)) => return Err(format!("{m}; the reload may still be running, {NOT_RESENT}")),
         Err(x) => return Err(x.to_string()),
     }
     Ok(())

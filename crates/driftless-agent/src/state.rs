@@ -77,6 +77,10 @@ pub struct LocalState {
     pub version: u32,
     /// Stream id the checkpoints belong to.
     pub stream_id: String,
+    /// When that stream was created (its signed descriptor's `created_at_ms`): the agent
+    /// follows another stream only when it was created later. Absent in states written before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_created_ms: Option<u64>,
     /// Verified step of the active slot (the one `current` names).
     pub step: u64,
     /// Its weights root.

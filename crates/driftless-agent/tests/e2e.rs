@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use driftless_agent::{Agent, AgentConfig, SyncPath};
+use driftless_agent::{Agent, AgentConfig, LocalState, SyncPath};
 use driftless_format::gen::{ModelSpec, RlChain};
 use driftless_format::{Checkpoint, DType, Keypair, TensorView, TrustSet};
 use driftless_publisher::PublisherBuilder;
@@ -335,9 +335,31 @@ async fn a_running_agent_follows_a_new_run_in_its_prefix() {
     let mut agent = Agent::new(bucket, AgentConfig::new(dir.path(), trust)).unwrap();
     assert_eq!(agent.sync_once().await.unwrap().step, 4);
     assert_same(&agent, &old);
-    std::fs::remove_dir_all(d.path().join("bucket")).unwrap();
+    std::fs::rename(d.path().join("bucket"), d.path().join("old-run")).unwrap();
+    // (Created at a later millisecond than the old run.)
+    std::thread::sleep(Duration::from_millis(5));
     let new = publish(2, 2).await.unwrap();
     let o = agent.sync_once().await.unwrap();
     assert_eq!((o.step, o.route), (2, SyncPath::Anchor));
     assert_same(&agent, &new);
+    // The old run put back in the prefix (its signed stream.json and objects, replayed): not
+    // followed, by the running agent nor by one restarted on its directory (found by review:
+    // agents went back to the older run's weights). The new run's step 2 is kept and served.
+    std::fs::remove_dir_all(d.path().join("bucket")).unwrap();
+    std::fs::rename(d.path().join("old-run"), d.path().join("bucket")).unwrap();
+    let before = LocalState::load(dir.path()).unwrap().unwrap();
+    assert!(before.stream_created_ms.is_some(), "{before:?}");
+    for restarted in [false, true] {
+        if restarted {
+            drop(agent);
+            let bucket = Bucket::open(&url, &StoreOptions::default()).unwrap();
+            let trust = TrustSet::new().with_key(key.public());
+            agent = Agent::new(bucket, AgentConfig::new(dir.path(), trust)).unwrap();
+        }
+        let e = agent.sync_once().await.unwrap_err();
+        assert!(e.to_string().contains("an older run is not followed"), "restarted {restarted}: {e}");
+        assert!(e.is_integrity() && !e.is_retryable(), "{e}");
+        assert_eq!(LocalState::load(dir.path()).unwrap().unwrap(), before);
+        assert_same(&agent, &new);
+    }
 }

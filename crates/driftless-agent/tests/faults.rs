@@ -92,6 +92,24 @@ async fn plant_delta_markers(b: &Bucket, steps: std::ops::Range<u64>, base: u64)
     }
 }
 
+/// Commits delta manifest `m` (crafted by a test, signed with `key`) at its step: the manifest
+/// at its step's `manifest.json`, then its ready marker.
+async fn put_signed_delta(b: &Bucket, key: &Keypair, m: &driftless_format::DeltaManifest) {
+    let env = key.seal(&serde_json::to_vec(m).unwrap()).unwrap();
+    b.put(&layout::object(StepKind::Delta, m.step, "manifest.json"), Bytes::from(env.clone())).await.unwrap();
+    let marker = driftless_format::manifest::ReadyMarker {
+        kind: "ready".into(),
+        stream_id: m.stream_id.clone(),
+        of: StepKind::Delta,
+        step: m.step,
+        base_step: Some(m.base_step),
+        manifest_sha256: driftless_format::Digest::of(&env),
+        payload_bytes: m.payload_bytes(),
+        manifest: None,
+    };
+    b.put(&layout::ready(StepKind::Delta, m.step), Bytes::from(serde_json::to_vec(&marker).unwrap())).await.unwrap();
+}
+
 fn counter(a: &Agent, f: impl Fn(&driftless_agent::metrics::Metrics) -> &AtomicU64) -> u64 {
     f(&a.metrics()).load(SeqCst)
 }
@@ -258,19 +276,7 @@ async fn signed_delta_contradicting_the_verified_base_is_refused() {
         let reader = driftless_store::stream::StreamReader::new(b.clone(), trust.clone());
         let (mut m, _) = reader.delta(3).await.unwrap();
         (m.step, m.base_step, m.base_root, m.segments) = (1000, 3, driftless_format::Digest([7; 32]), vec![]);
-        let env = key.seal(&serde_json::to_vec(&m).unwrap()).unwrap();
-        b.put(&layout::object(StepKind::Delta, 1000, "manifest.json"), Bytes::from(env.clone())).await.unwrap();
-        let marker = driftless_format::manifest::ReadyMarker {
-            kind: "ready".into(),
-            stream_id: m.stream_id.clone(),
-            of: StepKind::Delta,
-            step: 1000,
-            base_step: Some(3),
-            manifest_sha256: driftless_format::Digest::of(&env),
-            payload_bytes: m.payload_bytes(),
-            manifest: None,
-        };
-        b.put(&layout::ready(StepKind::Delta, 1000), Bytes::from(serde_json::to_vec(&marker).unwrap())).await.unwrap();
+        put_signed_delta(b, &key, &m).await;
         let before = a.state().cloned();
         for _ in 0..2 {
             let o = a.sync_once().await.unwrap();
@@ -939,4 +945,52 @@ async fn refusals_of_steps_no_longer_listed_are_dropped() {
     let o = a.sync_once().await.unwrap();
     assert!(o.refused.is_empty(), "{} refusals of steps no longer in the bucket", o.refused.len());
     assert_verified(&a, "after planted markers came and went");
+}
+
+/// Found by review: a build that failed after writing the work slot (an anchor or a rebuild
+/// that ran out of space on ext4) left its partly written files, so every later sync failed at
+/// its first write and the agent never advanced. A failed build now removes the work slot
+/// when nothing names it any more (released before the first write). Here the write is a
+/// real pass over the work slot, refused at the end: a signed delta whose result root is wrong.
+/// The served step is kept, the partial slot is gone, and the next genuine step rebuilds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_that_fails_after_writing_removes_its_partial_slot() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let (mut t, mut a) = following(&tb, &key, &trust, 3).await;
+    t.publish();
+    assert_eq!(a.sync_once().await.unwrap().step, 3);
+    let dir = tb.dir.path().join("a");
+    let before = LocalState::load(&dir).unwrap().unwrap();
+    let work = dir.join("slots").join(format!("{:?}", before.active.other()).to_lowercase());
+    assert!(before.inactive.is_some() && work.is_dir(), "{before:?} {}", work.display());
+    let want3 = snapshot(&t.chain);
+    // Step 4 is published, its marker taken away; its delta comes back as step 1000 on base 3,
+    // signed, with a result root that is not what it produces.
+    let want4 = t.publish();
+    let b = &tb.bucket;
+    let reader = driftless_store::stream::StreamReader::new(b.clone(), trust.clone());
+    let (mut m, _) = reader.delta(4).await.unwrap();
+    let marker4 = b.get(&layout::ready(StepKind::Delta, 4)).await.unwrap();
+    b.delete(&layout::ready(StepKind::Delta, 4)).await.unwrap();
+    b.delete(layout::LATEST).await.unwrap();
+    for s in &m.segments {
+        let body = b.get(&layout::object(StepKind::Delta, 4, &s.object.object)).await.unwrap();
+        b.put(&layout::object(StepKind::Delta, 1000, &s.object.object), body).await.unwrap();
+    }
+    (m.step, m.result_root) = (1000, driftless_format::Digest([9; 32]));
+    put_signed_delta(b, &key, &m).await;
+    let o = a.sync_once().await.unwrap();
+    assert_eq!(o.step, 3, "{o:?}");
+    assert!(o.refused.iter().any(|r| r.step == 1000), "{o:?}");
+    assert_verified(&a, "after the refused step");
+    assert_bits(&a, &want3);
+    let after = LocalState::load(&dir).unwrap().unwrap();
+    assert_eq!((after.step, after.active, after.inactive), (3, before.active, None));
+    assert!(!work.exists(), "the refused build's partial slot was left at {}", work.display());
+    // The genuine step 4: the work slot rebuilt from the served one in its pass.
+    b.put(&layout::ready(StepKind::Delta, 4), marker4).await.unwrap();
+    let o = a.sync_once().await.unwrap();
+    assert_eq!((o.step, o.rebuilt), (4, true), "{o:?}");
+    assert_bits(&a, &want4);
 }
