@@ -168,9 +168,15 @@ pub struct Agent {
     refused: Refusals,
     markers: MarkerCache,
     stream_id: Option<String>,
-    /// When the stream followed was created (its signed descriptor's `created_at_ms`): a
-    /// descriptor of another stream is followed only when it is newer (see `stream_id`).
+    /// When the stream of the local weights (the state's) was created, its signed descriptor's
+    /// `created_at_ms`: a descriptor of another stream is followed only when it is not older
+    /// (see `stream_id`).
     stream_created: Option<u64>,
+    /// The stream id and creation time of the descriptor last read.
+    descriptor_created: Option<(String, u64)>,
+    /// The slot the build in progress writes, until it stores the state that names it (see
+    /// `drop_partial_work`).
+    building: Option<Slot>,
     /// Delta segment objects kept in `cache/` (step, SHA-256s), to bring the inactive slot
     /// forward without a second download.
     cached: Vec<(u64, Vec<Digest>)>,
@@ -319,6 +325,8 @@ impl Agent {
             markers: MarkerCache::default(),
             stream_id: None,
             stream_created,
+            descriptor_created: None,
+            building: None,
             cached: vec![],
             hint: None,
             hint_polled: false,
@@ -622,23 +630,31 @@ impl Agent {
                 // replayed older run's `stream.json` (signed by the same key, with its objects
                 // copied back) rolled agents back to that run's weights, and alternating two
                 // descriptors had every agent download an anchor and reload at each switch.
-                let known = self.stream_id.as_ref().or(self.state.as_ref().map(|s| &s.stream_id));
-                if let (Some(k), Some(c)) = (known.filter(|k| **k != d.stream_id), self.stream_created) {
-                    if d.created_at_ms < c {
+                // The stream of the local weights, when this is another one: followed only when
+                // created after it.
+                let local = self.state.as_ref().map(|s| s.stream_id.clone());
+                match (local.filter(|l| *l != d.stream_id), self.stream_created) {
+                    (Some(l), Some(c)) if d.created_at_ms < c => {
                         self.hint = None;
                         return Err(driftless_format::Error::corrupt(
                             "stream.json",
                             format!(
-                                "it names stream {}, created at {} ms, not after stream {k} that this agent follows                                  (created at {c} ms): an older run is not followed (to follow it anyway, start the                                  agent on an empty --dir)",
+                                "it names stream {}, created at {} ms, before stream {l} whose step this agent \
+                                 holds (created at {c} ms): an older run is not followed (to follow it anyway, \
+                                 start the agent on an empty --dir)",
                                 d.stream_id, d.created_at_ms
                             ),
                         )
                         .into());
                     }
+                    // The local weights' own stream, in a state written before the time was
+                    // kept: learnt now.
+                    (None, None) if self.state.is_some() => self.stream_created = Some(d.created_at_ms),
+                    _ => {}
                 }
-                if known.is_none_or(|k| *k != d.stream_id) || self.stream_created.is_none() {
-                    self.stream_created = Some(d.created_at_ms);
-                }
+                // Kept with the state once a step of this stream is stored (not before: a newer
+                // run seen and gone again must not make the agent refuse its own stream).
+                self.descriptor_created = Some((d.stream_id.clone(), d.created_at_ms));
                 if let Some(old) = self.stream_id.as_ref().filter(|s| **s != d.stream_id) {
                     info!(old = %old, new = %d.stream_id, "the bucket holds a new stream: following it");
                     self.markers = MarkerCache::default();
@@ -755,9 +771,11 @@ impl Agent {
         {
             self.refuse_step(&cands, *kind, *step, reason, *missing);
         }
-        // (Not when a reader holds the slot open: its files stay as they are for it.)
-        if built.is_err() && !matches!(built, Err(BuildError::Other(Error::SlotInUse { .. }))) {
-            self.drop_partial_work().await;
+        match &built {
+            // A reader holds the slot open: its files stay as they are for it.
+            Err(BuildError::Other(Error::SlotInUse { .. })) => self.building = None,
+            Err(_) => self.drop_partial_work().await,
+            Ok(_) => {}
         }
         let (bytes, rebuilt) = built?;
         let ctr = match path {
@@ -800,6 +818,7 @@ impl Agent {
             None => self.dir.linked().map_or(Slot::A, Slot::other),
         };
         let wdir = self.dir.slot(work);
+        self.building = Some(work);
         // Its reader would load a mix of two steps: wait (the next poll tries again).
         if let Some(file) = self.dir.open_elsewhere(work)? {
             return Err(Error::SlotInUse { file }.into());
@@ -1000,16 +1019,24 @@ impl Agent {
             .await
             .map_err(|e| Error::Io(std::io::Error::other(format!("sync task: {e}"))))??;
         let inactive = prev.as_ref().filter(|s| self.active_ok && s.stream_id == sid).map(|s| s.held());
+        let created = match &self.descriptor_created {
+            Some((id, c)) if id == sid => Some(*c),
+            _ => self.stream_created.filter(|_| prev.as_ref().is_some_and(|p| p.stream_id == sid)),
+        };
         let st = LocalState {
             version: 2,
             stream_id: sid.to_string(),
-            stream_created_ms: self.stream_created,
+            stream_created_ms: created,
             step: at.step,
             root: at.root,
             active: work,
             inactive,
         };
+        // From here the work slot may be named on disk (a store whose rename landed and whose
+        // fsync failed), whatever memory says: a failure is no longer the build's to clean up.
+        self.building = None;
         st.store(self.dir.path())?;
+        self.stream_created = created;
         // Memory follows the disk at once: if the link fails (or this future is dropped), the
         // next sync links `current` to the slot the state names instead of rebuilding it as
         // the work slot while `state.json` vouches for it.
@@ -1044,17 +1071,15 @@ impl Agent {
     /// served its verified step but never advanced until the slot was deleted by hand. A slot
     /// that still holds the inactive verified step is kept (a download failed before any
     /// write, a slot in use). Best effort: a failure is logged.
-    async fn drop_partial_work(&self) {
-        let named: Vec<Slot> = match &self.state {
-            Some(s) => std::iter::once(s.active).chain(s.inactive.map(|_| s.active.other())).collect(),
-            None => vec![],
-        };
-        let linked = self.dir.linked();
-        let work = match self.state.as_ref().map(|s| s.active) {
-            Some(a) => a.other(),
-            None => linked.map_or(Slot::A, Slot::other),
-        };
-        if named.contains(&work) || linked == Some(work) {
+    async fn drop_partial_work(&mut self) {
+        // Only the slot the failed build chose, and only when it failed before storing the
+        // state that names it (found by review: computed afresh from memory, it was the
+        // served slot after a link whose rename landed and whose fsync failed, and the
+        // built slot after a state store whose fsync failed).
+        let Some(work) = self.building.take() else { return };
+        let named =
+            self.state.as_ref().is_some_and(|s| s.active == work || (s.inactive.is_some() && s.active.other() == work));
+        if named || self.dir.linked() == Some(work) {
             return;
         }
         let wdir = self.dir.slot(work);

@@ -19,7 +19,9 @@
 //!   {"weights_path": ABS}}`, `POST /reset_prefix_cache?reset_running_requests=true` (its
 //!   `success` field is read), `POST /update_weight_version {"new_version": V}`, `POST
 //!   /resume`, then `GET /weight_info` must report `V`. A failed or timed-out reload sets the
-//!   version to `driftless-unknown` before the resume (the weights may be partly reloaded).
+//!   version to `driftless-unknown` (the weights may be partly reloaded); one that vLLM
+//!   answered as failed (an error status, not a gateway's 502-504) also leaves the engine
+//!   paused until a reload succeeds, rather than serving weights that may mix two steps.
 //!   With `patch=on` (the server runs the worker extension `driftless.vllm_ext`) and a patch
 //!   from the step and root the engine reports (see [`crate::patch`]), the load is `POST
 //!   /collective_rpc {"method": "driftless_apply_patch", "kwargs": {"path": PATCH,
@@ -633,13 +635,13 @@ async fn vllm(
             None => false,
         };
         if !patched {
-            if let Err(why) = reload(e, t, dir).await {
+            if let Err((why, failed)) = reload(e, t, dir).await {
                 // vLLM has no rollback: the weights may be partly reloaded. The engine must
                 // not go on reporting the step it held (found by review: it resumed labelled
                 // with the old step, and a patch from that step could be applied onto the
                 // mix). The next attempt reloads in full.
                 let _ = e.post("/update_weight_version", &json!({"new_version": UNKNOWN})).await;
-                partial = !why.contains(NOT_RESENT);
+                partial = failed;
                 return Err(why);
             }
         }
@@ -681,27 +683,27 @@ async fn vllm(
     confirm(e, "/weight_info", want).await
 }
 
-/// What [`reload`]'s error says when the reload timed out (it may still be running: the engine
-/// is resumed as after any load that timed out, rather than held paused with a load in flight).
-const NOT_RESENT: &str = "not re-sent";
-
-/// `reload_weights` from the verified directory (a full, in-place reload).
-async fn reload(e: &Engine<'_>, t: &EngineTarget, dir: &str) -> std::result::Result<(), String> {
+/// `reload_weights` from the verified directory (a full, in-place reload). `Err((why, failed))`:
+/// `failed` when vLLM itself answered that the reload failed (an error status other than a
+/// gateway's 502, 503 or 504), so it is over and may have left the weights part way; not
+/// after a timeout, a dropped connection or a gateway's answer, where the reload may still be
+/// running.
+async fn reload(e: &Engine<'_>, t: &EngineTarget, dir: &str) -> std::result::Result<(), (String, bool)> {
     let body = json!({"method": "reload_weights", "kwargs": {"weights_path": dir}});
     match e.send(reqwest::Method::POST, "/collective_rpc", Some(&body), t.load_timeout).await {
-        Ok(r) if r.status.is_success() => {}
-        Ok(r) => {
-            return Err(format!(
+        Ok(r) if r.status.is_success() => Ok(()),
+        Ok(r) => Err((
+            format!(
                 "POST /collective_rpc reload_weights: HTTP {}: {} (vLLM has no rollback: the weights may be partly \
                  reloaded; the version is set to {UNKNOWN} so the next attempt reloads in full)",
                 r.status.as_u16(),
                 short(&r.text)
-            ))
-        }
-        Err(CallError::Timeout(m)) => return Err(format!("{m}; the reload may still be running, {NOT_RESENT}")),
-        Err(x) => return Err(x.to_string()),
+            ),
+            !matches!(r.status.as_u16(), 502..=504),
+        )),
+        Err(CallError::Timeout(m)) => Err((format!("{m}; the reload may still be running, not re-sent"), false)),
+        Err(x) => Err((x.to_string(), false)),
     }
-    Ok(())
 }
 
 /// Applies `p` through the worker extension. Returns whether every worker reports the

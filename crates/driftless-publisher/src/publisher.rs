@@ -273,12 +273,16 @@ impl PublisherBuilder {
             let a = newest_checked(bucket, trust.as_ref(), StepKind::Anchor).await?;
             Ok::<_, Error>((d, a))
         })?;
+        // The lease runs from before its first write was sent, as every renewal's does: never
+        // later than the bucket's `Last-Modified` + TTL that GC goes by (found by review:
+        // taken after the write and its retries, it could be up to a minute later).
+        let sent = Instant::now();
         let generation = rt.block_on(acquire_generation(bucket, &stream_id, self.lease_ttl, world_size))?;
         let shared = Arc::new(Shared::default());
         shared.update(|s| {
             s.last_delta = last_delta;
             s.last_anchor = last_anchor;
-            s.lease_until = Some(Instant::now() + self.lease_ttl);
+            s.lease_until = Some(sent + self.lease_ttl);
         });
         let ctx = Arc::new(Ctx {
             bucket: bucket.clone(),

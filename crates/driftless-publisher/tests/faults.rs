@@ -2099,23 +2099,27 @@ fn a_rank_waits_out_the_lease_of_another_group() {
 /// Found by review: nothing bounded a ready marker's write by the publisher's lease. Its retries
 /// could run past the lease, and a GC with a short grace could take the step for an abandoned
 /// upload and delete its objects just before the marker naming them landed. A marker request
-/// that outlives the lease (held here for 5 s against a TTL of 2 s) is now given up: the delta
+/// that outlives the lease (held here for 12 s against a TTL of 6 s) is now given up: the delta
 /// step is never committed late, and `flush`, finding no marker, publishes the step again as
 /// an anchor, which lands.
 #[test]
 fn a_marker_write_that_outlives_the_lease_is_given_up() {
     let be = backends("marker-past-lease", false).into_iter().next().expect("memory");
     let (faulty, bucket) = be.bucket();
-    let mut p = publisher(&bucket, 100).with_lease_ttl(Duration::from_secs(2)).build().unwrap();
+    // (A TTL that tolerates renewals seconds late on a loaded machine.)
+    let mut p = publisher(&bucket, 100).with_lease_ttl(Duration::from_secs(6)).build().unwrap();
     let mut c = chain();
     p.publish(0, &c.views()).unwrap();
     p.flush().unwrap();
     c.step();
-    faulty.inject(FaultOp::Put, "ready/deltas/000000000001", 1, FaultKind::Slow(Duration::from_secs(5)));
+    let held = Duration::from_secs(12);
+    faulty.inject(FaultOp::Put, "ready/deltas/000000000001", 1, FaultKind::Slow(held));
+    let t = std::time::Instant::now();
     p.publish(1, &c.views()).unwrap();
     p.flush().unwrap();
-    // Well past the held request's 5 s: it never landed.
-    std::thread::sleep(Duration::from_secs(4));
+    assert!(t.elapsed() < held, "the marker's write was waited for: {:?}", t.elapsed());
+    // Past the held request's end: it never landed.
+    std::thread::sleep((held + Duration::from_secs(1)).saturating_sub(t.elapsed()));
     let s = scan(&bucket, &trust());
     assert!(!s.ready_deltas.contains_key(&1), "the marker landed after the lease: {s:?}");
     assert!(s.ready_anchors.contains(&1), "{s:?}");

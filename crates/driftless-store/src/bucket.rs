@@ -54,7 +54,8 @@ struct Inner {
     /// Bounds requests in flight that move bulk bytes (each leaf request holds one permit).
     permits: Semaphore,
     /// The same for small requests (lists, heads, deletes, conditional reads, puts of at most
-    /// [`SMALL_PUT`] bytes): leases, claims, markers and manifests. Found by review: one
+    /// [`SMALL_PUT`] bytes and reads bounded by it): leases, claims, markers, the manifests
+    /// written (those read are bounded by 64 MiB, and wait with bulk reads). Found by review: one
     /// FIFO pool for everything queued a lease renewal behind every part of an anchor's
     /// multipart uploads (16 shards x 16 parts at the default concurrency, minutes at 400
     /// Mbit/s for a 70B model), so the lease lapsed and every commit in the meantime failed.

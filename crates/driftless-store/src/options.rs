@@ -21,9 +21,10 @@ pub struct StoreOptions {
     /// Total time one call may spend retrying. Default: 60 s.
     pub retry_timeout: Duration,
     /// Requests in flight per [`Bucket`](crate::Bucket) (shared by its clones), in each of two
-    /// pools: transfers of bulk bytes, and small requests (lists, heads, deletes, objects of at
-    /// most 1 MiB: leases, claims, markers, manifests), so that a lease renewal or a ready
-    /// marker never waits behind an anchor's uploads. Default: 16.
+    /// pools: transfers of bulk bytes, and small requests (lists, heads, deletes, conditional
+    /// reads, puts of at most 1 MiB such as leases, claims, markers and manifests, reads bounded
+    /// by 1 MiB such as markers and leases), so that a lease renewal or a ready marker never
+    /// waits behind an anchor's uploads. Default: 16.
     pub concurrency: usize,
     /// Objects at least this big are uploaded in parallel parts. Default: 64 MiB.
     pub multipart_threshold: usize,
