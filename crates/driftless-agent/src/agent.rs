@@ -625,13 +625,11 @@ impl Agent {
         }
         match self.reader.descriptor().await? {
             Some(d) => {
-                // Another stream than the one followed (or than the local weights'): a new run
-                // in this prefix, followed only when created after it. Found by review: a
-                // replayed older run's `stream.json` (signed by the same key, with its objects
-                // copied back) rolled agents back to that run's weights, and alternating two
+                // Another stream than the one whose step the agent holds: a new run in this
+                // prefix, followed only when created no earlier. Found by review: a replayed
+                // older run's `stream.json` (signed by the same key, with its objects copied
+                // back) rolled agents back to that run's weights, and alternating two
                 // descriptors had every agent download an anchor and reload at each switch.
-                // The stream of the local weights, when this is another one: followed only when
-                // created after it.
                 let local = self.state.as_ref().map(|s| s.stream_id.clone());
                 match (local.filter(|l| *l != d.stream_id), self.stream_created) {
                     (Some(l), Some(c)) if d.created_at_ms < c => {
@@ -1832,7 +1830,7 @@ struct KeptDelta {
 }
 
 /// A segment of a delta being fetched: decoded ahead (holding its bytes of the decode-ahead
-/// budget until received), or stored, with its `raw_size`, to be decoded when received.
+/// budget until received), or stored, with its manifest entry, to be decoded when received.
 enum Got {
     Decoded(DecodedSegment, tokio::sync::OwnedSemaphorePermit),
     Stored(Bytes, driftless_format::manifest::SegmentRef),
