@@ -626,28 +626,20 @@ impl Agent {
         match self.reader.descriptor().await? {
             Some(d) => {
                 // Another stream than the one whose step the agent holds: a new run in this
-                // prefix, followed only when created no earlier. Found by review: a replayed
-                // older run's `stream.json` (signed by the same key, with its objects copied
-                // back) rolled agents back to that run's weights, and alternating two
-                // descriptors had every agent download an anchor and reload at each switch.
+                // prefix, followed only when created no earlier ([`plan::older_run`]).
                 let local = self.state.as_ref().map(|s| s.stream_id.clone());
-                match (local.filter(|l| *l != d.stream_id), self.stream_created) {
-                    (Some(l), Some(c)) if d.created_at_ms < c => {
-                        self.hint = None;
-                        return Err(driftless_format::Error::corrupt(
-                            "stream.json",
-                            format!(
-                                "it names stream {}, created at {} ms, before stream {l} whose step this agent \
-                                 holds (created at {c} ms): an older run is not followed (to follow it anyway, \
-                                 start the agent on an empty --dir)",
-                                d.stream_id, d.created_at_ms
-                            ),
-                        )
-                        .into());
+                match (local, self.stream_created) {
+                    (Some(l), Some(c)) => {
+                        if let Err(e) =
+                            plan::older_run(&l, c, &d, "to follow it anyway, start the agent on an empty --dir")
+                        {
+                            self.hint = None;
+                            return Err(e.into());
+                        }
                     }
                     // The local weights' own stream, in a state written before the time was
                     // kept: learnt now.
-                    (None, None) if self.state.is_some() => self.stream_created = Some(d.created_at_ms),
+                    (Some(l), None) if l == d.stream_id => self.stream_created = Some(d.created_at_ms),
                     _ => {}
                 }
                 // Kept with the state once a step of this stream is stored (not before: a newer

@@ -55,6 +55,31 @@ impl Candidates {
     }
 }
 
+/// The rule for another stream at the prefix (a new run, or an older one replayed: its signed
+/// `stream.json` and objects copied back), for a holder of a verified step of stream
+/// `held_stream` created at `held_created` ms: it is followed only when created no earlier.
+/// The agent and the Python Follower apply this one rule; `remedy` says how to follow it
+/// anyway. Found by review: a replayed older run rolled agents back to its weights, and two
+/// descriptors alternating had every agent load an anchor at each switch.
+pub fn older_run(
+    held_stream: &str,
+    held_created: u64,
+    d: &driftless_format::manifest::StreamDescriptor,
+    remedy: &str,
+) -> Result<(), driftless_format::Error> {
+    if d.stream_id == held_stream || d.created_at_ms >= held_created {
+        return Ok(());
+    }
+    Err(driftless_format::Error::corrupt(
+        "stream.json",
+        format!(
+            "it names stream {}, created at {} ms, before stream {held_stream} whose step is held here \
+             (created at {held_created} ms): an older run is not followed ({remedy})",
+            d.stream_id, d.created_at_ms
+        ),
+    ))
+}
+
 /// The candidates a signed `latest.json` alone gives a follower on step `local` of stream
 /// `sid`: the newest delta when it applies to `local` (its marker rides in the hint, so the
 /// follower neither lists nor reads markers). `None` when the hint cannot plan from `local`:
@@ -661,6 +686,23 @@ pub fn route(local: Option<u64>, c: &Candidates, refused: &Refusals, want: Optio
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn another_run_is_followed_only_when_created_no_earlier() {
+        let d = |sid: &str, created| driftless_format::manifest::StreamDescriptor {
+            kind: "stream".into(),
+            version: 3,
+            stream_id: sid.into(),
+            trusted_keys: vec![],
+            created_at_ms: created,
+        };
+        assert!(older_run("a", 100, &d("a", 50), "").is_ok(), "its own stream, whatever the time");
+        assert!(older_run("a", 100, &d("b", 100), "").is_ok());
+        assert!(older_run("a", 100, &d("b", 101), "").is_ok());
+        let e = older_run("a", 100, &d("b", 99), "say how").unwrap_err();
+        assert!(!e.is_retryable(), "{e}");
+        assert!(e.to_string().contains("an older run is not followed (say how)"), "{e}");
+    }
 
     fn marker(of: StepKind, step: u64, base: Option<u64>, bytes: u64) -> ReadyMarker {
         ReadyMarker {

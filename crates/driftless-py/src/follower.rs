@@ -36,6 +36,9 @@ struct Tracked {
     root: Digest,
     layout: Layout,
     stream: String,
+    /// When that stream was created (its signed `created_at_ms`): an older run's descriptor,
+    /// replayed into the prefix, is refused ([`plan::older_run`], as the agent refuses it).
+    created: Option<u64>,
 }
 
 /// The host copy `iter_patches` keeps to turn ulp deltas into absolute values.
@@ -63,6 +66,8 @@ struct Plans {
     markers: plan::MarkerCache,
     /// The stream the cached markers belong to (a new stream at the prefix starts over).
     stream: Option<String>,
+    /// When `stream` was created (its descriptor's signed `created_at_ms`).
+    created: Option<u64>,
     /// The signed `latest.json` last read, with its ETag: a Follower on a step polls it with
     /// one conditional GET and, one step behind, plans from it alone ([`plan::from_hint`]),
     /// as the agent does.
@@ -276,6 +281,7 @@ impl PyFollower {
                     refused: plan::Refusals::new(refuse_for),
                     markers: plan::MarkerCache::default(),
                     stream: None,
+                    created: None,
                     latest: LatestWatch::default(),
                     settled: Default::default(),
                     calls: [0; 2],
@@ -640,11 +646,15 @@ impl PyFollower {
         let Some(desc) = self.reader.descriptor().await? else {
             return Err(BindError::NothingReady("the bucket holds no stream yet".into()));
         };
+        if let Some((t, c)) = local.and_then(|t| t.created.map(|c| (t, c))) {
+            plan::older_run(&t.stream, c, &desc, "to follow it anyway, call reset() first")?;
+        }
         if pl.stream.as_deref() != Some(desc.stream_id.as_str()) {
             pl.markers = plan::MarkerCache::default();
             pl.stream = Some(desc.stream_id.clone());
             pl.latest = LatestWatch::default();
         }
+        pl.created = Some(desc.created_at_ms);
         let local = of_stream(&desc.stream_id);
         let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None).await?;
         // Refusals of steps no longer listed, or before the oldest anchor, go (as the agent's).
@@ -961,7 +971,7 @@ impl PyFollower {
         };
         let mut cur = match &anchor {
             Some((a, m, layout)) => {
-                Tracked { step: *a, root: m.weights_root, layout: layout.clone(), stream: sid.clone() }
+                Tracked { step: *a, root: m.weights_root, layout: layout.clone(), stream: sid.clone(), created: pl.created }
             }
             None => {
                 let l = local.expect("a delta route starts from a local state").clone();
@@ -1062,7 +1072,7 @@ impl PyFollower {
             None => None,
         };
         let from = match &anchor {
-            Some((a, m)) => Tracked { step: *a, root: m.weights_root, layout: m.layout(), stream: sid.clone() },
+            Some((a, m)) => Tracked { step: *a, root: m.weights_root, layout: m.layout(), stream: sid.clone(), created: pl.created },
             None => mirror.as_ref().expect("a mirror to apply onto").at.clone(),
         };
         let detail = "patches cannot express it; reload the model (sync_dir) and call reset()";

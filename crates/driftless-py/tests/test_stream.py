@@ -690,6 +690,39 @@ def test_a_new_run_at_the_same_prefix_replaces_the_old_runs_weights(tmp_path, ke
     assert np.array_equal(bits(arrays["x.w"]), new[2])
 
 
+def test_an_older_run_replayed_into_the_prefix_is_not_followed(tmp_path, keys):
+    """Arrays verified at step 2 of a new run; the prefix is then put back as an older run left
+    it (its signed stream.json and objects copied back, signed by the same key). The older run
+    is refused ('an older run is not followed', as the agent refuses it): the arrays keep the
+    new run's step 2, bit for bit. reset() follows it on purpose."""
+    import shutil
+    import time
+
+    private, public = keys
+    url = f"file://{tmp_path}/b"
+    old = bit_chain(41, (64, 64), 4)
+    _publish_keeping_hints(url, private, old)
+    shutil.copytree(tmp_path / "b", tmp_path / "old")
+    shutil.rmtree(tmp_path / "b")
+    time.sleep(0.01)  # the new run's descriptor is created later
+    new = bit_chain(42, (64, 64), 2)
+    _publish_keeping_hints(url, private, new)
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros((64, 64), BF16)}
+    assert f.apply_to(arrays)["step"] == 2
+    shutil.rmtree(tmp_path / "b")
+    shutil.copytree(tmp_path / "old", tmp_path / "b")
+    for _ in range(2):
+        with pytest.raises(driftless.CorruptError, match="an older run is not followed"):
+            f.apply_to(arrays)
+        assert f.applied_step == 2
+        assert np.array_equal(bits(arrays["x.w"]), new[2])
+    f.reset()
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"]) == (4, "anchor"), o
+    assert np.array_equal(bits(arrays["x.w"]), old[4])
+
+
 def test_a_step_signed_for_another_stream_is_refused(tmp_path, keys):
     """Two runs signed with one key: run B's anchor copied into run A's bucket as A's newest
     step (its marker rewritten to A's stream id) verifies against B's own root, but is B's.
