@@ -92,8 +92,9 @@ pub fn entry_heap(name_len: usize) -> u64 {
 /// (a few hundred for a 7B model). Only [`DeltaOptions::chunk_bytes`] of a few hundred bytes
 /// or less on a large model would reach it (a library setting for tests; no tool exposes it),
 /// or a sharded step whose ranks hold tensors split along a later dimension into runs of
-/// fewer than a few hundred elements (one entry per run): the committer does not check its
-/// manifest against this bound before sealing it, and agents would refuse such a step.
+/// fewer than a few hundred elements (one entry per run). The sharded committer checks its
+/// manifest as readers do ([`crate::manifest::DeltaManifest::validate`]) and commits such a
+/// step as an anchor instead, or has the next step be one.
 pub fn max_delta_heap(layout: &crate::Layout) -> u64 {
     let bytes = layout.tensors().fold(0u64, |a, t| a.saturating_add(t.nbytes().unwrap_or(u64::MAX)));
     bytes.saturating_add(bytes / 4).saturating_add(64 << 20)

@@ -356,6 +356,17 @@ impl DeltaManifest {
     /// Parses and validates a delta manifest.
     pub fn from_slice(bytes: &[u8]) -> Result<Self> {
         let m: DeltaManifest = parse("delta manifest", bytes)?;
+        m.validate()?;
+        Ok(m)
+    }
+
+    /// The checks [`Self::from_slice`] makes of a parsed manifest: kind, version, shards, base
+    /// before step, segment names and sizes, and the bounds on what readers decode and hold
+    /// (`max_delta_raw`, `max_delta_heap`). A writer checks its own manifest with it before
+    /// sealing: what it publishes is what every reader accepts (found by review: a sharded
+    /// committer sealed a step of many short runs that every agent refused).
+    pub fn validate(&self) -> Result<()> {
+        let m = self;
         check_kind("delta manifest", &m.kind, "delta", m.version)?;
         check_shards("delta manifest", &m.shards)?;
         if m.base_step >= m.step {
@@ -400,7 +411,7 @@ impl DeltaManifest {
                 format!("segments decode to {heap} bytes in memory, more than a reader holds for the result ({most})"),
             ));
         }
-        Ok(m)
+        Ok(())
     }
     /// Total bytes of the segment objects.
     pub fn payload_bytes(&self) -> u64 {

@@ -1554,6 +1554,20 @@ async fn try_commit(
                 stats,
                 created_at_ms: manifest::now_ms(),
             };
+            // What every reader checks, checked before sealing: a step that readers refuse is
+            // a lost step (found by review: ranks holding tensors split along a later dimension
+            // into runs of a few elements send one entry per run, and a delta of millions of
+            // entries is over what a reader holds decoded). Such a step is committed whole as
+            // an anchor when the ranks sent their slices, and otherwise refused with the next
+            // step an anchor.
+            if let Err(e) = m.validate() {
+                if !a.parts.iter().all(|p| p.slices.is_some()) {
+                    return Err(Refusal::from((format!("step {step}: {e}; the next step is an anchor"), true)));
+                }
+                warn!(step, "{e}: this step is committed as an anchor instead");
+                commit_anchor(cfg, ctx, &a).await?;
+                return Ok((committed_outcome(step, StepKind::Anchor, root, shas), None));
+            }
             let env =
                 cfg.seal(&serde_json::to_vec(&m).expect("manifest serializes")).map_err(|e| (e.to_string(), true))?;
             let uploaded: Vec<(String, u64)> =
@@ -1592,18 +1606,21 @@ async fn try_commit(
         }
         _ => None,
     };
-    let o = StepOutcome {
+    Ok((committed_outcome(step, done, root, shas), later))
+}
+
+fn committed_outcome(step: u64, of: StepKind, root: Digest, parts: Vec<Digest>) -> StepOutcome {
+    StepOutcome {
         step,
         committed: true,
-        of: Some(done),
+        of: Some(of),
         root: Some(root),
         reason: None,
         next_anchor: false,
-        parts: shas,
+        parts,
         slices_next: false,
         retryable: true,
-    };
-    Ok((o, later))
+    }
 }
 
 /// Gathers an anchor from the ranks' slices, commits it, and removes the slices.
@@ -2108,6 +2125,67 @@ mod tests {
         });
         assert!(!o.committed);
         assert!(o.reason.as_deref().unwrap().contains("edge bytes, over the committer's"), "{:?}", o.reason);
+    }
+}
+
+#[cfg(test)]
+mod bound_tests {
+    use super::*;
+
+    /// Found by review: two ranks holding a tensor split along dimension 1 into runs of one
+    /// element send one delta entry per run; 900k entries decode to more memory than any
+    /// reader holds for a 1.8 MB result (`max_delta_heap`), so every agent refused the step
+    /// the committer sealed and reported as published, and every delta after it until the next
+    /// anchor. The committer now checks its manifest as readers do. With the ranks' slices at
+    /// hand (a scheduled anchor: `anchor_every` 1 here) the step is committed whole as an
+    /// anchor; without them it is refused (retryable) and the next step is an anchor.
+    #[test]
+    fn a_delta_readers_would_refuse_is_not_sealed() {
+        for anchor_every in [1000, 1] {
+            let o = three_steps_of_one_element_runs(anchor_every);
+            assert_eq!(o[0].of, Some(StepKind::Anchor), "{:?}", o[0]);
+            if anchor_every == 1 {
+                assert!(o[1].committed && o[1].of == Some(StepKind::Anchor), "{:?}", o[1]);
+            } else {
+                assert!(!o[1].committed && o[1].next_anchor && o[1].retryable, "{:?}", o[1]);
+                assert!(o[1].reason.as_deref().unwrap().contains("more than a reader holds"), "{:?}", o[1]);
+                assert!(o[2].committed && o[2].of == Some(StepKind::Anchor), "{:?}", o[2]);
+            }
+        }
+    }
+
+    /// Steps 0-2 of a (450000, 2) BF16 tensor, ranks 0 and 1 holding one column each; every
+    /// element changes at every step. Rank 0's outcome of each step.
+    fn three_steps_of_one_element_runs(anchor_every: u64) -> Vec<StepOutcome> {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let key = driftless_format::Keypair::generate();
+        let timeout = Duration::from_secs(120);
+        let cfg = PublisherBuilder::new(url).with_key(key).with_anchor_every(anchor_every);
+        let mut p0 = cfg.clone().with_new_stream(true).build_sharded(0, 2, timeout).unwrap();
+        let mut p1 = cfg.build_sharded(1, 2, timeout).unwrap();
+        let rows = 450_000u64;
+        let shape = [rows, 2];
+        let column = |r: u64, s: u64| -> Vec<u8> {
+            (0..rows).flat_map(|i| ((i * 2 + r) as u16 ^ (s as u16 * 0x0101)).to_le_bytes()).collect()
+        };
+        let mut outcomes = vec![];
+        for s in 0..3u64 {
+            let (c0, c1) = (column(0, s), column(1, s));
+            let shard = |r: u64, data| Shard {
+                name: "w",
+                dtype: DType::BF16,
+                shape: &shape,
+                slice: Slice::block(&shape, 1, r, 1).unwrap(),
+                data,
+            };
+            p1.publish(s, &[shard(1, &c1)]).unwrap();
+            p1.wait_sent().expect("rank 1's part sent");
+            p0.publish(s, &[shard(0, &c0)]).unwrap();
+            let _ = p0.flush();
+            outcomes.push(p0.last_outcome().cloned().expect("the step was resolved"));
+        }
+        outcomes
     }
 }
 
