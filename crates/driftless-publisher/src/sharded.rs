@@ -1905,6 +1905,23 @@ mod tests {
         assert!(took < Duration::from_secs(5), "{took:?}");
     }
 
+    /// A ready marker at a step that is not this stream's (junk planted in the bucket, or
+    /// another run's) is a conflict, not worth retrying: the marker is write-once. An
+    /// unreadable one (an outage) stays retryable.
+    #[test]
+    fn a_foreign_marker_at_a_step_is_a_conflict_not_a_retry() {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let p0 = cfg.build_sharded(0, 1, Duration::from_secs(1)).unwrap();
+        let (ctx, rt) = (p0.ctx.clone().unwrap(), p0.rt.as_ref().unwrap());
+        assert!(rt.block_on(ctx.committed_kind(5, Digest::of(b"w"))).unwrap().is_none(), "no marker: not committed");
+        rt.block_on(p0.bucket.put(&layout::ready(StepKind::Delta, 5), Bytes::from_static(b"{\"junk\": 1}"))).unwrap();
+        let e = rt.block_on(ctx.committed_kind(5, Digest::of(b"w"))).unwrap_err();
+        assert!(matches!(e, upload::CommitError::Conflict(_)) && !e.is_retryable(), "{e}");
+        assert!(e.to_string().contains("is not this stream's"), "{e}");
+    }
+
     /// A claim of this publisher's own generation with other weights is its own failed try
     /// (`Taken`: the step is lost, later ones go on) only when this process made it. One it
     /// did not make is another process under the same generation, which a store without

@@ -593,8 +593,12 @@ impl Ctx {
                     "{} {step} is already committed with other weights",
                     kind_name(kind)
                 ))),
-                None => Err(CommitError::Unconfirmed(format!(
-                    "the marker of {} {step} is there but could not be read as this stream's",
+                // Readable, and not this stream's step (another run's marker, junk, a bad
+                // signature): the marker is write-once, so no retry commits the step (found by
+                // review: reported as retryable, a trainer's retries went on for ever). A
+                // conflict, as at the marker's write ([`commit_step`]).
+                None => Err(CommitError::Conflict(format!(
+                    "the marker of {} {step} is there and is not this stream's (another writer's, or corrupt)",
                     kind_name(kind)
                 ))),
             };
