@@ -13,9 +13,10 @@
 #
 # Ports (override before `start` with the env var in brackets). All below Linux's ephemeral
 # range (32768-60999): found on CI, Azurite failed to start on 47100 (EADDRINUSE), a port
-# any outgoing connection of the machine may hold.
-#   moto 27055 [DRIFTLESS_CI_MOTO_PORT]     SeaweedFS S3 8333 (+ weed's own 9333, 8080, 8888,
-#   Azurite blob 27100 [DRIFTLESS_CI_AZURITE_PORT]     18888, 19333, ... defaults)
+# any outgoing connection of the machine may hold. weed's admin gRPC port is set (its
+# default, 33646, is in that range).
+#   moto 27055 [DRIFTLESS_CI_MOTO_PORT]     SeaweedFS S3 8333 (+ weed mini's own 9333, 9340,
+#   Azurite blob 27100 [DRIFTLESS_CI_AZURITE_PORT]     8888, 23646, 8181, 9101 and +10000)
 #   fake-gcs-server 27443 [DRIFTLESS_CI_GCS_PORT]
 #
 # Exported after `start` (also written to .ci-work/services.env):
@@ -157,12 +158,16 @@ ENV
 }
 
 _dl_spawn_weed() {
-  # A fresh data directory, unless a healthy weed already runs on it (it is reused).
-  { _dl_alive weed && _dl_up_weed; } || rm -rf "$_dl_run/weed-data"
+  # A fresh data directory, unless a healthy weed already runs on it (it is reused); an
+  # unhealthy one is stopped first.
+  if ! { _dl_alive weed && _dl_up_weed; }; then
+    _dl_stop_one weed
+    rm -rf "$_dl_run/weed-data"
+  fi
   mkdir -p "$_dl_run/weed-data"
   _dl_spawn weed env AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test \
     "$_dl_work/venv/bin/weed" mini -dir="$_dl_run/weed-data" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
-    -bucket=testbucket -admin.ui=false
+    -bucket=testbucket -admin.ui=false -admin.port.grpc=23647
 }
 
 # weed is up, has its bucket, and a signed PUT lands (its volume server registered).
@@ -197,7 +202,7 @@ _dl_stop_one() {
   pid="$(cat "$_dl_run/$1.pid" 2>/dev/null)" || return 0
   if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
     # setsid made each server its own process-group leader: stop the whole group.
-    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
     for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -KILL -- "-$pid" 2>/dev/null || true
     _dl_log "stopped $1 (pid $pid)"

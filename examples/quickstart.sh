@@ -14,7 +14,8 @@
 # ~/.cache/driftless-quickstart), curl. Settings (environment):
 #   DRIFTLESS_BIN        the driftless binary (default: `driftless` on PATH, else target/release or target/debug)
 #   QUICKSTART_STEPS     training steps to generate (default 8)
-#   QUICKSTART_PORT      first of the ten consecutive loopback ports SeaweedFS uses (default 28333)
+#   QUICKSTART_PORT      first of the loopback ports used (default 28333): SeaweedFS takes it
+#                        and the next nine, the two agents' ops endpoints the 11th and 12th after it
 #   QUICKSTART_VENV      Python environment for SeaweedFS and numpy
 #   QUICKSTART_KEEP=1    keep the work directory (bucket data, checkpoints, logs) afterwards
 set -euo pipefail
@@ -89,6 +90,7 @@ start_weed() {
   # Every wait is bounded: each request by curl's --max-time, each phase by a deadline.
   local deadline=$((SECONDS + 60))
   until [ "$SECONDS" -ge "$deadline" ]; do
+    kill -0 "$weed_pid" 2>/dev/null || { weed_why="it exited"; return 1; }
     # weed creates the bucket asynchronously: wait for a signed HEAD of it to answer 200.
     code=$(curl -s -m 5 -o /dev/null -w '%{http_code}' -I --aws-sigv4 "aws:amz:us-east-1:s3" \
       --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" "http://127.0.0.1:$port/quickstart" || true)
@@ -98,6 +100,7 @@ start_weed() {
   [ "$code" = 200 ] || { weed_why="it did not come up (HEAD /quickstart: $code)"; return 1; }
   deadline=$((SECONDS + 60))
   until [ "$SECONDS" -ge "$deadline" ]; do
+    kill -0 "$weed_pid" 2>/dev/null || { weed_why="it exited"; return 1; }
     # The bucket answers before a volume takes writes: wait until a small PUT lands too.
     # (SigV4 over a body needs its SHA-256 in x-amz-content-sha256.)
     code=$(curl -s -m 5 -o /dev/null -w '%{http_code}' -X PUT --data-binary probe --aws-sigv4 "aws:amz:us-east-1:s3" \
@@ -113,10 +116,14 @@ start_weed() {
 # A weed whose volume server never registered with its master stays that way: start a fresh one
 # once, in a new data directory, before giving up.
 if ! start_weed "$work/s3"; then
-  echo "   SeaweedFS: $weed_why; starting it again in a fresh directory" >&2
+  echo "   SeaweedFS: $weed_why; starting it again in a fresh directory (first log: last 5 lines)" >&2
+  tail -5 "$work/weed.log" >&2
+  # Stopped within 10 s (a stuck weed is what this handles), and off the cleanup list.
   kill "$weed_pid" 2>/dev/null || true
+  for _ in $(seq 1 100); do kill -0 "$weed_pid" 2>/dev/null || break; sleep 0.1; done
+  kill -9 "$weed_pid" 2>/dev/null || true
   wait "$weed_pid" 2>/dev/null || true
-  cp "$work/weed.log" "$work/weed.first.log"
+  pids=()
   if ! start_weed "$work/s3-again"; then
     echo "SeaweedFS: $weed_why; free disk space (weed refuses writes below 1% free):" >&2
     df -h "$work" >&2 || true

@@ -320,6 +320,11 @@ struct AnchorSchedule {
     last: Option<u64>,
     /// The step whose anchor is being gathered.
     busy: Option<u64>,
+    /// The newest delta the parts made was one readers refuse (`DeltaManifest::validate`):
+    /// every step asks for slices until a delta passes, so that each is committed whole as an
+    /// anchor instead of refused (found by review: with slices only on scheduled steps, every
+    /// other step of such a layout was refused for the rest of the run).
+    unreadable: bool,
 }
 
 /// What the committer gathers an anchor from: the parts of a step (each with its slices
@@ -1264,7 +1269,8 @@ async fn commit(
 ) -> (StepOutcome, Option<LaterAnchor>) {
     let ctx = &c.ctx;
     ctx.shared.update(|s| s.committing = Some(step));
-    let (mut outcome, later) = match try_commit(cfg, ctx, &c.trust, (step, world_size, timeout), &c.committed).await {
+    let job = (step, world_size, timeout);
+    let (mut outcome, later) = match try_commit(cfg, ctx, &c.trust, job, &c.committed, &c.schedule).await {
         Ok(r) => r,
         Err(r) => (StepOutcome { retryable: r.retryable, ..StepOutcome::aborted(step, r.reason, r.next_anchor) }, None),
     };
@@ -1285,7 +1291,7 @@ async fn commit(
         };
         outcome.slices_next = outcome.committed
             && s.busy.is_none()
-            && s.last.is_none_or(|a| step.saturating_add(1) >= a.saturating_add(cfg.anchor_every));
+            && (s.unreadable || s.last.is_none_or(|a| step.saturating_add(1) >= a.saturating_add(cfg.anchor_every)));
         (later, dropped)
     };
     write_outcome(cfg, ctx, &outcome).await;
@@ -1345,6 +1351,7 @@ async fn try_commit(
     trust: &TrustSet,
     (step, world_size, timeout): (u64, u64, Duration),
     committed: &Option<Committed>,
+    schedule: &std::sync::Mutex<AnchorSchedule>,
 ) -> std::result::Result<(StepOutcome, Option<LaterAnchor>), Refusal> {
     let g = ctx.generation;
     let bucket = &ctx.bucket;
@@ -1560,12 +1567,16 @@ async fn try_commit(
             // entries is over what a reader holds decoded). Such a step is committed whole as
             // an anchor when the ranks sent their slices, and otherwise refused with the next
             // step an anchor.
-            if let Err(e) = m.validate() {
+            let valid = m.validate();
+            schedule.lock().unwrap_or_else(|e| e.into_inner()).unreadable = valid.is_err();
+            if let Err(e) = valid {
                 if !a.parts.iter().all(|p| p.slices.is_some()) {
                     return Err(Refusal::from((format!("step {step}: {e}; the next step is an anchor"), true)));
                 }
                 warn!(step, "{e}: this step is committed as an anchor instead");
                 commit_anchor(cfg, ctx, &a).await?;
+                // The parts' delta objects are no committed step's: removed, as slices are.
+                delete_all(&ctx.bucket, delta_keys(&a)).await;
                 return Ok((committed_outcome(step, StepKind::Anchor, root, shas), None));
             }
             let env =
@@ -1648,6 +1659,12 @@ async fn commit_anchor(cfg: &PublisherBuilder, ctx: &Ctx, a: &AnchorParts) -> st
 /// them with the step (a model's worth per attempt, kept for the whole retention).
 async fn remove_slices(ctx: &Ctx, a: &AnchorParts) {
     delete_all(&ctx.bucket, slice_keys(a)).await;
+}
+
+/// The keys of the ranks' delta segment and edge objects of a step.
+fn delta_keys(a: &AnchorParts) -> Vec<String> {
+    let names = a.parts.iter().flat_map(|p| p.segments.iter().map(|s| &s.object).chain([&p.edges]));
+    names.map(|o| layout::object(StepKind::Delta, a.step, &o.object)).collect()
 }
 
 /// The keys of the ranks' slice objects of a step.
@@ -2153,32 +2170,36 @@ mod bound_tests {
     /// element send one delta entry per run; 900k entries decode to more memory than any
     /// reader holds for a 1.8 MB result (`max_delta_heap`), so every agent refused the step
     /// the committer sealed and reported as published, and every delta after it until the next
-    /// anchor. The committer now checks its manifest as readers do. With the ranks' slices at
-    /// hand (a scheduled anchor: `anchor_every` 1 here) the step is committed whole as an
-    /// anchor; without them it is refused (retryable) and the next step is an anchor.
+    /// anchor. The committer now checks its manifest as readers do. Step 1 (no slices) is
+    /// refused, retryable, and step 2 is an anchor; from then on every step carries the ranks'
+    /// slices and is committed whole as an anchor (a second review: with slices only on
+    /// scheduled steps, every other step was refused), its delta objects removed.
     #[test]
     fn a_delta_readers_would_refuse_is_not_sealed() {
-        for anchor_every in [1000, 1] {
-            let o = three_steps_of_one_element_runs(anchor_every);
-            assert_eq!(o[0].of, Some(StepKind::Anchor), "{:?}", o[0]);
-            if anchor_every == 1 {
-                assert!(o[1].committed && o[1].of == Some(StepKind::Anchor), "{:?}", o[1]);
-            } else {
-                assert!(!o[1].committed && o[1].next_anchor && o[1].retryable, "{:?}", o[1]);
-                assert!(o[1].reason.as_deref().unwrap().contains("more than a reader holds"), "{:?}", o[1]);
-                assert!(o[2].committed && o[2].of == Some(StepKind::Anchor), "{:?}", o[2]);
-            }
+        let td = tempfile::tempdir().unwrap();
+        let o = steps_of_one_element_runs(td.path(), 5);
+        assert_eq!(o[0].of, Some(StepKind::Anchor), "{:?}", o[0]);
+        assert!(!o[1].committed && o[1].next_anchor && o[1].retryable, "{:?}", o[1]);
+        assert!(o[1].reason.as_deref().unwrap().contains("more than a reader holds"), "{:?}", o[1]);
+        for o in &o[2..] {
+            assert!(o.committed && o.of == Some(StepKind::Anchor), "{o:?}");
+        }
+        for step in 3..5u64 {
+            let dir = td.path().join(format!("b/deltas/{step:012}"));
+            let left: Vec<String> = std::fs::read_dir(&dir)
+                .map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect())
+                .unwrap_or_default();
+            assert!(!left.iter().any(|n| n.contains("-seg-")), "step {step}: {left:?}");
         }
     }
 
-    /// Steps 0-2 of a (450000, 2) BF16 tensor, ranks 0 and 1 holding one column each; every
-    /// element changes at every step. Rank 0's outcome of each step.
-    fn three_steps_of_one_element_runs(anchor_every: u64) -> Vec<StepOutcome> {
-        let td = tempfile::tempdir().unwrap();
-        let url = format!("file://{}", td.path().join("b").display());
+    /// Steps `0..steps` of a (450000, 2) BF16 tensor in a bucket under `dir`, ranks 0 and 1
+    /// holding one column each; every element changes at every step. Rank 0's outcome of each.
+    fn steps_of_one_element_runs(dir: &std::path::Path, steps: u64) -> Vec<StepOutcome> {
+        let url = format!("file://{}", dir.join("b").display());
         let key = driftless_format::Keypair::generate();
         let timeout = Duration::from_secs(120);
-        let cfg = PublisherBuilder::new(url).with_key(key).with_anchor_every(anchor_every);
+        let cfg = PublisherBuilder::new(url).with_key(key).with_anchor_every(1000);
         let mut p0 = cfg.clone().with_new_stream(true).build_sharded(0, 2, timeout).unwrap();
         let mut p1 = cfg.build_sharded(1, 2, timeout).unwrap();
         let rows = 450_000u64;
@@ -2187,7 +2208,7 @@ mod bound_tests {
             (0..rows).flat_map(|i| ((i * 2 + r) as u16 ^ (s as u16 * 0x0101)).to_le_bytes()).collect()
         };
         let mut outcomes = vec![];
-        for s in 0..3u64 {
+        for s in 0..steps {
             let (c0, c1) = (column(0, s), column(1, s));
             let shard = |r: u64, data| Shard {
                 name: "w",

@@ -558,6 +558,11 @@ impl Ctx {
             // No marker: not committed (the common case for a step never published).
             Err(driftless_store::stream::StreamError::Store(e)) if e.is_not_found() => Ok(None),
             Err(e) if e.is_retryable() => Err(CommitError::Unconfirmed(format!("reading committed step {step}: {e}"))),
+            // The bucket refused the read (credentials, a size cap): unknown, not "another
+            // writer's" (found by review: callers take `None` at an existing marker for a
+            // conflict, which stops the publisher for good).
+            Err(driftless_store::stream::StreamError::Store(e)) => Err(CommitError::Store(e)),
+            // Read, and not this stream's step: corrupt, forged, another run's.
             Err(_) => Ok(None),
         }
     }
