@@ -1923,8 +1923,8 @@ mod tests {
     }
 
     /// A ready marker at a step that is not this stream's (junk planted in the bucket, or
-    /// another run's) is a conflict, not worth retrying: the marker is write-once. An
-    /// unreadable one (an outage) stays retryable.
+    /// another run's) is a conflict, not worth retrying: the marker is write-once. (A read of
+    /// it that fails, an outage or a refusal by the store, is that failure: `committed_root`.)
     #[test]
     fn a_foreign_marker_at_a_step_is_a_conflict_not_a_retry() {
         let td = tempfile::tempdir().unwrap();
