@@ -465,7 +465,9 @@ impl PartJob {
 /// One rank of a sharded publisher. Build with [`PublisherBuilder::build_sharded`].
 ///
 /// Dropping it (or `close`) waits for the step in flight: its upload, and on rank 0 its commit
-/// (up to `commit_timeout` for the other parts), so that no step is left half-sent.
+/// (up to `commit_timeout` for the other parts), so that no step is left half-sent. A drop
+/// without `close` says on stderr when that step was not published (rank 0) or this rank's
+/// part of it was not sent (other ranks): `close` returns it as an error instead.
 pub struct ShardedPublisher {
     cfg: PublisherBuilder,
     rt: Option<tokio::runtime::Runtime>,
@@ -858,8 +860,42 @@ impl ShardedPublisher {
 }
 
 impl Drop for ShardedPublisher {
+    /// Dropped without [`ShardedPublisher::close`]: the step in flight is still finished (as
+    /// before), and now its fate is said on stderr when it did not reach the bucket, as the
+    /// single-process publisher's drop does (found in review: a failed last step was joined and
+    /// forgotten, so a trainer that ended without `close` never learned its final weights were
+    /// not published). Rank 0 knows the outcome; another rank knows only whether its part was
+    /// sent (waiting for the committer's outcome could take minutes).
     fn drop(&mut self) {
+        if self.rt.is_some() && !std::thread::panicking() {
+            if let Some(reason) = self.dropped_unpublished() {
+                tracing::error!(rank = self.rank, reason = %reason, "sharded publisher dropped without close");
+                eprintln!("driftless: sharded publisher (rank {}) dropped without close(): {reason}", self.rank);
+            }
+        }
         self.shutdown();
+    }
+}
+
+impl ShardedPublisher {
+    /// What the drop of a publisher not closed must report: the last step not committed (rank
+    /// 0) or this rank's last part not sent (other ranks); `None` when there is nothing to say.
+    fn dropped_unpublished(&mut self) -> Option<String> {
+        let not_committed = |o: &StepOutcome| {
+            (!o.committed).then(|| {
+                format!("step {} was NOT published: {}", o.step, o.reason.as_deref().unwrap_or("not committed"))
+            })
+        };
+        if self.ctx.is_none() {
+            let f = self.in_flight.as_mut()?;
+            let step = f.step;
+            return f.sent().as_ref().err().map(|(_, e)| format!("this rank's part of step {step} was NOT sent: {e}"));
+        }
+        match self.resolve() {
+            Ok((Some(o), _)) => not_committed(&o),
+            Ok((None, _)) => self.unreported.as_ref().and_then(|(o, _)| o.as_ref()).and_then(not_committed),
+            Err(e) => Some(format!("the last step's outcome is unknown: {e}")),
+        }
     }
 }
 
@@ -1939,6 +1975,37 @@ mod tests {
         assert!(e.to_string().contains("is not this stream's"), "{e}");
     }
 
+    /// A marker removed between the HEAD that saw it and the read (GC at work) leaves the step
+    /// unknown, worth a retry. Before, the empty read was taken for another writer's marker: a
+    /// conflict, which stops the publisher for good on a race. The reads of the marker are
+    /// slowed so that the removal lands between them.
+    #[test]
+    fn a_marker_gone_between_head_and_read_is_not_a_conflict() {
+        use driftless_store::{FaultKind, FaultOp, FaultyStore, StoreOptions};
+        let faulty = Arc::new(FaultyStore::new(Arc::new(driftless_store::object_store::memory::InMemory::new())));
+        let bucket = Bucket::from_store(faulty.clone(), "s", &StoreOptions::default());
+        let cfg = PublisherBuilder::new("unused")
+            .with_bucket(bucket.clone())
+            .with_key(driftless_format::Keypair::generate())
+            .with_new_stream(true);
+        let p0 = cfg.build_sharded(0, 1, Duration::from_secs(1)).unwrap();
+        let (ctx, rt) = (p0.ctx.clone().unwrap(), p0.rt.as_ref().unwrap());
+        let key = layout::ready(StepKind::Delta, 5);
+        rt.block_on(bucket.put(&key, Bytes::from_static(b"{\"junk\": 1}"))).unwrap();
+        faulty.inject(FaultOp::Get, &key, 1, FaultKind::Slow(Duration::from_millis(300)));
+        faulty.inject(FaultOp::Get, &key, 1, FaultKind::Slow(Duration::from_millis(1500)));
+        let (b, k) = (bucket.clone(), key.clone());
+        let gc = rt.spawn(async move {
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            b.delete(&k).await.unwrap();
+        });
+        let e = rt.block_on(ctx.committed_kind(5, Digest::of(b"w"))).unwrap_err();
+        rt.block_on(gc).unwrap();
+        assert!(matches!(e, upload::CommitError::Unconfirmed(_)) && e.is_retryable(), "{e}");
+        assert!(e.to_string().contains("went away"), "{e}");
+        assert!(faulty.injected() >= 2, "the reads were not the ones slowed");
+    }
+
     /// A claim of this publisher's own generation with other weights is its own failed try
     /// (`Taken`: the step is lost, later ones go on) only when this process made it. One it
     /// did not make is another process under the same generation, which a store without
@@ -2117,6 +2184,35 @@ mod tests {
         // The commit runs after publish returns; flush reports it (an error when refused).
         let _ = p0.flush();
         p0.last_outcome().cloned().expect("the step was resolved")
+    }
+
+    /// Dropping rank 0 without `close` while its step cannot commit (rank 1 never sends) says
+    /// so; after a committed step it says nothing. The drop itself only reports: the step's
+    /// fate is the committer's either way.
+    #[test]
+    fn a_dropped_committer_reports_a_last_step_that_did_not_commit() {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let data = vec![7u8; 2 << 20];
+        let shape = [1u64 << 20];
+        let whole = Shard {
+            name: "w",
+            dtype: DType::BF16,
+            shape: &shape,
+            slice: Slice::flat(&shape, 0, 1 << 20).unwrap(),
+            data: &data,
+        };
+        let mut p0 = cfg.clone().build_sharded(0, 2, Duration::from_secs(1)).unwrap();
+        p0.publish(1, std::slice::from_ref(&whole)).unwrap();
+        let said = p0.dropped_unpublished().expect("a step without rank 1's part is not published");
+        assert!(said.starts_with("step 1 was NOT published"), "{said}");
+        drop(p0);
+
+        let mut solo = cfg.with_new_stream(true).build_sharded(0, 1, Duration::from_secs(1)).unwrap();
+        solo.publish(1, &[whole]).unwrap();
+        assert_eq!(solo.dropped_unpublished(), None, "a committed step is not reported");
+        assert!(solo.last_outcome().is_some_and(|o| o.committed));
     }
 
     #[test]

@@ -598,6 +598,14 @@ impl Ctx {
                     "{} {step} is already committed with other weights",
                     kind_name(kind)
                 ))),
+                // Gone between the HEAD and the read (GC removed it): not known, and a retry
+                // reads again. A conflict here would stop the publisher for good on a race.
+                None if self.bucket.head(&layout::ready(kind, step)).await.is_err() => {
+                    Err(CommitError::Unconfirmed(format!(
+                        "the marker of {} {step} went away while it was read; not known whether committed",
+                        kind_name(kind)
+                    )))
+                }
                 // Readable, and not this stream's step (another run's marker, junk, a bad
                 // signature): the marker is write-once, so no retry commits the step (found by
                 // review: reported as retryable, a trainer's retries went on for ever). A
