@@ -817,7 +817,8 @@ impl Agent {
             prev.as_ref().and_then(|s| s.inactive).filter(|_| prev.as_ref().is_some_and(|s| s.stream_id == sid));
         // The inactive slot is about to change, but only once a manifest has verified and its
         // objects have arrived: every write to it goes through `release_work_slot` first.
-        self.release_pending = prev.is_some();
+        // (Also without a state: the release probes the slot for readers before its first write.)
+        self.release_pending = true;
         let mut bytes = 0u64;
         let mut rebuilt = false;
         // The previous sync's last delta, kept decoded, is of no use to an anchor route (whose
@@ -1112,7 +1113,19 @@ impl Agent {
     /// Written whenever there is a state, not only when it names an inactive step: after a
     /// failed `store` (renamed, then the fsync of `DIR` failed) the disk may say that the work
     /// slot is active; this puts the disk back in step with memory before the slot is touched.
+    ///
+    /// The slot is probed for readers here again, right before its first write: the probe at
+    /// the start of the build is seconds older (the download and checks came between), and a
+    /// server that opened a file of the slot meanwhile would read a mix of two steps.
     fn release_work_slot(&mut self) -> Result<()> {
+        if !self.release_pending {
+            return Ok(());
+        }
+        if let Some(work) = self.building {
+            if let Some(file) = self.dir.open_elsewhere(work)? {
+                return Err(Error::SlotInUse { file });
+            }
+        }
         if std::mem::take(&mut self.release_pending) {
             if let Some(mut s) = self.state.clone() {
                 s.inactive = None;

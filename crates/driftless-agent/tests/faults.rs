@@ -994,3 +994,58 @@ async fn a_build_that_fails_after_writing_removes_its_partial_slot() {
     assert_eq!((o.step, o.rebuilt), (4, true), "{o:?}");
     assert_bits(&a, &want4);
 }
+
+/// A server that opens a file of the work slot after the build started, while the step's
+/// objects download (found in review: the slot was probed for readers only at the start of the
+/// build, seconds before its first write). It is probed again right before that write: the
+/// step is refused for now (retryable), the file is not written under the reader, the served
+/// step is kept, and the step is built once the reader is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_opens_the_work_slot_during_the_download_is_not_written_under() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 100);
+    let mut a = agent(&tb, "a", &trust);
+    for _ in 0..3 {
+        t.publish();
+        a.sync_once().await.unwrap();
+    }
+    let dir = tb.dir.path().join("a");
+    let st = LocalState::load(&dir).unwrap().unwrap();
+    assert_eq!((st.step, st.inactive.map(|h| h.step)), (2, Some(1)), "the steady state: both slots hold a step");
+    let work = dir.join("slots").join(st.active.other().name());
+    let shard = std::fs::read_dir(&work)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .expect("a shard in the inactive slot");
+    let before = std::fs::read(&shard).unwrap();
+    let want = t.publish();
+    // Every GET of step 3's objects (its manifest, its segment) takes 1.5 s; the reader opens
+    // the shard 0.5 s in, after the build started and its first probe found the slot free.
+    tb.faults.inject(FaultOp::Get, "deltas/000000000003/", usize::MAX, FaultKind::Slow(Duration::from_millis(1500)));
+    let opener = {
+        let shard = shard.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(500));
+            std::fs::File::open(shard).unwrap()
+        })
+    };
+    let r = a.sync_once().await;
+    let reader = opener.join().unwrap();
+    match &r {
+        Err(e @ Error::SlotInUse { file }) => {
+            assert_eq!(file, &shard);
+            assert!(e.is_retryable(), "{e}");
+        }
+        other => panic!("the slot was written under its reader: {other:?}"),
+    }
+    assert_eq!(std::fs::read(&shard).unwrap(), before, "the file under the reader changed");
+    assert_eq!(LocalState::load(&dir).unwrap().unwrap().step, 2);
+    assert_verified(&a, "a reader in the work slot");
+    drop(reader);
+    tb.faults.clear();
+    let o = a.sync_once().await.unwrap();
+    assert_eq!(o.step, 3);
+    assert_bits(&a, &want);
+}
