@@ -666,6 +666,11 @@ pub struct CheckpointFiles {
     metas: Vec<TensorMeta>,
     /// name -> (file index, absolute byte offset, dtype, byte length)
     tensors: HashMap<String, (usize, u64, DType, u64)>,
+    /// One per file, held by this process's writes to it ([`Self::try_write_all_at`]). The
+    /// kernel serializes the writes to one file anyway (its inode lock, on tmpfs and ext4
+    /// alike), and a writer waiting for it spins on a CPU: 32% of the samples of a slot rebuild
+    /// on 2 cores. Known here, a busy file lets a pass hash its next block instead.
+    writing: Vec<std::sync::Mutex<()>>,
 }
 
 impl CheckpointFiles {
@@ -701,7 +706,8 @@ impl CheckpointFiles {
             }
             files.push((p, f, len));
         }
-        Ok(CheckpointFiles { dir: path.to_path_buf(), files, metas, tensors })
+        let writing = files.iter().map(|_| std::sync::Mutex::new(())).collect();
+        Ok(CheckpointFiles { dir: path.to_path_buf(), files, metas, tensors, writing })
     }
 
     /// The directory.
@@ -739,9 +745,50 @@ impl CheckpointFiles {
 
     /// Writes `buf` over bytes `[start, start + buf.len())` of a tensor.
     pub fn write_at(&self, name: &str, start: u64, buf: &[u8]) -> Result<()> {
+        self.write_all_at(name, &[(start, buf)], true).map(|_| ())
+    }
+
+    /// Writes each `(start, bytes)` of `blocks` over those bytes of tensor `name`, in order, as
+    /// one holder of the file, only when no other thread of this process is writing the file
+    /// (`Ok(false)`: nothing written). Every range is checked before anything is written.
+    pub fn try_write_all_at(&self, name: &str, blocks: &[(u64, &[u8])]) -> Result<bool> {
+        self.write_all_at(name, blocks, false)
+    }
+
+    /// Holds every file as its writer until the guards drop: tests make a pass find its files
+    /// busy, so that its blocks are kept and written late.
+    #[doc(hidden)]
+    pub fn hold_writers(&self) -> Vec<std::sync::MutexGuard<'_, ()>> {
+        self.writing.iter().map(|l| l.lock().unwrap_or_else(|e| e.into_inner())).collect()
+    }
+
+    /// [`Self::try_write_all_at`], waiting for the file's other writers of this process.
+    pub fn write_all_at_waiting(&self, name: &str, blocks: &[(u64, &[u8])]) -> Result<()> {
+        self.write_all_at(name, blocks, true).map(|_| ())
+    }
+
+    fn write_all_at(&self, name: &str, blocks: &[(u64, &[u8])], wait: bool) -> Result<bool> {
         use std::os::unix::fs::FileExt;
-        let (p, f, at) = self.locate(name, start, buf.len() as u64)?;
-        f.write_all_at(buf, at).map_err(|e| Error::io(p, e))
+        let Some(&(fi, ..)) = self.tensors.get(name) else {
+            return Err(Error::corrupt("delta", format!("unknown tensor {name}")));
+        };
+        let at: Vec<u64> = blocks
+            .iter()
+            .map(|(start, b)| self.locate(name, *start, b.len() as u64).map(|l| l.2))
+            .collect::<Result<_>>()?;
+        let lock = &self.writing[fi];
+        // A writer that panicked left nothing to protect: the lock only orders writers.
+        let _held = match lock.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) if !wait => return Ok(false),
+            Err(std::sync::TryLockError::WouldBlock) => lock.lock().unwrap_or_else(|e| e.into_inner()),
+        };
+        let (p, f, _) = &self.files[fi];
+        for ((_, b), at) in blocks.iter().zip(at) {
+            f.write_all_at(b, at).map_err(|e| Error::io(p, e))?;
+        }
+        Ok(true)
     }
 
     /// Starts writing bytes `[start, start + len)` of a tensor back to disk

@@ -170,15 +170,7 @@ pub fn apply_and_hash_blocks(
                     one_piece(m, &mut InMemory(data), p.lo, p.hi, &lists, hash, block)
                 })??,
                 Target::Files(files) => {
-                    let mut io = InFile {
-                        from: Some(files),
-                        to: files,
-                        name: &m.name,
-                        at,
-                        buf: vec![],
-                        copy: false,
-                        wrote: false,
-                    };
+                    let mut io = InFile::new(Some(files), files, &m.name, at, false);
                     let chunks = one_piece(m, &mut io, p.lo, p.hi, &lists, hash, block)?;
                     if io.wrote {
                         files.start_writeback(&m.name, at, len);
@@ -188,7 +180,7 @@ pub fn apply_and_hash_blocks(
                 Target::Copy { from, to } => {
                     // No source tensor of the same dtype and size: the piece starts as zeros.
                     let from = Some(from).filter(|f| f.info(&m.name) == to.info(&m.name));
-                    let mut io = InFile { from, to, name: &m.name, at, buf: vec![], copy: true, wrote: false };
+                    let mut io = InFile::new(from, to, &m.name, at, true);
                     let chunks = one_piece(m, &mut io, p.lo, p.hi, &lists, hash, block)?;
                     to.start_writeback(&m.name, at, len);
                     chunks
@@ -289,6 +281,10 @@ trait Blocks {
     fn load(&mut self, a: usize, b: usize) -> Result<&mut [u8]>;
     /// Keeps the changes made to the block just loaded.
     fn store(&mut self, a: usize, b: usize) -> Result<()>;
+    /// Finishes what `store` left pending; called once the piece is done.
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// A piece in memory: blocks are changed in place.
@@ -303,8 +299,19 @@ impl Blocks for InMemory<'_> {
     }
 }
 
+/// Most blocks a piece keeps unwritten while another thread writes the same file (2 MiB at the
+/// default block: bounded memory per thread, and then it waits its turn).
+const MAX_DEFERRED: usize = 8;
+
 /// A piece in files, from byte `at` of its tensor: blocks are read from `from` into `buf` and
 /// written to `to` (the same files, or a copy's frame).
+///
+/// A block whose file another thread is writing is kept (`deferred`, its buffer swapped for a
+/// spare) and written with the next block that finds the file free, or once
+/// [`MAX_DEFERRED`] wait, or at the end of the piece: the kernel serializes writes to one file,
+/// and a thread that waited for it spun (a third of a slot rebuild's CPU on 2 cores) where it
+/// can hash its next block. Blocks of a piece are its own (pieces never overlap) and are not
+/// read again by the pass, so writing them late changes nothing but when.
 struct InFile<'f> {
     /// Where blocks are read; `None`: they start as zeros.
     from: Option<&'f CheckpointFiles>,
@@ -314,6 +321,32 @@ struct InFile<'f> {
     buf: Vec<u8>,
     copy: bool,
     wrote: bool,
+    /// Blocks changed and not yet written: (offset in the piece, bytes).
+    deferred: Vec<(usize, Vec<u8>)>,
+    /// Buffers of blocks written since, for reuse.
+    spare: Vec<Vec<u8>>,
+}
+
+impl<'f> InFile<'f> {
+    fn new(from: Option<&'f CheckpointFiles>, to: &'f CheckpointFiles, name: &'f str, at: u64, copy: bool) -> Self {
+        InFile { from, to, name, at, buf: vec![], copy, wrote: false, deferred: vec![], spare: vec![] }
+    }
+
+    /// Writes the deferred blocks, waiting for the file when `wait`.
+    fn write_deferred(&mut self, wait: bool) -> Result<()> {
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        let blocks: Vec<(u64, &[u8])> = self.deferred.iter().map(|(a, b)| (self.at + *a as u64, &b[..])).collect();
+        let done = match wait {
+            true => self.to.write_all_at_waiting(self.name, &blocks).map(|()| true)?,
+            false => self.to.try_write_all_at(self.name, &blocks)?,
+        };
+        if done {
+            self.spare.extend(self.deferred.drain(..).map(|(_, b)| b));
+        }
+        Ok(())
+    }
 }
 
 impl Blocks for InFile<'_> {
@@ -330,7 +363,13 @@ impl Blocks for InFile<'_> {
     }
     fn store(&mut self, a: usize, b: usize) -> Result<()> {
         self.wrote = true;
-        self.to.write_at(self.name, self.at + a as u64, &self.buf[..b - a])
+        self.buf.truncate(b - a);
+        let fresh = self.spare.pop().unwrap_or_default();
+        self.deferred.push((a, std::mem::replace(&mut self.buf, fresh)));
+        self.write_deferred(self.deferred.len() >= MAX_DEFERRED)
+    }
+    fn flush(&mut self) -> Result<()> {
+        self.write_deferred(true)
     }
 }
 
@@ -379,6 +418,7 @@ fn one_piece(
             return Err(bad(format!("entries of tensor {} not fully applied", m.name)));
         }
     }
+    io.flush()?;
     Ok(h.map(hash::ChunkHasher::finish).unwrap_or_default())
 }
 

@@ -33,6 +33,22 @@ fn fused_run(base: &[T], chain: &[Vec<DecodedSegment>], block: usize) -> driftle
     fused_run_pieces(base, chain, block, fused::PIECE)
 }
 
+/// Runs `pass` while another thread holds every file of `files` as its writer for its first
+/// 20 ms: the pass keeps its first blocks, waits once it holds the most it may, and writes them
+/// late (what a pass does while other threads write the same file).
+fn busy_at_first<R>(files: &CheckpointFiles, pass: impl FnOnce() -> R) -> R {
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        s.spawn(move || {
+            let _held = files.hold_writers();
+            tx.send(()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        });
+        rx.recv().unwrap();
+        pass()
+    })
+}
+
 /// [`fused_run`] with tensors cut into pieces of at least `piece` bytes. The pass runs twice,
 /// on two copies of `base`: in memory (a writable map) and on the files (`pread`/`pwrite`,
 /// the agent's way); both must give the same bytes and digests.
@@ -46,15 +62,18 @@ fn fused_run_pieces(
     let fdir = tempfile::tempdir().unwrap();
     write(fdir.path(), base, 4096);
     let files = CheckpointFiles::open(fdir.path()).unwrap();
-    let on_files = fused::apply_and_hash_blocks(Target::Files(&files), &files.metas(), &refs, true, block, piece);
+    let on_files = busy_at_first(&files, || {
+        fused::apply_and_hash_blocks(Target::Files(&files), &files.metas(), &refs, true, block, piece)
+    });
     // The copying pass: the source is read, a frame of it written.
     let src_dir = tempfile::tempdir().unwrap();
     write(src_dir.path(), base, 4096);
     let copy_dir = tempfile::tempdir().unwrap();
     let src = CheckpointFiles::open_read_only(src_dir.path()).unwrap();
     let dst = src.frame_copy(&copy_dir.path().join("slot")).unwrap();
-    let copied =
-        fused::apply_and_hash_blocks(Target::Copy { from: &src, to: &dst }, &src.metas(), &refs, true, block, piece);
+    let copied = busy_at_first(&dst, || {
+        fused::apply_and_hash_blocks(Target::Copy { from: &src, to: &dst }, &src.metas(), &refs, true, block, piece)
+    });
     let dir = tempfile::tempdir().unwrap();
     let layout = write(dir.path(), base, 4096);
     let mut ck = CheckpointMut::open(dir.path()).unwrap();
