@@ -772,10 +772,9 @@ impl CheckpointFiles {
         let Some(&(fi, ..)) = self.tensors.get(name) else {
             return Err(Error::corrupt("delta", format!("unknown tensor {name}")));
         };
-        let at: Vec<u64> = blocks
-            .iter()
-            .map(|(start, b)| self.locate(name, *start, b.len() as u64).map(|l| l.2))
-            .collect::<Result<_>>()?;
+        for (start, b) in blocks {
+            self.locate(name, *start, b.len() as u64)?;
+        }
         let lock = &self.writing[fi];
         // A writer that panicked left nothing to protect: the lock only orders writers.
         let _held = match lock.try_lock() {
@@ -784,8 +783,8 @@ impl CheckpointFiles {
             Err(std::sync::TryLockError::WouldBlock) if !wait => return Ok(false),
             Err(std::sync::TryLockError::WouldBlock) => lock.lock().unwrap_or_else(|e| e.into_inner()),
         };
-        let (p, f, _) = &self.files[fi];
-        for ((_, b), at) in blocks.iter().zip(at) {
+        for (start, b) in blocks {
+            let (p, f, at) = self.locate(name, *start, b.len() as u64)?;
             f.write_all_at(b, at).map_err(|e| Error::io(p, e))?;
         }
         Ok(true)

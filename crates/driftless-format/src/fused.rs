@@ -300,7 +300,8 @@ impl Blocks for InMemory<'_> {
 }
 
 /// Most blocks a piece keeps unwritten while another thread writes the same file (2 MiB at the
-/// default block: bounded memory per thread, and then it waits its turn).
+/// default block, plus the block being changed and the spares: about 10 blocks per thread at
+/// most); with that many kept, the thread waits its turn.
 const MAX_DEFERRED: usize = 8;
 
 /// A piece in files, from byte `at` of its tensor: blocks are read from `from` into `buf` and
@@ -363,6 +364,13 @@ impl Blocks for InFile<'_> {
     }
     fn store(&mut self, a: usize, b: usize) -> Result<()> {
         self.wrote = true;
+        // Nothing kept and the file free (the common case): written at once from the one
+        // buffer, which stays hot in cache for the next block.
+        if self.deferred.is_empty()
+            && self.to.try_write_all_at(self.name, &[(self.at + a as u64, &self.buf[..b - a])])?
+        {
+            return Ok(());
+        }
         self.buf.truncate(b - a);
         let fresh = self.spare.pop().unwrap_or_default();
         self.deferred.push((a, std::mem::replace(&mut self.buf, fresh)));

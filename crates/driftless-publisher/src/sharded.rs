@@ -886,14 +886,17 @@ impl ShardedPublisher {
                 format!("step {} was NOT published: {}", o.step, o.reason.as_deref().unwrap_or("not committed"))
             })
         };
+        // An outcome already known and never handed to the caller (a `publish` that failed
+        // after resolving the step before it, or `wait_previous`), on any rank.
+        let unreported = |p: &Self| p.unreported.as_ref().and_then(|(o, _)| o.as_ref()).and_then(not_committed);
         if self.ctx.is_none() {
-            let f = self.in_flight.as_mut()?;
+            let Some(f) = self.in_flight.as_mut() else { return unreported(self) };
             let step = f.step;
             return f.sent().as_ref().err().map(|(_, e)| format!("this rank's part of step {step} was NOT sent: {e}"));
         }
         match self.resolve() {
             Ok((Some(o), _)) => not_committed(&o),
-            Ok((None, _)) => self.unreported.as_ref().and_then(|(o, _)| o.as_ref()).and_then(not_committed),
+            Ok((None, _)) => unreported(self),
             Err(e) => Some(format!("the last step's outcome is unknown: {e}")),
         }
     }
@@ -1877,6 +1880,12 @@ async fn gather_anchor(
 mod tests {
     use super::*;
 
+    /// A builder of a new stream in a `file://` bucket under `td`, signed with a fresh key.
+    fn new_stream(td: &tempfile::TempDir) -> PublisherBuilder {
+        let url = format!("file://{}", td.path().join("b").display());
+        PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true)
+    }
+
     fn part(runs: Vec<PartRun>, edges: u64, slices: Option<u64>) -> PartManifest {
         let obj = |size| ObjectRef { object: "x".into(), size, sha256: Digest::default() };
         PartManifest {
@@ -1926,8 +1935,7 @@ mod tests {
     #[test]
     fn outcomes_are_read_up_to_what_the_group_size_allows() {
         let td = tempfile::tempdir().unwrap();
-        let url = format!("file://{}", td.path().join("b").display());
-        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let cfg = new_stream(&td);
         let ws = 1024u64;
         let p0 = cfg.clone().build_sharded(0, ws, Duration::from_secs(1)).unwrap();
         let (ctx, rt) = (p0.ctx.clone().unwrap(), p0.rt.as_ref().unwrap());
@@ -1964,8 +1972,7 @@ mod tests {
     #[test]
     fn a_foreign_marker_at_a_step_is_a_conflict_not_a_retry() {
         let td = tempfile::tempdir().unwrap();
-        let url = format!("file://{}", td.path().join("b").display());
-        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let cfg = new_stream(&td);
         let p0 = cfg.build_sharded(0, 1, Duration::from_secs(1)).unwrap();
         let (ctx, rt) = (p0.ctx.clone().unwrap(), p0.rt.as_ref().unwrap());
         assert!(rt.block_on(ctx.committed_kind(5, Digest::of(b"w"))).unwrap().is_none(), "no marker: not committed");
@@ -2013,8 +2020,7 @@ mod tests {
     #[test]
     fn a_claim_of_this_generation_is_its_own_only_when_this_process_made_it() {
         let td = tempfile::tempdir().unwrap();
-        let url = format!("file://{}", td.path().join("b").display());
-        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let cfg = new_stream(&td);
         let p0 = cfg.build_sharded(0, 1, Duration::from_secs(1)).unwrap();
         let (ctx, rt) = (p0.ctx.clone().unwrap(), p0.rt.as_ref().unwrap());
         let (a, b) = (Digest::of(b"a"), Digest::of(b"b"));
@@ -2076,8 +2082,7 @@ mod tests {
     #[test]
     fn a_released_committer_is_waited_for_not_joined() {
         let td = tempfile::tempdir().unwrap();
-        let url = format!("file://{}", td.path().join("b").display());
-        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let cfg = new_stream(&td);
         let p0 = cfg.clone().build_sharded(0, 2, Duration::from_secs(1)).unwrap();
         let (g_old, bucket) = (p0.generation().unwrap(), p0.bucket.clone());
         drop(p0);
@@ -2192,8 +2197,7 @@ mod tests {
     #[test]
     fn a_dropped_committer_reports_a_last_step_that_did_not_commit() {
         let td = tempfile::tempdir().unwrap();
-        let url = format!("file://{}", td.path().join("b").display());
-        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let cfg = new_stream(&td);
         let data = vec![7u8; 2 << 20];
         let shape = [1u64 << 20];
         let whole = Shard {
@@ -2213,6 +2217,20 @@ mod tests {
         solo.publish(1, &[whole]).unwrap();
         assert_eq!(solo.dropped_unpublished(), None, "a committed step is not reported");
         assert!(solo.last_outcome().is_some_and(|o| o.committed));
+    }
+
+    /// A rank other than 0 with nothing in flight still reports an outcome it learned and never
+    /// handed over (found by review: a `publish` that failed after resolving the step before
+    /// it kept that step's failure in `unreported`, and the drop said nothing).
+    #[test]
+    fn a_dropped_rank_reports_an_outcome_it_never_handed_over() {
+        let td = tempfile::tempdir().unwrap();
+        let cfg = new_stream(&td);
+        let _p0 = cfg.clone().build_sharded(0, 2, Duration::from_secs(1)).unwrap();
+        let mut p1 = cfg.with_new_stream(false).build_sharded(1, 2, Duration::from_secs(1)).unwrap();
+        assert_eq!(p1.dropped_unpublished(), None, "nothing published, nothing to say");
+        p1.unreported = Some((Some(StepOutcome::aborted(4, "rank 1's part was late".into(), true)), None));
+        assert_eq!(p1.dropped_unpublished().as_deref(), Some("step 4 was NOT published: rank 1's part was late"));
     }
 
     #[test]

@@ -598,22 +598,24 @@ impl Ctx {
                     "{} {step} is already committed with other weights",
                     kind_name(kind)
                 ))),
-                // Gone between the HEAD and the read (GC removed it): not known, and a retry
-                // reads again. A conflict here would stop the publisher for good on a race.
-                None if self.bucket.head(&layout::ready(kind, step)).await.is_err() => {
-                    Err(CommitError::Unconfirmed(format!(
+                // Read as "not this stream's" or "not there": look again. Gone since the HEAD
+                // (GC removed it): not known, and a retry reads again; a conflict here would
+                // stop the publisher for good on a race. Unreadable now: that failure, retried.
+                None => match self.bucket.head(&layout::ready(kind, step)).await {
+                    Err(e) if e.is_not_found() => Err(CommitError::Unconfirmed(format!(
                         "the marker of {} {step} went away while it was read; not known whether committed",
                         kind_name(kind)
-                    )))
-                }
-                // Readable, and not this stream's step (another run's marker, junk, a bad
-                // signature): the marker is write-once, so no retry commits the step (found by
-                // review: reported as retryable, a trainer's retries went on for ever). A
-                // conflict, as at the marker's write ([`commit_step`]).
-                None => Err(CommitError::Conflict(format!(
-                    "the marker of {} {step} is there and is not this stream's (another writer's, or corrupt)",
-                    kind_name(kind)
-                ))),
+                    ))),
+                    Err(e) => Err(CommitError::Unconfirmed(format!("reading the marker of step {step}: {e}"))),
+                    // Readable, and not this stream's step (another run's marker, junk, a bad
+                    // signature): the marker is write-once, so no retry commits the step (found
+                    // by review: reported as retryable, a trainer's retries went on for ever). A
+                    // conflict, as at the marker's write ([`commit_step`]).
+                    Ok(_) => Err(CommitError::Conflict(format!(
+                        "the marker of {} {step} is there and is not this stream's (another writer's, or corrupt)",
+                        kind_name(kind)
+                    ))),
+                },
             };
         }
         Ok(None)
