@@ -1126,12 +1126,11 @@ impl Agent {
                 return Err(Error::SlotInUse { file });
             }
         }
-        if std::mem::take(&mut self.release_pending) {
-            if let Some(mut s) = self.state.clone() {
-                s.inactive = None;
-                s.store(self.dir.path())?;
-                self.state = Some(s);
-            }
+        self.release_pending = false;
+        if let Some(mut s) = self.state.clone() {
+            s.inactive = None;
+            s.store(self.dir.path())?;
+            self.state = Some(s);
         }
         Ok(())
     }
