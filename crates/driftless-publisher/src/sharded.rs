@@ -62,7 +62,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::publisher::{encode_spooled, spool_dir, PublisherBuilder, SpooledStep};
-use crate::upload::{self, commit_step, Commit, CommitError, Ctx};
+use crate::upload::{self, commit_step_unmarked, delete_all, Commit, CommitError, Ctx};
 use crate::{Error, Result};
 
 /// Largest number of ranks a step may have.
@@ -1311,7 +1311,12 @@ async fn commit(
     let job = (step, world_size, timeout);
     let (mut outcome, later) = match try_commit(cfg, ctx, &c.trust, job, &c.committed, &c.schedule).await {
         Ok(r) => r,
-        Err(r) => (StepOutcome { retryable: r.retryable, ..StepOutcome::aborted(step, r.reason, r.next_anchor) }, None),
+        Err(r) => {
+            if r.unmarked {
+                remove_refused(ctx, step).await;
+            }
+            (StepOutcome { retryable: r.retryable, ..StepOutcome::aborted(step, r.reason, r.next_anchor) }, None)
+        }
     };
     let (later, dropped) = {
         let mut s = c.schedule.lock().unwrap_or_else(|e| e.into_inner());
@@ -1347,6 +1352,35 @@ async fn commit(
     (outcome, later)
 }
 
+/// Removes this generation's objects of refused step `step` (the ranks' parts: an anchor
+/// step's carry a model's worth of slices) before its outcome is written, so no rank has
+/// moved on to write under the step again. GC keeps an unmarked step of a live generation
+/// (an upload may be in progress), so left there they stayed for the group's whole life.
+/// Best effort: a part that lands after the listing (a rank later than the commit timeout)
+/// is left for GC once the generation's lease lapses.
+async fn remove_refused(ctx: &Ctx, step: u64) {
+    let listed = match ctx.bucket.list(&layout::delta_dir(step)).await {
+        Ok(l) => l,
+        Err(e) => {
+            warn!(step, error = %e, "could not list the refused step's parts to remove them; GC removes them later");
+            return;
+        }
+    };
+    let keys: Vec<String> = listed
+        .into_iter()
+        .filter(|o| {
+            layout::parse_step_key(&o.key)
+                .and_then(|(_, _, n)| n)
+                .is_some_and(|n| layout::name_generation(&n) == Some(ctx.generation))
+        })
+        .map(|o| o.key)
+        .collect();
+    if !keys.is_empty() {
+        info!(step, objects = keys.len(), "removing the refused step's parts");
+        delete_all(&ctx.bucket, keys).await;
+    }
+}
+
 /// Writes the committer's signed verdict on a step (write-once).
 async fn write_outcome(cfg: &PublisherBuilder, ctx: &Ctx, outcome: &StepOutcome) {
     let step = outcome.step;
@@ -1373,6 +1407,9 @@ struct Refusal {
     /// tensor's dtype or shape, a size cap, a newer committer): reported as retryable, the
     /// trainer's retries went on for ever (found by review).
     retryable: bool,
+    /// No marker of the step can exist (refused before its commit sent one): the parts of
+    /// this generation under the step serve no reader, and are removed.
+    unmarked: bool,
 }
 
 impl From<(String, bool)> for Refusal {
@@ -1380,7 +1417,7 @@ impl From<(String, bool)> for Refusal {
     /// (retryable); one that does not is of the parts' geometry or sizes, which the next
     /// step repeats (not retryable).
     fn from((reason, next_anchor): (String, bool)) -> Self {
-        Refusal { reason, next_anchor, retryable: next_anchor }
+        Refusal { reason, next_anchor, retryable: next_anchor, unmarked: true }
     }
 }
 
@@ -1632,7 +1669,7 @@ async fn try_commit(
                 attempt: 0,
                 uploaded: &uploaded,
             };
-            commit_step(ctx, c).await.map_err(|e| commit_refusal(step, e))?;
+            commit_step_unmarked(ctx, c).await.map_err(|(e, unmarked)| commit_refusal(step, e, unmarked))?;
             ctx.write_latest(Some(step), None).await;
             StepKind::Delta
         }
@@ -1687,7 +1724,7 @@ async fn commit_anchor(cfg: &PublisherBuilder, ctx: &Ctx, a: &AnchorParts) -> st
         attempt: job.attempt,
         uploaded: &[],
     };
-    commit_step(ctx, c).await.map_err(|e| commit_refusal(step, e))?;
+    commit_step_unmarked(ctx, c).await.map_err(|(e, unmarked)| commit_refusal(step, e, unmarked))?;
     ctx.write_latest(None, Some(step)).await;
     remove_slices(ctx, a).await;
     Ok(())
@@ -1713,17 +1750,6 @@ fn slice_keys(a: &AnchorParts) -> Vec<String> {
         .filter_map(|p| p.slices.as_ref())
         .map(|s| layout::object(StepKind::Delta, a.step, &s.object))
         .collect()
-}
-
-/// Deletes `keys`, `concurrency` at a time (best effort: GC collects what is left once this
-/// generation's lease lapses).
-async fn delete_all(bucket: &Bucket, keys: Vec<String>) {
-    let conc = bucket.options().concurrency.max(1);
-    futures::stream::iter(keys)
-        .for_each_concurrent(conc, |k| async move {
-            let _ = bucket.delete(&k).await;
-        })
-        .await;
 }
 
 /// Bounds on what a part declares, checked before anything it names is fetched: every run
@@ -1774,7 +1800,7 @@ fn check_part(p: &PartManifest) -> std::result::Result<(), String> {
     Ok(())
 }
 
-fn commit_refusal(step: u64, e: CommitError) -> Refusal {
+fn commit_refusal(step: u64, e: CommitError, unmarked: bool) -> Refusal {
     let retryable = match &e {
         CommitError::Store(e) => e.is_retryable(),
         // A newer committer took the stream, or the step's objects conflict: publishing again
@@ -1786,7 +1812,7 @@ fn commit_refusal(step: u64, e: CommitError) -> Refusal {
         CommitError::Taken(_) | CommitError::Claimed(_) => true,
         CommitError::Unconfirmed(_) => true,
     };
-    Refusal { reason: format!("step {step}: commit failed: {e}"), next_anchor: true, retryable }
+    Refusal { reason: format!("step {step}: commit failed: {e}"), next_anchor: true, retryable, unmarked }
 }
 
 /// Builds the anchor of an anchor step from the ranks' slice objects: the safetensors files

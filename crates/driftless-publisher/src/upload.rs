@@ -10,7 +10,7 @@ use driftless_format::manifest::{now_ms, LatestHint, ReadyMarker, StepKind};
 use driftless_format::{Digest, Keypair};
 use driftless_store::stream::StreamReader;
 use driftless_store::{layout, Bucket};
-use futures::stream::{self, TryStreamExt};
+use futures::stream::{self, StreamExt, TryStreamExt};
 use tracing::{info, info_span, warn, Instrument};
 
 /// A queued job.
@@ -207,10 +207,74 @@ pub(crate) struct Commit<'a> {
 /// marker. Every object name carries this generation, so nothing collides with a killed
 /// predecessor's late writes; the claim and the marker are the only shared keys, and both
 /// accept an existing object that holds the same weights root (an idempotent re-commit).
+///
+/// A try that failed before its marker's request was sent (its uploads or their listing
+/// failed, or the lease lapsed) is removed here: no marker can name its objects, whose names
+/// are this generation's and try's alone, and GC would keep them for as long as this
+/// generation's lease is live (an incomplete step of a live publisher may be an upload in
+/// progress): for a trainer that runs for days, a model's worth per failed anchor. A try that
+/// failed at or after its marker's request is left alone (the marker may have landed: GC
+/// removes its objects as strays or as an incomplete step once it can tell), and so is one
+/// that found objects of its names holding other bytes (not provably this process's).
 pub(crate) async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitError> {
+    commit_step_unmarked(ctx, c).await.map_err(|(e, _)| e)
+}
+
+/// [`commit_step`], its error paired with whether no marker of this try can exist (it failed
+/// before the marker's request was sent, and not on objects of its names holding other
+/// bytes): then nothing of this generation under the step serves a reader, and a sharded
+/// committer removes its ranks' parts of the step too.
+pub(crate) async fn commit_step_unmarked(ctx: &Ctx, c: Commit<'_>) -> Result<u64, (CommitError, bool)> {
+    let mut stage = Stage::Claim;
+    let r = commit_try(ctx, &c, &mut stage).await;
+    let unmarked = stage != Stage::Marker && !matches!(r, Err(CommitError::Conflict(_)));
+    if r.is_err() && unmarked && stage == Stage::Upload {
+        let manifest = layout::attempt_name(ctx.generation, c.attempt, "manifest.json");
+        let keys: Vec<String> = c
+            .objects
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .chain([manifest.as_str()])
+            .map(|n| layout::object(c.kind, c.step, n))
+            .collect();
+        let n = keys.len();
+        delete_all(&ctx.bucket, keys).await;
+        info!(step = c.step, objects = n, "removed the objects of the failed try (no marker names them)");
+    }
+    r.map_err(|e| (e, unmarked))
+}
+
+/// How far a commit got: what its failure leaves in the bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Claiming the step: nothing of this try uploaded yet.
+    Claim,
+    /// Uploading and confirming the payload and manifest: no marker request sent.
+    Upload,
+    /// The marker's request was sent (it may have landed whatever its response said).
+    Marker,
+}
+
+/// Deletes `keys`, `concurrency` at a time (best effort: what is left, e.g. where a request
+/// given up on lands after its delete, GC collects once this generation's lease lapses).
+pub(crate) async fn delete_all(bucket: &Bucket, keys: Vec<String>) {
+    let conc = bucket.options().concurrency.max(1);
+    stream::iter(keys)
+        .for_each_concurrent(conc, |k| async move {
+            if let Err(e) = bucket.delete(&k).await {
+                if !e.is_not_found() {
+                    warn!(key = %k, error = %e, "could not delete an object no step uses; GC removes it later");
+                }
+            }
+        })
+        .await;
+}
+
+async fn commit_try(ctx: &Ctx, c: &Commit<'_>, stage: &mut Stage) -> Result<u64, CommitError> {
     let bucket = &ctx.bucket;
     let g = ctx.generation;
     claim_step(ctx, c.step, c.root).await?;
+    *stage = Stage::Upload;
     let conc = bucket.options().concurrency.max(1);
     let manifest_name = layout::attempt_name(g, c.attempt, "manifest.json");
     let mut all: Vec<(String, Bytes)> = c.objects.to_vec();
@@ -285,6 +349,7 @@ pub(crate) async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitE
     // a lost response: `flush` looks for the marker and publishes the step again if it is
     // not there.
     let left = lease_until.saturating_duration_since(Instant::now());
+    *stage = Stage::Marker;
     let put = tokio::time::timeout(left, bucket.put_create(&layout::ready(c.kind, c.step), mb)).await;
     let put = put.map_err(|_| {
         CommitError::Unconfirmed(format!(

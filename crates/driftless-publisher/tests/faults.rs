@@ -434,6 +434,22 @@ fn run_fault(be: &Backend, target: &str, what: &str, fault: Fault) {
         let lasting =
             matches!(fault, Fault::Timeout) && (target.contains("claims/") || target == "ready/anchors/000000000000");
         assert_eq!(errors >= 1, lasting, "{ctx}: flush reports a failure only when the newest step stays lost");
+        // The failed try (generation 1, try 0) left nothing when it failed before its
+        // marker's request (its objects are removed with the failure, the publisher's lease
+        // live: GC would have kept them for its whole life); at its marker it is left for GC.
+        let k = if kind == "delta" { StepKind::Delta } else { StepKind::Anchor };
+        let left: Vec<String> = rt()
+            .block_on(bucket.list(&layout::object(k, step, "")))
+            .unwrap()
+            .into_iter()
+            .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n))
+            .filter(|n| layout::name_tag(n) == Some((1, 0)))
+            .collect();
+        if target.contains("ready/") {
+            assert!(!left.is_empty(), "{ctx}: the try whose marker failed is left for GC");
+        } else {
+            assert_eq!(left, Vec::<String>::new(), "{ctx}: the failed try's objects are removed");
+        }
         if kind == "delta" {
             assert!(!s.ready_deltas.contains_key(&step), "{ctx}: the failed delta has no marker: {s:?}");
         }
@@ -1562,6 +1578,15 @@ fn sharded_part_failures_are_outcomes() {
         let mut ready: Vec<u64> = s.ready_anchors.iter().copied().chain(s.ready_deltas.keys().copied()).collect();
         ready.sort();
         assert_eq!(ready, vec![1, 3, 5], "{ctx}");
+        // The committer removed rank 0's part of refused step 2 before it wrote the outcome
+        // (the publisher's lease live: GC would have kept it for the group's whole life).
+        let left: Vec<String> = rt()
+            .block_on(b.list(&layout::delta_dir(2)))
+            .unwrap()
+            .into_iter()
+            .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n))
+            .collect();
+        assert!(left.iter().all(|n| n.ends_with("-outcome.json")), "{ctx}: left of refused step 2: {left:?}");
     }
 }
 
