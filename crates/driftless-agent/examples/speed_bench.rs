@@ -686,8 +686,9 @@ fn processing(dir: &Path) {
             .collect()
     };
     let chain = [seg(2), seg(3)];
-    // A scratch checkpoint: the newest weights written by `gen`.
-    let scratch = dir.join("scratch");
+    // A scratch checkpoint: the newest weights written by `gen` (beside the agents'
+    // directories: `BENCH_AGENT_DIR=/dev/shm/x` takes the disk out of the figures).
+    let scratch = agent_root(dir).join("scratch");
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch).unwrap();
     for e in std::fs::read_dir(dir.join("last")).unwrap() {
@@ -702,6 +703,9 @@ fn processing(dir: &Path) {
     let refs: Vec<&[driftless_format::delta::DecodedSegment]> = chain.iter().map(|c| &c[..]).collect();
     let (mut h, mut old, mut map, mut map_sync, mut files, mut files_sync) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
+    // The pass's parts: reading and hashing alone (no changes: nothing written), and reading,
+    // applying and writing without the hash.
+    let (mut read_hash, mut no_hash) = (vec![], vec![]);
     for _ in 0..rounds {
         h.push(time(&mut || {
             let ck = driftless_format::Checkpoint::open(&scratch).unwrap();
@@ -739,6 +743,14 @@ fn processing(dir: &Path) {
             f.sync().unwrap();
             files_sync.push(t.elapsed().as_secs_f64());
         }));
+        read_hash.push(time(&mut || {
+            let f = CheckpointFiles::open(&scratch).unwrap();
+            std::hint::black_box(fused::apply_and_hash(fused::Target::Files(&f), &f.metas(), &[], true).unwrap());
+        }));
+        no_hash.push(time(&mut || {
+            let f = CheckpointFiles::open(&scratch).unwrap();
+            std::hint::black_box(fused::apply_and_hash(fused::Target::Files(&f), &f.metas(), &refs, false).unwrap());
+        }));
     }
     let med = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -753,6 +765,8 @@ fn processing(dir: &Path) {
         ("  of which the msync", &mut map_sync),
         ("fused pass with pread/pwrite + early writeback, fdatasync", &mut files),
         ("  of which the fdatasync", &mut files_sync),
+        ("  its read and hash alone (pread, no changes)", &mut read_hash),
+        ("  its read, apply and write alone (no hash)", &mut no_hash),
     ] {
         let m = med(v);
         println!("| {what:<54} | {m:.3} s | {:.2}x |", m / mh);
