@@ -769,11 +769,18 @@ impl CheckpointFiles {
 
     fn write_all_at(&self, name: &str, blocks: &[(u64, &[u8])], wait: bool) -> Result<bool> {
         use std::os::unix::fs::FileExt;
-        let Some(&(fi, ..)) = self.tensors.get(name) else {
+        // One lookup of the tensor for all the blocks (a string hash each), ranges checked
+        // against it before anything is written.
+        let Some(&(fi, base, _, n)) = self.tensors.get(name) else {
             return Err(Error::corrupt("delta", format!("unknown tensor {name}")));
         };
         for (start, b) in blocks {
-            self.locate(name, *start, b.len() as u64)?;
+            if start.checked_add(b.len() as u64).is_none_or(|e| e > n) {
+                return Err(Error::corrupt(
+                    "delta",
+                    format!("range {start}+{} outside tensor {name} of {n} bytes", b.len()),
+                ));
+            }
         }
         let lock = &self.writing[fi];
         // A writer that panicked left nothing to protect: the lock only orders writers.
@@ -783,9 +790,9 @@ impl CheckpointFiles {
             Err(std::sync::TryLockError::WouldBlock) if !wait => return Ok(false),
             Err(std::sync::TryLockError::WouldBlock) => lock.lock().unwrap_or_else(|e| e.into_inner()),
         };
+        let (p, f, _) = &self.files[fi];
         for (start, b) in blocks {
-            let (p, f, at) = self.locate(name, *start, b.len() as u64)?;
-            f.write_all_at(b, at).map_err(|e| Error::io(p, e))?;
+            f.write_all_at(b, base + start).map_err(|e| Error::io(p, e))?;
         }
         Ok(true)
     }
