@@ -404,3 +404,31 @@ fn a_frame_on_a_tmpfs_is_filled_by_the_pass_and_refused_without_room() {
     let made: Vec<_> = std::fs::read_dir(&slot).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(made.is_empty(), "files made before the refusal: {made:?}");
 }
+
+/// `CheckpointFiles` writes check every block's range against its tensor before writing any:
+/// a batch with one block past the tensor's end (or an unknown tensor) writes nothing, not even
+/// its valid blocks, and a block that ends exactly at the end is written.
+#[test]
+fn file_writes_outside_a_tensor_write_nothing() {
+    let base = tensors(DType::BF16, 7);
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), &base, 4096);
+    let files = CheckpointFiles::open(dir.path()).unwrap();
+    let before = |name: &str, n: usize| {
+        let mut b = vec![0u8; n];
+        files.read_at(name, 0, &mut b).unwrap();
+        b
+    };
+    let (_, len) = files.info("e.small").unwrap();
+    assert_eq!(len, 14);
+    let old = before("e.small", len);
+    let ones = [0xffu8; 4];
+    let e = files.try_write_all_at("e.small", &[(0, &ones[..]), (12, &ones[..])]).unwrap_err();
+    assert!(e.to_string().contains("outside tensor e.small"), "{e}");
+    assert_eq!(before("e.small", len), old, "the valid block of a refused batch was written");
+    assert!(files.write_at("no.such", 0, &ones).is_err());
+    assert!(files.write_at("e.small", u64::MAX - 1, &ones).is_err(), "an offset that overflows");
+    files.write_at("e.small", 10, &ones).unwrap();
+    let got = before("e.small", len);
+    assert_eq!((&got[..10], &got[10..]), (&old[..10], &ones[..]));
+}
