@@ -325,6 +325,10 @@ struct AnchorSchedule {
     /// anchor instead of refused (found by review: with slices only on scheduled steps, every
     /// other step of such a layout was refused for the rest of the run).
     unreadable: bool,
+    /// The last step refused before its marker's request, its parts removed once: swept again
+    /// at the next commit, for a part that landed after the refusal (a rank later than the
+    /// commit timeout, whose upload ends after the outcome).
+    refused: Option<u64>,
 }
 
 /// What the committer gathers an anchor from: the parts of a step (each with its slices
@@ -1100,7 +1104,7 @@ async fn upload_part(bucket: &Bucket, step: u64, part: &BuiltPart) -> Result<()>
     // name, so an existing object of the right size is a retried request of this process.
     let (manifest, payload) = part.objects.split_last().expect("a part has a manifest");
     let conc = bucket.options().concurrency.max(1);
-    let put = |objects| upload::put_own(bucket, StepKind::Delta, step, objects, conc);
+    let put = |objects| upload::put_own(bucket, StepKind::Delta, step, objects, conc, None);
     let r = match put(payload).await {
         Ok(()) => put(std::slice::from_ref(manifest)).await,
         Err(e) => Err(e),
@@ -1309,12 +1313,11 @@ async fn commit(
     let ctx = &c.ctx;
     ctx.shared.update(|s| s.committing = Some(step));
     let job = (step, world_size, timeout);
+    let mut unmarked = false;
     let (mut outcome, later) = match try_commit(cfg, ctx, &c.trust, job, &c.committed, &c.schedule).await {
         Ok(r) => r,
         Err(r) => {
-            if r.unmarked {
-                remove_refused(ctx, step).await;
-            }
+            unmarked = r.unmarked;
             (StepOutcome { retryable: r.retryable, ..StepOutcome::aborted(step, r.reason, r.next_anchor) }, None)
         }
     };
@@ -1340,6 +1343,18 @@ async fn commit(
     };
     write_outcome(cfg, ctx, &outcome).await;
     ctx.shared.update(|s| s.committing = None);
+    // After the outcome: the other ranks go on at once (a rank never publishes a step
+    // again, and a restarted one names its parts anew, so nothing is written under these
+    // names after it). The step refused before is swept once more: a late rank's part of it
+    // has landed by now, unless the rank is more than a step late (then GC removes it once
+    // the generation's lease lapses).
+    let before = {
+        let mut s = c.schedule.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::replace(&mut s.refused, unmarked.then_some(step))
+    };
+    for refused in before.into_iter().chain(unmarked.then_some(step)) {
+        remove_refused(ctx, refused).await;
+    }
     if let Some(d) = dropped {
         info!(step, "an anchor is being gathered; this step's slices are not: removed");
         remove_slices(ctx, &d.anchor).await;
@@ -1352,32 +1367,40 @@ async fn commit(
     (outcome, later)
 }
 
-/// Removes this generation's objects of refused step `step` (the ranks' parts: an anchor
-/// step's carry a model's worth of slices) before its outcome is written, so no rank has
-/// moved on to write under the step again. GC keeps an unmarked step of a live generation
-/// (an upload may be in progress), so left there they stayed for the group's whole life.
-/// Best effort: a part that lands after the listing (a rank later than the commit timeout)
-/// is left for GC once the generation's lease lapses.
+/// Removes this generation's objects of refused step `step` but its outcome (the ranks'
+/// parts: an anchor step's carry a model's worth of slices). GC keeps an unmarked step of a
+/// live generation (an upload may be in progress), so left there they stayed for the
+/// group's whole life. Best effort, within [`upload::CLEANUP_BUDGET`] (an outage must not
+/// hold the committer's next step): a part that lands after the listing (a rank later than
+/// the commit timeout), and what the budget did not cover, are left for GC once the
+/// generation's lease lapses.
 async fn remove_refused(ctx: &Ctx, step: u64) {
-    let listed = match ctx.bucket.list(&layout::delta_dir(step)).await {
-        Ok(l) => l,
-        Err(e) => {
-            warn!(step, error = %e, "could not list the refused step's parts to remove them; GC removes them later");
-            return;
+    let outcome = outcome_key(step, ctx.generation);
+    let run = async {
+        let listed = match ctx.bucket.list(&layout::delta_dir(step)).await {
+            Ok(l) => l,
+            Err(e) => {
+                warn!(step, error = %e, "could not list the refused step's parts to remove them; GC removes them later");
+                return;
+            }
+        };
+        let keys: Vec<String> = listed
+            .into_iter()
+            .filter(|o| {
+                o.key != outcome
+                    && layout::parse_step_key(&o.key)
+                        .and_then(|(_, _, n)| n)
+                        .is_some_and(|n| layout::name_generation(&n) == Some(ctx.generation))
+            })
+            .map(|o| o.key)
+            .collect();
+        if !keys.is_empty() {
+            info!(step, objects = keys.len(), "removing the refused step's parts");
+            delete_all(&ctx.bucket, keys).await;
         }
     };
-    let keys: Vec<String> = listed
-        .into_iter()
-        .filter(|o| {
-            layout::parse_step_key(&o.key)
-                .and_then(|(_, _, n)| n)
-                .is_some_and(|n| layout::name_generation(&n) == Some(ctx.generation))
-        })
-        .map(|o| o.key)
-        .collect();
-    if !keys.is_empty() {
-        info!(step, objects = keys.len(), "removing the refused step's parts");
-        delete_all(&ctx.bucket, keys).await;
+    if tokio::time::timeout(upload::CLEANUP_BUDGET, run).await.is_err() {
+        warn!(step, "removing the refused step's parts took too long; GC removes the rest later");
     }
 }
 

@@ -226,23 +226,30 @@ pub(crate) async fn commit_step(ctx: &Ctx, c: Commit<'_>) -> Result<u64, CommitE
 /// committer removes its ranks' parts of the step too.
 pub(crate) async fn commit_step_unmarked(ctx: &Ctx, c: Commit<'_>) -> Result<u64, (CommitError, bool)> {
     let mut stage = Stage::Claim;
-    let r = commit_try(ctx, &c, &mut stage).await;
+    let created = Mutex::new(Vec::new());
+    let r = commit_try(ctx, &c, &mut stage, &created).await;
     let unmarked = stage != Stage::Marker && !matches!(r, Err(CommitError::Conflict(_)));
     if r.is_err() && unmarked && stage == Stage::Upload {
-        let manifest = layout::attempt_name(ctx.generation, c.attempt, "manifest.json");
-        let keys: Vec<String> = c
-            .objects
-            .iter()
-            .map(|(n, _)| n.as_str())
-            .chain([manifest.as_str()])
-            .map(|n| layout::object(c.kind, c.step, n))
-            .collect();
+        // Only what this try created: an existing object it took for its own (a retried
+        // request's, by its bytes) could be another process's of the same generation, on a
+        // store without conditional writes (found by review). A lost response's object is
+        // left for GC.
+        let keys = created.into_inner().unwrap_or_else(|e| e.into_inner());
         let n = keys.len();
-        delete_all(&ctx.bucket, keys).await;
-        info!(step = c.step, objects = n, "removed the objects of the failed try (no marker names them)");
+        match tokio::time::timeout(CLEANUP_BUDGET, delete_all(&ctx.bucket, keys)).await {
+            Ok(()) => info!(step = c.step, objects = n, "removed the objects of the failed try (no marker names them)"),
+            Err(_) => {
+                warn!(step = c.step, "removing the failed try's objects took too long; GC removes the rest later")
+            }
+        }
     }
     r.map_err(|e| (e, unmarked))
 }
+
+/// Longest the removal of a failed try's objects may take: it runs before the uploader's next
+/// step (and a sharded committer's), and in the outage that failed the try each delete may
+/// retry for the store's whole budget. What is left, GC removes once the lease lapses.
+pub(crate) const CLEANUP_BUDGET: Duration = Duration::from_secs(10);
 
 /// How far a commit got: what its failure leaves in the bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -270,7 +277,12 @@ pub(crate) async fn delete_all(bucket: &Bucket, keys: Vec<String>) {
         .await;
 }
 
-async fn commit_try(ctx: &Ctx, c: &Commit<'_>, stage: &mut Stage) -> Result<u64, CommitError> {
+async fn commit_try(
+    ctx: &Ctx,
+    c: &Commit<'_>,
+    stage: &mut Stage,
+    created: &Mutex<Vec<String>>,
+) -> Result<u64, CommitError> {
     let bucket = &ctx.bucket;
     let g = ctx.generation;
     claim_step(ctx, c.step, c.root).await?;
@@ -288,8 +300,8 @@ async fn commit_try(ctx: &Ctx, c: &Commit<'_>, stage: &mut Stage) -> Result<u64,
     // Payload first, the manifest after it, so a listed manifest implies its payload was sent.
     let mut pending: Vec<(String, Bytes)> = std::mem::take(&mut all);
     for round in 0..3 {
-        put_own(bucket, c.kind, c.step, &pending, conc).await?;
-        put_own(bucket, c.kind, c.step, &[(manifest_name.clone(), c.envelope.clone())], 1).await?;
+        put_own(bucket, c.kind, c.step, &pending, conc, Some(created)).await?;
+        put_own(bucket, c.kind, c.step, &[(manifest_name.clone(), c.envelope.clone())], 1, Some(created)).await?;
         let listed: std::collections::HashMap<String, u64> = bucket
             .list(&layout::object(c.kind, c.step, ""))
             .await?
@@ -384,24 +396,31 @@ fn kind_name(k: StepKind) -> &'static str {
     }
 }
 
-/// Write-once puts of this generation's objects. An object that already exists carries this
-/// generation's name, so only this process wrote it (a retried request that landed): it is
-/// accepted when its size matches.
 /// Largest object `put_own` compares byte for byte with an existing one of its name.
 const OWN_COMPARE_MAX: u64 = 64 << 20;
 
+/// Write-once puts of this generation's objects. An object that already exists carries this
+/// generation's name, so only this process wrote it (a retried request that landed): it is
+/// accepted when its size matches. The keys this call created (not those it accepted) are
+/// added to `created`.
 pub(crate) async fn put_own(
     bucket: &Bucket,
     kind: StepKind,
     step: u64,
     objects: &[(String, Bytes)],
     conc: usize,
+    created: Option<&Mutex<Vec<String>>>,
 ) -> Result<(), CommitError> {
     stream::iter(objects.iter().map(Ok::<_, CommitError>))
         .try_for_each_concurrent(conc, |(name, bytes)| async move {
             let key = layout::object(kind, step, name);
             match bucket.put_create(&key, bytes.clone()).await {
-                Ok(()) => Ok(()),
+                Ok(()) => {
+                    if let Some(c) = created {
+                        c.lock().unwrap_or_else(|e| e.into_inner()).push(key);
+                    }
+                    Ok(())
+                }
                 // Ours, from a retried PUT whose response was lost, only if it holds these
                 // bytes: an object of the same name and size may be another process's (its
                 // manifest differs in its creation time alone), which readers would then

@@ -1578,15 +1578,77 @@ fn sharded_part_failures_are_outcomes() {
         let mut ready: Vec<u64> = s.ready_anchors.iter().copied().chain(s.ready_deltas.keys().copied()).collect();
         ready.sort();
         assert_eq!(ready, vec![1, 3, 5], "{ctx}");
-        // The committer removed rank 0's part of refused step 2 before it wrote the outcome
+        // The committer removed rank 0's part of refused step 2 once it wrote the outcome
         // (the publisher's lease live: GC would have kept it for the group's whole life).
-        let left: Vec<String> = rt()
-            .block_on(b.list(&layout::delta_dir(2)))
-            .unwrap()
-            .into_iter()
-            .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n))
-            .collect();
+        let left = delta_names(&b, 2);
         assert!(left.iter().all(|n| n.ends_with("-outcome.json")), "{ctx}: left of refused step 2: {left:?}");
+    }
+}
+
+/// A sharded step refused at its ready marker (the marker's write failed: it may have landed,
+/// as after a lost response) keeps every part its manifest names: only a step refused before
+/// its marker's request was sent loses them. Removing them here would leave a marker that
+/// lands late naming objects that are gone.
+#[test]
+fn a_sharded_step_refused_at_its_marker_keeps_its_parts() {
+    for be in backends("sharded-marker", false) {
+        let ctx = be.name.clone();
+        let ((f0, mut p0), (_f1, mut p1)) = sharded_pair(&be, Duration::from_secs(3), 50);
+        let mut c = chain();
+        both_publish(&ctx, &mut p0, &mut p1, &mut c, 1);
+        assert!(p0.flush().unwrap().committed && p1.flush().unwrap().committed, "{ctx}");
+        f0.inject(FaultOp::Put, "ready/deltas/000000000002", 1000, FaultKind::Permanent);
+        both_publish(&ctx, &mut p0, &mut p1, &mut c, 2);
+        let e = p1.flush().map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("commit failed"), "{ctx}: {e}");
+        assert!(p0.flush().is_err(), "{ctx}");
+        f0.clear();
+        let (_, b) = be.bucket();
+        let names = delta_names(&b, 2);
+        for r in ["r00000", "r00001"] {
+            assert!(
+                names.iter().any(|n| n.contains(r) && n.ends_with("part.json")),
+                "{ctx}: rank {r}'s part of step 2 was removed: {names:?}"
+            );
+            assert!(names.iter().any(|n| n.contains(r) && n.ends_with(".dls")), "{ctx}: {names:?}");
+        }
+        // The group goes on (an anchor next).
+        both_publish(&ctx, &mut p0, &mut p1, &mut c, 3);
+        assert!(p0.flush().unwrap().committed, "{ctx}");
+        p0.close().unwrap();
+        p1.close().unwrap();
+    }
+}
+
+/// A rank later than the commit timeout: its part of step 2 lands after the committer refused
+/// the step and removed what was there. The next commit sweeps step 2 again, so nothing of it
+/// but the outcome is left (GC keeps an unmarked step of a live generation).
+#[test]
+fn a_part_that_lands_after_its_refusal_is_removed_at_the_next_commit() {
+    for be in backends("sharded-late", false) {
+        let ctx = be.name.clone();
+        let ((_f0, mut p0), (f1, mut p1)) = sharded_pair(&be, Duration::from_secs(2), 50);
+        let mut c = chain();
+        both_publish(&ctx, &mut p0, &mut p1, &mut c, 1);
+        assert!(p0.flush().unwrap().committed && p1.flush().unwrap().committed, "{ctx}");
+        f1.inject(FaultOp::Put, "deltas/000000000002/g1-r00001", 1000, FaultKind::Slow(Duration::from_secs(3)));
+        both_publish(&ctx, &mut p0, &mut p1, &mut c, 2);
+        let e = p0.flush().unwrap_err();
+        assert!(e.to_string().contains("ranks [1]"), "{ctx}: {e}");
+        assert!(p1.flush().is_err(), "{ctx}: step 2 was refused");
+        f1.clear();
+        let (_, b) = be.bucket();
+        let late = delta_names(&b, 2);
+        assert!(
+            late.iter().any(|n| n.contains("r00001") && n.ends_with("part.json")),
+            "{ctx}: rank 1's part landed after the refusal: {late:?}"
+        );
+        both_publish(&ctx, &mut p0, &mut p1, &mut c, 3);
+        assert!(p0.flush().unwrap().committed && p1.flush().unwrap().committed, "{ctx}");
+        let left = delta_names(&b, 2);
+        assert!(left.iter().all(|n| n.ends_with("-outcome.json")), "{ctx}: left of refused step 2: {left:?}");
+        p0.close().unwrap();
+        p1.close().unwrap();
     }
 }
 
@@ -1643,6 +1705,15 @@ fn rank_publish(
     step: u64,
 ) -> driftless_publisher::ShardedReceipt {
     p.publish(step, &shards_of(&halves(c, r))).unwrap_or_else(|e| panic!("{ctx}: rank {r}, step {step}: {e}"))
+}
+
+/// The object names in delta step `step`'s directory.
+fn delta_names(b: &Bucket, step: u64) -> Vec<String> {
+    rt().block_on(b.list(&layout::delta_dir(step)))
+        .unwrap()
+        .into_iter()
+        .filter_map(|o| layout::parse_step_key(&o.key).and_then(|(_, _, n)| n))
+        .collect()
 }
 
 /// Step `step` of the chain published by both ranks of a pair (rank 0 first); both must send
