@@ -425,7 +425,7 @@ impl PartJob {
         let committed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.handle.block_on(commit(&self.cfg, &c, (step, c.world_size, c.timeout)))
         }));
-        let (o, later) = committed.unwrap_or_else(|_| {
+        let (o, later, sweep) = committed.unwrap_or_else(|_| {
             // The other ranks wait for an outcome: "not committed" (at worst of a step that
             // was, which costs an anchor), never silence. An anchor the commit had scheduled
             // is not gathered: let the schedule ask for the next one.
@@ -437,10 +437,20 @@ impl PartJob {
             let o = StepOutcome::aborted(step, "the commit panicked".into(), true);
             self.handle.block_on(write_outcome(&self.cfg, &c.ctx, &o));
             c.ctx.shared.update(|s| s.committing = None);
-            (o, None)
+            (o, None, vec![])
         });
         c.committed = None;
         let _ = done.send((o, t1.elapsed().as_secs_f64()));
+        // Refused steps' parts, removed once the outcome is out and this rank's `publish` may
+        // go on (this thread is joined by `flush` and `close`).
+        for refused in sweep {
+            let removed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.handle.block_on(remove_refused(&c.ctx, refused))
+            }));
+            if removed.is_err() {
+                warn!(step = refused, "removing a refused step's parts panicked; GC removes them later");
+            }
+        }
         if let Some(later) = later {
             let previous = later.previous;
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1304,12 +1314,13 @@ async fn wait_outcome(
 
 /// The committer: waits for every part, checks and assembles them, commits the step, and
 /// writes the outcome. Never errors: every failure is an outcome the ranks read. Returns the
-/// anchor to gather next when the step was committed as a delta with every rank's slices.
+/// anchor to gather next when the step was committed as a delta with every rank's slices,
+/// and the refused steps whose parts to remove once the outcome is handed over.
 async fn commit(
     cfg: &PublisherBuilder,
     c: &CommitJob,
     (step, world_size, timeout): (u64, u64, Duration),
-) -> (StepOutcome, Option<LaterAnchor>) {
+) -> (StepOutcome, Option<LaterAnchor>, Vec<u64>) {
     let ctx = &c.ctx;
     ctx.shared.update(|s| s.committing = Some(step));
     let job = (step, world_size, timeout);
@@ -1343,18 +1354,16 @@ async fn commit(
     };
     write_outcome(cfg, ctx, &outcome).await;
     ctx.shared.update(|s| s.committing = None);
-    // After the outcome: the other ranks go on at once (a rank never publishes a step
-    // again, and a restarted one names its parts anew, so nothing is written under these
-    // names after it). The step refused before is swept once more: a late rank's part of it
-    // has landed by now, unless the rank is more than a step late (then GC removes it once
-    // the generation's lease lapses).
+    // Removed after the outcome (by the caller, once it handed the outcome over): the ranks
+    // go on at once (a rank never publishes a step again, and a restarted one names its parts
+    // anew, so nothing is written under these names after it). The step refused before is
+    // swept once more: a late rank's part of it has landed by now, unless the rank is more
+    // than a step late (then GC removes it once the generation's lease lapses).
     let before = {
         let mut s = c.schedule.lock().unwrap_or_else(|e| e.into_inner());
         std::mem::replace(&mut s.refused, unmarked.then_some(step))
     };
-    for refused in before.into_iter().chain(unmarked.then_some(step)) {
-        remove_refused(ctx, refused).await;
-    }
+    let sweep: Vec<u64> = before.into_iter().chain(unmarked.then_some(step)).collect();
     if let Some(d) = dropped {
         info!(step, "an anchor is being gathered; this step's slices are not: removed");
         remove_slices(ctx, &d.anchor).await;
@@ -1364,7 +1373,7 @@ async fn commit(
     } else {
         warn!(step, reason = outcome.reason.as_deref().unwrap_or(""), "sharded step not committed");
     }
-    (outcome, later)
+    (outcome, later, sweep)
 }
 
 /// Removes this generation's objects of refused step `step` but its outcome (the ranks'
