@@ -646,6 +646,14 @@ fn tmpfs_free_bytes(f: &File) -> Option<u64> {
     Some((st.f_bavail as u64).saturating_mul(st.f_bsize as u64))
 }
 
+/// Fails unless bytes `[start, start + len)` lie inside tensor `name` of `n` bytes.
+fn within(name: &str, n: u64, start: u64, len: u64) -> Result<()> {
+    if start.checked_add(len).is_none_or(|e| e > n) {
+        return Err(Error::corrupt("delta", format!("range {start}+{len} outside tensor {name} of {n} bytes")));
+    }
+    Ok(())
+}
+
 /// A checkpoint directory opened for block-wise reads and writes with `pread`/`pwrite`, no
 /// writable map: the agent's fast path ([`crate::fused::Target::Files`]).
 ///
@@ -727,13 +735,17 @@ impl CheckpointFiles {
 
     /// The file and absolute offset of bytes `[start, start + len)` of a tensor, checked.
     fn locate(&self, name: &str, start: u64, len: u64) -> Result<(&Path, &File, u64)> {
-        let &(f, at, _, n) =
-            self.tensors.get(name).ok_or_else(|| Error::corrupt("delta", format!("unknown tensor {name}")))?;
-        if start.checked_add(len).is_none_or(|e| e > n) {
-            return Err(Error::corrupt("delta", format!("range {start}+{len} outside tensor {name} of {n} bytes")));
-        }
+        let (f, at, n) = self.entry(name)?;
+        within(name, n, start, len)?;
         let (p, file, _) = &self.files[f];
         Ok((p, file, at + start))
+    }
+
+    /// (file index, offset in it, byte length) of a tensor.
+    fn entry(&self, name: &str) -> Result<(usize, u64, u64)> {
+        let &(f, at, _, n) =
+            self.tensors.get(name).ok_or_else(|| Error::corrupt("delta", format!("unknown tensor {name}")))?;
+        Ok((f, at, n))
     }
 
     /// Reads bytes `[start, start + buf.len())` of a tensor into `buf`.
@@ -771,16 +783,9 @@ impl CheckpointFiles {
         use std::os::unix::fs::FileExt;
         // One lookup of the tensor for all the blocks (a string hash each), ranges checked
         // against it before anything is written.
-        let Some(&(fi, base, _, n)) = self.tensors.get(name) else {
-            return Err(Error::corrupt("delta", format!("unknown tensor {name}")));
-        };
+        let (fi, base, n) = self.entry(name)?;
         for (start, b) in blocks {
-            if start.checked_add(b.len() as u64).is_none_or(|e| e > n) {
-                return Err(Error::corrupt(
-                    "delta",
-                    format!("range {start}+{} outside tensor {name} of {n} bytes", b.len()),
-                ));
-            }
+            within(name, n, *start, b.len() as u64)?;
         }
         let lock = &self.writing[fi];
         // A writer that panicked left nothing to protect: the lock only orders writers.
