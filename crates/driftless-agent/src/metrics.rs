@@ -35,6 +35,9 @@ pub struct Metrics {
     pub ready: AtomicU64,
     /// Inactive slot rebuilt by copying the active one.
     pub slot_rebuilds: AtomicU64,
+    /// Inactive slot rebuilt from the active one while idle ([`crate::Agent::prepare_inactive`]),
+    /// off the next step's path.
+    pub idle_rebuilds: AtomicU64,
     /// Anchors downloaded.
     pub anchor_downloads: AtomicU64,
     /// Last verify duration in microseconds (0 = not recorded; then `verify_ms` is used).
@@ -160,6 +163,12 @@ impl Metrics {
             "counter",
             "Inactive slot rebuilt by a local copy of the active one (first delta after an anchor, or after a crash).",
             g(&self.slot_rebuilds).to_string(),
+        );
+        m(
+            "driftless_idle_rebuilds_total",
+            "counter",
+            "Inactive slot rebuilt from the active one while idle (after a cold start), off the next step's path.",
+            g(&self.idle_rebuilds).to_string(),
         );
         m("driftless_anchor_downloads_total", "counter", "Anchors downloaded.", g(&self.anchor_downloads).to_string());
         o

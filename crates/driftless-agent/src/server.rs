@@ -95,7 +95,7 @@ fn route(method: &str, path: &str, m: &Metrics, poll: &tokio::sync::Notify) -> (
                 "step": g(&m.step), "newest_ready": g(&m.newest), "ready": m.ready.load(Relaxed) == 1,
                 "bytes": {"fast": g(&m.bytes_fast), "catchup": g(&m.bytes_catchup), "anchor": g(&m.bytes_anchor)},
                 "verify_failures": g(&m.verify_failures), "notify_failures": g(&m.notify_failures),
-                "anchor_downloads": g(&m.anchor_downloads), "slot_rebuilds": g(&m.slot_rebuilds), "refused_steps": g(&m.refusals),
+                "anchor_downloads": g(&m.anchor_downloads), "slot_rebuilds": g(&m.slot_rebuilds), "idle_rebuilds": g(&m.idle_rebuilds), "refused_steps": g(&m.refusals),
                 "verify_seconds": m.verify_seconds(),
                 // {"message", "at_ms"} of the last failed sync, null after a successful one.
                 "last_error": m.last_error(),
