@@ -16,7 +16,7 @@ use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
 use driftless_format::manifest::{now_ms, DeltaManifest, LatestHint, ReadyMarker, StepKind};
 use driftless_format::{anchor, fused, ops, Checkpoint, CheckpointFiles, Digest, TensorMeta, TrustSet};
-use driftless_store::stream::{LatestWatch, StreamError, StreamReader};
+use driftless_store::stream::{LatestPoll, LatestVersion, LatestWatch, StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
 use tracing::{debug, error, info, info_span, warn, Instrument};
@@ -1076,9 +1076,12 @@ impl Agent {
         // served slot after a link whose rename landed and whose fsync failed, and the
         // built slot after a state store whose fsync failed).
         let Some(work) = self.building.take() else { return };
-        let named =
-            self.state.as_ref().is_some_and(|s| s.active == work || (s.inactive.is_some() && s.active.other() == work));
-        if named || self.dir.linked() == Some(work) {
+        let names = |s: &LocalState| s.active == work || (s.inactive.is_some() && s.active.other() == work);
+        // The disk too, not memory alone (found by review): a `store` whose rename landed and
+        // whose fsync failed may have left `state.json` naming the slot while memory does not.
+        // A state that cannot be read keeps the slot.
+        let on_disk = LocalState::load(self.dir.path()).map(|s| s.as_ref().is_some_and(names)).unwrap_or(true);
+        if self.state.as_ref().is_some_and(names) || on_disk || self.dir.linked() == Some(work) {
             return;
         }
         let wdir = self.dir.slot(work);
@@ -1220,6 +1223,15 @@ impl Agent {
     /// an error, and the next poll re-verifies them ([`Agent::reverify_active`]: the other
     /// slot holds no step, so `current` is removed and the newest step built from an anchor).
     pub async fn prepare_inactive(&mut self) -> Result<bool> {
+        self.prepare_inactive_until(std::future::pending()).await
+    }
+
+    /// [`Agent::prepare_inactive`], given up when `stop` resolves first (the poll loop's
+    /// `stop` is a change of `latest.json`: a new step is not made to wait for a rebuild that
+    /// its own build would redo). The pass stops at its next group of tensors (about
+    /// [`IDLE_GROUP_BYTES`]), its partial slot is removed, nothing names it, and `Ok(false)` is
+    /// returned; the rebuild is tried again at a later idle poll if still needed.
+    pub async fn prepare_inactive_until(&mut self, stop: impl std::future::Future<Output = ()>) -> Result<bool> {
         let Some(st) = self.state.clone() else { return Ok(false) };
         let ready = self.active_ok && !self.reverify && st.inactive.is_none() && self.prepared != Some(st.step);
         if !ready || self.dir.linked() != Some(st.active) {
@@ -1230,13 +1242,23 @@ impl Agent {
         self.building = Some(work);
         self.release_pending = true;
         let t = Instant::now();
-        let r = self.prepare_slot(&st, work).await;
+        let r = self.prepare_slot(&st, work, stop).await;
         self.release_pending = false;
         match r {
-            Ok(()) => {
+            Ok(true) => {
                 self.metrics.idle_rebuilds.fetch_add(1, Relaxed);
                 info!(step = st.step, slot = ?work, secs = t.elapsed().as_secs_f64(), "inactive slot rebuilt from the served one while idle");
                 Ok(true)
+            }
+            Ok(false) => {
+                info!(
+                    step = st.step,
+                    secs = t.elapsed().as_secs_f64(),
+                    "idle rebuild of the inactive slot given up: a new step is announced"
+                );
+                self.prepared = None;
+                self.drop_partial_work().await;
+                Ok(false)
             }
             Err(e) => {
                 if matches!(e, Error::SlotInUse { .. }) {
@@ -1251,44 +1273,48 @@ impl Agent {
         }
     }
 
-    async fn prepare_slot(&mut self, st: &LocalState, work: Slot) -> Result<()> {
+    /// The rebuild of [`Agent::prepare_inactive_until`]: `Ok(false)` when `stop` came first.
+    async fn prepare_slot(
+        &mut self,
+        st: &LocalState,
+        work: Slot,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<bool> {
         // Probes the slot for readers, then writes it.
         self.release_work_slot()?;
         let (from, to, root) = (self.dir.slot(st.active), self.dir.slot(work), st.root);
-        let got = self
-            .blocking(move || -> Result<Digest> {
-                let src = CheckpointFiles::open_read_only(&from)?;
-                if to.exists() {
-                    std::fs::remove_dir_all(&to)?;
-                }
-                let files = PassFiles::Copy { to: src.frame_copy(&to)?, from: src };
-                let metas = files.written().metas();
-                let digests = fused::apply_and_hash(files.target(), &metas, &[], true)?
-                    .ok_or_else(|| Error::Io(std::io::Error::other("the pass returned no digests")))?;
-                let got = driftless_format::hash::combine_root(metas.iter().map(|t| t.name.as_str()).zip(digests));
-                if got == root {
-                    files.written().sync()?;
-                    sync_tree(&to)?;
-                    to.parent().map_or(Ok(()), sync_dir)?;
-                }
-                Ok(got)
-            })
-            .await
-            .map_err(|e| Error::Io(std::io::Error::other(format!("rebuild task: {e}"))))??;
+        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = cancel.clone();
+        tokio::pin!(stop);
+        // A stop already there (a step announced before the rebuild began) writes nothing.
+        if futures::FutureExt::now_or_never(&mut stop).is_some() {
+            return Ok(false);
+        }
+        let mut task = self.blocking(move || copy_slot(&from, &to, root, IDLE_GROUP_BYTES, &|| flag.load(Relaxed)));
+        let done = tokio::select! {
+            biased;
+            r = &mut task => r,
+            _ = &mut stop => {
+                cancel.store(true, Relaxed);
+                task.await
+            }
+        };
+        let got = done.map_err(|e| Error::Io(std::io::Error::other(format!("rebuild task: {e}"))))??;
+        let Some(got) = got else { return Ok(false) };
         if got != root {
             // The served files changed under the agent (a disk fault, a hand edit).
             self.reverify = true;
-            return Err(corrupt(
-                "local checkpoint",
-                format!("served slot hashes to {got}, its step {} is {root}", st.step),
-            ));
+            self.metrics.verify_failures.fetch_add(1, Relaxed);
+            let e = corrupt("local checkpoint", format!("served slot hashes to {got}, its step {} is {root}", st.step));
+            self.metrics.set_last_error(Some(e.to_string()));
+            return Err(e);
         }
         self.building = None;
         let mut next = st.clone();
         next.inactive = Some(st.held());
         next.store(self.dir.path())?;
         self.state = Some(next);
-        Ok(())
+        Ok(true)
     }
 
     /// Downloads, decodes and verifies an anchor into the work slot (replacing it).
@@ -1768,13 +1794,24 @@ impl Agent {
         if on_step && !list && p.failures == 0 && matches!(&polled, Ok(w) if !w.changed) {
             p.interval = p.interval.saturating_mul(2).min(self.cfg.poll_max);
             // Nothing new: the time to bring an empty inactive slot up (a cold start's next
-            // step is then a fast path). A step that came meanwhile is polled for at once.
-            match self.prepare_inactive().await {
+            // step is then a fast path). Given up when `latest.json` changes meanwhile: that
+            // step is polled for at once, and its own build rebuilds the slot as before.
+            let fired = std::sync::atomic::AtomicBool::new(false);
+            let changed = latest_changes(self.reader.clone(), p.latest.version(), self.cfg.poll_min);
+            let stop = async {
+                changed.await;
+                fired.store(true, Relaxed);
+            };
+            match self.prepare_inactive_until(stop).await {
                 Ok(true) => p.interval = self.cfg.poll_min,
+                Ok(false) if fired.load(Relaxed) => p.interval = Duration::ZERO,
                 Ok(false) => {}
+                // A reader of the slot (a server still loading an older step): tried again at
+                // the next idle poll, which backs off as usual.
+                Err(e @ Error::SlotInUse { .. }) => debug!(error = %e, "idle rebuild of the inactive slot waits"),
                 Err(e) => {
                     p.interval = self.cfg.poll_min;
-                    warn!(error = %e, "could not rebuild the inactive slot while idle; the next step rebuilds it");
+                    warn!(error = %e, "idle rebuild of the inactive slot failed; not tried again for this step");
                 }
             }
             return;
@@ -1833,6 +1870,26 @@ pub const MIN_POLL: Duration = Duration::from_millis(10);
 /// Shortest wait before a poll after a failed one.
 const MIN_RETRY: Duration = Duration::from_millis(100);
 
+/// Resolves once `latest.json` is no longer the version `held` (polled every `every`, one
+/// conditional GET each; errors are polled past): the stop of an idle rebuild. Never resolves
+/// when the version held is not known (no ETag from the backend).
+async fn latest_changes(reader: StreamReader, held: Option<LatestVersion>, every: Duration) {
+    let Some(held) = held else { return std::future::pending().await };
+    let etag = match &held {
+        LatestVersion::Tagged(t) => Some(t.as_str()),
+        LatestVersion::Absent => None,
+    };
+    loop {
+        tokio::time::sleep(every.max(MIN_POLL)).await;
+        match reader.poll_latest(etag).await {
+            Ok(LatestPoll::Unchanged) if etag.is_some() => {}
+            Ok(LatestPoll::Absent) if etag.is_none() => {}
+            Ok(_) => return,
+            Err(e) => debug!(error = %e, "reading latest.json during an idle rebuild failed"),
+        }
+    }
+}
+
 /// The polling state of [`Agent::run`] between polls.
 struct PollState {
     interval: Duration,
@@ -1883,6 +1940,63 @@ impl Drop for Flag<'_> {
 /// slot `dir` (rebuilt from `seed` by the same pass when given), checks the result against the
 /// last delta's signed result root when `verify`, and makes it durable. Returns the
 /// milliseconds of the pass.
+/// Tensors an idle rebuild copies between two looks at its stop flag: a stop waits for at most
+/// one group's pass (a few tenths of a second on 2 cores; a single larger tensor is a group of
+/// its own).
+pub const IDLE_GROUP_BYTES: u64 = 256 << 20;
+
+/// The pass of an idle rebuild (`Agent::prepare_slot`): `to` becomes a fresh frame of `from`
+/// (read-only) with every tensor copied and hashed block by block, a group of tensors at a time
+/// (`fused::Target::Copy`, no deltas). Returns the root of what was written, made durable only
+/// when it is `root`; `None` when `stop` was raised (looked at before each group and once more
+/// at the end, so a stop raised before the pass ends always gives up, whatever its timing).
+fn copy_slot(
+    from: &Path,
+    to: &Path,
+    root: Digest,
+    group_bytes: u64,
+    stop: &dyn Fn() -> bool,
+) -> Result<Option<Digest>> {
+    let src = CheckpointFiles::open_read_only(from)?;
+    // (A layout rewrite's frame left by a crash, `slots/x.new`, too: its space counts.)
+    for d in [to.with_extension("new"), to.to_path_buf()] {
+        if d.exists() {
+            std::fs::remove_dir_all(&d)?;
+        }
+    }
+    if stop() {
+        return Ok(None);
+    }
+    let files = PassFiles::Copy { to: src.frame_copy(to)?, from: src };
+    let metas = files.written().metas();
+    let mut digests = Vec::with_capacity(metas.len());
+    let mut rest = &metas[..];
+    while !rest.is_empty() {
+        if stop() {
+            return Ok(None);
+        }
+        let (mut n, mut bytes) = (0, 0u64);
+        while n < rest.len() && (n == 0 || bytes < group_bytes) {
+            bytes = bytes.saturating_add(rest[n].nbytes().unwrap_or(u64::MAX));
+            n += 1;
+        }
+        let d = fused::apply_and_hash(files.target(), &rest[..n], &[], true)?
+            .ok_or_else(|| Error::Io(std::io::Error::other("the pass returned no digests")))?;
+        digests.extend(d);
+        rest = &rest[n..];
+    }
+    if stop() {
+        return Ok(None);
+    }
+    let got = driftless_format::hash::combine_root(metas.iter().map(|t| t.name.as_str()).zip(digests));
+    if got == root {
+        files.written().sync()?;
+        sync_tree(to)?;
+        to.parent().map_or(Ok(()), sync_dir)?;
+    }
+    Ok(Some(got))
+}
+
 fn pass_group(
     dir: &Path,
     seed: Option<&Path>,
@@ -2107,5 +2221,113 @@ fn keep_object(cache: &Path, sha: Digest, b: &[u8]) {
     let tmp = cache.join(format!("{}.tmp", sha.to_hex()));
     if std::fs::write(&tmp, b).is_ok() {
         let _ = std::fs::rename(&tmp, cache.join(sha.to_hex()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use driftless_format::checkpoint::{write_checkpoint, Layout};
+    use driftless_format::{DType, TensorView};
+
+    /// A checkpoint of `n` BF16 tensors of `bytes` each, in two shard files; its root.
+    fn model(dir: &Path, n: usize, bytes: usize) -> Digest {
+        let data: Vec<Vec<u8>> = (0..n).map(|i| (0..bytes).map(|j| (j * 31 + i * 7) as u8).collect()).collect();
+        let names: Vec<String> = (0..n).map(|i| format!("t{i}")).collect();
+        let shape = [bytes as u64 / 2];
+        let views: Vec<TensorView<'_>> =
+            names.iter().zip(&data).map(|(m, d)| TensorView::new(m, DType::BF16, &shape, d).unwrap()).collect();
+        let metas: Vec<TensorMeta> = views.iter().map(|v| v.meta()).collect();
+        let layout = Layout::for_tensors(&metas, (bytes * n / 2) as u64).unwrap();
+        assert_eq!(layout.shards.len(), 2);
+        write_checkpoint(dir, &layout, &views).unwrap();
+        driftless_format::weights_root(&views).1
+    }
+
+    fn files(dir: &Path) -> std::collections::BTreeMap<std::ffi::OsString, Vec<u8>> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .map(|e| (e.file_name(), std::fs::read(e.path()).unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn an_idle_rebuild_copies_every_file_and_returns_its_root() {
+        let d = tempfile::tempdir().unwrap();
+        let (from, to) = (d.path().join("a"), d.path().join("b"));
+        let root = model(&from, 6, 3 << 20);
+        // Groups of about one tensor: several passes, one digest list.
+        let calls = std::cell::Cell::new(0);
+        let got = copy_slot(&from, &to, root, 1 << 20, &|| {
+            calls.set(calls.get() + 1);
+            false
+        })
+        .unwrap();
+        assert_eq!(got, Some(root));
+        assert_eq!(calls.get(), 1 + 6 + 1, "a look before the frame, before each group, at the end");
+        assert_eq!(files(&from), files(&to));
+    }
+
+    #[test]
+    fn an_idle_rebuild_stops_at_the_next_group_and_at_the_end() {
+        let d = tempfile::tempdir().unwrap();
+        let (from, to) = (d.path().join("a"), d.path().join("b"));
+        let root = model(&from, 6, 3 << 20);
+        for stop_at in [1, 2, 4, 8] {
+            let calls = std::cell::Cell::new(0);
+            let got = copy_slot(&from, &to, root, 1 << 20, &|| {
+                calls.set(calls.get() + 1);
+                calls.get() >= stop_at
+            })
+            .unwrap();
+            assert_eq!(got, None, "stopped at look {stop_at}");
+            assert_eq!(calls.get(), stop_at, "no look after the stop");
+        }
+        // A wrong root: the copy is returned with the root it has, never made to look right.
+        let wrong = Digest::of(b"another step");
+        assert_eq!(copy_slot(&from, &to, wrong, 1 << 20, &|| false).unwrap(), Some(root));
+    }
+
+    /// The poll loop's stop of an idle rebuild: pending while `latest.json` is the version the
+    /// poll held, resolved once a new step rewrote it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_idle_rebuilds_stop_is_a_new_latest_json() {
+        let d = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", d.path().join("bucket").display());
+        let bucket = Bucket::open(&url, &driftless_store::StoreOptions::default()).unwrap();
+        let key = driftless_format::Keypair::from_seed([3; 32]);
+        let trust = TrustSet::new().with_key(key.public());
+        let mut chain =
+            driftless_format::gen::RlChain::new(&driftless_format::gen::ModelSpec::with_bf16_bytes(64 << 10), 2e-6, 1);
+        let b = bucket.clone();
+        let mut p = tokio::task::spawn_blocking(move || {
+            let mut p = driftless_publisher::PublisherBuilder::new("x").with_bucket(b).with_key(key).build().unwrap();
+            p.publish(0, &chain.views()).unwrap();
+            p.flush().unwrap();
+            chain.step();
+            (p, chain)
+        })
+        .await
+        .unwrap();
+        let reader = StreamReader::new(bucket, trust);
+        let mut w = LatestWatch::default();
+        assert!(w.poll(&reader).await.unwrap().hint.is_some());
+        let stop = latest_changes(reader.clone(), w.version(), Duration::from_millis(10));
+        tokio::pin!(stop);
+        assert!(tokio::time::timeout(Duration::from_millis(300), &mut stop).await.is_err(), "unchanged: no stop");
+        p = tokio::task::spawn_blocking(move || {
+            let (pb, chain) = &mut p;
+            pb.publish(1, &chain.views()).unwrap();
+            pb.flush().unwrap();
+            p
+        })
+        .await
+        .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), &mut stop).await.expect("a new latest.json stops it");
+        // Not known (no ETag held): never a stop.
+        let never = latest_changes(reader, None, Duration::from_millis(10));
+        assert!(tokio::time::timeout(Duration::from_millis(100), never).await.is_err());
+        tokio::task::spawn_blocking(move || p.0.close().unwrap()).await.unwrap();
     }
 }

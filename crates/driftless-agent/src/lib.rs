@@ -29,6 +29,8 @@ pub mod plan;
 pub mod server;
 pub mod state;
 
-pub use agent::{default_anchor_parts, Agent, AgentConfig, RefusedStep, Stopped, SyncOutcome, SyncPath, MIN_POLL};
+pub use agent::{
+    default_anchor_parts, Agent, AgentConfig, RefusedStep, Stopped, SyncOutcome, SyncPath, IDLE_GROUP_BYTES, MIN_POLL,
+};
 pub use error::{Error, Result};
 pub use state::LocalState;

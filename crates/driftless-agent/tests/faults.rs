@@ -1093,6 +1093,13 @@ async fn a_cold_start_rebuilds_its_inactive_slot_while_idle() {
                 std::thread::sleep(Duration::from_millis(20));
             }
         };
+        // The counter moves once `state.json` names the slot (after its rename and the fsync
+        // of `DIR`): waited for first, so the file read next is the one that names it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while counter_of(&metrics, |m| &m.idle_rebuilds) == 0 {
+            assert!(std::time::Instant::now() < deadline, "{}: no idle rebuild", tb.name);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let st = tokio::task::block_in_place(|| wait_for("inactive slot named", &|s| s.inactive.is_some()));
         assert_eq!(st.step, 1, "{}", tb.name);
         assert_eq!(st.inactive, Some(st.held()), "{}: the inactive slot holds the served step", tb.name);
@@ -1158,10 +1165,65 @@ async fn an_idle_rebuild_never_copies_a_served_slot_that_changed() {
     assert_eq!(a.state().unwrap().inactive, None);
     assert_eq!(LocalState::load(&tb.dir.path().join("a")).unwrap().unwrap().inactive, None, "state.json");
     assert!(!tb.dir.path().join("a/slots").join(st.active.other().name()).exists(), "partial slot removed");
-    // Not tried again for this step.
-    assert!(!a.prepare_inactive().await.unwrap());
+    assert_eq!(counter(&a, |m| &m.verify_failures), 1);
     let o = a.sync_once().await.unwrap();
     assert_eq!((o.step, o.route), (1, SyncPath::Anchor));
     assert_bits(&a, &want);
     assert_verified(&a, "after the rebuild from an anchor");
+    // A new served slot (the same step, from the anchor): the other slot is rebuilt again.
+    assert_eq!(a.state().unwrap().inactive, None);
+    assert!(a.prepare_inactive().await.unwrap());
+    let st = a.state().unwrap().clone();
+    assert_eq!(st.inactive, Some(st.held()));
+}
+
+/// An idle rebuild is given up when its stop comes first (the poll loop's stop: `latest.json`
+/// changed, a new step whose own build would redo the rebuild): nothing names the slot, its
+/// partial files are gone, and the rebuild is tried again at a later idle time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_rebuild_gives_way_to_a_new_step() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 100);
+    t.publish();
+    let mut a = agent(&tb, "a", &trust);
+    assert_eq!(a.sync_once().await.unwrap().route, SyncPath::Anchor);
+    let st = a.state().unwrap().clone();
+    let other = tb.dir.path().join("a/slots").join(st.active.other().name());
+    assert!(!a.prepare_inactive_until(async {}).await.unwrap(), "stopped");
+    assert_eq!(a.state().unwrap().inactive, None);
+    assert_eq!(LocalState::load(&tb.dir.path().join("a")).unwrap().unwrap().inactive, None, "state.json");
+    assert!(!other.exists(), "nothing left of the rebuild");
+    assert_eq!(counter(&a, |m| &m.idle_rebuilds), 0);
+    // Tried again later, and then done.
+    assert!(a.prepare_inactive().await.unwrap());
+    assert_eq!(a.state().unwrap().inactive, Some(st.held()));
+    let want = t.publish();
+    let o = a.sync_once().await.unwrap();
+    assert_eq!((o.step, o.route, o.rebuilt), (1, SyncPath::Fast, false));
+    assert_bits(&a, &want);
+}
+
+/// A rebuild that failed for a local reason (here the slot's path taken by a file it cannot
+/// remove as a directory) is not tried again for the same served step, even once it could
+/// succeed: a disk without room for two slots costs one try per step, not a model's worth of
+/// writes at every poll. (A new served slot tries again: the end of
+/// `an_idle_rebuild_never_copies_a_served_slot_that_changed`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_idle_rebuild_is_tried_once_per_step() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 100);
+    t.publish();
+    let mut a = agent(&tb, "a", &trust);
+    assert_eq!(a.sync_once().await.unwrap().route, SyncPath::Anchor);
+    let st = a.state().unwrap().clone();
+    let other = tb.dir.path().join("a/slots").join(st.active.other().name());
+    std::fs::write(&other, b"in the way").unwrap();
+    assert!(a.prepare_inactive().await.is_err());
+    assert_eq!(LocalState::load(&tb.dir.path().join("a")).unwrap().unwrap().inactive, None, "state.json");
+    std::fs::remove_file(&other).unwrap();
+    assert!(!a.prepare_inactive().await.unwrap(), "tried again at the same step");
+    assert!(!other.exists());
+    assert_eq!(counter(&a, |m| &m.idle_rebuilds), 0);
 }
