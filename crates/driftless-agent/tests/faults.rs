@@ -796,16 +796,7 @@ async fn a_bad_or_missing_latest_json_does_not_make_every_poll_list() {
         let mut t = Trainer::new(&tb.bucket, &key, 100);
         t.publish();
         t.publish();
-        let mut cfg = config(tb.dir.path().join("a"), trust.clone());
-        cfg.poll_min = Duration::from_millis(10);
-        cfg.poll_max = Duration::from_millis(10);
-        let a = Agent::new(tb.bucket.clone(), cfg).unwrap();
-        let metrics = a.metrics();
-        let stop = Arc::new(tokio::sync::Notify::new());
-        let run = {
-            let stop = stop.clone();
-            tokio::spawn(a.run(Arc::new(tokio::sync::Notify::new()), async move { stop.notified().await }))
-        };
+        let (metrics, stop, run) = running(&tb, &trust, Duration::from_millis(10));
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while metrics.step.load(SeqCst) != 1 {
             assert!(std::time::Instant::now() < deadline, "agent did not reach step 1");
@@ -1073,16 +1064,7 @@ async fn a_cold_start_rebuilds_its_inactive_slot_while_idle() {
         t.publish();
         let mut want = t.publish();
         let dir = tb.dir.path().join("a");
-        let mut cfg = config(&dir, trust.clone());
-        cfg.poll_min = Duration::from_millis(10);
-        cfg.poll_max = Duration::from_millis(40);
-        let a = Agent::new(tb.bucket.clone(), cfg).unwrap();
-        let metrics = a.metrics();
-        let stop = Arc::new(tokio::sync::Notify::new());
-        let run = {
-            let stop = stop.clone();
-            tokio::spawn(a.run(Arc::new(tokio::sync::Notify::new()), async move { stop.notified().await }))
-        };
+        let (metrics, stop, run) = running(&tb, &trust, Duration::from_millis(40));
         let wait_for = |what: &str, f: &dyn Fn(&LocalState) -> bool| {
             let deadline = std::time::Instant::now() + Duration::from_secs(30);
             loop {
@@ -1143,14 +1125,8 @@ fn counter_of(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_rebuild_never_copies_a_served_slot_that_changed() {
     let tb = file_bucket();
-    let (key, trust) = keys();
-    let mut t = Trainer::new(&tb.bucket, &key, 100);
-    t.publish();
-    let want = t.publish();
-    let mut a = agent(&tb, "a", &trust);
-    assert_eq!(a.sync_once().await.unwrap().route, SyncPath::Anchor);
-    let st = a.state().unwrap().clone();
-    assert_eq!(st.inactive, None);
+    let (t, mut a, st) = cold_started(&tb, 2).await;
+    let want = snapshot(&t.chain);
     // One bit of the first tensor's first byte flipped in the served file.
     let ck = Checkpoint::open(a.current_dir()).unwrap();
     let shard = ck.layout().shards[0].file.clone();
@@ -1183,12 +1159,7 @@ async fn an_idle_rebuild_never_copies_a_served_slot_that_changed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_rebuild_gives_way_to_a_new_step() {
     let tb = file_bucket();
-    let (key, trust) = keys();
-    let mut t = Trainer::new(&tb.bucket, &key, 100);
-    t.publish();
-    let mut a = agent(&tb, "a", &trust);
-    assert_eq!(a.sync_once().await.unwrap().route, SyncPath::Anchor);
-    let st = a.state().unwrap().clone();
+    let (mut t, mut a, st) = cold_started(&tb, 1).await;
     let other = tb.dir.path().join("a/slots").join(st.active.other().name());
     assert!(!a.prepare_inactive_until(async {}).await.unwrap(), "stopped");
     assert_eq!(a.state().unwrap().inactive, None);
@@ -1212,12 +1183,7 @@ async fn an_idle_rebuild_gives_way_to_a_new_step() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_idle_rebuild_is_tried_once_per_step() {
     let tb = file_bucket();
-    let (key, trust) = keys();
-    let mut t = Trainer::new(&tb.bucket, &key, 100);
-    t.publish();
-    let mut a = agent(&tb, "a", &trust);
-    assert_eq!(a.sync_once().await.unwrap().route, SyncPath::Anchor);
-    let st = a.state().unwrap().clone();
+    let (_t, mut a, st) = cold_started(&tb, 1).await;
     let other = tb.dir.path().join("a/slots").join(st.active.other().name());
     std::fs::write(&other, b"in the way").unwrap();
     assert!(a.prepare_inactive().await.is_err());
@@ -1226,4 +1192,42 @@ async fn a_failed_idle_rebuild_is_tried_once_per_step() {
     assert!(!a.prepare_inactive().await.unwrap(), "tried again at the same step");
     assert!(!other.exists());
     assert_eq!(counter(&a, |m| &m.idle_rebuilds), 0);
+}
+
+/// A trainer that published `n` steps (anchor at step 0) and agent "a" cold-started on the
+/// last: its state, with nothing in the inactive slot.
+async fn cold_started(tb: &TestBucket, n: u64) -> (Trainer, Agent, LocalState) {
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 100);
+    for _ in 0..n {
+        t.publish();
+    }
+    let mut a = agent(tb, "a", &trust);
+    assert_eq!(a.sync_once().await.unwrap().route, SyncPath::Anchor);
+    let st = a.state().unwrap().clone();
+    assert_eq!(st.inactive, None);
+    (t, a, st)
+}
+
+/// Agent "a" on `tb` under [`Agent::run`], polling every 10 ms up to `poll_max`: its metrics,
+/// the notify that stops it, and its task.
+#[allow(clippy::type_complexity)]
+fn running(
+    tb: &TestBucket,
+    trust: &TrustSet,
+    poll_max: Duration,
+) -> (
+    Arc<driftless_agent::metrics::Metrics>,
+    Arc<tokio::sync::Notify>,
+    tokio::task::JoinHandle<driftless_agent::Result<driftless_agent::Stopped>>,
+) {
+    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+    cfg.poll_min = Duration::from_millis(10);
+    cfg.poll_max = poll_max;
+    let a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+    let metrics = a.metrics();
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let s = stop.clone();
+    let run = tokio::spawn(a.run(Arc::new(tokio::sync::Notify::new()), async move { s.notified().await }));
+    (metrics, stop, run)
 }
