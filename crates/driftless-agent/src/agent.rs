@@ -209,6 +209,9 @@ pub struct Agent {
     /// tried again for that step, so a disk without room for a second slot costs one try per
     /// step, not a model's worth of writes at every poll.
     prepared: Option<u64>,
+    /// The served step at which the poll loop last stopped an idle rebuild for a new step:
+    /// at most one stop per served step (see `poll`).
+    idle_stopped: Option<u64>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -342,6 +345,7 @@ impl Agent {
             notifying: Arc::default(),
             stopping: Arc::default(),
             prepared: None,
+            idle_stopped: None,
         })
     }
 
@@ -1217,9 +1221,8 @@ impl Agent {
     /// holds a step, the served slot is not known to be verified, `current` does not name it,
     /// or this served step was tried already (a failure is not repeated at every poll: a disk
     /// without room for a second slot costs one try per step). A slot another process has open
-    /// is left alone and tried again at a later poll. The pass is not cancelled by a new step:
-    /// one arriving meanwhile waits for it, at most one rebuild's time, which is what its
-    /// first step would have paid anyway. Served files that no longer hash to their step are
+    /// is left alone and tried again at a later poll. The poll loop stops the pass when a new
+    /// step is announced ([`Agent::prepare_inactive_until`]). Served files that no longer hash to their step are
     /// an error, and the next poll re-verifies them ([`Agent::reverify_active`]: the other
     /// slot holds no step, so `current` is removed and the newest step built from an anchor).
     pub async fn prepare_inactive(&mut self) -> Result<bool> {
@@ -1280,16 +1283,20 @@ impl Agent {
         work: Slot,
         stop: impl std::future::Future<Output = ()>,
     ) -> Result<bool> {
+        tokio::pin!(stop);
+        // A stop already there (a step announced before the rebuild began): nothing written,
+        // `state.json` included.
+        if futures::FutureExt::now_or_never(&mut stop).is_some() {
+            return Ok(false);
+        }
         // Probes the slot for readers, then writes it.
         self.release_work_slot()?;
         let (from, to, root) = (self.dir.slot(st.active), self.dir.slot(work), st.root);
         let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = cancel.clone();
-        tokio::pin!(stop);
-        // A stop already there (a step announced before the rebuild began) writes nothing.
-        if futures::FutureExt::now_or_never(&mut stop).is_some() {
-            return Ok(false);
-        }
+        // Dropped with this future (the agent stopped mid-rebuild): the pass stops too, at its
+        // next group, instead of copying the rest of the model under the directory's lock.
+        let _stop_on_drop = RaiseOnDrop(cancel.clone());
         let mut task = self.blocking(move || copy_slot(&from, &to, root, IDLE_GROUP_BYTES, &|| flag.load(Relaxed)));
         let done = tokio::select! {
             biased;
@@ -1796,15 +1803,23 @@ impl Agent {
             // Nothing new: the time to bring an empty inactive slot up (a cold start's next
             // step is then a fast path). Given up when `latest.json` changes meanwhile: that
             // step is polled for at once, and its own build rebuilds the slot as before.
+            // One stop per served step: a bucket that keeps announcing a step the agent then
+            // refuses must not make it start and drop a rebuild at every idle poll.
+            let served = self.state.as_ref().map(|s| (s.stream_id.clone(), s.step)).unwrap_or_default();
+            let held = p.latest.version().filter(|_| self.idle_stopped != Some(served.1));
             let fired = std::sync::atomic::AtomicBool::new(false);
-            let changed = latest_changes(self.reader.clone(), p.latest.version(), self.cfg.poll_min);
+            let changed =
+                latest_changes(self.reader.clone(), held, served.clone(), self.cfg.poll_min, self.cfg.poll_max);
             let stop = async {
                 changed.await;
                 fired.store(true, Relaxed);
             };
             match self.prepare_inactive_until(stop).await {
                 Ok(true) => p.interval = self.cfg.poll_min,
-                Ok(false) if fired.load(Relaxed) => p.interval = Duration::ZERO,
+                Ok(false) if fired.load(Relaxed) => {
+                    self.idle_stopped = Some(served.1);
+                    p.interval = Duration::ZERO;
+                }
                 Ok(false) => {}
                 // A reader of the slot (a server still loading an older step): tried again at
                 // the next idle poll, which backs off as usual.
@@ -1870,23 +1885,55 @@ pub const MIN_POLL: Duration = Duration::from_millis(10);
 /// Shortest wait before a poll after a failed one.
 const MIN_RETRY: Duration = Duration::from_millis(100);
 
-/// Resolves once `latest.json` is no longer the version `held` (polled every `every`, one
-/// conditional GET each; errors are polled past): the stop of an idle rebuild. Never resolves
-/// when the version held is not known (no ETag from the backend).
-async fn latest_changes(reader: StreamReader, held: Option<LatestVersion>, every: Duration) {
+/// Resolves once `latest.json` announces a step the agent does not serve: a step newer than
+/// `served` of its stream, or another stream (a new run in the prefix). The stop of an idle
+/// rebuild. Polled every `every` from the version `held` (a conditional GET each; a rewrite
+/// that announces nothing new, junk, a deletion or a replayed older hint is not a stop: a
+/// bucket that rewrites it all the time must not keep the rebuild from ever ending); errors
+/// back off, doubling up to `max`. Never resolves when the version held is not known (no
+/// ETag from the backend).
+async fn latest_changes(
+    reader: StreamReader,
+    held: Option<LatestVersion>,
+    served: (String, u64),
+    every: Duration,
+    max: Duration,
+) {
     let Some(held) = held else { return std::future::pending().await };
-    let etag = match &held {
-        LatestVersion::Tagged(t) => Some(t.as_str()),
+    let mut etag = match held {
+        LatestVersion::Tagged(t) => Some(t),
         LatestVersion::Absent => None,
     };
+    let every = every.max(MIN_POLL);
+    let mut wait = every;
     loop {
-        tokio::time::sleep(every.max(MIN_POLL)).await;
-        match reader.poll_latest(etag).await {
-            Ok(LatestPoll::Unchanged) if etag.is_some() => {}
-            Ok(LatestPoll::Absent) if etag.is_none() => {}
-            Ok(_) => return,
-            Err(e) => debug!(error = %e, "reading latest.json during an idle rebuild failed"),
+        tokio::time::sleep(wait).await;
+        wait = every;
+        match reader.poll_latest(etag.as_deref()).await {
+            Ok(LatestPoll::Changed(h, tag)) => {
+                let newest = h.delta.max(h.anchor);
+                if h.stream_id != served.0 || newest.is_some_and(|s| s > served.1) {
+                    return;
+                }
+                etag = tag;
+            }
+            Ok(LatestPoll::Invalid(tag, _)) => etag = tag,
+            Ok(LatestPoll::Absent) => etag = None,
+            Ok(LatestPoll::Unchanged) => {}
+            Err(e) => {
+                debug!(error = %e, "reading latest.json during an idle rebuild failed");
+                wait = (wait * 2).min(max.max(every));
+            }
         }
+    }
+}
+
+/// Raises its flag when dropped.
+struct RaiseOnDrop(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for RaiseOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Relaxed);
     }
 }
 
@@ -1936,10 +1983,6 @@ impl Drop for Flag<'_> {
     }
 }
 
-/// [`Agent::apply_group`]'s pass, on the blocking pool: applies `group` (not empty) to the work
-/// slot `dir` (rebuilt from `seed` by the same pass when given), checks the result against the
-/// last delta's signed result root when `verify`, and makes it durable. Returns the
-/// milliseconds of the pass.
 /// Tensors an idle rebuild copies between two looks at its stop flag: a stop waits for at most
 /// one group's pass (a few tenths of a second on 2 cores; a single larger tensor is a group of
 /// its own).
@@ -1948,8 +1991,8 @@ pub const IDLE_GROUP_BYTES: u64 = 256 << 20;
 /// The pass of an idle rebuild (`Agent::prepare_slot`): `to` becomes a fresh frame of `from`
 /// (read-only) with every tensor copied and hashed block by block, a group of tensors at a time
 /// (`fused::Target::Copy`, no deltas). Returns the root of what was written, made durable only
-/// when it is `root`; `None` when `stop` was raised (looked at before each group and once more
-/// at the end, so a stop raised before the pass ends always gives up, whatever its timing).
+/// when it is `root`; `None` when `stop` was raised (looked at before the frame is made and
+/// before each group).
 fn copy_slot(
     from: &Path,
     to: &Path,
@@ -1985,9 +2028,8 @@ fn copy_slot(
         digests.extend(d);
         rest = &rest[n..];
     }
-    if stop() {
-        return Ok(None);
-    }
+    // Done: a stop now would only throw away a finished copy (and, when the root is wrong,
+    // the finding that the served slot changed).
     let got = driftless_format::hash::combine_root(metas.iter().map(|t| t.name.as_str()).zip(digests));
     if got == root {
         files.written().sync()?;
@@ -1997,6 +2039,10 @@ fn copy_slot(
     Ok(Some(got))
 }
 
+/// [`Agent::apply_group`]'s pass, on the blocking pool: applies `group` (not empty) to the work
+/// slot `dir` (rebuilt from `seed` by the same pass when given), checks the result against the
+/// last delta's signed result root when `verify`, and makes it durable. Returns the
+/// milliseconds of the pass.
 fn pass_group(
     dir: &Path,
     seed: Option<&Path>,
@@ -2265,16 +2311,16 @@ mod tests {
         })
         .unwrap();
         assert_eq!(got, Some(root));
-        assert_eq!(calls.get(), 1 + 6 + 1, "a look before the frame, before each group, at the end");
+        assert_eq!(calls.get(), 1 + 6, "a look before the frame and before each group");
         assert_eq!(files(&from), files(&to));
     }
 
     #[test]
-    fn an_idle_rebuild_stops_at_the_next_group_and_at_the_end() {
+    fn an_idle_rebuild_stops_at_the_next_group() {
         let d = tempfile::tempdir().unwrap();
         let (from, to) = (d.path().join("a"), d.path().join("b"));
         let root = model(&from, 6, 3 << 20);
-        for stop_at in [1, 2, 4, 8] {
+        for stop_at in [1, 2, 4, 7] {
             let calls = std::cell::Cell::new(0);
             let got = copy_slot(&from, &to, root, 1 << 20, &|| {
                 calls.set(calls.get() + 1);
@@ -2284,13 +2330,21 @@ mod tests {
             assert_eq!(got, None, "stopped at look {stop_at}");
             assert_eq!(calls.get(), stop_at, "no look after the stop");
         }
+        // A stop after the last group is too late to matter: the finished copy is kept.
+        let calls = std::cell::Cell::new(0);
+        let late = copy_slot(&from, &to, root, 1 << 20, &|| {
+            calls.set(calls.get() + 1);
+            calls.get() > 7
+        });
+        assert_eq!(late.unwrap(), Some(root));
         // A wrong root: the copy is returned with the root it has, never made to look right.
         let wrong = Digest::of(b"another step");
         assert_eq!(copy_slot(&from, &to, wrong, 1 << 20, &|| false).unwrap(), Some(root));
     }
 
     /// The poll loop's stop of an idle rebuild: pending while `latest.json` is the version the
-    /// poll held, resolved once a new step rewrote it.
+    /// poll held or announces nothing the agent does not serve, resolved once it announces a
+    /// newer step or another stream.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_idle_rebuilds_stop_is_a_new_latest_json() {
         let d = tempfile::tempdir().unwrap();
@@ -2313,8 +2367,13 @@ mod tests {
         let reader = StreamReader::new(bucket, trust);
         let mut w = LatestWatch::default();
         assert!(w.poll(&reader).await.unwrap().hint.is_some());
-        let stop = latest_changes(reader.clone(), w.version(), Duration::from_millis(10));
+        let sid = w.hint().unwrap().stream_id.clone();
+        let ms = Duration::from_millis(10);
+        let stop = latest_changes(reader.clone(), w.version(), (sid.clone(), 0), ms, ms);
         tokio::pin!(stop);
+        // The same change seen by an agent that serves step 1 already: no stop.
+        let served = latest_changes(reader.clone(), w.version(), (sid.clone(), 1), ms, ms);
+        tokio::pin!(served);
         assert!(tokio::time::timeout(Duration::from_millis(300), &mut stop).await.is_err(), "unchanged: no stop");
         p = tokio::task::spawn_blocking(move || {
             let (pb, chain) = &mut p;
@@ -2324,9 +2383,13 @@ mod tests {
         })
         .await
         .unwrap();
-        tokio::time::timeout(Duration::from_secs(10), &mut stop).await.expect("a new latest.json stops it");
+        tokio::time::timeout(Duration::from_secs(10), &mut stop).await.expect("a new step stops it");
+        assert!(tokio::time::timeout(Duration::from_millis(300), &mut served).await.is_err(), "nothing new for it");
+        // Another stream's hint (a new run in the prefix) is a stop, whatever its steps.
+        let other = latest_changes(reader.clone(), w.version(), ("another run".into(), 5), ms, ms);
+        tokio::time::timeout(Duration::from_secs(10), other).await.expect("another stream stops it");
         // Not known (no ETag held): never a stop.
-        let never = latest_changes(reader, None, Duration::from_millis(10));
+        let never = latest_changes(reader, None, (sid, 0), ms, ms);
         assert!(tokio::time::timeout(Duration::from_millis(100), never).await.is_err());
         tokio::task::spawn_blocking(move || p.0.close().unwrap()).await.unwrap();
     }

@@ -1153,9 +1153,11 @@ async fn an_idle_rebuild_never_copies_a_served_slot_that_changed() {
     assert_eq!(st.inactive, Some(st.held()));
 }
 
-/// An idle rebuild is given up when its stop comes first (the poll loop's stop: `latest.json`
-/// changed, a new step whose own build would redo the rebuild): nothing names the slot, its
-/// partial files are gone, and the rebuild is tried again at a later idle time.
+/// An idle rebuild whose stop has come (the poll loop's stop: `latest.json` announced a new
+/// step, whose own build rebuilds the slot) gives up: `Ok(false)`, nothing names the slot, not
+/// counted, and it is tried again at a later idle time. (Where the pass looks at its stop, and
+/// what fires it, are unit tests in `agent.rs`; a stop in the middle of a real pass was seen in
+/// `speed_bench live` with `BENCH_GAP_MS=200`: README.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_rebuild_gives_way_to_a_new_step() {
     let tb = file_bucket();
@@ -1164,11 +1166,11 @@ async fn an_idle_rebuild_gives_way_to_a_new_step() {
     assert!(!a.prepare_inactive_until(async {}).await.unwrap(), "stopped");
     assert_eq!(a.state().unwrap().inactive, None);
     assert_eq!(LocalState::load(&tb.dir.path().join("a")).unwrap().unwrap().inactive, None, "state.json");
-    assert!(!other.exists(), "nothing left of the rebuild");
     assert_eq!(counter(&a, |m| &m.idle_rebuilds), 0);
     // Tried again later, and then done.
     assert!(a.prepare_inactive().await.unwrap());
     assert_eq!(a.state().unwrap().inactive, Some(st.held()));
+    assert_eq!(slot_files(&other), slot_files(&a.current_dir()));
     let want = t.publish();
     let o = a.sync_once().await.unwrap();
     assert_eq!((o.step, o.route, o.rebuilt), (1, SyncPath::Fast, false));

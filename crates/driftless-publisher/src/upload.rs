@@ -236,19 +236,18 @@ pub(crate) async fn commit_step_unmarked(ctx: &Ctx, c: Commit<'_>) -> Result<u64
         // left for GC.
         let keys = created.into_inner().unwrap_or_else(|e| e.into_inner());
         let n = keys.len();
-        match tokio::time::timeout(CLEANUP_BUDGET, delete_all(&ctx.bucket, keys)).await {
-            Ok(()) => info!(step = c.step, objects = n, "removed the objects of the failed try (no marker names them)"),
-            Err(_) => {
-                warn!(step = c.step, "removing the failed try's objects took too long; GC removes the rest later")
-            }
+        if delete_all(&ctx.bucket, keys).await {
+            info!(step = c.step, objects = n, "removed the objects of the failed try (no marker names them)");
         }
     }
     r.map_err(|e| (e, unmarked))
 }
 
-/// Longest the removal of a failed try's objects may take: it runs before the uploader's next
-/// step (and a sharded committer's), and in the outage that failed the try each delete may
-/// retry for the store's whole budget. What is left, GC removes once the lease lapses.
+/// Longest one removal of objects no step uses may take ([`delete_all`]: a failed try's
+/// objects, a refused sharded step's parts, slices once their anchor is committed or given up,
+/// a sharded step's delta objects once it is committed as an anchor): it runs before the
+/// uploader's next step (and a sharded committer's), and in an outage each delete may retry
+/// for the store's whole budget. What is left, GC removes once the lease lapses.
 pub(crate) const CLEANUP_BUDGET: Duration = Duration::from_secs(10);
 
 /// How far a commit got: what its failure leaves in the bucket.
@@ -264,17 +263,28 @@ enum Stage {
 
 /// Deletes `keys`, `concurrency` at a time (best effort: what is left, e.g. where a request
 /// given up on lands after its delete, GC collects once this generation's lease lapses).
-pub(crate) async fn delete_all(bucket: &Bucket, keys: Vec<String>) {
+/// At most [`CLEANUP_BUDGET`] (before, only the failed try's and the refused step's removals
+/// were bounded, and an outage held a sharded committer at the others); returns whether it
+/// finished within it.
+pub(crate) async fn delete_all(bucket: &Bucket, keys: Vec<String>) -> bool {
+    delete_within(bucket, keys, CLEANUP_BUDGET).await
+}
+
+async fn delete_within(bucket: &Bucket, keys: Vec<String>, budget: Duration) -> bool {
     let conc = bucket.options().concurrency.max(1);
-    stream::iter(keys)
-        .for_each_concurrent(conc, |k| async move {
-            if let Err(e) = bucket.delete(&k).await {
-                if !e.is_not_found() {
-                    warn!(key = %k, error = %e, "could not delete an object no step uses; GC removes it later");
-                }
+    let n = keys.len();
+    let run = stream::iter(keys).for_each_concurrent(conc, |k| async move {
+        if let Err(e) = bucket.delete(&k).await {
+            if !e.is_not_found() {
+                warn!(key = %k, error = %e, "could not delete an object no step uses; GC removes it later");
             }
-        })
-        .await;
+        }
+    });
+    let done = tokio::time::timeout(budget, run).await.is_ok();
+    if !done {
+        warn!(objects = n, "removing objects no step uses took too long; GC removes the rest later");
+    }
+    done
 }
 
 async fn commit_try(
@@ -913,4 +923,30 @@ pub(crate) async fn anchor_upload(ctx: Arc<Ctx>, mut job: AnchorJob) {
         }
     }
     ctx.shared.update(|s| s.anchors_in_flight -= 1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use driftless_store::object_store::memory::InMemory;
+    use driftless_store::{FaultKind, FaultOp, FaultyStore, StoreOptions};
+
+    /// A removal of objects no step uses ends at its budget when a delete hangs (an outage), and
+    /// says so; the deletes that answer are done meanwhile.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_removal_ends_at_its_budget() {
+        let faults = Arc::new(FaultyStore::new(Arc::new(InMemory::new())));
+        let bucket = Bucket::from_store(faults.clone(), "", &StoreOptions::default());
+        for k in ["a", "b"] {
+            bucket.put(k, Bytes::from_static(b"x")).await.unwrap();
+        }
+        faults.inject(FaultOp::Delete, "a", 1, FaultKind::Slow(Duration::from_secs(3600)));
+        let t = std::time::Instant::now();
+        let budget = Duration::from_millis(300);
+        assert!(!delete_within(&bucket, vec!["a".into(), "b".into()], budget).await);
+        assert!(t.elapsed() >= budget && t.elapsed() < budget * 10, "{:?}", t.elapsed());
+        assert!(bucket.head("b").await.unwrap_err().is_not_found(), "the answered delete was done");
+        assert!(delete_within(&bucket, vec!["a".into()], budget).await, "no hang: within the budget");
+        assert!(bucket.head("a").await.unwrap_err().is_not_found());
+    }
 }
