@@ -209,9 +209,9 @@ pub struct Agent {
     /// tried again for that step, so a disk without room for a second slot costs one try per
     /// step, not a model's worth of writes at every poll.
     prepared: Option<u64>,
-    /// The served step at which the poll loop last stopped an idle rebuild for a new step:
+    /// The served step (stream, step) at which the poll loop last stopped an idle rebuild:
     /// at most one stop per served step (see `poll`).
-    idle_stopped: Option<u64>,
+    idle_stopped: Option<(String, u64)>,
 }
 
 impl std::fmt::Debug for Agent {
@@ -1287,6 +1287,7 @@ impl Agent {
         // A stop already there (a step announced before the rebuild began): nothing written,
         // `state.json` included.
         if futures::FutureExt::now_or_never(&mut stop).is_some() {
+            self.building = None;
             return Ok(false);
         }
         // Probes the slot for readers, then writes it.
@@ -1806,7 +1807,7 @@ impl Agent {
             // One stop per served step: a bucket that keeps announcing a step the agent then
             // refuses must not make it start and drop a rebuild at every idle poll.
             let served = self.state.as_ref().map(|s| (s.stream_id.clone(), s.step)).unwrap_or_default();
-            let held = p.latest.version().filter(|_| self.idle_stopped != Some(served.1));
+            let held = p.latest.version().filter(|_| self.idle_stopped.as_ref() != Some(&served));
             let fired = std::sync::atomic::AtomicBool::new(false);
             let changed =
                 latest_changes(self.reader.clone(), held, served.clone(), self.cfg.poll_min, self.cfg.poll_max);
@@ -1815,9 +1816,11 @@ impl Agent {
                 fired.store(true, Relaxed);
             };
             match self.prepare_inactive_until(stop).await {
-                Ok(true) => p.interval = self.cfg.poll_min,
+                // (A stop that came during the last group: the copy is kept, and the step is
+                // polled for at once all the same.)
+                Ok(true) => p.interval = if fired.load(Relaxed) { Duration::ZERO } else { self.cfg.poll_min },
                 Ok(false) if fired.load(Relaxed) => {
-                    self.idle_stopped = Some(served.1);
+                    self.idle_stopped = Some(served.clone());
                     p.interval = Duration::ZERO;
                 }
                 Ok(false) => {}
@@ -1888,8 +1891,9 @@ const MIN_RETRY: Duration = Duration::from_millis(100);
 /// Resolves once `latest.json` announces a step the agent does not serve: a step newer than
 /// `served` of its stream, or another stream (a new run in the prefix). The stop of an idle
 /// rebuild. Polled every `every` from the version `held` (a conditional GET each; a rewrite
-/// that announces nothing new, junk, a deletion or a replayed older hint is not a stop: a
-/// bucket that rewrites it all the time must not keep the rebuild from ever ending); errors
+/// that announces nothing new, junk, a deletion or a replayed older hint of this stream is not
+/// a stop: a bucket that rewrites it all the time must not keep the rebuild from ever ending;
+/// another stream's hint, even an old one, is, once per served step: see `poll`); errors
 /// back off, doubling up to `max`. Never resolves when the version held is not known (no
 /// ETag from the backend).
 async fn latest_changes(
@@ -1908,8 +1912,9 @@ async fn latest_changes(
     let mut wait = every;
     loop {
         tokio::time::sleep(wait).await;
-        wait = every;
-        match reader.poll_latest(etag.as_deref()).await {
+        let polled = reader.poll_latest(etag.as_deref()).await;
+        wait = if polled.is_ok() { every } else { wait.saturating_mul(2).min(max.max(every)) };
+        match polled {
             Ok(LatestPoll::Changed(h, tag)) => {
                 let newest = h.delta.max(h.anchor);
                 if h.stream_id != served.0 || newest.is_some_and(|s| s > served.1) {
@@ -1920,10 +1925,7 @@ async fn latest_changes(
             Ok(LatestPoll::Invalid(tag, _)) => etag = tag,
             Ok(LatestPoll::Absent) => etag = None,
             Ok(LatestPoll::Unchanged) => {}
-            Err(e) => {
-                debug!(error = %e, "reading latest.json during an idle rebuild failed");
-                wait = (wait * 2).min(max.max(every));
-            }
+            Err(e) => debug!(error = %e, "reading latest.json during an idle rebuild failed"),
         }
     }
 }

@@ -238,6 +238,8 @@ pub(crate) async fn commit_step_unmarked(ctx: &Ctx, c: Commit<'_>) -> Result<u64
         let n = keys.len();
         if delete_all(&ctx.bucket, keys).await {
             info!(step = c.step, objects = n, "removed the objects of the failed try (no marker names them)");
+        } else {
+            warn!(step = c.step, "the failed try's objects were not all removed in time; GC removes the rest later");
         }
     }
     r.map_err(|e| (e, unmarked))
