@@ -1084,23 +1084,12 @@ impl Agent {
         // The disk too, not memory alone (found by review): a `store` whose rename landed and
         // whose fsync failed may have left `state.json` naming the slot while memory does not.
         // A state that cannot be read keeps the slot.
-        let on_disk = LocalState::load(self.dir.path()).map(|s| s.as_ref().is_some_and(names)).unwrap_or(true);
+        let on_disk = LocalState::peek(self.dir.path()).map(|s| s.as_ref().is_some_and(names)).unwrap_or(true);
         if self.state.as_ref().is_some_and(names) || on_disk || self.dir.linked() == Some(work) {
             return;
         }
         let wdir = self.dir.slot(work);
-        let r = self
-            .blocking(move || -> std::io::Result<bool> {
-                let mut removed = false;
-                for d in [wdir.with_extension("new"), wdir] {
-                    if d.exists() {
-                        std::fs::remove_dir_all(&d)?;
-                        removed = true;
-                    }
-                }
-                Ok(removed)
-            })
-            .await;
+        let r = self.blocking(move || remove_slot(&wdir)).await;
         match r {
             Ok(Ok(true)) => info!(slot = ?work, "removed the failed build's partial slot"),
             Ok(Ok(false)) => {}
@@ -1235,11 +1224,7 @@ impl Agent {
     /// [`IDLE_GROUP_BYTES`]), its partial slot is removed, nothing names it, and `Ok(false)` is
     /// returned; the rebuild is tried again at a later idle poll if still needed.
     pub async fn prepare_inactive_until(&mut self, stop: impl std::future::Future<Output = ()>) -> Result<bool> {
-        let Some(st) = self.state.clone() else { return Ok(false) };
-        let ready = self.active_ok && !self.reverify && st.inactive.is_none() && self.prepared != Some(st.step);
-        if !ready || self.dir.linked() != Some(st.active) {
-            return Ok(false);
-        }
+        let Some(st) = self.idle_rebuild_due().cloned() else { return Ok(false) };
         let work = st.active.other();
         self.prepared = Some(st.step);
         self.building = Some(work);
@@ -1274,6 +1259,14 @@ impl Agent {
                 Err(e)
             }
         }
+    }
+
+    /// The served state, when [`Agent::prepare_inactive`] has work: its inactive slot holds no
+    /// step, the served slot is verified and named by `current`, and this step was not tried.
+    fn idle_rebuild_due(&self) -> Option<&LocalState> {
+        let st = self.state.as_ref()?;
+        let due = self.active_ok && !self.reverify && st.inactive.is_none() && self.prepared != Some(st.step);
+        (due && self.dir.linked() == Some(st.active)).then_some(st)
     }
 
     /// The rebuild of [`Agent::prepare_inactive_until`]: `Ok(false)` when `stop` came first.
@@ -1806,7 +1799,7 @@ impl Agent {
             // step is polled for at once, and its own build rebuilds the slot as before.
             // One stop per served step: a bucket that keeps announcing a step the agent then
             // refuses must not make it start and drop a rebuild at every idle poll.
-            let served = self.state.as_ref().map(|s| (s.stream_id.clone(), s.step)).unwrap_or_default();
+            let Some(served) = self.idle_rebuild_due().map(|s| (s.stream_id.clone(), s.step)) else { return };
             let held = p.latest.version().filter(|_| self.idle_stopped.as_ref() != Some(&served));
             let fired = std::sync::atomic::AtomicBool::new(false);
             let changed =
@@ -2002,17 +1995,11 @@ fn copy_slot(
     group_bytes: u64,
     stop: &dyn Fn() -> bool,
 ) -> Result<Option<Digest>> {
-    let src = CheckpointFiles::open_read_only(from)?;
-    // (A layout rewrite's frame left by a crash, `slots/x.new`, too: its space counts.)
-    for d in [to.with_extension("new"), to.to_path_buf()] {
-        if d.exists() {
-            std::fs::remove_dir_all(&d)?;
-        }
-    }
+    // (What `to` holds is unnamed: after a stop here, the caller removes it.)
     if stop() {
         return Ok(None);
     }
-    let files = PassFiles::Copy { to: src.frame_copy(to)?, from: src };
+    let files = PassFiles::copy_of(from, to)?;
     let metas = files.written().metas();
     let mut digests = Vec::with_capacity(metas.len());
     let mut rest = &metas[..];
@@ -2061,13 +2048,7 @@ fn pass_group(
     // pass reads the seed and writes every block into a fresh frame of it: the rebuild
     // and the apply are one pass, not a copy then a pass.
     let files = match seed {
-        Some(from) => {
-            let from = CheckpointFiles::open_read_only(from)?;
-            if dir.exists() {
-                std::fs::remove_dir_all(dir)?;
-            }
-            PassFiles::Copy { to: from.frame_copy(dir)?, from }
-        }
+        Some(from) => PassFiles::copy_of(from, dir)?,
         None => PassFiles::InPlace(CheckpointFiles::open(dir)?),
     };
     let metas = files.written().metas();
@@ -2189,6 +2170,15 @@ enum PassFiles {
 }
 
 impl PassFiles {
+    /// A fresh frame of `from` (opened read-only, never written) at the slot `to`, once what
+    /// `to` held is removed ([`remove_slot`]): a pass over it reads the one and writes every
+    /// block of the other, so the pass is also the copy.
+    fn copy_of(from: &Path, to: &Path) -> Result<Self> {
+        let from = CheckpointFiles::open_read_only(from)?;
+        remove_slot(to)?;
+        Ok(PassFiles::Copy { to: from.frame_copy(to)?, from })
+    }
+
     fn target(&self) -> fused::Target<'_, '_> {
         match self {
             PassFiles::InPlace(f) => fused::Target::Files(f),
@@ -2202,6 +2192,19 @@ impl PassFiles {
             PassFiles::InPlace(f) | PassFiles::Copy { to: f, .. } => f,
         }
     }
+}
+
+/// Removes the slot `dir` and the layout rewrite's frame `dir.new` a crash may have left
+/// beside it (its space counts too); returns whether either was there.
+fn remove_slot(dir: &Path) -> std::io::Result<bool> {
+    let mut removed = false;
+    for d in [dir.with_extension("new"), dir.to_path_buf()] {
+        if d.exists() {
+            std::fs::remove_dir_all(&d)?;
+            removed = true;
+        }
+    }
+    Ok(removed)
 }
 
 /// The pass of [`Agent::rewrite_delta`]. Returns the milliseconds of the pass.

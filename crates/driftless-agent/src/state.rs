@@ -103,19 +103,33 @@ impl LocalState {
     /// nothing is deleted, and the next verified step is built in the slot `current` does
     /// not name). A file that cannot be read (EIO, permissions) is an error, not a cold start.
     pub fn load(dir: &Path) -> std::io::Result<Option<LocalState>> {
+        let s = Self::read(dir)?;
+        if matches!(s, Some(None)) {
+            let path = dir.join("state.json");
+            tracing::warn!(path = %path.display(), "state.json is malformed or of another layout: starting cold");
+        }
+        Ok(s.flatten())
+    }
+
+    /// [`LocalState::load`] without its warning: a look at what the disk names, not a start
+    /// (a malformed file is `None` all the same).
+    pub fn peek(dir: &Path) -> std::io::Result<Option<LocalState>> {
+        Ok(Self::read(dir)?.flatten())
+    }
+
+    /// `None` when absent, `Some(None)` when malformed or of an older layout.
+    fn read(dir: &Path) -> std::io::Result<Option<Option<LocalState>>> {
         let path = dir.join("state.json");
         let b = match std::fs::read(&path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
         };
-        let s = (b.len() <= 1 << 20)
-            .then(|| serde_json::from_slice::<LocalState>(&b).ok().filter(|s| s.version == 2))
-            .flatten();
-        if s.is_none() {
-            tracing::warn!(path = %path.display(), "state.json is malformed or of another layout: starting cold");
-        }
-        Ok(s)
+        Ok(Some(
+            (b.len() <= 1 << 20)
+                .then(|| serde_json::from_slice::<LocalState>(&b).ok().filter(|s| s.version == 2))
+                .flatten(),
+        ))
     }
 
     /// Writes `state.json` durably: temp file, fsync, rename, fsync of the directory.

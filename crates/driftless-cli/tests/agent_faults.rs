@@ -934,6 +934,82 @@ fn sigkill_across_a_layout_change() {
     }
 }
 
+/// SIGKILL in the middle of an idle rebuild of the inactive slot (strace kills the agent at
+/// the 1st, 2nd and 9th block written, and at the frame's fdatasync, after the whole copy and
+/// before `state.json` names it). After each kill, a server restarted then loads a step
+/// `state.json` vouches for, `state.json` names no inactive step (the slot on disk is partial),
+/// and the restarted agent rebuilds the slot whole; the next step is then a fast path onto it,
+/// with nothing rebuilt on its way.
+#[test]
+fn sigkill_during_an_idle_rebuild() {
+    if Command::new("strace").arg("-V").output().is_err() {
+        panic!("strace is needed for this test (.ci/run installs it)");
+    }
+    let mut e = Env::new();
+    e.publish();
+    assert!(run_bounded(e.agent("cold"), 60).status.success());
+    assert!(e.read_json("cold/state.json")["inactive"].is_null(), "a cold start leaves the other slot empty");
+    let inactive_slot = |dir: &str| {
+        let other = if e.read_json(&format!("{dir}/state.json"))["active"] == "a" { "b" } else { "a" };
+        e.p(dir).join("slots").join(other)
+    };
+    let continuous = |dir: &str| {
+        let mut c = bin();
+        c.args(["agent", "--bucket", &e.url("bucket"), "--poll-min", "50ms", "--poll-max", "100ms", "--trust"])
+            .arg(e.p("key.pub"))
+            .arg("--dir")
+            .arg(e.p(dir))
+            .env("DRIFTLESS_LOG", "info");
+        c
+    };
+    for (call, when) in [("pwrite64", 1), ("pwrite64", 2), ("pwrite64", 9), ("fdatasync", 1)] {
+        let what = format!("killed at {call} {when}");
+        let _ = std::fs::remove_dir_all(e.p("k"));
+        assert!(Command::new("cp").arg("-a").arg(e.p("cold")).arg(e.p("k")).status().unwrap().success());
+        let mut c = Command::new("strace");
+        c.args(["-f", "-qq", "-o", "/dev/null", "-e", &format!("trace={call}")])
+            .args(["-e", &format!("inject={call}:signal=SIGKILL:when={when}")])
+            .arg(env!("CARGO_BIN_EXE_driftless"))
+            .args(continuous("k").get_args())
+            .env("DRIFTLESS_LOG", "info")
+            // One pass thread: the counts (per thread) are the pass's blocks in order.
+            .env("RAYON_NUM_THREADS", "1");
+        // The agent idles on its step: the only writes are the rebuild's, so it dies in it
+        // (a kill that never comes is the timeout's failure).
+        let o = run_bounded(c, 60);
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{what}: the injected SIGKILL must stop the agent: {log}");
+        assert!(!log.contains("rebuilt from the served one"), "{what}: the rebuild finished first: {log}");
+        assert!(inactive_slot("k").exists(), "{what}: killed before the rebuild wrote anything: {log}");
+        check_current_vouched(&e.p("k")).unwrap_or_else(|err| panic!("{what}: {err}"));
+        let st = e.read_json("k/state.json");
+        assert!(st["inactive"].is_null(), "{what}: state.json names the slot the kill left partial: {st}");
+        // A restart rebuilds the slot whole, and only then names it.
+        let mut child =
+            continuous("k").stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+        let mut guard = KillOnDrop(Some(child.id()));
+        wait_until(&format!("{what}: the restart never rebuilt the slot"), 60, || {
+            e.read_json("k/state.json")["inactive"].is_object()
+        });
+        // SAFETY: plain kill(2) of our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let _ = child.wait();
+        guard.0 = None;
+        let st = e.read_json("k/state.json");
+        assert_eq!(st["inactive"]["root"], st["root"], "{what}: the slot holds the served step");
+        let ck = Checkpoint::open(inactive_slot("k")).unwrap();
+        assert_eq!(driftless_format::weights_root(&ck.views()).1, e.roots[0], "{what}: the rebuilt slot");
+        check_current_vouched(&e.p("k")).unwrap_or_else(|err| panic!("{what}: {err}"));
+    }
+    let step = e.publish();
+    let o = run_bounded(e.agent("k"), 60);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = stdout_json(&o);
+    assert_eq!((v["data"]["route"].as_str(), v["data"]["rebuilt"].as_bool()), (Some("fast"), Some(false)), "{v}");
+    assert_eq!(e.current_step("k"), step);
+    check_current_vouched(&e.p("k")).unwrap();
+}
+
 /// A notify hook that records, per call, the step and whether the directory it is told to load
 /// hashes to the root it is told: `STEP ok` or `STEP bad` lines in `log`.
 fn checking_hook(log: &Path) -> String {

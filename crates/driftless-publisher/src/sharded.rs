@@ -1385,31 +1385,33 @@ async fn commit(
 /// generation's lease lapses.
 async fn remove_refused(ctx: &Ctx, step: u64) {
     let outcome = outcome_key(step, ctx.generation);
-    let run = async {
-        let listed = match ctx.bucket.list(&layout::delta_dir(step)).await {
-            Ok(l) => l,
-            Err(e) => {
-                warn!(step, error = %e, "could not list the refused step's parts to remove them; GC removes them later");
-                return;
-            }
-        };
-        let keys: Vec<String> = listed
-            .into_iter()
-            .filter(|o| {
-                o.key != outcome
-                    && layout::parse_step_key(&o.key)
-                        .and_then(|(_, _, n)| n)
-                        .is_some_and(|n| layout::name_generation(&n) == Some(ctx.generation))
-            })
-            .map(|o| o.key)
-            .collect();
-        if !keys.is_empty() {
-            info!(step, objects = keys.len(), "removing the refused step's parts");
-            delete_all(&ctx.bucket, keys).await;
+    // One budget for the listing and the removal together (the removal's own bound, and
+    // one warning, not two, when it runs out).
+    let start = Instant::now();
+    let listed = match tokio::time::timeout(upload::CLEANUP_BUDGET, ctx.bucket.list(&layout::delta_dir(step))).await {
+        Ok(Ok(l)) => l,
+        Ok(Err(e)) => {
+            warn!(step, error = %e, "could not list the refused step's parts to remove them; GC removes them later");
+            return;
+        }
+        Err(_) => {
+            warn!(step, "listing the refused step's parts took too long; GC removes them later");
+            return;
         }
     };
-    if tokio::time::timeout(upload::CLEANUP_BUDGET, run).await.is_err() {
-        warn!(step, "removing the refused step's parts took too long; GC removes the rest later");
+    let keys: Vec<String> = listed
+        .into_iter()
+        .filter(|o| {
+            o.key != outcome
+                && layout::parse_step_key(&o.key)
+                    .and_then(|(_, _, n)| n)
+                    .is_some_and(|n| layout::name_generation(&n) == Some(ctx.generation))
+        })
+        .map(|o| o.key)
+        .collect();
+    if !keys.is_empty() {
+        info!(step, objects = keys.len(), "removing the refused step's parts");
+        upload::delete_within(&ctx.bucket, keys, upload::CLEANUP_BUDGET.saturating_sub(start.elapsed())).await;
     }
 }
 

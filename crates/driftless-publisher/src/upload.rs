@@ -272,7 +272,8 @@ pub(crate) async fn delete_all(bucket: &Bucket, keys: Vec<String>) -> bool {
     delete_within(bucket, keys, CLEANUP_BUDGET).await
 }
 
-async fn delete_within(bucket: &Bucket, keys: Vec<String>, budget: Duration) -> bool {
+/// [`delete_all`] within `budget`.
+pub(crate) async fn delete_within(bucket: &Bucket, keys: Vec<String>, budget: Duration) -> bool {
     let conc = bucket.options().concurrency.max(1);
     let n = keys.len();
     let run = stream::iter(keys).for_each_concurrent(conc, |k| async move {
