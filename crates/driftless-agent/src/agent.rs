@@ -55,6 +55,10 @@ pub struct AgentConfig {
     /// How long a refused step stays out of plans before it is tried again (doubling on each
     /// repeated failure). Default 30 s.
     pub refuse_for: Duration,
+    /// Bytes of tensors an idle rebuild copies between two looks for a new step (the pass
+    /// gives way at its next group). Default [`IDLE_GROUP_BYTES`]. Smaller groups give way
+    /// sooner; each group ends on one tensor's tail, where cores may wait.
+    pub idle_group_bytes: u64,
 }
 
 impl AgentConfig {
@@ -69,6 +73,7 @@ impl AgentConfig {
             download_concurrency: 8,
             anchor_parts: default_anchor_parts(),
             refuse_for: Duration::from_secs(30),
+            idle_group_bytes: IDLE_GROUP_BYTES,
         }
     }
 }
@@ -1179,9 +1184,7 @@ impl Agent {
         let from = self.dir.slot(st.active);
         let to = wdir.to_path_buf();
         self.blocking(move || -> std::io::Result<()> {
-            if to.exists() {
-                std::fs::remove_dir_all(&to)?;
-            }
+            remove_slot(&to)?;
             std::fs::create_dir_all(&to)?;
             for e in std::fs::read_dir(&from)? {
                 let e = e?;
@@ -1221,7 +1224,7 @@ impl Agent {
     /// [`Agent::prepare_inactive`], given up when `stop` resolves first (the poll loop's
     /// `stop` is a change of `latest.json`: a new step is not made to wait for a rebuild that
     /// its own build would redo). The pass stops at its next group of tensors (about
-    /// [`IDLE_GROUP_BYTES`]), its partial slot is removed, nothing names it, and `Ok(false)` is
+    /// [`AgentConfig::idle_group_bytes`]), its partial slot is removed, nothing names it, and `Ok(false)` is
     /// returned; the rebuild is tried again at a later idle poll if still needed.
     pub async fn prepare_inactive_until(&mut self, stop: impl std::future::Future<Output = ()>) -> Result<bool> {
         let Some(st) = self.idle_rebuild_due().cloned() else { return Ok(false) };
@@ -1285,13 +1288,14 @@ impl Agent {
         }
         // Probes the slot for readers, then writes it.
         self.release_work_slot()?;
-        let (from, to, root) = (self.dir.slot(st.active), self.dir.slot(work), st.root);
+        let (from, to, root, group) =
+            (self.dir.slot(st.active), self.dir.slot(work), st.root, self.cfg.idle_group_bytes);
         let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = cancel.clone();
         // Dropped with this future (the agent stopped mid-rebuild): the pass stops too, at its
         // next group, instead of copying the rest of the model under the directory's lock.
         let _stop_on_drop = RaiseOnDrop(cancel.clone());
-        let mut task = self.blocking(move || copy_slot(&from, &to, root, IDLE_GROUP_BYTES, &|| flag.load(Relaxed)));
+        let mut task = self.blocking(move || copy_slot(&from, &to, root, group, &|| flag.load(Relaxed)));
         let done = tokio::select! {
             biased;
             r = &mut task => r,
@@ -1339,9 +1343,7 @@ impl Agent {
             return Err(BuildError::Unusable(StepKind::Anchor, step, "signed for another stream".into(), false));
         }
         self.release_work_slot()?;
-        if wdir.exists() {
-            std::fs::remove_dir_all(wdir)?;
-        }
+        remove_slot(wdir)?;
         std::fs::create_dir_all(wdir)?;
         let t0 = Instant::now();
         let r = &self.reader;

@@ -117,7 +117,8 @@ impl LocalState {
         Ok(Self::read(dir)?.flatten())
     }
 
-    /// `None` when absent, `Some(None)` when malformed or of an older layout.
+    /// `None` when absent, `Some(None)` when it is no state of this layout: malformed, over
+    /// 1 MiB, or of another version.
     fn read(dir: &Path) -> std::io::Result<Option<Option<LocalState>>> {
         let path = dir.join("state.json");
         let b = match std::fs::read(&path) {

@@ -69,6 +69,36 @@ impl Env {
     fn publish(&mut self) -> u64 {
         self.publish_to("bucket", "key", "pstate", 1000)
     }
+    /// A continuous `driftless agent` on `dir` polling every 50-100 ms, logging at info.
+    fn continuous(&self, dir: &str) -> Command {
+        let mut c = bin();
+        c.args(["agent", "--bucket", &self.url("bucket"), "--poll-min", "50ms", "--poll-max", "100ms", "--trust"])
+            .arg(self.p("key.pub"))
+            .arg("--dir")
+            .arg(self.p(dir))
+            .env("DRIFTLESS_LOG", "info");
+        c
+    }
+    /// [`Env::continuous`] under `strace -f -o out`, tracing `call`, with `inject` when given
+    /// (`signal=SIGKILL:when=N`, `delay_enter=US`), in a process group of its own (strace 6.1
+    /// has no `--kill-on-exit`: a killed strace leaves its tracee running, so the test kills
+    /// the group: [`Group`]). One pass thread: strace counts calls per thread, and the pass's
+    /// block writes are then one thread's, in order (the frame's shard headers are written
+    /// by the blocking thread that runs the pass, one `pwrite64` each).
+    fn traced_continuous(&self, dir: &str, call: &str, inject: Option<&str>, out: &Path) -> Command {
+        use std::os::unix::process::CommandExt;
+        let mut c = Command::new("strace");
+        c.args(["-f", "-qq", "-o"]).arg(out).args(["-e", &format!("trace={call}")]);
+        if let Some(i) = inject {
+            c.args(["-e", &format!("inject={call}:{i}")]);
+        }
+        c.arg(env!("CARGO_BIN_EXE_driftless"))
+            .args(self.continuous(dir).get_args())
+            .env("DRIFTLESS_LOG", "info")
+            .env("RAYON_NUM_THREADS", "1")
+            .process_group(0);
+        c
+    }
     fn agent(&self, dir: &str) -> Command {
         agent_once(&self.url("bucket"), &self.p("key.pub"), &self.p(dir))
     }
@@ -934,12 +964,74 @@ fn sigkill_across_a_layout_change() {
     }
 }
 
-/// SIGKILL in the middle of an idle rebuild of the inactive slot (strace kills the agent at
-/// the 1st, 2nd and 9th block written, and at the frame's fdatasync, after the whole copy and
-/// before `state.json` names it). After each kill, a server restarted then loads a step
-/// `state.json` vouches for, `state.json` names no inactive step (the slot on disk is partial),
-/// and the restarted agent rebuilds the slot whole; the next step is then a fast path onto it,
-/// with nothing rebuilt on its way.
+/// A process group (a traced agent and its strace), SIGKILLed whole when dropped.
+struct Group(i32);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // SAFETY: plain kill(2) of our own child's process group.
+        unsafe { libc::kill(-self.0, libc::SIGKILL) };
+    }
+}
+
+/// Spawns `c` (made by [`Env::traced_continuous`]) with stderr to `log` and waits for it,
+/// at most `secs` (then the group is killed and the test fails).
+fn run_group(mut c: Command, log: &Path, secs: u64) -> std::process::ExitStatus {
+    let mut child = c.stdout(std::process::Stdio::null()).stderr(std::fs::File::create(log).unwrap()).spawn().unwrap();
+    let _group = Group(child.id() as i32);
+    let t = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        assert!(t.elapsed() < Duration::from_secs(secs), "the traced agent ran past {secs} s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The child of process `pid` (the agent strace runs), from /proc.
+fn child_of(pid: u32) -> Option<i32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+        // `pid (comm) state ppid ...`: the comm may hold spaces, the last ')' ends it.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let ppid: u32 = rest.split_whitespace().nth(1)?.parse().ok()?;
+        (ppid == pid).then(|| e.file_name().to_str()?.parse().ok()).flatten()
+    })
+}
+
+/// `pwrite64` calls per thread in an `strace -f -o` trace, most first.
+fn writes_per_thread(trace: &Path) -> Vec<usize> {
+    let mut by: std::collections::BTreeMap<String, usize> = Default::default();
+    for l in std::fs::read_to_string(trace).unwrap().lines().filter(|l| l.contains("pwrite64(")) {
+        *by.entry(l.split_whitespace().next().unwrap().to_string()).or_default() += 1;
+    }
+    let mut v: Vec<usize> = by.into_values().collect();
+    v.sort_unstable_by(|a, b| b.cmp(a));
+    v
+}
+
+/// Whether some 64 KiB of `b`'s files (the idle rebuild's frame) already hold `a`'s bytes
+/// there (tensor bytes copied: a frame starts as zeros).
+fn a_block_copied(a: &Path, b: &Path) -> bool {
+    std::fs::read_dir(b).unwrap().flatten().any(|e| {
+        let (Ok(x), Ok(y)) = (std::fs::read(a.join(e.file_name())), std::fs::read(e.path())) else { return false };
+        let start = x.get(..8).map_or(usize::MAX, |h| 8 + u64::from_le_bytes(h.try_into().unwrap()) as usize);
+        let w = 64 << 10;
+        (start..x.len().min(y.len()).saturating_sub(w))
+            .step_by(w)
+            .any(|o| x[o..o + w] == y[o..o + w] && x[o..o + w].iter().any(|&v| v != 0))
+    })
+}
+
+/// SIGKILL in the middle of an idle rebuild of the inactive slot, the real binary under
+/// strace: in the frame (the first write of any thread: a shard header), at the pass's
+/// first block after the headers, halfway, at its last block but one, and at the frame's
+/// `fdatasync` (after the whole copy, before `state.json` names it). The points come from a
+/// traced rebuild without a kill. After each kill, a server restarted then loads a step
+/// `state.json` vouches for, `state.json` names no inactive step (the slot on disk is
+/// partial), and the restarted agent rebuilds the slot whole; the next step is then a fast
+/// path onto it, with nothing rebuilt on its way.
 #[test]
 fn sigkill_during_an_idle_rebuild() {
     if Command::new("strace").arg("-V").output().is_err() {
@@ -949,36 +1041,47 @@ fn sigkill_during_an_idle_rebuild() {
     e.publish();
     assert!(run_bounded(e.agent("cold"), 60).status.success());
     assert!(e.read_json("cold/state.json")["inactive"].is_null(), "a cold start leaves the other slot empty");
+    let fresh = |e: &Env| {
+        let _ = std::fs::remove_dir_all(e.p("k"));
+        assert!(Command::new("cp").arg("-a").arg(e.p("cold")).arg(e.p("k")).status().unwrap().success());
+    };
     let inactive_slot = |dir: &str| {
         let other = if e.read_json(&format!("{dir}/state.json"))["active"] == "a" { "b" } else { "a" };
         e.p(dir).join("slots").join(other)
     };
-    let continuous = |dir: &str| {
-        let mut c = bin();
-        c.args(["agent", "--bucket", &e.url("bucket"), "--poll-min", "50ms", "--poll-max", "100ms", "--trust"])
-            .arg(e.p("key.pub"))
-            .arg("--dir")
-            .arg(e.p(dir))
-            .env("DRIFTLESS_LOG", "info");
-        c
-    };
-    for (call, when) in [("pwrite64", 1), ("pwrite64", 2), ("pwrite64", 9), ("fdatasync", 1)] {
-        let what = format!("killed at {call} {when}");
-        let _ = std::fs::remove_dir_all(e.p("k"));
-        assert!(Command::new("cp").arg("-a").arg(e.p("cold")).arg(e.p("k")).status().unwrap().success());
-        let mut c = Command::new("strace");
-        c.args(["-f", "-qq", "-o", "/dev/null", "-e", &format!("trace={call}")])
-            .args(["-e", &format!("inject={call}:signal=SIGKILL:when={when}")])
-            .arg(env!("CARGO_BIN_EXE_driftless"))
-            .args(continuous("k").get_args())
-            .env("DRIFTLESS_LOG", "info")
-            // One pass thread: the counts (per thread) are the pass's blocks in order.
-            .env("RAYON_NUM_THREADS", "1");
+    // The writes of one rebuild, per thread: the pass's blocks, and the frame's headers.
+    fresh(&e);
+    let trace = e.p("k.trace");
+    let mut c = e.traced_continuous("k", "pwrite64", None, &trace);
+    let traced_log = e.p("k.trace.log");
+    let mut child =
+        c.stdout(std::process::Stdio::null()).stderr(std::fs::File::create(&traced_log).unwrap()).spawn().unwrap();
+    let group = Group(child.id() as i32);
+    wait_until("the traced rebuild never ended", 60, || {
+        std::fs::read_to_string(&traced_log).unwrap().contains("rebuilt from the served one")
+    });
+    drop(group);
+    let _ = child.wait();
+    let writes = writes_per_thread(&trace);
+    let (blocks, headers) = (writes[0], writes.get(1).copied().unwrap_or(0));
+    assert!(writes.len() <= 2 && blocks > headers + 2, "writes per thread {writes:?}");
+    eprintln!("one rebuild's pwrite64 calls per thread: {writes:?}");
+    let points = [
+        ("pwrite64", 1, "in the frame"),
+        ("pwrite64", headers + 1, "at the pass's first block after the headers"),
+        ("pwrite64", blocks / 2, "halfway through the pass"),
+        ("pwrite64", blocks - 1, "at the pass's last block but one"),
+        ("fdatasync", 1, "at the frame's fdatasync"),
+    ];
+    for (call, when, at) in points {
+        let what = format!("killed {at} ({call} {when} of {writes:?})");
+        fresh(&e);
+        let c = e.traced_continuous("k", call, Some(&format!("signal=SIGKILL:when={when}")), Path::new("/dev/null"));
         // The agent idles on its step: the only writes are the rebuild's, so it dies in it
         // (a kill that never comes is the timeout's failure).
-        let o = run_bounded(c, 60);
-        let log = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success(), "{what}: the injected SIGKILL must stop the agent: {log}");
+        let st = run_group(c, &e.p("k.log"), 60);
+        let log = std::fs::read_to_string(e.p("k.log")).unwrap();
+        assert!(!st.success(), "{what}: the injected SIGKILL must stop the agent: {log}");
         assert!(!log.contains("rebuilt from the served one"), "{what}: the rebuild finished first: {log}");
         assert!(inactive_slot("k").exists(), "{what}: killed before the rebuild wrote anything: {log}");
         check_current_vouched(&e.p("k")).unwrap_or_else(|err| panic!("{what}: {err}"));
@@ -986,7 +1089,7 @@ fn sigkill_during_an_idle_rebuild() {
         assert!(st["inactive"].is_null(), "{what}: state.json names the slot the kill left partial: {st}");
         // A restart rebuilds the slot whole, and only then names it.
         let mut child =
-            continuous("k").stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+            e.continuous("k").stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
         let mut guard = KillOnDrop(Some(child.id()));
         wait_until(&format!("{what}: the restart never rebuilt the slot"), 60, || {
             e.read_json("k/state.json")["inactive"].is_object()
@@ -1008,6 +1111,54 @@ fn sigkill_during_an_idle_rebuild() {
     assert_eq!((v["data"]["route"].as_str(), v["data"]["rebuilt"].as_bool()), (Some("fast"), Some(false)), "{v}");
     assert_eq!(e.current_step("k"), step);
     check_current_vouched(&e.p("k")).unwrap();
+}
+
+/// A step announced in the middle of an idle rebuild stops it at its next group of tensors
+/// (`--idle-group 1`: every tensor; strace slows each write by 100 ms, so the pass lasts
+/// seconds; the step is announced once tensor bytes are in the frame): the partial slot is
+/// never named, and the step is synced at once, from the served slot, bit for bit.
+#[test]
+fn an_idle_rebuild_gives_way_mid_pass_to_a_new_step() {
+    if Command::new("strace").arg("-V").output().is_err() {
+        panic!("strace is needed for this test (.ci/run installs it)");
+    }
+    let mut e = Env::new();
+    e.publish();
+    let (bucket, held) = (e.p("bucket"), e.p("held"));
+    std::fs::create_dir_all(&held).unwrap();
+    std::fs::copy(bucket.join("latest.json"), held.join("latest-0.json")).unwrap();
+    let step = e.publish();
+    // Step 1 is in the bucket, unannounced: its marker and latest.json held back.
+    let marker = bucket.join(driftless_store::layout::ready(driftless_format::StepKind::Delta, step));
+    std::fs::rename(&marker, held.join("marker")).unwrap();
+    std::fs::rename(bucket.join("latest.json"), held.join("latest-1.json")).unwrap();
+    std::fs::copy(held.join("latest-0.json"), bucket.join("latest.json")).unwrap();
+    assert!(run_bounded(e.agent("k"), 60).status.success());
+    assert_eq!(e.current_step("k"), 0);
+    let log = e.p("k.log");
+    let mut c = e.traced_continuous("k", "pwrite64", Some("delay_enter=100000"), Path::new("/dev/null"));
+    c.arg("--idle-group").arg("1").stdout(std::process::Stdio::null());
+    let mut child = c.stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
+    let group = Group(child.id() as i32);
+    let (a, b) = (e.p("k/slots/a"), e.p("k/slots/b"));
+    wait_until("the idle rebuild never copied a block", 30, || b.exists() && a_block_copied(&a, &b));
+    // Mid-pass (tensor bytes in the frame, blocks 100 ms apart): step 1 announced.
+    std::fs::rename(held.join("marker"), &marker).unwrap();
+    std::fs::copy(held.join("latest-1.json"), bucket.join("latest.tmp")).unwrap();
+    std::fs::rename(bucket.join("latest.tmp"), bucket.join("latest.json")).unwrap();
+    wait_until("step 1 was never synced", 60, || e.read_json("k/state.json")["step"] == step);
+    let agent = child_of(child.id()).expect("strace runs the agent");
+    // SAFETY: plain kill(2) of our own grandchild, still running (strace waits for it).
+    unsafe { libc::kill(agent, libc::SIGTERM) };
+    let _ = child.wait();
+    drop(group);
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(log.contains("idle rebuild of the inactive slot given up: a new step is announced"), "{log}");
+    assert!(!log.contains("rebuilt from the served one"), "the rebuild finished before the step: {log}");
+    assert_eq!(e.current_step("k"), step);
+    check_current_vouched(&e.p("k")).unwrap();
+    let st = e.read_json("k/state.json");
+    assert_eq!(st["inactive"]["step"], 0, "the step served before is kept as the inactive one: {st}");
 }
 
 /// A notify hook that records, per call, the step and whether the directory it is told to load

@@ -1411,7 +1411,10 @@ async fn remove_refused(ctx: &Ctx, step: u64) {
         .collect();
     if !keys.is_empty() {
         info!(step, objects = keys.len(), "removing the refused step's parts");
-        upload::delete_within(&ctx.bucket, keys, upload::CLEANUP_BUDGET.saturating_sub(start.elapsed())).await;
+        let budget = upload::CLEANUP_BUDGET.saturating_sub(start.elapsed());
+        if !upload::delete_within(&ctx.bucket, keys, budget).await {
+            warn!(step, "removing the refused step's parts took too long; GC removes the rest later");
+        }
     }
 }
 

@@ -236,7 +236,7 @@ pub(crate) async fn commit_step_unmarked(ctx: &Ctx, c: Commit<'_>) -> Result<u64
         // left for GC.
         let keys = created.into_inner().unwrap_or_else(|e| e.into_inner());
         let n = keys.len();
-        if delete_all(&ctx.bucket, keys).await {
+        if delete_within(&ctx.bucket, keys, CLEANUP_BUDGET).await {
             info!(step = c.step, objects = n, "removed the objects of the failed try (no marker names them)");
         } else {
             warn!(step = c.step, "the failed try's objects were not all removed in time; GC removes the rest later");
@@ -269,13 +269,18 @@ enum Stage {
 /// were bounded, and an outage held a sharded committer at the others); returns whether it
 /// finished within it.
 pub(crate) async fn delete_all(bucket: &Bucket, keys: Vec<String>) -> bool {
-    delete_within(bucket, keys, CLEANUP_BUDGET).await
+    let n = keys.len();
+    let done = delete_within(bucket, keys, CLEANUP_BUDGET).await;
+    if !done {
+        warn!(objects = n, "removing objects no step uses took too long; GC removes the rest later");
+    }
+    done
 }
 
-/// [`delete_all`] within `budget`.
+/// [`delete_all`] within `budget`, silent when that runs out (the caller's warning names
+/// what was left).
 pub(crate) async fn delete_within(bucket: &Bucket, keys: Vec<String>, budget: Duration) -> bool {
     let conc = bucket.options().concurrency.max(1);
-    let n = keys.len();
     let run = stream::iter(keys).for_each_concurrent(conc, |k| async move {
         if let Err(e) = bucket.delete(&k).await {
             if !e.is_not_found() {
@@ -283,11 +288,7 @@ pub(crate) async fn delete_within(bucket: &Bucket, keys: Vec<String>, budget: Du
             }
         }
     });
-    let done = tokio::time::timeout(budget, run).await.is_ok();
-    if !done {
-        warn!(objects = n, "removing objects no step uses took too long; GC removes the rest later");
-    }
-    done
+    tokio::time::timeout(budget, run).await.is_ok()
 }
 
 async fn commit_try(

@@ -49,6 +49,11 @@ pub struct Args {
     /// JSON output (with --once).
     #[arg(long)]
     json: bool,
+    /// Bytes of tensors an idle rebuild of the inactive slot copies between two looks for a
+    /// new step (default 256 MiB). Hidden: the tests' knob for a rebuild that gives way
+    /// mid-pass on a small model.
+    #[arg(long, hide = true, env = "DRIFTLESS_IDLE_GROUP", value_parser = crate::units::parse_bytes)]
+    idle_group: Option<u64>,
     /// JSON config file: keys are the long flag names
     /// (`{"bucket": "s3://b/p", "trust": ["k.pub"], "dir": "/w", "notify": ["sglang=http://..."]}`).
     /// Precedence: flag > environment variable > config file > default.
@@ -82,6 +87,9 @@ pub fn run(a: Args) -> Result<()> {
     cfg.poll_max = a.poll_max.into();
     if let Some(n) = a.anchor_parts {
         cfg.anchor_parts = n.into();
+    }
+    if let Some(n) = a.idle_group {
+        cfg.idle_group_bytes = n;
     }
     // --poll-max at most a day: intervals and deadlines are computed from it (found by review:
     // `300000000000y` overflowed one, a panic at the first failed sync).
