@@ -245,8 +245,8 @@ pub(crate) async fn commit_step_unmarked(ctx: &Ctx, c: Commit<'_>) -> Result<u64
     r.map_err(|e| (e, unmarked))
 }
 
-/// Longest one removal of objects no step uses may take ([`delete_all`]: a failed try's
-/// objects, a refused sharded step's parts, slices once their anchor is committed or given up,
+/// Longest one removal of objects no step uses may take ([`delete_all`] or
+/// [`delete_within`]: a failed try's objects, a refused sharded step's parts, slices once their anchor is committed or given up,
 /// a sharded step's delta objects once it is committed as an anchor): it runs before the
 /// uploader's next step (and a sharded committer's), and in an outage each delete may retry
 /// for the store's whole budget. What is left, GC removes once the lease lapses.
@@ -267,7 +267,7 @@ enum Stage {
 /// given up on lands after its delete, GC collects once this generation's lease lapses).
 /// At most [`CLEANUP_BUDGET`] (before, only the failed try's and the refused step's removals
 /// were bounded, and an outage held a sharded committer at the others); returns whether it
-/// finished within it.
+/// finished within it, and warns when it did not.
 pub(crate) async fn delete_all(bucket: &Bucket, keys: Vec<String>) -> bool {
     let n = keys.len();
     let done = delete_within(bucket, keys, CLEANUP_BUDGET).await;
