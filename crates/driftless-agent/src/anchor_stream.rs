@@ -365,7 +365,9 @@ async fn stream_job(
     }
     let r = match encoding {
         AnchorEncoding::PlanesZstd => stream_shard(bucket, step, j.object, j.tensors, each, j.sink.clone(), flag).await,
-        AnchorEncoding::Safetensors => stream_plain(bucket, step, j.object, each, j.sink.clone(), flag).await,
+        AnchorEncoding::Safetensors => {
+            stream_plain(bucket, step, j.object, j.tensors, each, j.sink.clone(), flag).await
+        }
     };
     match r {
         Ok(Some(_)) => {
@@ -711,11 +713,13 @@ impl Signed {
 /// (each checked before it is written) or, without them, [`anchor::PLAIN_PART`] pieces and
 /// the object's SHA-256 over them in order, checked at the end; `parts` in flight, each
 /// written once from the blocking pool. Memory is bounded by the parts in flight, not the
-/// shard. `None` as for [`stream_shard`].
+/// shard. The header must list `tensors` (the signed layout's) before anything is written.
+/// `None` as for [`stream_shard`].
 async fn stream_plain(
     bucket: &Bucket,
     step: u64,
     o: &AnchorShardRef,
+    tensors: &[driftless_format::TensorMeta],
     parts: usize,
     sink: Arc<dyn ShardSink>,
     stop: &Arc<AtomicBool>,
@@ -762,6 +766,12 @@ async fn stream_plain(
     if n.checked_add(8) != Some(hdr.len() as u64) {
         return Err(mismatch(&key));
     }
+    // Without signed parts, checked only by the object's SHA-256 at the end: a replaced object
+    // must not have its sink route the shard's bytes to a header of millions of tensors.
+    let (_, listed, _) =
+        parse_safetensors_head(&hdr, size).map_err(|e| corrupt("anchor shard", format!("{key}: header: {e}")))?;
+    anchor::check_listed(listed.iter().map(|(t, _)| t), tensors)
+        .map_err(|e| corrupt("anchor shard", format!("{key}: {e}")))?;
     let head_end = hdr.len() as u64;
     // What follows the header: the signed parts, each bounded before any is fetched.
     let ranges: Vec<(u64, u64)> = match &signed {

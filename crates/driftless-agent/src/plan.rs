@@ -232,6 +232,14 @@ pub const MAX_UNUSABLE_ROUNDS: u32 = 4096;
 /// A step's kind and number.
 type StepKey = (StepKind, u64);
 
+/// Most unknown ready markers one plan reads ([`MarkerCache::candidates`]). The default
+/// retention lists about 110 (100 deltas, 10 anchors) and a steady agent knows all but the
+/// newest; past this many unknown (keys planted by anyone who can write the bucket, up to the
+/// listing's million, each a GET at every cold start; or a cold start on a bucket that keeps
+/// every step of a long run) the plan comes from the signed `latest.json`, as when the listing
+/// fails: the newest anchor and its chain, the route a cold start takes anyway.
+pub const MAX_MARKER_READS: usize = 4096;
+
 /// A listing of ready steps: the stream id and `from` it was made for, anchors, deltas.
 type Listing = (String, Option<u64>, Vec<u64>, Vec<u64>);
 
@@ -293,21 +301,42 @@ impl MarkerCache {
         from: Option<u64>,
     ) -> Result<Candidates, StreamError> {
         let reuse = self.listing.as_ref().is_some_and(|(sid, f, ..)| sid == stream_id && *f == from);
-        let (anchors, deltas) = match self.listing.take().filter(|_| reuse) {
+        let (mut anchors, mut deltas) = match self.listing.take().filter(|_| reuse) {
             Some((_, _, anchors, deltas)) => (anchors, deltas),
             None => self.list(reader, stream_id, from).await?,
         };
-        let mut listed: Vec<(StepKind, u64)> = Vec::with_capacity(anchors.len() + deltas.len());
-        listed.extend(anchors.iter().map(|&s| (StepKind::Anchor, s)));
-        listed.extend(deltas.iter().map(|&s| (StepKind::Delta, s)));
         // A reused listing reads only the markers forgotten since (each once: a refused step's
         // marker may have been replaced); a new one every marker it does not know.
         let forgotten = std::mem::take(&mut self.forgotten);
-        let missing: Vec<(StepKind, u64)> = listed
-            .iter()
-            .copied()
-            .filter(|k| !self.map.contains_key(k) && !self.foreign.contains(k) && (!reuse || forgotten.contains(k)))
-            .collect();
+        let mut missing = self.unknown(&anchors, &deltas, reuse.then_some(&forgotten));
+        if missing.len() > MAX_MARKER_READS {
+            // Planted keys (or a bucket that keeps every step of a long run, cold): planned from
+            // the signed latest.json as when the listing fails, which reads only the markers of
+            // the newest anchor's chain; without one, the newest markers within the bound.
+            let unread = missing.len();
+            match self.unlisted(reader, stream_id, from).await? {
+                Some((a, d)) => {
+                    warn!(
+                        unread,
+                        "more ready markers unknown than one plan reads ({MAX_MARKER_READS}): \
+                        planned from the signed latest.json instead (planted keys? remove them)"
+                    );
+                    (anchors, deltas) = (a, d);
+                    missing = self.unknown(&anchors, &deltas, reuse.then_some(&forgotten));
+                }
+                None => {
+                    warn!(
+                        unread,
+                        "more ready markers unknown than one plan reads ({MAX_MARKER_READS}) and no \
+                        usable latest.json: the newest ones read, the others left for later plans"
+                    );
+                    missing.truncate(MAX_MARKER_READS);
+                }
+            }
+        }
+        let mut listed: Vec<(StepKind, u64)> = Vec::with_capacity(anchors.len() + deltas.len());
+        listed.extend(anchors.iter().map(|&s| (StepKind::Anchor, s)));
+        listed.extend(deltas.iter().map(|&s| (StepKind::Delta, s)));
         let fetched: Vec<Option<(StepKey, Option<ReadyMarker>)>> = futures::stream::iter(missing)
             .map(|(kind, s)| async move {
                 match reader.marker(kind, s).await {
@@ -353,6 +382,22 @@ impl MarkerCache {
         let out = self.listed(stream_id, anchors.iter().copied(), deltas.iter().copied());
         self.listing = Some((stream_id.to_string(), from, anchors, deltas));
         Ok(out)
+    }
+
+    /// The listed markers to read: neither cached nor remembered as unusable and, for a reused
+    /// listing, forgotten since (`only`). Anchors first, then deltas, each newest first: what a
+    /// read cut at [`MAX_MARKER_READS`] keeps.
+    fn unknown(
+        &self,
+        anchors: &[u64],
+        deltas: &[u64],
+        only: Option<&std::collections::HashSet<(StepKind, u64)>>,
+    ) -> Vec<(StepKind, u64)> {
+        let listed = anchors.iter().rev().map(|&s| (StepKind::Anchor, s));
+        listed
+            .chain(deltas.iter().rev().map(|&s| (StepKind::Delta, s)))
+            .filter(|k| !self.map.contains_key(k) && !self.foreign.contains(k) && only.is_none_or(|f| f.contains(k)))
+            .collect()
     }
 
     /// Lists the ready steps: anchors all, deltas after `from`.

@@ -329,6 +329,25 @@ async fn plain_anchor_parts_are_checked_before_they_are_written() {
     let e = r.unwrap_err();
     assert!(e.to_string().contains("not 16 MiB pieces") && e.is_integrity(), "{e}");
     assert!(wrote.is_empty(), "{wrote:?}");
+
+    // Without signed parts (older publishers' manifests), a replaced object whose header lists
+    // other tensors than the signed layout is refused before anything is written (it was
+    // streamed whole, its bytes routed by that header, until its SHA-256 failed at the end).
+    let mut unsigned = o.clone();
+    unsigned.parts.clear();
+    let (r, wrote) = run(unsigned.clone()).await;
+    assert_eq!(r.unwrap(), o.object.size, "the intact object without signed parts");
+    assert_eq!(wrote.iter().map(|(_, n)| n).sum::<u64>(), o.object.size);
+    let name = format!("\"{}\"", tensors[0].name);
+    let at =
+        bytes[..head as usize].windows(name.len()).position(|w| w == name.as_bytes()).expect("named in the header");
+    let mut renamed = bytes.clone();
+    renamed[at + 1] ^= 0x20;
+    std::fs::write(&path, &renamed).unwrap();
+    let (r, wrote) = run(unsigned).await;
+    let e = r.unwrap_err();
+    assert!(e.to_string().contains("of the signed layout") && e.is_integrity(), "{e}");
+    assert!(wrote.is_empty(), "{wrote:?}");
 }
 
 /// Records every write's offset and length.

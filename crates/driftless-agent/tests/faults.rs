@@ -754,35 +754,54 @@ async fn too_many_keys_under_ready_do_not_stop_a_cold_start() {
     }
 }
 
-// More planted markers than one sync goes past (4,096): that sync ends "not ready"
-// (retryable: found by review, running out of rounds reported a missing manifest as a
-// verification failure, exit 1), and the next one goes on past the rest while the refusals
-// hold, to the real step.
+// More planted markers than one sync goes past (4,096): without a latest.json, that sync
+// ends "not ready" (retryable: found by review, running out of rounds reported a missing
+// manifest as a verification failure, exit 1), and the next one goes on past the rest while
+// the refusals hold, to the real step. With one, more unknown markers than one plan reads
+// (`MAX_MARKER_READS`) are not read at all: the plan comes from the signed latest.json (found
+// in the thirty-seventh session: every cold start read every planted marker, up to the
+// listing's million, one GET each).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_planted_markers_than_a_sync_refuses_are_passed_by_the_next_sync() {
-    let tb = file_bucket();
-    let (key, trust) = keys();
-    let mut t = Trainer::new(&tb.bucket, &key, 4);
-    let want = t.publish();
-    let real: serde_json::Value =
-        serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
-    let n = driftless_agent::plan::MAX_UNUSABLE_ROUNDS as u64 + 50;
-    let root = tb.root.clone().unwrap().join(layout::ready_prefix(StepKind::Anchor));
-    for s in 100..100 + n {
-        let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "anchor", "step": s,
+    for with_latest in [false, true] {
+        let tb = file_bucket();
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 4);
+        let want = t.publish();
+        if !with_latest {
+            tb.bucket.delete(layout::LATEST).await.unwrap();
+        }
+        let real: serde_json::Value =
+            serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
+        let n = driftless_agent::plan::MAX_UNUSABLE_ROUNDS as u64 + 50;
+        assert!(n as usize > driftless_agent::plan::MAX_MARKER_READS);
+        let root = tb.root.clone().unwrap().join(layout::ready_prefix(StepKind::Anchor));
+        for s in 100..100 + n {
+            let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "anchor", "step": s,
             "manifest_sha256": "00".repeat(32), "payload_bytes": 10, "manifest": "g1-manifest.json"});
-        std::fs::write(root.join(format!("{s:012}")), m.to_string()).unwrap();
+            std::fs::write(root.join(format!("{s:012}")), m.to_string()).unwrap();
+        }
+        let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+        cfg.refuse_for = Duration::from_secs(600);
+        let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+        let g0 = tb.faults.calls(FaultOp::Get);
+        if with_latest {
+            let o = a.sync_once().await.unwrap();
+            assert_eq!((o.step, o.route), (0, SyncPath::Anchor), "{o:?}");
+            let gets = tb.faults.calls(FaultOp::Get) - g0;
+            assert!(gets < 100, "{gets} GETs: the planted markers were read");
+            assert!(o.refused.is_empty(), "{:?}", o.refused);
+        } else {
+            let e = a.sync_once().await.unwrap_err();
+            assert!(e.is_retryable(), "{e}");
+            assert!(e.to_string().contains("not ready"), "{e}");
+            assert!(a.state().is_none());
+            let o = a.sync_once().await.unwrap();
+            assert_eq!(o.step, 0, "{o:?}");
+        }
+        assert_bits(&a, &want);
+        assert_verified(&a, "past the planted markers");
     }
-    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
-    cfg.refuse_for = Duration::from_secs(600);
-    let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
-    let e = a.sync_once().await.unwrap_err();
-    assert!(e.is_retryable(), "{e}");
-    assert!(e.to_string().contains("not ready"), "{e}");
-    assert!(a.state().is_none());
-    let o = a.sync_once().await.unwrap();
-    assert_eq!(o.step, 0, "{o:?}");
-    assert_bits(&a, &want);
 }
 
 // Found by review: a latest.json that does not verify (or is deleted) made an up-to-date agent

@@ -87,13 +87,13 @@ impl Env {
     /// by the blocking thread that runs the pass, one `pwrite64` each).
     fn traced_continuous(&self, dir: &str, call: &str, inject: Option<&str>, out: &Path) -> Command {
         use std::os::unix::process::CommandExt;
-        let mut c = Command::new("strace");
-        c.args(["-f", "-qq", "-o"]).arg(out).args(["-e", &format!("trace={call}")]);
-        if let Some(i) = inject {
-            c.args(["-e", &format!("inject={call}:{i}")]);
+        let (trace, inject) = (format!("trace={call}"), inject.map(|i| format!("inject={call}:{i}")));
+        let mut opts = vec!["-f", "-qq", "-e", &trace];
+        if let Some(i) = &inject {
+            opts.extend(["-e", i]);
         }
-        c.arg(env!("CARGO_BIN_EXE_driftless"))
-            .args(self.continuous(dir).get_args())
+        let mut c = common::strace(&opts, out);
+        c.args(self.continuous(dir).get_args())
             .env("DRIFTLESS_LOG", "info")
             .env("RAYON_NUM_THREADS", "1")
             .process_group(0);
@@ -449,9 +449,8 @@ fn durability_order_in_a_syscall_trace() {
 fn an_in_place_apply_flushes_before_it_removes_its_journal() {
     let t = tempfile::tempdir().unwrap();
     let trace = t.path().join("trace");
-    let mut c = Command::new("strace");
-    c.args(["-f", "-qq", "-e", "trace=msync,unlink,unlinkat,openat", "-o"]).arg(&trace);
-    c.arg(env!("CARGO_BIN_EXE_driftless")).args(["bench", "--mb", "1", "--steps", "3"]).env("TMPDIR", t.path());
+    let mut c = common::strace(&["-f", "-qq", "-e", "trace=msync,unlink,unlinkat,openat"], &trace);
+    c.args(["bench", "--mb", "1", "--steps", "3"]).env("TMPDIR", t.path());
     let lines = run_traced(c, &trace);
     let dump = lines.join("\n");
     let journal = |l: &str| l.contains("/journal\"");
@@ -563,14 +562,8 @@ fn check_switch_trace(e: &Env, round: &str) {
 /// `agent --once` on `a` following bucket directory `bucket`, under `strace -f` tracing
 /// `calls` into `trace`.
 fn traced_agent(e: &Env, bucket: &str, calls: &str, trace: &Path) -> Command {
-    let mut c = Command::new("strace");
-    c.args(["-f", "-qq", "-e", &format!("trace={calls}"), "-o"])
-        .arg(trace)
-        .arg(env!("CARGO_BIN_EXE_driftless"))
-        .args(["agent", "--once", "--bucket", &e.url(bucket), "--trust"])
-        .arg(e.p("key.pub"))
-        .arg("--dir")
-        .arg(e.p("a"));
+    let mut c = common::strace(&["-f", "-qq", "-e", &format!("trace={calls}")], trace);
+    c.args(["agent", "--once", "--bucket", &e.url(bucket), "--trust"]).arg(e.p("key.pub")).arg("--dir").arg(e.p("a"));
     c
 }
 
@@ -1025,9 +1018,6 @@ fn a_block_copied(a: &Path, b: &Path) -> bool {
 /// path onto it, with nothing rebuilt on its way.
 #[test]
 fn sigkill_during_an_idle_rebuild() {
-    if Command::new("strace").arg("-V").output().is_err() {
-        panic!("strace is needed for this test (.ci/run installs it)");
-    }
     let mut e = Env::new();
     e.publish();
     assert!(run_bounded(e.agent("cold"), 60).status.success());
@@ -1115,9 +1105,6 @@ fn sigkill_during_an_idle_rebuild() {
 /// never named, and the step is synced at once, bit for bit.
 #[test]
 fn an_idle_rebuild_gives_way_mid_pass_to_a_new_step() {
-    if Command::new("strace").arg("-V").output().is_err() {
-        panic!("strace is needed for this test (.ci/run installs it)");
-    }
     let mut e = Env::new();
     e.publish();
     let (bucket, held) = (e.p("bucket"), e.p("held"));

@@ -11,7 +11,6 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -358,26 +357,24 @@ fn publisher_killed_at_each_write_restarts_without_loss() {
 #[test]
 fn publisher_killed_while_saving_its_state_continues_with_a_delta() {
     let Some((mut run, _proxy)) = Run::new("state-kill") else { return };
-    if Command::new("strace").arg("-V").output().is_err() {
-        panic!("strace is needed for this test (.ci/run installs it)");
-    }
     let (s1, c1) = run.next_checkpoint();
     assert!(run.publish(&run.endpoint, s1, &c1).wait().unwrap().success());
     for when in 1..=2 {
         let (step, ckpt) = run.next_checkpoint();
         let inject = format!("inject=rename,renameat,renameat2:signal=SIGKILL:when={when}");
-        let o = Command::new("strace")
-            .args(["-f", "-qq", "-o", "/dev/null", "-e", "trace=rename,renameat,renameat2", "-e", &inject])
-            .arg(env!("CARGO_BIN_EXE_driftless"))
-            .args(["publish", "--bucket", &run.url, "--endpoint", &run.endpoint, "--anchor-every", "100"])
-            .args(["--step", &step.to_string(), "--state"])
-            .arg(run.p("state"))
-            .arg("--key")
-            .arg(run.p("key"))
-            .arg(&ckpt)
-            .env("AWS_ALLOW_HTTP", "true")
-            .output()
-            .unwrap();
+        let o = common::strace(
+            &["-f", "-qq", "-e", "trace=rename,renameat,renameat2", "-e", &inject],
+            Path::new("/dev/null"),
+        )
+        .args(["publish", "--bucket", &run.url, "--endpoint", &run.endpoint, "--anchor-every", "100"])
+        .args(["--step", &step.to_string(), "--state"])
+        .arg(run.p("state"))
+        .arg("--key")
+        .arg(run.p("key"))
+        .arg(&ckpt)
+        .env("AWS_ALLOW_HTTP", "true")
+        .output()
+        .unwrap();
         assert!(!o.status.success(), "the injected SIGKILL must stop the save");
         // The step was committed before the save: the bucket has it, correct.
         let (deltas, _) = run.check_bucket();

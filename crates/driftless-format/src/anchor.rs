@@ -173,19 +173,22 @@ pub fn shard_cuts(head: &[u8], decoded_size: u64, expect: Option<&[crate::Tensor
         return Err(bad(format!("header of {} bytes, the prefix says {}", data_start, head.len())));
     }
     if let Some(expect) = expect {
-        let mut got: Vec<&crate::TensorMeta> = tensors.iter().map(|(t, _)| t).collect();
-        let mut want: Vec<&crate::TensorMeta> = expect.iter().collect();
-        got.sort_by(|a, b| a.name.cmp(&b.name));
-        want.sort_by(|a, b| a.name.cmp(&b.name));
-        if got != want {
-            return Err(bad(format!(
-                "header lists {} tensors, not the {} of the signed layout",
-                got.len(),
-                want.len()
-            )));
-        }
+        check_listed(tensors.iter().map(|(t, _)| t), expect)?;
     }
     cut(data_start as u64, &tensors, decoded_size).map_err(|e| bad(e.to_string()))
+}
+
+/// The tensors a shard's header lists (`got`) are exactly `expect` (the signed layout's of that
+/// shard), in any order: checked before a stream sizes anything by the header.
+pub fn check_listed<'a>(got: impl Iterator<Item = &'a crate::TensorMeta>, expect: &[crate::TensorMeta]) -> Result<()> {
+    let mut got: Vec<&crate::TensorMeta> = got.collect();
+    let mut want: Vec<&crate::TensorMeta> = expect.iter().collect();
+    got.sort_by(|a, b| a.name.cmp(&b.name));
+    want.sort_by(|a, b| a.name.cmp(&b.name));
+    match got == want {
+        true => Ok(()),
+        false => Err(bad(format!("header lists {} tensors, not the {} of the signed layout", got.len(), want.len()))),
+    }
 }
 
 struct Cur<'a> {

@@ -615,14 +615,17 @@ pub fn create_sized(path: &Path, len: u64) -> Result<File> {
     }
 }
 
-/// Refuses (ENOSPC) to fill `total` more bytes under `dir` when it is on a tmpfs without
-/// that much free space: the files of a frame or an anchor are each created sparse there
-/// ([`create_sized`]), so without this check a model twice the free space would pass each
-/// file's own check and fill the tmpfs before a write failed. Elsewhere each file's
-/// reservation refuses it.
+/// Refuses (ENOSPC) to fill `total` more bytes under `dir` when its file system has less free
+/// space (to an unprivileged writer), before any file is created. On a tmpfs the files of a
+/// frame or an anchor are each created sparse ([`create_sized`]), so without this check a
+/// model twice the free space would pass each file's own check and fill the tmpfs before a
+/// write failed. Elsewhere each file's reservation would refuse it too, but only once the
+/// files before it had filled the disk, at every poll for as long as the step is the newest
+/// (a model the disk cannot hold twice), under the inference server sharing that disk. A file
+/// system that reports no blocks at all (a tmpfs without a size limit) is not bounded here.
 pub fn check_room(dir: &Path, total: u64) -> Result<()> {
     let Ok(d) = File::open(dir) else { return Ok(()) };
-    match tmpfs_free_bytes(&d) {
+    match free_bytes(&d) {
         Some(free) if total > free => Err(no_room(dir)),
         _ => Ok(()),
     }
@@ -635,15 +638,32 @@ fn no_room(path: &Path) -> Error {
 /// The bytes free to an unprivileged writer on `f`'s file system when it is a tmpfs (with no
 /// size limit, `size=0`, it reports no blocks at all: then no bound).
 fn tmpfs_free_bytes(f: &File) -> Option<u64> {
+    statfs(f).filter(|st| st.f_type == libc::TMPFS_MAGIC).map(|st| free_of(&st))
+}
+
+/// The bytes free to an unprivileged writer on `f`'s file system, any kind; `None` when that
+/// cannot be told.
+fn free_bytes(f: &File) -> Option<u64> {
+    statfs(f).map(|st| free_of(&st))
+}
+
+fn statfs(f: &File) -> Option<libc::statfs> {
     // SAFETY: `f` is an open descriptor; `st` is written by the call before it is read.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstatfs(std::os::fd::AsRawFd::as_raw_fd(f), &mut st) } != 0 || st.f_type != libc::TMPFS_MAGIC {
-        return None;
+    match unsafe { libc::fstatfs(std::os::fd::AsRawFd::as_raw_fd(f), &mut st) } {
+        0 => Some(st),
+        _ => None,
     }
-    if st.f_blocks == 0 {
-        return Some(u64::MAX);
+}
+
+/// No blocks at all (a tmpfs with `size=0`, some FUSE and network file systems): no bound.
+// (`fsblkcnt_t` is 32 bits on some targets.)
+#[allow(clippy::unnecessary_cast)]
+fn free_of(st: &libc::statfs) -> u64 {
+    match st.f_blocks {
+        0 => u64::MAX,
+        _ => (st.f_bavail as u64).saturating_mul(st.f_bsize as u64),
     }
-    Some((st.f_bavail as u64).saturating_mul(st.f_bsize as u64))
 }
 
 /// Fails unless bytes `[start, start + len)` lie inside tensor `name` of `n` bytes.

@@ -384,6 +384,18 @@ fn a_frame_on_a_tmpfs_is_filled_by_the_pass_and_refused_without_room() {
     // tmpfs before a write failed). The source is two sparse files on another file system.
     let big = tempfile::tempdir().unwrap();
     let each = (free / 2 + (64 << 20)) & !1;
+    sparse_shards(big.path(), each);
+    let src = CheckpointFiles::open_read_only(big.path()).unwrap();
+    let slot = on_shm.path().join("big-slot");
+    let e = src.frame_copy(&slot).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("No space left"), "{e}");
+    let made: Vec<_> = std::fs::read_dir(&slot).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(made.is_empty(), "files made before the refusal: {made:?}");
+}
+
+/// Two sparse shard files in `dir`, `a.safetensors` and `b.safetensors`, of one BF16 tensor of
+/// `each` bytes each (every tensor byte a hole).
+fn sparse_shards(dir: &std::path::Path, each: u64) {
     for name in ["a.safetensors", "b.safetensors"] {
         let t = format!("t.{name}");
         let mut head =
@@ -393,14 +405,33 @@ fn a_frame_on_a_tmpfs_is_filled_by_the_pass_and_refused_without_room() {
         }
         let mut bytes = (head.len() as u64).to_le_bytes().to_vec();
         bytes.extend_from_slice(&head);
-        let f = big.path().join(name);
+        let f = dir.join(name);
         std::fs::write(&f, &bytes).unwrap();
         std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(bytes.len() as u64 + each).unwrap();
     }
-    let src = CheckpointFiles::open_read_only(big.path()).unwrap();
-    let slot = on_shm.path().join("big-slot");
+}
+
+/// A frame larger than the free space of a disk (not a tmpfs) is refused before any file is
+/// made: each file's `posix_fallocate` refused it too, but only once the files before it had
+/// filled the disk, at every poll while that step was the newest, under the inference server
+/// sharing the disk (and a refused file was left behind). The source is a sparse file.
+#[test]
+fn a_frame_larger_than_the_disk_is_refused_before_any_file_is_made() {
+    let root = tempfile::tempdir().unwrap();
+    // SAFETY: a valid path; `st` is written by the call before it is read.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    let c = std::ffi::CString::new(root.path().as_os_str().to_str().unwrap()).unwrap();
+    assert_eq!(unsafe { libc::statfs(c.as_ptr(), &mut st) }, 0);
+    assert!(st.f_blocks > 0, "the temp directory's file system reports no size");
+    let free = st.f_bavail * st.f_bsize as u64;
+    let src_dir = root.path().join("src");
+    std::fs::create_dir(&src_dir).unwrap();
+    let each = ((free + (1 << 30)) / 2) & !1;
+    sparse_shards(&src_dir, each);
+    let src = CheckpointFiles::open_read_only(&src_dir).unwrap();
+    let slot = root.path().join("slot");
     let e = src.frame_copy(&slot).map(|_| ()).unwrap_err();
-    assert!(e.to_string().contains("No space left"), "{e}");
+    assert!(e.to_string().contains("No space left") && !e.is_retryable(), "{e}");
     let made: Vec<_> = std::fs::read_dir(&slot).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(made.is_empty(), "files made before the refusal: {made:?}");
 }

@@ -21,6 +21,34 @@ pub fn agent_once(url: &str, trust: &Path, dir: &Path) -> Command {
     c
 }
 
+/// `strace OPTS -o OUT` running the `driftless` binary (the caller adds its arguments), or a
+/// clear failure when strace is missing (CI installs it: a missing tool is not a pass).
+///
+/// Nothing it starts outlives the test: the tracer gets SIGKILL when the test thread that
+/// spawned it ends (`PR_SET_PDEATHSIG`), and so does the binary when its tracer dies (`setpriv
+/// --pdeathsig`, util-linux, between the two: strace 6.1 has no `--kill-on-exit`, and a killed
+/// strace leaves its tracee running). A test binary killed by the harness's timeout left traced
+/// agents running before. (`setpriv` makes no call the tests trace or inject into.)
+pub fn strace(opts: &[&str], out: &Path) -> Command {
+    use std::os::unix::process::CommandExt;
+    for tool in ["strace", "setpriv"] {
+        assert!(
+            Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success()),
+            "{tool} is needed for this test (.ci/run installs it)"
+        );
+    }
+    let mut c = Command::new("strace");
+    c.args(opts).arg("-o").arg(out).args(["setpriv", "--pdeathsig", "KILL", env!("CARGO_BIN_EXE_driftless")]);
+    // SAFETY: prctl(2) only, between fork and exec (async-signal-safe).
+    unsafe {
+        c.pre_exec(|| match libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        });
+    }
+    c
+}
+
 /// SIGKILLs a child process when dropped, so that a failed assertion does not leave it
 /// running; disarmed (`.0 = None`) once the child is reaped (its pid may be reused).
 pub struct KillOnDrop(pub Option<u32>);
