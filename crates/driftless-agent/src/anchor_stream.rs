@@ -766,8 +766,9 @@ async fn stream_plain(
     if n.checked_add(8) != Some(hdr.len() as u64) {
         return Err(mismatch(&key));
     }
-    // Without signed parts, checked only by the object's SHA-256 at the end: a replaced object
-    // must not have its sink route the shard's bytes to a header of millions of tensors.
+    // The header lists the signed layout's tensors (without signed parts the object is checked
+    // only by its SHA-256 at the end, so a replaced one's header would have had its sink route
+    // the shard's bytes to millions of tensors; with them, a buggy signer's).
     let (_, listed, _) =
         parse_safetensors_head(&hdr, size).map_err(|e| corrupt("anchor shard", format!("{key}: header: {e}")))?;
     anchor::check_listed(listed.iter().map(|(t, _)| t), tensors)

@@ -38,6 +38,11 @@ pub struct Candidates {
     pub anchors: BTreeMap<u64, ReadyMarker>,
     /// Ready deltas.
     pub deltas: BTreeMap<u64, ReadyMarker>,
+    /// Not the whole listing: it failed, or it held more unknown markers than one plan reads
+    /// ([`MAX_MARKER_READS`]), so these are the signed `latest.json`'s newest anchor and chain,
+    /// or only the newest markers. An older step may be missing (a caller asking for one says
+    /// why).
+    pub partial: bool,
 }
 
 impl Candidates {
@@ -237,11 +242,13 @@ type StepKey = (StepKind, u64);
 /// newest; past this many unknown (keys planted by anyone who can write the bucket, up to the
 /// listing's million, each a GET at every cold start; or a cold start on a bucket that keeps
 /// every step of a long run) the plan comes from the signed `latest.json`, as when the listing
-/// fails: the newest anchor and its chain, the route a cold start takes anyway.
+/// fails: the newest anchor and its chain, the route a cold start takes anyway. Without a
+/// usable one, the newest this many are read (anchors first), and later plans read on.
 pub const MAX_MARKER_READS: usize = 4096;
 
-/// A listing of ready steps: the stream id and `from` it was made for, anchors, deltas.
-type Listing = (String, Option<u64>, Vec<u64>, Vec<u64>);
+/// A listing of ready steps: the stream id and `from` it was made for, anchors, deltas, and
+/// whether it is partial ([`Candidates::partial`]).
+type Listing = (String, Option<u64>, Vec<u64>, Vec<u64>, bool);
 
 /// Reads ready markers, caching them (markers are write-once: a step's marker is read once,
 /// not at every poll). Bounded: entries of steps no longer listed are dropped.
@@ -292,8 +299,10 @@ impl MarkerCache {
     }
 
     /// Lists the ready steps of `stream_id` and returns their valid markers: anchors all,
-    /// deltas after `from` (all when `None`). Markers that do not parse, name another step or
-    /// another stream are left out with a warning; they never fail the listing.
+    /// deltas after `from` (all when `None`), unless the listing fails or holds more than
+    /// [`MAX_MARKER_READS`] unknown markers ([`Candidates::partial`]). Markers that do not
+    /// parse, name another step or another stream are left out with a warning; they never fail
+    /// the listing.
     pub async fn candidates(
         &mut self,
         reader: &StreamReader,
@@ -301,8 +310,8 @@ impl MarkerCache {
         from: Option<u64>,
     ) -> Result<Candidates, StreamError> {
         let reuse = self.listing.as_ref().is_some_and(|(sid, f, ..)| sid == stream_id && *f == from);
-        let (mut anchors, mut deltas) = match self.listing.take().filter(|_| reuse) {
-            Some((_, _, anchors, deltas)) => (anchors, deltas),
+        let (mut anchors, mut deltas, mut partial) = match self.listing.take().filter(|_| reuse) {
+            Some((_, _, anchors, deltas, partial)) => (anchors, deltas, partial),
             None => self.list(reader, stream_id, from).await?,
         };
         // A reused listing reads only the markers forgotten since (each once: a refused step's
@@ -314,8 +323,9 @@ impl MarkerCache {
             // the signed latest.json as when the listing fails, which reads only the markers of
             // the newest anchor's chain; without one, the newest markers within the bound.
             let unread = missing.len();
-            match self.unlisted(reader, stream_id, from).await? {
-                Some((a, d)) => {
+            partial = true;
+            match self.unlisted(reader, stream_id, from).await {
+                Ok(Some((a, d))) => {
                     warn!(
                         unread,
                         "more ready markers unknown than one plan reads ({MAX_MARKER_READS}): \
@@ -324,12 +334,12 @@ impl MarkerCache {
                     (anchors, deltas) = (a, d);
                     missing = self.unknown(&anchors, &deltas, reuse.then_some(&forgotten));
                 }
-                None => {
-                    warn!(
-                        unread,
-                        "more ready markers unknown than one plan reads ({MAX_MARKER_READS}) and no \
-                        usable latest.json: the newest ones read, the others left for later plans"
-                    );
+                // (A latest.json that cannot be read now, too: the listing did not fail, so the
+                // plan goes on from it.)
+                got => {
+                    let why = got.err().map(|e| e.to_string()).unwrap_or_else(|| "no usable latest.json".into());
+                    warn!(unread, reason = %why, "more ready markers unknown than one plan reads \
+                        ({MAX_MARKER_READS}): the newest ones read, the others left for later plans");
                     missing.truncate(MAX_MARKER_READS);
                 }
             }
@@ -379,8 +389,9 @@ impl MarkerCache {
             self.map.retain(|k, _| kept(k));
             self.foreign.retain(kept);
         }
-        let out = self.listed(stream_id, anchors.iter().copied(), deltas.iter().copied());
-        self.listing = Some((stream_id.to_string(), from, anchors, deltas));
+        let mut out = self.listed(stream_id, anchors.iter().copied(), deltas.iter().copied());
+        out.partial = partial;
+        self.listing = Some((stream_id.to_string(), from, anchors, deltas, partial));
         Ok(out)
     }
 
@@ -406,7 +417,7 @@ impl MarkerCache {
         reader: &StreamReader,
         stream_id: &str,
         from: Option<u64>,
-    ) -> Result<(Vec<u64>, Vec<u64>), StreamError> {
+    ) -> Result<(Vec<u64>, Vec<u64>, bool), StreamError> {
         let listing = async {
             Ok::<_, StreamError>((
                 reader.ready_steps(StepKind::Anchor, None).await?,
@@ -432,14 +443,14 @@ impl MarkerCache {
                     Some(l) => {
                         warn!(error = %e, "the listing of ready/ failed (a key the store cannot parse, \
                             or too many keys: remove them); planned from the signed latest.json instead");
-                        l
+                        return Ok((l.0, l.1, true));
                     }
                     None => return Err(StreamError::Store(e)),
                 }
             }
             Err(e) => return Err(e),
         };
-        Ok((anchors, deltas))
+        Ok((anchors, deltas, false))
     }
 
     /// The cached markers of `stream_id` among the listed steps.
@@ -766,6 +777,7 @@ mod tests {
         Candidates {
             anchors: anchors.iter().map(|&(s, b)| (s, marker(StepKind::Anchor, s, None, b))).collect(),
             deltas: deltas.iter().map(|&(s, base, b)| (s, marker(StepKind::Delta, s, Some(base), b))).collect(),
+            partial: false,
         }
     }
 
@@ -1005,6 +1017,44 @@ mod tests {
         let c = cache.candidates(&reader, "ours", None).await.unwrap();
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, 0));
         assert_eq!(counting.calls(FaultOp::Get), gets, "cached markers read again");
+    }
+
+    /// More unknown markers than one plan reads and no latest.json to plan from instead: the
+    /// newest `MAX_MARKER_READS` are read (anchors first), the candidates say they are partial,
+    /// and the next plan reads on from where this one stopped.
+    #[tokio::test]
+    async fn a_plan_reads_at_most_its_bound_of_unknown_markers() {
+        use driftless_store::{layout, Bucket, FaultOp, FaultyStore, StoreOptions};
+        let counting = std::sync::Arc::new(FaultyStore::new(std::sync::Arc::new(
+            driftless_store::object_store::memory::InMemory::new(),
+        )));
+        let bucket = Bucket::from_store(counting.clone(), "s", &StoreOptions::default());
+        let n = MAX_MARKER_READS as u64 + 10;
+        let put = |kind, step, base| {
+            let mut m = marker(kind, step, base, 10);
+            m.stream_id = "ours".into();
+            let b = bucket.clone();
+            async move { b.put(&layout::ready(kind, step), serde_json::to_vec(&m).unwrap().into()).await.unwrap() }
+        };
+        put(StepKind::Anchor, 0, None).await;
+        for step in 1..=n {
+            put(StepKind::Delta, step, Some(step - 1)).await;
+        }
+        let reader = StreamReader::new(bucket, driftless_format::TrustSet::new());
+        let mut cache = MarkerCache::default();
+        let g0 = counting.calls(FaultOp::Get);
+        let c = cache.candidates(&reader, "ours", None).await.unwrap();
+        let gets = counting.calls(FaultOp::Get) - g0;
+        // (One more GET: the latest.json that is not there.)
+        assert!(gets <= MAX_MARKER_READS as u64 + 1, "{gets} GETs");
+        assert!(c.partial);
+        assert_eq!((c.anchors.len(), c.deltas.len()), (1, MAX_MARKER_READS - 1), "the anchor first, then the newest");
+        assert_eq!(c.deltas.keys().next().copied(), Some(n - MAX_MARKER_READS as u64 + 2));
+        cache.begin_sync();
+        let c = cache.candidates(&reader, "ours", None).await.unwrap();
+        assert!(!c.partial, "the rest fits one plan");
+        assert_eq!((c.anchors.len(), c.deltas.len() as u64), (1, n));
+        assert_eq!(route(None, &c, &Refusals::default(), None).map(|r| r.target), Some(n));
     }
 
     /// `newest_valid` over junk markers and listed markers that are gone: each read once per

@@ -346,7 +346,7 @@ async fn plain_anchor_parts_are_checked_before_they_are_written() {
     std::fs::write(&path, &renamed).unwrap();
     let (r, wrote) = run(unsigned).await;
     let e = r.unwrap_err();
-    assert!(e.to_string().contains("of the signed layout") && e.is_integrity(), "{e}");
+    assert!(e.to_string().contains("of the signed layout (first difference: tensor") && e.is_integrity(), "{e}");
     assert!(wrote.is_empty(), "{wrote:?}");
 }
 

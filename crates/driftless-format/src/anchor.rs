@@ -185,10 +185,19 @@ pub fn check_listed<'a>(got: impl Iterator<Item = &'a crate::TensorMeta>, expect
     let mut want: Vec<&crate::TensorMeta> = expect.iter().collect();
     got.sort_by(|a, b| a.name.cmp(&b.name));
     want.sort_by(|a, b| a.name.cmp(&b.name));
-    match got == want {
-        true => Ok(()),
-        false => Err(bad(format!("header lists {} tensors, not the {} of the signed layout", got.len(), want.len()))),
+    if got == want {
+        return Ok(());
     }
+    // The first tensor (by name) the two disagree on, for the error.
+    let first = got.iter().zip(&want).find(|(g, w)| g != w).map(|(g, w)| if g.name <= w.name { *g } else { *w });
+    let first = first.or_else(|| got.get(want.len()).or_else(|| want.get(got.len())).copied());
+    let name = first.map(|t| t.name.as_str()).unwrap_or_default();
+    let shown: String = name.chars().take(80).flat_map(char::escape_default).collect();
+    Err(bad(format!(
+        "header lists {} tensors, not the {} of the signed layout (first difference: tensor \"{shown}\")",
+        got.len(),
+        want.len()
+    )))
 }
 
 struct Cur<'a> {

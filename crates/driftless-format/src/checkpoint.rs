@@ -623,16 +623,34 @@ pub fn create_sized(path: &Path, len: u64) -> Result<File> {
 /// files before it had filled the disk, at every poll for as long as the step is the newest
 /// (a model the disk cannot hold twice), under the inference server sharing that disk. A file
 /// system that reports no blocks at all (a tmpfs without a size limit) is not bounded here.
+///
+/// A slot removed just before (as every caller does) may not count as free yet: XFS frees a
+/// removed file's blocks in the background and btrfs at its next commit, and `statfs` waits for
+/// neither (`posix_fallocate` retried after a flush there). So a refusal is made only after a
+/// `syncfs` of `dir`'s file system and a second look.
 pub fn check_room(dir: &Path, total: u64) -> Result<()> {
     let Ok(d) = File::open(dir) else { return Ok(()) };
     match free_bytes(&d) {
-        Some(free) if total > free => Err(no_room(dir)),
+        Some(free) if total > free => {
+            // SAFETY: plain syscall on a descriptor owned by `d`.
+            unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&d)) };
+            match free_bytes(&d) {
+                Some(free) if total > free => Err(no_room_for(dir, total, free)),
+                _ => Ok(()),
+            }
+        }
         _ => Ok(()),
     }
 }
 
 fn no_room(path: &Path) -> Error {
     Error::io(path, std::io::Error::from_raw_os_error(libc::ENOSPC))
+}
+
+/// ENOSPC (not retryable: someone must free space first) with the figures.
+fn no_room_for(path: &Path, need: u64, free: u64) -> Error {
+    let msg = format!("No space left on device: {need} bytes needed, {free} free");
+    Error::io(path, std::io::Error::new(std::io::ErrorKind::StorageFull, msg))
 }
 
 /// The bytes free to an unprivileged writer on `f`'s file system when it is a tmpfs (with no
@@ -657,12 +675,16 @@ fn statfs(f: &File) -> Option<libc::statfs> {
 }
 
 /// No blocks at all (a tmpfs with `size=0`, some FUSE and network file systems): no bound.
+/// Root may fill the blocks reserved for it (as its `posix_fallocate` would): an agent in a
+/// container often runs as root.
 // (`fsblkcnt_t` is 32 bits on some targets.)
 #[allow(clippy::unnecessary_cast)]
 fn free_of(st: &libc::statfs) -> u64 {
+    // SAFETY: geteuid(2) cannot fail.
+    let blocks = if unsafe { libc::geteuid() } == 0 { st.f_bfree } else { st.f_bavail };
     match st.f_blocks {
         0 => u64::MAX,
-        _ => (st.f_bavail as u64).saturating_mul(st.f_bsize as u64),
+        _ => (blocks as u64).saturating_mul(st.f_bsize as u64),
     }
 }
 

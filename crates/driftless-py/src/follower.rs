@@ -673,6 +673,12 @@ impl PyFollower {
             pl.settled[who as usize] = Some((l, at));
         }
         match want {
+            Some(w) if local != Some(w) && cands.partial => Err(BindError::NothingReady(format!(
+                "step {w} is not reachable from the steps planned: the bucket's ready/ listing failed or holds more \
+                 than {} ready markers not read yet (planted keys? remove them), so only the signed latest.json's \
+                 newest anchor and chain were planned",
+                plan::MAX_MARKER_READS
+            ))),
             Some(w) if local != Some(w) => Err(BindError::NothingReady(format!(
                 "step {w} is not reachable in the stream (no ready delta chain or anchor leads to it)"
             ))),

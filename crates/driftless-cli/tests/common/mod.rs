@@ -28,7 +28,9 @@ pub fn agent_once(url: &str, trust: &Path, dir: &Path) -> Command {
 /// spawned it ends (`PR_SET_PDEATHSIG`), and so does the binary when its tracer dies (`setpriv
 /// --pdeathsig`, util-linux, between the two: strace 6.1 has no `--kill-on-exit`, and a killed
 /// strace leaves its tracee running). A test binary killed by the harness's timeout left traced
-/// agents running before. (`setpriv` makes no call the tests trace or inject into.)
+/// agents running before. (`setpriv` is one more program in the trace, before its `execve` of
+/// the binary: its own `openat`/`close` of libraries show, no `pwrite64`, `fdatasync` or
+/// `rename`, the calls the tests inject into; a test that counts `openat` would count its too.)
 pub fn strace(opts: &[&str], out: &Path) -> Command {
     use std::os::unix::process::CommandExt;
     for tool in ["strace", "setpriv"] {
