@@ -197,7 +197,15 @@ impl Refusals {
     /// Steps below the oldest listed anchor go too: never planned again (collected by GC).
     /// The steps the signed `hint` names stay refused though unlisted: it is planned from
     /// between listings, and its step refused for being missing must stay so.
+    /// Against partial candidates ([`Candidates::partial`]: the listing was not read whole)
+    /// only refusals that no longer hold go: the steps not planned are still in the bucket,
+    /// and would be downloaded and refused again once the listing is whole.
     pub fn retain_listed(&mut self, listed: &Candidates, hint: Option<&LatestHint>) {
+        if listed.partial {
+            let now = Instant::now();
+            self.map.retain(|_, r| r.pinned || now < r.until);
+            return;
+        }
         let oldest = listed.anchors.keys().next().copied().unwrap_or(0);
         let hinted = |kind: StepKind, step: u64| {
             hint.is_some_and(|h| match kind {
@@ -1017,6 +1025,21 @@ mod tests {
         let c = cache.candidates(&reader, "ours", None).await.unwrap();
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, 0));
         assert_eq!(counting.calls(FaultOp::Get), gets, "cached markers read again");
+    }
+
+    /// Refusals of steps a partial plan leaves out are kept (they are still in the bucket);
+    /// a whole listing without them drops them.
+    #[test]
+    fn refusals_outlive_a_partial_plan_but_not_a_whole_listing() {
+        let mut refused = Refusals::default();
+        refused.refuse(StepKind::Anchor, 5, None, "bad".into(), false);
+        let mut c = cands(&[(11, 10, 1)], &[(10, 100)]);
+        c.partial = true;
+        refused.retain_listed(&c, None);
+        assert!(refused.is_refused(StepKind::Anchor, 5, None), "dropped by a partial plan");
+        c.partial = false;
+        refused.retain_listed(&c, None);
+        assert!(!refused.is_refused(StepKind::Anchor, 5, None), "kept past a whole listing without it");
     }
 
     /// More unknown markers than one plan reads and no latest.json to plan from instead: the

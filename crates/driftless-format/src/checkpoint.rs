@@ -624,16 +624,23 @@ pub fn create_sized(path: &Path, len: u64) -> Result<File> {
 /// (a model the disk cannot hold twice), under the inference server sharing that disk. A file
 /// system that reports no blocks at all (a tmpfs without a size limit) is not bounded here.
 ///
-/// A slot removed just before (as every caller does) may not count as free yet: XFS frees a
-/// removed file's blocks in the background and btrfs at its next commit, and `statfs` waits for
-/// neither (`posix_fallocate` retried after a flush there). So a refusal is made only after a
-/// `syncfs` of `dir`'s file system and a second look.
+/// A slot removed just before (as every caller does) may not count as free yet on XFS, which
+/// frees a removed file's blocks in the background, and btrfs, at its next commit: `statfs`
+/// waits for neither (`posix_fallocate` retried after a flush there). On those two a refusal is
+/// made only after a `syncfs` of the file system and a second look (ext4 and tmpfs free the
+/// blocks at the unlink; a network file system is never flushed from here).
+///
+/// Root's reserved blocks (ext4) are not counted, although root's own `fallocate` may use
+/// them: in a user namespace (a rootless container) it may not, and counting them there would
+/// let the earlier files fill the disk again. A refusal says how many bytes are needed.
 pub fn check_room(dir: &Path, total: u64) -> Result<()> {
     let Ok(d) = File::open(dir) else { return Ok(()) };
     match free_bytes(&d) {
         Some(free) if total > free => {
-            // SAFETY: plain syscall on a descriptor owned by `d`.
-            unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&d)) };
+            if statfs(&d).is_some_and(|st| matches!(st.f_type, libc::XFS_SUPER_MAGIC | libc::BTRFS_SUPER_MAGIC)) {
+                // SAFETY: plain syscall on a descriptor owned by `d`.
+                unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&d)) };
+            }
             match free_bytes(&d) {
                 Some(free) if total > free => Err(no_room_for(dir, total, free)),
                 _ => Ok(()),
@@ -675,16 +682,12 @@ fn statfs(f: &File) -> Option<libc::statfs> {
 }
 
 /// No blocks at all (a tmpfs with `size=0`, some FUSE and network file systems): no bound.
-/// Root may fill the blocks reserved for it (as its `posix_fallocate` would): an agent in a
-/// container often runs as root.
 // (`fsblkcnt_t` is 32 bits on some targets.)
 #[allow(clippy::unnecessary_cast)]
 fn free_of(st: &libc::statfs) -> u64 {
-    // SAFETY: geteuid(2) cannot fail.
-    let blocks = if unsafe { libc::geteuid() } == 0 { st.f_bfree } else { st.f_bavail };
     match st.f_blocks {
         0 => u64::MAX,
-        _ => (blocks as u64).saturating_mul(st.f_bsize as u64),
+        _ => (st.f_bavail as u64).saturating_mul(st.f_bsize as u64),
     }
 }
 

@@ -423,7 +423,7 @@ fn a_frame_larger_than_the_disk_is_refused_before_any_file_is_made() {
     let c = std::ffi::CString::new(root.path().as_os_str().to_str().unwrap()).unwrap();
     assert_eq!(unsafe { libc::statfs(c.as_ptr(), &mut st) }, 0);
     assert!(st.f_blocks > 0, "the temp directory's file system reports no size");
-    // (Root may use the reserved blocks too.)
+    // (More than root's reserved blocks too, whatever `check_room` counts.)
     let free = st.f_bfree.max(st.f_bavail) * st.f_bsize as u64;
     let src_dir = root.path().join("src");
     std::fs::create_dir(&src_dir).unwrap();

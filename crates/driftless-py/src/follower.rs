@@ -676,7 +676,7 @@ impl PyFollower {
             Some(w) if local != Some(w) && cands.partial => Err(BindError::NothingReady(format!(
                 "step {w} is not reachable from the steps planned: the bucket's ready/ listing failed or holds more \
                  than {} ready markers not read yet (planted keys? remove them), so only the signed latest.json's \
-                 newest anchor and chain were planned",
+                 newest anchor and chain, or the newest markers, were planned (a later call reads on)",
                 plan::MAX_MARKER_READS
             ))),
             Some(w) if local != Some(w) => Err(BindError::NothingReady(format!(
