@@ -606,7 +606,7 @@ pub fn create_sized(path: &Path, len: u64) -> Result<File> {
         Some(free) if len > free => {
             drop(f);
             let _ = fs::remove_file(path);
-            Err(no_room(path))
+            Err(no_room(path, len, free))
         }
         Some(_) => {
             f.set_len(len).map_err(|e| Error::io(path, e))?;
@@ -635,27 +635,26 @@ pub fn create_sized(path: &Path, len: u64) -> Result<File> {
 /// let the earlier files fill the disk again. A refusal says how many bytes are needed.
 pub fn check_room(dir: &Path, total: u64) -> Result<()> {
     let Ok(d) = File::open(dir) else { return Ok(()) };
-    match free_bytes(&d) {
-        Some(free) if total > free => {
-            if statfs(&d).is_some_and(|st| matches!(st.f_type, libc::XFS_SUPER_MAGIC | libc::BTRFS_SUPER_MAGIC)) {
-                // SAFETY: plain syscall on a descriptor owned by `d`.
-                unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&d)) };
-            }
-            match free_bytes(&d) {
-                Some(free) if total > free => Err(no_room_for(dir, total, free)),
-                _ => Ok(()),
-            }
+    let Some(st) = statfs(&d) else { return Ok(()) };
+    if total <= free_of(&st) {
+        return Ok(());
+    }
+    let st = match st.f_type {
+        libc::XFS_SUPER_MAGIC | libc::BTRFS_SUPER_MAGIC => {
+            // SAFETY: plain syscall on a descriptor owned by `d`.
+            unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&d)) };
+            statfs(&d).unwrap_or(st)
         }
+        _ => st,
+    };
+    match free_of(&st) {
+        free if total > free => Err(no_room(dir, total, free)),
         _ => Ok(()),
     }
 }
 
-fn no_room(path: &Path) -> Error {
-    Error::io(path, std::io::Error::from_raw_os_error(libc::ENOSPC))
-}
-
 /// ENOSPC (not retryable: someone must free space first) with the figures.
-fn no_room_for(path: &Path, need: u64, free: u64) -> Error {
+fn no_room(path: &Path, need: u64, free: u64) -> Error {
     let msg = format!("No space left on device: {need} bytes needed, {free} free");
     Error::io(path, std::io::Error::new(std::io::ErrorKind::StorageFull, msg))
 }
@@ -664,12 +663,6 @@ fn no_room_for(path: &Path, need: u64, free: u64) -> Error {
 /// size limit, `size=0`, it reports no blocks at all: then no bound).
 fn tmpfs_free_bytes(f: &File) -> Option<u64> {
     statfs(f).filter(|st| st.f_type == libc::TMPFS_MAGIC).map(|st| free_of(&st))
-}
-
-/// The bytes free to an unprivileged writer on `f`'s file system, any kind; `None` when that
-/// cannot be told.
-fn free_bytes(f: &File) -> Option<u64> {
-    statfs(f).map(|st| free_of(&st))
 }
 
 fn statfs(f: &File) -> Option<libc::statfs> {
