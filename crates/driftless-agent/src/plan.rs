@@ -254,9 +254,22 @@ type StepKey = (StepKind, u64);
 /// usable one, the newest this many are read (anchors first), and later plans read on.
 pub const MAX_MARKER_READS: usize = 4096;
 
-/// A listing of ready steps: the stream id and `from` it was made for, anchors, deltas, and
-/// whether it is partial ([`Candidates::partial`]).
-type Listing = (String, Option<u64>, Vec<u64>, Vec<u64>, bool);
+/// A sync's listing of ready steps, reused by its later rounds.
+#[derive(Debug, Clone)]
+struct Listing {
+    /// The stream id and `from` it was made for.
+    stream_id: String,
+    from: Option<u64>,
+    /// The steps listed (or, when `failed`, those the signed `latest.json` names).
+    anchors: Vec<u64>,
+    deltas: Vec<u64>,
+    /// Not read whole ([`Candidates::partial`]).
+    partial: bool,
+    /// The listing held more unknown markers than one plan reads, and the plan comes from
+    /// the signed `latest.json`'s anchor and chain (those steps, anchors and deltas) while
+    /// that anchor is not refused.
+    hinted: Option<(Vec<u64>, Vec<u64>)>,
+}
 
 /// Reads ready markers, caching them (markers are write-once: a step's marker is read once,
 /// not at every poll). Bounded: entries of steps no longer listed are dropped.
@@ -310,48 +323,79 @@ impl MarkerCache {
     /// deltas after `from` (all when `None`), unless the listing fails or holds more than
     /// [`MAX_MARKER_READS`] unknown markers ([`Candidates::partial`]). Markers that do not
     /// parse, name another step or another stream are left out with a warning; they never fail
-    /// the listing.
+    /// the listing. `refused` decides whether the signed `latest.json`'s route can stand for
+    /// an overlong listing: not once its anchor is refused (a corrupt newest anchor), when the
+    /// listing's newest markers are read instead, so an older anchor can be planned.
     pub async fn candidates(
         &mut self,
         reader: &StreamReader,
         stream_id: &str,
         from: Option<u64>,
+        refused: &Refusals,
     ) -> Result<Candidates, StreamError> {
-        let reuse = self.listing.as_ref().is_some_and(|(sid, f, ..)| sid == stream_id && *f == from);
-        let (mut anchors, mut deltas, mut partial) = match self.listing.take().filter(|_| reuse) {
-            Some((_, _, anchors, deltas, partial)) => (anchors, deltas, partial),
-            None => self.list(reader, stream_id, from).await?,
+        let reuse = self.listing.as_ref().is_some_and(|l| l.stream_id == stream_id && l.from == from);
+        let mut l = match self.listing.take().filter(|_| reuse) {
+            Some(l) => l,
+            None => {
+                let (anchors, deltas, partial) = self.list(reader, stream_id, from).await?;
+                Listing { stream_id: stream_id.to_string(), from, anchors, deltas, partial, hinted: None }
+            }
         };
         // A reused listing reads only the markers forgotten since (each once: a refused step's
-        // marker may have been replaced); a new one every marker it does not know.
+        // marker may have been replaced); a new one every marker it does not know. A hinted
+        // plan whose anchor was refused since (found in the thirty-eighth session: with planted
+        // keys and a corrupt newest anchor, every sync planned that anchor alone, for good)
+        // reads the listing's newest markers, as without a latest.json.
         let forgotten = std::mem::take(&mut self.forgotten);
-        let mut missing = self.unknown(&anchors, &deltas, reuse.then_some(&forgotten));
+        let widen = l.hinted.as_ref().is_some_and(|(a, _)| self.refused_anchor(a, refused));
+        if widen {
+            warn!("the signed latest.json's anchor is refused: planning from the listing's newest ready markers");
+            l.hinted = None;
+            // (A hinted plan is made only from a listing that did not fail: read whole if the
+            // unknown markers now fit one plan.)
+            l.partial = false;
+        }
+        let only = (reuse && !widen).then_some(&forgotten);
+        let mut missing = match &l.hinted {
+            Some((a, d)) => self.unknown(a, d, only),
+            None => self.unknown(&l.anchors, &l.deltas, only),
+        };
         if missing.len() > MAX_MARKER_READS {
             // Planted keys (or a bucket that keeps every step of a long run, cold): planned from
             // the signed latest.json as when the listing fails, which reads only the markers of
             // the newest anchor's chain; without one, the newest markers within the bound.
             let unread = missing.len();
-            partial = true;
-            match self.unlisted(reader, stream_id, from).await {
-                Ok(Some((a, d))) => {
+            l.partial = true;
+            let hinted = match widen {
+                true => Ok(None),
+                false => self.unlisted(reader, stream_id, from).await,
+            };
+            match hinted {
+                Ok(Some((a, d))) if !self.refused_anchor(&a, refused) => {
                     warn!(
                         unread,
                         "more ready markers unknown than one plan reads ({MAX_MARKER_READS}): \
                         planned from the signed latest.json instead (planted keys? remove them)"
                     );
-                    (anchors, deltas) = (a, d);
-                    missing = self.unknown(&anchors, &deltas, reuse.then_some(&forgotten));
+                    missing = self.unknown(&a, &d, None);
+                    l.hinted = Some((a, d));
                 }
                 // (A latest.json that cannot be read now, too: the listing did not fail, so the
                 // plan goes on from it.)
                 got => {
-                    let why = got.err().map(|e| e.to_string()).unwrap_or_else(|| "no usable latest.json".into());
+                    let why = match got {
+                        Err(e) => e.to_string(),
+                        Ok(Some(_)) => "its anchor is refused".into(),
+                        Ok(None) if widen => "its anchor is refused".into(),
+                        Ok(None) => "no usable latest.json".into(),
+                    };
                     warn!(unread, reason = %why, "more ready markers unknown than one plan reads \
                         ({MAX_MARKER_READS}): the newest ones read, the others left for later plans");
                     missing.truncate(MAX_MARKER_READS);
                 }
             }
         }
+        let (anchors, deltas) = (&l.anchors, &l.deltas);
         let mut listed: Vec<(StepKind, u64)> = Vec::with_capacity(anchors.len() + deltas.len());
         listed.extend(anchors.iter().map(|&s| (StepKind::Anchor, s)));
         listed.extend(deltas.iter().map(|&s| (StepKind::Delta, s)));
@@ -397,10 +441,20 @@ impl MarkerCache {
             self.map.retain(|k, _| kept(k));
             self.foreign.retain(kept);
         }
+        let (anchors, deltas) = l.hinted.as_ref().map_or((&l.anchors, &l.deltas), |(a, d)| (a, d));
         let mut out = self.listed(stream_id, anchors.iter().copied(), deltas.iter().copied());
-        out.partial = partial;
-        self.listing = Some((stream_id.to_string(), from, anchors, deltas, partial));
+        out.partial = l.partial;
+        self.listing = Some(l);
         Ok(out)
+    }
+
+    /// Whether the anchor of a hinted plan (`anchors`: none or one) is refused, bound to its
+    /// cached marker.
+    fn refused_anchor(&self, anchors: &[u64], refused: &Refusals) -> bool {
+        anchors.iter().any(|&a| {
+            let sha = self.map.get(&(StepKind::Anchor, a)).map(|m| m.manifest_sha256);
+            refused.is_refused(StepKind::Anchor, a, sha)
+        })
     }
 
     /// The listed markers to read: neither cached nor remembered as unusable and, for a reused
@@ -1016,13 +1070,13 @@ mod tests {
         }
         let reader = StreamReader::new(bucket, driftless_format::TrustSet::new());
         let mut cache = MarkerCache::default();
-        let c = cache.candidates(&reader, "ours", None).await.unwrap();
+        let c = cache.candidates(&reader, "ours", None, &Refusals::default()).await.unwrap();
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, 0));
         assert_eq!((cache.map.len(), cache.foreign.len()), (1, 40));
         let held: usize = cache.map.values().map(|m| m.stream_id.len()).sum();
         assert!(held < 100, "{held} bytes of stream ids held");
         let gets = counting.calls(FaultOp::Get);
-        let c = cache.candidates(&reader, "ours", None).await.unwrap();
+        let c = cache.candidates(&reader, "ours", None, &Refusals::default()).await.unwrap();
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, 0));
         assert_eq!(counting.calls(FaultOp::Get), gets, "cached markers read again");
     }
@@ -1066,7 +1120,7 @@ mod tests {
         let reader = StreamReader::new(bucket, driftless_format::TrustSet::new());
         let mut cache = MarkerCache::default();
         let g0 = counting.calls(FaultOp::Get);
-        let c = cache.candidates(&reader, "ours", None).await.unwrap();
+        let c = cache.candidates(&reader, "ours", None, &Refusals::default()).await.unwrap();
         let gets = counting.calls(FaultOp::Get) - g0;
         // (One more GET: the latest.json that is not there.)
         assert!(gets <= MAX_MARKER_READS as u64 + 1, "{gets} GETs");
@@ -1074,7 +1128,7 @@ mod tests {
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, MAX_MARKER_READS - 1), "the anchor first, then the newest");
         assert_eq!(c.deltas.keys().next().copied(), Some(n - MAX_MARKER_READS as u64 + 2));
         cache.begin_sync();
-        let c = cache.candidates(&reader, "ours", None).await.unwrap();
+        let c = cache.candidates(&reader, "ours", None, &Refusals::default()).await.unwrap();
         assert!(!c.partial, "the rest fits one plan");
         assert_eq!((c.anchors.len(), c.deltas.len() as u64), (1, n));
         assert_eq!(route(None, &c, &Refusals::default(), None).map(|r| r.target), Some(n));

@@ -804,6 +804,60 @@ async fn more_planted_markers_than_a_sync_refuses_are_passed_by_the_next_sync() 
     }
 }
 
+// Found in the thirty-eighth session: past more unknown markers than one plan reads, the plan
+// came from the signed latest.json's newest anchor and chain alone, so when that anchor was
+// corrupt every sync refused it again and no agent fell back to an older anchor. A refused
+// hinted anchor now widens the plan to the listing's newest markers (anchors first), in the
+// same sync; the next sync reads on and catches up from the older anchor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_newest_anchor_behind_planted_markers_falls_back_to_an_older_one() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 4);
+    let want0 = t.publish();
+    let mut want = vec![];
+    for _ in 1..6 {
+        want = t.publish();
+    }
+    // Anchor 4 corrupt: one byte of a shard object flipped (its size unchanged).
+    let akey = tb
+        .bucket
+        .list(&layout::anchor_dir(4))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.key)
+        .find(|k| !k.ends_with("manifest.json") && !k.contains("extra-"))
+        .unwrap();
+    let mut shard = tb.bucket.get(&akey).await.unwrap().to_vec();
+    let mid = shard.len() / 2;
+    shard[mid] ^= 0x55;
+    tb.bucket.put(&akey, Bytes::from(shard)).await.unwrap();
+    let n = driftless_agent::plan::MAX_MARKER_READS as u64 + 50;
+    let root = tb.root.clone().unwrap().join(layout::ready_prefix(StepKind::Delta));
+    for s in 1000..1000 + n {
+        std::fs::write(root.join(format!("{s:012}")), b"junk").unwrap();
+    }
+    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+    cfg.refuse_for = Duration::from_secs(600);
+    let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+    let g0 = tb.faults.calls(FaultOp::Get);
+    let o = a.sync_once().await.unwrap();
+    // The newest markers read: anchor 0 and the newest planted ones; deltas 1-4 not yet.
+    assert_eq!((o.step, o.route), (0, SyncPath::Anchor), "{o:?}");
+    assert!(o.refused.iter().any(|r| r.step == 4), "{:?}", o.refused);
+    assert_bits(&a, &want0);
+    assert_verified(&a, "the older anchor");
+    let gets = tb.faults.calls(FaultOp::Get) - g0;
+    assert!(gets < n + 200, "{gets} GETs");
+    // The next sync reads the rest (all fit one plan) and reaches step 5 past the corrupt
+    // anchor (step 4 is also published as a delta).
+    let o = a.sync_once().await.unwrap();
+    assert_eq!((o.step, o.deltas), (5, 5), "{o:?}");
+    assert_bits(&a, &want);
+    assert_verified(&a, "caught up from the older anchor");
+}
+
 // Found by review: a latest.json that does not verify (or is deleted) made an up-to-date agent
 // read it and list the bucket at every poll (116 listings in 6 s), against one conditional GET
 // per poll and a listing every 10th. Its ETag is kept; a deleted one that stays deleted is
