@@ -94,6 +94,13 @@ async fn plant_delta_markers(b: &Bucket, steps: std::ops::Range<u64>, base: u64)
 
 /// Commits delta manifest `m` (crafted by a test, signed with `key`) at its step: the manifest
 /// at its step's `manifest.json`, then its ready marker.
+/// Puts `n` objects (key, body) through the bucket, 64 at a time (thousands of planted
+/// markers, on SeaweedFS too).
+async fn plant_many(b: &Bucket, objects: impl Iterator<Item = (String, Bytes)>) {
+    use futures::StreamExt;
+    futures::stream::iter(objects).for_each_concurrent(64, |(k, v)| async move { b.put(&k, v).await.unwrap() }).await;
+}
+
 async fn put_signed_delta(b: &Bucket, key: &Keypair, m: &driftless_format::DeltaManifest) {
     let env = key.seal(&serde_json::to_vec(m).unwrap()).unwrap();
     b.put(&layout::object(StepKind::Delta, m.step, "manifest.json"), Bytes::from(env.clone())).await.unwrap();
@@ -763,8 +770,7 @@ async fn too_many_keys_under_ready_do_not_stop_a_cold_start() {
 // listing's million, one GET each).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_planted_markers_than_a_sync_refuses_are_passed_by_the_next_sync() {
-    for with_latest in [false, true] {
-        let tb = file_bucket();
+    for (tb, with_latest) in buckets("many-planted").into_iter().map(|tb| (tb, true)).chain([(file_bucket(), false)]) {
         let (key, trust) = keys();
         let mut t = Trainer::new(&tb.bucket, &key, 4);
         let want = t.publish();
@@ -775,12 +781,12 @@ async fn more_planted_markers_than_a_sync_refuses_are_passed_by_the_next_sync() 
             serde_json::from_slice(&tb.bucket.get(&layout::ready(StepKind::Anchor, 0)).await.unwrap()).unwrap();
         let n = driftless_agent::plan::MAX_UNUSABLE_ROUNDS as u64 + 50;
         assert!(n as usize > driftless_agent::plan::MAX_MARKER_READS);
-        let root = tb.root.clone().unwrap().join(layout::ready_prefix(StepKind::Anchor));
-        for s in 100..100 + n {
+        let planted = (100..100 + n).map(|s| {
             let m = serde_json::json!({"kind": "ready", "stream_id": real["stream_id"], "of": "anchor", "step": s,
             "manifest_sha256": "00".repeat(32), "payload_bytes": 10, "manifest": "g1-manifest.json"});
-            std::fs::write(root.join(format!("{s:012}")), m.to_string()).unwrap();
-        }
+            (layout::ready(StepKind::Anchor, s), Bytes::from(m.to_string()))
+        });
+        plant_many(&tb.bucket, planted).await;
         let mut cfg = config(tb.dir.path().join("a"), trust.clone());
         cfg.refuse_for = Duration::from_secs(600);
         let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
@@ -811,51 +817,53 @@ async fn more_planted_markers_than_a_sync_refuses_are_passed_by_the_next_sync() 
 // same sync; the next sync reads on and catches up from the older anchor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_newest_anchor_behind_planted_markers_falls_back_to_an_older_one() {
-    let tb = file_bucket();
-    let (key, trust) = keys();
-    let mut t = Trainer::new(&tb.bucket, &key, 4);
-    let want0 = t.publish();
-    let mut want = vec![];
-    for _ in 1..6 {
-        want = t.publish();
+    for tb in buckets("planted-corrupt-anchor") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 4);
+        let want0 = t.publish();
+        let mut want = vec![];
+        for _ in 1..6 {
+            want = t.publish();
+        }
+        // Anchor 4 corrupt: one byte of a shard object flipped (its size unchanged).
+        let akey = tb
+            .bucket
+            .list(&layout::anchor_dir(4))
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|o| o.key)
+            .find(|k| !k.ends_with("manifest.json") && !k.contains("extra-"))
+            .unwrap();
+        let mut shard = tb.bucket.get(&akey).await.unwrap().to_vec();
+        let mid = shard.len() / 2;
+        shard[mid] ^= 0x55;
+        tb.bucket.put(&akey, Bytes::from(shard)).await.unwrap();
+        let n = driftless_agent::plan::MAX_MARKER_READS as u64 + 50;
+        plant_many(
+            &tb.bucket,
+            (1000..1000 + n).map(|s| (layout::ready(StepKind::Delta, s), Bytes::from_static(b"junk"))),
+        )
+        .await;
+        let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+        cfg.refuse_for = Duration::from_secs(600);
+        let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
+        let g0 = tb.faults.calls(FaultOp::Get);
+        let o = a.sync_once().await.unwrap();
+        // The newest markers read: anchor 0 and the newest planted ones; deltas 1-4 not yet.
+        assert_eq!((o.step, o.route), (0, SyncPath::Anchor), "{o:?}");
+        assert!(o.refused.iter().any(|r| r.step == 4), "{:?}", o.refused);
+        assert_bits(&a, &want0);
+        assert_verified(&a, "the older anchor");
+        let gets = tb.faults.calls(FaultOp::Get) - g0;
+        assert!(gets < n + 200, "{gets} GETs");
+        // The next sync reads the rest (all fit one plan) and reaches step 5 past the corrupt
+        // anchor (step 4 is also published as a delta).
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.deltas), (5, 5), "{o:?}");
+        assert_bits(&a, &want);
+        assert_verified(&a, "caught up from the older anchor");
     }
-    // Anchor 4 corrupt: one byte of a shard object flipped (its size unchanged).
-    let akey = tb
-        .bucket
-        .list(&layout::anchor_dir(4))
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|o| o.key)
-        .find(|k| !k.ends_with("manifest.json") && !k.contains("extra-"))
-        .unwrap();
-    let mut shard = tb.bucket.get(&akey).await.unwrap().to_vec();
-    let mid = shard.len() / 2;
-    shard[mid] ^= 0x55;
-    tb.bucket.put(&akey, Bytes::from(shard)).await.unwrap();
-    let n = driftless_agent::plan::MAX_MARKER_READS as u64 + 50;
-    let root = tb.root.clone().unwrap().join(layout::ready_prefix(StepKind::Delta));
-    for s in 1000..1000 + n {
-        std::fs::write(root.join(format!("{s:012}")), b"junk").unwrap();
-    }
-    let mut cfg = config(tb.dir.path().join("a"), trust.clone());
-    cfg.refuse_for = Duration::from_secs(600);
-    let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
-    let g0 = tb.faults.calls(FaultOp::Get);
-    let o = a.sync_once().await.unwrap();
-    // The newest markers read: anchor 0 and the newest planted ones; deltas 1-4 not yet.
-    assert_eq!((o.step, o.route), (0, SyncPath::Anchor), "{o:?}");
-    assert!(o.refused.iter().any(|r| r.step == 4), "{:?}", o.refused);
-    assert_bits(&a, &want0);
-    assert_verified(&a, "the older anchor");
-    let gets = tb.faults.calls(FaultOp::Get) - g0;
-    assert!(gets < n + 200, "{gets} GETs");
-    // The next sync reads the rest (all fit one plan) and reaches step 5 past the corrupt
-    // anchor (step 4 is also published as a delta).
-    let o = a.sync_once().await.unwrap();
-    assert_eq!((o.step, o.deltas), (5, 5), "{o:?}");
-    assert_bits(&a, &want);
-    assert_verified(&a, "caught up from the older anchor");
 }
 
 // Found by review: a latest.json that does not verify (or is deleted) made an up-to-date agent
