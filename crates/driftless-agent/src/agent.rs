@@ -739,8 +739,11 @@ impl Agent {
         let (cands, route) = match hinted {
             Some((c, r)) => (c, Some(r)),
             None => {
-                let cands =
-                    self.markers.candidates(&self.reader, &sid, None, &self.refused).await.map_err(Error::from)?;
+                let cands = self
+                    .markers
+                    .candidates(&self.reader, &sid, None, &self.refused, local)
+                    .await
+                    .map_err(Error::from)?;
                 self.refused.retain_listed(&cands, self.hint.as_ref());
                 let route = plan::route(local, &cands, &self.refused, None);
                 (cands, route)

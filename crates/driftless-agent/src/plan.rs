@@ -324,14 +324,17 @@ impl MarkerCache {
     /// [`MAX_MARKER_READS`] unknown markers ([`Candidates::partial`]). Markers that do not
     /// parse, name another step or another stream are left out with a warning; they never fail
     /// the listing. `refused` decides whether the signed `latest.json`'s route can stand for
-    /// an overlong listing: not once its anchor is refused (a corrupt newest anchor), when the
-    /// listing's newest markers are read instead, so an older anchor can be planned.
+    /// an overlong listing: not once its anchor is refused (a corrupt newest anchor), nor when
+    /// it is older than `local`, the caller's verified step (a replayed one): then the
+    /// listing's newest markers are read instead, so an older anchor or a newer step can be
+    /// planned.
     pub async fn candidates(
         &mut self,
         reader: &StreamReader,
         stream_id: &str,
         from: Option<u64>,
         refused: &Refusals,
+        local: Option<u64>,
     ) -> Result<Candidates, StreamError> {
         let reuse = self.listing.as_ref().is_some_and(|l| l.stream_id == stream_id && l.from == from);
         let mut l = match self.listing.take().filter(|_| reuse) {
@@ -366,12 +369,16 @@ impl MarkerCache {
             // the newest anchor's chain; without one, the newest markers within the bound.
             let unread = missing.len();
             l.partial = true;
+            // A latest.json older than the caller's verified step is a replay (or a publisher
+            // rolled back): its plan would hold the caller where it is while newer steps are
+            // listed. (Not the markers read: planted ones that parse are read too.)
             let hinted = match widen {
                 true => Ok(None),
                 false => self.unlisted(reader, stream_id, from).await,
             };
+            let stale = |a: &[u64], d: &[u64]| a.iter().chain(d).max() < local.as_ref();
             match hinted {
-                Ok(Some((a, d))) if !self.refused_anchor(&a, refused) => {
+                Ok(Some((a, d))) if !self.refused_anchor(&a, refused) && !stale(&a, &d) => {
                     warn!(
                         unread,
                         "more ready markers unknown than one plan reads ({MAX_MARKER_READS}): \
@@ -385,6 +392,7 @@ impl MarkerCache {
                 got => {
                     let why = match got {
                         Err(e) => e.to_string(),
+                        Ok(Some((a, d))) if stale(&a, &d) => "it is older than steps already read (replayed?)".into(),
                         Ok(Some(_)) => "its anchor is refused".into(),
                         Ok(None) if widen => "its anchor is refused".into(),
                         Ok(None) => "no usable latest.json".into(),
@@ -1070,13 +1078,13 @@ mod tests {
         }
         let reader = StreamReader::new(bucket, driftless_format::TrustSet::new());
         let mut cache = MarkerCache::default();
-        let c = cache.candidates(&reader, "ours", None, &Refusals::default()).await.unwrap();
+        let c = cache.candidates(&reader, "ours", None, &Refusals::default(), None).await.unwrap();
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, 0));
         assert_eq!((cache.map.len(), cache.foreign.len()), (1, 40));
         let held: usize = cache.map.values().map(|m| m.stream_id.len()).sum();
         assert!(held < 100, "{held} bytes of stream ids held");
         let gets = counting.calls(FaultOp::Get);
-        let c = cache.candidates(&reader, "ours", None, &Refusals::default()).await.unwrap();
+        let c = cache.candidates(&reader, "ours", None, &Refusals::default(), None).await.unwrap();
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, 0));
         assert_eq!(counting.calls(FaultOp::Get), gets, "cached markers read again");
     }
@@ -1120,7 +1128,7 @@ mod tests {
         let reader = StreamReader::new(bucket, driftless_format::TrustSet::new());
         let mut cache = MarkerCache::default();
         let g0 = counting.calls(FaultOp::Get);
-        let c = cache.candidates(&reader, "ours", None, &Refusals::default()).await.unwrap();
+        let c = cache.candidates(&reader, "ours", None, &Refusals::default(), None).await.unwrap();
         let gets = counting.calls(FaultOp::Get) - g0;
         // (One more GET: the latest.json that is not there.)
         assert!(gets <= MAX_MARKER_READS as u64 + 1, "{gets} GETs");
@@ -1128,7 +1136,7 @@ mod tests {
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, MAX_MARKER_READS - 1), "the anchor first, then the newest");
         assert_eq!(c.deltas.keys().next().copied(), Some(n - MAX_MARKER_READS as u64 + 2));
         cache.begin_sync();
-        let c = cache.candidates(&reader, "ours", None, &Refusals::default()).await.unwrap();
+        let c = cache.candidates(&reader, "ours", None, &Refusals::default(), None).await.unwrap();
         assert!(!c.partial, "the rest fits one plan");
         assert_eq!((c.anchors.len(), c.deltas.len() as u64), (1, n));
         assert_eq!(route(None, &c, &Refusals::default(), None).map(|r| r.target), Some(n));

@@ -866,6 +866,43 @@ async fn a_corrupt_newest_anchor_behind_planted_markers_falls_back_to_an_older_o
     }
 }
 
+// Found in the thirty-eighth session: past more unknown markers than one plan reads, a replayed
+// older latest.json (signed, so it verifies) planned an agent that had a newer step up to date
+// for good, while newer steps were listed. A latest.json older than the agent's verified step
+// now makes the plan read the listing's newest markers, and later plans read on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_latest_json_behind_planted_markers_does_not_hold_an_agent_back() {
+    for tb in buckets("planted-replay") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 100);
+        t.publish();
+        t.publish();
+        let old = tb.bucket.get(layout::LATEST).await.unwrap();
+        t.publish();
+        t.publish();
+        let mut a = agent(&tb, "a", &trust);
+        assert_eq!(a.sync_once().await.unwrap().step, 3);
+        t.publish();
+        let want = t.publish();
+        tb.bucket.put(layout::LATEST, old).await.unwrap();
+        let n = driftless_agent::plan::MAX_MARKER_READS as u64 + 50;
+        plant_many(
+            &tb.bucket,
+            (1000..1000 + n).map(|s| (layout::ready(StepKind::Delta, s), Bytes::from_static(b"junk"))),
+        )
+        .await;
+        // The first sync reads the newest 4,096 unknown markers (planted), the second the rest.
+        let mut step = 0;
+        for _ in 0..2 {
+            step = a.sync_once().await.unwrap().step;
+            assert!(step >= 3, "{}: went back to step {step}", tb.name);
+            assert_verified(&a, &tb.name);
+        }
+        assert_eq!(step, 5, "{}: held back by the replayed latest.json", tb.name);
+        assert_bits(&a, &want);
+    }
+}
+
 // Found by review: a latest.json that does not verify (or is deleted) made an up-to-date agent
 // read it and list the bucket at every poll (116 listings in 6 s), against one conditional GET
 // per poll and a listing every 10th. Its ETag is kept; a deleted one that stays deleted is

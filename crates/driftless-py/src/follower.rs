@@ -656,7 +656,7 @@ impl PyFollower {
         }
         pl.created = Some(desc.created_at_ms);
         let local = of_stream(&desc.stream_id);
-        let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None, &pl.refused).await?;
+        let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None, &pl.refused, local).await?;
         // Refusals of steps no longer listed, or before the oldest anchor, go (as the agent's).
         pl.refused.retain_listed(&cands, pl.latest.hint());
         let refused = &pl.refused;
