@@ -260,15 +260,24 @@ struct Listing {
     /// The stream id and `from` it was made for.
     stream_id: String,
     from: Option<u64>,
-    /// The steps listed (or, when `failed`, those the signed `latest.json` names).
+    /// The steps listed (or, when the listing `failed`, those the signed `latest.json` names).
     anchors: Vec<u64>,
     deltas: Vec<u64>,
-    /// Not read whole ([`Candidates::partial`]).
-    partial: bool,
+    failed: bool,
     /// The listing held more unknown markers than one plan reads, and the plan comes from
     /// the signed `latest.json`'s anchor and chain (those steps, anchors and deltas) while
     /// that anchor is not refused.
     hinted: Option<(Vec<u64>, Vec<u64>)>,
+    /// The listing held more unknown markers than one plan reads, and only the newest were
+    /// read.
+    cut: bool,
+}
+
+impl Listing {
+    /// Whether its candidates are partial ([`Candidates::partial`]).
+    fn partial(&self) -> bool {
+        self.failed || self.hinted.is_some() || self.cut
+    }
 }
 
 /// Reads ready markers, caching them (markers are write-once: a step's marker is read once,
@@ -340,8 +349,8 @@ impl MarkerCache {
         let mut l = match self.listing.take().filter(|_| reuse) {
             Some(l) => l,
             None => {
-                let (anchors, deltas, partial) = self.list(reader, stream_id, from).await?;
-                Listing { stream_id: stream_id.to_string(), from, anchors, deltas, partial, hinted: None }
+                let (anchors, deltas, failed) = self.list(reader, stream_id, from).await?;
+                Listing { stream_id: stream_id.to_string(), from, anchors, deltas, failed, hinted: None, cut: false }
             }
         };
         // A reused listing reads only the markers forgotten since (each once: a refused step's
@@ -352,23 +361,25 @@ impl MarkerCache {
         let forgotten = std::mem::take(&mut self.forgotten);
         let widen = l.hinted.as_ref().is_some_and(|(a, _)| self.refused_anchor(a, refused));
         if widen {
-            warn!("the signed latest.json's anchor is refused: planning from the listing's newest ready markers");
             l.hinted = None;
-            // (A hinted plan is made only from a listing that did not fail: read whole if the
-            // unknown markers now fit one plan.)
-            l.partial = false;
         }
         let only = (reuse && !widen).then_some(&forgotten);
         let mut missing = match &l.hinted {
             Some((a, d)) => self.unknown(a, d, only),
             None => self.unknown(&l.anchors, &l.deltas, only),
         };
+        // Forgotten markers first, should the read be cut (their refusals ran out: the step
+        // may have been repaired).
+        if only.is_none() && !forgotten.is_empty() {
+            let (mut first, rest): (Vec<_>, Vec<_>) = missing.into_iter().partition(|k| forgotten.contains(k));
+            first.extend(rest);
+            missing = first;
+        }
         if missing.len() > MAX_MARKER_READS {
             // Planted keys (or a bucket that keeps every step of a long run, cold): planned from
             // the signed latest.json as when the listing fails, which reads only the markers of
             // the newest anchor's chain; without one, the newest markers within the bound.
             let unread = missing.len();
-            l.partial = true;
             // A latest.json older than the caller's verified step is a replay (or a publisher
             // rolled back): its plan would hold the caller where it is while newer steps are
             // listed. (Not the markers read: planted ones that parse are read too.)
@@ -392,7 +403,9 @@ impl MarkerCache {
                 got => {
                     let why = match got {
                         Err(e) => e.to_string(),
-                        Ok(Some((a, d))) if stale(&a, &d) => "it is older than steps already read (replayed?)".into(),
+                        Ok(Some((a, d))) if stale(&a, &d) => {
+                            "it is older than the verified local step (replayed?)".into()
+                        }
                         Ok(Some(_)) => "its anchor is refused".into(),
                         Ok(None) if widen => "its anchor is refused".into(),
                         Ok(None) => "no usable latest.json".into(),
@@ -400,6 +413,7 @@ impl MarkerCache {
                     warn!(unread, reason = %why, "more ready markers unknown than one plan reads \
                         ({MAX_MARKER_READS}): the newest ones read, the others left for later plans");
                     missing.truncate(MAX_MARKER_READS);
+                    l.cut = true;
                 }
             }
         }
@@ -451,7 +465,7 @@ impl MarkerCache {
         }
         let (anchors, deltas) = l.hinted.as_ref().map_or((&l.anchors, &l.deltas), |(a, d)| (a, d));
         let mut out = self.listed(stream_id, anchors.iter().copied(), deltas.iter().copied());
-        out.partial = l.partial;
+        out.partial = l.partial();
         self.listing = Some(l);
         Ok(out)
     }
