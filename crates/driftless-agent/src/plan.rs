@@ -384,12 +384,21 @@ impl MarkerCache {
             // rolled back): its plan would hold the caller where it is while newer steps are
             // listed. (Not the markers read: planted ones that parse are read too.)
             let hinted = match widen {
-                true => Ok(None),
-                false => self.unlisted(reader, stream_id, from).await,
+                true => Err("its anchor is refused".to_string()),
+                false => match self.unlisted(reader, stream_id, from).await {
+                    Ok(Some((a, _))) if self.refused_anchor(&a, refused) => Err("its anchor is refused".into()),
+                    Ok(Some((a, d))) if a.iter().chain(&d).max() < local.as_ref() => {
+                        Err("it is older than the verified local step (replayed?)".into())
+                    }
+                    Ok(Some(ad)) => Ok(ad),
+                    Ok(None) => Err("no usable latest.json".into()),
+                    // (One that cannot be read now, too: the listing did not fail, so the plan
+                    // goes on from it.)
+                    Err(e) => Err(e.to_string()),
+                },
             };
-            let stale = |a: &[u64], d: &[u64]| a.iter().chain(d).max() < local.as_ref();
             match hinted {
-                Ok(Some((a, d))) if !self.refused_anchor(&a, refused) && !stale(&a, &d) => {
+                Ok((a, d)) => {
                     warn!(
                         unread,
                         "more ready markers unknown than one plan reads ({MAX_MARKER_READS}): \
@@ -398,18 +407,7 @@ impl MarkerCache {
                     missing = self.unknown(&a, &d, None);
                     l.hinted = Some((a, d));
                 }
-                // (A latest.json that cannot be read now, too: the listing did not fail, so the
-                // plan goes on from it.)
-                got => {
-                    let why = match got {
-                        Err(e) => e.to_string(),
-                        Ok(Some((a, d))) if stale(&a, &d) => {
-                            "it is older than the verified local step (replayed?)".into()
-                        }
-                        Ok(Some(_)) => "its anchor is refused".into(),
-                        Ok(None) if widen => "its anchor is refused".into(),
-                        Ok(None) => "no usable latest.json".into(),
-                    };
+                Err(why) => {
                     warn!(unread, reason = %why, "more ready markers unknown than one plan reads \
                         ({MAX_MARKER_READS}): the newest ones read, the others left for later plans");
                     missing.truncate(MAX_MARKER_READS);
@@ -417,10 +415,6 @@ impl MarkerCache {
                 }
             }
         }
-        let (anchors, deltas) = (&l.anchors, &l.deltas);
-        let mut listed: Vec<(StepKind, u64)> = Vec::with_capacity(anchors.len() + deltas.len());
-        listed.extend(anchors.iter().map(|&s| (StepKind::Anchor, s)));
-        listed.extend(deltas.iter().map(|&s| (StepKind::Delta, s)));
         let fetched: Vec<Option<(StepKey, Option<ReadyMarker>)>> = futures::stream::iter(missing)
             .map(|(kind, s)| async move {
                 match reader.marker(kind, s).await {
@@ -455,7 +449,11 @@ impl MarkerCache {
             }
         }
         if !reuse {
-            let keep: std::collections::HashSet<(StepKind, u64)> = listed.iter().copied().collect();
+            // (The whole listing, also when the plan is the hinted one: those steps are still
+            // in the bucket.)
+            let listed = l.anchors.iter().map(|&s| (StepKind::Anchor, s));
+            let keep: std::collections::HashSet<(StepKind, u64)> =
+                listed.chain(l.deltas.iter().map(|&s| (StepKind::Delta, s))).collect();
             // Keep cached anchors and deltas still listed; deltas at or below `from` were not
             // listed this time but may be again (a later cold plan lists them all): keep those too.
             let kept =

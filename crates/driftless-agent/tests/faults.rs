@@ -99,6 +99,13 @@ async fn plant_many(b: &Bucket, objects: impl Iterator<Item = (String, Bytes)>) 
     futures::stream::iter(objects).for_each_concurrent(64, |(k, v)| async move { b.put(&k, v).await.unwrap() }).await;
 }
 
+/// Plants 50 more junk delta markers (steps 1000 on) than one plan reads
+/// (`plan::MAX_MARKER_READS`).
+async fn plant_junk_past_the_read_bound(b: &Bucket) {
+    let n = driftless_agent::plan::MAX_MARKER_READS as u64 + 50;
+    plant_many(b, (1000..1000 + n).map(|s| (layout::ready(StepKind::Delta, s), Bytes::from_static(b"junk")))).await;
+}
+
 /// Commits delta manifest `m` (crafted by a test, signed with `key`) at its step: the manifest
 /// at its step's `manifest.json`, then its ready marker.
 async fn put_signed_delta(b: &Bucket, key: &Keypair, m: &driftless_format::DeltaManifest) {
@@ -839,12 +846,7 @@ async fn a_corrupt_newest_anchor_behind_planted_markers_falls_back_to_an_older_o
         let mid = shard.len() / 2;
         shard[mid] ^= 0x55;
         tb.bucket.put(&akey, Bytes::from(shard)).await.unwrap();
-        let n = driftless_agent::plan::MAX_MARKER_READS as u64 + 50;
-        plant_many(
-            &tb.bucket,
-            (1000..1000 + n).map(|s| (layout::ready(StepKind::Delta, s), Bytes::from_static(b"junk"))),
-        )
-        .await;
+        plant_junk_past_the_read_bound(&tb.bucket).await;
         let mut cfg = config(tb.dir.path().join("a"), trust.clone());
         cfg.refuse_for = Duration::from_secs(600);
         let mut a = Agent::new(tb.bucket.clone(), cfg).unwrap();
@@ -886,12 +888,7 @@ async fn a_replayed_latest_json_behind_planted_markers_does_not_hold_an_agent_ba
         t.publish();
         let want = t.publish();
         tb.bucket.put(layout::LATEST, old).await.unwrap();
-        let n = driftless_agent::plan::MAX_MARKER_READS as u64 + 50;
-        plant_many(
-            &tb.bucket,
-            (1000..1000 + n).map(|s| (layout::ready(StepKind::Delta, s), Bytes::from_static(b"junk"))),
-        )
-        .await;
+        plant_junk_past_the_read_bound(&tb.bucket).await;
         // The first sync reads the newest 4,096 unknown markers (planted), the second the rest.
         let mut step = 0;
         for _ in 0..2 {
