@@ -1218,9 +1218,10 @@ impl Agent {
     /// or this served step was tried already (a failure is not repeated at every poll: a disk
     /// without room for a second slot costs one try per step). A slot another process has open
     /// is left alone and tried again at a later poll. The poll loop stops the pass when a new
-    /// step is announced ([`Agent::prepare_inactive_until`]). Served files that no longer hash to their step are
-    /// an error, and the next poll re-verifies them ([`Agent::reverify_active`]: the other
-    /// slot holds no step, so `current` is removed and the newest step built from an anchor).
+    /// step is announced ([`Agent::prepare_inactive_until`]). Served files that no longer hash to
+    /// their step are an error: `current` is removed at once, and the next poll re-verifies
+    /// them ([`Agent::reverify_active`]: re-linked if they hash to their step again; otherwise,
+    /// the other slot holding no step, the newest step is built from an anchor).
     pub async fn prepare_inactive(&mut self) -> Result<bool> {
         self.prepare_inactive_until(std::future::pending()).await
     }
@@ -1311,11 +1312,22 @@ impl Agent {
         let got = done.map_err(|e| Error::Io(std::io::Error::other(format!("rebuild task: {e}"))))??;
         let Some(got) = got else { return Ok(false) };
         if got != root {
-            // The served files changed under the agent (a disk fault, a hand edit).
+            // The served files changed under the agent (a disk fault, a hand edit). `current`
+            // goes at once, as in `blame` (found by review: it stayed linked until the next
+            // poll's re-verification, so a server restarted in between loaded files the agent
+            // knew did not verify). That re-verification re-links them if they hash to their
+            // step again (a fault that passed); otherwise the next sync builds from an anchor.
             self.reverify = true;
+            self.active_ok = false;
+            self.metrics.step.store(u64::MAX, Relaxed);
             self.metrics.verify_failures.fetch_add(1, Relaxed);
             let e = corrupt("local checkpoint", format!("served slot hashes to {got}, its step {} is {root}", st.step));
             self.metrics.set_last_error(Some(e.to_string()));
+            self.dir.unlink()?;
+            error!(
+                step = st.step,
+                "the served weights changed on disk: current removed until a verified step is built"
+            );
             return Err(e);
         }
         self.building = None;

@@ -1243,17 +1243,14 @@ async fn an_idle_rebuild_never_copies_a_served_slot_that_changed() {
     let tb = file_bucket();
     let (t, mut a, st) = cold_started(&tb, 2).await;
     let want = snapshot(&t.chain);
-    // One bit of the first tensor's first byte flipped in the served file.
-    let ck = Checkpoint::open(a.current_dir()).unwrap();
-    let shard = ck.layout().shards[0].file.clone();
-    let header = 8 + u64::from_le_bytes(std::fs::read(a.current_dir().join(&shard)).unwrap()[..8].try_into().unwrap());
-    drop(ck);
-    let path = tb.dir.path().join("a/slots").join(st.active.name()).join(&shard);
-    let mut bytes = std::fs::read(&path).unwrap();
-    bytes[header as usize] ^= 1;
-    std::fs::write(&path, &bytes).unwrap();
+    flip_first_weight_bit(&tb, &st);
     let e = a.prepare_inactive().await.unwrap_err();
     assert!(!e.is_retryable(), "{e}");
+    // Known bad: no longer linked for a server that restarts now.
+    assert!(
+        std::fs::symlink_metadata(tb.dir.path().join("a/current")).is_err(),
+        "current still names the damaged slot"
+    );
     assert_eq!(a.state().unwrap().inactive, None);
     assert_eq!(LocalState::load(&tb.dir.path().join("a")).unwrap().unwrap().inactive, None, "state.json");
     assert!(!tb.dir.path().join("a/slots").join(st.active.other().name()).exists(), "partial slot removed");
@@ -1267,6 +1264,43 @@ async fn an_idle_rebuild_never_copies_a_served_slot_that_changed() {
     assert!(a.prepare_inactive().await.unwrap());
     let st = a.state().unwrap().clone();
     assert_eq!(st.inactive, Some(st.held()));
+}
+
+/// A served slot that failed an idle rebuild's check but hashes to its step again (the fault
+/// passed, or was repaired) is linked again by the next sync's re-verification: nothing is
+/// downloaded again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_served_slot_that_verifies_again_is_linked_again() {
+    let tb = file_bucket();
+    let (t, mut a, st) = cold_started(&tb, 2).await;
+    let want = snapshot(&t.chain);
+    let path = flip_first_weight_bit(&tb, &st);
+    a.prepare_inactive().await.unwrap_err();
+    let current = tb.dir.path().join("a/current");
+    assert!(std::fs::symlink_metadata(&current).is_err(), "current still names the damaged slot");
+    flip_first_weight_bit(&tb, &st);
+    let o = a.sync_once().await.unwrap();
+    assert_eq!(o.step, 1);
+    assert_eq!(o.route, SyncPath::UpToDate, "rebuilt what was on disk");
+    assert_eq!(std::fs::read_link(&current).unwrap(), std::path::Path::new("slots").join(st.active.name()));
+    assert_bits(&a, &want);
+    assert_verified(&a, "re-verified");
+    // (The failed rebuild is not tried again for the same served step.)
+    assert!(!a.prepare_inactive().await.unwrap());
+    assert!(path.exists());
+}
+
+/// Flips one bit of the first tensor's first byte in the served slot's first shard file (its
+/// path returned); a second call flips it back.
+fn flip_first_weight_bit(tb: &TestBucket, st: &LocalState) -> std::path::PathBuf {
+    let slot = tb.dir.path().join("a/slots").join(st.active.name());
+    let shard = Checkpoint::open(&slot).unwrap().layout().shards[0].file.clone();
+    let path = slot.join(&shard);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    bytes[header as usize] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    path
 }
 
 /// An idle rebuild whose stop has come (the poll loop's stop: `latest.json` announced a new
