@@ -15,7 +15,7 @@ use bytes::Bytes;
 use driftless_format::checkpoint::write_index;
 use driftless_format::delta::{self, DecodedSegment};
 use driftless_format::manifest::{now_ms, DeltaManifest, LatestHint, ReadyMarker, StepKind};
-use driftless_format::{anchor, fused, ops, Checkpoint, CheckpointFiles, Digest, TensorMeta, TrustSet};
+use driftless_format::{anchor, fused, ops, Checkpoint, CheckpointFiles, Digest, Layout, TensorMeta, TrustSet};
 use driftless_store::stream::{LatestPoll, LatestVersion, LatestWatch, StreamError, StreamReader};
 use driftless_store::Bucket;
 use futures::{StreamExt, TryStreamExt};
@@ -940,7 +940,8 @@ impl Agent {
                     break;
                 }
                 let x = deltas[next];
-                ahead.push_back((!skipped(skip_to, x)).then(|| self.start_fetch(x, marker(x), &mut kept)));
+                let onto = layout.as_ref().map(|l| Arc::new(l.clone()));
+                ahead.push_back((!skipped(skip_to, x)).then(|| self.start_fetch(x, marker(x), onto, &mut kept)));
                 next += 1;
             }
             let fetch = ahead.pop_front().expect("a fetch per delta");
@@ -1450,9 +1451,17 @@ impl Agent {
     /// (from the local cache when present), each checked against the manifest and decoded as
     /// soon as it arrives while the decoded bytes waiting to be received (of every delta
     /// fetched ahead) fit in [`DECODE_AHEAD_BYTES`]; a segment that does not fit is handed over
-    /// as stored and decoded when its delta is received. Nothing local changes; dropping the
-    /// handle stops it.
-    fn start_fetch(&self, step: u64, marker: Option<ReadyMarker>, kept: &mut Option<KeptDelta>) -> Fetch {
+    /// as stored and decoded when its delta is received. A manifest whose segments decode to
+    /// more than a reader holds for a delta of `onto` (the layout it is applied to, as the
+    /// route stands when the fetch starts: [`DeltaManifest::check_onto`]) is refused before any
+    /// segment is downloaded. Nothing local changes; dropping the handle stops it.
+    fn start_fetch(
+        &self,
+        step: u64,
+        marker: Option<ReadyMarker>,
+        onto: Option<Arc<Layout>>,
+        kept: &mut Option<KeptDelta>,
+    ) -> Fetch {
         // The delta this agent applied last, if it is this one (the same signed manifest the
         // marker names): its manifest and segments were checked when they were downloaded.
         let same = |k: &mut KeptDelta| k.manifest.step == step && marker.as_ref() == Some(&k.marker);
@@ -1485,6 +1494,10 @@ impl Agent {
                         return;
                     }
                 };
+                if let Some(e) = onto.and_then(|l| m.check_onto(&l).err()) {
+                    let _ = mtx.send(Err(Error::from(e)));
+                    return;
+                }
                 let _ = mtx.send(Ok((m.clone(), sha)));
                 let mode = m.value_mode;
                 let mut s = futures::stream::iter(m.segments.clone().into_iter().enumerate())
@@ -2296,7 +2309,7 @@ fn keep_object(cache: &Path, sha: Digest, b: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use driftless_format::checkpoint::{write_checkpoint, Layout};
+    use driftless_format::checkpoint::write_checkpoint;
     use driftless_format::{DType, TensorView};
 
     /// A checkpoint of `n` BF16 tensors of `bytes` each, in two shard files; its root.

@@ -301,6 +301,62 @@ async fn layout_changes_reach_the_agent_bit_for_bit() {
     }
 }
 
+/// A layout change that grows the model by more than a reader holds as a delta (a quarter,
+/// plus 64 MiB: here a 72 MiB tensor added to a 256 KiB model) is published as a delta and,
+/// at once, as an anchor of the same step; an agent refuses the delta from its manifest and
+/// reaches the step through the anchor, bit for bit, then follows the next step's delta.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layout_change_past_what_readers_hold_as_a_delta_comes_with_an_anchor() {
+    for (url, bucket, dir) in buckets() {
+        let key = Keypair::from_seed([8; 32]);
+        let trust = TrustSet::new().with_key(key.public());
+        let (b2, k2) = (bucket.clone(), key.clone());
+        let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(256 << 10), 1e-5, 5);
+        let mut p = tokio::task::block_in_place(|| {
+            PublisherBuilder::new("unused")
+                .with_bucket(b2)
+                .with_key(k2)
+                .with_anchor_every(1000)
+                .with_extra_files(vec![("config.json".into(), b"{\"model_type\": \"test\"}".to_vec())])
+                .build()
+                .unwrap()
+        });
+        let big: Vec<u8> = (0..72u32 << 20).map(|i| (i.wrapping_mul(7) >> 9) as u8).collect();
+        let mut agent = Agent::new(bucket.clone(), AgentConfig::new(dir.path().join("a"), trust.clone())).unwrap();
+        for step in 0..4u64 {
+            if step > 0 {
+                chain.step();
+            }
+            let mut w: StepWeights =
+                chain.views().iter().map(|v| (v.name.to_string(), v.shape.to_vec(), v.data.to_vec())).collect();
+            if step >= 2 {
+                w.push(("zz.big".into(), vec![36 << 20], big.clone()));
+            }
+            let views: Vec<TensorView<'_>> =
+                w.iter().map(|(n, s, d)| TensorView::new(n, DType::BF16, s, d).unwrap()).collect();
+            let r = tokio::task::block_in_place(|| {
+                let r = p.publish(step, &views).unwrap();
+                p.flush().unwrap();
+                r
+            });
+            assert_eq!(
+                r.outcome == driftless_publisher::Outcome::DeltaAndAnchor,
+                step == 2,
+                "{url}: step {step}: {:?}",
+                r.outcome
+            );
+            let o = agent.sync_once().await.unwrap();
+            let route = match step {
+                0 | 2 => SyncPath::Anchor,
+                _ => SyncPath::Fast,
+            };
+            assert_eq!((o.step, o.route), (step, route), "{url}: {o:?}");
+            assert_step(&agent, &w, &format!("{url}: step {step}"));
+        }
+        tokio::task::block_in_place(|| p.close().unwrap());
+    }
+}
+
 /// A continuous agent (one `Agent`, many syncs) at step 4 of one run; the prefix is emptied
 /// and a new run (a new stream) publishes steps 0-2 there. Found by review: the agent read the
 /// stream id once, so it never followed the new run and reported the old run's step 4 as up

@@ -310,6 +310,63 @@ async fn signed_delta_contradicting_the_verified_base_is_refused() {
     }
 }
 
+/// A signed layout change whose result layout claims 8 GiB more tensors, with segments that
+/// decode to 4 GiB (within what its own result allows): refused from its manifest, before a
+/// segment is downloaded (the segments are not even in the bucket, so a download would make
+/// the step "not ready", never this refusal), since a reader holds a delta decoded and the
+/// model it applies it to is 256 KiB. The verified weights stay served; genuine steps flow.
+/// (Found by review: decoded whole, such a delta had agents killed for memory at every start.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signed_delta_decoding_past_the_local_model_is_refused_from_its_manifest() {
+    for tb in buckets("grown") {
+        let (key, trust) = keys();
+        let (mut t, mut a) = following(&tb, &key, &trust, 3).await;
+        let want = snapshot(&t.chain);
+        let st = a.state().cloned().unwrap();
+        let reader = driftless_store::stream::StreamReader::new(tb.bucket.clone(), trust.clone());
+        let (mut m, _) = reader.delta(st.step).await.unwrap();
+        (m.step, m.base_step, m.base_root) = (1000, st.step, st.root);
+        m.shards[0].tensors.push(driftless_format::manifest::TensorRecord {
+            name: "grown".into(),
+            dtype: driftless_format::DType::U8,
+            shape: vec![8 << 30],
+            digest: driftless_format::Digest([0; 32]),
+        });
+        let one = m.segments[0].clone();
+        m.segments = (0..2)
+            .map(|i| driftless_format::manifest::SegmentRef {
+                object: driftless_format::manifest::ObjectRef {
+                    object: format!("huge-{i}.dls"),
+                    size: 4096,
+                    ..one.object.clone()
+                },
+                raw_size: 2 << 30,
+                entries: 1,
+            })
+            .collect();
+        m.validate().expect("within what its own result allows");
+        put_signed_delta(&tb.bucket, &key, &m).await;
+        for _ in 0..2 {
+            let o = a.sync_once().await.unwrap();
+            assert_eq!((o.step, o.route), (st.step, SyncPath::UpToDate), "{}", tb.name);
+            let r = o.refused.iter().find(|r| r.step == 1000);
+            assert!(
+                r.is_some_and(|r| !r.missing && r.reason.contains("wait for the next anchor")),
+                "{}: {o:?}",
+                tb.name
+            );
+            assert_eq!(a.state().cloned(), Some(st.clone()), "{}: local state kept", tb.name);
+            assert_verified(&a, &tb.name);
+        }
+        assert_bits(&a, &want);
+        tb.bucket.delete(&layout::ready(StepKind::Delta, 1000)).await.unwrap();
+        let want = t.publish();
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.route), (st.step + 1, SyncPath::Fast), "{}", tb.name);
+        assert_bits(&a, &want);
+    }
+}
+
 /// A ready marker (unsigned) that understates its step's payload, to steer a planner onto a
 /// route it would not take, is refused once the step's signed manifest is read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

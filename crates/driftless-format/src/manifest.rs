@@ -402,13 +402,45 @@ impl DeltaManifest {
         }
         // And what they hold in memory decoded, entries counted (readers decode each segment
         // with `decode_segment_of`, which holds it to its declared entries).
-        let longest = layout.tensors().map(|t| t.name.len()).max().unwrap_or(0);
-        let heap = raw.saturating_add(entries.saturating_mul(crate::delta::entry_heap(longest)));
+        let heap = m.decoded_heap();
         let most = crate::delta::max_delta_heap(&layout);
         if heap > most {
             return Err(Error::corrupt(
                 "delta manifest",
                 format!("segments decode to {heap} bytes in memory, more than a reader holds for the result ({most})"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// What its segments hold in memory decoded, entries counted (saturating): at most
+    /// [`crate::delta::max_delta_heap`] of its result ([`Self::validate`]).
+    pub fn decoded_heap(&self) -> u64 {
+        let longest = self.shards.iter().flat_map(|s| &s.tensors).map(|t| t.name.len()).max().unwrap_or(0);
+        let (raw, entries) = self
+            .segments
+            .iter()
+            .fold((0u64, 0u64), |(r, e), s| (r.saturating_add(s.raw_size), e.saturating_add(u64::from(s.entries))));
+        raw.saturating_add(entries.saturating_mul(crate::delta::entry_heap(longest)))
+    }
+
+    /// [`Self::validate`]'s memory bound taken from `local`, the layout a reader applies the
+    /// delta to, where the manifest's own result layout gave it: a reader holds a delta
+    /// decoded, and the result layout is the manifest's word (found by review: a signed
+    /// layout change declaring a result of 2^46 bytes passed with segments of compressed
+    /// zeros that decoded to hundreds of GiB, and the agent was killed for memory at every
+    /// start). A delta that grows the model by more than a quarter fails it; writers publish
+    /// such a step as an anchor too.
+    pub fn check_onto(&self, local: &Layout) -> Result<()> {
+        let (heap, most) = (self.decoded_heap(), crate::delta::max_delta_heap(local));
+        if heap > most {
+            return Err(Error::corrupt(
+                "delta manifest",
+                format!(
+                    "segments decode to {heap} bytes in memory, more than a reader holds for a delta of \
+                    the {} bytes it is applied to ({most}); wait for the next anchor",
+                    local.tensors().fold(0u64, |a, t| a.saturating_add(t.nbytes().unwrap_or(u64::MAX)))
+                ),
             ));
         }
         Ok(())

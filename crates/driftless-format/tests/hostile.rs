@@ -490,6 +490,44 @@ fn regression_delta_heap_bounded_by_layout() {
     }
 }
 
+/// A delta's decoded memory is bounded by the model a reader applies it to as well
+/// (`check_onto`), not only by the result layout the manifest declares: a layout change
+/// claiming a 1 GiB tensor more, with segments of 512 MiB decoded, is valid by its own result
+/// and refused onto the 4 KiB model it was made from.
+#[test]
+fn regression_delta_heap_bounded_by_the_local_model() {
+    let mut r = rng(35);
+    let base = vec![T::random("t", DType::U8, &[4096], &mut r)];
+    let target: Vec<T> = base.iter().map(|t| mutate(t, 0.5, &mut r)).collect();
+    let layout = Layout::for_tensors(&metas(&base), 1 << 30).unwrap();
+    let (m, _) = make(&base, &target, &layout, &DeltaOptions::default());
+    m.check_onto(&layout).unwrap();
+    assert_eq!(
+        m.decoded_heap(),
+        m.segments.iter().map(|s| s.raw_size).sum::<u64>()
+            + m.segments.iter().map(|s| u64::from(s.entries) * delta::entry_heap(1)).sum::<u64>()
+    );
+    let mut grown = m.clone();
+    grown.shards[0].tensors.push(driftless_format::manifest::TensorRecord {
+        name: "grown".into(),
+        dtype: DType::U8,
+        shape: vec![1 << 30],
+        digest: driftless_format::Digest([0; 32]),
+    });
+    grown.segments[0].raw_size = 512 << 20;
+    grown.validate().unwrap();
+    grown.check_onto(&grown.layout()).unwrap();
+    let e = grown.check_onto(&layout).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.to_string().contains("wait for the next anchor"), "{e}");
+    // The bound onto the local model is the result's bound for a delta of one layout.
+    let mut most = m.clone();
+    most.segments[0].raw_size += delta::max_delta_heap(&layout) - m.decoded_heap();
+    most.check_onto(&layout).unwrap();
+    most.segments[0].raw_size += 1;
+    most.check_onto(&layout).unwrap_err();
+}
+
 /// A segment object is no larger than an encoder writes for its decoded size (found by review:
 /// only the marker bounded it, up to 2^50 bytes, and readers download a segment into memory
 /// whole). An honest incompressible segment of 4 MiB fits; a byte over the bound is refused.

@@ -688,6 +688,10 @@ impl Publisher {
             let _s = info_span!("diff_encode").entered();
             ops::make_delta(spec, &snap.views(), tensors, &self.cfg.delta)?
         };
+        // Readers hold a delta decoded within a bound taken from the model they apply it to
+        // (`DeltaManifest::check_onto`): a layout change that grows the model by more than a
+        // quarter is refused by them, so the step is published as an anchor too, at once.
+        let grown = m.check_onto(&snap.layout).is_err();
         drop(snap);
         let (m, job) = seal_delta(&self.cfg, self.ctx.generation, m, enc)?;
         let delta_bytes = m.payload_bytes();
@@ -707,7 +711,10 @@ impl Publisher {
             s.last_ratio = ratio;
             s.last_delta_bytes = delta_bytes;
         });
-        let outcome = if self.anchor_due(step, dense) {
+        let outcome = if grown || self.anchor_due(step, dense) {
+            if grown {
+                info!(step, "a layout change past what readers hold as a delta: an anchor of this step too");
+            }
             self.start_anchor(None, 0)?;
             Outcome::DeltaAndAnchor
         } else {
