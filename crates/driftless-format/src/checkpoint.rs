@@ -478,20 +478,35 @@ impl<'a> TensorsMut<'a> {
         self.claims.lock().expect("claims lock").clear();
     }
 
-    /// Reads bytes `[start, start+len)` of a tensor. Only call for ranges this thread has
-    /// claimed or while no writer is active.
-    pub fn read_range(&self, name: &str, start: u64, len: u64) -> Result<&[u8]> {
-        let t = self.map.get(name).ok_or_else(|| Error::corrupt("delta", format!("unknown tensor {name}")))?;
-        let end = start.checked_add(len).filter(|&e| e <= t.len as u64).ok_or_else(|| {
-            Error::corrupt("delta", format!("range {start}+{len} outside tensor {name} of {} bytes", t.len))
-        })?;
-        // SAFETY: in bounds (checked above); the pointer is valid for 'a.
-        Ok(unsafe { std::slice::from_raw_parts(t.ptr.add(start as usize), (end - start) as usize) })
+    /// Reads bytes `[start, start+len)` of tensor `name` in `f`, claimed while `f` runs (so no
+    /// writer has them meanwhile) and released after: a later [`Self::with_range_mut`] of the
+    /// same bytes is allowed. Errors as `with_range_mut` does. (Found by review: a plain read
+    /// that only documented "claim first" let a journaled apply read bytes another thread was
+    /// writing, given a delta whose segments overlap.)
+    pub fn with_range<R>(&self, name: &str, start: u64, len: u64, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        let ptr = self.claim(name, start, len)?;
+        // SAFETY: in bounds, and claimed: no other access writes these bytes while `f` runs.
+        let r = f(unsafe { std::slice::from_raw_parts(ptr, len as usize) });
+        if len > 0 {
+            if let Some(c) = self.claims.lock().expect("claims lock").get_mut(name) {
+                c.remove(&start);
+            }
+        }
+        Ok(r)
     }
 
     /// Claims bytes `[start, start+len)` of tensor `name` and runs `f` on them. Errors when the
     /// tensor is unknown, the range is out of bounds, or it overlaps an earlier claim.
     pub fn with_range_mut<R>(&self, name: &str, start: u64, len: u64, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        let ptr = self.claim(name, start, len)?;
+        // SAFETY: in bounds, and no other claim overlaps this range, so this is the only
+        // mutable access to these bytes while the closure runs.
+        let s = unsafe { std::slice::from_raw_parts_mut(ptr, len as usize) };
+        Ok(f(s))
+    }
+
+    /// Claims a range (none when `len` is 0): its first byte, checked in bounds.
+    fn claim(&self, name: &str, start: u64, len: u64) -> Result<*mut u8> {
         let t = self.map.get(name).ok_or_else(|| Error::corrupt("delta", format!("unknown tensor {name}")))?;
         let end = start.checked_add(len).filter(|&e| e <= t.len as u64).ok_or_else(|| {
             Error::corrupt("delta", format!("range {start}+{len} outside tensor {name} of {} bytes", t.len))
@@ -511,10 +526,8 @@ impl<'a> TensorsMut<'a> {
             }
             c.insert(start, end);
         }
-        // SAFETY: in bounds, and no other claim overlaps this range, so this is the only
-        // mutable access to these bytes while the closure runs.
-        let s = unsafe { std::slice::from_raw_parts_mut(t.ptr.add(start as usize), len as usize) };
-        Ok(f(s))
+        // SAFETY: `start` is within the tensor (checked above); the pointer is valid for 'a.
+        Ok(unsafe { t.ptr.add(start as usize) })
     }
 }
 

@@ -1149,9 +1149,13 @@ pub fn to_redo(seg: &DecodedSegment, tensors: &TensorsMut<'_>) -> Result<Vec<u8>
 }
 
 fn redo_entry<'s>(seg: &'s DecodedSegment, e: &'s EntryInfo, tensors: &TensorsMut<'_>) -> Result<Entry> {
+    let (start, len) = entry_bytes(e, tensors)?;
+    // Claimed while read: an overlapping segment applied meanwhile fails instead of racing.
+    tensors.with_range(&e.name, start, len, |base| redo_entry_of(seg, e, base))?
+}
+
+fn redo_entry_of<'s>(seg: &'s DecodedSegment, e: &'s EntryInfo, base: &[u8]) -> Result<Entry> {
     {
-        let (start, len) = entry_bytes(e, tensors)?;
-        let base = tensors.read_range(&e.name, start, len)?;
         let w = e.dtype.size();
         let (positions, values) = if e.dense || seg.mode == ValueMode::Overwrite {
             (seg.positions[e.pos.clone()].to_vec(), seg.values[e.val.clone()].to_vec())

@@ -34,6 +34,30 @@ fn corrupt(r: driftless_format::Result<()>, what: &str) {
     }
 }
 
+/// A read of tensor bytes (the journaled apply reads the base of each `ulp` entry to write its
+/// redo record) is claimed like a write while it runs, so bytes another segment of the delta
+/// writes are never read meanwhile (found by review: the read was unclaimed, a data race given
+/// overlapping segments); it is released after, so the same segment's write may follow.
+#[test]
+fn reads_of_tensor_bytes_are_claimed_while_they_run() {
+    let mut buf = vec![7u8; 64];
+    let mut tm = TensorsMut::new();
+    tm.insert("t", DType::U8, &mut buf);
+    tm.with_range_mut("t", 0, 16, |b| b.fill(1)).unwrap();
+    let e = tm.with_range("t", 8, 16, |_| ()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    assert!(e.to_string().contains("overlapping"), "{e}");
+    // Inside the read, its range is taken: a write of it fails.
+    let nested =
+        tm.with_range("t", 16, 16, |b| (b.iter().all(|&x| x == 7), tm.with_range_mut("t", 20, 4, |_| ()).is_err()));
+    assert_eq!(nested.unwrap(), (true, true));
+    // After it, a write of the same bytes is the first claim on them.
+    tm.with_range_mut("t", 16, 16, |b| b.fill(2)).unwrap();
+    assert!(tm.with_range("t", 60, 8, |_| ()).is_err(), "out of bounds");
+    drop(tm);
+    assert_eq!(&buf[..32], [[1u8; 16], [2u8; 16]].concat());
+}
+
 #[test]
 fn overlapping_entries_are_refused() {
     // Sanity: adjacent, non-overlapping entries apply.

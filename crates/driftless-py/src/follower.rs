@@ -489,7 +489,7 @@ impl PyFollower {
                 let st = &mut *guard;
                 let mut mirror = st.mirror.take();
                 let local = mirror.as_ref().map(|m| m.at.clone());
-                let mut indices: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+                let mut indices: BTreeMap<String, Option<Vec<u64>>> = BTreeMap::new();
                 // The mirror buffers are re-laid out on an anchor load; keep them in a vec we own.
                 let (r, touched) = with_refusals(&mut st.plans, local.as_ref().map(|t| t.step), step, |pl, at| {
                     indices.clear();
@@ -502,9 +502,10 @@ impl PyFollower {
                         let mut patches = vec![];
                         for (meta, data) in &m.tensors {
                             let w = meta.dtype.size();
-                            if full {
+                            let whole = matches!(indices.get(&meta.name), Some(None));
+                            if full || whole {
                                 patches.push((meta.name.clone(), meta.dtype, meta.shape.clone(), None, data.clone()));
-                            } else if let Some(idx) = indices.get_mut(&meta.name) {
+                            } else if let Some(Some(idx)) = indices.get_mut(&meta.name) {
                                 idx.sort_unstable();
                                 idx.dedup();
                                 let mut pos = Vec::with_capacity(idx.len() * 8);
@@ -551,6 +552,15 @@ impl PyFollower {
             }))
         })
     }
+}
+
+/// Most element indices `iter_patches` records for a tensor of `elements` along one route:
+/// an eighth of them (8 bytes each, so at most the tensor's elements in bytes: half a BF16
+/// tensor). Past it the tensor is yielded whole, which is then no larger than its positions
+/// and values (found by review: the indices of every delta of the route were held, 8 bytes per
+/// changed element, so a dense step of a 7B model meant about 56 GB).
+fn max_recorded(elements: u64) -> u64 {
+    elements / 8
 }
 
 /// Where caller arrays are: (name, address, length), by name.
@@ -976,9 +986,13 @@ impl PyFollower {
             None => None,
         };
         let mut cur = match &anchor {
-            Some((a, m, layout)) => {
-                Tracked { step: *a, root: m.weights_root, layout: layout.clone(), stream: sid.clone(), created: pl.created }
-            }
+            Some((a, m, layout)) => Tracked {
+                step: *a,
+                root: m.weights_root,
+                layout: layout.clone(),
+                stream: sid.clone(),
+                created: pl.created,
+            },
             None => {
                 let l = local.expect("a delta route starts from a local state").clone();
                 check_set(&l.layout, parts, l.step)?;
@@ -1054,7 +1068,8 @@ impl PyFollower {
     }
 
     /// Like [`Self::apply`] on the host mirror, recording the element indices every delta
-    /// writes. Returns the new state and whether the mirror was (re)loaded from an anchor.
+    /// writes (`None` for a tensor past [`max_recorded`]: it is yielded whole). Returns the new
+    /// state and whether the mirror was (re)loaded from an anchor.
     async fn apply_mirror(
         &self,
         local: Option<&Tracked>,
@@ -1062,7 +1077,7 @@ impl PyFollower {
         mirror: &mut Option<Mirror>,
         pl: Planning<'_>,
         at: &mut Attempt,
-        indices: &mut BTreeMap<String, Vec<u64>>,
+        indices: &mut BTreeMap<String, Option<Vec<u64>>>,
     ) -> BindResult<Option<(Tracked, bool)>> {
         let Some((_, anchor_step, chain, sid, cands)) = self.plan(local, want, pl, Who::Mirror).await? else {
             return Ok(None);
@@ -1078,7 +1093,9 @@ impl PyFollower {
             None => None,
         };
         let from = match &anchor {
-            Some((a, m)) => Tracked { step: *a, root: m.weights_root, layout: m.layout(), stream: sid.clone(), created: pl.created },
+            Some((a, m)) => {
+                Tracked { step: *a, root: m.weights_root, layout: m.layout(), stream: sid.clone(), created: pl.created }
+            }
             None => mirror.as_ref().expect("a mirror to apply onto").at.clone(),
         };
         let detail = "patches cannot express it; reload the model (sync_dir) and call reset()";
@@ -1103,37 +1120,60 @@ impl PyFollower {
         }
         let mm = mirror.as_mut().expect("a mirror to apply onto");
         let mut cur = from;
+        // What each tensor may record along the route ([`max_recorded`]), and what it has.
+        let most: HashMap<String, u64> = mm
+            .tensors
+            .iter()
+            .map(|(t, _)| Ok((t.name.clone(), max_recorded(t.numel()?))))
+            .collect::<BindResult<_>>()?;
+        let recorded = Mutex::new((std::mem::take(indices), HashMap::<String, u64>::new()));
         for (d, m, segs) in deltas {
             at.on(&cands, StepKind::Delta, d);
             let segs = segs.take()?;
             at.touched = true;
-            let found = (|| -> BindResult<Vec<(String, Vec<u64>)>> {
+            {
                 let mut tm = TensorsMut::new();
                 for (t, data) in mm.tensors.iter_mut() {
                     tm.insert(&t.name, t.dtype, data);
                 }
-                let found: Vec<Vec<(String, Vec<u64>)>> = segs
-                    .par_iter()
-                    .zip(&m.segments)
-                    .map(|(b, r)| -> BindResult<Vec<(String, Vec<u64>)>> {
-                        let seg = delta::decode_segment_of(b, r)?;
-                        if seg.mode != m.value_mode {
-                            return Err(driftless_format::Error::corrupt(
-                                "segment",
-                                "value mode differs from the manifest",
-                            )
-                            .into());
+                segs.par_iter().zip(&m.segments).try_for_each(|(b, r)| -> BindResult<()> {
+                    let seg = delta::decode_segment_of(b, r)?;
+                    if seg.mode != m.value_mode {
+                        return Err(driftless_format::Error::corrupt(
+                            "segment",
+                            "value mode differs from the manifest",
+                        )
+                        .into());
+                    }
+                    delta::apply_segment(&seg, &tm)?;
+                    for (i, e) in seg.entries.iter().enumerate() {
+                        let n = if e.dense { e.len } else { e.count };
+                        // Counted before the indices are made: what is held stays within the
+                        // bound whatever the entries claim.
+                        let record = {
+                            let mut g = recorded.lock().unwrap_or_else(|e| e.into_inner());
+                            let (idx, counted) = &mut *g;
+                            let c = counted.entry(e.name.clone()).or_default();
+                            let whole = matches!(idx.get(&e.name), Some(None));
+                            let fits = !whole && c.saturating_add(n) <= most.get(&e.name).copied().unwrap_or(0);
+                            match fits {
+                                true => *c += n,
+                                false => {
+                                    idx.insert(e.name.clone(), None);
+                                }
+                            }
+                            fits
+                        };
+                        if record {
+                            let v = seg.entry_indices(i)?;
+                            let mut g = recorded.lock().unwrap_or_else(|e| e.into_inner());
+                            if let Some(l) = g.0.entry(e.name.clone()).or_insert_with(|| Some(vec![])) {
+                                l.extend(v);
+                            }
                         }
-                        delta::apply_segment(&seg, &tm)?;
-                        (0..seg.entries.len())
-                            .map(|i| Ok((seg.entries[i].name.clone(), seg.entry_indices(i)?)))
-                            .collect()
-                    })
-                    .collect::<BindResult<_>>()?;
-                Ok(found.into_iter().flatten().collect())
-            })()?;
-            for (n, v) in found {
-                indices.entry(n).or_default().extend(v);
+                    }
+                    Ok(())
+                })?;
             }
             cur = Tracked { step: d, root: m.result_root, ..cur };
             let views: Vec<TensorView<'_>> = mm
@@ -1143,6 +1183,7 @@ impl PyFollower {
                 .collect();
             ops::verify_result(&views, &m)?;
         }
+        *indices = recorded.into_inner().unwrap_or_else(|e| e.into_inner()).0;
         Ok(Some((cur, full)))
     }
 }

@@ -486,6 +486,50 @@ def test_a_bad_delta_in_a_chain_costs_the_patch_mirror_nothing(file_bucket, keys
     assert np.array_equal(gpu.reshape(256, 256), steps[2])
 
 
+def test_a_tensor_changed_past_an_eighth_along_a_route_is_patched_whole(file_bucket, keys):
+    """Positions are kept for at most an eighth of a tensor's elements along one route (8
+    bytes each; found by review: a dense step of a 7B model meant about 56 GB of them). "a"
+    changes wholly at step 1 and "c" 7% at each of steps 1 and 2: from step 0, "a" and "c" come
+    whole, "b" (1% per step) as positions; from step 1, "c" (7%) as positions again. The engine
+    ends bit for bit at each step."""
+    url, _ = file_bucket
+    private, public = keys
+    rng = np.random.default_rng(17)
+    n = 128 * 128
+    a, b, c = (bit_chain(s, (128, 128), 2) for s in (18, 19, 20))
+    a[1] = a[0] ^ 1
+    a[2] = a[1].copy()
+    for s in (1, 2):
+        c[s] = c[s - 1].copy()
+        c[s].flat[rng.choice(n, n * 7 // 100, replace=False)] ^= 1
+    with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
+        for s in range(3):
+            pub.publish(s, {"a": a[s].view(BF16), "b": b[s].view(BF16), "c": c[s].view(BF16)})
+    engine = {k: np.zeros(n, np.uint16) for k in "abc"}
+
+    def scatter(f, step):
+        kinds = {}
+        for name, pos, vals in f.iter_patches(step=step):
+            kinds[name] = pos is None
+            if pos is None:
+                engine[name][:] = vals.reshape(-1)
+            else:
+                assert len(pos) <= n // 8, (name, len(pos))
+                engine[name][pos] = vals
+        return kinds
+
+    f = driftless.Follower(url, trusted_keys=[public])
+    assert scatter(f, 0) == {"a": True, "b": True, "c": True}
+    assert scatter(f, 2) == {"a": True, "b": False, "c": True}
+    for k, x in (("a", a), ("b", b), ("c", c)):
+        assert np.array_equal(engine[k], x[2].reshape(-1)), k
+    g = driftless.Follower(url, trusted_keys=[public])
+    scatter(g, 1)
+    assert scatter(g, 2) == {"b": False, "c": False}
+    for k, x in (("a", a), ("b", b), ("c", c)):
+        assert np.array_equal(engine[k], x[2].reshape(-1)), k
+
+
 def test_a_consumer_that_fails_part_way_gets_whole_tensors_next_time(file_bucket, keys):
     """Two tensors changed at step 1; the consumer's scatter raises on the second patch (a
     CUDA OOM). Found by review: the mirror had already moved to step 1, the next call yielded

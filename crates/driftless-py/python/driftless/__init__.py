@@ -268,7 +268,9 @@ class Follower(_native.Follower):
         patterns at those indices (``uint16`` for BF16/F16, ``uint8``/``uint32``/``uint64`` by
         width): ``flat_view_as_uint16[positions] = values``. On the first call (and when the
         route needs an anchor) every tensor is yielded whole with ``positions=None`` and
-        ``values`` shaped like the tensor.
+        ``values`` shaped like the tensor; so is a tensor whose changes along the route pass
+        an eighth of its elements (its positions would cost as much as the tensor, and are
+        not held).
 
         Everything is applied to the mirror and its weights root verified *before* the first
         patch is yielded, so a consumer never scatters unverified data. The mirror costs one
