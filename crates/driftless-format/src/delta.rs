@@ -956,6 +956,10 @@ fn decode_checked(bytes: &[u8], max_raw: u64, entries: Option<u32>) -> Result<De
         1 => ValueMode::Ulp,
         m => return Err(bad(format!("unknown value mode {m}"))),
     };
+    // Reserved, written 0: a segment that sets it was made by a writer this reader does not know.
+    if bytes[7] != 0 {
+        return Err(bad(format!("reserved header byte is {}, not 0", bytes[7])));
+    }
     let n_entries = u32::from_le_bytes(bytes[8..12].try_into().expect("4"));
     if n_entries > MAX_ENTRIES {
         return Err(bad(format!("{n_entries} entries")));

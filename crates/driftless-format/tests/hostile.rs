@@ -134,6 +134,10 @@ fn malformed_entries_are_corrupt() {
     let mut v = good.clone();
     v[6] = 9;
     corrupt(delta::decode_segment(&v, 1 << 20).map(|_| ()), "mode");
+    delta::decode_segment(&good, 1 << 20).unwrap();
+    let mut v = good.clone();
+    v[7] = 1;
+    corrupt(delta::decode_segment(&v, 1 << 20).map(|_| ()), "reserved byte");
     let mut v = good.clone();
     v[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
     corrupt(delta::decode_segment(&v, 1 << 20).map(|_| ()), "entry count");
