@@ -332,8 +332,9 @@ impl Engine<'_> {
             }
         })?;
         let status = r.status();
-        let text =
-            r.text().await.map_err(|e| CallError::Other(format!("{shown}: reading body: {}", e.without_url())))?;
+        let text = read_bounded(r, MAX_REPLY_BYTES)
+            .await
+            .map_err(|e| CallError::Other(format!("{shown}: reading body: {}", e.without_url())))?;
         let body = serde_json::from_str(&text).unwrap_or(Value::Null);
         Ok(Reply { status, body, text })
     }
@@ -372,6 +373,24 @@ impl Engine<'_> {
             v => Some(v.to_string()),
         })
     }
+}
+
+/// Most of an engine's answer read (its JSON answers are a few KiB): the rest is dropped
+/// unread (found by review: the whole body was read into memory, whatever its size; the
+/// bucket's HTTP bodies were bounded, an engine's, a proxy's or a webhook's were not). A longer
+/// answer parses as no JSON.
+const MAX_REPLY_BYTES: usize = 1 << 20;
+
+/// The first `max` bytes of `r`'s body, as text (lossy).
+async fn read_bounded(mut r: reqwest::Response, max: usize) -> reqwest::Result<String> {
+    let mut buf: Vec<u8> = vec![];
+    while let Some(c) = r.chunk().await? {
+        buf.extend_from_slice(&c[..c.len().min(max - buf.len())]);
+        if buf.len() == max {
+            break;
+        }
+    }
+    Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
 fn status_error(method: &reqwest::Method, path: &str, r: &Reply) -> CallError {

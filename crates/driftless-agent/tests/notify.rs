@@ -86,3 +86,42 @@ async fn http_and_exec_and_server_errors() {
     let n: Notifier = "http=http://127.0.0.1:9/".parse().unwrap();
     assert!(n.notify(&reqwest::Client::new(), 5, root, std::path::Path::new("/w"), None).await.is_err());
 }
+
+/// A target whose answer never ends (a proxy, a webhook gone wrong) costs the agent at most
+/// the first MiB of it: the notify returns, and the rest is never read (found by review: the
+/// whole body was read into memory, bounded only by the load timeout).
+#[tokio::test]
+async fn an_answer_that_never_ends_is_read_only_in_part() {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/hook", l.local_addr().unwrap());
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let s2 = sent.clone();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut tmp = [0u8; 65536];
+        let _ = s.read(&mut tmp).await;
+        s.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n").await.unwrap();
+        let chunk = [b'x'; 65536];
+        loop {
+            let head = format!("{:x}\r\n", chunk.len());
+            let ok = s.write_all(head.as_bytes()).await.is_ok()
+                && s.write_all(&chunk).await.is_ok()
+                && s.write_all(b"\r\n").await.is_ok();
+            if !ok {
+                break;
+            }
+            s2.fetch_add(chunk.len() as u64, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    let n: Notifier = format!("http={url}").parse().unwrap();
+    let done = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        n.notify(&reqwest::Client::new(), 1, Digest::of(b"x"), std::path::Path::new("/w"), None),
+    )
+    .await;
+    assert!(matches!(done, Ok(Ok(()))), "{done:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let sent = sent.load(std::sync::atomic::Ordering::SeqCst);
+    // (The first MiB, and what the sockets' buffers held when the agent let go.)
+    assert!(sent < 64 << 20, "{sent} bytes sent: read on");
+}

@@ -1436,8 +1436,24 @@ impl Publisher {
         }
         self.tx = None;
         if let Some(rt) = self.rt.take() {
-            // Release the lease: GC may then clean up after this generation at once.
-            rt.block_on(upload::release_lease(&self.ctx));
+            // Release the lease (GC may then clean up after this generation at once), but only
+            // with no commit in flight: one may be writing its ready marker, and a released
+            // lease has GC take its step for an incomplete one and delete its objects, so the
+            // marker would land naming deleted objects (found by review: `abort()`, and a drop
+            // while a panic unwinds, released it at once). Then it expires after its TTL, as
+            // after a kill.
+            let busy = {
+                let s = self.shared.state.lock().expect("state lock");
+                s.queued > 0 || s.anchors_in_flight > 0
+            };
+            if busy {
+                warn!(
+                    generation = self.ctx.generation,
+                    "stopped with uploads in flight: the publisher lease is left to expire after its TTL"
+                );
+            } else {
+                rt.block_on(upload::release_lease(&self.ctx));
+            }
             rt.shutdown_timeout(Duration::from_secs(5));
         }
     }

@@ -851,6 +851,39 @@ fn killed_during_an_anchor_upload_leaves_no_ready_anchor() {
     }
 }
 
+/// `abort()` with a commit in flight (its ready marker's PUT slow) leaves the lease live, to
+/// expire after its TTL as after a kill: released, GC would take the step for an incomplete
+/// one and delete its objects under the marker about to land (found by review). Closed with
+/// nothing in flight, the lease is released (TTL 0).
+#[test]
+fn a_publisher_stopped_mid_commit_leaves_its_lease_live() {
+    for be in backends("abort-lease", false) {
+        let c = chain();
+        let rt = rt();
+        let ttl = |b: &Bucket, g: u64| -> u64 {
+            let v: serde_json::Value = serde_json::from_slice(&rt.block_on(b.get(&layout::lease(g))).unwrap()).unwrap();
+            v["ttl_ms"].as_u64().unwrap()
+        };
+        let (f, b) = be.bucket();
+        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().unwrap();
+        f.inject(FaultOp::Put, "ready/anchors/000000000000", 1, FaultKind::Slow(Duration::from_secs(2)));
+        p.publish(0, &c.views()).unwrap();
+        let manifest = layout::object(StepKind::Anchor, 0, "g1-manifest.json");
+        let t0 = std::time::Instant::now();
+        while rt.block_on(b.head(&manifest)).is_err() {
+            assert!(t0.elapsed() < Duration::from_secs(30), "{}: the manifest was never written", be.name);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        p.abort();
+        assert!(ttl(&b, 1) > 0, "{}: released with its marker in flight", be.name);
+        let (_, b) = be.sub(format!("{}/closed", be.name), "closed").bucket();
+        let mut p = PublisherBuilder::new("x").with_bucket(b.clone()).with_key(key()).build().unwrap();
+        p.publish(0, &c.views()).unwrap();
+        p.close().unwrap();
+        assert_eq!(ttl(&b, 1), 0, "{}: not released after a clean close", be.name);
+    }
+}
+
 /// A publisher that stops (closed, aborted, dropped) releases its lease without deleting it,
 /// so the next one never takes its generation again. Found by review: the lease was deleted,
 /// the restart got the same generation, found the dead process's `g1-manifest.json` of anchor
