@@ -58,6 +58,7 @@ class Faults:
         self.die_on_load = False  # the process exits when a load starts (engine crash/restart)
         self.fail_patch = False  # the next patch raises after writing its first tensor
         self.patch_delay = 0.0  # seconds the next patch takes before it writes anything
+        self.fail_reset = False  # vLLM's reset_prefix_cache answers False (did not reset)
         self.running = 0  # requests holding KV blocks
         self.calls: list[dict] = []
 
@@ -211,7 +212,7 @@ class StubAsyncLLM:
         return [None]  # one result per worker; reload_weights returns None
 
     async def reset_prefix_cache(self, reset_running_requests=False, reset_external=False):
-        if F.running and not reset_running_requests:
+        if F.fail_reset or (F.running and not reset_running_requests):
             return False
         F.running = 0  # preempted back to the waiting queue, recomputed later
         return True
@@ -288,6 +289,13 @@ class StubTokenizerManager:
         async with self.is_pause_cond:
             self.is_pause = False
             self.is_pause_cond.notify_all()
+
+    async def update_weight_version(self, obj):
+        # tokenizer_control_mixin.update_weight_version: the scheduler's answer, then the
+        # tokenizer manager's own record, which /model_info reports.
+        if obj.abort_all_requests:
+            F.running = 0
+        self.weight_version = obj.new_version
 
     async def flush_cache(self, timeout_s=0.0):
         ok = not (F.running and self.mode == "in_place" and self.is_pause)

@@ -322,6 +322,33 @@ def test_sglang_in_place_flush_refused_is_not_success(stream, sglang):
     assert r.returncode != 0 and "flush" in r.stderr, r.stderr
     assert sglang.calls()[-1][1] in ("/continue_generation", "/model_info")
     assert sglang.state()["paused"] is False
+    # The weights were updated, the version (set only on success) was not: the engine must
+    # not go on reporting the step it held (found by review: it served the new weights under
+    # the old version). Set to driftless-unknown, without aborting the running requests.
+    assert sglang.bodies("/update_weight_version") == [{"new_version": "driftless-unknown", "abort_all_requests": False}]
+    assert sglang._req("GET", "/model_info")[1]["weight_version"] == "driftless-unknown"
+    assert "version set to driftless-unknown" in r.stderr, r.stderr
+    # Once the requests are done, the next run loads the step and labels it.
+    sglang.faults(running=0)
+    stream.agent(f"sglang={sglang.url},mode=in_place")
+    assert sglang._req("GET", "/model_info")[1]["weight_version"] == stream.version(0)
+
+
+def test_vllm_cache_not_reset_after_a_reload_is_not_labelled_as_either_step(stream, vllm):
+    """The reload worked, /reset_prefix_cache keeps answering success=false: the engine holds
+    the new step's weights (and, in mode=keep, requests with KV of the old ones). Found by
+    review: it was resumed reporting the step it held. Now its version names no step, it is
+    resumed (the weights are a whole verified step), and the next run labels it."""
+    stream.publish(0)
+    vllm.faults(fail_reset=True)
+    r = stream.agent(f"vllm={vllm.url}", check=False)
+    assert r.returncode != 0 and "reset_prefix_cache" in r.stderr, r.stderr
+    assert vllm_versions(vllm) == ["driftless-unknown"], vllm.calls()
+    assert vllm._req("GET", "/weight_info")[1]["weight_version"] == "driftless-unknown"
+    assert vllm.state()["paused"] is False
+    vllm.faults(fail_reset=False)
+    stream.agent(f"vllm={vllm.url}")
+    assert vllm._req("GET", "/weight_info")[1]["weight_version"] == stream.version(0)
 
 
 def test_sglang_auth_required(stream, tmp_path):

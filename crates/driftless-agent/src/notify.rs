@@ -568,6 +568,11 @@ async fn settle(e: &Engine<'_>, path: &str, want: &str, wait: Duration) -> bool 
     }
 }
 
+/// How SGLang's answer to a failed `update_weights_from_disk` begins when the weights were
+/// updated nonetheless (the cache flush after it was refused): the words of the pinned release's
+/// scheduler (`scheduler_components/weight_updater.py`, 0.5.23).
+const WEIGHTS_UPDATED: &str = "Weights were updated";
+
 async fn sglang(e: &Engine<'_>, t: &EngineTarget, want: &str, dir: &str) -> std::result::Result<(), String> {
     let cont = json!({});
     if e.version("/model_info").await.map_err(|x| x.to_string())?.as_deref() == Some(want) {
@@ -584,9 +589,17 @@ async fn sglang(e: &Engine<'_>, t: &EngineTarget, want: &str, dir: &str) -> std:
             "abort_all_requests": false,
         });
         let r = e.send(reqwest::Method::POST, "/update_weights_from_disk", Some(&body), t.load_timeout).await;
-        let (ok, detail) = match r {
-            Ok(r) if r.status.is_success() && r.body["success"] == json!(true) => (true, String::new()),
-            Ok(r) => (false, format!("POST /update_weights_from_disk: HTTP {}: {}", r.status.as_u16(), short(&r.text))),
+        // `updated`: the engine says the weights changed although the call failed.
+        let (ok, detail, updated) = match r {
+            Ok(r) if r.status.is_success() && r.body["success"] == json!(true) => (true, String::new(), false),
+            Ok(r) => {
+                let updated = r.body["message"].as_str().is_some_and(|m| m.starts_with(WEIGHTS_UPDATED));
+                (
+                    false,
+                    format!("POST /update_weights_from_disk: HTTP {}: {}", r.status.as_u16(), short(&r.text)),
+                    updated,
+                )
+            }
             Err(CallError::Timeout(m)) => {
                 // No lock guards a load while paused: never send a second one. Wait for the
                 // engine to report the version, bounded.
@@ -595,27 +608,25 @@ async fn sglang(e: &Engine<'_>, t: &EngineTarget, want: &str, dir: &str) -> std:
                 }
                 return Err(format!("{m}; the load may still be running, not re-sent"));
             }
-            Err(x) => (false, x.to_string()),
+            Err(x) => (false, x.to_string(), false),
         };
-        if ok {
-            return Ok(());
+        if ok || !updated {
+            // (A load that failed otherwise put back the weights the engine held.)
+            return if ok { Ok(()) } else { Err(detail) };
         }
-        // A 400 can mean "weights loaded, cache flush refused" (scheduler busy): the version
-        // decides; a loaded engine then gets its cache flushed.
-        match e.version("/model_info").await {
-            Ok(Some(v)) if v == want => {
-                let flushed = e.send(reqwest::Method::POST, "/flush_cache", None, SHORT).await;
-                match flushed {
-                    Ok(r) if r.status.is_success() => Ok(()),
-                    Ok(r) => Err(format!(
-                        "{detail}; weights at version {want} but the cache flush was refused: HTTP {}: {}",
-                        r.status.as_u16(),
-                        short(&r.text)
-                    )),
-                    Err(x) => Err(format!("{detail}; weights at version {want}, cache flush failed: {x}")),
-                }
-            }
-            _ => Err(detail),
+        // SGLang fails the call when the weights were updated and the cache flush after it
+        // was refused (requests still running in `in_place` mode; scheduler
+        // `flush_cache_after_weight_update`), and records the version only on success, so the
+        // engine served the new step's weights under the old step's version (found by review:
+        // the agent read the version back to tell, which could never match, and left it so).
+        // As for vLLM, the engine must not go on reporting the step it held: the version is
+        // set to `driftless-unknown`, and the next attempt loads in full. (`abort_all_requests`
+        // defaults to true on that route.)
+        let body = json!({"new_version": UNKNOWN, "abort_all_requests": false});
+        match e.post("/update_weight_version", &body).await {
+            Ok(r) if r.body["success"] == json!(true) => Err(format!("{detail}; version set to {UNKNOWN}")),
+            Ok(r) => Err(format!("{detail}; setting the version to {UNKNOWN} failed too: {}", short(&r.text))),
+            Err(x) => Err(format!("{detail}; setting the version to {UNKNOWN} failed too: {x}")),
         }
     }
     .await;
@@ -664,28 +675,37 @@ async fn vllm(
                 return Err(why);
             }
         }
-        // Preempts running requests (their KV was computed with the old weights) and drops
-        // the prefix cache; answers 200 even when it did not reset: read `success`.
-        let mut reset = false;
-        for _ in 0..3 {
-            let r = e
-                .post("/reset_prefix_cache?reset_running_requests=true", &json!({}))
-                .await
-                .map_err(|x| x.to_string())?;
-            if r.body["success"] == json!(true) {
-                reset = true;
-                break;
+        let label = async {
+            // Preempts running requests (their KV was computed with the old weights) and
+            // drops the prefix cache; answers 200 even when it did not reset: read `success`.
+            let mut reset = false;
+            for _ in 0..3 {
+                let r = e
+                    .post("/reset_prefix_cache?reset_running_requests=true", &json!({}))
+                    .await
+                    .map_err(|x| x.to_string())?;
+                if r.body["success"] == json!(true) {
+                    reset = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            if !reset {
+                return Err("weights reloaded but /reset_prefix_cache answered success=false 3 times".to_string());
+            }
+            let r = e.post("/update_weight_version", &json!({"new_version": want})).await.map_err(|x| x.to_string())?;
+            if r.body["success"] != json!(true) {
+                return Err(format!("POST /update_weight_version: {}", short(&r.text)));
+            }
+            Ok(())
         }
-        if !reset {
-            return Err(
-                "weights reloaded but /reset_prefix_cache answered success=false 3 times; version not bumped".into()
-            );
-        }
-        let r = e.post("/update_weight_version", &json!({"new_version": want})).await.map_err(|x| x.to_string())?;
-        if r.body["success"] != json!(true) {
-            return Err(format!("POST /update_weight_version: {}", short(&r.text)));
+        .await;
+        if let Err(why) = label {
+            // The new step's weights are in, under the old step's version (and, with the
+            // cache not reset, kept requests go on from KV of the old weights): the engine
+            // must not go on reporting the step it held (found by review: it resumed so).
+            let _ = e.post("/update_weight_version", &json!({"new_version": UNKNOWN})).await;
+            return Err(format!("{why}; version set to {UNKNOWN}"));
         }
         Ok(())
     }
