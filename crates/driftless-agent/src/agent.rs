@@ -542,6 +542,12 @@ impl Agent {
         if let Some(p) = &patch {
             let _ = std::fs::remove_file(&p.path);
         }
+        if result.is_err() {
+            // What the server holds is not known now (a vLLM reload that failed leaves it
+            // paused on a mix of two steps): not ready until a load succeeds (found by review:
+            // once set, ready stayed 1 for good).
+            self.metrics.ready.store(0, Relaxed);
+        }
         result?;
         self.loaded = Some((st.step, st.root));
         self.metrics.ready.store(1, Relaxed);

@@ -78,7 +78,11 @@ fn route(method: &str, path: &str, m: &Metrics, poll: &tokio::sync::Notify) -> (
             if m.ready.load(Relaxed) == 1 {
                 ("200 OK", "text/plain", "ready\n".into())
             } else {
-                ("503 Service Unavailable", "text/plain", "no verified step loaded yet\n".into())
+                (
+                    "503 Service Unavailable",
+                    "text/plain",
+                    "no verified step loaded (yet, or since a load failed)\n".into(),
+                )
             }
         }
         ("GET", "/metrics") => ("200 OK", "text/plain; version=0.0.4", m.render()),

@@ -653,6 +653,17 @@ async fn notify_target_down_then_back() {
     // Nothing new: no second load of 1.
     assert_eq!(a.sync_once().await.unwrap().route, SyncPath::UpToDate);
     assert_eq!(srv.loads.lock().unwrap().iter().filter(|l| l.ok).count(), 2);
+    // A load of step 2 that fails: what the server holds is not known (a vLLM reload that
+    // failed leaves it paused on a mix of two steps), so not ready until a load succeeds
+    // (found by review: ready stayed 1 for good once set).
+    let want2 = t.publish();
+    srv.down.store(true, SeqCst);
+    a.sync_once().await.unwrap_err();
+    assert_eq!(a.metrics().ready.load(SeqCst), 0, "ready after a failed load");
+    srv.down.store(false, SeqCst);
+    assert_eq!(a.sync_once().await.unwrap().step, 2);
+    assert_bits(&a, &want2);
+    assert_eq!(a.metrics().ready.load(SeqCst), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
