@@ -1085,7 +1085,7 @@ mod tests {
         bucket.put(&layout::ready(StepKind::Anchor, 0), serde_json::to_vec(&ours).unwrap().into()).await.unwrap();
         for step in 1..=40 {
             let mut m = marker(StepKind::Delta, step, Some(step - 1), 10);
-            m.stream_id = "x".repeat(60_000);
+            m.stream_id = "x".repeat(driftless_format::manifest::MAX_STREAM_ID);
             bucket.put(&layout::ready(StepKind::Delta, step), serde_json::to_vec(&m).unwrap().into()).await.unwrap();
         }
         let reader = StreamReader::new(bucket, driftless_format::TrustSet::new());
