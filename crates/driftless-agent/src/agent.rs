@@ -1738,9 +1738,9 @@ impl Agent {
         let mut p = PollState { interval: self.cfg.poll_min, failures: 0, polls: 0, latest: LatestWatch::default() };
         let (notifying, stopping) = (self.notifying.clone(), self.stopping.clone());
         // The longest a load in flight is waited for at shutdown: the notifiers' own timeouts,
-        // plus the control calls around a load.
-        let grace =
-            self.cfg.notify.iter().map(Notifier::load_timeout).max().unwrap_or_default() + Duration::from_secs(90);
+        // one target after another (they are notified in turn), plus the control calls around
+        // a load.
+        let grace = self.cfg.notify.iter().map(Notifier::longest_load).sum::<Duration>() + Duration::from_secs(90);
         loop {
             let polled = {
                 let poll = self.poll(&mut p);

@@ -412,12 +412,17 @@ fn absolute(dir: &Path) -> String {
 }
 
 impl Notifier {
-    /// How long one load of this target may take (`timeout=` for engines; the default for
-    /// `http=` and `exec=`).
-    pub fn load_timeout(&self) -> Duration {
+    /// The longest one notify of this target may wait on its loads, control calls aside:
+    /// `timeout=` for an engine's load (SGLang's wait for the version after a timed-out load
+    /// added; vLLM's patch and the reload after a failed one both, with `patch=on`), three
+    /// tries of the default for `http=` (its POST is retried), the default for `exec=`. (Found
+    /// by review: the shutdown wait took one load's timeout, shorter than these.)
+    pub fn longest_load(&self) -> Duration {
         match self {
-            Notifier::Sglang(t) | Notifier::Vllm(t) => t.load_timeout,
-            Notifier::Http(_) | Notifier::Exec(_) => DEFAULT_LOAD_TIMEOUT,
+            Notifier::Sglang(t) => t.load_timeout + SETTLE,
+            Notifier::Vllm(t) => t.load_timeout * if t.patch { 2 } else { 1 },
+            Notifier::Http(_) => DEFAULT_LOAD_TIMEOUT * 3 + Duration::from_secs(2),
+            Notifier::Exec(_) => DEFAULT_LOAD_TIMEOUT,
         }
     }
 
@@ -794,6 +799,17 @@ mod tests {
         let v: Notifier = "vllm=http://h:8000,patch=on,timeout=2".parse().unwrap();
         assert_eq!(v.to_string(), "vllm=http://h:8000,mode=keep,timeout=2,patch=on");
         assert_eq!(v.to_string().parse::<Notifier>().unwrap(), v);
+    }
+
+    /// What a shutdown waits for, per target: every load one notify may run.
+    #[test]
+    fn the_longest_load_counts_every_load_of_a_notify() {
+        let l = |s: &str| s.parse::<Notifier>().unwrap().longest_load().as_secs();
+        assert_eq!(l("vllm=http://h,timeout=10"), 10);
+        assert_eq!(l("vllm=http://h,timeout=10,patch=on"), 20);
+        assert_eq!(l("sglang=http://h,timeout=10"), 70);
+        assert_eq!(l("http=http://h/x"), 3 * DEFAULT_LOAD_TIMEOUT.as_secs() + 2);
+        assert_eq!(l("exec=true"), DEFAULT_LOAD_TIMEOUT.as_secs());
     }
 
     #[test]
