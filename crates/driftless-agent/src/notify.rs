@@ -28,7 +28,8 @@
 //!   "weights_path": ABS}}` instead, every worker answering `STEP`; when it fails the version
 //!   is first set to `driftless-unknown` (the weights may be partly patched: no later patch
 //!   may build on them) and `reload_weights` restores a known state in the same pause.
-//! - `http=URL`: one `POST` with `{"step", "weights_root", "dir"}` (retried 3 times on 5xx).
+//! - `http=URL`: one `POST` with `{"step", "weights_root", "dir"}`, 3 tries in all on a 5xx, a
+//!   timeout or a connection error (so a slow hook may get it again: make it idempotent).
 //! - `exec=COMMAND`: runs `sh -c COMMAND` with `DRIFTLESS_STEP`, `DRIFTLESS_WEIGHTS_ROOT`,
 //!   `DRIFTLESS_DIR` in the environment; exit status 0 is success.
 //!

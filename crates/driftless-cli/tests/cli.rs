@@ -887,6 +887,14 @@ fn output_logs_and_flags() {
     assert_eq!(code, Some(0), "{err}");
     let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(v["data"]["route"], "anchor");
+    // Without --once there is no JSON to give: a usage error, not a flag silently ignored.
+    let (code, stdout2, err2) = out(bin()
+        .args(["agent", "--json", "--bucket", &url, "--trust"])
+        .arg(p("key.pub"))
+        .arg("--dir")
+        .arg(p("agent")));
+    assert_eq!(code, Some(2), "{err2}");
+    assert!(stdout2.is_empty() && err2.contains("--once"), "{err2}");
     // Logs on a pipe carry no ANSI colour codes.
     assert!(err.contains("INFO"), "{err}");
     assert!(!err.contains('\u{1b}'), "ANSI escape in {err:?}");

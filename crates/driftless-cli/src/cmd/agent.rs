@@ -46,8 +46,8 @@ pub struct Args {
     /// half the cores, 4 to 8 (see the README's "On 16 cores").
     #[arg(long, env = "DRIFTLESS_ANCHOR_PARTS", value_parser = clap::value_parser!(u16).range(1..=64))]
     anchor_parts: Option<u16>,
-    /// JSON output (with --once).
-    #[arg(long)]
+    /// JSON output (with --once: a running agent's output is its log).
+    #[arg(long, requires = "once")]
     json: bool,
     /// Bytes of tensors an idle rebuild of the inactive slot copies between two looks for a
     /// new step (default 256 MiB). Hidden: the tests' knob for a rebuild that gives way

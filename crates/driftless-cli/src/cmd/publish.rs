@@ -187,7 +187,10 @@ fn open(a: &Args) -> Result<driftless_publisher::Publisher> {
     if let Some((step, dir)) = saved {
         match super::open(&dir).and_then(|ck| Ok(p.seed(step, &ck.views(), &stable_layout(&ck, &dir))?)) {
             Ok(()) => {}
-            Err(e) => eprintln!("driftless publish: warning: {e:#}; the next step is published as an anchor"),
+            Err(e) => eprintln!(
+                "driftless publish: warning: {}; the next step is published as an anchor",
+                crate::exit::render(&e)
+            ),
         }
     }
     Ok(p)
@@ -266,7 +269,10 @@ fn publish_from(
         // Linked from the staged copy (1 GiB: 2 s of copy and sync per step saved). The step
         // is committed whatever happens here: a failure costs the next run an anchor.
         if let Err(e) = state::save(&a.state, step, ckpt, true) {
-            eprintln!("driftless publish: warning: step {step} is published, but its state could not be saved ({e:#}); the next run publishes an anchor");
+            eprintln!(
+                "driftless publish: warning: step {step} is published, but its state could not be saved ({}); the next run publishes an anchor",
+                crate::exit::render(&e)
+            );
         }
     }
     // The summary is the command's data: stdout. Progress and warnings go to stderr.
