@@ -1238,6 +1238,11 @@ impl Agent {
     /// its own build would redo). The pass stops at its next group of tensors (about
     /// [`AgentConfig::idle_group_bytes`]), its partial slot is removed, nothing names it, and `Ok(false)` is
     /// returned; the rebuild is tried again at a later idle poll if still needed.
+    ///
+    /// Not cancel-safe: stop it with `stop`, and drop the future only with the agent (as
+    /// [`Agent::run`] does on shutdown). Dropped mid-pass, the pass on the blocking pool goes
+    /// on to its next look at its stop, and a build started meanwhile would write the same
+    /// slot.
     pub async fn prepare_inactive_until(&mut self, stop: impl std::future::Future<Output = ()>) -> Result<bool> {
         let Some(st) = self.idle_rebuild_due().cloned() else { return Ok(false) };
         let work = st.active.other();
