@@ -1100,9 +1100,11 @@ fn sigkill_during_an_idle_rebuild() {
 }
 
 /// A step announced in the middle of an idle rebuild stops it at its next group of tensors
-/// (`--idle-group 1`: every tensor; strace slows each write by 100 ms, so the pass lasts
-/// seconds; the step is announced once tensor bytes are in the frame): the partial slot is
-/// never named, and the step is synced at once, bit for bit.
+/// (`--idle-group 1`: every tensor; strace slows each write by 300 ms, so the pass lasts
+/// about 5 s; the step is announced once tensor bytes are in the frame): the partial slot is
+/// never named, and the step is synced at once, bit for bit. (At 100 ms a write the pass left
+/// about a second after the first block for the announce and the poll that sees it, and the
+/// test failed once under a loaded `.ci/run`: the rebuild had finished first.)
 #[test]
 fn an_idle_rebuild_gives_way_mid_pass_to_a_new_step() {
     let mut e = Env::new();
@@ -1119,13 +1121,13 @@ fn an_idle_rebuild_gives_way_mid_pass_to_a_new_step() {
     assert!(run_bounded(e.agent("k"), 60).status.success());
     assert_eq!(e.current_step("k"), 0);
     let log = e.p("k.log");
-    let mut c = e.traced_continuous("k", "pwrite64", Some("delay_enter=100000"), Path::new("/dev/null"));
+    let mut c = e.traced_continuous("k", "pwrite64", Some("delay_enter=300000"), Path::new("/dev/null"));
     c.arg("--idle-group").arg("1").stdout(std::process::Stdio::null());
     let mut child = c.stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
     let group = Group(child.id() as i32);
     let (a, b) = (e.p("k/slots/a"), e.p("k/slots/b"));
     wait_until("the idle rebuild never copied a block", 30, || b.exists() && a_block_copied(&a, &b));
-    // Mid-pass (tensor bytes in the frame, blocks 100 ms apart): step 1 announced.
+    // Mid-pass (tensor bytes in the frame, blocks 300 ms apart): step 1 announced.
     std::fs::rename(held.join("marker"), &marker).unwrap();
     std::fs::copy(held.join("latest-1.json"), bucket.join("latest.tmp")).unwrap();
     std::fs::rename(bucket.join("latest.tmp"), bucket.join("latest.json")).unwrap();
