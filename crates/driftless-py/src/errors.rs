@@ -21,6 +21,8 @@ pub(crate) enum BindError {
     },
     /// Nothing reachable yet.
     NothingReady(String),
+    /// The only route left goes through a step whose objects are missing: retrying can help.
+    Missing(String),
     /// Bad arguments.
     Input(String),
     /// A panic caught at the boundary: a bug, reported as a `DriftlessError` so that
@@ -85,13 +87,22 @@ fn store_class(e: &driftless_store::Error) -> &'static str {
     }
 }
 
+/// A store error while reading the stream: a missing object under a plan is eventual
+/// consistency or a GC race, retryable as for the agent (found by review: a NotFound out of
+/// the anchor stream was a plain DriftlessError). (For a publisher a 404 may be a missing
+/// bucket: [`store_class`] alone.)
+fn read_class(e: &driftless_store::Error) -> &'static str {
+    if e.is_not_found() {
+        return "RetryableError";
+    }
+    store_class(e)
+}
+
 fn stream_class(e: &driftless_store::stream::StreamError) -> &'static str {
     use driftless_store::stream::StreamError as S;
     match e {
         S::Format(f) => format_class(f),
-        // A missing object under a listing is eventual consistency or a GC race.
-        S::Store(s) if s.is_not_found() => "RetryableError",
-        S::Store(s) => store_class(s),
+        S::Store(s) => read_class(s),
         _ if e.is_retryable() => "RetryableError",
         _ => "DriftlessError",
     }
@@ -112,11 +123,12 @@ impl BindError {
         use driftless_store::stream::StreamError as S;
         let stream = |e: &S| match e {
             S::NotReady { .. } => true,
-            S::Store(s) => s.is_not_found(),
+            S::Store(s) => s.is_not_found() || s.is_unreadable(),
             _ => false,
         };
         match self {
-            BindError::Store(s) | BindError::Agent(A::Store(s)) => s.is_not_found(),
+            // (Unreadable: there, but refused by the store for good; the agent's rule.)
+            BindError::Store(s) | BindError::Agent(A::Store(s)) => s.is_not_found() || s.is_unreadable(),
             BindError::Stream(e) | BindError::Agent(A::Stream(e)) => stream(e),
             _ => false,
         }
@@ -132,7 +144,7 @@ impl BindError {
         use driftless_publisher::Error as P;
         match self {
             BindError::Format(e) => (format_class(e), e.to_string()),
-            BindError::Store(e) => (store_class(e), e.to_string()),
+            BindError::Store(e) => (read_class(e), e.to_string()),
             BindError::Stream(e) => (stream_class(e), e.to_string()),
             BindError::Publisher(e) => {
                 let class = match e {
@@ -149,7 +161,7 @@ impl BindError {
             BindError::Agent(e) => {
                 let class = match e {
                     A::Format(f) => format_class(f),
-                    A::Store(s) => store_class(s),
+                    A::Store(s) => read_class(s),
                     A::Stream(s) => stream_class(s),
                     A::NothingReady => "NothingReadyError",
                     // No route left but through a step that failed its checks: bad data (the
@@ -171,6 +183,7 @@ impl BindError {
                 ("LayoutChangedError", format!("the tensor set changed at step {step}: {detail}"))
             }
             BindError::NothingReady(m) => ("NothingReadyError", m.clone()),
+            BindError::Missing(m) => ("RetryableError", m.clone()),
             BindError::Input(m) => ("InvalidInputError", m.clone()),
             BindError::Internal(m) => (
                 "InternalError",

@@ -530,16 +530,13 @@ def test_a_tensor_changed_past_an_eighth_along_a_route_is_patched_whole(file_buc
         assert np.array_equal(engine[k], x[2].reshape(-1)), k
 
 
-def test_a_consumer_that_fails_part_way_gets_whole_tensors_next_time(file_bucket, keys):
-    """Two tensors changed at step 1; the consumer's scatter raises on the second patch (a
-    CUDA OOM). Found by review: the mirror had already moved to step 1, the next call yielded
-    nothing, and the engine kept tensor a at step 1 and b at step 0. Now the next call yields
-    both whole, and the engine ends bit for bit at step 1."""
-    url, _ = file_bucket
+def two_tensor_engine(url, keys, seeds, steps):
+    """Publishes ``steps`` steps of two 128x128 BF16 chains ("a", "b") and returns the chains, a
+    Follower, the engine's host arrays (uint16) and its scatter of one patch into them."""
     private, public = keys
-    a, b = bit_chain(15, (128, 128), 1), bit_chain(16, (128, 128), 1)
+    a, b = bit_chain(seeds[0], (128, 128), steps), bit_chain(seeds[1], (128, 128), steps)
     with driftless.Publisher(url, signing_key=private, anchor_every=100) as pub:
-        for s in range(2):
+        for s in range(steps + 1):
             pub.publish(s, {"a": a[s].view(BF16), "b": b[s].view(BF16)})
     f = driftless.Follower(url, trusted_keys=[public])
     engine = {"a": np.zeros(128 * 128, np.uint16), "b": np.zeros(128 * 128, np.uint16)}
@@ -550,6 +547,15 @@ def test_a_consumer_that_fails_part_way_gets_whole_tensors_next_time(file_bucket
         else:
             engine[name][pos] = vals
 
+    return a, b, f, engine, scatter
+
+
+def test_a_consumer_that_fails_part_way_gets_whole_tensors_next_time(file_bucket, keys):
+    """Two tensors changed at step 1; the consumer's scatter raises on the second patch (a
+    CUDA OOM). Found by review: the mirror had already moved to step 1, the next call yielded
+    nothing, and the engine kept tensor a at step 1 and b at step 0. Now the next call yields
+    both whole, and the engine ends bit for bit at step 1."""
+    a, b, f, engine, scatter = two_tensor_engine(file_bucket[0], keys, (15, 16), 1)
     for patch in f.iter_patches(step=0):
         scatter(*patch)
     with pytest.raises(MemoryError):
@@ -1047,3 +1053,167 @@ def test_a_plan_for_the_local_step_does_not_hide_newer_steps(file_bucket, keys):
     o = f.apply_to(arrays)
     assert (o["step"], o["route"]) == (3, "catchup"), o
     assert np.array_equal(bits(arrays["x.w"]), steps[3])
+
+
+def test_an_unfinished_delivery_is_yielded_whole_next_time(file_bucket, keys):
+    """The mirror moves to a step before its patches reach the consumer. A delivery left
+    unfinished (a first iterator kept part way while a second one starts, an interrupt between
+    the native call and the first patch) leaves patch_step None, and the next call yields every
+    tensor whole, bit for bit at its step, even when up to date (found by review: it yielded
+    nothing, and the engine kept half a step for good). A stale iterator cannot take a tensor
+    of a later delivery."""
+    a, b, f, engine, scatter = two_tensor_engine(file_bucket[0], keys, (21, 22), 2)
+    for patch in f.iter_patches(step=0):
+        scatter(*patch)
+    assert f.patch_step == 0
+    first = f.iter_patches(step=1)
+    scatter(*next(first))
+    assert f.patch_step is None, "part of step 1 taken"
+    patches = list(f.iter_patches(step=1))
+    assert sorted(name for name, _, _ in patches) == ["a", "b"]
+    assert all(pos is None for _, pos, _ in patches), "whole tensors after an unfinished delivery"
+    for patch in patches:
+        scatter(*patch)
+    assert f.patch_step == 1
+    with pytest.raises(driftless.InvalidInputError, match="moved the host mirror"):
+        for patch in first:
+            scatter(*patch)
+    assert f.patch_step == 1, "a stale iterator changes nothing"
+    assert np.array_equal(engine["a"], a[1].reshape(-1)) and np.array_equal(engine["b"], b[1].reshape(-1))
+
+    native = f._patches
+
+    def interrupted(step=None):
+        native(step)
+        raise KeyboardInterrupt
+
+    f._patches = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        list(f.iter_patches(step=2))
+    del f._patches
+    assert f.patch_step is None
+    patches = list(f.iter_patches())
+    assert sorted(name for name, _, _ in patches) == ["a", "b"]
+    assert all(pos is None for _, pos, _ in patches), "up to date, the unfinished delivery yielded whole"
+    for patch in patches:
+        scatter(*patch)
+    assert f.patch_step == 2
+    assert np.array_equal(engine["a"], a[2].reshape(-1)) and np.array_equal(engine["b"], b[2].reshape(-1))
+    assert list(f.iter_patches()) == []
+
+
+def test_whole_tensors_are_copied_out_of_the_mirror_one_at_a_time(file_bucket, keys):
+    """A first iter_patches yields every tensor whole; each is copied out of the mirror when
+    the loop reaches it (found by review: all of them were copied up front, twice, so a first
+    call held three copies of the model in host memory). 16 tensors of 1 MiB: the Python heap
+    (tracemalloc, which sees every bytes object) peaks at a few tensors, not 16."""
+    import tracemalloc
+
+    url, _ = file_bucket
+    private, public = keys
+    rng = np.random.default_rng(5)
+    weights = {f"t{i}": rng.integers(0, 1 << 16, size=(512, 1024), dtype=np.uint16) for i in range(16)}
+    with driftless.Publisher(url, signing_key=private) as pub:
+        pub.publish(0, {n: w.view(BF16) for n, w in weights.items()})
+    f = driftless.Follower(url, trusted_keys=[public])
+    tracemalloc.start()
+    try:
+        seen = {}
+        for name, pos, vals in f.iter_patches():
+            assert pos is None
+            seen[name] = hashlib.sha256(vals.tobytes()).hexdigest()
+            del vals
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen == {n: hashlib.sha256(w.tobytes()).hexdigest() for n, w in weights.items()}
+    assert peak < 6 << 20, f"the Python heap peaked at {peak} bytes for 16 MiB of tensors"
+
+
+def test_a_bad_anchor_costs_the_patch_mirror_nothing(file_bucket, keys):
+    """The mirror at verified step 1, and the only route to step 3 its anchor, corrupt: the
+    anchor is refused, nothing is yielded and the mirror stays on step 1 (found by review: the
+    mirror was replaced before the anchor was streamed, so the call raised CorruptError and
+    the next one re-sent the whole model). The anchor repaired and its refusal run out, the
+    step arrives whole, bit for bit."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    steps = bit_chain(23, (256, 256), 3)
+    with driftless.Publisher(url, signing_key=private, anchor_every=3) as pub:
+        for s, x in enumerate(steps):
+            if s == 3:
+                pub.flush()
+            pub.publish(s, {"x.w": x.view(BF16)})
+    f = driftless.Follower(url, trusted_keys=[public], refuse_for=0.5)
+    gpu = np.zeros(256 * 256, np.uint16)
+    for name, pos, vals in f.iter_patches(step=1):
+        gpu[:] = vals.reshape(-1)
+    assert f.patch_step == 1
+    for s in (2, 3):
+        os.remove(os.path.join(root, "ready", "deltas", f"{s:012d}"))
+    obj, good = flip_largest_object(root, "anchors", 3)
+    assert list(f.iter_patches()) == []
+    assert f.patch_step == 1
+    assert list(f.iter_patches()) == [], "refused: not fetched again"
+    open(obj, "wb").write(good)
+    import time
+
+    # The refusal runs out (0.5 s, doubled per repeat): until then nothing, the mirror kept.
+    deadline = time.monotonic() + 10
+    while True:
+        time.sleep(0.1)
+        patches = list(f.iter_patches())
+        if patches or time.monotonic() > deadline:
+            break
+        assert f.patch_step == 1
+    assert [(n, p) for n, p, _ in patches] == [("x.w", None)]
+    gpu[:] = patches[0][2].reshape(-1)
+    assert f.patch_step == 3
+    assert np.array_equal(gpu.reshape(256, 256), steps[3])
+
+
+def test_a_step_whose_objects_are_missing_stays_retryable_while_left_out(file_bucket, keys):
+    """The only anchor's shard is gone (a lifecycle rule, a GC race): every call raises
+    RetryableError, also while the step is left out of plans (found by review: the calls
+    within refuse_for raised CorruptError, "failed verification")."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    x = bit_chain(24, (256, 256), 0)[0]
+    with driftless.Publisher(url, signing_key=private) as pub:
+        pub.publish(0, {"x.w": x.view(BF16)})
+    adir = os.path.join(root, "anchors", f"{0:012d}")
+    for n in os.listdir(adir):
+        if "manifest" not in n:
+            os.remove(os.path.join(adir, n))
+    f = driftless.Follower(url, trusted_keys=[public])
+    for _ in range(3):
+        with pytest.raises(driftless.RetryableError) as e:
+            f.apply_to({"x.w": np.zeros((256, 256), BF16)})
+        assert not isinstance(e.value, driftless.CorruptError), e.value
+
+
+def test_a_layout_change_is_refused_from_its_manifest_alone(file_bucket):
+    """Arrays cannot follow a change of the tensor set: the call says so from the delta's
+    manifest, before any segment is downloaded (found by review: the segments, possibly a
+    large new tensor, were downloaded at every call). The segments removed, the call still
+    raises LayoutChangedError."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    a = np.arange(1000, dtype=np.float32).astype(BF16)
+    f = driftless.Follower(url, allow_unsigned=True)
+    with driftless.Publisher(url) as pub:
+        pub.publish(0, {"a": a})
+        pub.flush()
+        arrays = {"a": np.zeros_like(a)}
+        f.apply_to(arrays)
+        assert pub.publish(1, {"a": a, "c": np.full(7, 3, np.int32)})["outcome"] in ("delta", "delta_and_anchor")
+    ddir = os.path.join(root, "deltas", f"{1:012d}")
+    segments = [n for n in os.listdir(ddir) if "manifest" not in n]
+    assert segments
+    for n in segments:
+        os.remove(os.path.join(ddir, n))
+    for _ in range(2):
+        with pytest.raises(driftless.LayoutChangedError):
+            f.apply_to(arrays)

@@ -274,33 +274,34 @@ class Follower(_native.Follower):
 
         Everything is applied to the mirror and its weights root verified *before* the first
         patch is yielded, so a consumer never scatters unverified data. The mirror costs one
-        host copy of the model. Nothing is yielded when already up to date. After the
-        iterator ends, :attr:`patch_step` is the step the patches lead to. When the consumer
-        stops part way (its scatter raised, or it left the loop), the next call yields every
-        tensor whole: the engine may hold some of the step's tensors and not others.
+        host copy of the model; a tensor yielded whole is copied out of it when the loop
+        reaches it. Nothing is yielded when already up to date. After the iterator ends,
+        :attr:`patch_step` is the step the patches lead to. Until then (and whenever the
+        consumer stops part way: its scatter raised, it left the loop, an interrupt came
+        before the first patch, or another ``iter_patches`` call began) :attr:`patch_step` is
+        ``None`` and the next call yields every tensor whole, at the newest step: the engine
+        may hold some of the step's tensors and not others.
         """
         import numpy as np
 
         r = self._patches(step)
         if r is None:
             return
-        _step, _root, patches = r
-        finished = False
-        try:
-            for name, dtype, shape, pos, vals in patches:
-                width = _WIDTH[dtype]
-                v = np.frombuffer(vals, dtype=_UINT[width])
-                if pos is None:
-                    yield name, None, v.reshape(tuple(shape))
-                else:
-                    yield name, np.frombuffer(pos, dtype="<i8"), v
-            finished = True
-        finally:
-            if not finished:
-                # The mirror moved to the step before the first yield; the consumer did not
-                # take all of it (found by review: the next call yielded nothing, and the
-                # engine kept half a step).
-                self._drop_mirror()
+        delivery, _step, _root, patches = r
+        for name, dtype, shape, pos, vals in patches:
+            width = _WIDTH[dtype]
+            if vals is None:
+                vals = self._mirror_tensor(delivery, name)
+            else:
+                self._check_delivery(delivery)
+            v = np.frombuffer(vals, dtype=_UINT[width])
+            if pos is None:
+                yield name, None, v.reshape(tuple(shape))
+            else:
+                yield name, np.frombuffer(pos, dtype="<i8"), v
+        # Only a consumer that took every patch comes back here; anything else leaves the
+        # delivery unfinished, and the next call yields every tensor whole.
+        self._confirm_patches(delivery)
 
     def reset(self) -> None:
         """Forgets the step of the arrays given to :meth:`apply_to` and the patch mirror."""

@@ -16,7 +16,8 @@ once, as in ``save_pretrained`` output.
 
 Parameters already in BF16 on the CPU are read in place. Others (FP32 master weights, GPU
 parameters) are converted into persistent CPU BF16 buffers allocated once, so each step costs
-one device-to-host copy of the model and no allocation.
+one device-to-host copy of the model and no allocation. Only floating-point tensors are
+converted: integer and bool ones (buffers, with ``include_buffers=True``) keep their dtype.
 
 Sharded trainers (FSDP2, tensor parallel: parameters are ``DTensor``) publish without a
 gather: every rank attaches a :class:`driftless.ShardedPublisher` with
@@ -61,22 +62,31 @@ class BF16View:
 
     def tensors(self) -> Dict[str, Any]:
         """``{hf_name: contiguous CPU tensor}`` of the current weights."""
-        torch = self.torch
         out: Dict[str, Any] = {}
-        with torch.no_grad():
+        with self.torch.no_grad():
             for name, p in self._items():
                 n = hf_name(name)
-                t = p.detach()
-                if t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous():
-                    out[n] = t
-                    continue
-                buf = self._bufs.get(n)
-                if buf is None or buf.shape != t.shape:
-                    buf = torch.empty(t.shape, dtype=self.dtype, device="cpu", pin_memory=t.is_cuda)
-                    self._bufs[n] = buf
-                buf.copy_(t)  # synchronous: the copy is complete when publish reads it
-                out[n] = buf
+                out[n] = self._bf16(n, p.detach())
         return out
+
+    def dtype_of(self, t: Any) -> Any:
+        """The dtype ``t`` is published in: ``dtype`` (BF16) for floating-point tensors, its
+        own for the others. An integer or bool buffer (``position_ids``, a causal mask) is
+        published as it is: cast to BF16, 257 would become 256 (found by review)."""
+        return self.dtype if t.is_floating_point() else t.dtype
+
+    def _bf16(self, n: str, t: Any) -> Any:
+        """``t`` as a contiguous CPU tensor of :meth:`dtype_of`: itself when it already is one,
+        else a persistent buffer it is copied into."""
+        dtype = self.dtype_of(t)
+        if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous():
+            return t
+        buf = self._bufs.get(n)
+        if buf is None or buf.shape != t.shape or buf.dtype != dtype:
+            buf = self.torch.empty(t.shape, dtype=dtype, device="cpu", pin_memory=t.is_cuda)
+            self._bufs[n] = buf
+        buf.copy_(t)  # synchronous: the copy is complete when publish reads it
+        return buf
 
 
 def dtensor_geometry(p: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
@@ -126,16 +136,6 @@ class ShardedBF16View(BF16View):
                     continue
                 out[n] = driftless.shard(self._bf16(n, t), shape, offsets=offsets)
         return out
-
-    def _bf16(self, n: str, t: Any) -> Any:
-        if t.device.type == "cpu" and t.dtype == self.dtype and t.is_contiguous():
-            return t
-        buf = self._bufs.get(n)
-        if buf is None or buf.shape != t.shape:
-            buf = self.torch.empty(t.shape, dtype=self.dtype, device="cpu", pin_memory=t.is_cuda)
-            self._bufs[n] = buf
-        buf.copy_(t)
-        return buf
 
 
 class PublishHook:
