@@ -266,17 +266,18 @@ fn step_fault(e: &Error) -> bool {
             matches!(f.kind(), K::Corrupt | K::Untrusted | K::WrongBase)
         }
         Error::Stream(StreamError::Store(s)) | Error::Store(s) => {
-            s.is_not_found() || matches!(s, driftless_store::Error::TooLarge { .. })
+            s.is_not_found() || s.is_unreadable() || matches!(s, driftless_store::Error::TooLarge { .. })
         }
         _ => false,
     }
 }
 
-/// Whether a step fault is only missing objects (retrying may help).
+/// Whether a step fault is only missing (or unreadable) objects: retrying may help, once the
+/// objects arrive or are made readable, so the refusal is a "not ready" one that expires.
 fn missing(e: &Error) -> bool {
     match e {
         Error::Stream(StreamError::NotReady { .. }) => true,
-        Error::Stream(StreamError::Store(s)) | Error::Store(s) => s.is_not_found(),
+        Error::Stream(StreamError::Store(s)) | Error::Store(s) => s.is_not_found() || s.is_unreadable(),
         _ => false,
     }
 }
@@ -1370,6 +1371,25 @@ impl Agent {
         if m.stream_id != sid {
             return Err(BuildError::Unusable(StepKind::Anchor, step, "signed for another stream".into(), false));
         }
+        // Every object there at its signed size before the rollback slot is given up (found by
+        // review: it was given up once the manifest checked out, so a signed anchor whose
+        // shards had not arrived, a replicator that copied the marker first or a GC race, cost
+        // the verified inactive step at every try, and the next fast path a whole-model
+        // rebuild). One HEAD each; the stream checks them again as it opens them.
+        let b = self.reader.bucket();
+        let heads: Vec<(String, u64)> = m
+            .objects
+            .iter()
+            .map(|o| (&o.object.object, o.object.size))
+            .chain(m.files.iter().map(|o| (&o.object, o.size)))
+            .map(|(k, n)| (driftless_store::layout::object(StepKind::Anchor, step, k), n))
+            .collect();
+        futures::stream::iter(heads)
+            .map(|(key, n)| async move { crate::anchor_stream::check_size(b, step, &key, n).await })
+            .buffer_unordered(16)
+            .try_collect::<Vec<()>>()
+            .await
+            .map_err(|e| unusable(at(e)))?;
         self.release_work_slot()?;
         remove_slot(wdir)?;
         std::fs::create_dir_all(wdir)?;

@@ -860,7 +860,7 @@ fn in_flight<F: std::future::Future<Output = Result<Bytes>>>(
 /// The object's size in the bucket is the manifest's `size`: a missing object is a step not
 /// ready (yet, or any more); a truncated or swapped one an integrity failure before any ranged
 /// read (a read past its end would look like a storage error).
-async fn check_size(bucket: &Bucket, step: u64, key: &str, size: u64) -> Result<()> {
+pub(crate) async fn check_size(bucket: &Bucket, step: u64, key: &str, size: u64) -> Result<()> {
     match bucket.head(key).await {
         Ok(h) if h.size == size => Ok(()),
         Ok(_) => Err(mismatch(key)),

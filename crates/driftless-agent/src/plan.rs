@@ -421,6 +421,14 @@ impl MarkerCache {
                     Ok(m) => Ok(Some(((kind, s), Some(m)))),
                     // Deleted by GC between list and get: skip it.
                     Err(StreamError::Store(e)) if e.is_not_found() => Ok(None),
+                    // There but unreadable (a planted object the store refuses to serve):
+                    // not ready, and not remembered, so that a marker whose read is fixed is
+                    // taken at the next plan (found by review: one such key under ready/
+                    // failed every listing sync, for good).
+                    Err(StreamError::Store(e)) if e.is_unreadable() => {
+                        warn!(step = s, kind = %kind, error = %e, "passing over a ready marker that cannot be read");
+                        Ok(None)
+                    }
                     // Unparsable, over-sized, or naming another step: never a reason to touch
                     // local state; the step is simply not ready.
                     // (Markers are write-once: not read again while listed.)
@@ -643,7 +651,9 @@ impl MarkerCache {
                     }
                     // Deleted between the listing and the read: not ready, passed over (not
                     // remembered: a later listing that still has it reads it again).
-                    Err(StreamError::Store(e)) if e.is_not_found() => {
+                    // Or there but unreadable, the marker or its manifest: passed over the
+                    // same way ([`Error::is_unreadable`](driftless_store::Error::is_unreadable)).
+                    Err(StreamError::Store(e)) if e.is_not_found() || e.is_unreadable() => {
                         gone.insert(s);
                     }
                     Err(e) if !unusable_marker(&e) => return Err(e),

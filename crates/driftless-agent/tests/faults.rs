@@ -176,7 +176,9 @@ async fn bucket_failing_mid_download_leaves_state_untouched() {
     a.sync_once().await.unwrap();
     t.publish();
     let want = t.publish();
-    tb.faults.inject(FaultOp::Get, "deltas/000000000002/g1-seg-", usize::MAX, FaultKind::Permanent);
+    // (Transient, a 503 past the store's retries: a permanent answer is the step's problem,
+    // refused as not ready: an_unreadable_marker_or_manifest_does_not_stop_syncs.)
+    tb.faults.inject(FaultOp::Get, "deltas/000000000002/g1-seg-", usize::MAX, FaultKind::Transient);
     let before = a.state().cloned();
     let e = a.sync_once().await.unwrap_err();
     assert!(!e.is_integrity(), "{e}");
@@ -809,6 +811,37 @@ async fn planted_markers_do_not_stop_a_cold_start_and_are_read_once() {
     }
 }
 
+// Found by review: a key under ready/ that the store refuses to serve (an object encrypted
+// with a customer key or archived to a cold storage class on S3, a directory at the key of a
+// file:// bucket: a permanent error, not a 404) failed every listing sync for good, and so did
+// a marker naming a manifest the store refuses. Both are now passed over as not ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_marker_or_manifest_does_not_stop_syncs() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 100);
+    let mut want = vec![];
+    for _ in 0..3 {
+        want = t.publish();
+    }
+    // 1000: the marker cannot be read. 1001: its manifest cannot be read.
+    plant_delta_markers(&tb.bucket, 1000..1002, 2).await;
+    tb.faults.inject(FaultOp::Get, &layout::ready(StepKind::Delta, 1000), usize::MAX, FaultKind::Permanent);
+    tb.faults.inject(FaultOp::Get, "deltas/000000001001/", usize::MAX, FaultKind::Permanent);
+    let mut a = agent(&tb, "a", &trust);
+    let o = a.sync_once().await.unwrap();
+    assert_eq!(o.step, 2, "{o:?}");
+    assert_bits(&a, &want);
+    assert_verified(&a, "cold start past unreadable keys");
+    // A running agent goes on too, through a listing (two steps behind).
+    t.publish();
+    let want = t.publish();
+    let o = a.sync_once().await.unwrap();
+    assert_eq!(o.step, 4, "{o:?}");
+    assert_bits(&a, &want);
+    assert_verified(&a, "caught up past unreadable keys");
+}
+
 // Found by review: more keys under ready/ than a listing may return (1 M by default; 200
 // here) failed every cold start, although the signed latest.json names the route, as it does
 // for a key the store cannot parse.
@@ -1078,7 +1111,7 @@ async fn a_refused_or_failed_step_keeps_the_rollback_step() {
         assert_eq!(inode(), ino, "{}: state.json rewritten for refused steps", tb.name);
         // A real step whose segment fails to download: nothing written, the state kept.
         let want = t.publish();
-        tb.faults.inject(FaultOp::Get, "deltas/000000000003/g1-seg-", usize::MAX, FaultKind::Permanent);
+        tb.faults.inject(FaultOp::Get, "deltas/000000000003/g1-seg-", usize::MAX, FaultKind::Transient);
         assert!(a.sync_once().await.is_err(), "{}", tb.name);
         assert_eq!(LocalState::load(&dir).unwrap().unwrap(), before, "{}", tb.name);
         assert_eq!(inode(), ino, "{}", tb.name);
@@ -1090,6 +1123,51 @@ async fn a_refused_or_failed_step_keeps_the_rollback_step() {
         assert_bits(&a, &want);
         assert_eq!(counter(&a, |m| &m.slot_rebuilds), rebuilds, "{}", tb.name);
     }
+}
+
+// Found by review: an anchor route gave up the rollback slot (the verified inactive step) as
+// soon as the anchor's manifest checked out, before any of its objects was looked at: a signed
+// anchor whose shards had not arrived (a replicator that copies the marker first, a GC race)
+// cost the slot at every try, and the next fast path a rebuild of the whole model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anchor_whose_objects_are_missing_keeps_the_rollback_slot() {
+    let tb = file_bucket();
+    let (key, trust) = keys();
+    let mut t = Trainer::new(&tb.bucket, &key, 4);
+    let dir = tb.dir.path().join("a");
+    let mut a = Agent::new(tb.bucket.clone(), config(&dir, trust.clone())).unwrap();
+    for _ in 0..3 {
+        t.publish();
+        a.sync_once().await.unwrap();
+    }
+    let before = LocalState::load(&dir).unwrap().unwrap();
+    assert_eq!((before.step, before.inactive.map(|h| h.step)), (2, Some(1)), "the steady state");
+    let other = dir.join("slots").join(before.active.other().name());
+    let kept = slot_files(&other);
+    t.publish();
+    let want = t.publish();
+    // Step 4's only route is its anchor (delta 3 is gone), whose objects are not there yet.
+    tb.bucket.delete(&layout::ready(StepKind::Delta, 3)).await.unwrap();
+    let mut held = vec![];
+    for o in tb.bucket.list(&layout::anchor_dir(4)).await.unwrap() {
+        if !o.key.ends_with("manifest.json") {
+            held.push((o.key.clone(), tb.bucket.get(&o.key).await.unwrap()));
+            tb.bucket.delete(&o.key).await.unwrap();
+        }
+    }
+    assert!(!held.is_empty());
+    let o = a.sync_once().await;
+    assert!(o.as_ref().map_or(true, |o| o.step == 2), "{o:?}");
+    assert_eq!(LocalState::load(&dir).unwrap().unwrap(), before, "the state, rollback slot included, kept");
+    assert_eq!(slot_files(&other), kept, "the rollback slot's files kept");
+    assert_verified(&a, "anchor objects missing");
+    // They arrive: the anchor is taken, bit for bit.
+    for (k, b) in held {
+        tb.bucket.put(&k, b).await.unwrap();
+    }
+    let o = a.sync_once().await.unwrap();
+    assert_eq!((o.step, o.route), (4, SyncPath::Anchor), "{o:?}");
+    assert_bits(&a, &want);
 }
 
 // Found by review: refusals were dropped only when a step was used or fell below the oldest

@@ -64,3 +64,49 @@ async fn a_follower_one_step_behind_makes_constant_requests() {
     }
     tokio::task::spawn_blocking(move || p.close().unwrap()).await.unwrap();
 }
+
+/// `latest.json` put again with the same bytes (a new ETag on the same content, as from a
+/// backend that ignores `If-None-Match` or whose ETags change at every read) is not a change
+/// for the watch that decides whether an up-to-date agent plans and lists (found by review:
+/// every poll then listed the bucket). A new step still is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latest_json_put_again_unchanged_is_no_change() {
+    use driftless_store::stream::{LatestWatch, StreamReader};
+    let bucket = Bucket::from_store(
+        Arc::new(driftless_store::object_store::memory::InMemory::new()),
+        "s",
+        &StoreOptions::default(),
+    );
+    let key = Keypair::from_seed([6; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(64 << 10), 2e-6, 4);
+    let b2 = bucket.clone();
+    let mut p = tokio::task::spawn_blocking(move || {
+        let mut p = PublisherBuilder::new("unused").with_bucket(b2).with_key(key).build().unwrap();
+        p.publish(0, &chain.views()).unwrap();
+        p.flush().unwrap();
+        chain.step();
+        (p, chain)
+    })
+    .await
+    .unwrap();
+    let reader = StreamReader::new(bucket.clone(), trust);
+    let mut w = LatestWatch::default();
+    assert!(w.poll(&reader).await.unwrap().changed, "the first poll");
+    assert!(!w.poll(&reader).await.unwrap().changed, "not modified");
+    let bytes = bucket.get(driftless_store::layout::LATEST).await.unwrap();
+    bucket.put(driftless_store::layout::LATEST, bytes).await.unwrap();
+    let polled = w.poll(&reader).await.unwrap();
+    assert!(!polled.changed, "the same content under a new ETag");
+    assert_eq!(polled.hint.map(|h| h.anchor), Some(Some(0)));
+    p = tokio::task::spawn_blocking(move || {
+        let (pb, chain) = &mut p;
+        pb.publish(1, &chain.views()).unwrap();
+        pb.flush().unwrap();
+        p
+    })
+    .await
+    .unwrap();
+    assert!(w.poll(&reader).await.unwrap().changed, "a new step");
+    tokio::task::spawn_blocking(move || p.0.close().unwrap()).await.unwrap();
+}

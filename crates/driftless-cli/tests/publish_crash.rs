@@ -424,6 +424,23 @@ fn gc_with_zero_grace_never_strands_a_held_upload() {
     assert_eq!(a["data"]["step"].as_u64(), Some(2), "a cold agent reaches the held step");
 }
 
+/// `publish --watch CKPT_DIR` through the proxy, its stderr into `log`.
+fn watch(run: &Run, proxy: &Proxy, log: &Path) -> std::process::Child {
+    bin()
+        .args(["publish", "--bucket", &run.url, "--endpoint", &proxy.endpoint(), "--anchor-every", "100"])
+        .args(["--pattern", "step_", "--watch"])
+        .arg(run.p("ckpt"))
+        .arg("--state")
+        .arg(run.p("state"))
+        .arg("--key")
+        .arg(run.p("key"))
+        .env("AWS_ALLOW_HTTP", "true")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap()
+}
+
 /// A bucket outage longer than the store's own retries (every write answered `503 SlowDown`
 /// for a while) under `publish --watch`: the follower does not exit; it says once per try,
 /// on one line, that retrying may help; once the bucket answers again it publishes the step
@@ -435,19 +452,7 @@ fn watch_survives_a_bucket_outage_and_publishes_the_newest_step() {
     let (_, _) = run.next_checkpoint();
     let (_, _) = run.next_checkpoint();
     let log = run.p("publish.log");
-    let mut child = bin()
-        .args(["publish", "--bucket", &run.url, "--endpoint", &proxy.endpoint(), "--anchor-every", "100"])
-        .args(["--pattern", "step_", "--watch"])
-        .arg(run.p("ckpt"))
-        .arg("--state")
-        .arg(run.p("state"))
-        .arg("--key")
-        .arg(run.p("key"))
-        .env("AWS_ALLOW_HTTP", "true")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let mut child = watch(&run, &proxy, &log);
     // A failed assertion must not leave the follower running (it now outlives outages).
     let mut guard = KillOnDrop(Some(child.id()));
     /// Waits until a step at or after `step` is ready; returns the ready (deltas, anchors).
@@ -523,6 +528,54 @@ fn watch_survives_a_bucket_outage_and_publishes_the_newest_step() {
         Some(l) => assert!(l.contains("NOT published") && l.contains(&format!("is {s4})")), "{text}"),
         None => assert!(text.lines().last().unwrap_or_default().starts_with("driftless: error:"), "{text}"),
     }
+}
+
+/// A SIGTERM while the follower reopens the bucket after a failed step (its lease PUT held by
+/// the proxy), not while it waits to retry: it exited 0, "stopped cleanly", with the failed
+/// step not published (found by review: the reopened `follow` saw the signal before trying
+/// the step again). Exit 2, saying so.
+#[test]
+fn watch_stopped_while_reopening_after_a_failure_is_not_a_clean_stop() {
+    let Some((mut run, proxy)) = Run::new("stop-in-reopen") else { return };
+    let (_, _) = run.next_checkpoint();
+    let log = run.p("publish.log");
+    let mut child = watch(&run, &proxy, &log);
+    let mut guard = KillOnDrop(Some(child.id()));
+    let t0 = std::time::Instant::now();
+    fn ready_below(run: &Run, n: u64) -> bool {
+        let (d, a) = run.check_bucket();
+        d.iter().chain(&a).all(|&s| s < n)
+    }
+    while ready_below(&run, 1) {
+        assert!(t0.elapsed() < Duration::from_secs(90), "step 1 never became ready");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    proxy.set(Rules { fail_writes: true, ..Rules::default() });
+    let (s2, _) = run.next_checkpoint();
+    let t0 = std::time::Instant::now();
+    while !std::fs::read_to_string(&log).unwrap_or_default().contains("this looks temporary") {
+        assert!(t0.elapsed() < Duration::from_secs(90), "no retry warning during the outage");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The outage over, the reopening's lease PUT (writers/GEN) is held: SIGTERM lands inside `open`.
+    let held = proxy.held.load(Ordering::SeqCst);
+    proxy.set(Rules { hold: Some(("/writers/".into(), Duration::from_secs(4))), ..Rules::default() });
+    let t0 = std::time::Instant::now();
+    while proxy.held.load(Ordering::SeqCst) == held {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the reopening wrote no lease");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: plain kill(2) of our own child process.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let st = child.wait().unwrap();
+    guard.0 = None;
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(ready_below(&run, s2), "{text}");
+    assert_eq!(st.code(), Some(2), "stopped with step {s2} unpublished: {st:?}: {text}");
+    assert!(!text.contains("stopped cleanly"), "{text}");
+    assert!(text.contains(&format!("step {s2} could be published again; stopped with it NOT published")), "{text}");
 }
 
 /// `driftless publish --step` of a step whose delta marker cannot be written (every PUT of it

@@ -121,6 +121,16 @@ impl Error {
         matches!(self, Error::NotFound { .. })
     }
 
+    /// Whether the object is there but a read of it fails in a way retrying the same request
+    /// will not fix (a [`Permanent`](Error::Permanent) answer: an object encrypted with a
+    /// customer key, one archived to a cold storage class, a directory at the key of a
+    /// `file://` bucket). For a reader of the stream such an object is the step's problem,
+    /// not the bucket's: anyone who can write the bucket can plant one, and an agent that
+    /// failed its whole sync on it would never sync again (found by review).
+    pub fn is_unreadable(&self) -> bool {
+        matches!(self, Error::Permanent { .. })
+    }
+
     /// Whether a write-once put lost to an existing object.
     pub fn is_already_exists(&self) -> bool {
         matches!(self, Error::AlreadyExists { .. })

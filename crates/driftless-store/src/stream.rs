@@ -301,14 +301,20 @@ impl LatestWatch {
                 true
             }
             LatestPoll::Absent => !matches!(self.0.replace(Seen::Absent), Some(Seen::Absent)),
+            // A new ETag on the same content (a backend that ignores `If-None-Match` or whose
+            // ETags change at every read, or a writer putting the same bytes again) is no
+            // change: what was concluded from it holds (found by review: an up-to-date agent
+            // then listed the bucket at every poll).
             LatestPoll::Invalid(tag, why) => {
+                let same = matches!(&self.0, Some(Seen::Invalid(Some(t))) if tag.as_ref() == Some(t));
                 invalid = Some(why);
                 self.0 = Some(Seen::Invalid(tag));
-                true
+                !same
             }
             LatestPoll::Changed(h, tag) => {
+                let same = matches!(&self.0, Some(Seen::Valid(old, _)) if *old == h);
                 self.0 = Some(Seen::Valid(h, tag));
-                true
+                !same
             }
         };
         Ok(Watched { hint: self.hint(), changed, invalid })

@@ -103,18 +103,24 @@ pub fn run(a: Args) -> Result<()> {
     // that only looks temporary, e.g. a background encode that fails every time): exit 2, for
     // the supervisor.
     let mut last_done: Option<u64> = None;
+    // The step whose failure led to a reopening, until a publisher commits it: a stop in the
+    // meantime is not clean (found by review: a signal during the reopen's `open`, which
+    // seeds from the saved state, was seen by `follow` before the step was tried again, and
+    // the follower exited 0 saying it stopped cleanly, with the newest step not published).
+    let mut failed: Option<u64> = None;
     let mut backoff = RETRY_MIN;
     let mut tries = 0;
     loop {
         let before = published;
-        let r = open(&a).and_then(|mut p| match follow(&a, &dir, &mut p, &mut published, &mut last_done) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                // The reopened publisher publishes the failed step again; no flush on the way.
-                p.abort();
-                Err(e)
-            }
-        });
+        let r =
+            open(&a).and_then(|mut p| match follow(&a, &dir, &mut p, &mut published, &mut last_done, &mut failed) {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    // The reopened publisher publishes the failed step again; no flush on the way.
+                    p.abort();
+                    Err(e)
+                }
+            });
         let e = match r {
             Ok(()) => return Ok(()),
             Err(e) => e,
@@ -323,6 +329,7 @@ fn follow(
     p: &mut driftless_publisher::Publisher,
     published: &mut u64,
     last_done: &mut Option<u64>,
+    failed: &mut Option<u64>,
 ) -> Result<()> {
     let mut warned = std::collections::BTreeSet::new();
     let mut skipped = std::collections::BTreeSet::new();
@@ -420,7 +427,11 @@ fn follow(
                     skipped.insert(s);
                     continue;
                 }
-                r => r?,
+                Err(e) => {
+                    *failed = Some(failed.map_or(s, |f| f.max(s)));
+                    return Err(e);
+                }
+                Ok(()) => {}
             }
             *last_done = Some(s);
             if stop::requested().is_some() {
@@ -429,6 +440,17 @@ fn follow(
         }
         if let Some(sig) = stop::requested() {
             p.flush()?;
+            // Committed by this publisher or an earlier one (a lost response can hide a commit).
+            if let Some(f) = failed.filter(|&f| p.status().last_published.is_none_or(|l| l < f)) {
+                eprintln!(
+                    "driftless publish: {sig} before step {f} could be published again; stopped with it NOT published"
+                );
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::Interrupted,
+                    format!("stopped by {sig} with step {f} not published (it failed, and the follower was reopening)"),
+                )
+                .into());
+            }
             match last_done {
                 Some(s) => eprintln!("driftless publish: {sig}: step {s} was completed and is ready; stopped cleanly"),
                 None => eprintln!("driftless publish: {sig}: no step was in flight; stopped cleanly"),
