@@ -526,6 +526,7 @@ impl MarkerCache {
                     e,
                     driftless_store::Error::InvalidKey { .. }
                         | driftless_store::Error::TooManyKeys { .. }
+                        | driftless_store::Error::ListTooLarge { .. }
                         | driftless_store::Error::ListTimeout { .. }
                 ) =>
             {

@@ -50,6 +50,13 @@ pub enum Error {
     /// Saved weights offered to `seed` do not match the bucket; the next step is an anchor.
     #[error("saved publisher state not used: {0}")]
     Seed(String),
+    /// The weights given to [`Publisher::publish_checked`](crate::Publisher::publish_checked)
+    /// changed while they were read: the step was not published. Reading them again can help.
+    #[error("the weights of step {step} changed while they were read; it was not published")]
+    InputChanged {
+        /// Step.
+        step: u64,
+    },
     /// The publisher was closed.
     #[error("publisher is closed")]
     Closed,
@@ -77,7 +84,7 @@ impl Error {
             Error::Stream(e) => e.is_retryable(),
             Error::Format(e) => e.is_retryable(),
             Error::Upload { retryable, .. } => *retryable,
-            Error::Waited(_) => true,
+            Error::Waited(_) | Error::InputChanged { .. } => true,
             // A full spool disk or quota needs someone to act first.
             Error::Io(e) => driftless_format::io_is_retryable(e),
             Error::Refused(_)

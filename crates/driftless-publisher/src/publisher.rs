@@ -227,6 +227,7 @@ impl PublisherBuilder {
             encoding: None,
             handed_over: None,
             retries: 0,
+            input_check: None,
         })
     }
 
@@ -343,6 +344,7 @@ impl PublisherBuilder {
             let held = match bucket.list("").await {
                 Ok(v) => (!v.is_empty()).then(|| v.len().to_string()),
                 Err(driftless_store::Error::TooManyKeys { max, .. }) => Some(format!("more than {max}")),
+                Err(driftless_store::Error::ListTooLarge { .. }) => Some("too many".into()),
                 Err(e) => return Err(e.into()),
             };
             if let Some(n) = held {
@@ -476,6 +478,8 @@ pub struct Publisher {
     handed_over: Option<u64>,
     /// Lost steps published again so far: each try's objects carry its own attempt tag.
     retries: u32,
+    /// The caller's check of [`Publisher::publish_checked`], while one runs.
+    input_check: Option<Box<dyn FnMut() -> bool + Send + Sync>>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -582,6 +586,40 @@ impl Publisher {
         self.publish_with_layout(step, tensors, &layout)
     }
 
+    /// [`Publisher::publish_with_layout`] of weights that someone else may change while they
+    /// are read (files a trainer can rewrite in place, mapped by the caller): `unchanged` is
+    /// called once the publisher has read `tensors` for the last time (diffed or copied into
+    /// its own snapshot), before anything of the step is queued. `false` refuses the step with
+    /// [`Error::InputChanged`] (retryable: read them again) and nothing of it reaches the
+    /// bucket; when that read had replaced the publisher's snapshot, the snapshot is dropped
+    /// (it may mix two writes of the input: never a base) and the next step is an anchor.
+    /// A coalesced step this one was to supersede is kept only when it was copied.
+    pub fn publish_checked(
+        &mut self,
+        step: u64,
+        tensors: &[TensorView<'_>],
+        layout: &Layout,
+        unchanged: impl FnMut() -> bool + Send + Sync + 'static,
+    ) -> Result<PublishReceipt> {
+        self.input_check = Some(Box::new(unchanged));
+        let r = self.publish_with_layout(step, tensors, layout);
+        self.input_check = None;
+        r
+    }
+
+    /// The check of [`Publisher::publish_checked`], after the last read of the caller's
+    /// tensors. `replaced`: that read changed or replaced the snapshot.
+    fn input_unchanged(&mut self, step: u64, replaced: bool) -> Result<()> {
+        if self.input_check.as_mut().is_none_or(|unchanged| unchanged()) {
+            return Ok(());
+        }
+        warn!(step, "the weights changed while they were read; the step is not published");
+        if replaced {
+            self.snapshot = None;
+        }
+        Err(Error::InputChanged { step })
+    }
+
     /// Publishes the weights of `step` with an explicit shard layout (a checkpoint's own).
     pub fn publish_with_layout(
         &mut self,
@@ -659,6 +697,7 @@ impl Publisher {
                 Held::Copy(ordered.iter().map(|v| (v.meta(), v.data.to_vec())).collect())
             };
             drop(snap);
+            self.input_unchanged(step, false)?;
             self.pending = Some(Pending { step, layout: layout.clone(), weights });
             return Ok(PublishReceipt {
                 step,
@@ -700,6 +739,7 @@ impl Publisher {
         let ordered = order(tensors, layout)?;
         let digests = m.shards.iter().flat_map(|s| s.tensors.iter().map(|t| t.digest)).collect();
         self.replace_snapshot(step, layout, &ordered, Some((digests, m.result_root)))?;
+        self.input_unchanged(step, true)?;
         self.shared.update(|s| s.queued += 1);
         self.send(Job::Delta(job))?;
         self.chain_bytes += delta_bytes;
@@ -779,12 +819,14 @@ impl Publisher {
             return Err(Error::Closed);
         }
         let opts = self.cfg.delta;
-        if self.snapshot.as_ref().is_some_and(|s| Arc::strong_count(s) > 1) {
+        if self.input_check.is_some() || self.snapshot.as_ref().is_some_and(|s| Arc::strong_count(s) > 1) {
             // An anchor thread is still writing the snapshot to its spool (the step before
             // was a scheduled anchor): rather than wait for it (1.6-2.2 s at 1 GiB here,
             // against 0.08 s for a delta step), the changes are found by a read-only diff
             // (both threads only read), and the snapshot is handed to the encode thread,
-            // which applies them once the anchor thread has let go of it.
+            // which applies them once the anchor thread has let go of it. So is a checked
+            // input's (`publish_checked`): refused after its read, it leaves the snapshot as
+            // it was, still the base of the next step.
             let snap = self.snapshot.as_ref().expect("checked");
             let ordered = order(tensors, &snap.layout)?;
             let diff = {
@@ -792,6 +834,7 @@ impl Publisher {
                 driftless_format::diff(&snap.bufs(), &ordered, &opts)?
             };
             let base_step = snap.step;
+            self.input_unchanged(step, false)?;
             return self.encode_in_background(step, base_step, base_root, diff, t0, true);
         }
         let snap = self.snapshot_mut();
@@ -942,6 +985,9 @@ impl Publisher {
         }
         let ordered = order(tensors, layout)?;
         let (digests, root) = driftless_format::weights_root(&ordered);
+        // (A change found after the snapshot's copy below would leave a snapshot that does not
+        // hash to its root: checked here, and again after that copy.)
+        self.input_unchanged(step, false)?;
         let queued_same = self.snapshot.as_ref().is_some_and(|s| s.step == step && s.root == Some(root));
         let committed = if queued_same {
             Some(root)
@@ -958,6 +1004,7 @@ impl Publisher {
                 if step == last && self.snapshot.as_ref().is_none_or(|s| s.step < step) {
                     // The newest committed step: deltas can be taken against it again.
                     self.replace_snapshot(step, layout, &ordered, Some((digests, root)))?;
+                    self.input_unchanged(step, true)?;
                     self.shared.update(|s| s.tip = Some(step));
                 }
                 info!(step, "step is already published with these weights; nothing to do");
@@ -992,6 +1039,7 @@ impl Publisher {
             Some((tensors, layout)) => {
                 let ordered = order(tensors, layout)?;
                 self.replace_snapshot(step, layout, &ordered, None)?;
+                self.input_unchanged(step, true)?;
             }
             // The snapshot holds the step (a coalesced one rebuilt in it): hashed in place.
             None => {
@@ -1284,6 +1332,8 @@ impl Publisher {
             Some((tensors, layout)) => {
                 let ordered = order(tensors, layout)?;
                 let (digests, root) = driftless_format::weights_root(&ordered);
+                // Before the claim of this root (checked again after the snapshot's copy).
+                self.input_unchanged(step, false)?;
                 Some((ordered, layout, digests, root))
             }
             None => None,
@@ -1360,6 +1410,7 @@ impl Publisher {
         if let Some((ordered, layout, digests, root)) = given {
             if self.snapshot.as_ref().is_none_or(|s| (s.step, s.root) != (step, Some(root))) {
                 self.replace_snapshot(step, layout, &ordered, Some((digests, root)))?;
+                self.input_unchanged(step, true)?;
             }
         }
         if committed {

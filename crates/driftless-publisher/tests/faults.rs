@@ -541,6 +541,68 @@ fn failed_background_encode_is_a_failed_step() {
     }
 }
 
+/// `publish_checked` (the CLI's `--watch`, whose files a trainer may rewrite while they are
+/// read): a step whose check fails after its read puts nothing in the bucket, whichever
+/// route it took, and the publisher goes on: a delta step refused keeps its base (the step
+/// read again is still a delta), a step that had replaced the snapshot (the first anchor, a
+/// layout change) leaves none (the step read again is an anchor, never a delta against
+/// weights that may mix two writes).
+#[test]
+fn a_checked_step_refused_after_its_read_publishes_nothing() {
+    for be in backends("checked", false) {
+        let ctx = be.name.clone();
+        let (_, bucket) = be.bucket();
+        let mut p = publisher(&bucket, 100).build().unwrap();
+        let mut c = chain();
+        let mut t = Trainer::default();
+        let metas: Vec<TensorMeta> = c.views().iter().map(|v| v.meta()).collect();
+        let one = driftless_format::Layout::for_tensors(&metas, u64::MAX).unwrap();
+        let split = driftless_format::Layout::for_tensors(&metas, 64 << 10).unwrap();
+        assert_ne!(one, split, "{ctx}");
+        let refused = |p: &mut driftless_publisher::Publisher, step, views: &[TensorView<'_>], layout| {
+            let checks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let n = checks.clone();
+            let e = p
+                .publish_checked(step, views, layout, move || {
+                    n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    false
+                })
+                .unwrap_err();
+            assert!(matches!(e, Error::InputChanged { step: s } if s == step), "{ctx}: {e:?}");
+            assert!(e.is_retryable(), "{ctx}: {e}");
+            assert_eq!(checks.load(std::sync::atomic::Ordering::SeqCst), 1, "{ctx}: step {step}");
+            p.flush().unwrap();
+            assert!(p.status().last_published.is_none_or(|l| l < step), "{ctx}: step {step}: {:?}", p.status());
+        };
+        for (step, layout, want) in [
+            (0, &one, Outcome::Anchor),
+            (1, &one, Outcome::Delta),
+            (2, &split, Outcome::Anchor),
+            (3, &split, Outcome::Delta),
+        ] {
+            if step > 0 {
+                c.step();
+            }
+            // Step 2 is read first under a new layout (a delta's route that replaces the
+            // snapshot), then again as the checkpoint was written.
+            let first = if step == 2 { &split } else { layout };
+            refused(&mut p, step, &c.views(), first);
+            let r =
+                p.publish_checked(step, &c.views(), layout, || true).unwrap_or_else(|e| panic!("{ctx}: {step}: {e}"));
+            assert_eq!(r.outcome, want, "{ctx}: step {step}");
+            t.published.insert(step, root_of(&c.views()));
+            p.flush().unwrap();
+            assert_eq!(p.status().last_published, Some(step), "{ctx}");
+        }
+        p.close().unwrap();
+        let s = scan(&bucket, &trust());
+        t.check(&s, &ctx);
+        assert_eq!(s.ready_anchors.iter().copied().collect::<Vec<_>>(), vec![0, 2], "{ctx}: {s:?}");
+        assert_eq!(s.ready_deltas.keys().copied().collect::<Vec<_>>(), vec![1, 3], "{ctx}: {s:?}");
+        assert!(s.incomplete.is_empty(), "{ctx}: {s:?}");
+    }
+}
+
 /// Publishes steps 0-2 of a chain, flushing each, with `faults` injected before step 2:
 /// only step 2's flush fails. Returns the publisher, the chain at step 2 and what was published.
 fn lose_step_2(

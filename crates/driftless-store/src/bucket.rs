@@ -22,6 +22,11 @@ const SMALL_PUT: usize = 1 << 20;
 /// with their segments, anchors of 100 shards); this is a hundred times that.
 pub const MAX_LIST_KEYS: usize = 1_000_000;
 
+/// Most bytes the kept entries of one listing may take by default ([`Error::ListTooLarge`],
+/// [`StoreOptions::max_list_bytes`]): 1 M keys of ~60 bytes (this layout's keys) fit in
+/// about half of it, so the key count binds first unless the keys are planted long.
+pub const MAX_LIST_BYTES: usize = 256 << 20;
+
 use crate::error::{Error, Result};
 use crate::options::StoreOptions;
 
@@ -519,24 +524,37 @@ impl Bucket {
                 // the store's listing stream ends at its first error (`file://` and S3 alike),
                 // so what would follow it is lost, and a listing silently partial is worse than
                 // none (tried: it lost the newest step of a `file://` listing).
-                let collect =
-                    stream.map_err(|e| Error::from_store(prefix, e)).take(max.saturating_add(1)).try_collect();
-                let metas: Vec<ObjectMeta> = tokio::time::timeout(limit.saturating_sub(started.elapsed()), collect)
+                let max_bytes = self.inner.opts.max_list_bytes;
+                // Filtered as it streams: only the kept entries are held (a whole listing
+                // collected first held up to 1 M `ObjectMeta`, 1.2 GiB of planted long keys,
+                // before its filter ran; found by review).
+                let collect = async {
+                    let mut stream = std::pin::pin!(stream);
+                    let (mut seen, mut bytes, mut kept) = (0usize, 0usize, Vec::new());
+                    while let Some(meta) = stream.try_next().await.map_err(|e| Error::from_store(prefix, e))? {
+                        seen += 1;
+                        if seen > max {
+                            return Err(Error::TooManyKeys { prefix: prefix.to_string(), max });
+                        }
+                        let info = self.info(meta);
+                        if !(info.key.starts_with(prefix) && offset.is_none_or(|o| info.key.as_str() > o)) {
+                            continue;
+                        }
+                        bytes += std::mem::size_of::<ObjectInfo>()
+                            + info.key.len()
+                            + info.etag.as_ref().map_or(0, String::len);
+                        if bytes > max_bytes {
+                            return Err(Error::ListTooLarge { prefix: prefix.to_string(), max_bytes });
+                        }
+                        kept.push(info);
+                    }
+                    Ok(kept)
+                };
+                tokio::time::timeout(limit.saturating_sub(started.elapsed()), collect)
                     .await
-                    .map_err(|_| Error::ListTimeout { prefix: prefix.to_string(), secs: limit.as_secs() })??;
-                if metas.len() > max {
-                    return Err(Error::TooManyKeys { prefix: prefix.to_string(), max });
-                }
-                Ok(metas)
+                    .map_err(|_| Error::ListTimeout { prefix: prefix.to_string(), secs: limit.as_secs() })?
             })
-            .await?
-            .into_iter()
-            .filter_map(|meta| {
-                let info = self.info(meta);
-                let keep = info.key.starts_with(prefix) && offset.is_none_or(|o| info.key.as_str() > o);
-                keep.then_some(info)
-            })
-            .collect::<Vec<_>>();
+            .await?;
         out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
     }

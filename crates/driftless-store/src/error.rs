@@ -37,6 +37,16 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
+    /// The entries a listing keeps took more memory than a reader accepts
+    /// ([`StoreOptions::max_list_bytes`](crate::StoreOptions::max_list_bytes): long keys
+    /// planted in a bucket); the listing is stopped there.
+    #[error("listing {prefix} returned more than {max_bytes} bytes of keys")]
+    ListTooLarge {
+        /// The listed prefix.
+        prefix: String,
+        /// The limit.
+        max_bytes: usize,
+    },
     /// A listing did not finish within
     /// [`StoreOptions::list_timeout`](crate::StoreOptions::list_timeout) (a server that pages
     /// forever, empty pages with a continuation token included). May pass by itself.

@@ -13,7 +13,7 @@ mod redact;
 pub mod spool;
 pub mod stream;
 
-pub use bucket::{Bucket, ObjectInfo, MAX_LIST_KEYS};
+pub use bucket::{Bucket, ObjectInfo, MAX_LIST_BYTES, MAX_LIST_KEYS};
 pub use error::{Error, Result, StoreError};
 pub use faulty::{FaultKind, FaultOp, FaultyStore};
 pub use object_store::{self, ObjectStore};

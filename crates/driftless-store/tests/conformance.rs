@@ -162,6 +162,21 @@ async fn conformance(b: &Bucket, caps: Caps) {
     assert!(matches!(e, Error::TooManyKeys { max, .. } if max == n - 1), "{e:?}");
     assert!(!e.is_retryable(), "{e:?}");
     assert_eq!(capped(n).list("").await.unwrap().len(), n);
+    // And in the bytes of what they keep: entries the prefix filter drops are not held, so a
+    // cap that the whole listing overflows still holds one key of it.
+    let entry = |o: &driftless_store::ObjectInfo| {
+        std::mem::size_of::<driftless_store::ObjectInfo>() + o.key.len() + o.etag.as_ref().map_or(0, String::len)
+    };
+    let total: usize = all.iter().map(entry).sum();
+    let bytes_capped =
+        |max| Bucket::from_store(b.store().clone(), b.prefix(), &b.options().clone().with_max_list_bytes(max));
+    let e = bytes_capped(total - 1).list("").await.unwrap_err();
+    assert!(matches!(e, Error::ListTooLarge { max_bytes, .. } if max_bytes == total - 1), "{e:?}");
+    assert!(!e.is_retryable(), "{e:?}");
+    assert_eq!(bytes_capped(total).list("").await.unwrap().len(), n);
+    let one = all.iter().find(|o| o.key == layout::ready(StepKind::Delta, 1000)).expect("listed");
+    let held = bytes_capped(entry(one)).list(&layout::ready(StepKind::Delta, 1000)).await.unwrap();
+    assert_eq!(held.len(), 1, "{held:?}");
 
     // --- delete ---
     b.delete(layout::LATEST).await.unwrap();

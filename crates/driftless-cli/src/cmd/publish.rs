@@ -220,10 +220,36 @@ fn publish_one(
 ) -> Result<()> {
     // A --watch entry is linked instead (the trainer does not rewrite it, but its retention
     // may delete it while the step uploads: the links keep the files for the saved state).
-    let staged = state::stage(&a.state, step, ckpt, a.watch.is_some(), &a.exclude)?;
-    let r = publish_from(a, p, step, &staged, published);
-    let _ = std::fs::remove_dir_all(&staged);
-    r
+    // Linked files are the trainer's: one it rewrites in place while the publisher reads it
+    // refuses the step there (`publish_checked`), and the step is staged and read again.
+    for attempt in 1..=3 {
+        let staged = state::stage(&a.state, step, ckpt, a.watch.is_some(), &a.exclude)?;
+        let r = publish_from(a, p, step, &staged, published);
+        let _ = std::fs::remove_dir_all(&staged);
+        let changed = matches!(
+            r.as_ref().err().and_then(|e| e.downcast_ref::<driftless_publisher::Error>()),
+            Some(driftless_publisher::Error::InputChanged { .. })
+        );
+        if !changed {
+            return r;
+        }
+        read_again(ckpt, step, attempt)?;
+    }
+    unreachable!("the loop returns")
+}
+
+/// After try `attempt` (of 3) found `path` changed while it was read: the error once the
+/// third did, else a warning and a pause before the next.
+fn read_again(path: &Path, step: u64, attempt: u32) -> Result<()> {
+    if attempt >= 3 {
+        anyhow::bail!(
+            "{} changed while it was read, three times (is the trainer still writing it?): step {step} was not published; publish a checkpoint once it is written",
+            path.display()
+        );
+    }
+    eprintln!("driftless publish: warning: {} changed while it was read; reading it again", path.display());
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    Ok(())
 }
 
 fn publish_from(
@@ -244,7 +270,21 @@ fn publish_from(
         );
     }
     let before = p.status().bytes_uploaded;
-    let mut r = p.publish_with_layout(step, &ck.views(), &stable_layout(&ck, ckpt))?;
+    // The shards as the publisher reads them: hard links of a `--watch` entry are the
+    // trainer's own files, which it may rewrite in place while they are read (a staged copy
+    // is the command's own and never changes). Checked again once the publisher has its copy
+    // of the weights, before anything of the step is queued (found by review: a `--watch`
+    // step read during such a rewrite was published mixing the two saves).
+    let stamps = state::stamps(ckpt, &a.exclude)?;
+    let (dir, exclude) = (ckpt.to_path_buf(), a.exclude.clone());
+    let unchanged = move || {
+        #[cfg(test)]
+        tests::IN_CHECK.with(|h| (h.borrow_mut().0)(&dir));
+        state::stamps(&dir, &exclude).is_ok_and(|now| now == stamps)
+    };
+    #[cfg(test)]
+    tests::BEFORE_READ.with(|h| (h.borrow_mut().0)(ckpt));
+    let mut r = p.publish_checked(step, &ck.views(), &stable_layout(&ck, ckpt), unchanged)?;
     if let Err(e) = flush_with_progress(p, a.json) {
         if is_taken(&e) {
             // Claimed by a killed predecessor: publishing it again cannot help.
@@ -590,12 +630,32 @@ mod state {
         r.map(|()| stage)
     }
 
+    /// Length, modification time and inode of a file.
+    type Stamp = (u64, i64, i64, u64);
+
+    fn stamp(p: &Path) -> Result<Stamp> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(p).with_context(|| format!("reading {}", p.display()))?;
+        Ok((m.len(), m.mtime(), m.mtime_nsec(), m.ino()))
+    }
+
+    /// The stamps of a staged directory's shards and index, by name. Equal stamps mean
+    /// unchanged files but for a write within the clock tick (a few ms) of the first stamp:
+    /// a rewrite in place truncates or grows the file too, and most land outside the tick.
+    pub fn stamps(dir: &Path, exclude: &[String]) -> Result<Vec<(std::ffi::OsString, Stamp)>> {
+        let mut v = vec![];
+        for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+            let e = e?;
+            let name = e.file_name();
+            if super::role(&name.to_string_lossy(), 0, exclude) == Some(true) {
+                v.push((name, stamp(&e.path())?));
+            }
+        }
+        v.sort();
+        Ok(v)
+    }
+
     fn stage_into(stage: &Path, step: u64, ckpt: &Path, link: bool, exclude: &[String]) -> Result<()> {
-        let stamp = |p: &Path| -> Result<(u64, i64, i64, u64)> {
-            use std::os::unix::fs::MetadataExt;
-            let m = std::fs::metadata(p).with_context(|| format!("reading {}", p.display()))?;
-            Ok((m.len(), m.mtime(), m.mtime_nsec(), m.ino()))
-        };
         // The files to stage: (source, copy, whether it is a shard to check byte for byte).
         let list = || -> Result<Vec<(PathBuf, PathBuf, bool)>> {
             if ckpt.is_file() {
@@ -658,14 +718,7 @@ mod state {
                 }
             }
             let Some(f) = changed else { return Ok(()) };
-            if attempt == 3 {
-                anyhow::bail!(
-                    "{} changed while it was read, three times (is the trainer still writing it?): step {step} was not published; publish a checkpoint once it is written",
-                    f.display()
-                );
-            }
-            eprintln!("driftless publish: warning: {} changed while it was read; reading it again", f.display());
-            std::thread::sleep(std::time::Duration::from_millis(500));
+            super::read_again(&f, step, attempt)?;
         }
         unreachable!("the loop returns")
     }
@@ -924,6 +977,113 @@ mod tests {
     thread_local! {
         /// Called by `state::stage_into` after each shard it copied (a trainer's write).
         pub(super) static AFTER_COPY: std::cell::RefCell<Hook> = std::cell::RefCell::new(Hook(Box::new(|_| {})));
+        /// Called by `publish_from` just before the publisher reads the staged checkpoint.
+        pub(super) static BEFORE_READ: std::cell::RefCell<Hook> = std::cell::RefCell::new(Hook(Box::new(|_| {})));
+        /// Called by `publish_from`'s check, once the publisher has read it.
+        pub(super) static IN_CHECK: std::cell::RefCell<Hook> = std::cell::RefCell::new(Hook(Box::new(|_| {})));
+    }
+
+    /// Found by review: a `--watch` entry is read through hard links of the trainer's files,
+    /// checked unchanged only while they were linked, so a trainer rewriting it in place
+    /// while the publisher read it (shard 2 before the read, shard 1 after) had a step
+    /// published that mixed its two saves. The shards are now checked again once the
+    /// publisher has its copy: that read is refused, and the step read again whole.
+    #[test]
+    fn a_watch_entry_rewritten_while_it_is_read_is_read_again() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: Args,
+        }
+        let d = tempfile::tempdir().unwrap();
+        let (bucket, watch) = (d.path().join("bucket"), d.path().join("watch"));
+        std::fs::create_dir_all(&bucket).unwrap();
+        let url = format!("file://{}", bucket.display());
+        let args = Cli::try_parse_from([
+            "t".as_ref(),
+            "--bucket".as_ref(),
+            url.as_ref(),
+            "--state".as_ref(),
+            d.path().join("state").as_os_str(),
+            "--watch".as_ref(),
+            watch.as_os_str(),
+            "--once".as_ref(),
+        ])
+        .unwrap()
+        .a;
+        // Two shards of one BF16 tensor each; `v` is every element's bit pattern.
+        let names = ["a", "b"];
+        let shape = [4096u64];
+        let bytes = |v: u16| -> Vec<u8> { std::iter::repeat_n(v.to_le_bytes(), 4096).flatten().collect() };
+        let save = |dir: &Path, va: u16, vb: u16| {
+            let (da, db) = (bytes(va), bytes(vb));
+            let views = [
+                driftless_format::TensorView::new(names[0], driftless_format::DType::BF16, &shape, &da).unwrap(),
+                driftless_format::TensorView::new(names[1], driftless_format::DType::BF16, &shape, &db).unwrap(),
+            ];
+            let metas: Vec<_> = views.iter().map(|v| v.meta()).collect();
+            let layout = driftless_format::Layout::for_tensors(&metas, 8192).unwrap();
+            std::fs::create_dir_all(dir).unwrap();
+            driftless_format::checkpoint::write_checkpoint(dir, &layout, &views).unwrap();
+        };
+        let root_of = |dir: &Path| driftless_format::weights_root(&super::super::open(dir).unwrap().views()).1;
+        let mut p = open(&args).unwrap();
+        let mut n = 0;
+        save(&watch.join("step_1"), 1, 2);
+        publish_one(&args, &mut p, 1, &watch.join("step_1"), &mut n).unwrap();
+        // The trainer's first save of step 2, then its second, in place, while it is read.
+        let step2 = watch.join("step_2");
+        save(&step2, 3, 4);
+        let mut shards: Vec<PathBuf> = std::fs::read_dir(&step2)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                role(&p.file_name().unwrap().to_string_lossy(), 0, &[]) == Some(true)
+                    && p.extension().is_some_and(|e| e == "safetensors")
+            })
+            .collect();
+        shards.sort();
+        assert_eq!(shards.len(), 2, "{shards:?}");
+        let second = d.path().join("second");
+        save(&second, 5, 6);
+        let (second2, shards2) = (second.clone(), shards.clone());
+        let rewrite = move |i: usize| {
+            use std::os::unix::fs::FileExt;
+            let new = std::fs::read(second2.join(shards2[i].file_name().unwrap())).unwrap();
+            std::fs::OpenOptions::new().write(true).open(&shards2[i]).unwrap().write_all_at(&new, 0).unwrap();
+        };
+        let (reads, checks) = (std::rc::Rc::new(std::cell::Cell::new(0)), std::rc::Rc::new(std::cell::Cell::new(0)));
+        let (r2, c2) = (reads.clone(), checks.clone());
+        let rewrite2 = rewrite.clone();
+        BEFORE_READ.with(|h| {
+            *h.borrow_mut() = Hook(Box::new(move |_| {
+                r2.set(r2.get() + 1);
+                if r2.get() == 1 {
+                    rewrite2(1);
+                }
+            }))
+        });
+        IN_CHECK.with(|h| {
+            *h.borrow_mut() = Hook(Box::new(move |_| {
+                c2.set(c2.get() + 1);
+                if c2.get() == 1 {
+                    rewrite(0);
+                }
+            }))
+        });
+        let r = publish_one(&args, &mut p, 2, &step2, &mut n);
+        BEFORE_READ.with(|h| *h.borrow_mut() = Hook(Box::new(|_| {})));
+        IN_CHECK.with(|h| *h.borrow_mut() = Hook(Box::new(|_| {})));
+        r.unwrap();
+        p.flush().unwrap();
+        let trust = driftless_format::TrustSet::new().allow_unsigned(true);
+        let reader = driftless_store::stream::StreamReader::new(args.bucket.open().unwrap(), trust);
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let (m, _) = rt.block_on(reader.delta(2)).unwrap();
+        assert_eq!(m.result_root, root_of(&second), "step 2 is not the trainer's second save");
+        assert_eq!(root_of(&step2), root_of(&second));
+        assert_eq!(reads.get(), 2, "the step was read once more");
     }
 
     /// Found by review: each shard unchanged by its own copy was all that was checked, so a
