@@ -109,6 +109,16 @@ pub fn from_hint(hint: &LatestHint, sid: &str, local: u64) -> Option<Candidates>
     Some(c)
 }
 
+/// Whether a signed `latest.json` names step `local` of stream `sid` as the newest step (its
+/// delta's or its anchor's): the Python `Follower`'s fast poll takes it for up to date
+/// without listing (a stale hint delays it until its periodic listing; markers stay the
+/// source of truth). The agent polls `latest.json` conditionally and lists when it changed,
+/// and `sync_once` always plans from the listing unless the hint gives a route: an explicit
+/// sync looks at the markers, planted ones included.
+pub fn hint_is_current(hint: &LatestHint, sid: &str, local: u64) -> bool {
+    hint.stream_id == sid && hint.delta.max(hint.anchor) == Some(local)
+}
+
 /// Steps that failed and are left out of plans for a while.
 ///
 /// A refusal is keyed by the step and the manifest SHA-256 its marker names, so a step that is

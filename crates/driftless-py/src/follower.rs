@@ -871,7 +871,7 @@ impl PyFollower {
         }
         let h = pl.latest.poll(&self.reader).await.ok()?.hint.filter(|h| h.stream_id == sid).cloned();
         if let Some(h) = h {
-            if h.delta.max(h.anchor) == Some(local) && want.is_none_or(|w| w == local) {
+            if plan::hint_is_current(&h, &sid, local) && want.is_none_or(|w| w == local) {
                 return Some(None);
             }
             if let Some(c) = plan::from_hint(&h, &sid, local) {
