@@ -59,6 +59,9 @@ pub fn classify(e: &anyhow::Error) -> Class {
         if c.downcast_ref::<BadInput>().is_some() {
             return Class::Fatal;
         }
+        if c.downcast_ref::<crate::cmd::publish::Unsettled>().is_some() {
+            return Class::Retryable;
+        }
         if let Some(x) = c.downcast_ref::<driftless_format::Error>() {
             return format(x);
         }

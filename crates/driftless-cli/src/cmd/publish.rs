@@ -223,7 +223,17 @@ fn publish_one(
     // Linked files are the trainer's: one it rewrites in place while the publisher reads it
     // refuses the step there (`publish_checked`), and the step is staged and read again.
     for attempt in 1..=3 {
-        let staged = state::stage(&a.state, step, ckpt, a.watch.is_some(), &a.exclude)?;
+        let staged = match state::stage(&a.state, step, ckpt, a.watch.is_some(), &a.exclude) {
+            Err(e) if e.downcast_ref::<Unsettled>().is_none() && !ckpt.exists() => {
+                return Err(Unsettled(format!(
+                    "{} was removed while it was read ({}): step {step} was not published",
+                    ckpt.display(),
+                    crate::exit::render(&e)
+                ))
+                .into());
+            }
+            r => r?,
+        };
         let r = publish_from(a, p, step, &staged, published);
         let _ = std::fs::remove_dir_all(&staged);
         let changed = matches!(
@@ -238,14 +248,25 @@ fn publish_one(
     unreachable!("the loop returns")
 }
 
+/// A checkpoint that could not be read as one state: it changed at every try, or it was
+/// removed while it was read (a trainer's retention). Nothing of it reached the bucket, and
+/// reading it again later can help: `--step` exits 2 ("retrying may help"); `--watch` goes on
+/// and reads the entry again at its next scan, if it is still there (found by review: the
+/// follower exited, so a trainer slow to finish a save, or deleting old checkpoints while
+/// the publisher was behind, stopped publishing for good).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Unsettled(String);
+
 /// After try `attempt` (of 3) found `path` changed while it was read: the error once the
 /// third did, else a warning and a pause before the next.
 fn read_again(path: &Path, step: u64, attempt: u32) -> Result<()> {
     if attempt >= 3 {
-        anyhow::bail!(
+        return Err(Unsettled(format!(
             "{} changed while it was read, three times (is the trainer still writing it?): step {step} was not published; publish a checkpoint once it is written",
             path.display()
-        );
+        ))
+        .into());
     }
     eprintln!("driftless publish: warning: {} changed while it was read; reading it again", path.display());
     std::thread::sleep(std::time::Duration::from_millis(500));
@@ -466,6 +487,29 @@ fn follow(
                     );
                     skipped.insert(s);
                     continue;
+                }
+                // Changing at every read, or removed while read: skipped when a newer entry
+                // is complete (it carries newer weights), else read again at the next scan
+                // (`--once`: the command fails, exit 2, "retrying may help").
+                Err(e) if e.downcast_ref::<Unsettled>().is_some() => {
+                    let mut newer = steps[i + 1..].iter().filter(|(t, _)| !twice.contains(t));
+                    if let Some((t, _)) = newer.find(|(_, q)| complete(q, a.complete_file.as_deref())) {
+                        eprintln!(
+                            "driftless publish: warning: {}; skipping step {s}: step {t} publishes newer weights",
+                            crate::exit::render(&e)
+                        );
+                        skipped.insert(s);
+                        continue;
+                    }
+                    if a.once {
+                        return Err(e);
+                    }
+                    eprintln!(
+                        "driftless publish: warning: {}; reading {} again at the next scan",
+                        crate::exit::render(&e),
+                        path.display()
+                    );
+                    break;
                 }
                 Err(e) => {
                     *failed = Some(failed.map_or(s, |f| f.max(s)));
@@ -981,6 +1025,105 @@ mod tests {
         pub(super) static BEFORE_READ: std::cell::RefCell<Hook> = std::cell::RefCell::new(Hook(Box::new(|_| {})));
         /// Called by `publish_from`'s check, once the publisher has read it.
         pub(super) static IN_CHECK: std::cell::RefCell<Hook> = std::cell::RefCell::new(Hook(Box::new(|_| {})));
+    }
+
+    /// Found by review: a `--watch` entry that changed at every read (a trainer slow to finish
+    /// its save) or vanished while it was read (its retention) ended the follower (exit 2),
+    /// and nothing after it was ever published. Now such an entry is skipped when a newer one
+    /// is complete, and otherwise read again later (`--once`: a retryable failure).
+    #[test]
+    fn a_watch_entry_that_never_settles_does_not_stop_the_follower() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: Args,
+        }
+        for newer in [true, false] {
+            let d = tempfile::tempdir().unwrap();
+            let (bucket, watch) = (d.path().join("bucket"), d.path().join("watch"));
+            std::fs::create_dir_all(&bucket).unwrap();
+            let url = format!("file://{}", bucket.display());
+            let args = Cli::try_parse_from([
+                "t".as_ref(),
+                "--bucket".as_ref(),
+                url.as_ref(),
+                "--state".as_ref(),
+                d.path().join("state").as_os_str(),
+                "--watch".as_ref(),
+                watch.as_os_str(),
+                "--once".as_ref(),
+            ])
+            .unwrap()
+            .a;
+            let data = |v: u16| -> Vec<u8> { std::iter::repeat_n(v.to_le_bytes(), 4096).flatten().collect() };
+            let save = |dir: &Path, v: u16| {
+                let d = data(v);
+                let views =
+                    [driftless_format::TensorView::new("w", driftless_format::DType::BF16, &[4096], &d).unwrap()];
+                let layout = driftless_format::Layout::for_tensors(&[views[0].meta()], u64::MAX).unwrap();
+                std::fs::create_dir_all(dir).unwrap();
+                driftless_format::checkpoint::write_checkpoint(dir, &layout, &views).unwrap();
+            };
+            save(&watch.join("step_1"), 1);
+            if newer {
+                save(&watch.join("step_2"), 2);
+            }
+            // Step 1's shard is rewritten (in place, new bytes) once each read of it is done.
+            let shard = std::fs::read_dir(watch.join("step_1"))
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+                .unwrap();
+            let checks = std::rc::Rc::new(std::cell::Cell::new(0u16));
+            let c2 = checks.clone();
+            IN_CHECK.with(|h| {
+                *h.borrow_mut() = Hook(Box::new(move |dir| {
+                    if dir.ends_with("stage-1") {
+                        use std::os::unix::fs::FileExt;
+                        c2.set(c2.get() + 1);
+                        let f = std::fs::OpenOptions::new().write(true).open(&shard).unwrap();
+                        let len = f.metadata().unwrap().len();
+                        f.write_all_at(&(100 + c2.get()).to_le_bytes(), len - 2).unwrap();
+                    }
+                }))
+            });
+            let mut p = open(&args).unwrap();
+            let (mut n, mut done, mut failed) = (0, None, None);
+            let r = follow(&args, &watch, &mut p, &mut n, &mut done, &mut failed);
+            IN_CHECK.with(|h| *h.borrow_mut() = Hook(Box::new(|_| {})));
+            assert_eq!(checks.get(), 3, "newer {newer}: step 1 read three times");
+            if newer {
+                r.unwrap();
+                assert_eq!((done, p.status().last_published), (Some(2), Some(2)));
+            } else {
+                let e = r.unwrap_err();
+                assert!(e.downcast_ref::<Unsettled>().is_some(), "{e:?}");
+                assert_eq!(crate::exit::classify(&e), crate::exit::Class::Retryable, "{e:?}");
+                assert_eq!(p.status().last_published, None);
+            }
+            let keys: Vec<String> = walk(&bucket);
+            // (`writers/000000000001` is the publisher's lease, generation 1.)
+            let step1 = |k: &&String| !k.starts_with("writers/") && k.contains("000000000001");
+            assert!(!keys.iter().any(|k| step1(&k)), "newer {newer}: step 1 in the bucket: {keys:?}");
+        }
+    }
+
+    /// Every file under `dir`, relative.
+    fn walk(dir: &Path) -> Vec<String> {
+        let mut out = vec![];
+        let mut todo = vec![dir.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    todo.push(p);
+                } else {
+                    out.push(p.strip_prefix(dir).unwrap().to_string_lossy().into_owned());
+                }
+            }
+        }
+        out
     }
 
     /// Found by review: a `--watch` entry is read through hard links of the trainer's files,
