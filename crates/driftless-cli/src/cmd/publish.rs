@@ -1033,29 +1033,9 @@ mod tests {
     /// is complete, and otherwise read again later (`--once`: a retryable failure).
     #[test]
     fn a_watch_entry_that_never_settles_does_not_stop_the_follower() {
-        use clap::Parser;
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            a: Args,
-        }
         for newer in [true, false] {
             let d = tempfile::tempdir().unwrap();
-            let (bucket, watch) = (d.path().join("bucket"), d.path().join("watch"));
-            std::fs::create_dir_all(&bucket).unwrap();
-            let url = format!("file://{}", bucket.display());
-            let args = Cli::try_parse_from([
-                "t".as_ref(),
-                "--bucket".as_ref(),
-                url.as_ref(),
-                "--state".as_ref(),
-                d.path().join("state").as_os_str(),
-                "--watch".as_ref(),
-                watch.as_os_str(),
-                "--once".as_ref(),
-            ])
-            .unwrap()
-            .a;
+            let (args, bucket, watch) = watch_once(d.path());
             let data = |v: u16| -> Vec<u8> { std::iter::repeat_n(v.to_le_bytes(), 4096).flatten().collect() };
             let save = |dir: &Path, v: u16| {
                 let d = data(v);
@@ -1109,6 +1089,32 @@ mod tests {
         }
     }
 
+    /// `publish --watch DIR/watch --once` on `file://DIR/bucket`, state in `DIR/state`:
+    /// the arguments, the bucket directory and the watched one.
+    fn watch_once(d: &Path) -> (Args, PathBuf, PathBuf) {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: Args,
+        }
+        let (bucket, watch) = (d.join("bucket"), d.join("watch"));
+        std::fs::create_dir_all(&bucket).unwrap();
+        let url = format!("file://{}", bucket.display());
+        let state = d.join("state");
+        let argv: [&std::ffi::OsStr; 8] = [
+            "t".as_ref(),
+            "--bucket".as_ref(),
+            url.as_ref(),
+            "--state".as_ref(),
+            state.as_os_str(),
+            "--watch".as_ref(),
+            watch.as_os_str(),
+            "--once".as_ref(),
+        ];
+        (Cli::try_parse_from(argv).unwrap().a, bucket, watch)
+    }
+
     /// Every file under `dir`, relative.
     fn walk(dir: &Path) -> Vec<String> {
         let mut out = vec![];
@@ -1133,28 +1139,8 @@ mod tests {
     /// publisher has its copy: that read is refused, and the step read again whole.
     #[test]
     fn a_watch_entry_rewritten_while_it_is_read_is_read_again() {
-        use clap::Parser;
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            a: Args,
-        }
         let d = tempfile::tempdir().unwrap();
-        let (bucket, watch) = (d.path().join("bucket"), d.path().join("watch"));
-        std::fs::create_dir_all(&bucket).unwrap();
-        let url = format!("file://{}", bucket.display());
-        let args = Cli::try_parse_from([
-            "t".as_ref(),
-            "--bucket".as_ref(),
-            url.as_ref(),
-            "--state".as_ref(),
-            d.path().join("state").as_os_str(),
-            "--watch".as_ref(),
-            watch.as_os_str(),
-            "--once".as_ref(),
-        ])
-        .unwrap()
-        .a;
+        let (args, _, watch) = watch_once(d.path());
         // Two shards of one BF16 tensor each; `v` is every element's bit pattern.
         let names = ["a", "b"];
         let shape = [4096u64];
