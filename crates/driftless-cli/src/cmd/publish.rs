@@ -1089,6 +1089,39 @@ mod tests {
         }
     }
 
+    /// A checkpoint removed while it is staged (the trainer's retention) is `Unsettled`:
+    /// retryable, and nothing of it is published (it was a plain I/O error, which ended a
+    /// `--watch` follower).
+    #[test]
+    fn a_checkpoint_removed_while_it_is_read_is_unsettled() {
+        let d = tempfile::tempdir().unwrap();
+        let (mut args, bucket, _) = watch_once(d.path());
+        // `--step`'s staging: copied, so each shard's copy is followed by the hook.
+        args.watch = None;
+        let ck = d.path().join("ck");
+        let data: Vec<u8> = std::iter::repeat_n(7u16.to_le_bytes(), 4096).flatten().collect();
+        let views = [
+            driftless_format::TensorView::new("a", driftless_format::DType::BF16, &[4096], &data).unwrap(),
+            driftless_format::TensorView::new("b", driftless_format::DType::BF16, &[4096], &data).unwrap(),
+        ];
+        let metas: Vec<_> = views.iter().map(|v| v.meta()).collect();
+        let layout = driftless_format::Layout::for_tensors(&metas, 8192).unwrap();
+        std::fs::create_dir_all(&ck).unwrap();
+        driftless_format::checkpoint::write_checkpoint(&ck, &layout, &views).unwrap();
+        let ck2 = ck.clone();
+        AFTER_COPY.with(|h| *h.borrow_mut() = Hook(Box::new(move |_| std::fs::remove_dir_all(&ck2).unwrap())));
+        let mut p = open(&args).unwrap();
+        let r = publish_one(&args, &mut p, 1, &ck, &mut 0);
+        AFTER_COPY.with(|h| *h.borrow_mut() = Hook(Box::new(|_| {})));
+        let e = r.unwrap_err();
+        assert!(e.downcast_ref::<Unsettled>().is_some(), "{e:?}");
+        assert!(e.to_string().contains("was removed while it was read"), "{e}");
+        assert_eq!(crate::exit::classify(&e), crate::exit::Class::Retryable, "{e:?}");
+        p.flush().unwrap();
+        assert_eq!(p.status().last_published, None);
+        assert!(!walk(&bucket).iter().any(|k| k.starts_with("ready/")), "{:?}", walk(&bucket));
+    }
+
     /// `publish --watch DIR/watch --once` on `file://DIR/bucket`, state in `DIR/state`:
     /// the arguments, the bucket directory and the watched one.
     fn watch_once(d: &Path) -> (Args, PathBuf, PathBuf) {
