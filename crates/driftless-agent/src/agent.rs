@@ -1760,7 +1760,14 @@ impl Agent {
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<Stopped> {
         tokio::pin!(shutdown);
-        let mut p = PollState { interval: self.cfg.poll_min, failures: 0, polls: 0, latest: LatestWatch::default() };
+        let mut p = PollState {
+            interval: self.cfg.poll_min,
+            failures: 0,
+            polls: 0,
+            latest: LatestWatch::default(),
+            list_gap: LIST_EVERY,
+            next_list: LIST_EVERY,
+        };
         let (notifying, stopping) = (self.notifying.clone(), self.stopping.clone());
         // The longest a load in flight is waited for at shutdown: the notifiers' own timeouts,
         // one target after another (they are notified in turn), plus the control calls around
@@ -1847,9 +1854,9 @@ impl Agent {
         // Cheap check first: one conditional GET of latest.json. Unchanged and on a step:
         // nothing to do. Changed: the next sync plans from it (a follower one step behind
         // neither lists nor reads markers). Every 10th poll lists anyway (markers stay the
-        // source of truth).
+        // source of truth), less often while the store refuses listings (`PollState::list_gap`).
         let polled = p.latest.poll(&self.reader).await;
-        let list = p.polls.is_multiple_of(10);
+        let list = p.polls >= p.next_list;
         // After a failed sync, sync again even when latest.json did not change (its change was
         // taken by the poll whose sync failed). Not modified (or still absent, or still not
         // verifying) and on a step: nothing new.
@@ -1905,7 +1912,22 @@ impl Agent {
             }
         }
         self.list_next = list;
-        match self.sync_once().await {
+        let synced = self.sync_once().await;
+        // A listing the store refused (more keys or key bytes than a listing holds, a key it
+        // cannot parse, pages until the deadline: planted by anyone with write access) costs up
+        // to `max_list_keys` keys and `list_timeout` each time, and the sync planned from the
+        // signed latest.json instead: the periodic listing backs off, doubling up to every
+        // `MAX_LIST_GAP`th poll, and a whole listing brings it back (found by review: it was
+        // repeated every 10th poll, ~1,000 LIST pages each at a million planted keys).
+        match self.markers.listing_failed() {
+            Some(failed) => {
+                p.list_gap = if failed { (p.list_gap * 2).min(MAX_LIST_GAP) } else { LIST_EVERY };
+                p.next_list = p.polls + p.list_gap;
+            }
+            None if list => p.next_list = p.polls + p.list_gap,
+            None => {}
+        }
+        match synced {
             Ok(o) => {
                 p.failures = 0;
                 // A refused newer step is the last error until the stream moves on.
@@ -1937,6 +1959,12 @@ impl Agent {
         }
     }
 }
+
+/// [`Agent::run`] lists the bucket every this many polls, even when `latest.json` says nothing
+/// changed (markers are the source of truth; a stale hint is caught there).
+const LIST_EVERY: u64 = 10;
+/// The longest gap, in polls, between those listings while the store keeps refusing them.
+pub const MAX_LIST_GAP: u64 = 160;
 
 /// Shortest wait between two polls of [`Agent::run`], whatever `poll_min` says.
 pub const MIN_POLL: Duration = Duration::from_millis(10);
@@ -2001,6 +2029,11 @@ struct PollState {
     polls: u64,
     /// `latest.json` as the last poll read it.
     latest: LatestWatch,
+    /// Polls between two periodic listings: [`LIST_EVERY`], doubled (up to [`MAX_LIST_GAP`])
+    /// each time a listing fails.
+    list_gap: u64,
+    /// The poll that lists next.
+    next_list: u64,
 }
 
 /// How [`Agent::run`] ended.

@@ -323,6 +323,13 @@ impl MarkerCache {
         self.listing = None;
     }
 
+    /// Whether this sync's listing was refused by the store (more keys or key bytes than a
+    /// listing holds, a key it cannot parse, no end before its deadline) and the plan came
+    /// from the signed `latest.json` instead; `None` when the sync did not list.
+    pub fn listing_failed(&self) -> Option<bool> {
+        self.listing.as_ref().map(|l| l.failed)
+    }
+
     /// Remembers a marker read elsewhere (from a signed `latest.json`).
     pub fn insert(&mut self, m: ReadyMarker) {
         self.map.insert((m.of, m.step), m);

@@ -869,6 +869,62 @@ async fn too_many_keys_under_ready_do_not_stop_a_cold_start() {
     }
 }
 
+// Found by review: a running agent repeated a listing the store refused (more keys than a
+// listing holds) at every 10th poll, each one up to a million keys of LIST pages, although
+// each sync then planned from the signed latest.json. The periodic listing now backs off,
+// doubling its gap (10, 20, 40, ... polls, at most `MAX_LIST_GAP`), and steps still arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_the_store_refuses_is_not_repeated_every_tenth_poll() {
+    for tb in buckets("list-gap") {
+        let (key, trust) = keys();
+        let mut t = Trainer::new(&tb.bucket, &key, 4);
+        t.publish();
+        for i in 0..250 {
+            tb.bucket.put(&format!("{}x{i:04}", layout::ready_prefix(StepKind::Delta)), Bytes::new()).await.unwrap();
+        }
+        let opts = driftless_store::StoreOptions::default().with_max_list_keys(200);
+        let small = Bucket::from_store(tb.faults.clone(), tb.bucket.prefix(), &opts)
+            .with_conditional_create(tb.bucket.supports_conditional_create());
+        let mut cfg = config(tb.dir.path().join("a"), trust.clone());
+        (cfg.poll_min, cfg.poll_max) = (Duration::from_millis(1), Duration::from_millis(1));
+        let a = Agent::new(small, cfg).unwrap();
+        let metrics = a.metrics();
+        let lists = || tb.faults.calls_to(FaultOp::List, layout::ready_prefix(StepKind::Delta).trim_end_matches('/'));
+        let polls = || tb.faults.calls_to(FaultOp::Get, layout::LATEST);
+        let (l0, p0) = (lists(), polls());
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let run = {
+            let stop = stop.clone();
+            tokio::spawn(a.run(Arc::new(tokio::sync::Notify::new()), async move { stop.notified().await }))
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let mut want = vec![];
+        while polls() - p0 < 400 {
+            assert!(std::time::Instant::now() < deadline, "{}: only {} polls", tb.name, polls() - p0);
+            if polls() - p0 > 200 && want.is_empty() {
+                want = t.publish();
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let last = t.step.unwrap();
+        while metrics.step.load(SeqCst) != last {
+            assert!(std::time::Instant::now() < deadline, "{}: step {last} never arrived", tb.name);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        stop.notify_one();
+        run.await.unwrap().unwrap();
+        let (listings, polls) = (lists() - l0, polls() - p0);
+        // Every 10th poll: 40 or more in 400 polls. Backing off: polls 1, 21, 61, 141, 301
+        // (and the new step's sync, planned from latest.json, lists nothing).
+        eprintln!("{}: {listings} listings of ready/deltas/ in {polls} polls", tb.name);
+        assert!((2..=8).contains(&listings), "{}: {listings} listings in {polls} polls", tb.name);
+        let ck = Checkpoint::open(tb.dir.path().join("a/current")).unwrap();
+        for (name, data) in &want {
+            assert!(ck.views().iter().any(|v| v.name == name && v.data == &data[..]), "{}: {name}", tb.name);
+        }
+    }
+}
+
 // More planted markers than one sync goes past (4,096): without a latest.json, that sync
 // ends "not ready" (retryable: found by review, running out of rounds reported a missing
 // manifest as a verification failure, exit 1), and the next one goes on past the rest while
