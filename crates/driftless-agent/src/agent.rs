@@ -1765,8 +1765,7 @@ impl Agent {
             failures: 0,
             polls: 0,
             latest: LatestWatch::default(),
-            list_gap: LIST_EVERY,
-            next_list: LIST_EVERY,
+            listing: plan::ListCadence::default(),
         };
         let (notifying, stopping) = (self.notifying.clone(), self.stopping.clone());
         // The longest a load in flight is waited for at shutdown: the notifiers' own timeouts,
@@ -1854,9 +1853,9 @@ impl Agent {
         // Cheap check first: one conditional GET of latest.json. Unchanged and on a step:
         // nothing to do. Changed: the next sync plans from it (a follower one step behind
         // neither lists nor reads markers). Every 10th poll lists anyway (markers stay the
-        // source of truth), less often while the store refuses listings (`PollState::list_gap`).
+        // source of truth), less often while the store refuses listings (`plan::ListCadence`).
         let polled = p.latest.poll(&self.reader).await;
-        let list = p.polls >= p.next_list;
+        let list = p.listing.due(p.polls);
         // After a failed sync, sync again even when latest.json did not change (its change was
         // taken by the poll whose sync failed). Not modified (or still absent, or still not
         // verifying) and on a step: nothing new.
@@ -1913,20 +1912,7 @@ impl Agent {
         }
         self.list_next = list;
         let synced = self.sync_once().await;
-        // A listing the store refused (more keys or key bytes than a listing holds, a key it
-        // cannot parse, pages until the deadline: planted by anyone with write access) costs up
-        // to `max_list_keys` keys and `list_timeout` each time, and the sync planned from the
-        // signed latest.json instead: the periodic listing backs off, doubling up to every
-        // `MAX_LIST_GAP`th poll, and a whole listing brings it back (found by review: it was
-        // repeated every 10th poll, ~1,000 LIST pages each at a million planted keys).
-        match self.markers.listing_failed() {
-            Some(failed) => {
-                p.list_gap = if failed { (p.list_gap * 2).min(MAX_LIST_GAP) } else { LIST_EVERY };
-                p.next_list = p.polls + p.list_gap;
-            }
-            None if list => p.next_list = p.polls + p.list_gap,
-            None => {}
-        }
+        p.listing.after(p.polls, self.markers.listing_failed(), list);
         match synced {
             Ok(o) => {
                 p.failures = 0;
@@ -1959,12 +1945,6 @@ impl Agent {
         }
     }
 }
-
-/// [`Agent::run`] lists the bucket every this many polls, even when `latest.json` says nothing
-/// changed (markers are the source of truth; a stale hint is caught there).
-const LIST_EVERY: u64 = 10;
-/// The longest gap, in polls, between those listings while the store keeps refusing them.
-pub const MAX_LIST_GAP: u64 = 160;
 
 /// Shortest wait between two polls of [`Agent::run`], whatever `poll_min` says.
 pub const MIN_POLL: Duration = Duration::from_millis(10);
@@ -2029,11 +2009,8 @@ struct PollState {
     polls: u64,
     /// `latest.json` as the last poll read it.
     latest: LatestWatch,
-    /// Polls between two periodic listings: [`LIST_EVERY`], doubled (up to [`MAX_LIST_GAP`])
-    /// each time a listing fails.
-    list_gap: u64,
-    /// The poll that lists next.
-    next_list: u64,
+    /// When a poll lists although `latest.json` is unchanged.
+    listing: plan::ListCadence,
 }
 
 /// How [`Agent::run`] ended.

@@ -109,6 +109,60 @@ pub fn from_hint(hint: &LatestHint, sid: &str, local: u64) -> Option<Candidates>
     Some(c)
 }
 
+/// Polls between two listings of a follower on a step whose signed `latest.json` says nothing
+/// changed ([`ListCadence`]).
+pub const LIST_EVERY: u64 = 10;
+/// The longest such gap, in polls, while the store keeps refusing listings.
+pub const MAX_LIST_GAP: u64 = 160;
+
+/// When a follower on a step lists although its signed `latest.json` says nothing changed:
+/// markers stay the source of truth (a stale hint is caught there), so every
+/// [`LIST_EVERY`]th poll, and less often while the store refuses listings (more keys or key
+/// bytes than a listing holds, a key it cannot parse, a listing past its deadline: planted by
+/// anyone with write access). Each of those costs up to a million keys of LIST pages and
+/// plans from the signed `latest.json` anyway, so the gap doubles, up to [`MAX_LIST_GAP`]
+/// polls, and a whole listing brings it back (found by review: it was every 10th poll,
+/// whatever happened). The agent's `run` and the Python `Follower` both keep one.
+#[derive(Debug, Clone)]
+pub struct ListCadence {
+    gap: u64,
+    next: u64,
+}
+
+impl Default for ListCadence {
+    fn default() -> Self {
+        ListCadence { gap: LIST_EVERY, next: LIST_EVERY }
+    }
+}
+
+impl ListCadence {
+    /// Whether poll `n` (counted from 1) lists.
+    pub fn due(&self, n: u64) -> bool {
+        n >= self.next
+    }
+
+    /// After poll `n`: `listed` is how its listing went ([`MarkerCache::listing_failed`]:
+    /// `None` when it did not list), `due` what [`ListCadence::due`] said for it. A listing
+    /// made for another reason (a cold start, a gap the hint cannot plan) that worked leaves
+    /// the periodic one where it was, every 10th poll; one that failed backs it off too.
+    pub fn after(&mut self, n: u64, listed: Option<bool>, due: bool) {
+        match listed {
+            Some(true) => {
+                self.gap = (self.gap * 2).min(MAX_LIST_GAP);
+                self.next = n + self.gap;
+            }
+            Some(false) => {
+                self.gap = LIST_EVERY;
+                if due || self.next > n + self.gap {
+                    self.next = n + self.gap;
+                }
+            }
+            None if due => self.next = n + self.gap,
+            None => {}
+        }
+    }
+}
+
 /// Whether a signed `latest.json` names step `local` of stream `sid` as the newest step (its
 /// delta's or its anchor's): the Python `Follower`'s fast poll takes it for up to date
 /// without listing (a stale hint delays it until its periodic listing; markers stay the
@@ -1127,6 +1181,34 @@ mod tests {
         let c = cache.candidates(&reader, "ours", None, &Refusals::default(), None).await.unwrap();
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, 0));
         assert_eq!(counting.calls(FaultOp::Get), gets, "cached markers read again");
+    }
+
+    /// The periodic listing: every 10th poll while listings work, whatever other listings
+    /// happen between; backing off (20, 40, ... up to `MAX_LIST_GAP` polls) while they fail;
+    /// every 10th again after one that worked.
+    #[test]
+    fn the_periodic_listing_backs_off_while_listings_fail() {
+        let mut c = ListCadence::default();
+        let mut listed_at = vec![];
+        for n in 1..=2000u64 {
+            let due = c.due(n);
+            // Polls 1 and 5 list for other reasons (a cold start, a gap), and work; from
+            // poll 100 to 1500 every listing fails; then they work again.
+            let lists = due || n == 1 || n == 5;
+            let outcome = lists.then_some((100..1500).contains(&n));
+            if due {
+                listed_at.push(n);
+            }
+            c.after(n, outcome, due);
+        }
+        let gaps: Vec<u64> = listed_at.windows(2).map(|w| w[1] - w[0]).collect();
+        assert_eq!(listed_at[..3], [10, 20, 30], "{listed_at:?}");
+        assert!(gaps.iter().all(|&g| g <= MAX_LIST_GAP), "{gaps:?}");
+        let failing: Vec<u64> = listed_at.iter().copied().filter(|n| (100..1500).contains(n)).collect();
+        assert_eq!(failing[..6], [100, 120, 160, 240, 400, 560], "{listed_at:?}");
+        assert!(failing.len() < 15, "{failing:?}");
+        let after = listed_at.iter().copied().filter(|&n| n >= 1500).collect::<Vec<_>>();
+        assert!(after.windows(2).skip(1).all(|w| w[1] - w[0] == LIST_EVERY), "{after:?}");
     }
 
     /// Refusals of steps a partial plan leaves out are kept (they are still in the bucket);

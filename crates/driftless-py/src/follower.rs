@@ -89,9 +89,11 @@ struct Plans {
     /// call list the bucket).
     settled: [Option<(u64, LatestVersion)>; 2],
     /// Plans made from a step, per consumer ([`Who`]): every 10th lists the markers anyway
-    /// (they are the source of truth; a stale hint only delays a step by that much). One
-    /// count each, so that `apply_to` and `iter_patches` called in turn both list.
+    /// (they are the source of truth; a stale hint only delays a step by that much), less
+    /// often while the store refuses listings ([`plan::ListCadence`], the agent's). One count
+    /// each, so that `apply_to` and `iter_patches` called in turn both list.
     calls: [u64; 2],
+    listing: [plan::ListCadence; 2],
 }
 
 /// Who plans: the caller's arrays (`apply_to`) or the host mirror (`iter_patches`).
@@ -295,6 +297,7 @@ impl PyFollower {
                     latest: LatestWatch::default(),
                     settled: Default::default(),
                     calls: [0; 2],
+                    listing: Default::default(),
                 },
             };
             Ok(PyFollower {
@@ -731,6 +734,8 @@ impl PyFollower {
         pl.created = Some(desc.created_at_ms);
         let local = of_stream(&desc.stream_id);
         let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None, &pl.refused, local).await?;
+        let (n, cadence) = (pl.calls[who as usize], &mut pl.listing[who as usize]);
+        cadence.after(n, pl.markers.listing_failed(), cadence.due(n));
         // Refusals of steps no longer listed, or before the oldest anchor, go (as the agent's).
         pl.refused.retain_listed(&cands, pl.latest.hint());
         let refused = &pl.refused;
@@ -866,7 +871,7 @@ impl PyFollower {
         let sid = pl.stream.clone()?;
         let calls = &mut pl.calls[who as usize];
         *calls += 1;
-        if (*calls).is_multiple_of(10) {
+        if pl.listing[who as usize].due(*calls) {
             return None;
         }
         let h = pl.latest.poll(&self.reader).await.ok()?.hint.filter(|h| h.stream_id == sid).cloned();
