@@ -1912,7 +1912,7 @@ impl Agent {
         }
         self.list_next = list;
         let synced = self.sync_once().await;
-        p.listing.after(p.polls, self.markers.listing_failed(), list);
+        p.listing.after(p.polls, self.markers.listing_failed());
         match synced {
             Ok(o) => {
                 p.failures = 0;

@@ -142,10 +142,11 @@ impl ListCadence {
     }
 
     /// After poll `n`: `listed` is how its listing went ([`MarkerCache::listing_failed`]:
-    /// `None` when it did not list), `due` what [`ListCadence::due`] said for it. A listing
-    /// made for another reason (a cold start, a gap the hint cannot plan) that worked leaves
-    /// the periodic one where it was, every 10th poll; one that failed backs it off too.
-    pub fn after(&mut self, n: u64, listed: Option<bool>, due: bool) {
+    /// `None` when it did not list). A listing made for another reason (a cold start, a gap
+    /// the hint cannot plan) that worked leaves the periodic one where it was, every 10th
+    /// poll; one that failed backs it off too.
+    pub fn after(&mut self, n: u64, listed: Option<bool>) {
+        let due = self.due(n);
         match listed {
             Some(true) => {
                 self.gap = (self.gap * 2).min(MAX_LIST_GAP);
@@ -1199,7 +1200,7 @@ mod tests {
             if due {
                 listed_at.push(n);
             }
-            c.after(n, outcome, due);
+            c.after(n, outcome);
         }
         let gaps: Vec<u64> = listed_at.windows(2).map(|w| w[1] - w[0]).collect();
         assert_eq!(listed_at[..3], [10, 20, 30], "{listed_at:?}");

@@ -734,8 +734,7 @@ impl PyFollower {
         pl.created = Some(desc.created_at_ms);
         let local = of_stream(&desc.stream_id);
         let cands = pl.markers.candidates(&self.reader, &desc.stream_id, None, &pl.refused, local).await?;
-        let (n, cadence) = (pl.calls[who as usize], &mut pl.listing[who as usize]);
-        cadence.after(n, pl.markers.listing_failed(), cadence.due(n));
+        pl.listing[who as usize].after(pl.calls[who as usize], pl.markers.listing_failed());
         // Refusals of steps no longer listed, or before the oldest anchor, go (as the agent's).
         pl.refused.retain_listed(&cands, pl.latest.hint());
         let refused = &pl.refused;
