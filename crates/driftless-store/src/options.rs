@@ -37,7 +37,7 @@ pub struct StoreOptions {
     /// Most bytes the entries one listing keeps (after its prefix filter: keys, entity tags
     /// and their fixed size) may take before it fails with
     /// [`Error::ListTooLarge`](crate::Error::ListTooLarge): a million keys of S3's maximum
-    /// 1,024 bytes held 1.2 GiB before this (found by review). Entries the prefix filter drops
+    /// 1,024 bytes held about 1.2 GiB before this (worked out; found by review). Entries the prefix filter drops
     /// are never held. Default: [`MAX_LIST_BYTES`](crate::MAX_LIST_BYTES).
     pub max_list_bytes: usize,
     /// Longest one listing may take, its pages and retries included, before it fails with
