@@ -1375,21 +1375,8 @@ impl Agent {
         // review: it was given up once the manifest checked out, so a signed anchor whose
         // shards had not arrived, a replicator that copied the marker first or a GC race, cost
         // the verified inactive step at every try, and the next fast path a whole-model
-        // rebuild). One HEAD each; the stream checks them again as it opens them.
-        let b = self.reader.bucket();
-        let heads: Vec<(String, u64)> = m
-            .objects
-            .iter()
-            .map(|o| (&o.object.object, o.object.size))
-            .chain(m.files.iter().map(|o| (&o.object, o.size)))
-            .map(|(k, n)| (driftless_store::layout::object(StepKind::Anchor, step, k), n))
-            .collect();
-        futures::stream::iter(heads)
-            .map(|(key, n)| async move { crate::anchor_stream::check_size(b, step, &key, n).await })
-            .buffer_unordered(16)
-            .try_collect::<Vec<()>>()
-            .await
-            .map_err(|e| unusable(at(e)))?;
+        // rebuild). One HEAD each; the stream does not HEAD them again (`ShardJob::sized`).
+        crate::anchor_stream::check_sizes(self.reader.bucket(), step, &m).await.map_err(|e| unusable(at(e)))?;
         self.release_work_slot()?;
         remove_slot(wdir)?;
         std::fs::create_dir_all(wdir)?;
@@ -1425,7 +1412,7 @@ impl Agent {
             }
             let file = FileSink::new(wdir.join(&o.file), o.decoded_size, alone).holding(self.dir.guard());
             let sink = hashed(file, o.decoded_size, verify, &mut hashing);
-            jobs.push(ShardJob { object: o, tensors: &shard.tensors, sink });
+            jobs.push(ShardJob { object: o, tensors: &shard.tensors, sink, sized: true });
         }
         // Each shard file is checked for room on its own as it is created (sparse on a tmpfs):
         // the whole anchor first.

@@ -26,7 +26,7 @@ use driftless_format::slice::{self, PartDigest};
 use driftless_format::{anchor, hash, Digest, TensorMeta};
 use driftless_store::stream::StreamError;
 use driftless_store::Bucket;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 
 use crate::agent::corrupt;
 use crate::{Error, Result};
@@ -296,6 +296,9 @@ pub struct ShardJob<'a> {
     pub tensors: &'a [driftless_format::TensorMeta],
     /// Where its decoded bytes go.
     pub sink: Arc<dyn ShardSink>,
+    /// Its object's size was checked just before ([`check_sizes`]): the stream does not HEAD
+    /// it again. Otherwise it does, before any ranged read.
+    pub sized: bool,
 }
 
 /// How `parts` in flight are shared by an anchor of `shards` shards: (shards streamed at once,
@@ -364,10 +367,8 @@ async fn stream_job(
         return Ok(None);
     }
     let r = match encoding {
-        AnchorEncoding::PlanesZstd => stream_shard(bucket, step, j.object, j.tensors, each, j.sink.clone(), flag).await,
-        AnchorEncoding::Safetensors => {
-            stream_plain(bucket, step, j.object, j.tensors, each, j.sink.clone(), flag).await
-        }
+        AnchorEncoding::PlanesZstd => stream_shard(bucket, step, &j, each, flag).await,
+        AnchorEncoding::Safetensors => stream_plain(bucket, step, &j, each, flag).await,
     };
     match r {
         Ok(Some(_)) => {
@@ -389,12 +390,12 @@ async fn stream_job(
 async fn stream_shard(
     bucket: &Bucket,
     step: u64,
-    o: &AnchorShardRef,
-    tensors: &[driftless_format::TensorMeta],
+    job: &ShardJob<'_>,
     parts: usize,
-    sink: Arc<dyn ShardSink>,
     stop: &Arc<AtomicBool>,
 ) -> Result<Option<u64>> {
+    let ShardJob { object: o, tensors, sized, .. } = *job;
+    let sink = job.sink.clone();
     use sha2::Digest as _;
     if o.decoded_size > anchor::MAX_SHARD {
         return Err(corrupt("anchor manifest", "shard too large"));
@@ -405,7 +406,9 @@ async fn stream_shard(
         return Err(corrupt("anchor shard", "truncated"));
     }
     let bucket = bucket.clone();
-    check_size(&bucket, step, &key, size).await?;
+    if !sized {
+        check_size(&bucket, step, &key, size).await?;
+    }
     let signed = Signed::of(&key, o)?;
     let (prefix, hz, head, plan, table, footer) = match &signed {
         Some(s) => plan_signed(&bucket, &key, o, tensors, s).await?,
@@ -718,12 +721,12 @@ impl Signed {
 async fn stream_plain(
     bucket: &Bucket,
     step: u64,
-    o: &AnchorShardRef,
-    tensors: &[driftless_format::TensorMeta],
+    job: &ShardJob<'_>,
     parts: usize,
-    sink: Arc<dyn ShardSink>,
     stop: &Arc<AtomicBool>,
 ) -> Result<Option<u64>> {
+    let ShardJob { object: o, tensors, sized, .. } = *job;
+    let sink = job.sink.clone();
     use sha2::Digest as _;
     let key = driftless_store::layout::object(StepKind::Anchor, step, &o.object.object);
     let size = o.object.size;
@@ -731,7 +734,9 @@ async fn stream_plain(
         return Err(corrupt("anchor", format!("{} is not of its decoded size", o.file)));
     }
     let bucket = bucket.clone();
-    check_size(&bucket, step, &key, size).await?;
+    if !sized {
+        check_size(&bucket, step, &key, size).await?;
+    }
     if size < 8 {
         return Err(mismatch(&key));
     }
@@ -857,10 +862,29 @@ fn in_flight<F: std::future::Future<Output = Result<Bytes>>>(
     }
 }
 
+/// Every object of anchor `m` (step `step`) is in the bucket at its signed size: one HEAD each,
+/// 16 at once. The agent checks this before it gives up anything for the anchor (its rollback
+/// slot), then streams with [`ShardJob::sized`] set.
+pub async fn check_sizes(bucket: &Bucket, step: u64, m: &driftless_format::AnchorManifest) -> Result<()> {
+    let heads: Vec<(String, u64)> = m
+        .objects
+        .iter()
+        .map(|o| (&o.object.object, o.object.size))
+        .chain(m.files.iter().map(|o| (&o.object, o.size)))
+        .map(|(k, n)| (driftless_store::layout::object(StepKind::Anchor, step, k), n))
+        .collect();
+    futures::stream::iter(heads)
+        .map(|(key, n)| async move { check_size(bucket, step, &key, n).await })
+        .buffer_unordered(16)
+        .try_collect::<Vec<()>>()
+        .await
+        .map(drop)
+}
+
 /// The object's size in the bucket is the manifest's `size`: a missing object is a step not
 /// ready (yet, or any more); a truncated or swapped one an integrity failure before any ranged
 /// read (a read past its end would look like a storage error).
-pub(crate) async fn check_size(bucket: &Bucket, step: u64, key: &str, size: u64) -> Result<()> {
+async fn check_size(bucket: &Bucket, step: u64, key: &str, size: u64) -> Result<()> {
     match bucket.head(key).await {
         Ok(h) if h.size == size => Ok(()),
         Ok(_) => Err(mismatch(key)),

@@ -85,7 +85,7 @@ async fn stream_one(
     tensors: &[TensorMeta],
     sink: Arc<dyn ShardSink>,
 ) -> driftless_agent::Result<u64> {
-    stream_anchor(b, 0, AnchorEncoding::PlanesZstd, vec![ShardJob { object: o, tensors, sink }], 4).await
+    stream_anchor(b, 0, AnchorEncoding::PlanesZstd, vec![ShardJob { object: o, tensors, sink, sized: false }], 4).await
 }
 
 /// Anchor 0 of a `bytes`-byte chain (seed `seed`) published in `tb` with `encoding`: the chain,
@@ -295,7 +295,7 @@ async fn plain_anchor_parts_are_checked_before_they_are_written() {
                 &b,
                 0,
                 AnchorEncoding::Safetensors,
-                vec![ShardJob { object: &o, tensors: &tensors, sink: sink.clone() }],
+                vec![ShardJob { object: &o, tensors: &tensors, sink: sink.clone(), sized: false }],
                 4,
             )
             .await;
@@ -401,7 +401,7 @@ async fn shards_stream_side_by_side_and_one_missing_shard_is_reported_as_such() 
             .iter()
             .zip(&layout.shards)
             .zip(sinks)
-            .map(|((o, s), sink)| ShardJob { object: o, tensors: &s.tensors, sink })
+            .map(|((o, s), sink)| ShardJob { object: o, tensors: &s.tensors, sink, sized: false })
             .collect()
     };
     let n = stream_anchor(

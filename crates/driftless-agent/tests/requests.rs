@@ -110,3 +110,38 @@ async fn latest_json_put_again_unchanged_is_no_change() {
     assert!(w.poll(&reader).await.unwrap().changed, "a new step");
     tokio::task::spawn_blocking(move || p.0.close().unwrap()).await.unwrap();
 }
+
+/// A cold start HEADs each anchor object once: the agent checks every object at its signed
+/// size before it gives up its rollback slot, and the stream does not HEAD them again (it
+/// did, one more HEAD per object).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_start_heads_each_anchor_object_once() {
+    let counting = Arc::new(FaultyStore::new(Arc::new(driftless_store::object_store::memory::InMemory::new())));
+    let bucket = Bucket::from_store(counting.clone(), "stream", &StoreOptions::default());
+    let key = Keypair::from_seed([7; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let chain = RlChain::new(&ModelSpec::with_bf16_bytes(1 << 20), 2e-6, 5);
+    let b2 = bucket.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut p = PublisherBuilder::new("unused")
+            .with_bucket(b2)
+            .with_key(key)
+            .with_max_shard_bytes(256 << 10)
+            .with_extra_files(vec![("config.json".into(), b"{}".to_vec())])
+            .build()
+            .unwrap();
+        p.publish(0, &chain.views()).unwrap();
+        p.close().unwrap();
+    })
+    .await
+    .unwrap();
+    let objects =
+        bucket.list("anchors/").await.unwrap().iter().filter(|o| !o.key.ends_with("manifest.json")).count() as u64;
+    assert!(objects >= 4, "{objects} objects: the anchor is split into shards, plus its file");
+    let dir = tempfile::tempdir().unwrap();
+    let mut agent = Agent::new(bucket.clone(), AgentConfig::new(dir.path(), trust)).unwrap();
+    let h0 = counting.heads();
+    let o = agent.sync_once().await.unwrap();
+    assert_eq!((o.step, o.route), (0, SyncPath::Anchor));
+    assert_eq!(counting.heads() - h0, objects, "one HEAD per anchor object");
+}

@@ -81,6 +81,8 @@ struct State {
     by_path: Mutex<std::collections::HashMap<String, [u64; 4]>>,
     /// MiB of [`FaultKind::LongBody`] bodies pulled by readers.
     body_mib: AtomicU64,
+    /// Of the [`FaultOp::Get`] calls, the HEADs (`GetOptions::head`).
+    heads: AtomicU64,
     /// Milliseconds added to every modification time reported (a bucket whose clock is off).
     clock_ms: std::sync::atomic::AtomicI64,
 }
@@ -232,6 +234,11 @@ impl FaultyStore {
         paths.iter().filter(|(p, _)| p.contains(pattern)).map(|(_, c)| c[op as usize]).sum()
     }
 
+    /// HEADs seen so far (counted among the [`FaultOp::Get`] calls too).
+    pub fn heads(&self) -> u64 {
+        self.state.heads.load(Ordering::Relaxed)
+    }
+
     /// MiB of [`FaultKind::LongBody`] bodies readers pulled so far.
     pub fn body_mib_sent(&self) -> u64 {
         self.state.body_mib.load(Ordering::Relaxed)
@@ -291,6 +298,9 @@ impl ObjectStore for FaultyStore {
 
     async fn get_opts(&self, location: &Path, options: GetOptions) -> object_store::Result<GetResult> {
         self.state.pause().await;
+        if options.head {
+            self.state.heads.fetch_add(1, Ordering::Relaxed);
+        }
         let shifted = |r: object_store::Result<GetResult>| {
             r.map(|mut r| {
                 r.meta = self.state.shift(r.meta);
