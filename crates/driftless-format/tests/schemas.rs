@@ -113,9 +113,11 @@ fn others() -> (Vec<StreamDescriptor>, Vec<ReadyMarker>, Vec<LatestHint>) {
         base_step: Some(2),
         manifest_sha256: Digest::of(b"m"),
         payload_bytes: 1234,
-        manifest: None,
+        // What a publisher writes (`g<generation>r<retry>-manifest.json`), and what a
+        // `latest.json` then embeds: the schemas of both must take it.
+        manifest: Some("g1r2-manifest.json".into()),
     };
-    let r2 = ReadyMarker { of: StepKind::Anchor, base_step: None, ..r1.clone() };
+    let r2 = ReadyMarker { of: StepKind::Anchor, base_step: None, manifest: None, ..r1.clone() };
     let l1 = LatestHint {
         kind: "latest".into(),
         stream_id: "stream-1".into(),
