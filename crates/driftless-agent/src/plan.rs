@@ -593,15 +593,7 @@ impl MarkerCache {
             // S3, where the whole page fails); so do a million planted keys, or a server that
             // pages slowly for ever. Anyone with write access can cause them; they must not
             // stop every cold start and every poll: plan from the signed `latest.json`.
-            Err(StreamError::Store(e))
-                if matches!(
-                    e,
-                    driftless_store::Error::InvalidKey { .. }
-                        | driftless_store::Error::TooManyKeys { .. }
-                        | driftless_store::Error::ListTooLarge { .. }
-                        | driftless_store::Error::ListTimeout { .. }
-                ) =>
-            {
+            Err(StreamError::Store(e)) if e.is_listing_refused() => {
                 match self.unlisted(reader, stream_id, from).await? {
                     Some(l) => {
                         warn!(error = %e, "the listing of ready/ failed (a key the store cannot parse, \

@@ -896,6 +896,40 @@ def test_an_unparsable_key_under_ready_does_not_stop_a_cold_start(file_bucket, k
     assert all(not a.any() for a in fresh.values())
 
 
+def test_poll_answers_from_the_hint_while_the_store_refuses_listings(file_bucket, keys):
+    # Found by review: poll() listed ready/ at every 10th call and raised the listing's error
+    # while one planted key the store cannot parse failed every listing, although the signed
+    # latest.json named the newest step. The hint answers, and a new step is still found.
+    url, _ = file_bucket
+    private, public = keys
+    tr = SimTrainer(seed=5)
+    root = url[len("file://"):]
+    with driftless.Publisher(url, signing_key=private, anchor_every=50) as pub:
+        for step in range(4):
+            if step:
+                tr.step()
+            pub.publish(step, tr.bf16())
+        pub.flush()
+        for d in ("ready/deltas", "ready/anchors"):
+            with open(os.path.join(os.fsencode(root), os.fsencode(d), b"planted\xff"), "wb") as fh:
+                fh.write(b"x")
+        f = driftless.Follower(url, trusted_keys=[public])
+        assert [f.poll() for _ in range(45)] == [3] * 45
+        tr.step()
+        pub.publish(4, tr.bf16())
+        pub.flush()
+        assert f.poll() == 4
+    late = {n: np.zeros_like(a) for n, a in tr.bf16().items()}
+    assert f.apply_to(late)["step"] == 4
+    for n, a in tr.bf16().items():
+        assert np.array_equal(bits(late[n]), bits(a))
+    # Without latest.json the listing alone could answer, and it fails: its error, each poll.
+    os.remove(os.path.join(root, "latest.json"))
+    g = driftless.Follower(url, trusted_keys=[public])
+    with pytest.raises(driftless.DriftlessError, match="invalid object key"):
+        g.poll()
+
+
 def test_sync_dir_raises_corrupt_error_for_a_corrupt_anchor(file_bucket, keys, tmp_path, monkeypatch):
     # sync_dir raised a plain DriftlessError where apply_to raises CorruptError (found by review).
     url, _ = file_bucket

@@ -141,6 +141,21 @@ impl Error {
         matches!(self, Error::Permanent { .. })
     }
 
+    /// Whether a listing was stopped by what the bucket holds rather than by the link: a key
+    /// the store's client cannot parse, more keys or key bytes than a reader accepts, or no
+    /// end before its deadline. Anyone who can write the bucket can cause one, so a reader
+    /// that has another source for its answer (the signed `latest.json`) uses it instead of
+    /// failing.
+    pub fn is_listing_refused(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidKey { .. }
+                | Error::TooManyKeys { .. }
+                | Error::ListTooLarge { .. }
+                | Error::ListTimeout { .. }
+        )
+    }
+
     /// Whether a write-once put lost to an existing object.
     pub fn is_already_exists(&self) -> bool {
         matches!(self, Error::AlreadyExists { .. })
