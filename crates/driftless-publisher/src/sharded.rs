@@ -310,6 +310,8 @@ struct CommitJob {
     /// The committer's last committed step, whatever slices it had.
     committed: Option<Committed>,
     schedule: Arc<std::sync::Mutex<AnchorSchedule>>,
+    /// The newest step the stream held when this committer started (its ready markers).
+    resumed_after: Option<u64>,
 }
 
 /// The committer's anchor schedule, shared by the threads that commit steps and gather
@@ -514,6 +516,8 @@ pub struct ShardedPublisher {
     /// its step's outcome. Joined when finished, and by `flush` and `close`.
     background: Vec<std::thread::JoinHandle<()>>,
     last_step: Option<u64>,
+    /// Rank 0: the newest step the stream held when it started ([`CommitJob::resumed_after`]).
+    resumed_after: Option<u64>,
     last_outcome: Option<StepOutcome>,
     last_part: Option<PartReport>,
     /// The previous step's outcome and part, when the `publish` that resolved them failed
@@ -557,8 +561,10 @@ impl PublisherBuilder {
         let (rt, bucket) = self.start()?;
         let trust = self.trust();
         let reader = StreamReader::new(bucket.clone(), trust.clone());
+        let mut resumed_after = None;
         let (stream_id, ctx) = if rank == 0 {
-            let (ctx, _, _) = self.context(&rt, &bucket, Some(world_size))?;
+            let (ctx, last_delta, last_anchor) = self.context(&rt, &bucket, Some(world_size))?;
+            resumed_after = last_delta.max(last_anchor);
             rt.spawn(upload::lease_loop(ctx.clone()));
             info!(
                 stream_id = ctx.stream_id,
@@ -606,6 +612,7 @@ impl PublisherBuilder {
             schedule: Arc::default(),
             background: vec![],
             last_step: None,
+            resumed_after,
             last_outcome: None,
             last_part: None,
             unreported: None,
@@ -719,6 +726,7 @@ impl ShardedPublisher {
                 timeout: self.commit_timeout,
                 committed: self.committed.clone(),
                 schedule: self.schedule.clone(),
+                resumed_after: self.resumed_after,
             }),
         };
         let (tx, sent_rx) = std::sync::mpsc::channel();
@@ -798,7 +806,9 @@ impl ShardedPublisher {
             self.next_anchor = true;
             self.committed.take().map(|(c, _)| c)
         } else if o.committed {
-            self.next_anchor = false;
+            // (Set on a committed step when its outcome could not be written: the other
+            // ranks send anchors next.)
+            self.next_anchor = o.next_anchor;
             self.committed.replace((copy, o.root.unwrap_or_default())).map(|(c, _)| c)
         } else {
             warn!(step = o.step, rank = self.rank, reason = o.reason.as_deref().unwrap_or(""), "step not committed");
@@ -850,7 +860,15 @@ impl ShardedPublisher {
                 let g = self.generation.expect("published under a generation");
                 // The committer waits `commit_timeout` for parts, then commits: allow for both.
                 let deadline = Instant::now() + self.commit_timeout * 2 + Duration::from_secs(30);
-                let o = rt.block_on(wait_outcome(&self.bucket, &self.trust, f.step, g, self.world_size, deadline));
+                let o = rt.block_on(wait_outcome(
+                    &self.bucket,
+                    &self.trust,
+                    &self.stream_id,
+                    f.step,
+                    g,
+                    self.world_size,
+                    deadline,
+                ));
                 let (sha, report) = match sent {
                     Ok((sha, report)) => (Some(sha), Some(report)),
                     Err((sha, _)) => (sha, None),
@@ -1211,6 +1229,18 @@ fn max_outcome_bytes(world_size: u64) -> u64 {
 /// lost. Bounded, so that a bucket that fakes renewals cannot hold a rank forever.
 const MAX_OUTCOME_WAIT: Duration = Duration::from_secs(6 * 3600);
 
+/// Whether step `step` has a ready marker of either kind (a failed read counts as one: the
+/// answer then asks for an anchor, which is always safe).
+async fn has_marker(bucket: &Bucket, step: u64) -> bool {
+    for kind in [StepKind::Delta, StepKind::Anchor] {
+        match bucket.head(&layout::ready(kind, step)).await {
+            Err(e) if e.is_not_found() => {}
+            _ => return true,
+        }
+    }
+    false
+}
+
 /// Polls for the committer's outcome of `step`. No outcome by `deadline` (moved on by the
 /// window before it each time the committer's lease is seen renewed while it names `step` as
 /// the step being committed, up to [`MAX_OUTCOME_WAIT`] past it), or a newer committer
@@ -1221,6 +1251,7 @@ const MAX_OUTCOME_WAIT: Duration = Duration::from_secs(6 * 3600);
 async fn wait_outcome(
     bucket: &Bucket,
     trust: &TrustSet,
+    stream_id: &str,
     step: u64,
     g: u64,
     world_size: u64,
@@ -1239,9 +1270,13 @@ async fn wait_outcome(
     let read = || async {
         match bucket.get_limited(&key, max_outcome_bytes(world_size)).await {
             Ok(b) => {
-                Ok(Some(match trust.open(&b).ok().and_then(|(p, _)| serde_json::from_slice::<StepOutcome>(&p).ok()) {
-                    Some(o) if o.step == step => o,
-                    _ => StepOutcome::aborted(step, format!("{key} is not a valid signed outcome"), true),
+                Ok(Some(match trust.open(&b).ok().and_then(|(p, _)| serde_json::from_slice::<BoundOutcome>(&p).ok()) {
+                    Some(o) if o.outcome.step == step && o.stream_id == stream_id && o.generation == g => o.outcome,
+                    _ => StepOutcome::aborted(
+                        step,
+                        format!("{key} is not a valid signed outcome of this step, stream and generation"),
+                        true,
+                    ),
                 }))
             }
             Err(driftless_store::Error::TooLarge { size, max, .. }) => {
@@ -1273,6 +1308,21 @@ async fn wait_outcome(
                 if let Some(later) = lease.committing.filter(|&s| s > step) {
                     match read().await {
                         Ok(Some(o)) => return o,
+                        // Committed, and its outcome never written (the committer's write
+                        // failed): which parts it used is not known, so the next step is an
+                        // anchor, as the committer's is then (found by review: this rank kept
+                        // its older base while rank 0 built on this step, and the next step
+                        // was refused for their bases).
+                        Ok(None) if has_marker(bucket, step).await => {
+                            return StepOutcome::aborted(
+                                step,
+                                format!(
+                                    "step {step} has a ready marker but the committer wrote no outcome for it: whether \
+                                     this rank's part is in it is not known, so the next step is an anchor"
+                                ),
+                                true,
+                            )
+                        }
                         // No anchor asked for: this rank's base is still the last committed
                         // step, the one rank 0 builds its next part against too.
                         Ok(None) => {
@@ -1325,13 +1375,21 @@ async fn commit(
     ctx.shared.update(|s| s.committing = Some(step));
     let job = (step, world_size, timeout);
     let mut unmarked = false;
-    let (mut outcome, later) = match try_commit(cfg, ctx, &c.trust, job, &c.committed, &c.schedule).await {
-        Ok(r) => r,
-        Err(r) => {
-            unmarked = r.unmarked;
-            (StepOutcome { retryable: r.retryable, ..StepOutcome::aborted(step, r.reason, r.next_anchor) }, None)
-        }
-    };
+    let (mut outcome, later) =
+        match try_commit(cfg, ctx, &c.trust, job, &c.committed, &c.schedule, c.resumed_after).await {
+            // A step the stream held before this committer started, committed with these weights
+            // by an earlier generation: this generation's parts of it serve no reader (swept, as
+            // a refused step's are).
+            Ok(r) if c.resumed_after.is_some_and(|n| step <= n) => {
+                unmarked = true;
+                r
+            }
+            Ok(r) => r,
+            Err(r) => {
+                unmarked = r.unmarked;
+                (StepOutcome { retryable: r.retryable, ..StepOutcome::aborted(step, r.reason, r.next_anchor) }, None)
+            }
+        };
     let (later, dropped) = {
         let mut s = c.schedule.lock().unwrap_or_else(|e| e.into_inner());
         if outcome.of == Some(StepKind::Anchor) {
@@ -1352,7 +1410,12 @@ async fn commit(
             && (s.unreadable || s.last.is_none_or(|a| step.saturating_add(1) >= a.saturating_add(cfg.anchor_every)));
         (later, dropped)
     };
-    write_outcome(cfg, ctx, &outcome).await;
+    if !write_outcome(cfg, ctx, &outcome).await {
+        // The other ranks take the step as not committed with their parts, so they send
+        // anchors next: so does this one (found by review: it sent a delta on this step,
+        // the kinds disagreed, and the next step was lost too).
+        outcome.next_anchor = true;
+    }
     ctx.shared.update(|s| s.committing = None);
     // Removed after the outcome (by the caller, once it handed the outcome over): the ranks
     // go on at once (a rank never publishes a step again, and a restarted one names its parts
@@ -1419,18 +1482,37 @@ async fn remove_refused(ctx: &Ctx, step: u64) {
 }
 
 /// Writes the committer's signed verdict on a step (write-once).
-async fn write_outcome(cfg: &PublisherBuilder, ctx: &Ctx, outcome: &StepOutcome) {
+/// Writes the signed outcome of a step, bound to its stream and generation; whether it was
+/// written.
+async fn write_outcome(cfg: &PublisherBuilder, ctx: &Ctx, outcome: &StepOutcome) -> bool {
     let step = outcome.step;
-    let payload = serde_json::to_vec(outcome).expect("outcome serializes");
+    let bound = BoundOutcome { stream_id: ctx.stream_id.clone(), generation: ctx.generation, outcome: outcome.clone() };
+    let payload = serde_json::to_vec(&bound).expect("outcome serializes");
     match cfg.seal(&payload) {
-        Ok(env) => {
-            if let Err(e) = ctx.bucket.put_create(&outcome_key(step, ctx.generation), Bytes::from(env)).await {
-                // The ranks then time out and anchor: slower, never wrong.
+        Ok(env) => match ctx.bucket.put_create(&outcome_key(step, ctx.generation), Bytes::from(env)).await {
+            Ok(()) => true,
+            Err(e) => {
+                // The ranks then find no outcome: "not committed, anchor next".
                 warn!(step, error = %e, "could not write the step's outcome");
+                false
             }
+        },
+        Err(e) => {
+            warn!(step, error = %e, "could not seal the step's outcome");
+            false
         }
-        Err(e) => warn!(step, error = %e, "could not seal the step's outcome"),
     }
+}
+
+/// What an outcome object holds: the outcome, bound to the stream and the committer
+/// generation it is of (found by review: a signed outcome of another stream signed with the
+/// same key, or of an earlier generation, copied under this step, was taken as this step's).
+#[derive(Serialize, Deserialize)]
+struct BoundOutcome {
+    stream_id: String,
+    generation: u64,
+    #[serde(flatten)]
+    outcome: StepOutcome,
 }
 
 /// Why the committer did not commit a step.
@@ -1465,6 +1547,7 @@ async fn try_commit(
     (step, world_size, timeout): (u64, u64, Duration),
     committed: &Option<Committed>,
     schedule: &std::sync::Mutex<AnchorSchedule>,
+    resumed_after: Option<u64>,
 ) -> std::result::Result<(StepOutcome, Option<LaterAnchor>), Refusal> {
     let g = ctx.generation;
     let bucket = &ctx.bucket;
@@ -1642,6 +1725,27 @@ async fn try_commit(
     let ordered: Vec<Digest> = layout.tensors().map(|m| digests[&m.name]).collect();
     let shards = manifest::shard_records(&layout, &ordered).map_err(|e| (format!("step {step}: {e}"), false))?;
     let a = AnchorParts { step, parts, layout, digests: ordered, root };
+    // A step at or before the newest the stream held when this committer started (a group
+    // restarted from an older checkpoint): committed already with these very weights, it is
+    // this step again (the ranks adopt their copies, as the single-process publisher's
+    // `republish` does); otherwise no publish of it can commit. Found by review: every such
+    // step was gathered and encoded as an anchor (minutes for a large model) before its
+    // claim was found taken, and refused as retryable, up to the stream's newest step.
+    if resumed_after.is_some_and(|n| step <= n) {
+        let newest = resumed_after.unwrap_or_default();
+        let refused = |why: String| Refusal { reason: why, next_anchor: true, retryable: false, unmarked: true };
+        return match ctx.committed_kind(step, root).await {
+            Ok(Some(kind)) => {
+                info!(step, "step is already published with these weights");
+                Ok((committed_outcome(step, kind, root, shas), None))
+            }
+            Ok(None) => Err(refused(format!(
+                "step {step} is not after step {newest}, the newest this stream held when this committer started; publish a later step"
+            ))),
+            Err(upload::CommitError::Conflict(why)) => Err(refused(format!("step {step}: {why}; publish a later step"))),
+            Err(e) => Err(Refusal { reason: format!("step {step}: {e}"), next_anchor: true, retryable: true, unmarked: true }),
+        };
+    }
     // 4. Commit.
     let done = match base {
         Some((base_step, base_root)) => {
@@ -2016,7 +2120,10 @@ mod tests {
         let wait = |step, ws, secs| {
             let t = Instant::now();
             let deadline = t + Duration::from_secs(secs);
-            (rt.block_on(wait_outcome(&p0.bucket, &p0.trust, step, ctx.generation, ws, deadline)), t.elapsed())
+            (
+                rt.block_on(wait_outcome(&p0.bucket, &p0.trust, &ctx.stream_id, step, ctx.generation, ws, deadline)),
+                t.elapsed(),
+            )
         };
         let o = outcome(1, ws as usize);
         rt.block_on(write_outcome(&cfg, &ctx, &o));
@@ -2134,7 +2241,7 @@ mod tests {
             })
         };
         let deadline = Instant::now() + Duration::from_secs(3);
-        let got = rt.block_on(wait_outcome(&p0.bucket, &p0.trust, 5, ctx.generation, 2, deadline));
+        let got = rt.block_on(wait_outcome(&p0.bucket, &p0.trust, &ctx.stream_id, 5, ctx.generation, 2, deadline));
         writer.join().unwrap();
         assert_eq!(got, o, "the rank gave up on a step its committer was seen committing");
     }
@@ -2368,6 +2475,153 @@ mod bound_tests {
                 .unwrap_or_default();
             assert!(!left.iter().any(|n| n.contains("-seg-")), "step {step}: {left:?}");
         }
+    }
+
+    /// A two-rank group on `cfg`'s stream publishing `(step, weights seed)` in order, rank 1
+    /// in a thread of its own (it waits for outcomes that rank 0 writes as it goes on). Each
+    /// rank's outcome of each step, and whether the publish was refused at once.
+    fn group_steps(cfg: PublisherBuilder, steps: &[(u64, u64)]) -> [Vec<Result<StepOutcome>>; 2] {
+        let timeout = Duration::from_secs(60);
+        let rows = 4096u64;
+        let steps = steps.to_vec();
+        let column = move |r: u64, seed: u64| -> Vec<u8> {
+            (0..rows).flat_map(|i| ((i * 2 + r) as u16 ^ (seed as u16).wrapping_mul(0x0101)).to_le_bytes()).collect()
+        };
+        let run = move |rank: u64, cfg: PublisherBuilder, steps: Vec<(u64, u64)>| {
+            let mut p = cfg.build_sharded(rank, 2, timeout).unwrap();
+            let shape = [rows, 2];
+            let mut out = vec![];
+            for (step, seed) in steps {
+                let c = column(rank, seed);
+                let shard = Shard {
+                    name: "w",
+                    dtype: DType::BF16,
+                    shape: &shape,
+                    slice: Slice::block(&shape, 1, rank, 1).unwrap(),
+                    data: &c,
+                };
+                out.push(match p.publish(step, &[shard]) {
+                    Ok(_) => {
+                        let _ = p.flush();
+                        Ok(p.last_outcome().cloned().expect("the step was resolved"))
+                    }
+                    Err(e) => Err(e),
+                });
+            }
+            p.close().ok();
+            out
+        };
+        let (c1, s1) = (cfg.clone(), steps.clone());
+        let r1 = std::thread::spawn(move || run(1, c1, s1));
+        let r0 = run(0, cfg, steps);
+        [r0, r1.join().unwrap()]
+    }
+
+    /// Found by review: a group restarted on a stream (resumed from an older checkpoint)
+    /// gathered and encoded every step up to the stream's newest as an anchor, found its claim
+    /// taken only then, and refused it as retryable. Now a step at or before the newest the
+    /// stream held is this step again when it holds these very weights (the ranks adopt it as
+    /// their base: the next step is a delta), and otherwise refused as not retryable, without
+    /// a marker of its own; a later step commits.
+    #[test]
+    fn a_group_restarted_on_a_stream_with_steps_takes_up_after_its_newest() {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let cfg = PublisherBuilder::new(url.clone()).with_key(driftless_format::Keypair::generate());
+        let first = group_steps(cfg.clone().with_new_stream(true), &[(0, 0), (1, 1), (2, 2), (5, 5)]);
+        for o in first.iter().flatten() {
+            assert!(o.as_ref().unwrap().committed, "{o:?}");
+        }
+        let second = group_steps(cfg, &[(2, 2), (4, 4), (5, 9), (6, 6), (7, 7)]);
+        for (rank, outcomes) in second.iter().enumerate() {
+            let o: Vec<&StepOutcome> = outcomes.iter().map(|o| o.as_ref().unwrap()).collect();
+            assert!(o[0].committed, "rank {rank}: step 2 with its weights is step 2: {:?}", o[0]);
+            for (i, why) in [(1, "not after step 5"), (2, "already committed with other weights")] {
+                assert!(!o[i].committed && !o[i].retryable, "rank {rank}: {:?}", o[i]);
+                assert!(o[i].reason.as_deref().unwrap().contains(why), "rank {rank}: {:?}", o[i]);
+            }
+            assert!(o[3].committed && o[3].of == Some(StepKind::Anchor), "rank {rank}: {:?}", o[3]);
+            assert!(o[4].committed && o[4].of == Some(StepKind::Delta), "rank {rank}: {:?}", o[4]);
+        }
+        // Step 4 left nothing a reader sees, and step 5 is still the first run's.
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let bucket = Bucket::open(&url, &driftless_store::StoreOptions::default()).unwrap();
+        rt.block_on(async {
+            for kind in [StepKind::Delta, StepKind::Anchor] {
+                assert!(bucket.head(&layout::ready(kind, 4)).await.unwrap_err().is_not_found());
+            }
+            // Of the second group's generation (2), only the outcomes remain under steps 2, 4
+            // and 5 (the first group's parts of 2 and 5 are the committed deltas' segments).
+            for step in [2, 4, 5] {
+                let left: Vec<String> = bucket
+                    .list(&layout::delta_dir(step))
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .map(|o| o.key)
+                    .filter(|k| k.contains("/g2-"))
+                    .collect();
+                assert_eq!(left, [format!("deltas/{step:012}/g2-outcome.json")], "step {step}");
+            }
+        });
+    }
+
+    /// Found by review: when the committer's outcome write failed, the other ranks (seeing it
+    /// go on) kept their older base while it built on the step, and the next step was refused
+    /// for its bases. Now both sides send anchors next, and that step commits.
+    #[test]
+    fn a_lost_outcome_costs_no_further_step() {
+        use driftless_store::{FaultKind, FaultOp, FaultyStore, StoreOptions};
+        let faulty = Arc::new(FaultyStore::new(Arc::new(driftless_store::object_store::memory::InMemory::new())));
+        let bucket = Bucket::from_store(faulty.clone(), "s", &StoreOptions::default());
+        let cfg = PublisherBuilder::new("unused")
+            .with_bucket(bucket.clone())
+            .with_key(driftless_format::Keypair::generate())
+            .with_new_stream(true)
+            .with_lease_ttl(Duration::from_secs(2));
+        faulty.inject(FaultOp::Put, &format!("{:012}/g1-outcome.json", 1), 1, FaultKind::Permanent);
+        let [r0, r1] = group_steps(cfg, &[(0, 0), (1, 1), (2, 2), (3, 3)]);
+        let (r0, r1): (Vec<StepOutcome>, Vec<StepOutcome>) =
+            (r0.into_iter().map(Result::unwrap).collect(), r1.into_iter().map(Result::unwrap).collect());
+        assert!(r0[1].committed && r0[1].next_anchor, "{:?}", r0[1]);
+        assert!(!r1[1].committed && r1[1].next_anchor, "{:?}", r1[1]);
+        assert!(r1[1].reason.as_deref().unwrap().contains("has a ready marker"), "{:?}", r1[1]);
+        for r in [&r0, &r1] {
+            assert!(r[2].committed && r[2].of == Some(StepKind::Anchor), "{:?}", r[2]);
+            assert!(r[3].committed && r[3].of == Some(StepKind::Delta), "{:?}", r[3]);
+        }
+    }
+
+    /// A signed outcome of another stream (same key), copied under this step before the
+    /// committer writes its own, is not this step's (found by review: it was, and a rank took
+    /// a step as committed that was not).
+    #[test]
+    fn an_outcome_of_another_stream_is_not_this_steps() {
+        let td = tempfile::tempdir().unwrap();
+        let key = driftless_format::Keypair::generate();
+        let cfg = |d: &str| {
+            let url = format!("file://{}", td.path().join(d).display());
+            PublisherBuilder::new(url).with_key(key.clone()).with_new_stream(true)
+        };
+        let (a, b) = (cfg("a"), cfg("b"));
+        let pa = a.clone().build_sharded(0, 2, Duration::from_secs(1)).unwrap();
+        let pb = b.build_sharded(0, 2, Duration::from_secs(1)).unwrap();
+        let (ca, rt) = (pa.ctx.clone().unwrap(), pa.rt.as_ref().unwrap());
+        let cb = pb.ctx.clone().unwrap();
+        assert_eq!(ca.generation, cb.generation);
+        let o = committed_outcome(3, StepKind::Anchor, Digest::of(b"w"), vec![Digest::of(b"p"); 2]);
+        // Written by stream b's committer, then copied into stream a's step 3.
+        assert!(rt.block_on(write_outcome(&a, &cb, &o)));
+        let moved = rt.block_on(pb.bucket.get(&outcome_key(3, cb.generation))).unwrap();
+        rt.block_on(pa.bucket.put(&outcome_key(3, ca.generation), moved)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let got = rt.block_on(wait_outcome(&pa.bucket, &pa.trust, &ca.stream_id, 3, ca.generation, 2, deadline));
+        assert!(!got.committed && got.reason.as_deref().unwrap().contains("not a valid signed outcome"), "{got:?}");
+        // Its own committer's outcome is read.
+        rt.block_on(pa.bucket.delete(&outcome_key(3, ca.generation))).unwrap();
+        assert!(rt.block_on(write_outcome(&a, &ca, &o)));
+        let got = rt.block_on(wait_outcome(&pa.bucket, &pa.trust, &ca.stream_id, 3, ca.generation, 2, deadline));
+        assert_eq!(got, o);
     }
 
     /// Steps `0..steps` of a (450000, 2) BF16 tensor in a bucket under `dir`, ranks 0 and 1
