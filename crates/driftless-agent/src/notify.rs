@@ -1,7 +1,7 @@
 //! Telling the inference server to load new weights.
 //!
-//! A target is `KIND=TARGET[,OPTION=VALUE]...` (`--notify`, repeatable; `;`-separated in
-//! `DRIFTLESS_NOTIFY`). The engine adapters follow the route code of the pinned releases
+//! A target is `KIND=TARGET[,OPTION=VALUE]...` (`--notify`, repeatable; one target per line
+//! in `DRIFTLESS_NOTIFY`, since a `;` belongs to an `exec=` command). The engine adapters follow the route code of the pinned releases
 //! (vLLM 0.33.0, SGLang 0.5.23; see `docs/engines/`), which CI runs under contract tests.
 //!
 //! The version an engine is told it holds is `V` = `STEP-ROOT16` ([`engine_version`]: the
@@ -12,8 +12,9 @@
 //!   `POST /pause_generation {"mode"}`, `POST /update_weights_from_disk {"model_path": ABS,
 //!   "weight_version": V, "flush_cache": true, "abort_all_requests": false}`, `POST
 //!   /continue_generation {}`, then `GET /model_info` must report `weight_version == V`. A 400
-//!   may still mean "loaded, cache flush refused": the version read back decides, and a
-//!   refused flush is retried with `POST /flush_cache`.
+//!   whose message begins "Weights were updated" means "loaded, cache flush refused": SGLang
+//!   records no version then, so the agent sets it to `driftless-unknown` (`POST
+//!   /update_weight_version`) and the notify fails; the next attempt loads in full.
 //! - `vllm=URL` (the server needs `VLLM_SERVER_DEV_MODE=1`): `GET /weight_info`, `POST
 //!   /pause?mode=M`, `POST /collective_rpc {"method": "reload_weights", "kwargs":
 //!   {"weights_path": ABS}}`, `POST /reset_prefix_cache?reset_running_requests=true` (its

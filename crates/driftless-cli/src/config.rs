@@ -66,7 +66,10 @@ pub fn load_into_env(args: impl Iterator<Item = OsString>) -> Result<()> {
                 KEYS.iter().map(|k| k.0).collect::<Vec<_>>().join(", ")
             );
         };
-        if std::env::var_os(env).is_some() {
+        // (`log` is DRIFTLESS_LOG, which would beat a RUST_LOG of the environment: the
+        // environment wins over the file, so RUST_LOG counts as set too.)
+        let rust_log = key == "log" && std::env::var("RUST_LOG").is_ok_and(|s| !s.trim().is_empty());
+        if std::env::var_os(env).is_some() || rust_log {
             continue;
         }
         // A list element may not hold the separator: a notify command written over several

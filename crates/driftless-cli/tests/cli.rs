@@ -907,6 +907,19 @@ fn output_logs_and_flags() {
         .env_remove("DRIFTLESS_LOG")
         .env("RUST_LOG", "debug"));
     assert!(err.contains("DEBUG"), "RUST_LOG=debug ignored: {err}");
+    // ... and over a config file's `log` (environment > file, as for every other key; the
+    // file's `log` beat RUST_LOG before).
+    std::fs::write(p("log.json"), br#"{"log": "error"}"#).unwrap();
+    let (_, _, err) = out(bin()
+        .args(["agent", "--once", "--bucket", &url, "--trust"])
+        .arg(p("key.pub"))
+        .arg("--dir")
+        .arg(p("agent"))
+        .arg("--config")
+        .arg(p("log.json"))
+        .env_remove("DRIFTLESS_LOG")
+        .env("RUST_LOG", "debug"));
+    assert!(err.contains("DEBUG"), "RUST_LOG=debug lost to the config file's log: {err}");
     // gc: byte sizes with units, and a readable report rather than a Debug dump.
     let (code, stdout, err) = out(bin().args(["gc", "--dry-run", "--max-bytes", "10GB", "--bucket", &url]));
     assert_eq!(code, Some(0), "{err}");

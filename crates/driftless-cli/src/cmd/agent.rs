@@ -54,9 +54,10 @@ pub struct Args {
     /// mid-pass on a small model.
     #[arg(long, hide = true, env = "DRIFTLESS_IDLE_GROUP", value_parser = crate::units::parse_bytes)]
     idle_group: Option<u64>,
-    /// JSON config file: keys are the long flag names
+    /// JSON config file with these long flag names as keys: bucket, endpoint, region, trust,
+    /// allow_unsigned, dir, notify, listen, poll_min, poll_max, anchor_parts, log
     /// (`{"bucket": "s3://b/p", "trust": ["k.pub"], "dir": "/w", "notify": ["sglang=http://..."]}`).
-    /// Precedence: flag > environment variable > config file > default.
+    /// Precedence: flag > environment variable (RUST_LOG too, for `log`) > config file > default.
     // Read before clap parses (`crate::config`): declared here for --help and so that other
     // commands refuse it (found by review: it was global, `gc --config` took the file's bucket
     // and silently dropped its trust keys).

@@ -103,8 +103,9 @@ class Publisher(_native.Publisher):
         value_mode: ``"ulp"`` (default, smallest) or ``"overwrite"``.
         max_shard_bytes: largest shard file of the checkpoint layout (default 2 GiB).
 
-    ``publish`` returns once the step is diffed and encoded; uploads run on background
-    threads. Use as a context manager, or call :meth:`close`, so the last steps are uploaded
+    ``publish`` returns once the step's changes are found and the publisher's snapshot is
+    updated (one pass over the tensors); encoding, compression, signing and uploads run on
+    background threads. Use as a context manager, or call :meth:`close`, so the last steps are uploaded
     and a failure is raised. A publisher that is garbage-collected, or still open when the
     interpreter exits, is flushed then (a failure is printed on stderr). A process killed by a
     signal Python does not handle (SIGTERM's default) runs neither: install a handler that
@@ -127,7 +128,9 @@ class Publisher(_native.Publisher):
         reshaped tensors travel dense). The order of the mapping is the checkpoint's order.
 
         Returns a receipt: ``step``, ``outcome`` (``"delta"``, ``"delta_and_anchor"``,
-        ``"anchor"``, or ``"coalesced"`` when uploads are behind), ``delta_bytes``
+        ``"anchor"``, ``"coalesced"`` when uploads are behind, or ``"already_published"`` for a
+        step at or before the newest one that the bucket holds with these very weights),
+        ``delta_bytes``
         and ``ratio`` (dense/delta bytes; ``None`` when not known as the call returns, which
         is the case for a delta encoded in the background: ``status()["last_delta_bytes"]``
         and ``["last_ratio"]`` have them once it is encoded), ``density`` (changed fraction),
@@ -139,10 +142,13 @@ class Publisher(_native.Publisher):
         return super().publish(step, tensors)
 
     def flush(self) -> None:
-        """Blocks until every queued step and anchor is in the bucket. Raises
-        :class:`RetryableError` when a background upload failed since the last flush (the
-        stream recovers with an anchor at the next publish). Ctrl-C (``KeyboardInterrupt``)
-        ends the wait within 100 ms; the uploads go on in the background."""
+        """Publishes the newest coalesced step (if any), then waits for every upload. A newest
+        step that did not reach the bucket is published again, once, as an anchor. Returns
+        when the newest published step is in the bucket; raises when it is still not
+        (:class:`RetryableError` when calling ``flush``, or ``publish`` of that step, again
+        later may help). Failures of steps a newer one superseded are counted in
+        ``status()``, not raised. Ctrl-C (``KeyboardInterrupt``) ends the wait within 100 ms;
+        the uploads go on in the background."""
         return super().flush()
 
     def close(self) -> None:
@@ -154,7 +160,7 @@ class Publisher(_native.Publisher):
     def status(self) -> Dict[str, Any]:
         """Counters: ``stream_id``, ``last_published``, ``next_step``, ``last_delta_ready``,
         ``last_anchor_ready``, ``queue_depth``, ``anchors_in_flight``, ``bytes_uploaded``,
-        ``coalesced``, ``failures``, ``last_error``, ``last_ratio``."""
+        ``coalesced``, ``failures``, ``last_error``, ``last_ratio``, ``last_delta_bytes``."""
         return super().status()
 
     def __enter__(self) -> "Publisher":
