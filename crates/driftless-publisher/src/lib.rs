@@ -42,4 +42,6 @@ mod upload;
 
 pub use error::{Error, Result};
 pub use publisher::{Outcome, PublishReceipt, Publisher, PublisherBuilder, Status};
-pub use sharded::{PartKind, PartReport, Shard, ShardedPublisher, ShardedReceipt, StepOutcome, MAX_WORLD_SIZE};
+pub use sharded::{
+    PartKind, PartReport, Shard, ShardedPublisher, ShardedReceipt, StepOutcome, MAX_COMMIT_TIMEOUT, MAX_WORLD_SIZE,
+};

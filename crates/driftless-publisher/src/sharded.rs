@@ -67,6 +67,11 @@ use crate::{Error, Result};
 
 /// Largest number of ranks a step may have.
 pub const MAX_WORLD_SIZE: u64 = 1 << 16;
+
+/// The longest `commit_timeout` a sharded publisher takes: a day. The deadlines built from it
+/// (twice it, plus the outcome wait's hours) must stay inside what an `Instant` holds (found
+/// by review: a huge timeout from Python panicked on the first wait).
+pub const MAX_COMMIT_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 /// Bytes of a slices object fetched per request when the committer gathers an anchor.
 const GATHER_WINDOW: u64 = 64 << 20;
 /// Bound on the edge bytes of one step's parts together, checked before they are fetched
@@ -557,6 +562,11 @@ impl PublisherBuilder {
     pub fn build_sharded(self, rank: u64, world_size: u64, commit_timeout: Duration) -> Result<ShardedPublisher> {
         if world_size == 0 || world_size > MAX_WORLD_SIZE || rank >= world_size {
             return Err(Error::Refused(format!("rank {rank} of world size {world_size}")));
+        }
+        if commit_timeout > MAX_COMMIT_TIMEOUT {
+            return Err(Error::Refused(format!(
+                "commit timeout {commit_timeout:?} is longer than {MAX_COMMIT_TIMEOUT:?}"
+            )));
         }
         let (rt, bucket) = self.start()?;
         let trust = self.trust();
@@ -2475,6 +2485,22 @@ mod bound_tests {
                 .unwrap_or_default();
             assert!(!left.iter().any(|n| n.contains("-seg-")), "step {step}: {left:?}");
         }
+    }
+
+    /// A commit timeout past what the deadlines built from it can hold is refused, by every
+    /// rank, before anything waits on it.
+    #[test]
+    fn a_commit_timeout_past_a_day_is_refused() {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate()).with_new_stream(true);
+        let p0 = cfg.clone().build_sharded(0, 2, Duration::from_secs(1)).unwrap();
+        for rank in [0, 1] {
+            let e = cfg.clone().build_sharded(rank, 2, Duration::MAX).unwrap_err();
+            assert!(matches!(e, Error::Refused(_)) && e.to_string().contains("longer than"), "{e}");
+        }
+        assert!(cfg.build_sharded(1, 2, MAX_COMMIT_TIMEOUT).is_ok());
+        drop(p0);
     }
 
     /// A two-rank group on `cfg`'s stream publishing `(step, weights seed)` in order, rank 1

@@ -68,6 +68,9 @@ fn outcome_dict<'py>(py: Python<'py>, o: &StepOutcome) -> PyResult<Bound<'py, Py
     d.set_item("reason", o.reason.clone())?;
     d.set_item("next_anchor", o.next_anchor)?;
     d.set_item("slices_next", o.slices_next)?;
+    // Whether publishing again may commit (found by review: left out, a trainer reading the
+    // receipts could not tell a lost step from one every later step repeats).
+    d.set_item("retryable", o.retryable)?;
     Ok(d)
 }
 
@@ -120,6 +123,12 @@ impl PyShardedPublisher {
                 Common { bucket_url, signing_key, anchor_every, new_stream, takeover, spool_dir, max_shard_bytes };
             let b = common.builder(opts)?;
             let timeout = secs(commit_timeout)?;
+            if timeout > driftless_publisher::MAX_COMMIT_TIMEOUT {
+                return Err(crate::errors::invalid(format!(
+                    "commit_timeout {commit_timeout} s is longer than a day ({} s)",
+                    driftless_publisher::MAX_COMMIT_TIMEOUT.as_secs()
+                )));
+            }
             // Ranks other than 0 wait for the committer (up to the commit timeout): Ctrl-C may end it.
             let p = crate::wait_interruptible(py, move || b.build_sharded(rank, world_size, timeout))?
                 .map_err(BindError::from)?;

@@ -464,3 +464,13 @@ def test_sync_dir_never_rewrites_a_slot_the_caller_still_maps(file_bucket, tmp_p
     m.close()
     out = f.sync_dir(str(tmp_path / "agent"))
     assert out["step"] == 2 and os.path.realpath(out["path"]) == old
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_commit_timeout_past_a_day_is_an_input_error(file_bucket, keys, rank):
+    # Found by review: any float was taken, and a huge one panicked on the first deadline
+    # built from it.
+    url, _ = file_bucket
+    private, _ = keys
+    with pytest.raises(driftless.InvalidInputError, match="longer than a day"):
+        driftless.ShardedPublisher(url, rank, 2, signing_key=private, commit_timeout=1e12)

@@ -189,6 +189,7 @@ def test_a_rank_killed_mid_step_leaves_no_ready_step(bucket, key_files, tmp_path
     commits = [r["outcome"] for r in g.receipts(0, 1)]
     assert [c["step"] for c in commits] == [1, 2, 3, 4]
     assert not commits[1]["committed"] and "ranks [2]" in commits[1]["reason"] and commits[1]["next_anchor"]
+    assert commits[1]["retryable"] and commits[2]["retryable"]
     assert commits[2]["committed"] and commits[2]["of"] == "anchor"
     assert commits[3]["committed"] and commits[3]["of"] == "delta"
     f = follower(url, store, public)

@@ -387,7 +387,8 @@ class ShardedPublisher(_native.ShardedPublisher):
         Returns ``step``, ``part`` (``"delta"`` or ``"anchor"``), ``slices`` (whether the
         part also carries the shard bytes, for an anchor of the step), ``blocked_secs`` (time
         the call blocked), ``previous`` (the outcome of this rank's previous step: ``step``,
-        ``committed``, ``of``, ``root``, ``reason``, ``next_anchor``, ``slices_next``) and
+        ``committed``, ``of``, ``root``, ``reason``, ``next_anchor``, ``slices_next``,
+        ``retryable``: whether publishing again may commit a step that was not) and
         ``previous_part`` (this rank's part of it: ``step``, ``part``, ``slices``, ``bytes``,
         ``secs``, ``commit_secs``; None when it was not sent).
         """
@@ -395,7 +396,8 @@ class ShardedPublisher(_native.ShardedPublisher):
 
     def flush(self) -> Dict[str, Any]:
         """Waits until this rank's last step is uploaded and its outcome known, and returns
-        that outcome; raises :class:`RetryableError` when the step was not committed. Ctrl-C
+        that outcome; raises when the step was not committed (:class:`RetryableError` when
+        publishing again may commit, else :class:`DriftlessError`). Ctrl-C
         ends the wait (as it does the constructor's wait for the committer and ``publish``'s
         wait for the previous step's outcome)."""
         return super().flush()
