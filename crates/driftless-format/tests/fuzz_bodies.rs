@@ -42,6 +42,19 @@ fn segment_seeds() -> Vec<Vec<u8>> {
     seeds
 }
 
+/// With `DRIFTLESS_FUZZ_CORPUS=DIR`, writes the seeds of target `name` to `DIR/name/` (the
+/// layout of cargo-fuzz's corpus, `fuzz/corpus`), so a libFuzzer run starts from valid inputs
+/// instead of empty ones: `DRIFTLESS_FUZZ_CORPUS=$PWD/fuzz/corpus cargo test -p
+/// driftless-format --test fuzz_bodies`, then `cargo +nightly fuzz run NAME` in `fuzz/`.
+fn dump(name: &str, seeds: &[Vec<u8>]) {
+    let Some(dir) = std::env::var_os("DRIFTLESS_FUZZ_CORPUS") else { return };
+    let dir = std::path::Path::new(&dir).join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (i, s) in seeds.iter().enumerate() {
+        std::fs::write(dir.join(format!("seed-{i:04}")), s).unwrap();
+    }
+}
+
 fn run(body: fn(&[u8]), seeds: &[Vec<u8>], seed: u64) {
     let mut r = rng(seed);
     for s in seeds {
@@ -65,6 +78,7 @@ fn fuzz_decode_segment() {
     for s in &seeds {
         driftless_format::delta::decode_segment(s, fuzz_bodies::MAX_RAW).expect("seed decodes");
     }
+    dump("decode_segment", &seeds);
     run(fuzz_bodies::decode_segment, &seeds, 1);
 }
 
@@ -119,6 +133,7 @@ fn fuzz_manifest() {
     let trust = driftless_format::TrustSet::new().with_key(Keypair::from_seed(fuzz_bodies::TRUSTED_SEED).public());
     let ok = seeds.iter().filter(|s| trust.open(s).is_ok()).count();
     assert!(ok > 10, "too few seeds open: {ok}");
+    dump("manifest", &seeds);
     run(fuzz_bodies::manifest, &seeds, 2);
 }
 
@@ -136,6 +151,7 @@ fn fuzz_anchor_decode() {
     let sbytes = std::fs::read(dir.path().join("model.safetensors")).unwrap();
     seeds.push(driftless_format::anchor::encode_shard(&sbytes, 1).unwrap());
     seeds.push(sbytes);
+    dump("anchor_decode", &seeds);
     run(fuzz_bodies::anchor_decode, &seeds, 3);
     let _ = ops::segment_object_name(0);
 }
