@@ -1566,7 +1566,18 @@ async fn try_commit(
     let deadline = Instant::now() + timeout;
     let mut wait = Duration::from_millis(50);
     let names: BTreeMap<u64, String> = loop {
-        let listed = bucket.list(&layout::delta_dir(step)).await.map_err(store)?;
+        let listed = match bucket.list(&layout::delta_dir(step)).await {
+            Ok(l) => l,
+            // An outage past the store's own retries, with time left: listed again (found by
+            // review: one failed listing refused the step, and the next one was an anchor).
+            Err(e) if e.is_retryable() && Instant::now() + wait < deadline => {
+                warn!(step, error = %e, "listing the step's parts failed; listing again");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_millis(500));
+                continue;
+            }
+            Err(e) => return Err(store(e).into()),
+        };
         let mut found: BTreeMap<u64, String> = BTreeMap::new();
         for o in &listed {
             let Some((_, _, Some(n))) = layout::parse_step_key(&o.key) else { continue };
@@ -2615,6 +2626,29 @@ mod bound_tests {
         for r in [&r0, &r1] {
             assert!(r[2].committed && r[2].of == Some(StepKind::Anchor), "{:?}", r[2]);
             assert!(r[3].committed && r[3].of == Some(StepKind::Delta), "{:?}", r[3]);
+        }
+    }
+
+    /// A listing of the step's parts that fails past the store's retries, with time left
+    /// before the commit timeout, is made again: the step commits (it was refused, and the next
+    /// step was an anchor).
+    #[test]
+    fn a_failed_listing_of_the_parts_is_made_again() {
+        use driftless_store::{FaultKind, FaultOp, FaultyStore, StoreOptions};
+        let faulty = Arc::new(FaultyStore::new(Arc::new(driftless_store::object_store::memory::InMemory::new())));
+        // One retry in the store: two faults fail the listing past it.
+        let bucket = Bucket::from_store(faulty.clone(), "s", &StoreOptions::default().with_max_retries(1));
+        let cfg = PublisherBuilder::new("unused")
+            .with_bucket(bucket)
+            .with_key(driftless_format::Keypair::generate())
+            .with_new_stream(true);
+        faulty.inject(FaultOp::List, &format!("deltas/{:012}", 1), 2, FaultKind::Transient);
+        let [r0, r1] = group_steps(cfg, &[(0, 0), (1, 1), (2, 2)]);
+        assert!(faulty.injected() >= 2, "the faults were hit");
+        for r in [r0, r1] {
+            let r: Vec<StepOutcome> = r.into_iter().map(Result::unwrap).collect();
+            assert!(r[1].committed && r[1].of == Some(StepKind::Delta), "{:?}", r[1]);
+            assert!(r[2].committed && r[2].of == Some(StepKind::Delta), "{:?}", r[2]);
         }
     }
 
