@@ -336,6 +336,10 @@ struct AnchorSchedule {
     /// at the next commit, for a part that landed after the refusal (a rank later than the
     /// commit timeout, whose upload ends after the outcome).
     refused: Option<u64>,
+    /// The rank and the two part names (step prefix removed) of the last step refused for a
+    /// rank with two parts: the same two processes again at the next step are two processes
+    /// given one rank, which no retry mends.
+    twice: Option<(u64, [String; 2])>,
 }
 
 /// What the committer gathers an anchor from: the parts of a step (each with its slices
@@ -1584,7 +1588,25 @@ async fn try_commit(
             let Some(r) = part_rank(&n, g).filter(|&r| r < world_size) else { continue };
             if let Some(other) = found.insert(r, n.clone()) {
                 // A restarted rank next to its predecessor's part: which is current is not
-                // knowable, so neither is used.
+                // knowable, so neither is used. The same two processes at two steps in a row
+                // are two processes given one rank: every later step repeats it (found by
+                // review: reported as retryable for ever).
+                let mut pair = [other.clone(), n.clone()];
+                pair.sort();
+                let mut sched = schedule.lock().unwrap_or_else(|e| e.into_inner());
+                let again = sched.twice.as_ref().is_some_and(|(rr, p)| *rr == r && *p == pair);
+                sched.twice = Some((r, pair));
+                drop(sched);
+                if again {
+                    return Err(Refusal {
+                        reason: format!(
+                            "step {step}: rank {r} has two parts ({other}, {n}), from the same two processes as the step before: two processes publish as rank {r}; not committed"
+                        ),
+                        next_anchor: true,
+                        retryable: false,
+                        unmarked: true,
+                    });
+                }
                 return Err(Refusal::from((
                     format!("step {step}: rank {r} has two parts ({other}, {n}); not committed"),
                     true,
@@ -2627,6 +2649,59 @@ mod bound_tests {
             assert!(r[2].committed && r[2].of == Some(StepKind::Anchor), "{:?}", r[2]);
             assert!(r[3].committed && r[3].of == Some(StepKind::Delta), "{:?}", r[3]);
         }
+    }
+
+    /// Two processes given rank 1: the step with both their parts is refused as retryable
+    /// (it may be a restarted rank beside its predecessor's part), and the same two again at
+    /// the next step as not retryable (found by review: retryable for ever).
+    #[test]
+    fn two_processes_of_one_rank_are_refused_as_not_retryable() {
+        let td = tempfile::tempdir().unwrap();
+        let url = format!("file://{}", td.path().join("b").display());
+        let cfg = PublisherBuilder::new(url).with_key(driftless_format::Keypair::generate());
+        let timeout = Duration::from_secs(60);
+        let mut p0 = cfg.clone().with_new_stream(true).build_sharded(0, 2, timeout).unwrap();
+        let shape = [64u64, 2];
+        let col = vec![7u8; 128];
+        let (sent_tx, sent_rx) = std::sync::mpsc::channel();
+        let mut twins = vec![];
+        for _ in 0..2 {
+            let (cfg, col, sent) = (cfg.clone(), col.clone(), sent_tx.clone());
+            twins.push(std::thread::spawn(move || {
+                let mut p = cfg.build_sharded(1, 2, timeout).unwrap();
+                for step in 0..2 {
+                    let slice = Slice::block(&shape, 1, 1, 1).unwrap();
+                    p.publish(step, &[Shard { name: "w", dtype: DType::BF16, shape: &shape, slice, data: &col }])
+                        .unwrap();
+                    p.wait_sent().expect("sent");
+                    sent.send(step).unwrap();
+                }
+                let _ = p.flush();
+                p.close().ok();
+            }));
+        }
+        let mut outcomes = vec![];
+        for step in 0..2 {
+            // Both twins' parts are in before rank 0's, so the committer lists them together.
+            for _ in 0..2 {
+                assert_eq!(sent_rx.recv().unwrap(), step);
+            }
+            let slice = Slice::block(&shape, 1, 0, 1).unwrap();
+            p0.publish(step, &[Shard { name: "w", dtype: DType::BF16, shape: &shape, slice, data: &col }]).unwrap();
+            let _ = p0.flush();
+            outcomes.push(p0.last_outcome().cloned().unwrap());
+        }
+        for t in twins {
+            t.join().unwrap();
+        }
+        p0.close().ok();
+        assert!(!outcomes[0].committed && outcomes[0].retryable, "{:?}", outcomes[0]);
+        assert!(!outcomes[1].committed && !outcomes[1].retryable, "{:?}", outcomes[1]);
+        assert!(
+            outcomes[1].reason.as_deref().unwrap().contains("two processes publish as rank 1"),
+            "{:?}",
+            outcomes[1]
+        );
     }
 
     /// A listing of the step's parts that fails past the store's retries, with time left
