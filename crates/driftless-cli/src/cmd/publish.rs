@@ -222,8 +222,12 @@ fn publish_one(
     // may delete it while the step uploads: the links keep the files for the saved state).
     // Linked files are the trainer's: one it rewrites in place while the publisher reads it
     // refuses the step there (`publish_checked`), and the step is staged and read again.
-    for attempt in 1..=3 {
-        let staged = match state::stage(&a.state, step, ckpt, a.watch.is_some(), &a.exclude) {
+    // One budget of reads for the staging and the check after the publisher's read together
+    // (found by review: three stagings inside each of three reads, up to nine reads of a
+    // checkpoint that changes at every one).
+    let mut reads = 0;
+    loop {
+        let staged = match state::stage(&a.state, step, ckpt, a.watch.is_some(), &a.exclude, &mut reads) {
             Err(e) if e.downcast_ref::<Unsettled>().is_none() && !ckpt.exists() => {
                 return Err(Unsettled(format!(
                     "{} was removed while it was read ({}): step {step} was not published",
@@ -243,9 +247,9 @@ fn publish_one(
         if !changed {
             return r;
         }
-        read_again(ckpt, step, attempt)?;
+        reads += 1;
+        read_again(ckpt, step, reads)?;
     }
-    unreachable!("the loop returns")
 }
 
 /// A checkpoint that could not be read as one state: it changed at every try, or it was
@@ -663,11 +667,19 @@ mod state {
     /// and after, and the bytes), trying three times: the copy is then one state of the
     /// checkpoint, whatever the trainer does to CKPT meanwhile. With `link`, files are hard
     /// links where the filesystem allows (a checkpoint not rewritten in place). Returns the
-    /// copy (a directory).
-    pub fn stage(dir: &Path, step: u64, ckpt: &Path, link: bool, exclude: &[String]) -> Result<PathBuf> {
+    /// copy (a directory). `reads`: the reads found changed so far, this step's budget of
+    /// three shared with the caller's check after the publisher's read.
+    pub fn stage(
+        dir: &Path,
+        step: u64,
+        ckpt: &Path,
+        link: bool,
+        exclude: &[String],
+        reads: &mut u32,
+    ) -> Result<PathBuf> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let stage = dir.join(format!("stage-{step}"));
-        let r = stage_into(&stage, step, ckpt, link, exclude);
+        let r = stage_into(&stage, step, ckpt, link, exclude, reads);
         if r.is_err() {
             let _ = std::fs::remove_dir_all(&stage);
         }
@@ -699,7 +711,7 @@ mod state {
         Ok(v)
     }
 
-    fn stage_into(stage: &Path, step: u64, ckpt: &Path, link: bool, exclude: &[String]) -> Result<()> {
+    fn stage_into(stage: &Path, step: u64, ckpt: &Path, link: bool, exclude: &[String], reads: &mut u32) -> Result<()> {
         // The files to stage: (source, copy, whether it is a shard to check byte for byte).
         let list = || -> Result<Vec<(PathBuf, PathBuf, bool)>> {
             if ckpt.is_file() {
@@ -717,7 +729,7 @@ mod state {
             v.sort();
             Ok(v)
         };
-        for attempt in 1..=3 {
+        loop {
             let _ = std::fs::remove_dir_all(stage);
             std::fs::create_dir_all(stage)?;
             let files = list()?;
@@ -762,9 +774,9 @@ mod state {
                 }
             }
             let Some(f) = changed else { return Ok(()) };
-            super::read_again(&f, step, attempt)?;
+            *reads += 1;
+            super::read_again(&f, step, *reads)?;
         }
-        unreachable!("the loop returns")
     }
 
     /// Whether two files hold the same bytes (read in 1 MiB blocks).
@@ -1122,6 +1134,64 @@ mod tests {
         assert!(!walk(&bucket).iter().any(|k| k.starts_with("ready/")), "{:?}", walk(&bucket));
     }
 
+    /// The staging and the check after the publisher's read share one budget of three reads
+    /// (found by review: three stagings inside each of three reads, up to nine). A `--watch`
+    /// entry with a symlinked shard (copied, so checked by the staging) and a plain one (linked,
+    /// so checked after the read): the symlink's target is rewritten after every other copy,
+    /// the plain shard at every check.
+    #[test]
+    fn the_staging_and_the_check_share_one_budget_of_reads() {
+        let d = tempfile::tempdir().unwrap();
+        let (args, bucket, watch) = watch_once(d.path());
+        let ck = watch.join("step_1");
+        let data: Vec<u8> = std::iter::repeat_n(7u16.to_le_bytes(), 4096).flatten().collect();
+        let views = [
+            driftless_format::TensorView::new("a", driftless_format::DType::BF16, &[4096], &data).unwrap(),
+            driftless_format::TensorView::new("b", driftless_format::DType::BF16, &[4096], &data).unwrap(),
+        ];
+        let metas: Vec<_> = views.iter().map(|v| v.meta()).collect();
+        let layout = driftless_format::Layout::for_tensors(&metas, 8192).unwrap();
+        std::fs::create_dir_all(&ck).unwrap();
+        driftless_format::checkpoint::write_checkpoint(&ck, &layout, &views).unwrap();
+        let (s1, s2) = (ck.join("model-00001-of-00002.safetensors"), ck.join("model-00002-of-00002.safetensors"));
+        let target = d.path().join("elsewhere.safetensors");
+        std::fs::rename(&s1, &target).unwrap();
+        std::os::unix::fs::symlink(&target, &s1).unwrap();
+        let rewrite = |p: &Path, v: u8| {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+            f.write_all_at(&[v], f.metadata().unwrap().len() - 1).unwrap();
+        };
+        let (copies, checks) =
+            (std::rc::Rc::new(std::cell::Cell::new(0u8)), std::rc::Rc::new(std::cell::Cell::new(0u8)));
+        let (c2, k2, t2, p2) = (copies.clone(), checks.clone(), target.clone(), s2.clone());
+        AFTER_COPY.with(|h| {
+            *h.borrow_mut() = Hook(Box::new(move |_| {
+                c2.set(c2.get() + 1);
+                if c2.get() % 2 == 1 {
+                    rewrite(&t2, c2.get());
+                }
+            }))
+        });
+        IN_CHECK.with(|h| {
+            *h.borrow_mut() = Hook(Box::new(move |_| {
+                k2.set(k2.get() + 1);
+                rewrite(&p2, 100 + k2.get());
+            }))
+        });
+        let mut p = open(&args).unwrap();
+        let r = publish_one(&args, &mut p, 1, &ck, &mut 0);
+        AFTER_COPY.with(|h| *h.borrow_mut() = Hook(Box::new(|_| {})));
+        IN_CHECK.with(|h| *h.borrow_mut() = Hook(Box::new(|_| {})));
+        let e = r.unwrap_err();
+        assert!(e.downcast_ref::<Unsettled>().is_some(), "{e:?}");
+        // A staging that saw the change, one that did not and whose check did, a staging that
+        // saw it: three reads found changed. (Before: six copies and three checks.)
+        assert_eq!((copies.get(), checks.get()), (3, 1));
+        p.flush().unwrap();
+        assert!(!walk(&bucket).iter().any(|k| k.starts_with("ready/")), "{:?}", walk(&bucket));
+    }
+
     /// `publish --watch DIR/watch --once` on `file://DIR/bucket`, state in `DIR/state`:
     /// the arguments, the bucket directory and the watched one.
     fn watch_once(d: &Path) -> (Args, PathBuf, PathBuf) {
@@ -1277,7 +1347,7 @@ mod tests {
                 }
             }))
         });
-        let staged = super::state::stage(&d.path().join("st"), 1, &ck, false, &[]).unwrap();
+        let staged = super::state::stage(&d.path().join("st"), 1, &ck, false, &[], &mut 0).unwrap();
         AFTER_COPY.with(|h| *h.borrow_mut() = Hook(Box::new(|_| {})));
         let got = |n: &str| std::fs::read(staged.join(n)).unwrap();
         assert_eq!(
