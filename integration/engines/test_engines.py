@@ -462,6 +462,29 @@ def test_vllm_failed_patch_falls_back_to_a_full_reload(stream, vllm):
     assert vllm.state()["paused"] is False
 
 
+def test_vllm_failed_patch_then_an_unconfirmed_reload_leaves_the_engine_paused(stream, vllm):
+    """A patch that failed part way, then a reload the agent got no answer to in time: the
+    weights may mix two steps, so the engine is left paused, reporting no step, until a
+    reload succeeds (found by review: it was resumed on the mix, since only a reload that vLLM
+    answered as failed kept it paused)."""
+    target = f"vllm={vllm.url},patch=on,timeout=3"
+    stream.publish(0)
+    stream.agent(target)
+    stream.publish(1)
+    vllm.faults(clear_calls=True, fail_patch=True, load_delay=5)
+    r = stream.agent(target, check=False)
+    assert r.returncode != 0 and "left paused until a reload succeeds" in r.stderr, r.stderr
+    assert vllm.state()["paused"] is True
+    assert "/resume" not in [c[1] for c in vllm.calls()], vllm.calls()
+    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": "driftless-unknown"}
+    # The next run reloads the verified step and resumes the engine on it.
+    vllm.faults(clear_calls=True, load_delay=0)
+    stream.agent(target)
+    assert engine_matches_dir(vllm, os.path.realpath(stream.dir / "current"))
+    assert vllm._req("GET", "/weight_info")[1] == {"weight_version": stream.version(1)}
+    assert vllm.state()["paused"] is False
+
+
 def test_vllm_timed_out_patch_is_followed_by_a_reload(stream, vllm):
     """A patch that outlives the notifier's timeout (the engine still runs it): the version is
     marked unknown, and reload_weights, queued behind the patch in the engine core, restores

@@ -1168,7 +1168,9 @@ impl Agent {
                     std::fs::remove_dir_all(&pdir)?;
                 }
                 std::fs::create_dir_all(&pdir)?;
-                let out = pdir.join(format!("{}-{}.safetensors", pb.base(), at.step));
+                // Absolute: the engine's workers resolve the path in their own working
+                // directory (found by review: a relative --dir made every patch a reload).
+                let out = pdir.canonicalize()?.join(format!("{}-{}.safetensors", pb.base(), at.step));
                 pb.write(&wdir, at.step, at.root, &out)
             })
             .await;

@@ -667,18 +667,22 @@ async fn vllm(
     let mut partial = false;
     let load = async {
         paused.map_err(|x| x.to_string())?;
-        let patched = match patch {
-            Some(p) => apply_patch(e, t, p, dir).await,
-            None => false,
+        // (A patch sent and not confirmed may have written part of the weights.)
+        let (patched, patch_sent) = match patch {
+            Some(p) => (apply_patch(e, t, p, dir).await, true),
+            None => (false, false),
         };
         if !patched {
             if let Err((why, failed)) = reload(e, t, dir).await {
                 // vLLM has no rollback: the weights may be partly reloaded. The engine must
                 // not go on reporting the step it held (found by review: it resumed labelled
                 // with the old step, and a patch from that step could be applied onto the
-                // mix). The next attempt reloads in full.
+                // mix). The next attempt reloads in full. After a failed patch the weights
+                // may mix two steps whatever became of the reload (found by review: a reload
+                // answered by a gateway, or timed out, resumed the engine on a half-patched
+                // mix).
                 let _ = e.post("/update_weight_version", &json!({"new_version": UNKNOWN})).await;
-                partial = failed;
+                partial = failed || patch_sent;
                 return Err(why);
             }
         }
@@ -758,8 +762,10 @@ async fn reload(e: &Engine<'_>, t: &EngineTarget, dir: &str) -> std::result::Res
 /// be partly patched, so no later patch may be computed against the version it reported.
 async fn apply_patch(e: &Engine<'_>, t: &EngineTarget, p: &PatchFile, dir: &str) -> bool {
     let want = p.step.to_string();
+    // The file's SHA-256: each worker checks it before it reads anything of the file, so a
+    // patch damaged or replaced on disk since the agent wrote it touches no parameter.
     let body = json!({"method": "driftless_apply_patch", "kwargs": {
-        "path": p.path.display().to_string(), "weights_path": dir}});
+        "path": p.path.display().to_string(), "weights_path": dir, "sha256": p.sha256.to_hex()}});
     let r = e.send(reqwest::Method::POST, "/collective_rpc", Some(&body), t.load_timeout).await;
     let detail = match r {
         Ok(r) if r.status.is_success() => match r.body["results"].as_array() {

@@ -43,6 +43,8 @@ pub struct PatchFile {
     pub step: u64,
     /// Bytes of the file (what the engine reads instead of the whole checkpoint).
     pub bytes: u64,
+    /// SHA-256 of the file, as written and read back.
+    pub sha256: Digest,
 }
 
 /// The most element indices a builder holds, as a fraction of the model's elements: 1/8, so
@@ -225,10 +227,16 @@ impl PatchBuilder {
         let tmp = out.with_extension("tmp");
         safetensors::tensor::serialize_to_file(tensors, Some(meta), &tmp)
             .map_err(|e| patch_err(format!("{}: {e}", tmp.display())))?;
-        std::fs::File::open(&tmp)?.sync_all()?;
+        let (sha256, bytes) = {
+            use sha2::Digest as _;
+            let mut f = std::fs::File::open(&tmp)?;
+            f.sync_all()?;
+            let mut h = sha2::Sha256::new();
+            let bytes = std::io::copy(&mut f, &mut h)?;
+            (Digest(h.finalize().into()), bytes)
+        };
         std::fs::rename(&tmp, out)?;
-        let bytes = std::fs::metadata(out)?.len();
-        Ok(PatchFile { path: out.to_path_buf(), base: self.base, base_root: self.base_root, step, bytes })
+        Ok(PatchFile { path: out.to_path_buf(), base: self.base, base_root: self.base_root, step, bytes, sha256 })
     }
 }
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from driftless.vllm_ext import FORMAT, Patch, read_tensors
+from driftless.vllm_ext import FORMAT, Patch, check_indices, check_sha256, read_tensors
 
 
 def write_patch(path, fmt=FORMAT):
@@ -55,3 +55,33 @@ def test_dense_tensors_come_from_the_verified_directory(tmp_path):
     assert got["c"].tolist() == [1, 2] and got["d"].tolist() == [3]
     with pytest.raises(ValueError, match="not found"):
         read_tensors(str(tmp_path), ["zz"], "np")
+
+
+def test_a_patch_damaged_on_disk_is_refused_before_it_is_read(tmp_path):
+    # Found by review: the worker loaded whatever the file held; a flipped byte went into
+    # the live weights under step N's version.
+    import hashlib
+
+    path = tmp_path / "p.safetensors"
+    write_patch(path)
+    good = hashlib.sha256(path.read_bytes()).hexdigest()
+    check_sha256(str(path), good)
+    check_sha256(str(path), good.upper())
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="damaged or replaced"):
+        check_sha256(str(path), good)
+
+
+@pytest.mark.parametrize("idx", [[0, 0], [5, 0], [0, 6], [-1, 2]])
+def test_bad_sparse_indices_are_refused_before_any_write(tmp_path, idx):
+    # vLLM's loader checks indices per call, after an earlier call's tensors were written:
+    # the extension checks every tensor's first (found by review).
+    write_patch(tmp_path / "p.safetensors")
+    p = Patch(str(tmp_path / "p.safetensors"), "np")
+    check_indices(p)
+    _, vals, dtype = p.sparse["a"]
+    p.sparse["a"] = (np.array(idx, dtype=np.int32), vals, dtype)
+    with pytest.raises(ValueError, match="indices"):
+        check_indices(p)

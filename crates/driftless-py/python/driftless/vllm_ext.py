@@ -7,7 +7,13 @@ the step-N values at them, read from the verified copy (format: ``crates/driftle
 patch.rs``). It then calls, inside its usual pause::
 
     POST /collective_rpc {"method": "driftless_apply_patch",
-                          "kwargs": {"path": PATCH, "weights_path": VERIFIED_DIR}}
+                          "kwargs": {"path": PATCH, "weights_path": VERIFIED_DIR,
+                                     "sha256": HEX}}
+
+Each worker checks the file's SHA-256 (``sha256``, from the agent that wrote it) before it
+reads anything of it, and checks every sparse tensor's indices (sorted, unique, inside the
+tensor) and uploads every tensor to the device before the first one is written, so a patch
+damaged on disk, or one vLLM would refuse part way, touches no parameter.
 
 Every worker (tensor-parallel rank) reads the file and hands the patches to vLLM's own loader,
 ``load_checkpoint_weight_patches`` (``vllm/model_executor/model_loader/
@@ -39,6 +45,7 @@ needs torch (no CPU build is reachable from CI's package registries) and the GPU
 bit-exact comparison, timing) found no GPU lent when it was written.
 """
 
+import hashlib
 import json
 import os
 from typing import Dict, List, Tuple
@@ -84,6 +91,34 @@ class Patch:
         return sparse, dense
 
 
+def check_sha256(path: str, want: str) -> None:
+    """Raises unless the file at ``path`` has SHA-256 ``want`` (hex)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    if h.hexdigest() != str(want).lower():
+        raise ValueError(f"{path}: SHA-256 {h.hexdigest()} is not the agent's {want}: damaged or replaced on disk")
+
+
+def check_indices(patch: Patch) -> None:
+    """Raises unless every sparse tensor's indices are strictly increasing and inside its
+    tensor, with one value each: what vLLM's loader checks too, but per call, after the
+    tensors of an earlier call were written."""
+    for name, (idx, vals, _) in patch.sparse.items():
+        numel = 1
+        for d in patch.shapes[name]:
+            numel *= int(d)
+        n = len(idx)
+        if len(vals) != n or tuple(idx.shape) != (n,):
+            raise ValueError(f"{name}: {n} indices for {len(vals)} values")
+        if n == 0:
+            continue
+        steps = idx[1:] - idx[:-1]
+        if int(idx[0]) < 0 or int(idx[-1]) >= numel or (n > 1 and not bool((steps > 0).all())):
+            raise ValueError(f"{name}: indices not strictly increasing inside its {numel} elements")
+
+
 def read_tensors(weights_path: str, names: List[str], framework: str = "pt") -> Dict[str, object]:
     """Whole tensors by name from the safetensors files of a checkpoint directory."""
     from safetensors import safe_open
@@ -109,10 +144,13 @@ class DriftlessWorkerExtension:
 
     _driftless_framework = "pt"
 
-    def driftless_apply_patch(self, path: str, weights_path: str) -> int:
-        """Applies the patch at ``path`` to the live weights; returns the step it leads to."""
+    def driftless_apply_patch(self, path: str, weights_path: str, sha256: str) -> int:
+        """Applies the patch at ``path`` (SHA-256 ``sha256``, hex) to the live weights;
+        returns the step it leads to."""
+        check_sha256(path, sha256)
         fw = self._driftless_framework
         patch = Patch(path, fw)
+        check_indices(patch)
         sparse, dense = patch.split(self._driftless_isnan_any)
         full = read_tensors(weights_path, dense, fw)
         self._driftless_load(patch, sparse, full)
@@ -135,22 +173,20 @@ class DriftlessWorkerExtension:
 
         model = self.model_runner.get_model()
         device = next(model.parameters()).device
-        if full:
-            load_checkpoint_weight_patches(
-                model,
-                [
-                    CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.reshape(-1).to(device))
-                    for n, t in full.items()
-                ],
-            )
-        if sparse:
-            patches = []
-            for n in sparse:
-                idx, vals, _ = patch.sparse[n]
-                patches.append(
-                    CheckpointWeightPatch(n, patch.shapes[n], vals.dtype, vals.to(device), idx.to(device))
-                )
-            # Indices are sorted and unique by construction; vLLM checks it again.
-            load_checkpoint_weight_patches(model, patches)
+        # Everything on the device before the first write: running out of device memory
+        # part way through the uploads then costs no parameter.
+        dense_patches = [
+            CheckpointWeightPatch(n, tuple(t.shape), t.dtype, t.reshape(-1).to(device)) for n, t in full.items()
+        ]
+        sparse_patches = []
+        for n in sparse:
+            idx, vals, _ = patch.sparse[n]
+            sparse_patches.append(CheckpointWeightPatch(n, patch.shapes[n], vals.dtype, vals.to(device), idx.to(device)))
+        if dense_patches:
+            load_checkpoint_weight_patches(model, dense_patches)
+        if sparse_patches:
+            # Indices are sorted and unique by construction (checked by check_indices); vLLM
+            # checks them again.
+            load_checkpoint_weight_patches(model, sparse_patches)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
