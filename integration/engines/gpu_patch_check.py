@@ -18,6 +18,7 @@ without reading the disk), and the bytes of each.
 """
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -138,7 +139,9 @@ def main():
     for n, t in old.items():  # the engine starts on the old step
         assert torch.equal(model.region(n).view(torch.int16), t.view(torch.int16)), n
     t0 = time.perf_counter()
-    step = w.driftless_apply_patch(ppath, wdir)
+    with open(ppath, "rb") as fh:
+        sha = hashlib.sha256(fh.read()).hexdigest()
+    step = w.driftless_apply_patch(ppath, wdir, sha)
     sync()
     t_patch = time.perf_counter() - t0
     assert step == 1
