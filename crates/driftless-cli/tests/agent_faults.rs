@@ -1131,7 +1131,12 @@ fn an_idle_rebuild_gives_way_mid_pass_to_a_new_step() {
     std::fs::rename(held.join("marker"), &marker).unwrap();
     std::fs::copy(held.join("latest-1.json"), bucket.join("latest.tmp")).unwrap();
     std::fs::rename(bucket.join("latest.tmp"), bucket.join("latest.json")).unwrap();
-    wait_until("step 1 was never synced", 60, || e.read_json("k/state.json")["step"] == step);
+    // Synced: recorded, and `current` switched to it (the switch follows the state's write;
+    // a kill between the two left `current` on step 0, which a restart links forward: found
+    // failing once under a loaded `.ci/run`, which waited for the state alone).
+    wait_until("step 1 was never synced", 60, || {
+        e.read_json("k/state.json")["step"] == step && e.current_step("k") == step
+    });
     // The agent and its strace, killed whole (the agent's log is written line by line).
     drop(group);
     let _ = child.wait();
