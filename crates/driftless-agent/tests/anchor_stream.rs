@@ -535,6 +535,10 @@ async fn refused_and_routed_around(reason: &str, tamper: impl FnOnce(&mut Vec<u8
                 chain.step();
             }
             p.publish(s, &chain.views()).unwrap();
+            // Flushed: a step due an anchor while the one before is still encoding is a
+            // delta alone (`anchor_due`), and under a loaded `.ci/run` anchor 0 was (step 2
+            // then had no anchor; failed once).
+            p.flush().unwrap();
             roots.push(driftless_format::weights_root(&chain.views()).1);
         }
         p.close().unwrap();
