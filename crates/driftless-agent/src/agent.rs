@@ -25,7 +25,7 @@ use crate::anchor_stream::{digests_of, hashed, stream_anchor, FileSink, ShardJob
 use crate::metrics::Metrics;
 use crate::notify::Notifier;
 use crate::patch::{PatchBuilder, PatchFile};
-use crate::plan::{self, Candidates, MarkerCache, Refusals, Route};
+use crate::plan::{self, Candidates, Fault, MarkerCache, Refusals, Route};
 use crate::plan::{MAX_REFUSED_ROUNDS, MAX_UNUSABLE_ROUNDS};
 use crate::state::{sync_dir, sync_tree, AgentDir, Held, LocalState, Slot};
 use crate::{Error, Result};
@@ -127,9 +127,9 @@ pub struct RefusedStep {
     pub step: u64,
     /// Why.
     pub reason: String,
-    /// Its objects were missing (not ready yet, or collected): retrying may help; not a
-    /// verification failure.
-    pub missing: bool,
+    /// What was wrong with it ([`Fault::Missing`]: its objects were missing, not ready yet
+    /// or collected; retrying may help, not a verification failure).
+    pub fault: Fault,
 }
 
 /// Result of a sync.
@@ -227,11 +227,11 @@ impl std::fmt::Debug for Agent {
 
 /// Why building a step failed in a way the agent plans around.
 enum BuildError {
-    /// A step of the stream is at fault: refuse it (the flag: its objects were missing).
-    Step(StepKind, u64, String, bool),
+    /// A step of the stream is at fault: refuse it.
+    Step(StepKind, u64, String, Fault),
     /// The same, found from its marker and manifest alone, before any of its payload was
     /// read: cheap to find, so many of them do not end a sync (planted markers).
-    Unusable(StepKind, u64, String, bool),
+    Unusable(StepKind, u64, String, Fault),
     /// The final root of a multi-delta chain differs: retry step by step to name the culprit.
     ChainMismatch,
     /// The stream's own signed manifest of the local step gives it another root than the
@@ -272,13 +272,17 @@ fn step_fault(e: &Error) -> bool {
     }
 }
 
-/// Whether a step fault is only missing (or unreadable) objects: retrying may help, once the
-/// objects arrive or are made readable, so the refusal is a "not ready" one that expires.
-fn missing(e: &Error) -> bool {
+/// What a step fault is. Only missing (or unreadable) objects can be cured by retrying, once
+/// the objects arrive or are made readable, so such a refusal is a "not ready" one that expires.
+fn fault(e: &Error) -> Fault {
     match e {
-        Error::Stream(StreamError::NotReady { .. }) => true,
-        Error::Stream(StreamError::Store(s)) | Error::Store(s) => s.is_not_found() || s.is_unreadable(),
-        _ => false,
+        Error::Stream(StreamError::NotReady { .. }) => Fault::Missing,
+        Error::Stream(StreamError::Store(s)) | Error::Store(s) if s.is_not_found() || s.is_unreadable() => {
+            Fault::Missing
+        }
+        Error::Stream(StreamError::Format(f)) | Error::Format(f) => Fault::of_format(f),
+        Error::Refused { fault, .. } => *fault,
+        _ => Fault::Corrupt,
     }
 }
 
@@ -293,7 +297,7 @@ fn not_ready(step: u64, reason: String) -> Error {
 /// A step fault found from the step's manifest, before any payload was read.
 fn unusable(e: BuildError) -> BuildError {
     match e {
-        BuildError::Step(kind, step, reason, missing) => BuildError::Unusable(kind, step, reason, missing),
+        BuildError::Step(kind, step, reason, fault) => BuildError::Unusable(kind, step, reason, fault),
         e => e,
     }
 }
@@ -301,7 +305,7 @@ fn unusable(e: BuildError) -> BuildError {
 fn attribute(kind: StepKind, step: u64) -> impl Fn(Error) -> BuildError {
     move |e| {
         if step_fault(&e) {
-            BuildError::Step(kind, step, e.to_string(), missing(&e))
+            BuildError::Step(kind, step, e.to_string(), fault(&e))
         } else {
             BuildError::Other(e)
         }
@@ -378,7 +382,7 @@ impl Agent {
             .list()
             .into_iter()
             .filter(|(_, s, _)| local.is_none_or(|l| *s > l))
-            .map(|(kind, step, r)| RefusedStep { kind, step, reason: r.reason.clone(), missing: r.missing })
+            .map(|(kind, step, r)| RefusedStep { kind, step, reason: r.reason.clone(), fault: r.fault })
             .collect()
     }
 
@@ -431,20 +435,18 @@ impl Agent {
                     warn!("result of the chain does not verify; retrying step by step");
                     careful = true;
                 }
-                Err(
-                    BuildError::Step(kind, step, reason, missing) | BuildError::Unusable(kind, step, reason, missing),
-                ) => {
+                Err(BuildError::Step(kind, step, reason, fault) | BuildError::Unusable(kind, step, reason, fault)) => {
                     // Out of rounds: a missing object is still "not ready" (retryable), not a
                     // verification failure (found by review: it exited 1, "retrying will not help").
-                    return Err(if missing {
+                    return Err(if fault.is_missing() {
                         not_ready(step, reason)
                     } else {
-                        Error::Refused { kind, step, detail: reason }
+                        Error::Refused { kind, step, detail: reason, fault }
                     });
                 }
                 // (`sync_inner` settles it into one of the others.)
                 Err(BuildError::SuspectResult(step, reason)) => {
-                    return Err(Error::Refused { kind: StepKind::Delta, step, detail: reason });
+                    return Err(Error::Refused { kind: StepKind::Delta, step, detail: reason, fault: Fault::Corrupt });
                 }
                 Err(BuildError::ChainMismatch) => return Err(corrupt("result", "chain does not verify")),
                 Err(BuildError::LocalMismatch(why)) if self.active_ok => {
@@ -460,8 +462,8 @@ impl Agent {
                 Err(BuildError::Other(Error::NothingReady)) => {
                     // Nothing usable, because of refusals: report the newest refused step.
                     return Err(match self.refused_newer().pop() {
-                        Some(r) if r.missing => not_ready(r.step, r.reason),
-                        Some(r) => Error::Refused { kind: r.kind, step: r.step, detail: r.reason },
+                        Some(r) if r.fault.is_missing() => not_ready(r.step, r.reason),
+                        Some(r) => Error::Refused { kind: r.kind, step: r.step, detail: r.reason, fault: r.fault },
                         None => Error::NothingReady,
                     });
                 }
@@ -481,7 +483,7 @@ impl Agent {
     /// damaged files as the verified step). Then `current` is removed, as after a crash whose
     /// slots do not verify, and the newest step is built from an anchor.
     async fn blame(&mut self, step: u64, reason: String, from_active: bool) -> BuildError {
-        let refuse = |reason| BuildError::Step(StepKind::Delta, step, reason, false);
+        let refuse = |reason| BuildError::Step(StepKind::Delta, step, reason, Fault::Corrupt);
         let Some(st) = self.state.clone().filter(|_| from_active) else { return refuse(reason) };
         let why = match self.slot_root(st.active).await {
             Ok(r) if r == st.root => return refuse(reason),
@@ -503,9 +505,9 @@ impl Agent {
     }
 
     /// Leaves a failed step out of plans (bound to the manifest SHA-256 its marker names).
-    fn refuse_step(&mut self, cands: &Candidates, kind: StepKind, step: u64, reason: &str, missing: bool) {
+    fn refuse_step(&mut self, cands: &Candidates, kind: StepKind, step: u64, reason: &str, fault: Fault) {
         self.metrics.refusals.fetch_add(1, Relaxed);
-        if !missing {
+        if !fault.is_missing() {
             self.metrics.verify_failures.fetch_add(1, Relaxed);
         }
         // Kept while the marker is listed and logged again at every poll: one line, bounded,
@@ -517,10 +519,10 @@ impl Agent {
         // Its manifest did not match (or was missing): the marker we hold may have been
         // replaced (a store without conditional create); read it again, once, next round.
         // Otherwise it is read again when the refusal runs out.
-        if missing {
+        if fault.is_missing() {
             self.markers.forget(kind, step);
         }
-        self.refused.refuse(kind, step, sha, reason.to_string(), missing);
+        self.refused.refuse(kind, step, sha, reason.to_string(), fault);
     }
 
     async fn notify_if_needed(&mut self) -> Result<()> {
@@ -781,10 +783,10 @@ impl Agent {
             Err(BuildError::SuspectResult(step, reason)) => Err(self.blame(step, reason, route.anchor.is_none()).await),
             built => built,
         };
-        if let Err(BuildError::Step(kind, step, reason, missing) | BuildError::Unusable(kind, step, reason, missing)) =
+        if let Err(BuildError::Step(kind, step, reason, fault) | BuildError::Unusable(kind, step, reason, fault)) =
             &built
         {
-            self.refuse_step(&cands, *kind, *step, reason, *missing);
+            self.refuse_step(&cands, *kind, *step, reason, *fault);
         }
         match &built {
             // A reader holds the slot open: its files stay as they are for it.
@@ -1371,7 +1373,12 @@ impl Agent {
         };
         let (m, _) = m.map_err(|e| unusable(at(e.into())))?;
         if m.stream_id != sid {
-            return Err(BuildError::Unusable(StepKind::Anchor, step, "signed for another stream".into(), false));
+            return Err(BuildError::Unusable(
+                StepKind::Anchor,
+                step,
+                "signed for another stream".into(),
+                Fault::Corrupt,
+            ));
         }
         // Every object there at its signed size before the rollback slot is given up (found by
         // review: it was given up once the manifest checked out, so a signed anchor whose
@@ -1390,7 +1397,7 @@ impl Agent {
                 StepKind::Anchor,
                 step,
                 "shard count differs from the layout".into(),
-                false,
+                Fault::Corrupt,
             ));
         }
         // Shards stream (ranged GETs, byte-plane chunks decoded, written once with `pwrite`
@@ -1407,7 +1414,7 @@ impl Agent {
         for (o, shard) in m.objects.iter().zip(&layout.shards) {
             if o.file != shard.file {
                 let why = format!("shard {} is not the layout's {}", o.file, shard.file);
-                return Err(BuildError::Unusable(StepKind::Anchor, step, why, false));
+                return Err(BuildError::Unusable(StepKind::Anchor, step, why, Fault::Corrupt));
             }
             if o.decoded_size > anchor::MAX_SHARD {
                 return Err(at(corrupt("anchor manifest", "shard too large")));
@@ -1595,7 +1602,12 @@ impl Agent {
             .map_err(|_| BuildError::Other(Error::Io(std::io::Error::other("delta download stopped"))))?
             .map_err(|e| unusable(att(e)))?;
         if m.stream_id != sid {
-            return Err(BuildError::Unusable(StepKind::Delta, step, "signed for another stream".into(), false));
+            return Err(BuildError::Unusable(
+                StepKind::Delta,
+                step,
+                "signed for another stream".into(),
+                Fault::Corrupt,
+            ));
         }
         if m.base_step == at.step && m.base_root != at.root {
             // This delta says the step we hold has another root. The stream's own signed
@@ -1612,7 +1624,7 @@ impl Agent {
                 Some(r) if r == m.base_root => {
                     BuildError::LocalMismatch(format!("{why}, as does step {}'s own manifest", at.step))
                 }
-                _ => BuildError::Unusable(StepKind::Delta, step, why, false),
+                _ => BuildError::Unusable(StepKind::Delta, step, why, Fault::Corrupt),
             });
         }
         if m.base_root != at.root || m.base_step != at.step {
@@ -1909,7 +1921,7 @@ impl Agent {
                 self.metrics.set_last_error(
                     o.refused
                         .iter()
-                        .find(|r| !r.missing)
+                        .find(|r| !r.fault.is_missing())
                         .map(|r| format!("{} step {} refused: {}", r.kind, r.step, r.reason)),
                 );
                 p.interval = if o.route == SyncPath::UpToDate {
@@ -2216,8 +2228,8 @@ fn classify_apply(e: Error, step: u64, pinpoint: bool) -> BuildError {
         return if pinpoint { BuildError::SuspectResult(step, e.to_string()) } else { BuildError::ChainMismatch };
     }
     if step_fault(&e) {
-        let m = missing(&e);
-        BuildError::Step(StepKind::Delta, step, e.to_string(), m)
+        let f = fault(&e);
+        BuildError::Step(StepKind::Delta, step, e.to_string(), f)
     } else {
         BuildError::Other(e)
     }

@@ -24,8 +24,8 @@ pub enum Error {
         /// Cause.
         detail: String,
     },
-    /// A step failed (forged, replayed, foreign, corrupt or missing objects, a result that does
-    /// not verify) and no other route was left: the step is left out of plans for a while and
+    /// A step failed (forged, replayed, foreign, corrupt objects, a result that does not
+    /// verify) and no other route was left: the step is left out of plans for a while and
     /// the verified local state is kept.
     #[error("{kind} step {step} refused: {detail}")]
     Refused {
@@ -35,6 +35,9 @@ pub enum Error {
         step: u64,
         /// Why.
         detail: String,
+        /// What was wrong (never [`Fault::Missing`](crate::plan::Fault::Missing): a step
+        /// refused for missing objects is reported "not ready", which is retryable).
+        fault: crate::plan::Fault,
     },
     /// The slot the next step must be built in is open by another process (a server still
     /// loading an older step from it): it is not rewritten until it is closed.

@@ -33,4 +33,5 @@ pub use agent::{
     default_anchor_parts, Agent, AgentConfig, RefusedStep, Stopped, SyncOutcome, SyncPath, IDLE_GROUP_BYTES, MIN_POLL,
 };
 pub use error::{Error, Result};
+pub use plan::Fault;
 pub use state::LocalState;

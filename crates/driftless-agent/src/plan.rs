@@ -186,6 +186,41 @@ pub struct Refusals {
     map: HashMap<(StepKind, u64), Refusal>,
 }
 
+/// What was wrong with a refused step: what the caller may do about it, and which error (exit
+/// code, Python class) reports it. Carried from the error that refused the step, never read
+/// back from its message (found by review: the agent's Python class was picked by words in
+/// the reason, and the Follower reported every held refusal as corrupt, an untrusted one too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fault {
+    /// Its objects were missing or unreadable (not there yet, or collected): retrying may
+    /// help; not a verification failure.
+    Missing,
+    /// Bytes that are not what the step's signed manifest or the format says (or a step
+    /// signed for another stream, or another run): another copy might do.
+    Corrupt,
+    /// A signature missing, unknown or wrong: never applied.
+    Untrusted,
+    /// Made for another base than the step it names.
+    WrongBase,
+}
+
+impl Fault {
+    /// Whether the step's objects were only missing ([`Fault::Missing`]).
+    pub fn is_missing(self) -> bool {
+        self == Fault::Missing
+    }
+
+    /// The fault a format error names (anything but a signature or base fault is corrupt).
+    pub fn of_format(e: &driftless_format::Error) -> Fault {
+        match e.kind() {
+            driftless_format::ErrorKind::Untrusted => Fault::Untrusted,
+            driftless_format::ErrorKind::WrongBase => Fault::WrongBase,
+            _ => Fault::Corrupt,
+        }
+    }
+}
+
 /// One refused step.
 #[derive(Debug, Clone)]
 pub struct Refusal {
@@ -197,9 +232,8 @@ pub struct Refusal {
     pub until: Instant,
     /// Consecutive failures.
     pub count: u32,
-    /// The step's objects were missing (not ready yet, or collected): worth retrying, not a
-    /// verification failure.
-    pub missing: bool,
+    /// What was wrong with it.
+    pub fault: Fault,
     /// Refused during the current sync, whatever the TTL (so one sync never retries a step
     /// it has just seen fail, even with a zero TTL).
     pub pinned: bool,
@@ -218,13 +252,13 @@ impl Refusals {
     }
 
     /// Refuses a step.
-    pub fn refuse(&mut self, kind: StepKind, step: u64, sha: Option<Digest>, reason: String, missing: bool) {
+    pub fn refuse(&mut self, kind: StepKind, step: u64, sha: Option<Digest>, reason: String, fault: Fault) {
         let count = self.map.get(&(kind, step)).map_or(1, |r| r.count.saturating_add(1));
         // Capped: a library caller's `refuse_for` may be anything, and an `Instant` past its
         // range panics.
         let hold = self.ttl.saturating_mul(1u32 << (count - 1).min(6)).min(Duration::from_secs(365 * 86_400));
         let until = Instant::now() + hold;
-        self.map.insert((kind, step), Refusal { manifest_sha256: sha, reason, until, count, missing, pinned: true });
+        self.map.insert((kind, step), Refusal { manifest_sha256: sha, reason, until, count, fault, pinned: true });
     }
 
     /// Starts a new sync: refusals made by earlier syncs hold only until their TTL.
@@ -1015,10 +1049,10 @@ mod tests {
         let mut no = Refusals::default();
         assert_eq!(route(Some(2), &c, &no, None), r(6, Some(5), vec![6], 110));
         // The newest anchor is bad: the chain from the local step, as far as it goes.
-        no.refuse(StepKind::Anchor, 5, Some(Digest([5; 32])), "bad".into(), false);
+        no.refuse(StepKind::Anchor, 5, Some(Digest([5; 32])), "bad".into(), Fault::Corrupt);
         assert_eq!(route(Some(2), &c, &no, None), r(3, None, vec![3], 10));
         // And a bad delta on it: nothing newer reachable; a cold start takes the old anchor.
-        no.refuse(StepKind::Delta, 3, Some(Digest([3; 32])), "bad".into(), false);
+        no.refuse(StepKind::Delta, 3, Some(Digest([3; 32])), "bad".into(), Fault::Corrupt);
         assert_eq!(route(Some(2), &c, &no, None), None);
         assert_eq!(route(None, &c, &no, None), r(2, Some(0), vec![1, 2], 120));
         // A refusal is bound to the marker it was made for.
@@ -1028,14 +1062,14 @@ mod tests {
     #[test]
     fn refusals_expire() {
         let mut no = Refusals::new(Duration::from_millis(20));
-        no.refuse(StepKind::Delta, 3, None, "gone".into(), false);
+        no.refuse(StepKind::Delta, 3, None, "gone".into(), Fault::Corrupt);
         assert!(no.is_refused(StepKind::Delta, 3, Some(Digest([3; 32]))));
         std::thread::sleep(Duration::from_millis(30));
         assert!(no.is_refused(StepKind::Delta, 3, None), "pinned for the rest of the sync");
         no.begin_round();
         assert!(!no.is_refused(StepKind::Delta, 3, Some(Digest([3; 32]))));
         // Repeats back off.
-        no.refuse(StepKind::Delta, 3, None, "gone".into(), false);
+        no.refuse(StepKind::Delta, 3, None, "gone".into(), Fault::Corrupt);
         no.begin_round();
         std::thread::sleep(Duration::from_millis(30));
         assert!(no.is_refused(StepKind::Delta, 3, None), "second refusal lasts twice as long");
@@ -1116,7 +1150,7 @@ mod tests {
                 }
                 if rnd(12) == 0 {
                     let kind = if rnd(2) == 0 { StepKind::Delta } else { StepKind::Anchor };
-                    refused.refuse(kind, s, Some(Digest([s as u8; 32])), "bad".into(), false);
+                    refused.refuse(kind, s, Some(Digest([s as u8; 32])), "bad".into(), Fault::Corrupt);
                 }
             }
             let local = (rnd(3) != 0).then(|| rnd(n));
@@ -1209,7 +1243,7 @@ mod tests {
     #[test]
     fn refusals_outlive_a_partial_plan_but_not_a_whole_listing() {
         let mut refused = Refusals::default();
-        refused.refuse(StepKind::Anchor, 5, None, "bad".into(), false);
+        refused.refuse(StepKind::Anchor, 5, None, "bad".into(), Fault::Corrupt);
         let mut c = cands(&[(11, 10, 1)], &[(10, 100)]);
         c.partial = true;
         refused.retain_listed(&c, None);

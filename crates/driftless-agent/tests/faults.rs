@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use driftless_agent::notify::Notifier;
-use driftless_agent::{Agent, Error, LocalState, SyncPath};
+use driftless_agent::{Agent, Error, Fault, LocalState, SyncPath};
 use driftless_format::gen::{ModelSpec, RlChain};
 use driftless_format::{Checkpoint, Keypair, StepKind, TrustSet};
 use driftless_publisher::{Publisher, PublisherBuilder};
@@ -216,8 +216,8 @@ async fn marker_before_its_objects_is_not_ready() {
             let o = a.sync_once().await.unwrap();
             assert_eq!(o.step, 1, "{}: round {round}", tb.name);
             assert_eq!(
-                o.refused.iter().map(|r| (r.step, r.missing)).collect::<Vec<_>>(),
-                vec![(2, true)],
+                o.refused.iter().map(|r| (r.step, r.fault)).collect::<Vec<_>>(),
+                vec![(2, Fault::Missing)],
                 "{}: {o:?}",
                 tb.name
             );
@@ -312,6 +312,37 @@ async fn signed_delta_contradicting_the_verified_base_is_refused() {
     }
 }
 
+/// A delta signed by a key the agent does not trust is refused as untrusted (the fault carried
+/// from the signature check, not guessed from the reason's words), and the verified weights
+/// stay served. Then genuine steps flow through the fast path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delta_signed_by_an_unknown_key_is_refused_as_untrusted() {
+    for tb in buckets("unknown-key") {
+        let (key, trust) = keys();
+        let (mut t, mut a) = following(&tb, &key, &trust, 3).await;
+        let want2 = snapshot(&t.chain);
+        let reader = driftless_store::stream::StreamReader::new(tb.bucket.clone(), trust.clone());
+        let (mut m, _) = reader.delta(2).await.unwrap();
+        // On the step the agent holds, so it is planned as the fast path.
+        (m.step, m.base_step, m.base_root) = (1000, 2, a.state().unwrap().root);
+        put_signed_delta(&tb.bucket, &Keypair::from_seed([6; 32]), &m).await;
+        let before = a.state().cloned();
+        for _ in 0..2 {
+            let o = a.sync_once().await.unwrap();
+            assert_eq!((o.step, o.route), (2, SyncPath::UpToDate), "{}", tb.name);
+            let r: Vec<_> = o.refused.iter().map(|r| (r.step, r.fault)).collect();
+            assert_eq!(r, vec![(1000, Fault::Untrusted)], "{}: {o:?}", tb.name);
+            assert_eq!(a.state().cloned(), before, "{}: local state kept", tb.name);
+        }
+        assert_bits(&a, &want2);
+        assert_eq!(counter(&a, |m| &m.anchor_downloads), 1, "{}", tb.name);
+        let want3 = t.publish();
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.route), (3, SyncPath::Fast), "{}", tb.name);
+        assert_bits(&a, &want3);
+    }
+}
+
 /// A signed layout change whose result layout claims 8 GiB more tensors, with segments that
 /// decode to 4 GiB (within what its own result allows): refused from its manifest, before a
 /// segment is downloaded (the segments are not even in the bucket, so a download would make
@@ -353,7 +384,7 @@ async fn a_signed_delta_decoding_past_the_local_model_is_refused_from_its_manife
             assert_eq!((o.step, o.route), (st.step, SyncPath::UpToDate), "{}", tb.name);
             let r = o.refused.iter().find(|r| r.step == 1000);
             assert!(
-                r.is_some_and(|r| !r.missing && r.reason.contains("wait for the next anchor")),
+                r.is_some_and(|r| r.fault == Fault::Corrupt && r.reason.contains("wait for the next anchor")),
                 "{}: {o:?}",
                 tb.name
             );

@@ -43,7 +43,7 @@ async fn follow(mut agent: Agent, name: String, done: Arc<AtomicBool>) -> (Agent
                 t.steps_seen.push(o.step);
                 // GC deleting what a sync was reading: the step is planned around for now.
                 for r in &o.refused {
-                    assert!(r.missing, "{name}: GC must only make objects missing, got {r:?}");
+                    assert!(r.fault.is_missing(), "{name}: GC must only make objects missing, got {r:?}");
                     t.retryable += 1;
                 }
             }

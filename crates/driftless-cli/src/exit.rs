@@ -246,6 +246,7 @@ mod tests {
             kind: driftless_format::StepKind::Delta,
             step: 3,
             detail: "bad signature".into(),
+            fault: driftless_agent::Fault::Untrusted,
         };
         assert_eq!(classify(&anyhow::Error::new(refused)), Class::Verification);
         assert_eq!(classify(&anyhow::Error::new(driftless_agent::Error::NothingReady)), Class::Retryable);

@@ -23,6 +23,8 @@ pub(crate) enum BindError {
     NothingReady(String),
     /// The only route left goes through a step whose objects are missing: retrying can help.
     Missing(String),
+    /// The only route left goes through a step refused for now (its class from its fault).
+    Refused(driftless_agent::Fault, String),
     /// Bad arguments.
     Input(String),
     /// A panic caught at the boundary: a bug, reported as a `DriftlessError` so that
@@ -98,6 +100,17 @@ fn read_class(e: &driftless_store::Error) -> &'static str {
     store_class(e)
 }
 
+/// The class of a refused step's fault: the class its refusing error had.
+fn fault_class(f: driftless_agent::Fault) -> &'static str {
+    use driftless_agent::Fault as F;
+    match f {
+        F::Missing => "RetryableError",
+        F::Corrupt => "CorruptError",
+        F::Untrusted => "UntrustedError",
+        F::WrongBase => "WrongBaseError",
+    }
+}
+
 fn stream_class(e: &driftless_store::stream::StreamError) -> &'static str {
     use driftless_store::stream::StreamError as S;
     match e {
@@ -109,10 +122,20 @@ fn stream_class(e: &driftless_store::stream::StreamError) -> &'static str {
 }
 
 impl BindError {
-    /// A verification failure of the step being loaded (corrupt, untrusted, another base):
-    /// the step is refused, not retried.
-    pub(crate) fn is_step_fault(&self) -> bool {
-        matches!(self.class_and_message().0, "CorruptError" | "UntrustedError" | "WrongBaseError")
+    /// What is wrong with the step being loaded, when the step is at fault (it is refused, not
+    /// retried): its objects missing ([`Self::is_missing`]), or a verification failure
+    /// (corrupt, untrusted, another base) by its class.
+    pub(crate) fn fault(&self) -> Option<driftless_agent::Fault> {
+        use driftless_agent::Fault as F;
+        if self.is_missing() {
+            return Some(F::Missing);
+        }
+        match self.class_and_message().0 {
+            "CorruptError" => Some(F::Corrupt),
+            "UntrustedError" => Some(F::Untrusted),
+            "WrongBaseError" => Some(F::WrongBase),
+            _ => None,
+        }
     }
 
     /// Whether the step's manifest or objects are missing (GC collected them after they were
@@ -166,14 +189,7 @@ impl BindError {
                     A::NothingReady => "NothingReadyError",
                     // No route left but through a step that failed its checks: bad data (the
                     // CLI's exit 1), never a plain DriftlessError (found by review).
-                    A::Refused { detail, .. } => {
-                        let d = detail.to_ascii_lowercase();
-                        if ["untrusted", "unsigned", "signature", "signed by"].iter().any(|w| d.contains(w)) {
-                            "UntrustedError"
-                        } else {
-                            "CorruptError"
-                        }
-                    }
+                    A::Refused { fault, .. } => fault_class(*fault),
                     _ if e.is_retryable() => "RetryableError",
                     _ => "DriftlessError",
                 };
@@ -184,6 +200,7 @@ impl BindError {
             }
             BindError::NothingReady(m) => ("NothingReadyError", m.clone()),
             BindError::Missing(m) => ("RetryableError", m.clone()),
+            BindError::Refused(f, m) => (fault_class(*f), m.clone()),
             BindError::Input(m) => ("InvalidInputError", m.clone()),
             BindError::Internal(m) => (
                 "InternalError",

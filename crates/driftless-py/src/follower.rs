@@ -1330,9 +1330,11 @@ fn with_refusals<T>(
         let mut at = Attempt::default();
         let r = attempt(plans, &mut at);
         touched |= at.touched;
+        // (A step fault is refused with its fault; `if let` guards need a newer Rust.)
+        let r = r.map_err(|e| (e.fault(), e));
         match (r, at.at) {
-            (Err(e), Some((kind, step, sha))) if e.is_step_fault() || e.is_missing() => {
-                plans.refused.refuse(kind, step, sha, e.message(), e.is_missing());
+            (Err((Some(f), e)), Some((kind, step, sha))) => {
+                plans.refused.refuse(kind, step, sha, e.message(), f);
                 // As the agent: a marker whose manifest did not match is read again next round.
                 if e.is_missing() {
                     plans.markers.forget(kind, step);
@@ -1350,7 +1352,7 @@ fn with_refusals<T>(
                 // next best route, in this call.
                 fault = Some(e);
             }
-            (Err(BindError::NothingReady(m)), _) => {
+            (Err((_, BindError::NothingReady(m))), _) => {
                 // Nothing to reach because of refusals: say which step, not "nothing ready".
                 if let Some(e) = fault {
                     return (Err(e), touched);
@@ -1366,23 +1368,26 @@ fn with_refusals<T>(
                     // Objects missing (not there yet, or collected under a stale plan): storage
                     // trouble that retrying can cure, not bad data (found by review: it raised
                     // CorruptError, "failed verification", for the whole refusal).
-                    Some((kind, step, r)) if r.missing => BindError::Missing(driftless_format::one_line_within(
-                        &format!("{kind} {step} is left out for now: its objects are missing ({})", r.reason),
-                        5 * driftless_format::MAX_DETAIL,
-                    )),
-                    Some((kind, step, r)) => BindError::Format(driftless_format::Error::Corrupt {
-                        what: "step",
-                        // The reason is bounded already (`one_line_within`, 4 KiB): not cut again.
-                        detail: driftless_format::one_line_within(
+                    Some((kind, step, r)) if r.fault.is_missing() => {
+                        BindError::Missing(driftless_format::one_line_within(
+                            &format!("{kind} {step} is left out for now: its objects are missing ({})", r.reason),
+                            5 * driftless_format::MAX_DETAIL,
+                        ))
+                    }
+                    // The class of the error that refused it (found by review: always
+                    // CorruptError, an untrusted step's refusal too).
+                    Some((kind, step, r)) => BindError::Refused(
+                        r.fault,
+                        driftless_format::one_line_within(
                             &format!("{kind} {step} is refused for now (it failed verification: {})", r.reason),
                             5 * driftless_format::MAX_DETAIL,
                         ),
-                    }),
+                    ),
                     None => BindError::NothingReady(m),
                 };
                 return (Err(e), touched);
             }
-            (r, _) => return (r, touched),
+            (r, _) => return (r.map_err(|(_, e)| e), touched),
         }
     }
 }

@@ -1251,3 +1251,44 @@ def test_a_layout_change_is_refused_from_its_manifest_alone(file_bucket):
     for _ in range(2):
         with pytest.raises(driftless.LayoutChangedError):
             f.apply_to(arrays)
+
+
+def test_a_step_signed_by_an_untrusted_key_is_untrusted_while_refused(tmp_path, keys):
+    """Run B, signed with a key the follower does not trust, has its delta 2 copied into run
+    A's bucket (marker rewritten to A's stream id). The Follower raises UntrustedError for it,
+    on the call that finds it bad and on the calls that find it still refused (found by review:
+    the refusal was reported as CorruptError, "failed verification", from the second call on,
+    and the agent's Python class was picked from the refusal's text)."""
+    import json
+    import shutil
+
+    private, public = keys
+    other_private, _, _ = driftless.generate_key()
+    a_root, b_root = tmp_path / "a", tmp_path / "b"
+    rng = np.random.default_rng(5)
+    shape = (128, 64)
+    w0 = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    steps = [w0, w0 ^ 1, w0 ^ 3]
+    with driftless.Publisher(f"file://{a_root}", signing_key=private) as pub:
+        for s in (0, 1):
+            pub.publish(s, {"x.w": steps[s].view(BF16)})
+    with driftless.Publisher(f"file://{b_root}", signing_key=other_private) as pub:
+        for s in (0, 1, 2):
+            pub.publish(s, {"x.w": steps[s].view(BF16)})
+    step = "000000000002"
+    shutil.copytree(b_root / "deltas" / step, a_root / "deltas" / step)
+    marker = json.loads((b_root / "ready" / "deltas" / step).read_text())
+    a_marker = json.loads((a_root / "ready" / "deltas" / "000000000001").read_text())
+    marker["stream_id"] = a_marker["stream_id"]
+    (a_root / "ready" / "deltas" / step).write_text(json.dumps(marker))
+
+    f = driftless.Follower(f"file://{a_root}", trusted_keys=[public])
+    arrays = {"x.w": np.zeros(shape, BF16)}
+    assert f.apply_to(arrays, step=1)["step"] == 1
+    for _ in range(2):
+        with pytest.raises(driftless.UntrustedError):
+            f.apply_to(arrays, step=2)
+        assert f.applied_step == 1
+        assert np.array_equal(arrays["x.w"].view(np.uint16), steps[1])
+    o = f.apply_to(arrays)
+    assert o["step"] == 1 and [(k, s) for k, s, _ in o["refused"]] == [("delta", 2)], o

@@ -121,12 +121,13 @@ pub fn run(a: Args) -> Result<()> {
             } else {
                 println!("step {} root {} via {} ({} bytes, {:.3} s)", o.step, o.root, o.route, o.bytes, o.secs);
             }
-            if let Some(r) = o.refused.iter().find(|r| !r.missing) {
+            if let Some(r) = o.refused.iter().find(|r| !r.fault.is_missing()) {
                 // The verified step above is kept and served; a newer one was refused: exit 1.
                 return Err(driftless_agent::Error::Refused {
                     kind: r.kind,
                     step: r.step,
                     detail: format!("{} (serving verified step {})", r.reason, o.step),
+                    fault: r.fault,
                 }
                 .into());
             }
