@@ -480,6 +480,55 @@ async fn a_signed_anchor_whose_bytes_are_not_its_root_is_refused() {
     assert!(refused.contains("weights root"), "{refused}");
 }
 
+/// A cold start on anchor 0 and deltas 1-2, anchor 0 re-signed with a weights root that is not
+/// its bytes' (so delta 1's base root disagrees with it). Which one is wrong is only known once
+/// the anchor is hashed: the anchor is refused, never delta 1 (found by review: delta 1 was
+/// refused as on a wrong base before the anchor was looked at, so once the anchor was repaired
+/// the agent served step 0 alone while delta 1's refusal held). Repaired, the agent reaches
+/// step 2 at once, verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anchor_disagreeing_with_the_next_delta_is_the_one_refused() {
+    use driftless_format::StepKind;
+    let tb = file_bucket();
+    let key = Keypair::from_seed([12; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let ((_, want), root0) = anchor_and_two_deltas(&tb, &key, 5);
+    resign_anchor(&tb, &key, &trust, 0, |m| m.weights_root = driftless_format::Digest::of(b"another model"));
+
+    let mut a = driftless_agent::Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust.clone())).unwrap();
+    let e = a.sync_once().await.expect_err("no route but through the bad anchor");
+    assert!(matches!(&e, driftless_agent::Error::Refused { kind: StepKind::Anchor, step: 0, .. }), "{e}");
+    assert!(e.to_string().contains("weights root"), "{e}");
+    assert!(a.state().is_none());
+
+    resign_anchor(&tb, &key, &trust, 0, |m| m.weights_root = root0);
+    let o = a.sync_once().await.unwrap();
+    assert_eq!((o.step, o.route, o.deltas), (2, driftless_agent::SyncPath::Anchor, 2), "{o:?}");
+    assert!(o.refused.is_empty(), "{o:?}");
+    assert_bits(&a, &want);
+}
+
+/// The other way round: anchor 0 as published, delta 1 re-signed on a base root that is not
+/// step 0's. The careful retry hashes the anchor, finds it good and refuses delta 1 as on a
+/// wrong base; the agent serves anchor 0, verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delta_on_another_base_than_a_good_anchor_is_the_one_refused() {
+    use driftless_format::StepKind;
+    let tb = file_bucket();
+    let key = Keypair::from_seed([13; 32]);
+    let trust = TrustSet::new().with_key(key.public());
+    let ((want, _), _) = anchor_and_two_deltas(&tb, &key, 6);
+    resign(&tb, &key, &trust, StepKind::Delta, 1, |m: &mut driftless_format::DeltaManifest| {
+        m.base_root = driftless_format::Digest::of(b"another model")
+    });
+    let mut a = driftless_agent::Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust)).unwrap();
+    let o = a.sync_once().await.unwrap();
+    assert_eq!((o.step, o.route), (0, driftless_agent::SyncPath::Anchor), "{o:?}");
+    let refused: Vec<_> = o.refused.iter().map(|r| (r.kind, r.step)).collect();
+    assert_eq!(refused, [(StepKind::Delta, 1)], "{o:?}");
+    assert_bits(&a, &want);
+}
+
 /// The newest anchor's object rewritten (same size, manifest untouched) so that its prefix
 /// says the compressed header is 0 bytes long, the bytes moved into the first plane: the
 /// numbers still add up, but no encoder writes them, and the empty ranged GET they ask for
@@ -648,6 +697,31 @@ fn plan_of(bytes: &[u8], decoded_size: u64) -> anchor::ShardPlan {
 
 /// Rewrites the signed manifest of anchor `step` with `edit` applied, signed by `key`, and its
 /// ready marker to match: what a signer with a bug would publish.
+type Snapshot = Vec<(String, Vec<u8>)>;
+
+/// Anchor 0 and deltas 1-2 of a 4 MiB chain (`seed`). Returns steps 0 and 2 (their tensors)
+/// and step 0's weights root.
+fn anchor_and_two_deltas(
+    tb: &TestBucket,
+    key: &Keypair,
+    seed: u64,
+) -> ((Snapshot, Snapshot), driftless_format::Digest) {
+    let (b, k) = (tb.bucket.clone(), key.clone());
+    tokio::task::block_in_place(|| {
+        let mut chain = RlChain::new(&ModelSpec::with_bf16_bytes(4 << 20), 2e-6, seed);
+        let (first, root0) = (snapshot(&chain), driftless_format::weights_root(&chain.views()).1);
+        let mut p = PublisherBuilder::new("unused").with_bucket(b).with_key(k).build().unwrap();
+        for s in 0..3u64 {
+            if s > 0 {
+                chain.step();
+            }
+            p.publish(s, &chain.views()).unwrap();
+        }
+        p.close().unwrap();
+        ((first, snapshot(&chain)), root0)
+    })
+}
+
 fn resign_anchor(
     tb: &TestBucket,
     key: &Keypair,
@@ -655,14 +729,25 @@ fn resign_anchor(
     step: u64,
     edit: impl FnOnce(&mut driftless_format::manifest::AnchorManifest),
 ) {
-    use driftless_format::manifest::{AnchorManifest, ReadyMarker};
-    use driftless_format::StepKind;
+    resign(tb, key, trust, driftless_format::StepKind::Anchor, step, edit)
+}
+
+/// Re-signs the manifest of step `step` after `edit`, and points its marker at it.
+fn resign<M: serde::Serialize + serde::de::DeserializeOwned>(
+    tb: &TestBucket,
+    key: &Keypair,
+    trust: &TrustSet,
+    kind: driftless_format::StepKind,
+    step: u64,
+    edit: impl FnOnce(&mut M),
+) {
+    use driftless_format::manifest::ReadyMarker;
     let root = tb.root.clone().unwrap();
-    let marker_path = root.join(layout::ready(StepKind::Anchor, step));
+    let marker_path = root.join(layout::ready(kind, step));
     let mut marker: ReadyMarker = serde_json::from_slice(&std::fs::read(&marker_path).unwrap()).unwrap();
-    let env_path = root.join(layout::object(StepKind::Anchor, step, marker.manifest_name()));
+    let env_path = root.join(layout::object(kind, step, marker.manifest_name()));
     let (payload, _) = trust.open(&std::fs::read(&env_path).unwrap()).unwrap();
-    let mut m: AnchorManifest = serde_json::from_slice(&payload).unwrap();
+    let mut m: M = serde_json::from_slice(&payload).unwrap();
     edit(&mut m);
     let env = key.seal(&serde_json::to_vec(&m).unwrap()).unwrap();
     std::fs::write(&env_path, &env).unwrap();

@@ -116,6 +116,13 @@ type Planning<'a> = &'a mut Plans;
 struct Attempt {
     touched: bool,
     at: Option<(StepKind, u64, Option<Digest>)>,
+    /// In: check every step of the route on its own (the anchor hashed before any delta is
+    /// looked at, each delta's result root), so a fault names its step. The agent's careful
+    /// retry.
+    careful: bool,
+    /// Out: the route failed in a way that does not name a step (a chain's final root, or the
+    /// first delta's base root against an anchor not hashed yet): retry it carefully.
+    recheck: bool,
 }
 
 impl Attempt {
@@ -983,21 +990,29 @@ impl PyFollower {
     /// (`LayoutChanged` with `detail`). A fault in any of them is that step's, with the target
     /// untouched. The checked segments wait in memory up to `chain_memory` bytes, beyond that
     /// in a TMPDIR spool: a long catch-up does not hold an anchor's worth of deltas in RAM.
+    /// `unproven`: `from` is an anchor not hashed yet, so a first delta whose base root is not
+    /// its signed root names neither (`recheck`: the agent's rule).
+    #[allow(clippy::too_many_arguments)]
     async fn fetch_chain(
         &self,
         chain: &[u64],
         cands: &plan::Candidates,
         sid: &str,
         from: &Tracked,
+        unproven: bool,
         at: &mut Attempt,
         detail: &str,
     ) -> BindResult<CheckedChain> {
         let mut out = CheckedChain { deltas: Vec::with_capacity(chain.len()), bytes: 0, _spool: None };
         let mut root = from.root;
-        for &d in chain {
+        for (k, &d) in chain.iter().enumerate() {
             at.on(cands, StepKind::Delta, d);
             let m = self.delta_manifest(d, cands).await?;
             same_stream(sid, &m.stream_id, "delta manifest", d)?;
+            if m.base_root != root && k == 0 && unproven {
+                at.at = None;
+                at.recheck = true;
+            }
             if m.base_root != root {
                 return Err(driftless_format::Error::WrongBase {
                     expected: m.base_root.to_hex(),
@@ -1099,30 +1114,74 @@ impl PyFollower {
             }
         };
         let detail = "arrays cannot follow in place; load the new checkpoint (sync_dir) and start a new Follower state with reset()";
-        let CheckedChain { deltas, bytes: fetched, _spool } =
-            self.fetch_chain(&chain, &cands, &sid, &cur, at, detail).await?;
-        bytes += fetched;
+        let careful = at.careful;
+        // The anchor is loaded after the chain is checked (a bad delta then costs the arrays
+        // nothing), except when careful: hashed first, so that the chain's base check and
+        // its result name the anchor or the delta, never the wrong one.
         let mut anchor_digests = None;
-        if let Some((a, m, _)) = &anchor {
+        // Careful: the anchor proven first (into a spool while the arrays hold verified
+        // weights, copied in once the chain checked out; else into the arrays).
+        let mut proven: Option<Option<Spool>> = None;
+        if let Some((a, m, _)) = anchor.as_ref().filter(|_| careful) {
             at.on(&cands, StepKind::Anchor, *a);
-            let (b, d) = if local.is_some() {
-                // The arrays hold verified weights: the anchor is proven whole first.
-                let (spool, b, d) = self.prove_anchor(*a, m, &by).await?;
-                at.touched = true;
-                fill_from_spool(spool.path(), m, &by)?;
-                (b, d)
+            if local.is_some() {
+                let (spool, b, _) = self.prove_anchor(*a, m, &by).await?;
+                bytes += b;
+                proven = Some(Some(spool));
             } else {
                 at.touched = true;
-                self.stream_anchor(*a, m, &by, chain.is_empty()).await?
-            };
-            bytes += b;
-            anchor_digests = Some((d, m.shards.clone(), m.weights_root));
+                let (b, d) = self.stream_anchor(*a, m, &by, true).await?;
+                bytes += b;
+                let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
+                ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
+                proven = Some(None);
+            }
         }
+        let unproven = anchor.is_some() && !careful;
+        let CheckedChain { deltas, bytes: fetched, _spool } =
+            self.fetch_chain(&chain, &cands, &sid, &cur, unproven, at, detail).await?;
+        bytes += fetched;
+        if let Some((a, m, _)) = &anchor {
+            at.on(&cands, StepKind::Anchor, *a);
+            match proven {
+                Some(Some(spool)) => {
+                    at.touched = true;
+                    fill_from_spool(spool.path(), m, &by)?;
+                }
+                Some(None) => {}
+                None => {
+                    let (b, d) = if local.is_some() {
+                        // The arrays hold verified weights: the anchor is proven whole first.
+                        let (spool, b, d) = self.prove_anchor(*a, m, &by).await?;
+                        at.touched = true;
+                        fill_from_spool(spool.path(), m, &by)?;
+                        (b, d)
+                    } else {
+                        at.touched = true;
+                        self.stream_anchor(*a, m, &by, chain.is_empty()).await?
+                    };
+                    bytes += b;
+                    anchor_digests = Some((d, m.shards.clone(), m.weights_root));
+                }
+            }
+        }
+        // Steps whose result the final root alone proves: more than one, and a wrong final
+        // root names none of them.
+        let unproven_steps = chain.len() + usize::from(anchor.is_some() && local.is_none() && !careful);
         let mut last: Option<DeltaManifest> = None;
         for (d, m, segs) in deltas {
             at.on(&cands, StepKind::Delta, d);
             let segs = segs.take()?;
             at.touched = true;
+            if careful {
+                if let Some(prev) = last.take() {
+                    // SAFETY: as below; read-only views of the borrowed arrays between writes.
+                    let views = unsafe { views_of(&cur.layout, &by) };
+                    at.on(&cands, StepKind::Delta, prev.step);
+                    ops::verify_result(&views, &prev)?;
+                    at.on(&cands, StepKind::Delta, d);
+                }
+            }
             (|| -> BindResult<()> {
                 let mut tm = TensorsMut::new();
                 for t in cur.layout.tensors() {
@@ -1144,20 +1203,31 @@ impl PyFollower {
             // arrays are forgotten and the next call reloads from an anchor, which proves it.
             at.at = None;
         }
-        (|| -> BindResult<()> {
+        let named = anchor.is_none() || careful || unproven_steps <= 1;
+        let verified = (|| -> BindResult<()> {
             // SAFETY: writes are done; read-only views of the borrowed arrays.
             let views = unsafe { views_of(&cur.layout, &by) };
-            match &last {
-                Some(m) => ops::verify_result(&views, m)?,
-                None => {
-                    // The anchor alone: its digests were computed as it was written.
-                    let (d, shards, root) = anchor_digests.take().expect("anchor route");
-                    let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
-                    ops::check_root(&metas, &d, &shards, root)?
+            match (&last, anchor_digests.take()) {
+                (Some(m), _) => {
+                    ops::verify_result(&views, m)?;
                 }
+                // The anchor alone: its digests were computed as it was written.
+                (None, Some((d, shards, root))) => {
+                    let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
+                    ops::check_root(&metas, &d, &shards, root)?;
+                }
+                // The anchor alone, checked before (careful).
+                (None, None) => {}
             };
             Ok(())
-        })()?;
+        })();
+        if let Err(e) = verified {
+            if !named {
+                at.at = None;
+                at.recheck = true;
+            }
+            return Err(e);
+        }
         debug_assert_eq!(cur.step, target);
         let route = match (anchor_step, chain.len()) {
             (Some(_), _) => "anchor",
@@ -1165,6 +1235,29 @@ impl PyFollower {
             _ => "catchup",
         };
         Ok(Some((cur, route, bytes, chain.len())))
+    }
+
+    /// Anchor `a` streamed into new host buffers of `from`'s layout, hashed as written and
+    /// checked against its signed root.
+    async fn mirror_anchor(
+        &self,
+        a: u64,
+        m: &AnchorManifest,
+        from: &Tracked,
+        cands: &plan::Candidates,
+        at: &mut Attempt,
+    ) -> BindResult<Vec<(TensorMeta, Vec<u8>)>> {
+        at.on(cands, StepKind::Anchor, a);
+        let mut tensors: Vec<(TensorMeta, Vec<u8>)> =
+            from.layout.tensors().map(|t| Ok((t.clone(), zeroed(t.nbytes()?)?))).collect::<BindResult<_>>()?;
+        let by: HashMap<&str, Raw> = tensors
+            .iter_mut()
+            .map(|(t, d)| (t.name.as_str(), Raw { addr: d.as_mut_ptr() as usize, len: d.len() }))
+            .collect();
+        let (_, d) = self.stream_anchor(a, m, &by, true).await?;
+        let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
+        ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
+        Ok(tensors)
     }
 
     /// Like [`Self::apply`] on the host mirror, recording the element indices every delta
@@ -1199,24 +1292,23 @@ impl PyFollower {
             None => mirror.as_ref().expect("a mirror to apply onto").at.clone(),
         };
         let detail = "patches cannot express it; reload the model (sync_dir) and call reset()";
-        let CheckedChain { deltas, _spool, .. } = self.fetch_chain(&chain, &cands, &sid, &from, at, detail).await?;
+        let careful = at.careful;
         // An anchor route builds a new mirror beside the one held, which is replaced only once
         // the whole route verified (found by review: it was replaced before the anchor was
         // streamed, so a bad anchor or a dropped connection cost the verified mirror, and the
         // next call re-sent the whole model). A delta route changes the mirror held.
+        // The anchor is loaded once the chain checked out, or, careful, first (as `apply`).
         let mut fresh: Option<Vec<(TensorMeta, Vec<u8>)>> = None;
-        if let Some((a, m)) = &anchor {
-            at.on(&cands, StepKind::Anchor, *a);
-            let mut tensors: Vec<(TensorMeta, Vec<u8>)> =
-                from.layout.tensors().map(|t| Ok((t.clone(), zeroed(t.nbytes()?)?))).collect::<BindResult<_>>()?;
-            let by: HashMap<&str, Raw> = tensors
-                .iter_mut()
-                .map(|(t, d)| (t.name.as_str(), Raw { addr: d.as_mut_ptr() as usize, len: d.len() }))
-                .collect();
-            let (_, d) = self.stream_anchor(*a, m, &by, true).await?;
-            let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
-            ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
-            fresh = Some(tensors);
+        if careful {
+            if let Some((a, m)) = &anchor {
+                fresh = Some(self.mirror_anchor(*a, m, &from, &cands, at).await?);
+            }
+        }
+        let unproven = anchor.is_some() && !careful;
+        let CheckedChain { deltas, _spool, .. } =
+            self.fetch_chain(&chain, &cands, &sid, &from, unproven, at, detail).await?;
+        if let Some((a, m)) = anchor.as_ref().filter(|_| !careful) {
+            fresh = Some(self.mirror_anchor(*a, m, &from, &cands, at).await?);
         }
         let onto_held = fresh.is_none();
         let tensors = match &mut fresh {
@@ -1228,8 +1320,13 @@ impl PyFollower {
         let most: HashMap<String, u64> =
             tensors.iter().map(|(t, _)| Ok((t.name.clone(), max_recorded(t.numel()?)))).collect::<BindResult<_>>()?;
         let recorded = Mutex::new((std::mem::take(indices), HashMap::<String, u64>::new()));
-        let mut last = None;
+        let mut last: Option<DeltaManifest> = None;
+        let n = deltas.len();
         for (d, m, segs) in deltas {
+            if let Some(prev) = last.take().filter(|_| careful) {
+                at.on(&cands, StepKind::Delta, prev.step);
+                ops::verify_result(&host_views(tensors), &prev)?;
+            }
             at.on(&cands, StepKind::Delta, d);
             let segs = segs.take()?;
             at.touched |= onto_held;
@@ -1281,12 +1378,15 @@ impl PyFollower {
         }
         // One hash for the route, as for `apply` and the agent: every result root is signed,
         // so the last one proves the final state.
+        // More than one delta: a wrong final root names none of them (`recheck`).
         if let Some(m) = &last {
-            let views: Vec<TensorView<'_>> = tensors
-                .iter()
-                .map(|(t, d)| TensorView { name: &t.name, dtype: t.dtype, shape: &t.shape, data: d })
-                .collect();
-            ops::verify_result(&views, m)?;
+            if let Err(e) = ops::verify_result(&host_views(tensors), m) {
+                if n > 1 && !careful {
+                    at.at = None;
+                    at.recheck = true;
+                }
+                return Err(e.into());
+            }
         }
         *indices = recorded.into_inner().unwrap_or_else(|e| e.into_inner()).0;
         if let Some(tensors) = fresh {
@@ -1294,6 +1394,10 @@ impl PyFollower {
         }
         Ok(Some((cur, full)))
     }
+}
+
+fn host_views(tensors: &[(TensorMeta, Vec<u8>)]) -> Vec<TensorView<'_>> {
+    tensors.iter().map(|(t, d)| TensorView { name: &t.name, dtype: t.dtype, shape: &t.shape, data: d }).collect()
 }
 
 /// Runs `attempt` (one planned route from `local` toward `want`) until it succeeds, fails
@@ -1326,13 +1430,19 @@ fn with_refusals<T>(
     // (a planted marker costs one GET) have a budget of their own (found by review: 40
     // planted markers used up the 32 attempts and failed a cold `apply_to`).
     let (mut written, mut unwritten) = (0, 0);
+    // Every step checked on its own, once a route failed without naming one (for the rest of
+    // the call, as the agent's careful retry).
+    let mut careful = false;
     loop {
-        let mut at = Attempt::default();
+        let mut at = Attempt { careful, ..Attempt::default() };
         let r = attempt(plans, &mut at);
         touched |= at.touched;
         // (A step fault is refused with its fault; `if let` guards need a newer Rust.)
         let r = r.map_err(|e| (e.fault(), e));
         match (r, at.at) {
+            // The same route again, carefully: nothing refused yet. (Not over a target that
+            // held verified weights and was written: the caller must know first.)
+            (Err(_), None) if at.recheck && !careful && !(touched && local.is_some()) => careful = true,
             (Err((Some(f), e)), Some((kind, step, sha))) => {
                 plans.refused.refuse(kind, step, sha, e.message(), f);
                 // As the agent: a marker whose manifest did not match is read again next round.

@@ -231,11 +231,21 @@ def test_follower_streams_an_anchor_into_arrays_and_refuses_a_corrupt_one(file_b
         assert np.array_equal(bits(arrays[n]), bits(a)), n
 
 
-def _forge_anchor_root(root, step, private):
-    """Re-signs anchor ``step``'s manifest with the trusted key and a weights root that is not
-    its bytes' root (its object hashes still match): what a publisher bug or a stolen key
-    produces. The envelope as driftless seals it: Ed25519 over a domain tag and the payload
-    text; the marker then names the new manifest's SHA-256."""
+def _publish_bits(url, private, seed, shape, n):
+    """Publishes ``bit_chain(seed, shape, n)`` as tensor "x.w" (BF16), anchor 0 and n deltas;
+    returns the chain."""
+    steps = bit_chain(seed, shape, n)
+    with driftless.Publisher(url, signing_key=private) as pub:
+        for s, x in enumerate(steps):
+            pub.publish(s, {"x.w": x.view(BF16)})
+    return steps
+
+
+def _resign(root, kind, step, private, edit):
+    """Re-signs the manifest of step ``step`` (``kind``: "anchors" or "deltas") with the trusted
+    key after ``edit(manifest_dict)``: what a publisher bug or a stolen key produces. The
+    envelope as driftless seals it: Ed25519 over a domain tag and the payload text; the marker
+    then names the new manifest's SHA-256."""
     import base64
     import hashlib
     import json
@@ -243,12 +253,12 @@ def _forge_anchor_root(root, step, private):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     name = f"{step:012d}"
-    marker_path = os.path.join(root, "ready", "anchors", name)
+    marker_path = os.path.join(root, "ready", kind, name)
     marker = json.load(open(marker_path))
-    env_path = os.path.join(root, "anchors", name, marker.get("manifest", "manifest.json"))
+    env_path = os.path.join(root, kind, name, marker.get("manifest", "manifest.json"))
     env = json.load(open(env_path))
     m = json.loads(env["payload"])
-    m["weights_root"] = hashlib.sha256(b"another model").hexdigest()
+    edit(m)
     payload = json.dumps(m, separators=(",", ":"))
     # The key's PKCS#8 (v2, with the public key, which `cryptography` does not parse): the
     # 32-byte seed follows the OCTET STRING tags 04 22 04 20.
@@ -261,6 +271,18 @@ def _forge_anchor_root(root, step, private):
     open(env_path, "wb").write(forged)
     marker["manifest_sha256"] = hashlib.sha256(forged).hexdigest()
     open(marker_path, "w").write(json.dumps(marker))
+
+
+def _another_root(m, field="weights_root"):
+    import hashlib
+
+    m[field] = hashlib.sha256(b"another model").hexdigest()
+
+
+def _forge_anchor_root(root, step, private):
+    """Anchor ``step`` re-signed with a weights root that is not its bytes' root (its object
+    hashes still match)."""
+    _resign(root, "anchors", step, private, _another_root)
 
 
 def test_follower_refuses_a_signed_anchor_whose_bytes_are_not_its_root(file_bucket, keys):
@@ -1292,3 +1314,73 @@ def test_a_step_signed_by_an_untrusted_key_is_untrusted_while_refused(tmp_path, 
         assert np.array_equal(arrays["x.w"].view(np.uint16), steps[1])
     o = f.apply_to(arrays)
     assert o["step"] == 1 and [(k, s) for k, s, _ in o["refused"]] == [("delta", 2)], o
+
+
+def test_an_anchor_disagreeing_with_the_next_delta_is_the_one_refused(file_bucket, keys):
+    """A cold load of anchor 0 and deltas 1-2, anchor 0 re-signed with a root that is not its
+    bytes' (delta 1's base root disagrees with it). Which is wrong is only known once the
+    anchor is hashed: the anchor is refused, never delta 1 (found by review: delta 1 was refused
+    on a wrong base before the anchor was looked at, and the call raised WrongBaseError for
+    delta 1, held for ``refuse_for``). The same for ``iter_patches``. Repaired, a Follower
+    reaches step 2 through both, bit for bit."""
+    import shutil
+
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    shape = (256, 512)
+    steps = _publish_bits(url, private, 13, shape, 2)
+    saved = os.path.join(os.path.dirname(root), "saved")
+    shutil.copytree(root, saved)
+    _forge_anchor_root(root, 0, private)
+
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros(shape, BF16)}
+    # The first call raises the anchor's own error, the next ones its refusal.
+    with pytest.raises(driftless.CorruptError, match="weights root"):
+        f.apply_to(arrays)
+    assert f.applied_step is None
+    with pytest.raises(driftless.CorruptError, match="anchor 0 is refused for now .*weights root"):
+        f.apply_to(arrays)
+    mirror = driftless.Follower(url, trusted_keys=[public])
+    with pytest.raises(driftless.CorruptError, match="weights root"):
+        list(mirror.iter_patches())
+    with pytest.raises(driftless.CorruptError, match="anchor 0 is refused for now .*weights root"):
+        list(mirror.iter_patches())
+    assert mirror.patch_step is None
+    for sub in ("ready/anchors", "anchors"):
+        shutil.rmtree(os.path.join(root, sub))
+        shutil.copytree(os.path.join(saved, sub), os.path.join(root, sub))
+    f = driftless.Follower(url, trusted_keys=[public])
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"], o["deltas"], o["refused"]) == (2, "anchor", 2, []), o
+    assert np.array_equal(bits(arrays["x.w"]), steps[2])
+    mirror = driftless.Follower(url, trusted_keys=[public])
+    got = {n: (pos, bits(np.array(v)).copy()) for n, pos, v in mirror.iter_patches()}
+    assert got["x.w"][0] is None and np.array_equal(got["x.w"][1], steps[2])
+    assert mirror.patch_step == 2
+
+
+def test_a_delta_on_another_base_than_a_good_anchor_is_the_one_refused(file_bucket, keys):
+    """The other way round: anchor 0 as published, delta 1 re-signed with a base root that is
+    not step 0's. The careful retry hashes the anchor, finds it good, and names delta 1
+    (WrongBaseError); the call then serves anchor 0 alone, verified."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    shape = (256, 512)
+    steps = _publish_bits(url, private, 14, shape, 2)
+    _resign(root, "deltas", 1, private, lambda m: _another_root(m, "base_root"))
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros(shape, BF16)}
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"]) == (0, "anchor"), o
+    assert [(k, s) for k, s, _ in o["refused"]] == [("delta", 1)], o
+    assert "wrong base" in o["refused"][0][2], o
+    assert np.array_equal(bits(arrays["x.w"]), steps[0])
+    with pytest.raises(driftless.WrongBaseError, match="delta 1 is refused for now"):
+        f.apply_to(arrays, step=1)
+    mirror = driftless.Follower(url, trusted_keys=[public])
+    got = {n: (pos, bits(np.array(v)).copy()) for n, pos, v in mirror.iter_patches()}
+    assert got["x.w"][0] is None and np.array_equal(got["x.w"][1], steps[0])
+    assert mirror.patch_step == 0
