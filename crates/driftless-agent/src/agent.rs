@@ -962,8 +962,10 @@ impl Agent {
             let fetch = fetch.ok_or_else(|| Error::Io(std::io::Error::other(format!("no download of delta {d}"))))?;
             let last = k + 1 == n;
             let verify = careful || last;
-            // Right after an anchor route's anchor, loaded unhashed (`careful` hashes it).
-            let unproven = k == 0 && route.anchor.is_some() && !careful;
+            // On a state not verified yet: an anchor route's anchor, loaded unhashed, or an
+            // earlier delta of the chain, whose result only the final root proves. (`careful`
+            // hashes the anchor and verifies each delta's result before the next is received.)
+            let unproven = !careful && (k > 0 || route.anchor.is_some());
             let (m, segs, b) = self.receive_delta(sid, d, fetch, at, unproven).await?;
             if let Some(pb) = patch.as_mut().filter(|pb| d > pb.base()) {
                 if let Err(e) = segs.iter().try_for_each(|s| pb.add(s)) {
@@ -1590,10 +1592,11 @@ impl Agent {
     /// Waits for one delta of a chain whose previous state is `at`: checks its stream, base
     /// and chain link, and its segments (hash-checked and decoded by the fetch). Nothing local
     /// changes. Returns the manifest, the decoded segments and the bytes downloaded.
-    /// `unproven`: `at` is an anchor whose bytes were not hashed yet (a chain after it is proven
-    /// by its final root), so a base root that disagrees with it may be the anchor's fault as
-    /// well as the delta's: `ChainMismatch`, which retries carefully, the anchor checked alone
-    /// first (found by review: the delta was refused, and the anchor never looked at).
+    /// `unproven`: `at` is not verified yet (an anchor not hashed, or an earlier delta of the
+    /// chain: the final root proves them all), so a base root that disagrees with it may be
+    /// that step's fault as well as this delta's: `ChainMismatch`, which retries carefully,
+    /// each step checked on its own (found by review: the delta was refused, and the anchor
+    /// never looked at).
     async fn receive_delta(
         &mut self,
         sid: &str,
@@ -1619,8 +1622,8 @@ impl Agent {
         if unproven && m.base_step == at.step && m.base_root != at.root {
             warn!(
                 step,
-                anchor = at.step,
-                "the delta's base root is not the anchor's signed root; checking the anchor alone"
+                base = at.step,
+                "the delta's base root is not its base's signed root; checking each step alone"
             );
             return Err(BuildError::ChainMismatch);
         }

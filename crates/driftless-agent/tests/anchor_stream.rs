@@ -509,24 +509,32 @@ async fn an_anchor_disagreeing_with_the_next_delta_is_the_one_refused() {
 }
 
 /// The other way round: anchor 0 as published, delta 1 re-signed on a base root that is not
-/// step 0's. The careful retry hashes the anchor, finds it good and refuses delta 1 as on a
-/// wrong base; the agent serves anchor 0, verified.
+/// step 0's, or with a result root that is not its result's (so delta 2's base disagrees with
+/// it). The careful retry hashes the anchor, finds it good, and refuses delta 1, never delta 2
+/// (found by review: delta 2 was refused as on a wrong base); the agent serves anchor 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delta_on_another_base_than_a_good_anchor_is_the_one_refused() {
+async fn a_bad_delta_after_a_good_anchor_is_the_one_refused() {
     use driftless_format::StepKind;
-    let tb = file_bucket();
     let key = Keypair::from_seed([13; 32]);
     let trust = TrustSet::new().with_key(key.public());
-    let ((want, _), _) = anchor_and_two_deltas(&tb, &key, 6);
-    resign(&tb, &key, &trust, StepKind::Delta, 1, |m: &mut driftless_format::DeltaManifest| {
-        m.base_root = driftless_format::Digest::of(b"another model")
-    });
-    let mut a = driftless_agent::Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust)).unwrap();
-    let o = a.sync_once().await.unwrap();
-    assert_eq!((o.step, o.route), (0, driftless_agent::SyncPath::Anchor), "{o:?}");
-    let refused: Vec<_> = o.refused.iter().map(|r| (r.kind, r.step)).collect();
-    assert_eq!(refused, [(StepKind::Delta, 1)], "{o:?}");
-    assert_bits(&a, &want);
+    for (case, seed) in [("base", 6), ("result", 7)] {
+        let tb = file_bucket();
+        let ((want, _), _) = anchor_and_two_deltas(&tb, &key, seed);
+        resign(&tb, &key, &trust, StepKind::Delta, 1, |m: &mut driftless_format::DeltaManifest| {
+            let other = driftless_format::Digest::of(b"another model");
+            match case {
+                "base" => m.base_root = other,
+                _ => m.result_root = other,
+            }
+        });
+        let mut a =
+            driftless_agent::Agent::new(tb.bucket.clone(), config(tb.dir.path().join("a"), trust.clone())).unwrap();
+        let o = a.sync_once().await.unwrap();
+        assert_eq!((o.step, o.route), (0, driftless_agent::SyncPath::Anchor), "{case}: {o:?}");
+        let refused: Vec<_> = o.refused.iter().map(|r| (r.kind, r.step)).collect();
+        assert_eq!(refused, [(StepKind::Delta, 1)], "{case}: {o:?}");
+        assert_bits(&a, &want);
+    }
 }
 
 /// The newest anchor's object rewritten (same size, manifest untouched) so that its prefix

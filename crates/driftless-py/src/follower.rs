@@ -131,6 +131,10 @@ impl Attempt {
     }
 }
 
+fn wrong_base(m: &DeltaManifest, root: Digest) -> BindError {
+    driftless_format::Error::WrongBase { expected: m.base_root.to_hex(), actual: root.to_hex() }.into()
+}
+
 /// A manifest signed for another stream (the same key signs several runs: one copied into this
 /// bucket verifies against its own root) is refused, as the agent refuses it.
 fn same_stream(sid: &str, got: &str, what: &'static str, step: u64) -> BindResult<()> {
@@ -1009,16 +1013,16 @@ impl PyFollower {
             at.on(cands, StepKind::Delta, d);
             let m = self.delta_manifest(d, cands).await?;
             same_stream(sid, &m.stream_id, "delta manifest", d)?;
-            if m.base_root != root && k == 0 && unproven {
+            // A link to a state not verified yet (the anchor not hashed, or an earlier delta of
+            // the chain, whose result only the final root proves) names neither side: retried
+            // carefully, where the links after the first are checked as each delta is applied,
+            // its base verified.
+            if m.base_root != root && (k > 0 || unproven) && !at.careful {
                 at.at = None;
                 at.recheck = true;
             }
-            if m.base_root != root {
-                return Err(driftless_format::Error::WrongBase {
-                    expected: m.base_root.to_hex(),
-                    actual: root.to_hex(),
-                }
-                .into());
+            if m.base_root != root && (k == 0 || !at.careful) {
+                return Err(wrong_base(&m, root));
             }
             // From the manifest, before any segment is downloaded (found by review: a layout
             // change, possibly a large new tensor, was downloaded at every call only to be
@@ -1178,8 +1182,18 @@ impl PyFollower {
                     // SAFETY: as below; read-only views of the borrowed arrays between writes.
                     let views = unsafe { views_of(&cur.layout, &by) };
                     at.on(&cands, StepKind::Delta, prev.step);
-                    ops::verify_result(&views, &prev)?;
+                    if let Err(e) = ops::verify_result(&views, &prev) {
+                        // The first delta onto the caller's arrays: they may be at fault, as
+                        // for the final root below.
+                        if anchor.is_none() && chain.first() == Some(&prev.step) {
+                            at.at = None;
+                        }
+                        return Err(e.into());
+                    }
                     at.on(&cands, StepKind::Delta, d);
+                }
+                if m.base_root != cur.root {
+                    return Err(wrong_base(&m, cur.root));
                 }
             }
             (|| -> BindResult<()> {
@@ -1328,6 +1342,9 @@ impl PyFollower {
                 ops::verify_result(&host_views(tensors), &prev)?;
             }
             at.on(&cands, StepKind::Delta, d);
+            if careful && m.base_root != cur.root {
+                return Err(wrong_base(&m, cur.root));
+            }
             let segs = segs.take()?;
             at.touched |= onto_held;
             let mut tm = TensorsMut::new();

@@ -1361,24 +1361,28 @@ def test_an_anchor_disagreeing_with_the_next_delta_is_the_one_refused(file_bucke
     assert mirror.patch_step == 2
 
 
-def test_a_delta_on_another_base_than_a_good_anchor_is_the_one_refused(file_bucket, keys):
+@pytest.mark.parametrize("field", ["base_root", "result_root"])
+def test_a_bad_delta_after_a_good_anchor_is_the_one_refused(tmp_path, keys, field):
     """The other way round: anchor 0 as published, delta 1 re-signed with a base root that is
-    not step 0's. The careful retry hashes the anchor, finds it good, and names delta 1
-    (WrongBaseError); the call then serves anchor 0 alone, verified."""
-    url, _ = file_bucket
+    not step 0's, or a result root that is not its result's (so delta 2's base disagrees with
+    it). The careful retry hashes the anchor, finds it good, and names delta 1, never delta 2
+    (found by review: delta 2 was refused, on a wrong base); the call then serves anchor 0
+    alone, verified. The same for ``iter_patches``."""
+    url = f"file://{tmp_path}/bucket"
     root = url.removeprefix("file://")
     private, public = keys
     shape = (256, 512)
     steps = _publish_bits(url, private, 14, shape, 2)
-    _resign(root, "deltas", 1, private, lambda m: _another_root(m, "base_root"))
+    _resign(root, "deltas", 1, private, lambda m: _another_root(m, field))
     f = driftless.Follower(url, trusted_keys=[public])
     arrays = {"x.w": np.zeros(shape, BF16)}
     o = f.apply_to(arrays)
     assert (o["step"], o["route"]) == (0, "anchor"), o
     assert [(k, s) for k, s, _ in o["refused"]] == [("delta", 1)], o
-    assert "wrong base" in o["refused"][0][2], o
+    assert ("wrong base" if field == "base_root" else "weights root") in o["refused"][0][2], o
     assert np.array_equal(bits(arrays["x.w"]), steps[0])
-    with pytest.raises(driftless.WrongBaseError, match="delta 1 is refused for now"):
+    cls = driftless.WrongBaseError if field == "base_root" else driftless.CorruptError
+    with pytest.raises(cls, match="delta 1 is refused for now"):
         f.apply_to(arrays, step=1)
     mirror = driftless.Follower(url, trusted_keys=[public])
     got = {n: (pos, bits(np.array(v)).copy()) for n, pos, v in mirror.iter_patches()}
