@@ -444,6 +444,23 @@ def test_vllm_patch_applies_in_place(stream, vllm):
         assert vllm._req("GET", "/weight_info")[1] == {"weight_version": stream.version(step)}
 
 
+def test_vllm_patch_past_patch_max_is_a_reload(stream, vllm):
+    """A patch that would have each worker put more than ``patch_max`` on its device at once is
+    not written: the step reaches the engine through reload_weights, bit for bit; under the
+    default bound the same kind of step is a patch."""
+    stream.publish(0)
+    stream.agent(f"vllm={vllm.url},patch=on")
+    for step, spec, method in ((1, ",patch_max=1", "reload_weights"), (2, "", "driftless_apply_patch")):
+        vllm.faults(clear_calls=True)
+        stream.publish(step)
+        r = stream.agent(f"vllm={vllm.url},patch=on{spec}")
+        assert [b["method"] for b in vllm.bodies("/collective_rpc")] == [method], vllm.calls()
+        if method == "reload_weights":
+            assert "over patch_max" in r.stderr, r.stderr
+        assert engine_matches_dir(vllm, os.path.realpath(stream.dir / "current"))
+        assert vllm._req("GET", "/weight_info")[1] == {"weight_version": stream.version(step)}
+
+
 def test_vllm_failed_patch_falls_back_to_a_full_reload(stream, vllm):
     """A patch that fails after writing part of the weights: the version is marked unknown
     first, then reload_weights restores the verified step in the same pause."""

@@ -1167,6 +1167,8 @@ impl Agent {
     async fn write_patch(&self, pb: PatchBuilder, wdir: &Path, at: Held) -> Option<PatchFile> {
         let pdir = self.dir.patches();
         let wdir = wdir.to_path_buf();
+        // The smallest bound of the targets that take patches.
+        let max = self.cfg.notify.iter().filter_map(Notifier::patch_max).min().unwrap_or(0);
         let t = Instant::now();
         let r = self
             .blocking(move || -> Result<PatchFile> {
@@ -1177,7 +1179,7 @@ impl Agent {
                 // Absolute: the engine's workers resolve the path in their own working
                 // directory (found by review: a relative --dir made every patch a reload).
                 let out = pdir.canonicalize()?.join(format!("{}-{}.safetensors", pb.base(), at.step));
-                pb.write(&wdir, at.step, at.root, &out)
+                pb.write(&wdir, at.step, at.root, &out, max)
             })
             .await;
         match r {

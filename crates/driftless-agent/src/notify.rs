@@ -43,6 +43,7 @@
 //! | `token_env=VAR` | bearer token read from the environment variable VAR | none |
 //! | `timeout=SECS` | how long the load call may take | 600 |
 //! | `patch=on` | vLLM only: apply verified sparse patches in place through the worker extension | `off` |
+//! | `patch_max=SIZE` | vLLM with `patch=on`: the most a patch may have each worker put on its device at once (indices, values and the tensors it sends dense; `512MiB`, `4GB`); a larger one is no patch, the engine reloads | `2GiB` |
 //!
 //! The token itself is never accepted on the command line (`token=` is refused), never
 //! displayed and never logged: [`Notifier`]'s `Display` shows where it comes from only.
@@ -145,7 +146,18 @@ pub struct EngineTarget {
     pub load_timeout: Duration,
     /// vLLM: patch the live weights through the worker extension when a patch applies.
     pub patch: bool,
+    /// vLLM with `patch`: the most bytes a patch may have each engine worker put on its device
+    /// at once (the patch's indices and values, and the tensors it sends dense); a larger one
+    /// is no patch, the engine reloads.
+    pub patch_max: u64,
 }
+
+/// Default of `patch_max`: 2 GiB. vLLM gives the KV cache what `gpu_memory_utilization`
+/// allows (0.9 by default) when it starts, so a patch must fit in what is left beside the
+/// activations, on every worker (each reads the whole patch: its loader keeps the rank's
+/// slice). 2 GiB is a 7B model's patch at 1% density five times over (about 6 bytes per changed
+/// element), a 32B one's about once.
+pub const DEFAULT_PATCH_MAX: u64 = 2 << 30;
 
 const SGLANG_MODES: &[&str] = &["retract", "in_place", "abort"];
 const VLLM_MODES: &[&str] = &["keep", "wait", "abort"];
@@ -156,8 +168,14 @@ fn parse_engine(kind: &str, spec: &str, modes: &[&str]) -> std::result::Result<E
     if !(url.starts_with("http://") || url.starts_with("https://")) {
         return Err(format!("{kind}: {url:?} is not an http(s) URL"));
     }
-    let mut t =
-        EngineTarget { url, mode: modes[0].to_string(), token: None, load_timeout: DEFAULT_LOAD_TIMEOUT, patch: false };
+    let mut t = EngineTarget {
+        url,
+        mode: modes[0].to_string(),
+        token: None,
+        load_timeout: DEFAULT_LOAD_TIMEOUT,
+        patch: false,
+        patch_max: DEFAULT_PATCH_MAX,
+    };
     for opt in parts {
         let (k, v) = opt.split_once('=').ok_or_else(|| format!("{kind}: option {opt:?} is not KEY=VALUE"))?;
         match k {
@@ -187,8 +205,13 @@ fn parse_engine(kind: &str, spec: &str, modes: &[&str]) -> std::result::Result<E
                     _ => return Err(format!("{kind}: patch {v:?} is not on or off")),
                 }
             }
+            "patch_max" if kind == "vllm" => {
+                t.patch_max = driftless_format::units::parse_bytes(v).map_err(|e| format!("{kind}: patch_max: {e}"))?
+            }
             _ if kind == "vllm" => {
-                return Err(format!("{kind}: unknown option {k:?} (mode, token_file, token_env, timeout, patch)"))
+                return Err(format!(
+                    "{kind}: unknown option {k:?} (mode, token_file, token_env, timeout, patch, patch_max)"
+                ))
             }
             _ => return Err(format!("{kind}: unknown option {k:?} (mode, token_file, token_env, timeout)")),
         }
@@ -210,7 +233,7 @@ impl std::str::FromStr for Notifier {
                 // `http://hooks,timeout=2` parsed as a host).
                 _ if v.split(',').skip(1).any(|o| {
                     o.split_once('=').is_some_and(|(k, _)| {
-                        ["mode", "timeout", "token", "token_file", "token_env", "patch"].contains(&k)
+                        ["mode", "timeout", "token", "token_file", "token_env", "patch", "patch_max"].contains(&k)
                     })
                 }) =>
                 {
@@ -247,6 +270,9 @@ impl std::fmt::Display for EngineTarget {
         }
         if self.patch {
             f.write_str(",patch=on")?;
+        }
+        if self.patch_max != DEFAULT_PATCH_MAX {
+            write!(f, ",patch_max={}", self.patch_max)?;
         }
         Ok(())
     }
@@ -431,6 +457,14 @@ impl Notifier {
     /// Whether this target applies patches (the agent then writes them, see [`crate::patch`]).
     pub fn wants_patch(&self) -> bool {
         matches!(self, Notifier::Vllm(t) if t.patch)
+    }
+
+    /// The largest patch this target takes (`patch_max`), when it takes patches.
+    pub fn patch_max(&self) -> Option<u64> {
+        match self {
+            Notifier::Vllm(t) if t.patch => Some(t.patch_max),
+            _ => None,
+        }
     }
 
     /// Tells the server to load `dir` at `step`; returns when the server reports `step` (or
@@ -807,6 +841,16 @@ mod tests {
         let v: Notifier = "vllm=http://h:8000,patch=on,timeout=2".parse().unwrap();
         assert_eq!(v.to_string(), "vllm=http://h:8000,mode=keep,timeout=2,patch=on");
         assert_eq!(v.to_string().parse::<Notifier>().unwrap(), v);
+        assert_eq!(v.patch_max(), Some(DEFAULT_PATCH_MAX));
+        let v: Notifier = "vllm=http://h:8000,patch=on,patch_max=512MiB".parse().unwrap();
+        assert_eq!(v.patch_max(), Some(512 << 20));
+        assert_eq!(v.to_string(), "vllm=http://h:8000,mode=keep,patch=on,patch_max=536870912");
+        assert_eq!(v.to_string().parse::<Notifier>().unwrap(), v);
+        // Without patch=on there is no patch to bound.
+        assert_eq!("vllm=http://h:8000,patch_max=1".parse::<Notifier>().unwrap().patch_max(), None);
+        let e = "vllm=http://h,patch=on,patch_max=lots".parse::<Notifier>().unwrap_err();
+        assert!(e.contains("patch_max") && e.contains("invalid byte size"), "{e}");
+        assert!("sglang=http://h,patch_max=1G".parse::<Notifier>().is_err());
     }
 
     /// What a shutdown waits for, per target: every load one notify may run.

@@ -163,8 +163,11 @@ impl PatchBuilder {
     }
 
     /// Writes the patch from `base` to `step` into `out`, reading values from the verified
-    /// checkpoint in `dir` (fsynced; replaced atomically by rename).
-    pub fn write(self, dir: &Path, step: u64, root: Digest, out: &Path) -> Result<PatchFile> {
+    /// checkpoint in `dir` (fsynced; replaced atomically by rename). `max_bytes` bounds what
+    /// the patch has each engine worker put on its device at once: the indices and values, and
+    /// the tensors it sends dense (read whole from `dir` by the worker). Past it there is no
+    /// patch (an error, before anything is written): the engine reloads.
+    pub fn write(self, dir: &Path, step: u64, root: Digest, out: &Path, max_bytes: u64) -> Result<PatchFile> {
         let ck = Checkpoint::open(dir)?;
         let views = ck.views();
         let by_name: HashMap<&str, _> = views.iter().map(|v| (v.name, v)).collect();
@@ -174,6 +177,19 @@ impl PatchBuilder {
         let mut blobs: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = vec![];
         let mut touched: Vec<_> = self.touched.into_iter().collect();
         touched.sort_by(|a, b| a.0.cmp(&b.0));
+        // What a worker uploads: checked as it grows, so a patch past the bound costs no more
+        // memory here than the bound itself.
+        let mut device = 0u64;
+        let mut put = |name: &str, bytes: u64| {
+            device = device.saturating_add(bytes);
+            match device > max_bytes {
+                true => Err(patch_err(format!(
+                    "at tensor {name} the patch already puts {device} bytes on each engine worker's device, over \
+                     patch_max ({max_bytes}); the engine reloads instead"
+                ))),
+                false => Ok(()),
+            }
+        };
         for (name, t) in touched {
             let v = by_name
                 .get(name.as_str())
@@ -183,6 +199,7 @@ impl PatchBuilder {
             shapes.insert(name.clone(), v.shape.to_vec());
             let mut idx = match t {
                 Touched::Dense => {
+                    put(&name, v.data.len() as u64)?;
                     dense.push(name);
                     continue;
                 }
@@ -194,9 +211,12 @@ impl PatchBuilder {
                 return Err(patch_err(format!("index beyond tensor {name}")));
             }
             if idx.len() as u64 * 2 > numel {
+                put(&name, v.data.len() as u64)?;
                 dense.push(name);
                 continue;
             }
+            let isize = if numel <= i32::MAX as u64 { 4 } else { 8 };
+            put(&name, idx.len() as u64 * (isize + es as u64))?;
             let mut vals = Vec::with_capacity(idx.len() * es);
             for &i in &idx {
                 let o = i as usize * es;
@@ -311,6 +331,41 @@ mod tests {
         }
         // The budget holds only w's indices: v's were never listed.
         assert_eq!(pb.budget, (2 * N as u64) / MAX_INDEX_FRACTION - (N / 64) as u64);
+    }
+
+    /// `max_bytes` bounds what a worker uploads: v dense (its 8 KiB read whole by the worker)
+    /// and w's 64 indices and values (6 bytes each). One byte less than both is no patch, and
+    /// nothing is left at the output path.
+    #[test]
+    fn a_patch_past_its_device_bound_is_none() {
+        let zero = vec![0u8; 2 * N];
+        let base = vec![(zero.clone(), zero.clone())];
+        let next = vec![(bump(&zero, 0..N), bump(&zero, (0..N).step_by(64)))];
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        let metas = [meta("v"), meta("w")];
+        let layout = driftless_format::Layout::for_tensors(&metas, u64::MAX).unwrap();
+        let views: Vec<TensorView<'_>> = metas
+            .iter()
+            .zip([&next[0].0, &next[0].1])
+            .map(|(m, d)| TensorView { name: &m.name, dtype: m.dtype, shape: &m.shape, data: d })
+            .collect();
+        driftless_format::checkpoint::write_checkpoint(&ck, &layout, &views).unwrap();
+        let need = 2 * N as u64 + (N as u64 / 64) * 6;
+        for (max, ok) in [(need - 1, false), (need, true)] {
+            let mut pb = PatchBuilder::new(3, Digest::default(), &metas).unwrap();
+            for s in segments(&base, &next) {
+                pb.add(&s).unwrap();
+            }
+            let out = dir.path().join(format!("p{max}.safetensors"));
+            match pb.write(&ck, 4, Digest::default(), &out, max) {
+                Ok(p) => assert!(ok && p.bytes > 0 && out.exists(), "{max}: {p:?}"),
+                Err(e) => {
+                    assert!(!ok && e.to_string().contains("over patch_max"), "{max}: {e}");
+                    assert!(!out.exists() && !out.with_extension("tmp").exists());
+                }
+            }
+        }
     }
 
     #[test]

@@ -10,7 +10,6 @@ use clap::{Parser, Subcommand};
 mod cmd;
 mod config;
 mod exit;
-mod units;
 
 /// Ship RL policy weights from a trainer to inference servers through object storage, bit
 /// for bit, as small sparse deltas.

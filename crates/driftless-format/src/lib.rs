@@ -15,6 +15,7 @@
 //! - [`container`]: the one-file delta of `driftless diff`/`patch`.
 //! - [`journal`]: the redo journal; [`ops`]: make, apply and verify a delta end to end.
 //! - [`gen`]: RL-like chains for tests and benchmarks; [`reference`]: other systems' layouts.
+//! - [`units`]: byte sizes as operators write them (`512MiB`), for every crate's options.
 //!
 //! ```
 //! use driftless_format::{gen, ops, DeltaOptions, Layout};
@@ -47,6 +48,7 @@ mod sha_x2;
 pub mod sign;
 pub mod slice;
 mod tensor;
+pub mod units;
 pub mod varint;
 
 pub use checkpoint::{Checkpoint, CheckpointFiles, CheckpointMut, Layout, ShardLayout, TensorsMut};

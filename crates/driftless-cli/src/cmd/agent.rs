@@ -24,7 +24,7 @@ pub struct Args {
     #[arg(long)]
     once: bool,
     /// Inference server to notify: sglang=URL[,mode=retract|in_place|abort],
-    /// vllm=URL[,mode=keep|wait|abort][,patch=on], options token_file=PATH | token_env=VAR,
+    /// vllm=URL[,mode=keep|wait|abort][,patch=on[,patch_max=SIZE]], options token_file=PATH | token_env=VAR,
     /// timeout=SECS; http=URL, exec=COMMAND (run with sh -c, its output on stderr); repeatable
     /// (see docs/engines/). DRIFTLESS_NOTIFY holds one target per line.
     // Parsed after clap, so that a refused value (say a token in clear) is not echoed back.
@@ -52,7 +52,7 @@ pub struct Args {
     /// Bytes of tensors an idle rebuild of the inactive slot copies between two looks for a
     /// new step (default 256 MiB). Hidden: the tests' knob for a rebuild that gives way
     /// mid-pass on a small model.
-    #[arg(long, hide = true, env = "DRIFTLESS_IDLE_GROUP", value_parser = crate::units::parse_bytes)]
+    #[arg(long, hide = true, env = "DRIFTLESS_IDLE_GROUP", value_parser = driftless_format::units::parse_bytes)]
     idle_group: Option<u64>,
     /// JSON config file with these long flag names as keys: bucket, endpoint, region, trust,
     /// allow_unsigned, dir, notify, listen, poll_min, poll_max, anchor_parts, log

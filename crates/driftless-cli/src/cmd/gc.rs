@@ -17,7 +17,7 @@ pub struct Args {
     grace: String,
     /// Bound on total bytes (trims oldest first, honouring reachability): 10GB, 512MiB, or
     /// a plain number of bytes.
-    #[arg(long, value_parser = crate::units::parse_bytes)]
+    #[arg(long, value_parser = driftless_format::units::parse_bytes)]
     max_bytes: Option<u64>,
     /// Trusted public key (SPKI PEM), repeatable: the manifests of the steps GC keeps as the
     /// newest must be signed by one, as agents check them. Without it GC checks what it can
