@@ -389,6 +389,11 @@ pub struct MarkerCache {
     /// markers with 60 KB stream ids held 190 MB for the agent's life, and 200 junk markers
     /// were read again at every listing).
     foreign: std::collections::HashSet<(StepKind, u64)>,
+    /// The stream `foreign` was judged against: once another stream is followed (a new run
+    /// in the prefix), its markers may be among them (found by review: a new run's first
+    /// anchor, listed while the agent still followed the old run, was never read again, and
+    /// the agent waited for the run's next anchor).
+    foreign_of: Option<String>,
     /// This sync's listing, reused by its later rounds.
     listing: Option<Listing>,
     /// Markers forgotten since the last [`MarkerCache::candidates`].
@@ -396,6 +401,16 @@ pub struct MarkerCache {
 }
 
 impl MarkerCache {
+    /// Planning for `stream_id` from now: when it is another stream than before, the markers
+    /// judged foreign are read again, and those cached of other streams dropped.
+    fn follow(&mut self, stream_id: &str) {
+        if self.foreign_of.as_deref() != Some(stream_id) {
+            self.foreign.clear();
+            self.map.retain(|_, m| m.stream_id == stream_id);
+            self.foreign_of = Some(stream_id.to_string());
+        }
+    }
+
     /// Forgets one marker (it is read again by the next [`MarkerCache::candidates`]).
     pub fn forget(&mut self, kind: StepKind, step: u64) {
         self.map.remove(&(kind, step));
@@ -451,6 +466,7 @@ impl MarkerCache {
         refused: &Refusals,
         local: Option<u64>,
     ) -> Result<Candidates, StreamError> {
+        self.follow(stream_id);
         let reuse = self.listing.as_ref().is_some_and(|l| l.stream_id == stream_id && l.from == from);
         let mut l = match self.listing.take().filter(|_| reuse) {
             Some(l) => l,
@@ -684,6 +700,7 @@ impl MarkerCache {
         steps: &[u64],
         budget: &mut usize,
     ) -> Result<Newest, StreamError> {
+        self.follow(stream_id);
         self.map.retain(|k, _| k.0 != kind || steps.binary_search(&k.1).is_ok());
         self.foreign.retain(|k| k.0 != kind || steps.binary_search(&k.1).is_ok());
         let mut batch = 1;
@@ -1181,7 +1198,7 @@ mod tests {
 
     /// Markers of another stream (planted, with 60 KB stream ids) are remembered by key only:
     /// not held (found by review: 3,000 of them held 190 MB for the agent's life) and not read
-    /// again at the next listing.
+    /// again at the next listing, until that other stream is the one followed.
     #[tokio::test]
     async fn markers_of_another_stream_are_not_held_nor_read_again() {
         use driftless_store::{layout, Bucket, FaultOp, FaultyStore, StoreOptions};
@@ -1208,6 +1225,14 @@ mod tests {
         let c = cache.candidates(&reader, "ours", None, &Refusals::default(), None).await.unwrap();
         assert_eq!((c.anchors.len(), c.deltas.len()), (1, 0));
         assert_eq!(counting.calls(FaultOp::Get), gets, "cached markers read again");
+        // The other stream followed (a new run in the prefix): its markers are read, once.
+        let other = "x".repeat(driftless_format::manifest::MAX_STREAM_ID);
+        let c = cache.candidates(&reader, &other, None, &Refusals::default(), None).await.unwrap();
+        assert_eq!((c.anchors.len(), c.deltas.len()), (0, 40));
+        assert_eq!(counting.calls(FaultOp::Get), gets + 41, "each marker read once more");
+        let c = cache.candidates(&reader, &other, None, &Refusals::default(), None).await.unwrap();
+        assert_eq!((c.anchors.len(), c.deltas.len()), (0, 40));
+        assert_eq!(counting.calls(FaultOp::Get), gets + 41);
     }
 
     /// The periodic listing: every 10th poll while listings work, whatever other listings
