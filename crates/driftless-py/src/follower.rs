@@ -994,8 +994,13 @@ impl PyFollower {
     /// (`LayoutChanged` with `detail`). A fault in any of them is that step's, with the target
     /// untouched. The checked segments wait in memory up to `chain_memory` bytes, beyond that
     /// in a TMPDIR spool: a long catch-up does not hold an anchor's worth of deltas in RAM.
-    /// `unproven`: `from` is an anchor not hashed yet, so a first delta whose base root is not
-    /// its signed root names neither (`recheck`: the agent's rule).
+    /// `unproven`: `Some(anchor)` when a careful retry would write over nothing verified (a
+    /// cold load; a mirror built from an anchor): a link to a state not verified yet, an
+    /// anchor not hashed (`anchor`) or an earlier delta of the chain, names neither side
+    /// (`recheck`: the agent's rule). `None` when the chain starts at verified weights the
+    /// caller holds, which a careful retry would overwrite: the delta is named, as the link
+    /// checks are all made before anything is written (a delta with a wrong result root then
+    /// has the next delta named instead of itself; the arrays stay as they were).
     #[allow(clippy::too_many_arguments)]
     async fn fetch_chain(
         &self,
@@ -1003,7 +1008,7 @@ impl PyFollower {
         cands: &plan::Candidates,
         sid: &str,
         from: &Tracked,
-        unproven: bool,
+        unproven: Option<bool>,
         at: &mut Attempt,
         detail: &str,
     ) -> BindResult<CheckedChain> {
@@ -1017,11 +1022,13 @@ impl PyFollower {
             // the chain, whose result only the final root proves) names neither side: retried
             // carefully, where the links after the first are checked as each delta is applied,
             // its base verified.
-            if m.base_root != root && (k > 0 || unproven) && !at.careful {
+            if m.base_root != root && unproven.is_some_and(|a| k > 0 || a) && !at.careful {
                 at.at = None;
                 at.recheck = true;
             }
-            if m.base_root != root && (k == 0 || !at.careful) {
+            // (Careful, on a chain that may be rechecked, the links after the first are checked
+            // as the deltas are applied, each base verified first.)
+            if m.base_root != root && (k == 0 || !(at.careful && unproven.is_some())) {
                 return Err(wrong_base(&m, root));
             }
             // From the manifest, before any segment is downloaded (found by review: a layout
@@ -1141,7 +1148,7 @@ impl PyFollower {
                 proven = Some(None);
             }
         }
-        let unproven = anchor.is_some() && !careful;
+        let unproven = local.is_none().then_some(anchor.is_some() && !careful);
         let CheckedChain { deltas, bytes: fetched, _spool } =
             self.fetch_chain(&chain, &cands, &sid, &cur, unproven, at, detail).await?;
         bytes += fetched;
@@ -1318,7 +1325,7 @@ impl PyFollower {
                 fresh = Some(self.mirror_anchor(*a, m, &from, &cands, at).await?);
             }
         }
-        let unproven = anchor.is_some() && !careful;
+        let unproven = anchor.is_some().then_some(!careful);
         let CheckedChain { deltas, _spool, .. } =
             self.fetch_chain(&chain, &cands, &sid, &from, unproven, at, detail).await?;
         if let Some((a, m)) = anchor.as_ref().filter(|_| !careful) {
