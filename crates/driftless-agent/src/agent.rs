@@ -294,6 +294,17 @@ fn not_ready(step: u64, reason: String) -> Error {
     Error::Stream(StreamError::NotReady { step, detail })
 }
 
+/// What a delta of a chain is applied onto, for who is at fault when its base root disagrees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Base {
+    /// A step the agent holds (its state's, either slot): its local files may be at fault.
+    Held,
+    /// A state of this build not verified yet: either side may be at fault.
+    Unproven,
+    /// A state this build verified: the delta is at fault.
+    Verified,
+}
+
 /// A step fault found from the step's manifest, before any payload was read.
 fn unusable(e: BuildError) -> BuildError {
     match e {
@@ -962,11 +973,19 @@ impl Agent {
             let fetch = fetch.ok_or_else(|| Error::Io(std::io::Error::other(format!("no download of delta {d}"))))?;
             let last = k + 1 == n;
             let verify = careful || last;
-            // On a state not verified yet: an anchor route's anchor, loaded unhashed, or an
-            // earlier delta of the chain, whose result only the final root proves. (`careful`
-            // hashes the anchor and verifies each delta's result before the next is received.)
-            let unproven = !careful && (k > 0 || route.anchor.is_some());
-            let (m, segs, b) = self.receive_delta(sid, d, fetch, at, unproven).await?;
+            // What the delta's base is: the step the agent holds (its state), a state not
+            // verified yet (an anchor route's anchor, loaded unhashed, or an earlier delta of
+            // the chain, whose result only the final root proves), or one verified in this
+            // build (`careful` hashes the anchor and verifies each delta's result before the
+            // next is received).
+            let base = if prev.as_ref().is_some_and(|p| p.held() == at || p.inactive == Some(at)) {
+                Base::Held
+            } else if !careful && (k > 0 || route.anchor.is_some()) {
+                Base::Unproven
+            } else {
+                Base::Verified
+            };
+            let (m, segs, b) = self.receive_delta(sid, d, fetch, at, base).await?;
             if let Some(pb) = patch.as_mut().filter(|pb| d > pb.base()) {
                 if let Err(e) = segs.iter().try_for_each(|s| pb.add(s)) {
                     warn!(error = %e, "no patch for this step");
@@ -1594,18 +1613,17 @@ impl Agent {
     /// Waits for one delta of a chain whose previous state is `at`: checks its stream, base
     /// and chain link, and its segments (hash-checked and decoded by the fetch). Nothing local
     /// changes. Returns the manifest, the decoded segments and the bytes downloaded.
-    /// `unproven`: `at` is not verified yet (an anchor not hashed, or an earlier delta of the
-    /// chain: the final root proves them all), so a base root that disagrees with it may be
-    /// that step's fault as well as this delta's: `ChainMismatch`, which retries carefully,
-    /// each step checked on its own (found by review: the delta was refused, and the anchor
-    /// never looked at).
+    /// `base` says what `at` is ([`Base`]): a base root that disagrees with a state not verified
+    /// yet may be that step's fault as well as this delta's: `ChainMismatch`, which retries
+    /// carefully, each step checked on its own (found by review: the delta was refused, and the
+    /// anchor never looked at). Only against the held step may the local files be at fault.
     async fn receive_delta(
         &mut self,
         sid: &str,
         step: u64,
         fetch: Fetch,
         at: Held,
-        unproven: bool,
+        base: Base,
     ) -> Result<(DeltaManifest, Vec<DecodedSegment>, u64), BuildError> {
         let att = attribute(StepKind::Delta, step);
         let Fetch { manifest, mut segments, _abort } = fetch;
@@ -1621,7 +1639,7 @@ impl Agent {
                 Fault::Corrupt,
             ));
         }
-        if unproven && m.base_step == at.step && m.base_root != at.root {
+        if base == Base::Unproven && m.base_step == at.step && m.base_root != at.root {
             warn!(
                 step,
                 base = at.step,
@@ -1629,7 +1647,7 @@ impl Agent {
             );
             return Err(BuildError::ChainMismatch);
         }
-        if m.base_step == at.step && m.base_root != at.root {
+        if base == Base::Held && m.base_step == at.step && m.base_root != at.root {
             // This delta says the step we hold has another root. The stream's own signed
             // manifest of that step decides. When it agrees with our copy (or cannot be read),
             // the delta is refused like any bad step and the verified weights stay: a bucket

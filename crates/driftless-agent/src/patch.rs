@@ -215,13 +215,16 @@ impl PatchBuilder {
                 dense.push(name);
                 continue;
             }
-            let isize = if numel <= i32::MAX as u64 { 4 } else { 8 };
-            put(&name, idx.len() as u64 * (isize + es as u64))?;
             let mut vals = Vec::with_capacity(idx.len() * es);
             for &i in &idx {
                 let o = i as usize * es;
                 vals.extend_from_slice(&v.data[o..o + es]);
             }
+            // The worker sends whole (read from the directory) what its sparse loader cannot
+            // take: a non-floating dtype, or a NaN among the values (`vllm_ext.Patch.split`).
+            let isize = if numel <= i32::MAX as u64 { 4 } else { 8 };
+            let whole = !sparse_loadable(v.dtype, &vals);
+            put(&name, if whole { v.data.len() as u64 } else { idx.len() as u64 * (isize + es as u64) })?;
             let (ity, ibytes) = if numel <= i32::MAX as u64 {
                 (safetensors::Dtype::I32, idx.iter().flat_map(|&i| (i as i32).to_le_bytes()).collect::<Vec<u8>>())
             } else {
@@ -257,6 +260,24 @@ impl PatchBuilder {
         };
         std::fs::rename(&tmp, out)?;
         Ok(PatchFile { path: out.to_path_buf(), base: self.base, base_root: self.base_root, step, bytes, sha256 })
+    }
+}
+
+/// Whether vLLM's sparse patch loader takes these values of a tensor of `dtype`: a floating
+/// dtype and no NaN among them (NaN is its "unchanged" sentinel); what `vllm_ext` checks.
+fn sparse_loadable(dtype: driftless_format::DType, vals: &[u8]) -> bool {
+    use driftless_format::DType as D;
+    let nan = |bits: u64, exp: u64, man: u64| bits & exp == exp && bits & man != 0;
+    let words = |n: usize| vals.chunks_exact(n).map(|c| c.iter().rev().fold(0u64, |a, &b| a << 8 | b as u64));
+    match dtype {
+        D::BF16 => !words(2).any(|b| nan(b, 0x7F80, 0x007F)),
+        D::F16 => !words(2).any(|b| nan(b, 0x7C00, 0x03FF)),
+        D::F32 => !words(4).any(|b| nan(b, 0x7F80_0000, 0x007F_FFFF)),
+        D::F64 => !words(8).any(|b| nan(b, 0x7FF0_0000_0000_0000, 0x000F_FFFF_FFFF_FFFF)),
+        // E4M3 (the "fn" variant torch uses): NaN is S.1111.111 only.
+        D::F8_E4M3 => !vals.iter().any(|&b| b & 0x7F == 0x7F),
+        D::F8_E5M2 => !words(1).any(|b| nan(b, 0x7C, 0x03)),
+        _ => false,
     }
 }
 
@@ -352,6 +373,11 @@ mod tests {
             .collect();
         driftless_format::checkpoint::write_checkpoint(&ck, &layout, &views).unwrap();
         let need = 2 * N as u64 + (N as u64 / 64) * 6;
+        assert!(sparse_loadable(DType::BF16, &[0x80, 0x3F, 0x80, 0x7F]), "1.0 and +inf");
+        assert!(!sparse_loadable(DType::BF16, &[0x80, 0x3F, 0xC1, 0xFF]), "a NaN");
+        assert!(!sparse_loadable(DType::F32, &[0, 0, 0xC0, 0x7F]) && sparse_loadable(DType::F32, &[0, 0, 0x80, 0x7F]));
+        assert!(!sparse_loadable(DType::F8_E4M3, &[0x7F]) && sparse_loadable(DType::F8_E4M3, &[0x7E]));
+        assert!(!sparse_loadable(DType::I32, &[0; 4]));
         for (max, ok) in [(need - 1, false), (need, true)] {
             let mut pb = PatchBuilder::new(3, Digest::default(), &metas).unwrap();
             for s in segments(&base, &next) {

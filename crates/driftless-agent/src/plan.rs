@@ -402,7 +402,9 @@ pub struct MarkerCache {
 
 impl MarkerCache {
     /// Planning for `stream_id` from now: when it is another stream than before, the markers
-    /// judged foreign are read again, and those cached of other streams dropped.
+    /// judged foreign are read again, and those cached of other streams dropped. (The agent
+    /// and the Follower start a new cache when the stream changes; this keeps a library caller
+    /// that reuses one right. One that alternates stream ids re-reads the markers each time.)
     fn follow(&mut self, stream_id: &str) {
         if self.foreign_of.as_deref() != Some(stream_id) {
             self.foreign.clear();

@@ -131,6 +131,21 @@ impl Attempt {
     }
 }
 
+/// Which broken links of a chain ([`PyFollower::fetch_chain`]) name neither side, because the
+/// state before the link is not verified yet and a careful retry overwrites nothing verified.
+#[derive(Debug, Clone, Copy)]
+struct Recheck {
+    /// The first link: the chain starts at an anchor not hashed yet. (A careful retry proves
+    /// the anchor before anything is written: in a spool while the arrays hold verified
+    /// weights.)
+    first: bool,
+    /// The later links, to an earlier delta whose result only the final root proves: only
+    /// when the target holds nothing verified, since a careful retry checks them as it writes
+    /// (from verified weights they are checked before anything is written and name the later
+    /// delta: a delta with a wrong result root then has the next one refused instead).
+    later: bool,
+}
+
 fn wrong_base(m: &DeltaManifest, root: Digest) -> BindError {
     driftless_format::Error::WrongBase { expected: m.base_root.to_hex(), actual: root.to_hex() }.into()
 }
@@ -994,13 +1009,8 @@ impl PyFollower {
     /// (`LayoutChanged` with `detail`). A fault in any of them is that step's, with the target
     /// untouched. The checked segments wait in memory up to `chain_memory` bytes, beyond that
     /// in a TMPDIR spool: a long catch-up does not hold an anchor's worth of deltas in RAM.
-    /// `unproven`: `Some(anchor)` when a careful retry would write over nothing verified (a
-    /// cold load; a mirror built from an anchor): a link to a state not verified yet, an
-    /// anchor not hashed (`anchor`) or an earlier delta of the chain, names neither side
-    /// (`recheck`: the agent's rule). `None` when the chain starts at verified weights the
-    /// caller holds, which a careful retry would overwrite: the delta is named, as the link
-    /// checks are all made before anything is written (a delta with a wrong result root then
-    /// has the next delta named instead of itself; the arrays stay as they were).
+    /// `recheck` says which broken links name neither side ([`Recheck`]): then `at.recheck`
+    /// is set and the route is retried carefully (the agent's rule).
     #[allow(clippy::too_many_arguments)]
     async fn fetch_chain(
         &self,
@@ -1008,7 +1018,7 @@ impl PyFollower {
         cands: &plan::Candidates,
         sid: &str,
         from: &Tracked,
-        unproven: Option<bool>,
+        recheck: Recheck,
         at: &mut Attempt,
         detail: &str,
     ) -> BindResult<CheckedChain> {
@@ -1022,13 +1032,13 @@ impl PyFollower {
             // the chain, whose result only the final root proves) names neither side: retried
             // carefully, where the links after the first are checked as each delta is applied,
             // its base verified.
-            if m.base_root != root && unproven.is_some_and(|a| k > 0 || a) && !at.careful {
+            if m.base_root != root && !at.careful && if k == 0 { recheck.first } else { recheck.later } {
                 at.at = None;
                 at.recheck = true;
             }
             // (Careful, on a chain that may be rechecked, the links after the first are checked
             // as the deltas are applied, each base verified first.)
-            if m.base_root != root && (k == 0 || !(at.careful && unproven.is_some())) {
+            if m.base_root != root && (k == 0 || !(at.careful && recheck.later)) {
                 return Err(wrong_base(&m, root));
             }
             // From the manifest, before any segment is downloaded (found by review: a layout
@@ -1148,9 +1158,12 @@ impl PyFollower {
                 proven = Some(None);
             }
         }
-        let unproven = local.is_none().then_some(anchor.is_some() && !careful);
+        // The first link is against the anchor, not hashed unless careful (which proves it
+        // before anything is written); the later ones may be rechecked only when the arrays
+        // hold nothing verified (a careful pass checks them as it writes).
+        let recheck = Recheck { first: anchor.is_some(), later: local.is_none() };
         let CheckedChain { deltas, bytes: fetched, _spool } =
-            self.fetch_chain(&chain, &cands, &sid, &cur, unproven, at, detail).await?;
+            self.fetch_chain(&chain, &cands, &sid, &cur, recheck, at, detail).await?;
         bytes += fetched;
         if let Some((a, m, _)) = &anchor {
             at.on(&cands, StepKind::Anchor, *a);
@@ -1325,9 +1338,10 @@ impl PyFollower {
                 fresh = Some(self.mirror_anchor(*a, m, &from, &cands, at).await?);
             }
         }
-        let unproven = anchor.is_some().then_some(!careful);
+        // From an anchor the mirror is built in new buffers: any link may be rechecked.
+        let recheck = Recheck { first: anchor.is_some(), later: anchor.is_some() };
         let CheckedChain { deltas, _spool, .. } =
-            self.fetch_chain(&chain, &cands, &sid, &from, unproven, at, detail).await?;
+            self.fetch_chain(&chain, &cands, &sid, &from, recheck, at, detail).await?;
         if let Some((a, m)) = anchor.as_ref().filter(|_| !careful) {
             fresh = Some(self.mirror_anchor(*a, m, &from, &cands, at).await?);
         }

@@ -1388,3 +1388,32 @@ def test_a_bad_delta_after_a_good_anchor_is_the_one_refused(tmp_path, keys, fiel
     got = {n: (pos, bits(np.array(v)).copy()) for n, pos, v in mirror.iter_patches()}
     assert got["x.w"][0] is None and np.array_equal(got["x.w"][1], steps[0])
     assert mirror.patch_step == 0
+
+
+def test_a_warm_follower_refuses_the_bad_anchor_not_its_delta(file_bucket, keys):
+    """Arrays holding verified step 1; the only route to step 4 is anchor 3 and delta 4 (the
+    markers of deltas 2 and 3 gone), anchor 3 signed with a root that is not its bytes'. The
+    careful retry proves the anchor in a spool before the arrays are touched: anchor 3 is
+    refused, delta 4 is not, and the arrays stay bit for bit step 1 (found by review: delta 4
+    was refused on a wrong base for a Follower whose arrays held verified weights)."""
+    url, _ = file_bucket
+    root = url.removeprefix("file://")
+    private, public = keys
+    shape = (256, 512)
+    steps = bit_chain(15, shape, 4)
+    with driftless.Publisher(url, signing_key=private, anchor_every=3) as pub:
+        for s, x in enumerate(steps):
+            pub.publish(s, {"x.w": x.view(BF16)})
+            pub.flush()
+    assert sorted(os.listdir(os.path.join(root, "ready", "anchors"))) == [f"{s:012d}" for s in (0, 3)]
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros(shape, BF16)}
+    assert f.apply_to(arrays, step=1)["step"] == 1
+    for s in (2, 3):
+        os.remove(os.path.join(root, "ready", "deltas", f"{s:012d}"))
+    _forge_anchor_root(root, 3, private)
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"]) == (1, "up_to_date"), o
+    assert [(k, s) for k, s, _ in o["refused"]] == [("anchor", 3)], o
+    assert f.applied_step == 1
+    assert np.array_equal(bits(arrays["x.w"]), steps[1])
