@@ -1137,26 +1137,11 @@ impl PyFollower {
         let detail = "arrays cannot follow in place; load the new checkpoint (sync_dir) and start a new Follower state with reset()";
         let careful = at.careful;
         // The anchor is loaded after the chain is checked (a bad delta then costs the arrays
-        // nothing), except when careful: hashed first, so that the chain's base check and
-        // its result name the anchor or the delta, never the wrong one.
-        let mut anchor_digests = None;
-        // Careful: the anchor proven first (into a spool while the arrays hold verified
-        // weights, copied in once the chain checked out; else into the arrays).
-        let mut proven: Option<Option<Spool>> = None;
+        // nothing), except when careful: proven first, so that the chain's base check and its
+        // result name the anchor or the delta, never the wrong one.
+        let mut early = None;
         if let Some((a, m, _)) = anchor.as_ref().filter(|_| careful) {
-            at.on(&cands, StepKind::Anchor, *a);
-            if local.is_some() {
-                let (spool, b, _) = self.prove_anchor(*a, m, &by).await?;
-                bytes += b;
-                proven = Some(Some(spool));
-            } else {
-                at.touched = true;
-                let (b, d) = self.stream_anchor(*a, m, &by, true).await?;
-                bytes += b;
-                let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
-                ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
-                proven = Some(None);
-            }
+            early = Some(self.load_anchor(*a, m, &by, local.is_some(), true, &cands, at).await?);
         }
         // The first link is against the anchor, not hashed unless careful (which proves it
         // before anything is written); the later ones may be rechecked only when the arrays
@@ -1166,27 +1151,15 @@ impl PyFollower {
             self.fetch_chain(&chain, &cands, &sid, &cur, recheck, at, detail).await?;
         bytes += fetched;
         if let Some((a, m, _)) = &anchor {
-            at.on(&cands, StepKind::Anchor, *a);
-            match proven {
-                Some(Some(spool)) => {
-                    at.touched = true;
-                    fill_from_spool(spool.path(), m, &by)?;
-                }
-                Some(None) => {}
-                None => {
-                    let (b, d) = if local.is_some() {
-                        // The arrays hold verified weights: the anchor is proven whole first.
-                        let (spool, b, d) = self.prove_anchor(*a, m, &by).await?;
-                        at.touched = true;
-                        fill_from_spool(spool.path(), m, &by)?;
-                        (b, d)
-                    } else {
-                        at.touched = true;
-                        self.stream_anchor(*a, m, &by, chain.is_empty()).await?
-                    };
-                    bytes += b;
-                    anchor_digests = Some((d, m.shards.clone(), m.weights_root));
-                }
+            let (b, spool) = match early {
+                Some(l) => l,
+                None => self.load_anchor(*a, m, &by, local.is_some(), chain.is_empty(), &cands, at).await?,
+            };
+            bytes += b;
+            if let Some(spool) = spool {
+                at.on(&cands, StepKind::Anchor, *a);
+                at.touched = true;
+                fill_from_spool(spool.path(), m, &by)?;
             }
         }
         // Steps whose result the final root alone proves: more than one, and a wrong final
@@ -1241,18 +1214,10 @@ impl PyFollower {
         let verified = (|| -> BindResult<()> {
             // SAFETY: writes are done; read-only views of the borrowed arrays.
             let views = unsafe { views_of(&cur.layout, &by) };
-            match (&last, anchor_digests.take()) {
-                (Some(m), _) => {
-                    ops::verify_result(&views, m)?;
-                }
-                // The anchor alone: its digests were computed as it was written.
-                (None, Some((d, shards, root))) => {
-                    let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
-                    ops::check_root(&metas, &d, &shards, root)?;
-                }
-                // The anchor alone, checked before (careful).
-                (None, None) => {}
-            };
+            // (The anchor alone was checked as it was loaded.)
+            if let Some(m) = &last {
+                ops::verify_result(&views, m)?;
+            }
             Ok(())
         })();
         if let Err(e) = verified {
@@ -1269,6 +1234,36 @@ impl PyFollower {
             _ => "catchup",
         };
         Ok(Some((cur, route, bytes, chain.len())))
+    }
+
+    /// Loads anchor `a` for the arrays `by`. While they hold verified weights (`verified`) it
+    /// is proven whole into a spool ([`Self::prove_anchor`]), returned to be copied in once
+    /// the route's chain checked out; otherwise it is streamed straight into them, and with
+    /// `hash` (the anchor is the result, or a careful retry) checked against its signed root.
+    /// Returns the bytes read and the spool.
+    #[allow(clippy::too_many_arguments)]
+    async fn load_anchor(
+        &self,
+        a: u64,
+        m: &AnchorManifest,
+        by: &HashMap<&str, Raw>,
+        verified: bool,
+        hash: bool,
+        cands: &plan::Candidates,
+        at: &mut Attempt,
+    ) -> BindResult<(u64, Option<Spool>)> {
+        at.on(cands, StepKind::Anchor, a);
+        if verified {
+            let (spool, b, _) = self.prove_anchor(a, m, by).await?;
+            return Ok((b, Some(spool)));
+        }
+        at.touched = true;
+        let (b, d) = self.stream_anchor(a, m, by, hash).await?;
+        if hash {
+            let (metas, d): (Vec<TensorMeta>, Vec<Digest>) = d.into_iter().unzip();
+            ops::check_root(&metas, &d, &m.shards, m.weights_root)?;
+        }
+        Ok((b, None))
     }
 
     /// Anchor `a` streamed into new host buffers of `from`'s layout, hashed as written and

@@ -231,13 +231,15 @@ def test_follower_streams_an_anchor_into_arrays_and_refuses_a_corrupt_one(file_b
         assert np.array_equal(bits(arrays[n]), bits(a)), n
 
 
-def _publish_bits(url, private, seed, shape, n):
-    """Publishes ``bit_chain(seed, shape, n)`` as tensor "x.w" (BF16), anchor 0 and n deltas;
-    returns the chain."""
+def _publish_bits(url, private, seed, shape, n, **publisher):
+    """Publishes ``bit_chain(seed, shape, n)`` as tensor "x.w" (BF16), steps 0..n, each flushed
+    (a step due an anchor while the previous one still encodes is a delta alone); returns the
+    chain."""
     steps = bit_chain(seed, shape, n)
-    with driftless.Publisher(url, signing_key=private) as pub:
+    with driftless.Publisher(url, signing_key=private, **publisher) as pub:
         for s, x in enumerate(steps):
             pub.publish(s, {"x.w": x.view(BF16)})
+            pub.flush()
     return steps
 
 
@@ -1400,11 +1402,7 @@ def test_a_warm_follower_refuses_the_bad_anchor_not_its_delta(file_bucket, keys)
     root = url.removeprefix("file://")
     private, public = keys
     shape = (256, 512)
-    steps = bit_chain(15, shape, 4)
-    with driftless.Publisher(url, signing_key=private, anchor_every=3) as pub:
-        for s, x in enumerate(steps):
-            pub.publish(s, {"x.w": x.view(BF16)})
-            pub.flush()
+    steps = _publish_bits(url, private, 15, shape, 4, anchor_every=3)
     assert sorted(os.listdir(os.path.join(root, "ready", "anchors"))) == [f"{s:012d}" for s in (0, 3)]
     f = driftless.Follower(url, trusted_keys=[public])
     arrays = {"x.w": np.zeros(shape, BF16)}
