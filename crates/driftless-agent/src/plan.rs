@@ -251,9 +251,24 @@ impl Refusals {
         Refusals { ttl, map: HashMap::new() }
     }
 
-    /// Refuses a step.
+    /// Refuses a step. A second manifest of the same step refused in the same sync (the signed
+    /// `latest.json` names one, the ready marker another) refuses the step whatever its
+    /// manifest, keeping the graver fault of the two (found by review: each refusal replaced
+    /// the other, so the plans alternated between the two manifests, a GET each, until
+    /// [`MAX_UNUSABLE_ROUNDS`]).
     pub fn refuse(&mut self, kind: StepKind, step: u64, sha: Option<Digest>, reason: String, fault: Fault) {
-        let count = self.map.get(&(kind, step)).map_or(1, |r| r.count.saturating_add(1));
+        let prev = self.map.get(&(kind, step));
+        let count = prev.map_or(1, |r| r.count.saturating_add(1));
+        let (sha, reason, fault) = match prev {
+            Some(r) if r.pinned && r.manifest_sha256 != sha => {
+                if fault.is_missing() && !r.fault.is_missing() {
+                    (None, r.reason.clone(), r.fault)
+                } else {
+                    (None, reason, fault)
+                }
+            }
+            _ => (sha, reason, fault),
+        };
         // Capped: a library caller's `refuse_for` may be anything, and an `Instant` past its
         // range panics.
         let hold = self.ttl.saturating_mul(1u32 << (count - 1).min(6)).min(Duration::from_secs(365 * 86_400));
@@ -1075,6 +1090,25 @@ mod tests {
         assert_eq!(route(Some(2), &c, &no, None), None);
         assert_eq!(route(None, &c, &no, None), r(2, Some(0), vec![1, 2], 120));
         // A refusal is bound to the marker it was made for.
+        assert!(!no.is_refused(StepKind::Delta, 3, Some(Digest([9; 32]))));
+    }
+
+    #[test]
+    fn two_manifests_of_a_step_refused_in_one_sync_refuse_the_step() {
+        let mut no = Refusals::default();
+        no.begin_round();
+        let (a, b) = (Some(Digest([1; 32])), Some(Digest([2; 32])));
+        no.refuse(StepKind::Delta, 3, a, "bad root".into(), Fault::Corrupt);
+        assert!(!no.is_refused(StepKind::Delta, 3, b), "bound to its manifest");
+        no.refuse(StepKind::Delta, 3, b, "manifest gone".into(), Fault::Missing);
+        for sha in [a, b, Some(Digest([9; 32]))] {
+            assert!(no.is_refused(StepKind::Delta, 3, sha));
+        }
+        let r = &no.list()[0].2;
+        assert_eq!((r.fault, r.reason.as_str()), (Fault::Corrupt, "bad root"), "the graver fault is kept");
+        // In a later sync a new manifest replaces the refusal, bound to it again.
+        no.begin_round();
+        no.refuse(StepKind::Delta, 3, a, "bad again".into(), Fault::Corrupt);
         assert!(!no.is_refused(StepKind::Delta, 3, Some(Digest([9; 32]))));
     }
 

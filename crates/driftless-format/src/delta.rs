@@ -255,6 +255,8 @@ pub(crate) trait Word: Copy + Eq + Send + Sync + 'static {
     fn store(self, b: &mut [u8]);
     fn zz_diff(new: Self, old: Self) -> u64;
     fn add_zz(old: Self, zz: u64) -> Option<Self>;
+    /// The inverse of [`Word::add_zz`]: `sub_zz(add_zz(old, zz), zz) == old` (wrapping).
+    fn sub_zz(new: Self, zz: u64) -> Option<Self>;
 }
 
 macro_rules! word {
@@ -281,6 +283,14 @@ macro_rules! word {
                 }
                 let d = ((zz >> 1) as $u) ^ (((zz & 1) as $u).wrapping_neg());
                 Some(old.wrapping_add(d))
+            }
+            #[inline(always)]
+            fn sub_zz(new: Self, zz: u64) -> Option<Self> {
+                if zz > <$u>::MAX as u64 {
+                    return None;
+                }
+                let d = ((zz >> 1) as $u) ^ (((zz & 1) as $u).wrapping_neg());
+                Some(new.wrapping_sub(d))
             }
         }
     };
@@ -1204,6 +1214,132 @@ fn redo_entry_of<'s>(seg: &'s DecodedSegment, e: &'s EntryInfo, base: &[u8]) -> 
             values,
         })
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Undo.
+
+/// What takes one applied segment back out ([`undo_segment`]): the bytes its dense entries and,
+/// in overwrite mode, its sparse entries write over, saved by [`save_overwritten`] before the
+/// segment is applied. An ulp sparse entry (nearly all of an RL delta) needs nothing saved: its
+/// differences are subtracted again, exactly (wrapping integer arithmetic on bit patterns).
+#[derive(Debug, Default)]
+pub struct Overwritten(Vec<Option<Vec<u8>>>);
+
+/// Whether undoing entry `e` needs its old bytes saved.
+fn saves(seg: &DecodedSegment, e: &EntryInfo) -> bool {
+    e.dense || seg.mode == ValueMode::Overwrite
+}
+
+/// Bytes [`save_overwritten`] holds for `seg`: known before anything is read, so a caller
+/// can keep undo records within a budget.
+pub fn overwritten_bytes(seg: &DecodedSegment) -> u64 {
+    let w = |e: &EntryInfo| e.dtype.size() as u64;
+    seg.entries
+        .iter()
+        .filter(|e| saves(seg, e))
+        .map(|e| if e.dense { e.len } else { e.count }.saturating_mul(w(e)))
+        .fold(0u64, u64::saturating_add)
+}
+
+/// Calls `f(element index)` for each position of a sparse entry, checked as the apply checks
+/// them (in range, no trailing bytes).
+fn each_position(pos: &[u8], len: u64, count: u64, mut f: impl FnMut(usize) -> Result<()>) -> Result<()> {
+    let (mut pp, mut next) = (0usize, 0u64);
+    for _ in 0..count {
+        let gap = varint::get(pos, &mut pp)?;
+        let idx = next.checked_add(gap).filter(|&x| x < len).ok_or_else(|| bad("position out of range"))?;
+        next = idx + 1;
+        f(idx as usize)?;
+    }
+    if pp != pos.len() {
+        return Err(bad("entry has trailing position bytes"));
+    }
+    Ok(())
+}
+
+/// Saves what [`undo_segment`] needs to take `seg` back out of `tensors`: call it before the
+/// segment is applied (it reads the cells the segment is about to write).
+pub fn save_overwritten(seg: &DecodedSegment, tensors: &TensorsMut<'_>) -> Result<Overwritten> {
+    let saved = seg
+        .entries
+        .par_iter()
+        .with_min_len(4)
+        .map(|e| {
+            if !saves(seg, e) {
+                return Ok(None);
+            }
+            let (start, len) = entry_bytes(e, tensors)?;
+            let w = e.dtype.size();
+            tensors
+                .with_range(&e.name, start, len, |base| {
+                    if e.dense {
+                        return Ok(base.to_vec());
+                    }
+                    let mut old = Vec::with_capacity((e.count as usize).saturating_mul(w).min(base.len()));
+                    each_position(&seg.positions[e.pos.clone()], e.len, e.count, |i| {
+                        old.extend_from_slice(&base[i * w..(i + 1) * w]);
+                        Ok(())
+                    })?;
+                    Ok(old)
+                })?
+                .map(Some)
+        })
+        .collect::<Result<_>>()?;
+    Ok(Overwritten(saved))
+}
+
+fn unapply_sparse<T: Word>(dst: &mut [u8], e: &EntryInfo, pos: &[u8], vals: &[u8]) -> Result<()> {
+    let w = T::W;
+    let mut vp = 0usize;
+    each_position(pos, e.len, e.count, |i| {
+        let zz = varint::get(vals, &mut vp)?;
+        let cell = &mut dst[i * w..(i + 1) * w];
+        T::sub_zz(T::load(cell), zz).ok_or_else(|| bad("ulp difference wider than the dtype"))?.store(cell);
+        Ok(())
+    })?;
+    if vp != vals.len() {
+        return Err(bad("entry has trailing value bytes"));
+    }
+    Ok(())
+}
+
+/// Takes a fully applied segment back out of `tensors`, given what [`save_overwritten`] saved
+/// just before it was applied: the cells it wrote hold their old bit patterns again. Segments
+/// of several deltas are undone in the reverse order of their deltas. (A segment whose apply
+/// failed part way is not undoable this way: its ulp entries may be partly applied.)
+pub fn undo_segment(seg: &DecodedSegment, saved: &Overwritten, tensors: &TensorsMut<'_>) -> Result<()> {
+    if saved.0.len() != seg.entries.len() {
+        return Err(Error::invalid("undo record does not belong to this segment"));
+    }
+    seg.entries.par_iter().zip(saved.0.par_iter()).with_min_len(4).try_for_each(|(e, old)| {
+        let (start, len) = entry_bytes(e, tensors)?;
+        let w = e.dtype.size();
+        tensors.with_range_mut(&e.name, start, len, |dst| match old {
+            Some(old) if e.dense && old.len() == dst.len() => {
+                dst.copy_from_slice(old);
+                Ok(())
+            }
+            Some(old) if !e.dense && old.len() as u64 == e.count.saturating_mul(w as u64) => {
+                let mut k = 0;
+                each_position(&seg.positions[e.pos.clone()], e.len, e.count, |i| {
+                    dst[i * w..(i + 1) * w].copy_from_slice(&old[k..k + w]);
+                    k += w;
+                    Ok(())
+                })
+            }
+            None if !saves(seg, e) => {
+                let (pos, vals) = (&seg.positions[e.pos.clone()], &seg.values[e.val.clone()]);
+                match w {
+                    1 => unapply_sparse::<u8>(dst, e, pos, vals),
+                    2 => unapply_sparse::<u16>(dst, e, pos, vals),
+                    4 => unapply_sparse::<u32>(dst, e, pos, vals),
+                    _ => unapply_sparse::<u64>(dst, e, pos, vals),
+                }
+            }
+            _ => Err(Error::invalid(format!("undo record of {} does not belong to this segment", e.name))),
+        })?
+    })
 }
 
 /// Decodes and applies all segments in parallel (the offline path: `driftless patch`, tests).

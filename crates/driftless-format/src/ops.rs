@@ -2,6 +2,7 @@
 //! place (journaled) or into a fresh directory, verify a result.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::checkpoint::{CheckpointMut, Layout, TensorsMut};
@@ -130,16 +131,58 @@ impl<'t, 'a> Applier<'t, 'a> {
     /// Decodes segment `index` (bytes already checked against the manifest's SHA-256 by the
     /// caller, size bounded by its `raw_size`) and applies it.
     pub fn apply(&self, index: usize, bytes: &[u8]) -> Result<()> {
-        let r =
-            self.manifest.segments.get(index).ok_or_else(|| Error::corrupt("delta", "segment index out of range"))?;
-        if bytes.len() as u64 != r.object.size || Digest::of(bytes) != r.object.sha256 {
-            return Err(Error::corrupt("segment", format!("{} does not match its manifest entry", r.object.object)));
-        }
-        let seg = delta::decode_segment_of(bytes, r)?;
-        if seg.mode != self.manifest.value_mode {
-            return Err(Error::corrupt("segment", "value mode differs from the manifest"));
-        }
+        let seg = decode_checked(self.manifest, index, bytes)?;
         self.apply_decoded(index as u32, &seg)
+    }
+
+    /// Applies every segment as [`Self::apply_all`] does (no journal), each just after saving
+    /// what takes it back out ([`delta::save_overwritten`]) while the saved bytes stay within
+    /// `*budget`, which is decremented. Returns the [`Undo`], or `None` when it did not fit (the
+    /// delta is applied all the same). An error leaves the tensors partly written, not
+    /// undoable.
+    pub fn apply_all_undoable(&self, segments: &[&[u8]], budget: &mut u64) -> Result<Option<Undo>> {
+        self.apply_all_then(segments, Some(budget), |_| Ok(()))
+    }
+
+    /// [`Self::apply_all_undoable`] (without a budget: nothing saved, `None`) that calls
+    /// `after` with each segment once it is applied (the Python binding records the element
+    /// indices it wrote).
+    pub fn apply_all_then(
+        &self,
+        segments: &[&[u8]],
+        budget: Option<&mut u64>,
+        after: impl Fn(&DecodedSegment) -> Result<()> + Sync,
+    ) -> Result<Option<Undo>> {
+        let m = self.manifest;
+        if segments.len() != m.segments.len() {
+            return Err(Error::corrupt("delta", "segment count differs from the manifest"));
+        }
+        let left = AtomicU64::new(budget.as_deref().copied().unwrap_or(0));
+        let fits = AtomicBool::new(budget.is_some());
+        let saved: Vec<Mutex<Option<delta::Overwritten>>> = segments.iter().map(|_| Mutex::new(None)).collect();
+        let raws: Vec<u64> = m.segments.iter().map(|r| r.raw_size).collect();
+        delta::for_each_decoded_bounded(&raws, |i| {
+            let seg = decode_checked(m, i, segments[i])?;
+            let need = delta::overwritten_bytes(&seg);
+            let room = fits.load(Ordering::Relaxed)
+                && left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| l.checked_sub(need)).is_ok();
+            if room {
+                *saved[i].lock().expect("undo lock") = Some(delta::save_overwritten(&seg, self.tensors)?);
+            } else {
+                fits.store(false, Ordering::Relaxed);
+            }
+            delta::apply_segment(&seg, self.tensors)?;
+            after(&seg)
+        })?;
+        if !fits.into_inner() {
+            // (What was saved is dropped: the budget is not spent.)
+            return Ok(None);
+        }
+        if let Some(b) = budget {
+            *b = left.into_inner();
+        }
+        let saved = saved.into_iter().map(|s| s.into_inner().expect("undo lock")).collect::<Option<Vec<_>>>();
+        Ok(saved.map(Undo))
     }
 
     fn apply_decoded(&self, index: u32, seg: &DecodedSegment) -> Result<()> {
@@ -180,6 +223,38 @@ impl<'t, 'a> Applier<'t, 'a> {
         }
         Ok(done)
     }
+}
+
+/// What takes a delta applied by [`Applier::apply_all_undoable`] back out ([`undo`]): per
+/// segment, the bytes it wrote over where subtracting its differences cannot restore them.
+#[derive(Debug)]
+pub struct Undo(Vec<delta::Overwritten>);
+
+/// Takes delta `m`, applied by [`Applier::apply_all_undoable`] with `segments` (the same bytes),
+/// back out of `tensors` (a set of its own: the apply's claims still stand in its set). Deltas
+/// applied one after another are undone newest first.
+pub fn undo(tensors: &TensorsMut<'_>, m: &DeltaManifest, segments: &[&[u8]], undo: &Undo) -> Result<()> {
+    if segments.len() != m.segments.len() || undo.0.len() != segments.len() {
+        return Err(Error::invalid("undo record does not belong to this delta"));
+    }
+    let raws: Vec<u64> = m.segments.iter().map(|r| r.raw_size).collect();
+    delta::for_each_decoded_bounded(&raws, |i| {
+        delta::undo_segment(&decode_checked(m, i, segments[i])?, &undo.0[i], tensors)
+    })
+}
+
+/// Segment `index` of `m`, checked against its manifest entry and decoded within its
+/// `raw_size`.
+fn decode_checked(m: &DeltaManifest, index: usize, bytes: &[u8]) -> Result<DecodedSegment> {
+    let r = m.segments.get(index).ok_or_else(|| Error::corrupt("delta", "segment index out of range"))?;
+    if bytes.len() as u64 != r.object.size || Digest::of(bytes) != r.object.sha256 {
+        return Err(Error::corrupt("segment", format!("{} does not match its manifest entry", r.object.object)));
+    }
+    let seg = delta::decode_segment_of(bytes, r)?;
+    if seg.mode != m.value_mode {
+        return Err(Error::corrupt("segment", "value mode differs from the manifest"));
+    }
+    Ok(seg)
 }
 
 /// Hashes writable tensors' current bytes against a manifest's result: returns the root, or

@@ -14,7 +14,7 @@ use driftless_agent::anchor_stream::{
 use driftless_agent::plan::Newest;
 use driftless_agent::{plan, Agent, AgentConfig};
 use driftless_format::manifest::{AnchorManifest, DeltaManifest, StepKind};
-use driftless_format::{delta, ops, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet};
+use driftless_format::{ops, DType, Digest, Layout, TensorMeta, TensorView, TensorsMut, TrustSet};
 use driftless_store::spool::Spool;
 use driftless_store::stream::{LatestVersion, LatestWatch, StreamError, StreamReader};
 use driftless_store::Bucket;
@@ -1165,23 +1165,33 @@ impl PyFollower {
         // Steps whose result the final root alone proves: more than one, and a wrong final
         // root names none of them.
         let unproven_steps = chain.len() + usize::from(anchor.is_some() && local.is_none() && !careful);
-        let mut last: Option<DeltaManifest> = None;
-        for (d, m, segs) in deltas {
+        // From the caller's verified arrays, each delta is applied with what takes it back out
+        // (`ops::Undo`: nothing for ulp changes, the bytes dense entries write over, within
+        // `chain_memory`): a result that does not verify is taken back out and the arrays,
+        // hashed again, are the verified step they were (found by review: a delta with a wrong
+        // result root cost the arrays their verified weights, refused nothing, and the next
+        // call reloaded an anchor).
+        let from_arrays = match (&anchor, local) {
+            (None, Some(l)) => Some(l.root),
+            _ => None,
+        };
+        let mut undo_budget = self.chain_memory;
+        let mut done: Vec<(DeltaManifest, Held, Option<ops::Undo>)> = Vec::with_capacity(chain.len());
+        for (d, m, held) in deltas {
             at.on(&cands, StepKind::Delta, d);
-            let segs = segs.take()?;
+            let segs = held.get()?;
             at.touched = true;
             if careful {
-                if let Some(prev) = last.take() {
+                if let Some((prev, _, _)) = done.last() {
                     // SAFETY: as below; read-only views of the borrowed arrays between writes.
                     let views = unsafe { views_of(&cur.layout, &by) };
                     at.on(&cands, StepKind::Delta, prev.step);
-                    if let Err(e) = ops::verify_result(&views, &prev) {
-                        // The first delta onto the caller's arrays: they may be at fault, as
-                        // for the final root below.
-                        if anchor.is_none() && chain.first() == Some(&prev.step) {
-                            at.at = None;
-                        }
-                        return Err(e.into());
+                    if let Err(e) = ops::verify_result(&views, prev) {
+                        // Its base was proven by a hash (the anchor's, or the previous link's),
+                        // except for the first delta onto the caller's arrays: they may be at
+                        // fault, as for the final root below, unless they hold their step again.
+                        let proven = anchor.is_some() || chain.first() != Some(&prev.step);
+                        return Err(self.take_back(e.into(), from_arrays, proven, &cur.layout, &by, &done, at));
                     }
                     at.on(&cands, StepKind::Delta, d);
                 }
@@ -1189,7 +1199,8 @@ impl PyFollower {
                     return Err(wrong_base(&m, cur.root));
                 }
             }
-            (|| -> BindResult<()> {
+            let undoable = from_arrays.is_some() && done.iter().all(|(_, _, u)| u.is_some());
+            let undo = (|| -> BindResult<Option<ops::Undo>> {
                 let mut tm = TensorsMut::new();
                 for t in cur.layout.tensors() {
                     // SAFETY: the arrays are borrowed writable by the caller of `apply` for the
@@ -1198,29 +1209,39 @@ impl PyFollower {
                 }
                 // Decoded within the agent's budget (found by review: every segment at once).
                 let refs: Vec<&[u8]> = segs.iter().map(|b| &b[..]).collect();
-                ops::Applier::new(&tm, &m, None).apply_all(&refs)?;
-                Ok(())
+                let ap = ops::Applier::new(&tm, &m, None);
+                if undoable {
+                    return Ok(ap.apply_all_undoable(&refs, &mut undo_budget)?);
+                }
+                ap.apply_all(&refs)?;
+                Ok(None)
             })()?;
             cur = Tracked { step: d, root: m.result_root, ..cur };
-            last = Some(m);
-        }
-        if anchor.is_none() {
-            // From the caller's arrays: a result that does not verify may be their doing (the
-            // arrays changed since they were verified), not the delta's. Not refused: the
-            // arrays are forgotten and the next call reloads from an anchor, which proves it.
-            at.at = None;
+            done.push((m, held, undo));
         }
         let named = anchor.is_none() || careful || unproven_steps <= 1;
         let verified = (|| -> BindResult<()> {
             // SAFETY: writes are done; read-only views of the borrowed arrays.
             let views = unsafe { views_of(&cur.layout, &by) };
             // (The anchor alone was checked as it was loaded.)
-            if let Some(m) = &last {
+            if let Some((m, _, _)) = done.last() {
                 ops::verify_result(&views, m)?;
             }
             Ok(())
         })();
         if let Err(e) = verified {
+            if from_arrays.is_some() {
+                // One delta: its base was the arrays' verified root, so once they hold it
+                // again the wrong result is the delta's own. Several: a careful retry names it
+                // (careful, the last one's base was proven by the previous link's hash).
+                let proven = careful && chain.len() > 1;
+                let e = self.take_back(e, from_arrays, proven, &cur.layout, &by, &done, at);
+                if !at.touched && chain.len() > 1 && !careful {
+                    at.at = None;
+                    at.recheck = true;
+                }
+                return Err(e);
+            }
             if !named {
                 at.at = None;
                 at.recheck = true;
@@ -1234,6 +1255,49 @@ impl PyFollower {
             _ => "catchup",
         };
         Ok(Some((cur, route, bytes, chain.len())))
+    }
+
+    /// After the deltas `done` failed verification with `e`: when they were applied onto the
+    /// caller's arrays verified at `root`, takes them back out, newest first, and hashes the
+    /// arrays. Holding `root` again, they are untouched for [`with_refusals`] (the verified
+    /// step is kept, the next best route taken). Otherwise (an anchor route; no undo: past the
+    /// budget; or the arrays changed under the call, which only their bytes show) they stay
+    /// touched: the caller is told, and the next call loads an anchor into them. The failing
+    /// step, the one `at` names, is refused when its base was `proven` by a hash in this call
+    /// or is the restored arrays' root; otherwise nothing is. Returns `e`.
+    #[allow(clippy::too_many_arguments)]
+    fn take_back(
+        &self,
+        e: BindError,
+        root: Option<Digest>,
+        proven: bool,
+        layout: &Layout,
+        by: &HashMap<&str, Raw>,
+        done: &[(DeltaManifest, Held, Option<ops::Undo>)],
+        at: &mut Attempt,
+    ) -> BindError {
+        let restored = root.is_some_and(|root| {
+            let undone = done.iter().rev().try_for_each(|(m, held, undo)| -> BindResult<()> {
+                let undo = undo.as_ref().ok_or_else(|| corrupt("delta", "no undo"))?;
+                let segs = held.get()?;
+                let refs: Vec<&[u8]> = segs.iter().map(|b| &b[..]).collect();
+                let mut tm = TensorsMut::new();
+                for t in layout.tensors() {
+                    // SAFETY: as in `apply`: borrowed writable for the call, no other reference.
+                    tm.insert(&t.name, t.dtype, unsafe { by[t.name.as_str()].slice_mut() });
+                }
+                Ok(ops::undo(&tm, m, &refs, undo)?)
+            });
+            // SAFETY: writes are done; read-only views of the borrowed arrays.
+            undone.is_ok() && driftless_format::weights_root(&unsafe { views_of(layout, by) }).1 == root
+        });
+        if restored {
+            at.touched = false;
+        }
+        if !(restored || proven) {
+            at.at = None;
+        }
+        e
     }
 
     /// Loads anchor `a` for the arrays `by`. While they hold verified weights (`verified`) it
@@ -1350,35 +1414,38 @@ impl PyFollower {
         let most: HashMap<String, u64> =
             tensors.iter().map(|(t, _)| Ok((t.name.clone(), max_recorded(t.numel()?)))).collect::<BindResult<_>>()?;
         let recorded = Mutex::new((std::mem::take(indices), HashMap::<String, u64>::new()));
-        let mut last: Option<DeltaManifest> = None;
+        // Onto the mirror held, each delta is applied with what takes it back out, as `apply`
+        // does onto verified arrays: a result that does not verify is taken back out and the
+        // mirror is kept (found by review: it was dropped, and the next call reloaded an
+        // anchor and yielded the whole model).
+        let held_root = onto_held.then_some(cur.root);
+        let mut undo_budget = self.chain_memory;
+        let mut done: Vec<(DeltaManifest, Held, Option<ops::Undo>)> = Vec::with_capacity(deltas.len());
         let n = deltas.len();
-        for (d, m, segs) in deltas {
-            if let Some(prev) = last.take().filter(|_| careful) {
+        for (d, m, held) in deltas {
+            if let Some((prev, _, _)) = done.last().filter(|_| careful) {
                 at.on(&cands, StepKind::Delta, prev.step);
-                ops::verify_result(&host_views(tensors), &prev)?;
+                if let Err(e) = ops::verify_result(&host_views(tensors), prev) {
+                    // (The mirror is only ever written here: every base is proven.)
+                    return Err(self.take_back(e.into(), held_root, true, &cur.layout, &raws_of(tensors), &done, at));
+                }
             }
             at.on(&cands, StepKind::Delta, d);
             if careful && m.base_root != cur.root {
                 return Err(wrong_base(&m, cur.root));
             }
-            let segs = segs.take()?;
+            let segs = held.get()?;
             at.touched |= onto_held;
             let mut tm = TensorsMut::new();
             for (t, data) in tensors.iter_mut() {
                 tm.insert(&t.name, t.dtype, data);
             }
-            if segs.len() != m.segments.len() {
-                return Err(corrupt("delta", "segment count differs from the manifest"));
-            }
+            let refs: Vec<&[u8]> = segs.iter().map(|b| &b[..]).collect();
+            let undoable = onto_held && done.iter().all(|(_, _, u)| u.is_some());
             // Decoded within the budget the agent and `driftless patch` keep (found by review:
             // every segment was decoded at once, up to a core's worth of 2 GiB segments).
-            let raws: Vec<u64> = m.segments.iter().map(|r| r.raw_size).collect();
-            delta::for_each_decoded_bounded(&raws, |i| {
-                let seg = delta::decode_segment_of(&segs[i], &m.segments[i])?;
-                if seg.mode != m.value_mode {
-                    return Err(driftless_format::Error::corrupt("segment", "value mode differs from the manifest"));
-                }
-                delta::apply_segment(&seg, &tm)?;
+            let budget = undoable.then_some(&mut undo_budget);
+            let undo = ops::Applier::new(&tm, &m, None).apply_all_then(&refs, budget, |seg| {
                 for (i, e) in seg.entries.iter().enumerate() {
                     let n = if e.dense { e.len } else { e.count };
                     // Counted before the indices are made: what is held stays within the
@@ -1406,19 +1473,21 @@ impl PyFollower {
                 }
                 Ok(())
             })?;
+            drop(tm);
             cur = Tracked { step: d, root: m.result_root, ..cur };
-            last = Some(m);
+            done.push((m, held, undo));
         }
         // One hash for the route, as for `apply` and the agent: every result root is signed,
         // so the last one proves the final state.
         // More than one delta: a wrong final root names none of them (`recheck`).
-        if let Some(m) = &last {
+        if let Some((m, _, _)) = done.last() {
             if let Err(e) = ops::verify_result(&host_views(tensors), m) {
+                let e = self.take_back(e.into(), held_root, true, &cur.layout, &raws_of(tensors), &done, at);
                 if n > 1 && !careful {
                     at.at = None;
                     at.recheck = true;
                 }
-                return Err(e.into());
+                return Err(e);
             }
         }
         *indices = recorded.into_inner().unwrap_or_else(|e| e.into_inner()).0;
@@ -1427,6 +1496,12 @@ impl PyFollower {
         }
         Ok(Some((cur, full)))
     }
+}
+
+/// Host buffers as the raw parts [`PyFollower::take_back`] writes through (nothing else may
+/// reference them meanwhile).
+fn raws_of(tensors: &mut [(TensorMeta, Vec<u8>)]) -> HashMap<&str, Raw> {
+    tensors.iter_mut().map(|(t, d)| (t.name.as_str(), Raw { addr: d.as_mut_ptr() as usize, len: d.len() })).collect()
 }
 
 fn host_views(tensors: &[(TensorMeta, Vec<u8>)]) -> Vec<TensorView<'_>> {
@@ -1492,8 +1567,11 @@ fn with_refusals<T>(
                     return (Err(e), touched);
                 }
                 // Untouched, or a first load (the target held nothing verified to lose): the
-                // next best route, in this call.
-                fault = Some(e);
+                // next best route, in this call. (The error told is the gravest: a step's
+                // manifest gone is not what the caller needs to hear of a corrupt one.)
+                if !(e.is_missing() && fault.as_ref().is_some_and(|f| !f.is_missing())) {
+                    fault = Some(e);
+                }
             }
             (Err((_, BindError::NothingReady(m))), _) => {
                 // Nothing to reach because of refusals: say which step, not "nothing ready".
@@ -1700,9 +1778,10 @@ enum Held {
 }
 
 impl Held {
-    fn take(self) -> BindResult<Vec<Bytes>> {
+    /// The segments (those in memory are shared, not copied; spooled ones are read again).
+    fn get(&self) -> BindResult<Vec<Bytes>> {
         match self {
-            Held::Mem(v) => Ok(v),
+            Held::Mem(v) => Ok(v.clone()),
             Held::Spooled(p) => p.iter().map(|p| std::fs::read(p).map(Bytes::from).map_err(spool_io)).collect(),
         }
     }

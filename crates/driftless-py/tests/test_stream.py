@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -1414,4 +1415,132 @@ def test_a_warm_follower_refuses_the_bad_anchor_not_its_delta(file_bucket, keys)
     assert (o["step"], o["route"]) == (1, "up_to_date"), o
     assert [(k, s) for k, s, _ in o["refused"]] == [("anchor", 3)], o
     assert f.applied_step == 1
+    assert np.array_equal(bits(arrays["x.w"]), steps[1])
+
+
+def _copy_step(root, kind, step, to):
+    """Saves (``to`` a new directory) or restores (from it) step ``step``'s manifest folder and
+    marker."""
+    name = f"{step:012d}"
+    for sub in (kind, os.path.join("ready", kind)):
+        src, dst = os.path.join(root, sub, name), os.path.join(to, sub, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, dst)
+        else:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copy(src, dst)
+
+
+def _restore_step(root, kind, step, saved):
+    name = f"{step:012d}"
+    shutil.rmtree(os.path.join(root, kind, name))
+    shutil.copytree(os.path.join(saved, kind, name), os.path.join(root, kind, name))
+    shutil.copy(os.path.join(saved, "ready", kind, name), os.path.join(root, "ready", kind, name))
+
+
+def test_a_delta_with_a_wrong_result_root_costs_held_weights_nothing(tmp_path, keys):
+    """Arrays and the host mirror hold verified step 0; delta 1 is signed with a result root
+    that is not its result's (a publisher bug, or a stolen key). The fast path applies it, the
+    root does not verify, and the delta is taken back out: the arrays are step 0 again bit for
+    bit and still tracked (no ``arrays_modified``), delta 1 is refused, the mirror is kept
+    (found by review: the arrays were left untracked with nothing refused, the mirror
+    dropped, and the next call reloaded the anchor into both). Once the step is repaired
+    the fast path takes it, and the mirror yields sparse patches, not whole tensors."""
+    url = f"file://{tmp_path}/bucket"
+    root = url.removeprefix("file://")
+    private, public = keys
+    shape = (256, 512)
+    steps = _publish_bits(url, private, 16, shape, 1)
+    saved = str(tmp_path / "saved")
+    _copy_step(root, "deltas", 1, saved)
+    f = driftless.Follower(url, trusted_keys=[public], refuse_for=0.5)
+    arrays = {"x.w": np.zeros(shape, BF16)}
+    assert f.apply_to(arrays, step=0)["step"] == 0
+    mirror = driftless.Follower(url, trusted_keys=[public], refuse_for=0.5)
+    assert [n for n, _, _ in mirror.iter_patches(step=0)] == ["x.w"] and mirror.patch_step == 0
+    _resign(root, "deltas", 1, private, lambda m: _another_root(m, "result_root"))
+    # Up to date at step 0 with delta 1 refused; asked for step 1, its refusal is the error.
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"]) == (0, "up_to_date"), o
+    assert [(k, s) for k, s, _ in o["refused"]] == [("delta", 1)] and "weights root" in o["refused"][0][2], o
+    with pytest.raises(driftless.CorruptError, match="delta 1 is refused for now .*weights root") as e:
+        f.apply_to(arrays, step=1)
+    assert not hasattr(e.value, "arrays_modified")
+    assert f.applied_step == 0
+    assert np.array_equal(bits(arrays["x.w"]), steps[0])
+    assert list(mirror.iter_patches()) == []
+    with pytest.raises(driftless.CorruptError, match="delta 1 is refused for now .*weights root"):
+        list(mirror.iter_patches(step=1))
+    assert mirror.patch_step == 0
+    _restore_step(root, "deltas", 1, saved)
+    # Once the refusal runs out (it doubles on repeats: both manifests were refused).
+    deadline = time.monotonic() + 10
+    while (o := f.apply_to(arrays))["step"] == 0 and time.monotonic() < deadline:
+        assert np.array_equal(bits(arrays["x.w"]), steps[0])
+        time.sleep(0.1)
+    assert (o["step"], o["route"], o["refused"]) == (1, "fast", []), o
+    assert np.array_equal(bits(arrays["x.w"]), steps[1])
+    while mirror.patch_step == 0 and time.monotonic() < deadline:
+        got = [(n, pos, bits(np.array(v)).copy()) for n, pos, v in mirror.iter_patches()]
+        time.sleep(0.1)
+    assert mirror.patch_step == 1
+    [(name, pos, vals)] = got
+    changed = np.flatnonzero(steps[0].reshape(-1) != steps[1].reshape(-1))
+    assert name == "x.w" and pos is not None, "a kept mirror yields the changed elements only"
+    assert np.array_equal(np.asarray(pos), changed)
+    assert np.array_equal(vals, steps[1].reshape(-1)[changed])
+
+
+def test_a_catch_up_with_a_bad_last_delta_serves_the_good_one(tmp_path, keys):
+    """Arrays and the mirror hold verified step 0; delta 2 of the chain 1, 2 is signed with a
+    wrong result root. The final root fails, names neither delta, and the chain is taken back
+    out; the careful retry checks delta 1's result, then delta 2's, takes them back out again
+    and refuses delta 2; the call then serves step 1 by the fast path. Bit for bit, never
+    untracked."""
+    url = f"file://{tmp_path}/bucket"
+    root = url.removeprefix("file://")
+    private, public = keys
+    shape = (256, 512)
+    steps = _publish_bits(url, private, 17, shape, 2)
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros(shape, BF16)}
+    assert f.apply_to(arrays, step=0)["step"] == 0
+    mirror = driftless.Follower(url, trusted_keys=[public])
+    list(mirror.iter_patches(step=0))
+    _resign(root, "deltas", 2, private, lambda m: _another_root(m, "result_root"))
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"], o["deltas"]) == (1, "fast", 1), o
+    assert [(k, s) for k, s, _ in o["refused"]] == [("delta", 2)], o
+    assert f.applied_step == 1
+    assert np.array_equal(bits(arrays["x.w"]), steps[1])
+    got = [(n, pos, bits(np.array(v)).copy()) for n, pos, v in mirror.iter_patches()]
+    assert mirror.patch_step == 1
+    [(name, pos, vals)] = got
+    assert pos is not None, "a kept mirror yields the changed elements only"
+    flat = np.zeros(shape, np.uint16).reshape(-1)
+    flat[:] = steps[0].reshape(-1)
+    flat[np.asarray(pos)] = vals
+    assert np.array_equal(flat, steps[1].reshape(-1))
+
+
+def test_arrays_changed_by_the_caller_are_not_blamed_on_the_delta(tmp_path, keys):
+    """Arrays verified at step 0, then one element changed by the caller in place. The good
+    delta 1 applied onto them does not give its root; taken back out, they still do not hash to
+    step 0, so they are the cause: nothing is refused, the error says the arrays were
+    modified and the Follower no longer tracks them; the next call loads anchor 0 and delta 1
+    into them, bit for bit."""
+    url = f"file://{tmp_path}/bucket"
+    private, public = keys
+    shape = (256, 512)
+    steps = _publish_bits(url, private, 18, shape, 1)
+    f = driftless.Follower(url, trusted_keys=[public])
+    arrays = {"x.w": np.zeros(shape, BF16)}
+    assert f.apply_to(arrays, step=0)["step"] == 0
+    arrays["x.w"].view(np.uint16).reshape(-1)[7] ^= 0x40
+    with pytest.raises(driftless.CorruptError, match="weights root") as e:
+        f.apply_to(arrays)
+    assert e.value.arrays_modified is True
+    assert f.applied_step is None
+    o = f.apply_to(arrays)
+    assert (o["step"], o["route"], o["refused"]) == (1, "anchor", []), o
     assert np.array_equal(bits(arrays["x.w"]), steps[1])

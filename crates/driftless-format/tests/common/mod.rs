@@ -7,7 +7,7 @@ use std::path::Path;
 
 use driftless_format::{
     checkpoint, ops, Checkpoint, CheckpointMut, DType, DeltaManifest, DeltaOptions, Digest, Layout, TensorMeta,
-    TensorView,
+    TensorView, TensorsMut,
 };
 use rand::{Rng, SeedableRng};
 
@@ -217,6 +217,7 @@ pub fn roundtrip(
     }
 
     if same_layout {
+        check_undo(base, target, &m, &segs, ctx);
         let journal = dir.path().join("journal");
         let mut ck = CheckpointMut::open(&bdir).unwrap();
         let r = ops::apply_in_place(&mut ck, &m, Digest::of(b"envelope"), m.base_root, &segs, Some(&journal))
@@ -235,6 +236,48 @@ pub fn roundtrip(
         }
     }
     (m, enc)
+}
+
+/// Applies `m` onto host copies of `base` with what takes it back out saved, checks the result
+/// is `target`, takes it back out and checks the copies are `base` again, bit for bit; and, when
+/// the delta writes over bytes that must be saved, that a budget too small says so.
+pub fn check_undo(base: &[T], target: &[T], m: &DeltaManifest, segs: &[&[u8]], ctx: &str) {
+    let mut bufs: Vec<Vec<u8>> = base.iter().map(|t| t.data.clone()).collect();
+    let set = |bufs: &mut [Vec<u8>], f: &mut dyn FnMut(&TensorsMut<'_>)| {
+        let mut tm = TensorsMut::new();
+        for (t, b) in base.iter().zip(bufs.iter_mut()) {
+            tm.insert(&t.name, t.dtype, b);
+        }
+        f(&tm)
+    };
+    let mut budget = u64::MAX;
+    let mut undo = None;
+    set(&mut bufs, &mut |tm| {
+        undo = ops::Applier::new(tm, m, None)
+            .apply_all_undoable(segs, &mut budget)
+            .unwrap_or_else(|e| panic!("{ctx}: apply_all_undoable: {e}"));
+    });
+    let undo = undo.unwrap_or_else(|| panic!("{ctx}: an unbounded budget must give an undo"));
+    let want: BTreeMap<&str, &[u8]> = target.iter().map(|t| (t.name.as_str(), &t.data[..])).collect();
+    for (t, b) in base.iter().zip(&bufs) {
+        assert!(want[t.name.as_str()] == &b[..], "{ctx}: undoable apply of {} differs from the target", t.name);
+    }
+    let saved = u64::MAX - budget;
+    set(&mut bufs, &mut |tm| ops::undo(tm, m, segs, &undo).unwrap_or_else(|e| panic!("{ctx}: undo: {e}")));
+    for (t, b) in base.iter().zip(&bufs) {
+        assert!(t.data == *b, "{ctx}: {} is not the base again after the undo", t.name);
+    }
+    if saved > 0 {
+        let mut budget = saved - 1;
+        let mut bufs: Vec<Vec<u8>> = base.iter().map(|t| t.data.clone()).collect();
+        set(&mut bufs, &mut |tm| {
+            let u = ops::Applier::new(tm, m, None).apply_all_undoable(segs, &mut budget).unwrap();
+            assert!(u.is_none(), "{ctx}: {saved} bytes to save cannot fit in {}", saved - 1);
+        });
+        for (t, b) in base.iter().zip(&bufs) {
+            assert!(want[t.name.as_str()] == &b[..], "{ctx}: an apply past the undo budget is still applied");
+        }
+    }
 }
 
 /// Writes tensors into a directory with `Layout::for_tensors(.., shard)`.
