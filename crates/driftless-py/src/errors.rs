@@ -60,32 +60,66 @@ impl From<driftless_agent::Error> for BindError {
 
 pub(crate) type BindResult<T> = Result<T, BindError>;
 
-fn format_class(e: &driftless_format::Error) -> &'static str {
-    use driftless_format::ErrorKind as K;
-    match e.kind() {
-        K::Io if e.is_retryable() => "RetryableError",
-        K::Corrupt => "CorruptError",
-        K::Untrusted => "UntrustedError",
-        K::WrongBase => "WrongBaseError",
-        K::InvalidInput => "InvalidInputError",
-        _ => "DriftlessError",
+/// The exception classes of `driftless/errors.py` the binding raises, typed so that what is
+/// decided from an error's class (a refused step's fault) is never decided from a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Class {
+    Driftless,
+    Retryable,
+    Corrupt,
+    Untrusted,
+    WrongBase,
+    InvalidInput,
+    NothingReady,
+    Closed,
+    LayoutChanged,
+    Internal,
+}
+
+impl Class {
+    /// The Python class name.
+    fn name(self) -> &'static str {
+        match self {
+            Class::Driftless => "DriftlessError",
+            Class::Retryable => "RetryableError",
+            Class::Corrupt => "CorruptError",
+            Class::Untrusted => "UntrustedError",
+            Class::WrongBase => "WrongBaseError",
+            Class::InvalidInput => "InvalidInputError",
+            Class::NothingReady => "NothingReadyError",
+            Class::Closed => "ClosedError",
+            Class::LayoutChanged => "LayoutChangedError",
+            Class::Internal => "InternalError",
+        }
     }
 }
 
-fn store_class(e: &driftless_store::Error) -> &'static str {
+fn format_class(e: &driftless_format::Error) -> Class {
+    use driftless_format::ErrorKind as K;
+    match e.kind() {
+        K::Io if e.is_retryable() => Class::Retryable,
+        K::Corrupt => Class::Corrupt,
+        K::Untrusted => Class::Untrusted,
+        K::WrongBase => Class::WrongBase,
+        K::InvalidInput => Class::InvalidInput,
+        _ => Class::Driftless,
+    }
+}
+
+fn store_class(e: &driftless_store::Error) -> Class {
     use driftless_store::Error as E;
     if e.is_retryable() {
-        return "RetryableError";
+        return Class::Retryable;
     }
     match e {
         E::InvalidUrl(_) | E::InvalidKey { .. } | E::InvalidEndpoint { .. } | E::MissingCredentials(_) => {
-            "InvalidInputError"
+            Class::InvalidInput
         }
         // An object larger than its signed manifest (or a reader's bound) allows: the step is
         // bad, as for the agent (found by review: a Follower raised a plain DriftlessError at
         // every call instead of refusing the step and taking the next route).
-        E::TooLarge { .. } => "CorruptError",
-        _ => "DriftlessError",
+        E::TooLarge { .. } => Class::Corrupt,
+        _ => Class::Driftless,
     }
 }
 
@@ -93,31 +127,31 @@ fn store_class(e: &driftless_store::Error) -> &'static str {
 /// consistency or a GC race, retryable as for the agent (found by review: a NotFound out of
 /// the anchor stream was a plain DriftlessError). (For a publisher a 404 may be a missing
 /// bucket: [`store_class`] alone.)
-fn read_class(e: &driftless_store::Error) -> &'static str {
+fn read_class(e: &driftless_store::Error) -> Class {
     if e.is_not_found() {
-        return "RetryableError";
+        return Class::Retryable;
     }
     store_class(e)
 }
 
 /// The class of a refused step's fault: the class its refusing error had.
-fn fault_class(f: driftless_agent::Fault) -> &'static str {
+fn fault_class(f: driftless_agent::Fault) -> Class {
     use driftless_agent::Fault as F;
     match f {
-        F::Missing => "RetryableError",
-        F::Corrupt => "CorruptError",
-        F::Untrusted => "UntrustedError",
-        F::WrongBase => "WrongBaseError",
+        F::Missing => Class::Retryable,
+        F::Corrupt => Class::Corrupt,
+        F::Untrusted => Class::Untrusted,
+        F::WrongBase => Class::WrongBase,
     }
 }
 
-fn stream_class(e: &driftless_store::stream::StreamError) -> &'static str {
+fn stream_class(e: &driftless_store::stream::StreamError) -> Class {
     use driftless_store::stream::StreamError as S;
     match e {
         S::Format(f) => format_class(f),
         S::Store(s) => read_class(s),
-        _ if e.is_retryable() => "RetryableError",
-        _ => "DriftlessError",
+        _ if e.is_retryable() => Class::Retryable,
+        _ => Class::Driftless,
     }
 }
 
@@ -131,9 +165,9 @@ impl BindError {
             return Some(F::Missing);
         }
         match self.class_and_message().0 {
-            "CorruptError" => Some(F::Corrupt),
-            "UntrustedError" => Some(F::Untrusted),
-            "WrongBaseError" => Some(F::WrongBase),
+            Class::Corrupt => Some(F::Corrupt),
+            Class::Untrusted => Some(F::Untrusted),
+            Class::WrongBase => Some(F::WrongBase),
             _ => None,
         }
     }
@@ -162,7 +196,7 @@ impl BindError {
         self.class_and_message().1
     }
 
-    fn class_and_message(&self) -> (&'static str, String) {
+    fn class_and_message(&self) -> (Class, String) {
         use driftless_agent::Error as A;
         use driftless_publisher::Error as P;
         match self {
@@ -174,10 +208,10 @@ impl BindError {
                     P::Format(f) => format_class(f),
                     P::Store(s) => store_class(s),
                     P::Stream(s) => stream_class(s),
-                    P::Closed => "ClosedError",
-                    P::StepOrder { .. } | P::StepTaken { .. } => "InvalidInputError",
-                    _ if e.is_retryable() => "RetryableError",
-                    _ => "DriftlessError",
+                    P::Closed => Class::Closed,
+                    P::StepOrder { .. } | P::StepTaken { .. } => Class::InvalidInput,
+                    _ if e.is_retryable() => Class::Retryable,
+                    _ => Class::Driftless,
                 };
                 (class, e.to_string())
             }
@@ -186,24 +220,24 @@ impl BindError {
                     A::Format(f) => format_class(f),
                     A::Store(s) => read_class(s),
                     A::Stream(s) => stream_class(s),
-                    A::NothingReady => "NothingReadyError",
+                    A::NothingReady => Class::NothingReady,
                     // No route left but through a step that failed its checks: bad data (the
                     // CLI's exit 1), never a plain DriftlessError (found by review).
                     A::Refused { fault, .. } => fault_class(*fault),
-                    _ if e.is_retryable() => "RetryableError",
-                    _ => "DriftlessError",
+                    _ if e.is_retryable() => Class::Retryable,
+                    _ => Class::Driftless,
                 };
                 (class, e.to_string())
             }
             BindError::LayoutChanged { step, detail } => {
-                ("LayoutChangedError", format!("the tensor set changed at step {step}: {detail}"))
+                (Class::LayoutChanged, format!("the tensor set changed at step {step}: {detail}"))
             }
-            BindError::NothingReady(m) => ("NothingReadyError", m.clone()),
-            BindError::Missing(m) => ("RetryableError", m.clone()),
+            BindError::NothingReady(m) => (Class::NothingReady, m.clone()),
+            BindError::Missing(m) => (Class::Retryable, m.clone()),
             BindError::Refused(f, m) => (fault_class(*f), m.clone()),
-            BindError::Input(m) => ("InvalidInputError", m.clone()),
+            BindError::Input(m) => (Class::InvalidInput, m.clone()),
             BindError::Internal(m) => (
-                "InternalError",
+                Class::Internal,
                 format!("internal error in driftless (a bug; please report it with this message): {m}"),
             ),
         }
@@ -218,7 +252,8 @@ fn class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
 
 impl From<BindError> for PyErr {
     fn from(e: BindError) -> PyErr {
-        let (name, msg) = e.class_and_message();
+        let (c, msg) = e.class_and_message();
+        let name = c.name();
         Python::with_gil(|py| match class(py, name) {
             Ok(c) => PyErr::from_type(c, msg),
             Err(_) => PyRuntimeError::new_err(format!("{name}: {msg}")),
