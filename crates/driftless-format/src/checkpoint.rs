@@ -238,6 +238,21 @@ pub fn parse_safetensors_head(buf: &[u8], file_len: u64) -> Result<ParsedHeader>
     Ok((start, v, md))
 }
 
+/// Views of one mapped shard's tensors, in data order (the read-only and the writable
+/// checkpoint share it).
+fn shard_views<'a>(
+    map: &'a [u8],
+    data_start: usize,
+    tensors: &'a [(TensorMeta, Range<usize>)],
+) -> impl Iterator<Item = TensorView<'a>> {
+    tensors.iter().map(move |(t, r)| TensorView {
+        name: &t.name,
+        dtype: t.dtype,
+        shape: &t.shape,
+        data: &map[data_start + r.start..data_start + r.end],
+    })
+}
+
 struct Shard {
     file: String,
     map: Mmap,
@@ -377,17 +392,7 @@ impl Checkpoint {
 
     /// Views of all tensors, shard by shard in data order.
     pub fn views(&self) -> Vec<TensorView<'_>> {
-        self.shards
-            .iter()
-            .flat_map(|s| {
-                s.tensors.iter().map(move |(t, r)| TensorView {
-                    name: &t.name,
-                    dtype: t.dtype,
-                    shape: &t.shape,
-                    data: &s.map[s.data_start + r.start..s.data_start + r.end],
-                })
-            })
-            .collect()
+        self.shards.iter().flat_map(|s| shard_views(&s.map, s.data_start, &s.tensors)).collect()
     }
 
     /// Raw bytes of each shard file, with its file name.
@@ -1024,17 +1029,7 @@ impl CheckpointMut {
 
     /// Read-only views of all tensors (for hashing after apply).
     pub fn views(&self) -> Vec<TensorView<'_>> {
-        self.shards
-            .iter()
-            .flat_map(|s| {
-                s.tensors.iter().map(move |(t, r)| TensorView {
-                    name: &t.name,
-                    dtype: t.dtype,
-                    shape: &t.shape,
-                    data: &s.map[s.data_start + r.start..s.data_start + r.end],
-                })
-            })
-            .collect()
+        self.shards.iter().flat_map(|s| shard_views(&s.map, s.data_start, &s.tensors)).collect()
     }
 
     /// Metadata of all tensors, shard by shard in data order (the order of [`Self::views`]).
