@@ -258,7 +258,10 @@ impl Refusals {
     /// [`MAX_UNUSABLE_ROUNDS`]).
     pub fn refuse(&mut self, kind: StepKind, step: u64, sha: Option<Digest>, reason: String, fault: Fault) {
         let prev = self.map.get(&(kind, step));
-        let count = prev.map_or(1, |r| r.count.saturating_add(1));
+        // Once per sync: a step refused again in the sync that refused it (its other manifest,
+        // a careful retry) is not a repeat (found by review: two manifests doubled the hold
+        // twice per sync, 64x the TTL after a few).
+        let count = prev.map_or(1, |r| if r.pinned { r.count } else { r.count.saturating_add(1) });
         let (sha, reason, fault) = match prev {
             Some(r) if r.pinned && r.manifest_sha256 != sha => {
                 if fault.is_missing() && !r.fault.is_missing() {
@@ -1106,6 +1109,7 @@ mod tests {
         }
         let r = &no.list()[0].2;
         assert_eq!((r.fault, r.reason.as_str()), (Fault::Corrupt, "bad root"), "the graver fault is kept");
+        assert_eq!(r.count, 1, "refused once in this sync: the hold is not doubled");
         // In a later sync a new manifest replaces the refusal, bound to it again.
         no.begin_round();
         no.refuse(StepKind::Delta, 3, a, "bad again".into(), Fault::Corrupt);

@@ -1231,15 +1231,21 @@ fn saves(seg: &DecodedSegment, e: &EntryInfo) -> bool {
     e.dense || seg.mode == ValueMode::Overwrite
 }
 
-/// Bytes [`save_overwritten`] holds for `seg`: known before anything is read, so a caller
-/// can keep undo records within a budget.
+/// Bytes [`save_overwritten`] holds for `seg`, its records included (a slot per entry, and an
+/// allocation per entry it saves): known before anything is read, so a caller can keep undo
+/// records within a budget (found by review: only the saved values were counted, so 200,000
+/// one-element entries held 4.8 MB of slots against 0 budgeted).
 pub fn overwritten_bytes(seg: &DecodedSegment) -> u64 {
+    // What an allocator keeps per block beyond its bytes (glibc: a 16-byte header, blocks of
+    // 32 bytes at least): a bound, not a measurement.
+    const PER_ALLOC: u64 = 32;
+    let slots = (seg.entries.len() as u64).saturating_mul(std::mem::size_of::<Option<Vec<u8>>>() as u64);
     let w = |e: &EntryInfo| e.dtype.size() as u64;
     seg.entries
         .iter()
         .filter(|e| saves(seg, e))
-        .map(|e| if e.dense { e.len } else { e.count }.saturating_mul(w(e)))
-        .fold(0u64, u64::saturating_add)
+        .map(|e| if e.dense { e.len } else { e.count }.saturating_mul(w(e)).saturating_add(PER_ALLOC))
+        .fold(slots, u64::saturating_add)
 }
 
 /// Calls `f(element index)` for each position of a sparse entry, checked as the apply checks
@@ -1411,6 +1417,26 @@ mod tests {
         let opts = super::DeltaOptions { codec: super::Codec::Raw, ..Default::default() };
         let enc = super::encode_delta(&b, &n, &opts).unwrap();
         assert!((SPLIT_SEGMENTS..=SPLIT_SEGMENTS + 1).contains(&enc.segments.len()), "{}", enc.segments.len());
+    }
+
+    /// The undo budget counts the records, not only the saved values: a delta of many tiny
+    /// ulp entries saves no value but holds a slot per entry.
+    #[test]
+    fn undo_records_are_counted_per_entry() {
+        let shape = [4u64];
+        let names: Vec<String> = (0..1000).map(|i| format!("t{i:04}")).collect();
+        let (base, target) = (vec![0u8; 8], vec![1u8, 0, 0, 0, 0, 0, 0, 0]);
+        let b: Vec<_> =
+            names.iter().map(|n| crate::TensorView::new(n, crate::DType::BF16, &shape, &base).unwrap()).collect();
+        let n: Vec<_> =
+            names.iter().map(|n| crate::TensorView::new(n, crate::DType::BF16, &shape, &target).unwrap()).collect();
+        let opts = super::DeltaOptions { codec: super::Codec::Raw, ..Default::default() };
+        let enc = super::encode_delta(&b, &n, &opts).unwrap();
+        let segs: Vec<_> = enc.segments.iter().map(|s| super::decode_segment(&s.bytes, s.raw_size).unwrap()).collect();
+        let entries: usize = segs.iter().map(|s| s.entries.len()).sum();
+        assert_eq!(entries, 1000, "one entry per changed tensor");
+        let charged: u64 = segs.iter().map(super::overwritten_bytes).sum();
+        assert!(charged >= 1000 * std::mem::size_of::<Option<Vec<u8>>>() as u64, "{charged} bytes charged");
     }
 
     /// Groups hold at most the budget of declared raw bytes (a larger segment alone), cover
