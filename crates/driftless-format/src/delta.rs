@@ -259,6 +259,15 @@ pub(crate) trait Word: Copy + Eq + Send + Sync + 'static {
     fn sub_zz(new: Self, zz: u64) -> Option<Self>;
 }
 
+/// The difference a zigzag-coded `zz` stands for, as a `$u` (wrapping), or `None` when it is
+/// wider than the type.
+macro_rules! un_zz {
+    ($u:ty, $zz:expr) => {{
+        let zz: u64 = $zz;
+        (zz <= <$u>::MAX as u64).then(|| ((zz >> 1) as $u) ^ (((zz & 1) as $u).wrapping_neg()))
+    }};
+}
+
 macro_rules! word {
     ($u:ty, $i:ty, $w:expr) => {
         impl Word for $u {
@@ -278,19 +287,11 @@ macro_rules! word {
             }
             #[inline(always)]
             fn add_zz(old: Self, zz: u64) -> Option<Self> {
-                if zz > <$u>::MAX as u64 {
-                    return None;
-                }
-                let d = ((zz >> 1) as $u) ^ (((zz & 1) as $u).wrapping_neg());
-                Some(old.wrapping_add(d))
+                un_zz!($u, zz).map(|d| old.wrapping_add(d))
             }
             #[inline(always)]
             fn sub_zz(new: Self, zz: u64) -> Option<Self> {
-                if zz > <$u>::MAX as u64 {
-                    return None;
-                }
-                let d = ((zz >> 1) as $u) ^ (((zz & 1) as $u).wrapping_neg());
-                Some(new.wrapping_sub(d))
+                un_zz!($u, zz).map(|d| new.wrapping_sub(d))
             }
         }
     };
@@ -883,16 +884,10 @@ impl DecodedSegment {
         let pos = &self.positions[e.pos.clone()];
         // Reserved by the position bytes (one at least per position), never by the count alone.
         let mut out = Vec::with_capacity((e.count as usize).min(pos.len()));
-        let (mut pp, mut next) = (0usize, 0u64);
-        for _ in 0..e.count {
-            let gap = varint::get(pos, &mut pp)?;
-            let idx = next.checked_add(gap).filter(|&x| x < e.len).ok_or_else(|| bad("position out of range"))?;
-            next = idx + 1;
-            out.push(e.start + idx);
-        }
-        if pp != pos.len() {
-            return Err(bad("entry has trailing position bytes"));
-        }
+        each_position(pos, e.len, e.count, |i| {
+            out.push(e.start + i as u64);
+            Ok(())
+        })?;
         Ok(out)
     }
 }

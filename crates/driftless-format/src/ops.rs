@@ -121,11 +121,7 @@ impl<'t, 'a> Applier<'t, 'a> {
     /// Applies every segment of the delta (`segments[i]` is segment `i`) in parallel, at most
     /// [`delta::DECODE_BUDGET`] of declared decoded bytes at a time.
     pub fn apply_all(&self, segments: &[&[u8]]) -> Result<()> {
-        if segments.len() != self.manifest.segments.len() {
-            return Err(Error::corrupt("delta", "segment count differs from the manifest"));
-        }
-        let raws: Vec<u64> = self.manifest.segments.iter().map(|r| r.raw_size).collect();
-        delta::for_each_decoded_bounded(&raws, |i| self.apply(i, segments[i]))
+        self.apply_all_then(segments, None, |_| Ok(())).map(drop)
     }
 
     /// Decodes segment `index` (bytes already checked against the manifest's SHA-256 by the
@@ -135,7 +131,7 @@ impl<'t, 'a> Applier<'t, 'a> {
         self.apply_decoded(index as u32, &seg)
     }
 
-    /// Applies every segment as [`Self::apply_all`] does (no journal), each just after saving
+    /// Applies every segment as [`Self::apply_all`] does, each just after saving
     /// what takes it back out ([`delta::save_overwritten`]) while the saved bytes stay within
     /// `*budget`, which is decremented. Returns the [`Undo`], or `None` when it did not fit (the
     /// delta is applied all the same). An error leaves the tensors partly written, not
@@ -144,7 +140,8 @@ impl<'t, 'a> Applier<'t, 'a> {
         self.apply_all_then(segments, Some(budget), |_| Ok(()))
     }
 
-    /// [`Self::apply_all_undoable`] (without a budget: nothing saved, `None`) that calls
+    /// [`Self::apply_all_undoable`] (without a budget: nothing saved, `None`; the one loop
+    /// behind [`Self::apply_all`] too) that calls
     /// `after` with each segment once it is applied (the Python binding records the element
     /// indices it wrote).
     pub fn apply_all_then(
@@ -171,7 +168,9 @@ impl<'t, 'a> Applier<'t, 'a> {
             } else {
                 fits.store(false, Ordering::Relaxed);
             }
-            delta::apply_segment(&seg, self.tensors)?;
+            // Through the journal when there is one, as `apply` (an undo saved from the segment
+            // holds either way: the journal's redo form writes the same bytes).
+            self.apply_decoded(i as u32, &seg)?;
             after(&seg)
         })?;
         if !fits.into_inner() {
